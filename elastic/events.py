@@ -1,0 +1,87 @@
+"""The JSON-lines event log of a job (`--events PATH`).
+
+Invariants:
+- One JSON object per line, each with at least `event`, `time` (unix seconds),
+  `step`, `world_size` and `restart` (TORCHELASTIC_RESTART_COUNT).
+- The file is only ever appended to (O_APPEND, one write per line), never
+  rewritten, so one file holds the whole history of a job across restarts and a
+  worker killed mid-write leaves at most one torn last line, which readers skip.
+- Only the main rank writes; every other rank holds a disabled log whose
+  `emit` does nothing, so recipes call it unconditionally.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EVENT_KINDS = ("start", "step", "eval", "checkpoint", "restore", "end")
+
+
+class EventLog:
+    """Appends events to `path` (None: disabled)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        restart: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._restart = restart
+        self._clock = clock
+        self._fd: int | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def emit(self, event: str, *, step: int, world_size: int, time: float | None = None, **fields: Any) -> None:
+        """Append one event; `time` defaults to now (pass it to record when a thing happened)."""
+        if self._fd is None:
+            return
+        if event not in EVENT_KINDS:
+            raise ValueError(f"unknown event kind {event!r}; expected one of {EVENT_KINDS}")
+        record = {
+            "event": event,
+            "time": self._clock() if time is None else time,
+            "step": step,
+            "world_size": world_size,
+            "restart": self._restart,
+            **fields,
+        }
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        os.write(self._fd, line.encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the events of a log in order, skipping a torn (killed mid-write) line."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning("%s:%d: skipping a torn event line", path, number)

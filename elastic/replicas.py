@@ -1,0 +1,35 @@
+"""Replica checks: do all data-parallel ranks hold the same parameters?
+
+Under DDP every rank must end each step with bit-identical parameters. A
+digest per rank, gathered on every rank, makes a silent divergence (a rank that
+skipped a step, a non-deterministic reduction) visible at the end of a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from elastic.runtime import WorkerContext
+
+
+def parameter_digest(module: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer, in `state_dict` order, bit for bit."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        data = tensor.detach().to("cpu").contiguous()
+        # View as bytes so the digest sees the exact bits, including for bf16.
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def gather_digests(ctx: WorkerContext, digest: str) -> list[str]:
+    """Every rank's digest, indexed by rank (a collective: call it on all ranks)."""
+    if not ctx.distributed:
+        return [digest]
+    gathered: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, digest)
+    return [d for d in gathered if d is not None]

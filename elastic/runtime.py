@@ -1,0 +1,240 @@
+"""Worker runtime: who this worker is in the job, its device, and the process group.
+
+Invariants:
+- The launcher's environment is parsed once, at the edge, into a `LaunchEnv`;
+  the rest of the library takes the typed `WorkerContext`.
+- A worker started by plain `python` (neither RANK nor WORLD_SIZE set) is a job
+  of one: rank 0, world size 1, no process group, same code path otherwise.
+- Under torchrun a process group is always created (at world size 1 too, so an
+  elastic job that grows or shrinks runs the same code), always with a finite
+  timeout so a dead peer becomes an error rather than a hang, and it is
+  destroyed when the worker leaves `worker_context`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic.errors import EnvironmentConfigError, UsageError
+
+logger = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchEnv:
+    """What torchrun (torch.distributed.run) told this worker through its environment."""
+
+    rank: int
+    """Global rank of this worker, 0 <= rank < world_size."""
+    local_rank: int
+    """Rank among the workers of this node (agent), 0 <= local_rank < local_world_size."""
+    world_size: int
+    """Number of workers in the job in this rendezvous round."""
+    local_world_size: int
+    """Number of workers started by this node's agent."""
+    restart_count: int
+    """How many times this agent has restarted its workers (TORCHELASTIC_RESTART_COUNT)."""
+    run_id: str
+    """The job's rendezvous id (TORCHELASTIC_RUN_ID); "local" for a single process."""
+    launched: bool
+    """True when started by a launcher that set RANK/WORLD_SIZE, False for plain `python`."""
+
+
+SINGLE_PROCESS = LaunchEnv(
+    rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="local", launched=False
+)
+
+
+def _read_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        if default is None:
+            raise EnvironmentConfigError(
+                f"{name} is not set although RANK/WORLD_SIZE are: start workers with torchrun, "
+                "or unset RANK and WORLD_SIZE to run a single process"
+            )
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise EnvironmentConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise EnvironmentConfigError(f"{name}={value} is negative")
+    return value
+
+
+def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
+    """Parse the torchrun environment; a plain `python` start gives `SINGLE_PROCESS`.
+
+    Raises `EnvironmentConfigError` (one line) for values that are missing,
+    not integers, negative, or inconsistent (rank outside the world).
+    """
+    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        return SINGLE_PROCESS
+    rank = _read_int(environ, "RANK")
+    world_size = _read_int(environ, "WORLD_SIZE")
+    # LOCAL_* default to a one-worker node: launchers other than torchrun often omit them.
+    local_rank = _read_int(environ, "LOCAL_RANK", default=0)
+    local_world_size = _read_int(environ, "LOCAL_WORLD_SIZE", default=1)
+    restart_count = _read_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0)
+    if world_size < 1:
+        raise EnvironmentConfigError(f"WORLD_SIZE={world_size} must be at least 1")
+    if rank >= world_size:
+        raise EnvironmentConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    if local_world_size < 1 or local_world_size > world_size:
+        raise EnvironmentConfigError(
+            f"LOCAL_WORLD_SIZE={local_world_size} must be between 1 and WORLD_SIZE={world_size}"
+        )
+    if local_rank >= local_world_size:
+        raise EnvironmentConfigError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
+    run_id = environ.get("TORCHELASTIC_RUN_ID") or "none"
+    return LaunchEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        restart_count=restart_count,
+        run_id=run_id,
+        launched=True,
+    )
+
+
+def select_device(requested: str, local_rank: int, *, cuda_device_count: int | None = None) -> torch.device:
+    """Map `--device {auto,cpu,cuda}` to this worker's device.
+
+    auto: cuda:LOCAL_RANK when CUDA is usable, else cpu. cuda: as auto, but an
+    error when no GPU is visible or there are fewer GPUs than local workers.
+    """
+    if requested not in DEVICE_CHOICES:
+        raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)}")
+    if cuda_device_count is None:
+        cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu" or (requested == "auto" and cuda_device_count == 0):
+        return torch.device("cpu")
+    if cuda_device_count == 0:
+        raise UsageError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
+    if local_rank >= cuda_device_count:
+        raise UsageError(
+            f"LOCAL_RANK={local_rank} has no GPU: only {cuda_device_count} visible; "
+            "lower --nproc-per-node to the number of GPUs"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """nccl for CUDA devices, gloo for the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerContext:
+    """One worker's place in the job. Immutable for the life of the process:
+    an elastic resize restarts the worker with a new context."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    restart_count: int
+    run_id: str
+    device: torch.device
+    backend: str | None
+    """Process group backend, or None when running as a single process without one."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the event log, the progress bar and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def init_worker(
+    device: str = "auto",
+    *,
+    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+    environ: Mapping[str, str] | None = None,
+) -> WorkerContext:
+    """Read the environment, pick the device and, under torchrun, join the process group."""
+    env = parse_launch_env(os.environ if environ is None else environ)
+    dev = select_device(device, env.local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = None
+    if env.launched:
+        backend = backend_for(dev)
+        if backend == "nccl":
+            # A failed or timed-out NCCL collective aborts the communicator and the
+            # process instead of hanging, so the agent can restart the group.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group(
+            backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    ctx = WorkerContext(
+        rank=env.rank,
+        local_rank=env.local_rank,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        restart_count=env.restart_count,
+        run_id=env.run_id,
+        device=dev,
+        backend=backend,
+    )
+    logger.info(
+        "worker ready: run=%s rank=%d/%d local_rank=%d device=%s backend=%s restart=%d",
+        ctx.run_id, ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, ctx.backend, ctx.restart_count,
+    )
+    return ctx
+
+
+def shutdown_worker() -> None:
+    """Destroy the process group if one exists; safe to call more than once."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def worker_context(
+    device: str = "auto", *, timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT
+) -> Iterator[WorkerContext]:
+    """`init_worker` on entry, `shutdown_worker` on every exit path."""
+    ctx = init_worker(device, timeout=timeout)
+    try:
+        yield ctx
+    finally:
+        shutdown_worker()
+
+
+def barrier(ctx: WorkerContext) -> None:
+    """Wait for every rank; a no-op for a single process."""
+    if ctx.distributed:
+        if ctx.backend == "nccl":
+            dist.barrier(device_ids=[ctx.device.index])
+        else:
+            dist.barrier()
+
+
+def all_reduce_mean(ctx: WorkerContext, value: torch.Tensor) -> torch.Tensor:
+    """Mean of `value` over ranks (returns a new tensor; the input is untouched)."""
+    out = value.detach().clone()
+    if ctx.distributed:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        out /= ctx.world_size
+    return out

@@ -1,0 +1,70 @@
+"""The GPT recipe as a plain `python` process, and its answers to bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import GPT_RECIPE, REPO, worker_env
+
+from elastic.events import read_events
+
+
+def run_recipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(GPT_RECIPE), *args],
+        capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO,
+    )
+
+
+def test_runs_five_steps_on_default_data_without_torchrun(tmp_path: Path) -> None:
+    events_path = tmp_path / "events.jsonl"
+    result = run_recipe("--max-steps", "5", "--events", str(events_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    events = list(read_events(events_path))
+    assert [e["event"] for e in events] == ["start", "step", "step", "step", "step", "step", "eval", "end"]
+    assert all(e["world_size"] == 1 and e["restart"] == 0 for e in events)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--data", "/no/such/corpus.txt"], "--data /no/such/corpus.txt: no such file or folder"),
+        (["--batch-size", "0"], "argument --batch-size: 0 must be at least 1"),
+        (["--max-steps", "ten"], "argument --max-steps: 'ten' is not an integer"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], expected: str) -> None:
+    result = run_recipe(*args, "--max-steps", "1") if "--max-steps" not in args else run_recipe(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+
+
+def test_corpus_shorter_than_one_sequence_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("too short to hold a sequence")
+    result = run_recipe("--data", str(short), "--block-size", "64")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{short} has 28 bytes, fewer than two sequences of 65 bytes" in line
+
+
+def test_empty_data_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_recipe("--data", str(tmp_path))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "the folder holds no files" in line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(tiny_corpus: Path) -> None:
+    result = run_recipe("--data", str(tiny_corpus), "--device", "cuda")
+    assert result.returncode == 2
+    (line,) = [l for l in result.stderr.strip().splitlines() if "error" in l]
+    assert "no CUDA device is visible" in line

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elastic.events import EventLog, read_events
+
+
+def test_every_event_carries_the_contract_fields(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLog(path, restart=2, clock=lambda: 123.5) as log:
+        log.emit("start", step=0, world_size=3)
+        log.emit("step", step=1, world_size=3, loss=4.5)
+    assert list(read_events(path)) == [
+        {"event": "start", "time": 123.5, "step": 0, "world_size": 3, "restart": 2},
+        {"event": "step", "time": 123.5, "step": 1, "world_size": 3, "restart": 2, "loss": 4.5},
+    ]
+
+
+def test_a_restarted_job_appends_to_the_same_history(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "events.jsonl"
+    for restart in range(3):
+        with EventLog(path, restart=restart) as log:
+            log.emit("start", step=restart * 10, world_size=2)
+    assert [e["restart"] for e in read_events(path)] == [0, 1, 2]
+
+
+def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    with EventLog(path, restart=0) as log:
+        log.emit("step", step=1, world_size=1, loss=1.0)
+    with open(path, "a") as f:
+        f.write('{"event": "step", "ti')  # killed mid-write
+    assert [e["step"] for e in read_events(path)] == [1]
+
+
+def test_a_disabled_log_writes_nothing(tmp_path: Path) -> None:
+    log = EventLog(None, restart=0)
+    log.emit("step", step=1, world_size=1, loss=1.0)
+    assert not log.enabled and list(tmp_path.iterdir()) == []
+
+
+def test_unknown_event_kinds_are_refused(tmp_path: Path) -> None:
+    with EventLog(tmp_path / "e.jsonl", restart=0) as log, pytest.raises(ValueError, match="unknown event"):
+        log.emit("stepp", step=1, world_size=1)
+
+
+def test_lines_are_compact_json(tmp_path: Path) -> None:
+    path = tmp_path / "e.jsonl"
+    with EventLog(path, restart=0, clock=lambda: 1.0) as log:
+        log.emit("end", step=5, world_size=1)
+    (line,) = path.read_text().splitlines()
+    assert json.loads(line)["event"] == "end" and " " not in line

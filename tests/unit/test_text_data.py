@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from text_data import load_corpus, split_corpus, stdlib_source_files
+
+from elastic.errors import UsageError
+
+
+def test_default_corpus_is_stdlib_source_in_a_fixed_order() -> None:
+    files = stdlib_source_files()
+    assert files and all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
+    assert load_corpus(None, limit=100_000) == load_corpus(None, limit=100_000)
+    assert len(load_corpus(None, limit=100_000)) == 100_000
+
+
+def test_windows_give_inputs_and_next_byte_targets() -> None:
+    corpus = bytes(range(200))
+    train, val = split_corpus(corpus, block_size=8, val_fraction=0.1)
+    x, y = train.batch(torch.tensor([0, 2]))
+    assert x.shape == y.shape == (2, 8) and x.dtype == torch.int64
+    assert x[1].tolist() == list(range(16, 24)) and y[1].tolist() == list(range(17, 25))
+    assert len(train) == (180 - 1) // 8 and len(val) == (20 - 1) // 8
+
+
+def test_held_out_bytes_never_appear_in_training_windows() -> None:
+    corpus = bytes(range(256)) * 2
+    train, val = split_corpus(corpus, block_size=16, val_fraction=0.25)
+    assert train.tokens.numel() + val.tokens.numel() == len(corpus)
+    last_train_byte = len(train) * 16  # index of the last target byte of the last window
+    assert last_train_byte < train.tokens.numel()
+
+
+def test_a_corpus_shorter_than_two_sequences_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="has 20 bytes, fewer than two sequences of 17 bytes"):
+        split_corpus(b"x" * 20, block_size=16, source="the corpus")
+
+
+def test_a_folder_is_read_in_sorted_order_without_hidden_files(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "z.txt").write_text("first")
+    (tmp_path / ".hidden").write_text("never")
+    assert load_corpus(str(tmp_path)) == b"first\nsecond"
+
+
+def test_missing_or_empty_data_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="no such file or folder"):
+        load_corpus(str(tmp_path / "missing"))
+    with pytest.raises(UsageError, match="holds no files"):
+        load_corpus(str(tmp_path))
