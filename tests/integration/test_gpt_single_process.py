@@ -68,3 +68,15 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(tiny_corpus: Path) -> 
     assert result.returncode == 2
     (line,) = [l for l in result.stderr.strip().splitlines() if "error" in l]
     assert "no CUDA device is visible" in line
+
+
+@pytest.mark.slow
+def test_compile_flag_trains_a_compiled_model(tmp_path: Path, tiny_corpus: Path) -> None:
+    events_path = tmp_path / "events.jsonl"
+    result = run_recipe(
+        "--data", str(tiny_corpus), "--compile", "--max-steps", "3", "--eval-every", "0",
+        "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "2",
+        "--events", str(events_path), timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [e["step"] for e in read_events(events_path) if e["event"] == "step"] == [1, 2, 3]
