@@ -22,3 +22,23 @@ class EnvironmentConfigError(ElasticError):
     """The launcher's environment (RANK, WORLD_SIZE, ...) is malformed."""
 
     exit_code = 2
+
+
+class CheckpointError(ElasticError):
+    """No checkpoint can be loaded: all are corrupt, or the directory is unusable."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint that verifies but belongs to another model, optimizer or data set."""
+
+    exit_code = 2
+
+
+class Preempted(ElasticError):
+    """SIGTERM arrived; a checkpoint at the current step was committed before exiting.
+
+    The exit status is 128 + SIGTERM, as a shell reports a process ended by that
+    signal, so torchrun and schedulers treat the worker as stopped, not finished.
+    """
+
+    exit_code = 143

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
+# A gloo group over all ranks for small host-side exchanges (preemption votes,
+# RNG states) when the main group is NCCL: they then cost no device sync.
+_control_group: dist.ProcessGroup | None = None
+
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchEnv:
@@ -187,6 +191,9 @@ def init_worker(
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
+        if backend == "nccl":
+            global _control_group
+            _control_group = dist.new_group(backend="gloo", timeout=timeout)
     ctx = WorkerContext(
         rank=env.rank,
         local_rank=env.local_rank,
@@ -206,8 +213,18 @@ def init_worker(
 
 def shutdown_worker() -> None:
     """Destroy the process group if one exists; safe to call more than once."""
+    global _control_group
+    _control_group = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group for host-side (CPU tensor, object) collectives: gloo in every job.
+
+    None means the default group, which is gloo itself on CPU jobs.
+    """
+    return _control_group
 
 
 @contextmanager

@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,10 +46,14 @@ from elastic.cli import (  # noqa: E402
     run_main,
     unit_interval,
 )
-from elastic.errors import ElasticError, UsageError  # noqa: E402
+from elastic.chaos import FaultInjector  # noqa: E402
+from elastic.checkpoint import CheckpointManager  # noqa: E402
+from elastic.errors import ElasticError, Preempted, UsageError  # noqa: E402
 from elastic.events import EventLog  # noqa: E402
+from elastic.preemption import PreemptionHandler  # noqa: E402
 from elastic.progress import Progress  # noqa: E402
 from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
+from elastic.rng import seed_all  # noqa: E402
 from elastic.runtime import DEVICE_CHOICES, WorkerContext, all_reduce_mean, worker_context  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
@@ -66,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    p.add_argument("--ckpt-dir", default=None, help="commit checkpoints here and resume from the newest good one")
+    p.add_argument("--ckpt-every", type=non_negative_int, default=50, help="steps between checkpoints (0: only the final one)")
+    p.add_argument("--ckpt-keep", type=positive_int, default=3, help="committed checkpoints to keep (>= 2 recommended)")
     p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes")
     p.add_argument("--n-layer", type=positive_int, default=4)
     p.add_argument("--n-head", type=positive_int, default=4)
@@ -131,76 +138,96 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
     model: torch.nn.Module = torch.compile(raw_model) if args.compile else raw_model
     if ctx.distributed:
         model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    torch.manual_seed(args.seed + ctx.rank)  # each rank its own dropout stream
+    seed_all(args.seed + ctx.rank, ctx.device)  # each rank its own dropout stream
     sampler = ElasticSampler(len(train_set), batch_size=args.batch_size, seed=args.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda" else nullcontext()
-    tokens_per_step = args.batch_size * cfg.block_size * ctx.world_size
 
-    events = EventLog(args.events if ctx.is_main else None, restart=ctx.restart_count)
-    progress = Progress(total=args.max_steps, enabled=ctx.is_main, log_every=args.log_every)
-    step = 0
-    events.emit(
-        "start", step=step, world_size=ctx.world_size, run_id=ctx.run_id,
-        parameters=raw_model.num_parameters(), device=str(ctx.device),
-    )
-    if ctx.is_main:
-        logger.info(
-            "training %.2fM parameters on %d train / %d held-out sequences, world size %d, device %s",
-            raw_model.num_parameters() / 1e6, len(train_set), len(val_set), ctx.world_size, ctx.device,
+    with ExitStack() as cleanup:  # on every exit path: commit saves in flight, restore SIGTERM
+        events = cleanup.enter_context(EventLog(args.events if ctx.is_main else None, restart=ctx.restart_count))
+        ckpt = CheckpointManager(
+            ctx, args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep, model=raw_model, optimizer=optimizer,
+            scheduler=scheduler, sampler=sampler, events=events, seed=args.seed,
         )
+        cleanup.callback(ckpt.close)
+        preemption = PreemptionHandler(ctx)
+        cleanup.callback(preemption.uninstall)
+        faults = FaultInjector(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for chaos tests
+        step = ckpt.restore()  # 0 on a fresh start; RNG, sampler and optimizer as they were at `step`
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda" else nullcontext()
+        tokens_per_step = args.batch_size * cfg.block_size * ctx.world_size
+        progress = Progress(total=args.max_steps, initial=step, enabled=ctx.is_main, log_every=args.log_every)
+        events.emit(
+            "start", step=step, world_size=ctx.world_size, run_id=ctx.run_id,
+            parameters=raw_model.num_parameters(), device=str(ctx.device),
+        )
+        if ctx.is_main:
+            logger.info(
+                "training %.2fM parameters on %d train / %d held-out sequences, world size %d, device %s, from step %d",
+                raw_model.num_parameters() / 1e6, len(train_set), len(val_set), ctx.world_size, ctx.device, step,
+            )
 
-    last_report = time.time()
-    last_loss = math.nan
+        last_report = time.time()
+        last_loss = math.nan
 
-    def report(record: StepRecord) -> None:
-        nonlocal last_report, last_loss
-        last_loss = record.loss.item()
-        elapsed, last_report = record.time - last_report, record.time
-        events.emit("step", step=record.step, world_size=ctx.world_size, time=record.time, loss=last_loss)
-        progress.update(record.step, loss=last_loss, tokens_per_s=tokens_per_step / max(elapsed, 1e-9))
+        def report(record: StepRecord) -> None:
+            nonlocal last_report, last_loss
+            last_loss = record.loss.item()
+            elapsed, last_report = record.time - last_report, record.time
+            events.emit("step", step=record.step, world_size=ctx.world_size, time=record.time, loss=last_loss)
+            progress.update(record.step, loss=last_loss, tokens_per_s=tokens_per_step / max(elapsed, 1e-9))
 
-    def validate() -> None:
-        if args.eval_every == 0:
-            return
-        val_loss = evaluate(raw_model, val_set, ctx, args.batch_size, args.eval_batches)
-        events.emit("eval", step=step, world_size=ctx.world_size, val_loss=val_loss)
-        progress.write(f"step {step}: validation loss {val_loss:.4f}")
+        def validate() -> None:
+            if args.eval_every == 0:
+                return
+            val_loss = evaluate(raw_model, val_set, ctx, args.batch_size, args.eval_batches)
+            events.emit("eval", step=step, world_size=ctx.world_size, val_loss=val_loss)
+            progress.write(f"step {step}: validation loss {val_loss:.4f}")
 
-    pending: StepRecord | None = None
-    started = time.perf_counter()
-    while step < args.max_steps:
-        x, y = train_set.batch(sampler.local_batch(ctx.rank, ctx.world_size))
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-        with autocast:
-            _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        sampler.advance(ctx.world_size)
-        step += 1
-        # Read the previous step's loss only now: the device already has this step queued.
+        pending: StepRecord | None = None
+        started, first_step = time.perf_counter(), step
+        while step < args.max_steps:
+            x, y = train_set.batch(sampler.local_batch(ctx.rank, ctx.world_size))
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            with autocast:
+                _, loss = model(x, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            sampler.advance(ctx.world_size)
+            step += 1
+            # Read the previous step's loss only now: the device already has this step queued.
+            if pending is not None:
+                report(pending)
+            pending = StepRecord(step, loss.detach(), time.time())
+            if preemption.requested():  # SIGTERM on any rank: commit this step, then leave
+                report(pending)
+                ckpt.save(step, reason="preemption")
+                ckpt.flush()
+                progress.close()
+                saved = f"checkpoint committed in {args.ckpt_dir}" if ckpt.enabled else "no --ckpt-dir, nothing saved"
+                raise Preempted(f"stopped by SIGTERM after step {step}; {saved}")
+            ckpt.maybe_save(step)
+            faults.at("after_step", step)
+            if args.eval_every and step % args.eval_every == 0:
+                report(pending)
+                pending = None
+                validate()
         if pending is not None:
             report(pending)
-        pending = StepRecord(step, loss.detach(), time.time())
-        if args.eval_every and step % args.eval_every == 0:
-            report(pending)
-            pending = None
+        seconds = time.perf_counter() - started
+        if args.eval_every and step % args.eval_every != 0:
             validate()
-    if pending is not None:
-        report(pending)
-    seconds = time.perf_counter() - started
-    if args.eval_every and step % args.eval_every != 0:
-        validate()
 
-    digests = gather_digests(ctx, parameter_digest(raw_model))
-    events.emit("end", step=step, world_size=ctx.world_size, loss=last_loss, param_digests=digests)
-    progress.close()
-    events.close()
-    if len(set(digests)) != 1:
-        raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
-    return {"step": step, "loss": last_loss, "steps_per_s": step / seconds if seconds > 0 else math.inf}
+        ckpt.save(step, reason="final")
+        ckpt.flush()
+        digests = gather_digests(ctx, parameter_digest(raw_model))
+        events.emit("end", step=step, world_size=ctx.world_size, loss=last_loss, param_digests=digests)
+        progress.close()
+        if len(set(digests)) != 1:
+            raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
+        steps_run = step - first_step
+        return {"step": step, "loss": last_loss, "steps_per_s": steps_run / seconds if seconds > 0 else math.inf}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,70 @@
+"""Fault injection: kill this worker at a named point, for tests and fire drills.
+
+Faults are asked for through the environment, so they reach workers that
+torchrun starts without any change to the command line:
+
+    ELASTIC_FAULT=before_commit@20          die on rank 0 just before step 20's
+                                            checkpoint is committed
+    ELASTIC_FAULT=after_step@15:rank=1      die on rank 1 after step 15
+    ELASTIC_FAULT=...:restart=any           fire on every attempt, not only the first
+
+A fault fires only on restart 0 unless `restart=` says otherwise, so a job
+that torchrun restarts after the fault runs on undisturbed. Several faults
+are separated by commas. The death is SIGKILL: no handler, no flush, no
+cleanup runs, as when a machine or the OOM killer takes a process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from elastic.errors import UsageError
+
+FAULT_POINTS = ("before_commit", "after_step")
+ENV_VAR = "ELASTIC_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    point: str
+    step: int
+    rank: int = 0
+    restart: int | None = 0
+    """The attempt (TORCHELASTIC_RESTART_COUNT) it fires on; None: every attempt."""
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Parse ELASTIC_FAULT; raises `UsageError` (one line) on a malformed entry."""
+    faults = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        head, *options = entry.split(":")
+        point, sep, step = head.partition("@")
+        if point not in FAULT_POINTS or not sep or not step.isdigit():
+            raise UsageError(f"{ENV_VAR} entry {entry!r} must look like POINT@STEP with POINT one of {FAULT_POINTS}")
+        fields: dict[str, int | None] = {}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "rank" and value.isdigit():
+                fields["rank"] = int(value)
+            elif key == "restart" and (value.isdigit() or value == "any"):
+                fields["restart"] = None if value == "any" else int(value)
+            else:
+                raise UsageError(f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N or restart=N|any")
+        faults.append(Fault(point, int(step), **fields))  # type: ignore[arg-type]
+    return faults
+
+
+class FaultInjector:
+    """The faults meant for this worker; `at(point, step)` kills it when one matches."""
+
+    def __init__(self, rank: int, restart: int, environ: dict[str, str] | None = None) -> None:
+        text = (os.environ if environ is None else environ).get(ENV_VAR, "")
+        self._faults = [
+            f for f in parse_faults(text) if f.rank == rank and (f.restart is None or f.restart == restart)
+        ]
+
+    def at(self, point: str, step: int) -> None:
+        if any(f.point == point and f.step == step for f in self._faults):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,360 @@
+"""The state manager: what a recipe calls to save and restore its whole training state.
+
+    ckpt = CheckpointManager(ctx, args.ckpt_dir, every=args.ckpt_every, model=model,
+                             optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                             events=events, seed=args.seed)
+    step = ckpt.restore()           # 0 on a fresh start
+    while step < max_steps:
+        ...train one step...
+        step += 1
+        ckpt.maybe_save(step)
+    ckpt.save(step, reason="final")
+    ckpt.close()
+
+Invariants:
+- Every method is called by every rank at the same step (they are collectives).
+- Rank 0 writes: under DDP the model and optimizer are replicated, so its copy
+  is everyone's. Only the RNG states differ per rank; they are gathered to
+  rank 0 and stored per rank.
+- `restore` loads the newest checkpoint that verifies, on every rank, onto the
+  rank's own device, between barriers, before the first step. A corrupt one
+  is moved aside with a warning naming it; a checkpoint of another model or
+  data set raises `CheckpointMismatchError` before anything is changed.
+- The loop blocks only to copy the state (see snapshot.py) and, if a
+  previous save is still being written, to wait for it: at most one save is in
+  flight. `flush`/`close` return only when every save is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.chaos import FaultInjector
+from elastic.checkpoint import compat
+from elastic.rng import get_rng_state, seed_all, set_rng_state
+from elastic.checkpoint.snapshot import BufferPool, Snapshot, capture
+from elastic.checkpoint.store import (
+    Candidate,
+    CheckpointStore,
+    CorruptCheckpoint,
+    Manifest,
+    checkpoint_name,
+    versions,
+)
+from elastic.checkpoint.writer import BackgroundWriter
+from elastic.errors import CheckpointError, CheckpointMismatchError
+from elastic.events import EventLog
+from elastic.runtime import WorkerContext, barrier, control_group
+from elastic.sampler import ElasticSampler
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_FILE = "trainer.pt"
+
+# Ranks a grown job has no saved RNG state for are seeded from (seed, step, rank).
+_RESEED_STRIDE = 1_000_003
+
+
+@dataclass
+class _SaveRecord:
+    """One save, from the loop's call to the writer's commit."""
+
+    step: int
+    reason: str
+    started: float
+    blocking_seconds: float
+    snapshot: Snapshot
+    committed_at: float | None = None
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        directory: str | os.PathLike[str] | None,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: ElasticSampler,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        every: int = 0,
+        keep: int = 3,
+        events: EventLog | None = None,
+        seed: int = 0,
+    ) -> None:
+        self._ctx = ctx
+        self.enabled = directory is not None
+        self.store = CheckpointStore(directory if directory is not None else ".", keep=keep)
+        self._model = model
+        self._optimizer = optimizer
+        self._sampler = sampler
+        self._scheduler = scheduler
+        self._scaler = scaler
+        self.every = every
+        self._events = events or EventLog(None, restart=ctx.restart_count)
+        self._seed = seed
+        self._writer = BackgroundWriter()
+        self._faults = FaultInjector(ctx.rank, ctx.restart_count)
+        self._pool = BufferPool(pin_memory=ctx.device.type == "cuda")
+        self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
+        self._in_flight: _SaveRecord | None = None
+        self.last_step: int | None = None
+        """The newest step saved or restored: a save at this step again is skipped."""
+        self.history: list[dict[str, float]] = []
+        """Per committed save: step, seconds (start to commit), blocking_seconds (rank 0)."""
+        self._hook = None
+        if self.enabled and ctx.is_main:
+            # Parameters and optimizer state change only in optimizer.step(): their copy
+            # may run until then, and this hook holds the step until it has.
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self._wait_sources_free())
+
+    # -- restore ---------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest good checkpoint on every rank; the step to continue from (0: none)."""
+        if not self.enabled:
+            return 0
+        started = time.perf_counter()
+        choice: list[Any] = [None]
+        preloaded = None
+        if self._ctx.is_main:
+            try:
+                self.store.prepare()
+                preloaded = self._select()
+                choice[0] = preloaded[0].name if preloaded else None
+            except CheckpointError as exc:
+                choice[0] = exc  # every rank raises the same error
+        if self._ctx.distributed:
+            dist.broadcast_object_list(choice, src=0, group=control_group())
+        if isinstance(choice[0], CheckpointError):
+            raise choice[0]
+        if choice[0] is None:
+            barrier(self._ctx)
+            logger.info("no checkpoint in %s: starting at step 0", self.store.root)
+            return 0
+
+        name = choice[0]
+        if preloaded is not None:
+            candidate, manifest, state = preloaded
+        else:
+            candidate = Candidate(name, int(name.split("_")[1]), self.store.root / name)
+            if not candidate.path.is_dir():
+                raise CheckpointError(
+                    f"rank {self._ctx.rank} cannot see {candidate.path}: --ckpt-dir must be storage every node shares"
+                )
+            try:
+                manifest, state = self.store.load(candidate, map_location=self._ctx.device)
+            except CorruptCheckpoint as exc:
+                raise CheckpointError(f"rank {self._ctx.rank} read a different {name} than rank 0: {exc}") from None
+        self._apply(candidate, manifest, state)
+        barrier(self._ctx)
+        seconds = time.perf_counter() - started
+        self.last_step = manifest.step
+        self._events.emit(
+            "restore", step=manifest.step, world_size=self._ctx.world_size, seconds=seconds,
+            checkpoint=name, saved_world_size=manifest.world_size,
+        )
+        if self._ctx.is_main:
+            logger.info(
+                "resumed from %s (step %d, saved at world size %d) in %.2f s",
+                name, manifest.step, manifest.world_size, seconds,
+            )
+        return manifest.step
+
+    def _select(self) -> tuple[Candidate, Manifest, dict[str, Any]] | None:
+        """Rank 0: the newest checkpoint that verifies and loads; corrupt newer ones are moved aside."""
+        candidates = self.store.committed()
+        bad: list[tuple[Candidate, str]] = []
+        for candidate in candidates:
+            try:
+                manifest, state = self.store.load(candidate, map_location=self._ctx.device)
+            except CorruptCheckpoint as exc:
+                logger.warning("checkpoint %s is corrupt (%s); trying the previous one", candidate.path, exc)
+                bad.append((candidate, str(exc)))
+                continue
+            for corrupt, _ in bad:
+                moved = self.store.quarantine(corrupt)
+                logger.warning("moved corrupt checkpoint %s aside to %s", corrupt.name, moved.name)
+            return candidate, manifest, state
+        if bad:
+            raise CheckpointError(
+                f"no checkpoint in {self.store.root} verifies ({len(bad)} corrupt, newest: {bad[0][1]}); "
+                "move them away to start from scratch"
+            )
+        return None
+
+    def _apply(self, candidate: Candidate, manifest: Manifest, state: dict[str, Any]) -> None:
+        """Check everything fits, then load it; nothing changes if a check fails."""
+        model_state = state[MODEL_FILE]
+        optimizer_state = state[OPTIMIZER_FILE]
+        trainer = state[TRAINER_FILE]
+        compat.check_model(candidate.name, self._model.state_dict(), model_state)
+        compat.check_optimizer(candidate.name, self._optimizer, optimizer_state)
+        sampler_state = trainer["sampler"]
+        if int(sampler_state["num_samples"]) != self._sampler.num_samples or int(sampler_state["seed"]) != self._sampler.seed:
+            raise CheckpointMismatchError(
+                f"checkpoint {candidate.name} is for another data set or seed: {sampler_state['num_samples']} samples "
+                f"with seed {sampler_state['seed']} there, {self._sampler.num_samples} with seed {self._sampler.seed} here"
+            )
+        if (trainer["scaler"] is None) != (self._scaler is None):
+            raise CheckpointMismatchError(
+                f"checkpoint {candidate.name} was saved {'without' if trainer['scaler'] is None else 'with'} a grad scaler"
+            )
+
+        self._model.load_state_dict(model_state)
+        self._optimizer.load_state_dict(optimizer_state)
+        if self._scheduler is not None and trainer["scheduler"] is not None:
+            self._scheduler.load_state_dict(trainer["scheduler"])
+        if self._scaler is not None:
+            self._scaler.load_state_dict(trainer["scaler"])
+        self._sampler.load_state_dict(sampler_state)
+        rng_states = trainer["rng"]
+        if self._ctx.rank < len(rng_states):
+            set_rng_state(rng_states[self._ctx.rank], self._ctx.device)
+        else:
+            seed_all(self._seed * _RESEED_STRIDE + manifest.step * 7919 + self._ctx.rank, self._ctx.device)
+
+    # -- save ------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return self.enabled and self.every > 0 and step % self.every == 0
+
+    def maybe_save(self, step: int) -> None:
+        """Save when `step` is a multiple of `every`; report saves that finished meanwhile."""
+        if self.due(step):
+            self.save(step)
+        else:
+            self._collect(block=False)
+
+    def save(self, step: int, reason: str = "periodic") -> None:
+        """Start saving the state as of now (a collective); returns once the state is copied."""
+        if not self.enabled or step == self.last_step:
+            return
+        rng_states = self._gather_rng()
+        self.last_step = step
+        if not self._ctx.is_main:
+            return
+        started = time.perf_counter()
+        self._collect(block=True)  # at most one save in flight
+        snapshot = capture(
+            self._state_tree(step, rng_states),
+            pool=self._pool,
+            deferred=self._changes_only_in_optimizer_step(),
+            device=self._ctx.device,
+            copy_stream=self._copy_stream,
+        )
+        record = _SaveRecord(step, reason, time.time(), 0.0, snapshot)
+        self._writer.submit(lambda: self._write(record))
+        record.blocking_seconds = time.perf_counter() - started
+        self._in_flight = record
+
+    def flush(self) -> None:
+        """Wait until every save is committed, on every rank (a collective)."""
+        if not self.enabled:
+            return
+        if self._ctx.is_main:
+            self._collect(block=True)
+        barrier(self._ctx)
+
+    def close(self) -> None:
+        """Commit what is in flight and detach from the optimizer; safe on error paths."""
+        try:
+            if self._ctx.is_main:
+                self._collect(block=True)
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+
+    def _gather_rng(self) -> list[dict[str, Any]]:
+        mine = get_rng_state(self._ctx.device)
+        if not self._ctx.distributed:
+            return [mine]
+        gathered: list[Any] = [None] * self._ctx.world_size if self._ctx.is_main else []
+        # gather_object pickles in memory between trusted peers; the file holds plain types only.
+        dist.gather_object(mine, gathered if self._ctx.is_main else None, dst=0, group=control_group())
+        return gathered
+
+    def _state_tree(self, step: int, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            MODEL_FILE: self._model.state_dict(),
+            OPTIMIZER_FILE: self._optimizer.state_dict(),
+            TRAINER_FILE: {
+                "step": step,
+                "world_size": self._ctx.world_size,
+                "sampler": self._sampler.state_dict(),
+                "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
+                "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+                "rng": rng_states,
+            },
+        }
+
+    def _changes_only_in_optimizer_step(self):
+        """Predicate: tensors whose copy may wait until the next optimizer.step()."""
+        pointers = {p.data_ptr() for group in self._optimizer.param_groups for p in group["params"]}
+        for per_param in self._optimizer.state.values():
+            pointers.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return lambda t: t.data_ptr() in pointers and t.numel() > 0
+
+    def _wait_sources_free(self) -> None:
+        record = self._in_flight
+        if record is None or record.snapshot.sources_free:
+            return
+        started = time.perf_counter()
+        record.snapshot.wait_sources_free()
+        record.blocking_seconds += time.perf_counter() - started
+
+    def _write(self, record: _SaveRecord) -> float:
+        """Writer thread: finish the copy, serialise, fsync, commit. Returns the commit time."""
+        record.snapshot.materialize()
+        trainer = record.snapshot.tree[TRAINER_FILE]
+        sampler = trainer["sampler"]
+
+        def describe(files: dict[str, dict[str, Any]]) -> Manifest:
+            return Manifest(
+                step=record.step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]),
+                world_size=int(trainer["world_size"]), files=files, created=time.time(),
+                reason=record.reason, run_id=self._ctx.run_id, versions=versions(),
+            )
+
+        try:
+            self.store.commit(
+                record.step,
+                record.snapshot.tree,
+                describe=describe,
+                before_commit=lambda: self._faults.at("before_commit", record.step),
+            )
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write the checkpoint of step {record.step} to {self.store.root}: {exc.strerror or exc}"
+            ) from None
+        return time.time()
+
+    def _collect(self, *, block: bool) -> None:
+        """Rank 0: report the save in flight if it has committed (waiting for it if `block`)."""
+        record = self._in_flight
+        if record is None or (not block and self._writer.busy):
+            return
+        self._in_flight = None
+        # Its copy is certainly done once the writer finished; count no more waiting.
+        committed_at = self._writer.wait()
+        seconds = committed_at - record.started
+        self.history.append(
+            {"step": record.step, "seconds": seconds, "blocking_seconds": record.blocking_seconds}
+        )
+        self._events.emit(
+            "checkpoint", step=record.step, world_size=self._ctx.world_size, time=committed_at,
+            seconds=seconds, blocking_seconds=record.blocking_seconds, reason=record.reason,
+            path=str(self.store.root / checkpoint_name(record.step)),
+        )
+        logger.debug("checkpoint at step %d committed in %.2f s", record.step, seconds)

@@ -1,0 +1,294 @@
+"""The on-disk format of a checkpoint directory, and its commit protocol.
+
+Layout of `--ckpt-dir`:
+
+    step_00000100/            a committed checkpoint: state files + manifest.json
+    step_00000150/
+    latest                    text file naming the newest committed checkpoint
+    .tmp.step_00000200.<id>/  a save in progress (or one killed mid-write)
+    step_00000050.corrupt/    a checkpoint that failed verification, moved aside
+
+Invariants:
+- A checkpoint exists only once its directory is renamed from `.tmp.*` to
+  `step_XXXXXXXX`: the rename is atomic and happens after every file and the
+  manifest are written and fsynced, so a committed directory always holds a
+  manifest naming the sha256 and size of each file. Readers look only at
+  `step_XXXXXXXX` directories; a `.tmp.*` directory is never loaded.
+- `latest` is replaced atomically (write a temporary file, fsync, rename) after
+  the commit; it is a convenience for people and tools. Loading does not trust
+  it: the newest committed directory that verifies wins.
+- Older checkpoints are deleted only after a newer one is committed, and the
+  newest `keep` committed ones always remain.
+- State files load with `torch.load(weights_only=True)`: no pickled code runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import elastic
+from elastic.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_COMMITTED = re.compile(r"^step_(\d{8})$")
+_TMP_PREFIX = ".tmp."
+CORRUPT_SUFFIX = ".corrupt"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes and counts what passes through it."""
+
+    def __init__(self, raw: io.BufferedWriter) -> None:
+        self._raw = raw
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self._raw.write(data)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed checkpoint holds; stored as manifest.json beside the files."""
+
+    step: int
+    epoch: int
+    consumed: int
+    world_size: int
+    files: dict[str, dict[str, Any]]
+    """file name -> {"sha256": hex digest, "bytes": size}"""
+    created: float
+    reason: str
+    run_id: str
+    versions: dict[str, str]
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT_VERSION, **self.__dict__}, indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        raw = json.loads(text)
+        if raw.get("format") != FORMAT_VERSION:
+            raise ValueError(f"manifest format {raw.get('format')!r}, this runtime reads {FORMAT_VERSION}")
+        return cls(
+            step=int(raw["step"]), epoch=int(raw["epoch"]), consumed=int(raw["consumed"]),
+            world_size=int(raw["world_size"]), files=dict(raw["files"]), created=float(raw["created"]),
+            reason=str(raw["reason"]), run_id=str(raw["run_id"]), versions=dict(raw["versions"]),
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["bytes"]) for f in self.files.values())
+
+
+def versions() -> dict[str, str]:
+    return {
+        "elastic": elastic.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+class CorruptCheckpoint(Exception):
+    """A committed checkpoint whose manifest or files do not verify."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    step: int
+    path: Path
+
+
+class CheckpointStore:
+    """One checkpoint directory: commit, list, verify, load, retire."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep} must be at least 1")
+        self.root = Path(directory)
+        self.keep = keep
+
+    # -- writing -------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the directory and remove saves that died before their commit."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {self.root}: {exc.strerror}") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint directory {self.root} is not writable")
+        for stale in self.root.glob(_TMP_PREFIX + "*"):
+            logger.info("removing %s: a save that never committed", stale.name)
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def commit(
+        self,
+        step: int,
+        files: Mapping[str, Any],
+        *,
+        describe: Callable[[dict[str, dict[str, Any]]], Manifest],
+        before_commit: Callable[[], None] = lambda: None,
+    ) -> Path:
+        """Write `files` (name -> object for torch.save) as checkpoint `step`, atomically.
+
+        `describe` builds the manifest from the written files' digests;
+        `before_commit` runs after everything is durable but before the rename
+        (fault injection uses it to die at the worst moment).
+        """
+        name = checkpoint_name(step)
+        tmp = self.root / f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        digests: dict[str, dict[str, Any]] = {}
+        for file_name, obj in files.items():
+            with open(tmp / file_name, "wb") as raw:
+                writer = _HashingWriter(raw)
+                torch.save(obj, writer)
+                raw.flush()
+                os.fsync(raw.fileno())
+            digests[file_name] = {"sha256": writer.sha256.hexdigest(), "bytes": writer.bytes}
+        manifest = describe(digests)
+        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        before_commit()
+
+        final = self.root / name
+        if final.exists():
+            # The same step committed by an earlier attempt: retire it only now
+            # that its replacement is complete, so there is never a moment without one.
+            retired = self.root / f"{_TMP_PREFIX}{name}.replaced.{uuid.uuid4().hex[:8]}"
+            os.rename(final, retired)
+            os.rename(tmp, final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._write_latest(name)
+        self._retire_old()
+        return final
+
+    def _write_latest(self, name: str) -> None:
+        tmp = self.root / f"{_TMP_PREFIX}{LATEST}.{uuid.uuid4().hex[:8]}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / LATEST)
+        _fsync_dir(self.root)
+
+    def _retire_old(self) -> None:
+        for old in self.committed()[self.keep :]:
+            shutil.rmtree(old.path, ignore_errors=True)
+            logger.debug("deleted %s (keeping the newest %d)", old.name, self.keep)
+
+    # -- reading -------------------------------------------------------------
+
+    def committed(self) -> list[Candidate]:
+        """Committed checkpoints, newest step first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            match = _COMMITTED.match(entry.name)
+            if match and entry.is_dir():
+                found.append(Candidate(entry.name, int(match.group(1)), entry))
+        return sorted(found, key=lambda c: c.step, reverse=True)
+
+    def latest_pointer(self) -> str | None:
+        try:
+            return (self.root / LATEST).read_text(encoding="utf-8").strip() or None
+        except FileNotFoundError:
+            return None
+
+    def read_manifest(self, candidate: Candidate) -> Manifest:
+        try:
+            return Manifest.from_json((candidate.path / MANIFEST).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{candidate.name} has no {MANIFEST}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} is unreadable: {exc}") from None
+
+    def read_verified(self, candidate: Candidate) -> tuple[Manifest, dict[str, bytes]]:
+        """The manifest and every file's bytes, each checked against its sha256 and size."""
+        manifest = self.read_manifest(candidate)
+        if manifest.step != candidate.step:
+            raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} says step {manifest.step}")
+        contents = {}
+        for file_name, expected in manifest.files.items():
+            try:
+                data = (candidate.path / file_name).read_bytes()
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{candidate.name}/{file_name} is missing") from None
+            if len(data) != int(expected["bytes"]):
+                raise CorruptCheckpoint(
+                    f"{candidate.name}/{file_name} has {len(data)} bytes, the manifest says {expected['bytes']}"
+                )
+            if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+                raise CorruptCheckpoint(f"{candidate.name}/{file_name} fails its sha256 check")
+            contents[file_name] = data
+        return manifest, contents
+
+    def verify(self, candidate: Candidate) -> Manifest:
+        """Raise `CorruptCheckpoint` unless every file matches the manifest."""
+        manifest, _ = self.read_verified(candidate)
+        return manifest
+
+    def load(self, candidate: Candidate, map_location: torch.device | str) -> tuple[Manifest, dict[str, Any]]:
+        """Verify, then deserialize every file with weights_only=True onto `map_location`."""
+        manifest, contents = self.read_verified(candidate)
+        state = {}
+        for file_name, data in contents.items():
+            try:
+                state[file_name] = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+            except Exception as exc:  # a file that hashes right but was written wrong
+                raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {exc}") from None
+        return manifest, state
+
+    def quarantine(self, candidate: Candidate) -> Path:
+        """Move a checkpoint that failed verification aside, keeping it for a post-mortem."""
+        target = self.root / f"{candidate.name}{CORRUPT_SUFFIX}"
+        if target.exists():
+            target = self.root / f"{candidate.name}{CORRUPT_SUFFIX}.{int(time.time())}"
+        os.rename(candidate.path, target)
+        _fsync_dir(self.root)
+        return target
