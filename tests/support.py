@@ -7,11 +7,18 @@ import random
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
+
+# A GPT small enough that a CPU step takes milliseconds, with dropout on.
+TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while every worker keeps its step and "
@@ -49,6 +56,7 @@ def torchrun_command(
     port: int,
     run_id: str,
     script_args: Sequence[str],
+    script: Path | str = GPT_RECIPE,
     nproc_per_node: int = 1,
     max_restarts: int = 0,
     rdzv_conf: str = "join_timeout=60,last_call_timeout=3,close_timeout=5",
@@ -65,9 +73,80 @@ def torchrun_command(
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
         "--local-addr=127.0.0.1",
-        str(GPT_RECIPE),
+        str(script),
         *script_args,
     ]
+
+
+def standalone_command(nproc: int, script_args: Sequence[str], *, script: Path | str = GPT_RECIPE, max_restarts: int = 0) -> list[str]:
+    """A one-node torchrun job of `nproc` workers (its own c10d store on a free port)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
+        str(script), *script_args,
+    ]
+
+
+def run_recipe(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The GPT recipe as one plain `python` process."""
+    return subprocess.run(
+        [sys.executable, str(GPT_RECIPE), *args],
+        capture_output=True, text=True, timeout=timeout, env=env or worker_env(), cwd=REPO,
+    )
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of a process (from /proc), e.g. the workers of a torchrun agent."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # The command name may hold spaces; the parent pid is the 2nd field after it.
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def worker_rank(pid: int) -> int | None:
+    """The RANK a torchrun worker was started with, read from its environment."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll until `condition()` is truthy; return its value or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def flat_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a nested state (dicts, lists), with its path."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from flat_tensors(value, f"{prefix}/{key}")
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from flat_tensors(value, f"{prefix}/{i}")
+
+
+def load_checkpoint_file(directory: Path, name: str) -> Any:
+    return torch.load(directory / name, weights_only=True)
 
 
 def start_agents(count: int, command: list[str], log_dir: Path) -> list[subprocess.Popen]:

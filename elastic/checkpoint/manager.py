@@ -108,6 +108,7 @@ class CheckpointManager:
         self._pool = BufferPool(pin_memory=ctx.device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
         self._in_flight: _SaveRecord | None = None
+        self._prepared = False  # directory created and stale temporaries removed (rank 0)
         self.last_step: int | None = None
         """The newest step saved or restored: a save at this step again is skipped."""
         self.history: list[dict[str, float]] = []
@@ -129,7 +130,7 @@ class CheckpointManager:
         preloaded = None
         if self._ctx.is_main:
             try:
-                self.store.prepare()
+                self._prepare()
                 preloaded = self._select()
                 choice[0] = preloaded[0].name if preloaded else None
             except CheckpointError as exc:
@@ -244,8 +245,9 @@ class CheckpointManager:
         self.last_step = step
         if not self._ctx.is_main:
             return
-        started = time.perf_counter()
+        started, wall_started = time.perf_counter(), time.time()
         self._collect(block=True)  # at most one save in flight
+        self._prepare()
         snapshot = capture(
             self._state_tree(step, rng_states),
             pool=self._pool,
@@ -253,7 +255,7 @@ class CheckpointManager:
             device=self._ctx.device,
             copy_stream=self._copy_stream,
         )
-        record = _SaveRecord(step, reason, time.time(), 0.0, snapshot)
+        record = _SaveRecord(step, reason, wall_started, 0.0, snapshot)
         self._writer.submit(lambda: self._write(record))
         record.blocking_seconds = time.perf_counter() - started
         self._in_flight = record
@@ -275,6 +277,11 @@ class CheckpointManager:
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
+
+    def _prepare(self) -> None:
+        if not self._prepared:
+            self.store.prepare()
+            self._prepared = True
 
     def _gather_rng(self) -> list[dict[str, Any]]:
         mine = get_rng_state(self._ctx.device)

@@ -7,16 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import GPT_RECIPE, REPO, worker_env
+from support import run_recipe
 
 from elastic.events import read_events
-
-
-def run_recipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(GPT_RECIPE), *args],
-        capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO,
-    )
 
 
 def test_runs_five_steps_on_default_data_without_torchrun(tmp_path: Path) -> None:

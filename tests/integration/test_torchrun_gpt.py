@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import start_agents, torchrun_command, wait_all
+from support import TINY_MODEL, start_agents, torchrun_command, wait_all
 
 from elastic.events import read_events
 
 pytestmark = pytest.mark.slow
 
 STEPS = 36
-TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
 
 
 def test_two_agents_train_in_lockstep_and_end_identical(tmp_path: Path, tiny_corpus: Path, port: int) -> None:

@@ -1,0 +1,152 @@
+"""The state manager in one process: round trip, fallback on corruption, mismatches."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.checkpoint import CheckpointManager
+from elastic.errors import CheckpointError, CheckpointMismatchError
+from elastic.events import EventLog, read_events
+from elastic.runtime import init_worker
+from elastic.sampler import ElasticSampler
+
+
+class Job:
+    """A tiny model, optimizer, scheduler and sampler, trained step by step."""
+
+    def __init__(self, ckpt_dir: Path, *, width: int = 8, samples: int = 40, events: Path | None = None) -> None:
+        torch.manual_seed(0)
+        self.ctx = init_worker("cpu", environ={})
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Dropout(0.2), torch.nn.Linear(width, 1))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
+        self.sampler = ElasticSampler(samples, batch_size=4, seed=3)
+        self.events = EventLog(events, restart=0)
+        self.ckpt = CheckpointManager(
+            self.ctx, ckpt_dir, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+            scheduler=self.scheduler, every=2, events=self.events, seed=3,
+        )
+
+    def train_step(self) -> None:
+        x = torch.randn(4, 4)
+        self.model(x).pow(2).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        self.sampler.advance(1)
+
+    def run(self, steps: int, start: int = 0) -> int:
+        for step in range(start + 1, start + steps + 1):
+            self.train_step()
+            self.ckpt.maybe_save(step)
+        self.ckpt.flush()
+        return start + steps
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.events.close()
+
+
+def fingerprint(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_restore_continues_exactly_where_the_save_left_off(tmp_path: Path) -> None:
+    first = Job(tmp_path / "ckpt", events=tmp_path / "events.jsonl")
+    assert first.ckpt.restore() == 0
+    first.run(6)
+    expected_next = [first.model(torch.ones(1, 4)).item() for _ in range(2)]  # consumes dropout RNG
+    first.close()
+
+    second = Job(tmp_path / "ckpt", events=tmp_path / "events.jsonl")
+    assert second.ckpt.restore() == 6
+    assert second.sampler.state == first.sampler.state
+    assert second.scheduler.state_dict() == first.scheduler.state_dict()
+    for a, b in zip(second.model.parameters(), first.model.parameters()):
+        assert torch.equal(a, b)
+    assert [second.model(torch.ones(1, 4)).item() for _ in range(2)] == expected_next, "RNG restored"
+    second.close()
+
+    events = list(read_events(tmp_path / "events.jsonl"))
+    saves = [e for e in events if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [2, 4, 6]
+    assert all(e["seconds"] >= e["blocking_seconds"] >= 0 for e in saves)
+    (restore,) = [e for e in events if e["event"] == "restore"]
+    assert restore["step"] == 6 and restore["seconds"] >= 0
+
+
+def test_a_save_holds_the_state_of_its_step_while_training_runs_on(tmp_path: Path) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(1)
+    job.ckpt.save(1)
+    at_save = [p.detach().clone() for p in job.model.parameters()]
+    for _ in range(3):  # optimizer steps right away: the hook holds each until the copy is done
+        job.train_step()
+    job.ckpt.flush()
+    job.close()
+    saved = torch.load(tmp_path / "ckpt" / "step_00000001" / "model.pt", weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(saved.values(), at_save))
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        flipped = bytearray(data)
+        flipped[len(flipped) // 3] ^= 0xFF
+        path.write_bytes(bytes(flipped))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, how: str, caplog) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(6)
+    job.close()
+    damage(tmp_path / "ckpt" / "step_00000006" / ("model.pt" if how == "truncate" else "optimizer.pt"), how)
+
+    again = Job(tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING):
+        assert again.ckpt.restore() == 4
+    assert "step_00000006 is corrupt" in caplog.text
+    assert (tmp_path / "ckpt" / "step_00000006.corrupt").is_dir(), "kept for a post-mortem, out of the way"
+    again.run(2, start=4)
+    again.close()
+    assert (tmp_path / "ckpt" / "step_00000006").is_dir(), "the step is saved afresh"
+
+
+def test_all_corrupt_is_an_error_and_nothing_is_moved(tmp_path: Path) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(4)
+    job.close()
+    for step in (2, 4):
+        damage(tmp_path / "ckpt" / f"step_{step:08d}" / "trainer.pt", "truncate")
+    before = fingerprint(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="no checkpoint in .* verifies"):
+        Job(tmp_path / "ckpt").ckpt.restore()
+    assert fingerprint(tmp_path / "ckpt") == before
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"width": 16}, r"0.weight has shape \[8, 4\] there and \[16, 4\] here"),
+        ({"samples": 44}, "another data set or seed"),
+    ],
+)
+def test_a_checkpoint_of_another_model_or_data_set_is_refused(tmp_path: Path, change: dict, message: str) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(2)
+    job.close()
+    before = fingerprint(tmp_path / "ckpt")
+    other = Job(tmp_path / "ckpt", **change)
+    weights = [p.detach().clone() for p in other.model.parameters()]
+    with pytest.raises(CheckpointMismatchError, match=message):
+        other.ckpt.restore()
+    assert fingerprint(tmp_path / "ckpt") == before
+    assert all(torch.equal(a, b) for a, b in zip(other.model.parameters(), weights)), "nothing was loaded"
