@@ -231,12 +231,17 @@ def control_group() -> dist.ProcessGroup | None:
 def worker_context(
     device: str = "auto", *, timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT
 ) -> Iterator[WorkerContext]:
-    """`init_worker` on entry, `shutdown_worker` on every exit path."""
+    """`init_worker` on entry, `shutdown_worker` on every exit path (after a barrier on a normal one)."""
     ctx = init_worker(device, timeout=timeout)
     try:
         yield ctx
-    finally:
-        shutdown_worker()
+    except BaseException:
+        shutdown_worker()  # peers may be gone: no barrier, just leave
+        raise
+    # Leave together: a rank that tears its gloo pairs down while a peer still
+    # drains the last collective aborts that peer at exit (seen as SIGABRT).
+    barrier(ctx)
+    shutdown_worker()
 
 
 def barrier(ctx: WorkerContext) -> None:

@@ -1,0 +1,166 @@
+"""Real torchrun jobs that lose workers and must end as if nothing happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from support import (
+    REPO,
+    TINY_MODEL,
+    children_of,
+    flat_tensors,
+    make_text,
+    standalone_command,
+    start_agents,
+    torchrun_command,
+    wait_all,
+    wait_for,
+    worker_env,
+    worker_rank,
+)
+from text_data import split_corpus
+
+from elastic.events import read_events
+
+pytestmark = pytest.mark.slow
+
+RECORDER = Path(__file__).resolve().parent / "record_samples.py"
+
+
+def logs(directory: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(directory.glob("*.log")))
+
+
+def steps_seen(events: Path) -> int:
+    if not events.exists():
+        return 0
+    return max((e["step"] for e in read_events(events) if e["event"] == "step"), default=0)
+
+
+def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after: int | None = None) -> Path:
+    """A 2-agent job (exactly 2 nodes, so the world size never changes); optionally SIGKILL a worker."""
+    tmp.mkdir()
+    ckpt, events = tmp / "ckpt", tmp / "events.jsonl"
+    command = torchrun_command(
+        nnodes="2:2", port=port, run_id=tmp.name, max_restarts=2,
+        script_args=[
+            "--data", str(corpus), "--max-steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "10",
+            "--eval-every", "0", "--events", str(events), "--dropout", "0.2", *TINY_MODEL,
+        ],
+    )
+    agents = start_agents(2, command, tmp)
+    if kill_after is not None:
+        try:
+            wait_for(lambda: steps_seen(events) >= kill_after, 120, f"step {kill_after}", interval=0.005)
+            victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == 1)
+            os.kill(victim, signal.SIGKILL)
+        except BaseException:
+            wait_all(agents, timeout=0)
+            raise
+    codes = wait_all(agents, timeout=240)
+    assert codes == [0, 0], logs(tmp)
+    return tmp
+
+
+def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, tiny_corpus: Path) -> None:
+    steps = 60
+    kill_after = random.Random().randint(22, 38)  # some checkpoints (every 10) are behind it
+    from support import free_port
+
+    clean = run_two_agents(tmp_path / "clean", tiny_corpus, free_port(), steps)
+    faulty = run_two_agents(tmp_path / "faulty", tiny_corpus, free_port(), steps, kill_after=kill_after)
+
+    events = list(read_events(faulty / "events.jsonl"))
+    restores = [e for e in events if e["event"] == "restore"]
+    assert restores, f"the kill after step {kill_after} did not cause a restart:\n{logs(faulty)}"
+    assert all(e["step"] >= 20 and e["world_size"] == 2 for e in restores)
+    assert max(e["restart"] for e in events) >= 1, "torchrun restarted the workers"
+
+    for name in ("model.pt", "optimizer.pt"):
+        want = dict(flat_tensors(torch.load(clean / "ckpt" / f"step_{steps:08d}" / name, weights_only=True)))
+        got = dict(flat_tensors(torch.load(faulty / "ckpt" / f"step_{steps:08d}" / name, weights_only=True)))
+        assert want.keys() == got.keys()
+        different = [key for key in want if not torch.equal(want[key], got[key])]
+        assert not different, f"{name}: {len(different)} tensors differ after the kill at step {kill_after}, e.g. {different[:3]}"
+
+
+def epoch_zero_indices(log_prefix: Path, num_samples: int) -> list[int]:
+    """Every epoch-0 sample index any rank of any run trained on, with repeats."""
+    used = []
+    for log in sorted(log_prefix.parent.glob(log_prefix.name + ".rank*")):
+        for line in log.read_text().splitlines():
+            r = json.loads(line)
+            if r["epoch"] != 0:
+                continue
+            for j, index in enumerate(r["indices"]):
+                # Position in the global batch; positions past the epoch's end belong to epoch 1.
+                if r["consumed"] + r["rank"] * r["batch_size"] + j < num_samples:
+                    used.append(index)
+    return used
+
+
+def test_every_sample_once_across_world_sizes_2_3_1(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(random.Random(5), 4_000))
+    train_set, _ = split_corpus(corpus.read_bytes(), block_size=32)
+    n = len(train_set)
+    batch = 4
+    steps_w2, steps_w3 = 3, 3
+    remaining = n - steps_w2 * batch * 2 - steps_w3 * batch * 3
+    assert remaining > 0
+    total_steps = steps_w2 + steps_w3 + -(-remaining // batch)  # the W=1 run reaches the end of epoch 0
+    log_prefix = tmp_path / "samples"
+    common = [
+        "--data", str(corpus), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "0", "--eval-every", "0",
+        "--events", str(tmp_path / "events.jsonl"), "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+        "--block-size", "32", "--batch-size", str(batch),
+    ]
+    for world, until in ((2, steps_w2), (3, steps_w2 + steps_w3), (1, total_steps)):
+        result = subprocess.run(
+            standalone_command(world, [*common, "--max-steps", str(until)], script=RECORDER),
+            capture_output=True, text=True, timeout=180, cwd=REPO, env=worker_env(SAMPLE_LOG=str(log_prefix)),
+        )
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+    events = list(read_events(tmp_path / "events.jsonl"))
+    assert [(e["step"], e["world_size"]) for e in events if e["event"] == "restore"] == [
+        (steps_w2, 3), (steps_w2 + steps_w3, 1),
+    ]
+    used = epoch_zero_indices(log_prefix, n)
+    assert len(used) == n, f"{len(used)} epoch-0 samples trained on, the epoch has {n}"
+    assert sorted(used) == list(range(n)), "some sample was skipped or repeated"
+
+
+def test_sigterm_to_one_worker_checkpoints_the_job_and_it_resumes(tmp_path: Path, tiny_corpus: Path) -> None:
+    ckpt, events = tmp_path / "ckpt", tmp_path / "events.jsonl"
+    steps = 400
+    args = [
+        "--data", str(tiny_corpus), "--max-steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "0",
+        "--eval-every", "0", "--events", str(events), *TINY_MODEL,
+    ]
+    log = open(tmp_path / "job.log", "wb")
+    job = subprocess.Popen(standalone_command(2, args, max_restarts=1), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=worker_env())
+    try:
+        wait_for(lambda: steps_seen(events) >= 15, 120, "step 15")
+        victim = next(pid for pid in children_of(job.pid) if worker_rank(pid) == 1)
+        os.kill(victim, signal.SIGTERM)
+        assert job.wait(timeout=240) == 0, logs(tmp_path)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+    history = list(read_events(events))
+    (preempted,) = [e for e in history if e["event"] == "checkpoint" and e["reason"] == "preemption"]
+    step_at_signal = preempted["step"]
+    assert step_at_signal >= 15
+    (restore,) = [e for e in history if e["event"] == "restore"]
+    assert restore["step"] == step_at_signal, "the job went on from the step it was stopped at: no work lost"
+    assert [e["step"] for e in history if e["event"] == "end"] == [steps]
