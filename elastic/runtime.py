@@ -173,7 +173,10 @@ def init_worker(
     environ: Mapping[str, str] | None = None,
 ) -> WorkerContext:
     """Read the environment, pick the device and, under torchrun, join the process group."""
-    env = parse_launch_env(os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    env = parse_launch_env(environ)
+    if env.rank == 0:
+        warn_if_restarts_share_a_store(environ)
     dev = select_device(device, env.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -209,6 +212,18 @@ def init_worker(
         ctx.run_id, ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, ctx.backend, ctx.restart_count,
     )
     return ctx
+
+
+def warn_if_restarts_share_a_store(environ: Mapping[str, str]) -> None:
+    """torchrun's shared worker store outlives rendezvous rounds: after a restart the
+    new round's gloo group can read the dead round's addresses and hang in connect
+    until the collective timeout. A fresh store per round avoids it."""
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts.isdigit() and int(restarts) > 0:
+        logger.warning(
+            "torchrun shares one worker store across restarts, which can hang a restarted job; "
+            "launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        )
 
 
 def shutdown_worker() -> None:

@@ -19,3 +19,24 @@ def test_overhead_benchmark_prints_both_loops_and_their_ratio() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"recipe/gpt.py [\d.]+ steps/s \| seed-style DDP [\d.]+ steps/s \| ratio [\d.]+", result.stdout)
+
+
+def test_checkpoint_benchmark_prints_the_stall_ratio() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint.py", "--tiny", "--configs", "recipe", "--saves", "2", "--repeats", "1",
+         "--warmup-steps", "1", "--every", "1"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"^recipe: checkpoint stall ratio (\S+) \(target <= 0\.05: (met|MISSED)\)$", result.stdout, re.M)
+    assert match, result.stdout
+    float(match.group(1))
+
+
+def test_checkpoint_benchmark_rejects_a_bad_flag_in_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint.py", "--configs", "huge"],
+        capture_output=True, text=True, timeout=60, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "error: argument --configs" in result.stderr

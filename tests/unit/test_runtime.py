@@ -102,3 +102,16 @@ def test_launched_worker_joins_and_leaves_a_gloo_process_group() -> None:
             shutdown_worker()
     assert not dist.is_initialized()
     shutdown_worker()  # idempotent
+
+
+def test_warns_when_restarts_would_share_the_worker_store(caplog) -> None:
+    import logging
+
+    from elastic.runtime import warn_if_restarts_share_a_store
+
+    with caplog.at_level(logging.WARNING):
+        warn_if_restarts_share_a_store({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"})
+        warn_if_restarts_share_a_store({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"})
+        assert not caplog.records
+        warn_if_restarts_share_a_store({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
