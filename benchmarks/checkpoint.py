@@ -47,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic.checkpoint import CheckpointManager  # noqa: E402
-from elastic.cli import OneLineArgumentParser, positive_int  # noqa: E402
+from elastic.cli import OneLineArgumentParser, non_negative_int, positive_int  # noqa: E402
 from elastic.rng import get_rng_state, seed_all  # noqa: E402
 from elastic.runtime import WorkerContext, init_worker  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
@@ -97,12 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=positive_int, default=2, help="training steps between async saves")
     p.add_argument("--repeats", type=positive_int, default=3, help="synchronous torch.save runs (median reported)")
     p.add_argument("--warmup-steps", type=positive_int, default=3, help="training steps before anything is timed")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: 16 for recipe, 4 for 100m)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="sequences per step (default: 16 for recipe, 4 for 100m)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--dir", default=None, help="make the temporary directory here (default: the system temp dir)")
     p.add_argument("--samples", type=positive_int, default=512, help="random token windows in the data set")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true", help="shrink every model to 2 layers x 64 wide, context 32 (smoke tests)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--tiny", action="store_true",
+                   help="shrink every model to 2 layers x 64 wide, context 32 (smoke tests)")
     return p
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from elastic.chaos import FaultInjector
 from elastic.checkpoint import compat
 from elastic.rng import get_rng_state, seed_all, set_rng_state
-from elastic.checkpoint.snapshot import BufferPool, Snapshot, capture
+from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic.checkpoint.store import (
     Candidate,
     CheckpointStore,
@@ -72,8 +72,13 @@ class _SaveRecord:
     reason: str
     started: float
     blocking_seconds: float
-    snapshot: Snapshot
-    committed_at: float | None = None
+    trainer: dict[str, Any]
+    """Sampler, scheduler, scaler, RNG, step: copied when the save was asked for."""
+    buffers: dict[str, torch.Tensor]
+    """Copies of the model's buffers (a forward pass changes them), by state_dict key."""
+    deferred: DeferredCopy
+    """Parameters and optimizer state, built and copied on the writer thread."""
+    sources_released: bool = False
 
 
 class CheckpointManager:
@@ -241,24 +246,24 @@ class CheckpointManager:
         """Start saving the state as of now (a collective); returns once the state is copied."""
         if not self.enabled or step == self.last_step:
             return
+        started, wall_started = time.perf_counter(), time.time()
         rng_states = self._gather_rng()
         self.last_step = step
         if not self._ctx.is_main:
             return
-        started, wall_started = time.perf_counter(), time.time()
         self._collect(block=True)  # at most one save in flight
         self._prepare()
-        snapshot = capture(
-            self._state_tree(step, rng_states),
-            pool=self._pool,
-            deferred=self._changes_only_in_optimizer_step(),
-            device=self._ctx.device,
-            copy_stream=self._copy_stream,
+        now = copy_now(
+            {"trainer": self._trainer_state(step, rng_states), "buffers": dict(self._model.named_buffers())},
+            self._pool, self._ctx.device, self._copy_stream,
         )
-        record = _SaveRecord(step, reason, wall_started, 0.0, snapshot)
-        self._writer.submit(lambda: self._write(record))
-        record.blocking_seconds = time.perf_counter() - started
+        record = _SaveRecord(
+            step, reason, wall_started, 0.0, now["trainer"], now["buffers"],
+            DeferredCopy(self._ctx.device, self._copy_stream),
+        )
         self._in_flight = record
+        self._writer.submit(lambda: self._write(record))
+        record.blocking_seconds += time.perf_counter() - started
 
     def flush(self) -> None:
         """Wait until every save is committed, on every rank (a collective)."""
@@ -274,6 +279,7 @@ class CheckpointManager:
             if self._ctx.is_main:
                 self._collect(block=True)
         finally:
+            self._writer.close()
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
@@ -292,40 +298,46 @@ class CheckpointManager:
         dist.gather_object(mine, gathered if self._ctx.is_main else None, dst=0, group=control_group())
         return gathered
 
-    def _state_tree(self, step: int, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
+    def _trainer_state(self, step: int, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
         return {
-            MODEL_FILE: self._model.state_dict(),
-            OPTIMIZER_FILE: self._optimizer.state_dict(),
-            TRAINER_FILE: {
-                "step": step,
-                "world_size": self._ctx.world_size,
-                "sampler": self._sampler.state_dict(),
-                "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
-                "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-                "rng": rng_states,
-            },
+            "step": step,
+            "world_size": self._ctx.world_size,
+            "sampler": self._sampler.state_dict(),
+            "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "rng": rng_states,
         }
 
-    def _changes_only_in_optimizer_step(self):
-        """Predicate: tensors whose copy may wait until the next optimizer.step()."""
-        pointers = {p.data_ptr() for group in self._optimizer.param_groups for p in group["params"]}
-        for per_param in self._optimizer.state.values():
-            pointers.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
-        return lambda t: t.data_ptr() in pointers and t.numel() > 0
-
     def _wait_sources_free(self) -> None:
+        """Optimizer step pre-hook: the step may change parameters once the save has read them."""
         record = self._in_flight
-        if record is None or record.snapshot.sources_free:
+        if record is None or record.sources_released:
             return
         started = time.perf_counter()
-        record.snapshot.wait_sources_free()
+        record.deferred.wait_sources_free()
+        record.sources_released = True
         record.blocking_seconds += time.perf_counter() - started
 
+    def _live_state(self, record: _SaveRecord) -> dict[str, Any]:
+        """Writer thread: model and optimizer state dicts, buffers taken from the save's own copies.
+
+        Safe off the loop's thread because parameters and optimizer state (and
+        the learning rates the scheduler sets right after a step) change only
+        in an optimizer step, which the pre-hook holds until this is copied.
+        """
+        model_state = self._model.state_dict()
+        for key, copy in record.buffers.items():
+            if key in model_state:
+                model_state[key] = copy
+        return {MODEL_FILE: model_state, OPTIMIZER_FILE: self._optimizer.state_dict()}
+
     def _write(self, record: _SaveRecord) -> float:
-        """Writer thread: finish the copy, serialise, fsync, commit. Returns the commit time."""
-        record.snapshot.materialize()
-        trainer = record.snapshot.tree[TRAINER_FILE]
-        sampler = trainer["sampler"]
+        """Writer thread: copy the rest, serialise, fsync, commit. Returns the commit time."""
+        tree = record.deferred.run(
+            lambda: self._live_state(record), self._pool, keep={id(t) for t in record.buffers.values()}
+        )
+        tree[TRAINER_FILE] = record.trainer
+        trainer, sampler = record.trainer, record.trainer["sampler"]
 
         def describe(files: dict[str, dict[str, Any]]) -> Manifest:
             return Manifest(
@@ -337,7 +349,7 @@ class CheckpointManager:
         try:
             self.store.commit(
                 record.step,
-                record.snapshot.tree,
+                tree,
                 describe=describe,
                 before_commit=lambda: self._faults.at("before_commit", record.step),
             )

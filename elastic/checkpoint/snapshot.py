@@ -1,23 +1,25 @@
 """Copy a training state off the live model into CPU memory the writer owns.
 
-The training loop may only block while the state is copied; everything after
-(serialising, fsync, commit) happens on the writer thread. Even the copy is
-mostly taken off the loop: parameters and optimizer state change only inside
-`optimizer.step()`, so their copy ("deferred") runs on the writer thread
-while the loop computes the next forward and backward, and the loop waits for
-it only if it reaches the next `optimizer.step()` first. Everything else
-("immediate": buffers such as batch-norm statistics, which a forward pass
-changes, and small plain values) is copied before `capture` returns.
+The training loop may only block while the state is copied; serialising,
+fsync and commit happen on the writer thread. Most of the copy is taken off
+the loop too. Parameters and optimizer state change only inside
+`optimizer.step()`, so building their state dicts and copying them runs on
+the writer thread (a `DeferredCopy`) while the loop computes the next forward
+and backward; a pre-hook on the optimizer step waits for it only if the loop
+gets there first. What a forward pass or the loop itself changes (buffers such
+as batch-norm statistics, sampler, scheduler, RNG) is copied at once, on the
+loop's thread (`copy_now`).
 
 Invariants:
-- After `Snapshot.wait_sources_free()` returns, the live tensors may change:
-  every byte the snapshot needs has been read from them.
-- After `Snapshot.materialize()` returns, `Snapshot.tree` holds the state as
-  it was at `capture`, in CPU tensors (pinned on CUDA) that nothing else writes
-  until the next capture.
+- After `DeferredCopy.wait_sources_free()` returns, the live tensors may change:
+  every byte the snapshot needs has been read from them (on CUDA: the device
+  orders the next kernels after the copy; the host does not wait).
+- After `DeferredCopy.materialize()` returns, its tree holds the state as it
+  was when the loop asked for the save, in CPU tensors (pinned on CUDA) that
+  nothing else writes until the next save.
 - Tensors that share memory in the live state (tied weights) share one buffer.
-- Buffers are reused from one capture to the next: a steady-state save
-  allocates nothing, so the copy runs at memory bandwidth, not page-fault speed.
+- Buffers are reused from one save to the next: a steady-state save allocates
+  nothing, so the copy runs at memory bandwidth, not page-fault speed.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _key(t: torch.Tensor) -> _TensorKey:
 
 
 class BufferPool:
-    """CPU tensors reused across captures, one per position in the state tree."""
+    """CPU tensors reused across saves, one per position in the state tree."""
 
     def __init__(self, pin_memory: bool) -> None:
         self._pin = pin_memory
@@ -55,113 +57,99 @@ class BufferPool:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-class Snapshot:
-    """One capture of a state tree; see the module docstring for its life cycle."""
+def plan_copies(
+    tree: Tree, pool: BufferPool, prefix: str, keep: set[int] = frozenset()
+) -> tuple[Tree, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`tree` rebuilt with CPU buffers in place of tensors, and the (source, buffer) copies to make.
 
-    def __init__(self, tree: Tree, copies: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
-        self.tree = tree
-        self._copies = copies  # (source, cpu buffer) pairs still to copy
-        self._device = device
-        self._sources_free = threading.Event()
-        self._cuda_done: torch.cuda.Event | None = None
-        if not copies:
-            self._sources_free.set()
-
-    # -- writer side -----------------------------------------------------------
-
-    def materialize(self) -> None:
-        """Fill the deferred buffers (on the writer thread) and wait until they hold the data."""
-        if self._device.type == "cuda":
-            # Already queued on a side stream by `capture`; wait for the bytes to land.
-            if self._cuda_done is not None:
-                self._cuda_done.synchronize()
-            return
-        try:
-            for source, buffer in self._copies:
-                buffer.copy_(source)
-        finally:
-            self._copies = []
-            self._sources_free.set()
-
-    # -- loop side -------------------------------------------------------------
-
-    def wait_sources_free(self) -> None:
-        """Block until the live tensors may be modified (the optimizer step hook calls this)."""
-        if self._device.type == "cuda":
-            if self._cuda_done is not None:
-                # Device-side ordering only: the host does not wait.
-                torch.cuda.current_stream(self._device).wait_event(self._cuda_done)
-            return
-        self._sources_free.wait()
-
-    @property
-    def sources_free(self) -> bool:
-        return self._device.type == "cuda" or self._sources_free.is_set()
-
-
-def capture(
-    tree: Tree,
-    *,
-    pool: BufferPool,
-    deferred: Callable[[torch.Tensor], bool],
-    device: torch.device,
-    copy_stream: torch.cuda.Stream | None = None,
-) -> Snapshot:
-    """Rebuild `tree` with CPU buffers in place of tensors and copy what must be copied now.
-
-    Containers are rebuilt (so later changes to the live lists and dicts do not
-    show), leaves that are not tensors are immutable values and are shared.
+    Containers are rebuilt (later changes to live lists and dicts do not show);
+    other leaves are immutable values and are shared; tensors whose id is in
+    `keep` are already snapshot copies and stay as they are.
     """
     seen: dict[_TensorKey, torch.Tensor] = {}
-    immediate: list[tuple[torch.Tensor, torch.Tensor]] = []
-    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def walk(node: Tree, path: str) -> Tree:
         if isinstance(node, torch.Tensor):
-            source = node.detach()
-            key = _key(source)
-            if key in seen:
-                return seen[key]
-            buffer = pool.get(path, source)
-            seen[key] = buffer
-            (later if deferred(source) else immediate).append((source, buffer))
-            return buffer
+            if id(node) in keep:
+                return node
+            key = _key(node)
+            if key not in seen:
+                seen[key] = pool.get(path, node)
+                copies.append((node.detach(), seen[key]))
+            return seen[key]
         if isinstance(node, dict):
             return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
         if isinstance(node, (list, tuple)):
             return type(node)(walk(v, f"{path}/{i}") for i, v in enumerate(node))
         return node
 
-    cpu_tree = walk(tree, "")
-    if device.type == "cuda":
-        return _capture_cuda(cpu_tree, immediate, later, device, copy_stream)
-    for source, buffer in immediate:
-        buffer.copy_(source)
-    return Snapshot(cpu_tree, later, device)
+    return walk(tree, prefix), copies
 
 
-def _capture_cuda(
-    cpu_tree: Tree,
-    immediate: list[tuple[torch.Tensor, torch.Tensor]],
-    later: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    copy_stream: torch.cuda.Stream | None,
-) -> Snapshot:
-    """Queue every copy on a side stream; the host blocks for none of them."""
-    stream = copy_stream or torch.cuda.Stream(device)
+def copy_now(tree: Tree, pool: BufferPool, device: torch.device, stream: torch.cuda.Stream | None = None) -> Tree:
+    """Snapshot `tree` before returning (on CUDA: before the device runs anything queued later)."""
+    cpu_tree, copies = plan_copies(tree, pool, "now")
+    if device.type != "cuda":
+        for source, buffer in copies:
+            buffer.copy_(source)
+        return cpu_tree
     current = torch.cuda.current_stream(device)
-    stream.wait_stream(current)  # copy the values as of now, after queued work
+    stream = stream or torch.cuda.Stream(device)
+    stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        for source, buffer in immediate:
+        for source, buffer in copies:
             buffer.copy_(source, non_blocking=True)
-        immediate_done = torch.cuda.Event()
-        immediate_done.record(stream)
-        for source, buffer in later:
-            buffer.copy_(source, non_blocking=True)
-        all_done = torch.cuda.Event()
-        all_done.record(stream)
-    # Tensors a forward pass changes must not change before their copy is read.
-    current.wait_event(immediate_done)
-    snapshot = Snapshot(cpu_tree, [], device)
-    snapshot._cuda_done = all_done
-    return snapshot
+    current.wait_stream(stream)  # device-side: later kernels wait for the copies
+    stream.synchronize()  # small tensors; their values must be final before the writer reads them
+    return cpu_tree
+
+
+class DeferredCopy:
+    """A part of the state built and copied on the writer thread (see module docstring).
+
+    Created on the loop's thread at the moment of the save; `run` on the writer.
+    """
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+        self._device = device
+        self._stream = stream
+        self._queued = threading.Event()  # CPU: copies done; CUDA: copies queued on the stream
+        self._ready: torch.cuda.Event | None = None
+        self._done: torch.cuda.Event | None = None
+        self.tree: Tree = None
+        if device.type == "cuda":
+            # The values as of now: the copy stream waits for work the loop queued so far.
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(device))
+
+    def run(self, build: Callable[[], Tree], pool: BufferPool, keep: set[int] = frozenset()) -> Tree:
+        """Writer thread: build the live tree, copy it into `pool` buffers; returns the CPU tree."""
+        try:
+            self.tree, copies = plan_copies(build(), pool, "later", keep)
+            if self._device.type == "cuda":
+                stream = self._stream or torch.cuda.Stream(self._device)
+                stream.wait_event(self._ready)
+                with torch.cuda.stream(stream):
+                    for source, buffer in copies:
+                        buffer.copy_(source, non_blocking=True)
+                    self._done = torch.cuda.Event()
+                    self._done.record(stream)
+            else:
+                for source, buffer in copies:
+                    buffer.copy_(source)
+        finally:
+            self._queued.set()  # on error too: never leave the loop waiting
+        if self._done is not None:
+            self._done.synchronize()
+        return self.tree
+
+    def wait_sources_free(self) -> None:
+        """Loop thread, before the optimizer step: block until the live tensors may change."""
+        self._queued.wait()
+        if self._done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._done)
+
+    @property
+    def sources_free(self) -> bool:
+        return self._queued.is_set()

@@ -1,54 +1,87 @@
-"""Runs one save at a time off the training loop.
+"""Runs one save at a time off the training loop, on one long-lived thread.
 
 Invariants:
 - At most one job is in flight: `submit` first waits for the previous one.
 - A job's exception is never lost: it is raised by the next `submit` or
-  `wait`, in the loop's thread.
-- The thread is not a daemon: the interpreter does not exit (normally, or
-  after an exception in the loop) while a save is half done.
+  `wait`, in the caller's thread.
+- The process does not exit with a job half done: the thread is a daemon (so a
+  forgotten `close` cannot hang the interpreter), and an atexit hook waits for
+  the job in flight, on a normal exit and after an uncaught exception alike.
+  (SIGKILL cannot be helped; the commit protocol makes it harmless.)
 """
 
 from __future__ import annotations
 
+import atexit
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 
+class _Job:
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.work()
+        except BaseException as exc:  # re-raised in the caller's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+
 class BackgroundWriter:
     def __init__(self, name: str = "checkpoint-writer") -> None:
         self._name = name
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._result: Any = None
-        self._error: BaseException | None = None
+        self._job: _Job | None = None
+        atexit.register(self._drain)
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._job is not None and not self._job.done.is_set()
 
-    def submit(self, job: Callable[[], Any]) -> Any:
-        """Start `job` on the writer thread; returns the previous job's result."""
+    def submit(self, work: Callable[[], Any]) -> Any:
+        """Start `work` on the writer thread; returns the previous job's result."""
         previous = self.wait()
-        self._result, self._error = None, None
-
-        def run() -> None:
-            try:
-                self._result = job()
-            except BaseException as exc:  # re-raised in the loop's thread
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name=self._name, daemon=False)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+        self._job = _Job(work)
+        self._jobs.put(self._job)
         return previous
 
     def wait(self) -> Any:
         """Wait for the job in flight (if any); return its result or raise its error."""
-        if self._thread is None:
+        job, self._job = self._job, None
+        if job is None:
             return None
-        self._thread.join()
-        self._thread = None
-        error, self._error = self._error, None
-        result, self._result = self._result, None
-        if error is not None:
-            raise error
-        return result
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def close(self) -> None:
+        """Finish the job in flight and stop the thread (raises that job's error)."""
+        try:
+            self.wait()
+        finally:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._thread.join()
+                self._thread = None
+            atexit.unregister(self._drain)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.run()
+
+    def _drain(self) -> None:
+        if self._job is not None:
+            self._job.done.wait()

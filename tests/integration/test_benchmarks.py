@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_overhead_benchmark_prints_both_loops_and_their_ratio() -> None:
     result = subprocess.run(
-        [sys.executable, "benchmarks/overhead.py", "--steps", "6", "--warmup", "2", "--rounds", "1", "--batch-size", "4"],
+        [sys.executable, "benchmarks/overhead.py", "--steps", "6", "--warmup", "2", "--rounds", "1", "--batch-size", "4", "--ckpt-every", "3"],
         capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -12,7 +12,7 @@ import torch
 
 from elastic.chaos import Fault, FaultInjector, parse_faults
 from elastic.checkpoint.compat import check_model, check_optimizer
-from elastic.checkpoint.snapshot import BufferPool, capture
+from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic.checkpoint.writer import BackgroundWriter
 from elastic.errors import CheckpointMismatchError, UsageError
 from elastic.rng import get_rng_state, seed_all, set_rng_state
@@ -23,46 +23,49 @@ CPU = torch.device("cpu")
 # -- snapshot --------------------------------------------------------------------
 
 
-def test_snapshot_holds_the_values_at_capture() -> None:
-    live = torch.arange(6.0)
-    buffer_stat = torch.ones(3)
-    tree = {"weights": live, "stats": buffer_stat, "meta": {"step": 3, "lrs": [0.1]}}
-    snap = capture(tree, pool=BufferPool(False), deferred=lambda t: t is live or t.data_ptr() == live.data_ptr(), device=CPU)
-    buffer_stat.add_(5)  # an immediate tensor changes right after capture (a forward pass)
-    assert not snap.sources_free, "the deferred copy has not run yet"
-    snap.materialize()
-    assert snap.sources_free
-    live.mul_(100)  # the optimizer step, allowed now
-    assert torch.equal(snap.tree["weights"], torch.arange(6.0))
-    assert torch.equal(snap.tree["stats"], torch.ones(3))
-    assert snap.tree["meta"] == {"step": 3, "lrs": [0.1]}
-    assert snap.tree["meta"]["lrs"] is not tree["meta"]["lrs"], "containers are rebuilt"
+def test_copy_now_holds_the_values_at_the_call() -> None:
+    stats = torch.ones(3)
+    tree = {"stats": stats, "meta": {"step": 3, "lrs": [0.1]}}
+    copied = copy_now(tree, BufferPool(False), CPU)
+    stats.add_(5)  # a forward pass right after the save
+    tree["meta"]["lrs"].append(0.2)
+    assert torch.equal(copied["stats"], torch.ones(3))
+    assert copied["meta"] == {"step": 3, "lrs": [0.1]}, "containers are rebuilt"
 
 
-def test_wait_sources_free_blocks_until_the_writer_copied() -> None:
-    live = torch.zeros(1000)
-    snap = capture({"w": live}, pool=BufferPool(False), deferred=lambda t: True, device=CPU)
+def test_deferred_copy_holds_the_optimizer_step_until_it_has_read_the_tensors() -> None:
+    live = torch.arange(1000.0)
+    deferred = DeferredCopy(CPU)
     released = threading.Event()
 
     def optimizer_step() -> None:
-        snap.wait_sources_free()
+        deferred.wait_sources_free()
+        live.mul_(100)
         released.set()
 
     thread = threading.Thread(target=optimizer_step)
     thread.start()
     assert not released.wait(0.2), "the step went ahead before the copy"
-    snap.materialize()
+    tree = deferred.run(lambda: {"w": live}, BufferPool(False))
     thread.join(5)
-    assert released.is_set()
+    assert released.is_set() and deferred.sources_free
+    assert torch.equal(tree["w"], torch.arange(1000.0))
+
+
+def test_a_failing_build_releases_the_loop() -> None:
+    deferred = DeferredCopy(CPU)
+    with pytest.raises(RuntimeError, match="state_dict hook"):
+        deferred.run(lambda: (_ for _ in ()).throw(RuntimeError("state_dict hook failed")), BufferPool(False))
+    deferred.wait_sources_free()  # returns at once
 
 
 def test_tied_tensors_share_one_buffer_and_buffers_are_reused() -> None:
     weight = torch.randn(4, 4)
     pool = BufferPool(False)
-    first = capture({"a": weight, "b": weight}, pool=pool, deferred=lambda t: False, device=CPU)
-    assert first.tree["a"] is first.tree["b"]
-    second = capture({"a": weight, "b": weight}, pool=pool, deferred=lambda t: False, device=CPU)
-    assert second.tree["a"] is first.tree["a"], "a steady-state save allocates nothing"
+    first = copy_now({"a": weight, "b": weight}, pool, CPU)
+    assert first["a"] is first["b"]
+    second = copy_now({"a": weight, "b": weight}, pool, CPU)
+    assert second["a"] is first["a"], "a steady-state save allocates nothing"
     assert pool.nbytes == weight.numel() * weight.element_size()
 
 
@@ -78,6 +81,7 @@ def test_writer_runs_one_job_at_a_time_and_returns_results() -> None:
     assert writer.submit(lambda: "second") == "first", "submit waited for the job in flight"
     assert writer.wait() == "second"
     assert not writer.busy and writer.wait() is None
+    writer.close()
 
 
 def test_writer_errors_surface_in_the_caller() -> None:
