@@ -78,7 +78,7 @@ class Setup:
 
 SETUPS = {
     # recipes/gpt.py defaults: GPTConfig() and --batch-size 16.
-    "recipe": Setup("recipe", GPTConfig(), batch_size=16, saves=10),
+    "recipe": Setup("recipe", GPTConfig(), batch_size=16, saves=30),
     # 99.6M parameters (n_layer 14; 13 gives 92.5M, 15 gives 106.7M).
     "100m": Setup("100m", GPTConfig(block_size=256, n_layer=14, n_head=12, n_embd=768), batch_size=4, saves=3),
 }
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="checkpoint.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", choices=("recipe", "100m", "both"), default="both", help="which models to measure")
     p.add_argument("--saves", type=positive_int, default=None,
-                   help="async saves per model (default: 10 for recipe, 3 for 100m; >= 2 for a steady-state figure)")
+                   help="async saves per model (default: 30 for recipe, 3 for 100m; >= 2 for a steady-state figure)")
     p.add_argument("--every", type=positive_int, default=2, help="training steps between async saves")
     p.add_argument("--repeats", type=positive_int, default=3, help="synchronous torch.save runs (median reported)")
     p.add_argument("--warmup-steps", type=positive_int, default=3, help="training steps before anything is timed")
