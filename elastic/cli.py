@@ -27,7 +27,9 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _bounded_int(minimum: int) -> Callable[[str], int]:
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -41,8 +43,8 @@ def _bounded_int(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-positive_int = _bounded_int(1)
-non_negative_int = _bounded_int(0)
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def positive_float(text: str) -> float:

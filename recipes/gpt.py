@@ -40,6 +40,7 @@ from text_data import TokenWindows, load_corpus, split_corpus  # noqa: E402
 from elastic.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
+    int_at_least,
     non_negative_int,
     positive_float,
     positive_int,
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     p.add_argument("--ckpt-dir", default=None, help="commit checkpoints here and resume from the newest good one")
     p.add_argument("--ckpt-every", type=non_negative_int, default=50, help="steps between checkpoints (0: only the final one)")
-    p.add_argument("--ckpt-keep", type=positive_int, default=3, help="committed checkpoints to keep (>= 2 recommended)")
+    p.add_argument("--ckpt-keep", type=int_at_least(2), default=3, help="committed checkpoints to keep (a fallback needs 2)")
     p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes")
     p.add_argument("--n-layer", type=positive_int, default=4)
     p.add_argument("--n-head", type=positive_int, default=4)

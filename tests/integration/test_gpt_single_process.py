@@ -26,6 +26,8 @@ def test_runs_five_steps_on_default_data_without_torchrun(tmp_path: Path) -> Non
     [
         (["--data", "/no/such/corpus.txt"], "--data /no/such/corpus.txt: no such file or folder"),
         (["--batch-size", "0"], "argument --batch-size: 0 must be at least 1"),
+        (["--ckpt-keep", "1"], "argument --ckpt-keep: 1 must be at least 2"),
+        (["--ckpt-every", "-5"], "argument --ckpt-every: -5 must be at least 0"),
         (["--max-steps", "ten"], "argument --max-steps: 'ten' is not an integer"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
