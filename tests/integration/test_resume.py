@@ -16,6 +16,7 @@ from support import (
     TINY_MODEL,
     children_of,
     flat_tensors,
+    free_port,
     make_text,
     standalone_command,
     start_agents,
@@ -72,8 +73,6 @@ def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after
 def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, tiny_corpus: Path) -> None:
     steps = 60
     kill_after = random.Random().randint(22, 38)  # some checkpoints (every 10) are behind it
-    from support import free_port
-
     clean = run_two_agents(tmp_path / "clean", tiny_corpus, free_port(), steps)
     faulty = run_two_agents(tmp_path / "faulty", tiny_corpus, free_port(), steps, kill_after=kill_after)
 
@@ -81,7 +80,8 @@ def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, tiny_corpus: Pat
     restores = [e for e in events if e["event"] == "restore"]
     assert restores, f"the kill after step {kill_after} did not cause a restart:\n{logs(faulty)}"
     assert all(e["step"] >= 20 and e["world_size"] == 2 for e in restores)
-    assert max(e["restart"] for e in events) >= 1, "torchrun restarted the workers"
+    # (No check of `restart`: rank 0 may sit on the agent whose workers were stopped
+    # for the new round rather than failed, and torchrun counts only failures.)
 
     for name in ("model.pt", "optimizer.pt"):
         want = dict(flat_tensors(torch.load(clean / "ckpt" / f"step_{steps:08d}" / name, weights_only=True)))
