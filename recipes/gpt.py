@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # models beside the re
 from gpt_model import GPT, GPTConfig, configure_optimizer  # noqa: E402
 from text_data import TokenWindows, load_corpus, split_corpus  # noqa: E402
 
+from elastic.chaos import FaultInjector  # noqa: E402
+from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
@@ -47,15 +49,18 @@ from elastic.cli import (  # noqa: E402
     run_main,
     unit_interval,
 )
-from elastic.chaos import FaultInjector  # noqa: E402
-from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.errors import ElasticError, Preempted, UsageError  # noqa: E402
 from elastic.events import EventLog  # noqa: E402
 from elastic.preemption import PreemptionHandler  # noqa: E402
 from elastic.progress import Progress  # noqa: E402
 from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
 from elastic.rng import seed_all  # noqa: E402
-from elastic.runtime import DEVICE_CHOICES, WorkerContext, all_reduce_mean, worker_context  # noqa: E402
+from elastic.runtime import (  # noqa: E402
+    DEVICE_CHOICES,
+    WorkerContext,
+    all_reduce_mean,
+    worker_context,
+)
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
 

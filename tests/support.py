@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import socket
@@ -147,8 +148,12 @@ def flat_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tenso
             yield from flat_tensors(value, f"{prefix}/{i}")
 
 
-def load_checkpoint_file(directory: Path, name: str) -> Any:
-    return torch.load(directory / name, weights_only=True)
+def fingerprint(directory: Path) -> dict[str, str]:
+    """sha256 of every file below `directory`: equal fingerprints mean nothing was touched."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*")) if p.is_file()
+    }
 
 
 def start_agents(count: int, command: list[str], log_dir: Path) -> list[subprocess.Popen]:

@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from elastic.chaos import FaultInjector
 from elastic.checkpoint import compat
-from elastic.rng import get_rng_state, seed_all, set_rng_state
 from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic.checkpoint.store import (
     Candidate,
@@ -51,6 +50,7 @@ from elastic.checkpoint.store import (
 from elastic.checkpoint.writer import BackgroundWriter
 from elastic.errors import CheckpointError, CheckpointMismatchError
 from elastic.events import EventLog
+from elastic.rng import get_rng_state, seed_all, set_rng_state
 from elastic.runtime import WorkerContext, barrier, control_group
 from elastic.sampler import ElasticSampler
 

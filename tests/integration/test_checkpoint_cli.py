@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import signal
 import subprocess
 import sys
@@ -10,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import REPO, TINY_MODEL, flat_tensors, run_recipe, wait_for, worker_env
+from support import (
+    REPO,
+    TINY_MODEL,
+    fingerprint,
+    flat_tensors,
+    run_recipe,
+    wait_for,
+    worker_env,
+)
 
 from elastic.events import read_events
 
@@ -29,10 +36,6 @@ def inspect(directory: Path) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "elastic.checkpoint", "inspect", str(directory)],
         capture_output=True, text=True, timeout=60, cwd=REPO, env=worker_env(),
     )
-
-
-def fingerprint(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def test_a_crash_during_a_save_resumes_from_the_previous_checkpoint(tmp_path: Path, tiny_corpus: Path) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+from support import fingerprint
 
 from elastic.checkpoint import CheckpointManager
 from elastic.errors import CheckpointError, CheckpointMismatchError
@@ -50,10 +50,6 @@ class Job:
     def close(self) -> None:
         self.ckpt.close()
         self.events.close()
-
-
-def fingerprint(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def test_restore_continues_exactly_where_the_save_left_off(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.errors import CheckpointError
 from elastic.checkpoint.store import (
     MANIFEST,
     CheckpointStore,
@@ -18,6 +17,7 @@ from elastic.checkpoint.store import (
     checkpoint_name,
     versions,
 )
+from elastic.errors import CheckpointError
 
 
 def describe_for(step: int):
