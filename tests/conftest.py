@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 
+from etcd_server import EtcdServer  # noqa: E402
 from support import free_port, make_text  # noqa: E402
 
 
@@ -25,3 +27,21 @@ def tiny_corpus(tmp_path: Path) -> Path:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+@pytest.fixture(scope="session")
+def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd for the tests that only read and write keys (each under its own prefix)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """An etcd of this test's own, for tests that stop, restart or reconfigure it."""
+    server = EtcdServer(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.stop()

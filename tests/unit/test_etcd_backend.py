@@ -1,0 +1,189 @@
+"""The etcd-v3 rendezvous backend's contract, against a real etcd."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+
+from elastic.rendezvous.etcd import BACKEND_NAME, create_backend, decode_state, encode_state
+from elastic.rendezvous.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+
+
+def params(endpoint: str, run_id: str | None = None, **conf: object) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend=BACKEND_NAME,
+        endpoint=endpoint,
+        run_id=run_id or uuid.uuid4().hex,
+        min_nodes=1,
+        max_nodes=2,
+        **conf,
+    )
+
+
+@pytest.fixture
+def backend(shared_etcd):
+    backend, _store = create_backend(params(shared_etcd.endpoint, read_timeout=10))
+    yield backend
+    backend._client.close()
+
+
+def test_name_is_etcd_v3(backend) -> None:
+    assert backend.name == "etcd-v3"
+
+
+def test_get_state_is_none_when_no_state_exists(backend) -> None:
+    assert backend.get_state() is None
+
+
+def test_set_state_without_token_sets_when_absent(backend) -> None:
+    state, token, written = backend.set_state(b"first")
+    assert (state, written) == (b"first", True)
+    assert backend.get_state() == (b"first", token)
+
+
+def test_set_state_with_current_token_sets_and_returns_a_new_token(backend) -> None:
+    _, token, _ = backend.set_state(b"first")
+    state, new_token, written = backend.set_state(b"second", token)
+    assert (state, written) == (b"second", True)
+    assert new_token != token
+    assert backend.get_state() == (b"second", new_token)
+
+
+def test_set_state_with_old_token_does_not_set(backend) -> None:
+    _, old, _ = backend.set_state(b"first")
+    _, current, _ = backend.set_state(b"second", old)
+    assert backend.set_state(b"third", old) == (b"second", current, False)
+    assert backend.get_state() == (b"second", current)
+
+
+def test_set_state_with_none_token_when_state_exists_does_not_set(backend) -> None:
+    _, token, _ = backend.set_state(b"first")
+    assert backend.set_state(b"other") == (b"first", token, False)
+
+
+@pytest.mark.parametrize("bad_token", ["not-a-number", -3, 0, 10**12, object()])
+def test_set_state_with_invalid_token_does_not_set(backend, bad_token) -> None:
+    _, token, _ = backend.set_state(b"first")
+    assert backend.set_state(b"other", bad_token) == (b"first", token, False)
+
+
+def test_set_state_with_a_token_when_no_state_exists_returns_none(backend) -> None:
+    assert backend.set_state(b"x", 12345) is None
+    assert backend.get_state() is None
+
+
+def test_concurrent_writers_with_the_same_token_only_one_wins(shared_etcd) -> None:
+    run_id = uuid.uuid4().hex
+    first, _ = create_backend(params(shared_etcd.endpoint, run_id))
+    second, _ = create_backend(params(shared_etcd.endpoint, run_id))
+    _, token, _ = first.set_state(b"base")
+    outcomes = [first.set_state(b"from first", token), second.set_state(b"from second", token)]
+    assert [written for *_, written in outcomes] == [True, False]
+    assert outcomes[1][:2] == outcomes[0][:2]  # the loser is told the winner's state and token
+
+
+def test_corrupted_value_raises_state_error(backend, shared_etcd) -> None:
+    backend.set_state(b"good")
+    key = backend._key.decode()
+    shared_etcd.etcdctl("put", key, "garbage written by hand")
+    with pytest.raises(RendezvousStateError, match="not a torchrevive state"):
+        backend.get_state()
+    with pytest.raises(RendezvousStateError):
+        backend.set_state(b"new")  # the failure branch returns the corrupt value
+
+
+def test_flipped_byte_in_state_is_detected() -> None:
+    framed = bytearray(encode_state(b"pickled rendezvous state"))
+    framed[-1] ^= 0x01
+    with pytest.raises(RendezvousStateError, match="checksum"):
+        decode_state(bytes(framed), "here")
+    assert decode_state(encode_state(b"\x00\xffabc"), "here") == b"\x00\xffabc"
+
+
+def test_keys_live_under_the_run_prefix(shared_etcd) -> None:
+    run_id = uuid.uuid4().hex
+    backend, store = create_backend(params(shared_etcd.endpoint, run_id))
+    backend.set_state(b"s")
+    store.set("k", "v")
+    keys = shared_etcd.etcdctl("get", "--prefix", "--keys-only", f"/torchrevive/{run_id}").split()
+    assert keys == [f"/torchrevive/{run_id}/rdzv/state", f"/torchrevive/{run_id}/store/k"]
+
+
+def test_key_prefix_option_moves_the_keys(shared_etcd) -> None:
+    prefix = f"/custom/{uuid.uuid4().hex}"
+    backend, _ = create_backend(params(shared_etcd.endpoint, key_prefix=prefix))
+    backend.set_state(b"s")
+    assert shared_etcd.etcdctl("get", "--keys-only", f"{prefix}/rdzv/state").split() == [f"{prefix}/rdzv/state"]
+
+
+def test_keys_of_an_abandoned_run_expire_after_ttl(shared_etcd) -> None:
+    run_id = uuid.uuid4().hex
+    backend, store = create_backend(params(shared_etcd.endpoint, run_id, ttl=2))
+    backend.set_state(b"s")
+    store.set("k", "v")
+    time.sleep(3)
+    assert backend.get_state() == (b"s", backend.get_state()[1])  # kept alive while the process lives
+    backend._client.close()  # the process is gone: nobody keeps the lease alive
+    deadline = time.monotonic() + 15
+    while backend.get_state() is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert backend.get_state() is None
+    assert not store.check(["k"])
+
+
+def test_failover_skips_a_dead_endpoint(shared_etcd) -> None:
+    from support import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    backend, _ = create_backend(params(f"{dead},{shared_etcd.endpoint}", read_timeout=10))
+    _, token, written = backend.set_state(b"via the second endpoint")
+    assert written and backend.get_state() == (b"via the second endpoint", token)
+
+
+def test_unreachable_etcd_raises_connection_error_naming_the_endpoint() -> None:
+    from support import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=f"cannot reach etcd at {endpoint}.*Connection refused"):
+        create_backend(params(endpoint, read_timeout=1.5))
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"ttl": "soon"}, "ttl must be a positive number"),
+        ({"read_timeout": "0"}, "read_timeout must be a positive number"),
+        ({"protocol": "ftp"}, "protocol must be http or https"),
+        ({"protocol": "https", "ca_cert": "/no/such/ca.pem"}, "ca_cert: no such file"),
+        ({"password": "x"}, "password needs user"),
+        ({"user": "alice"}, "user needs password"),
+    ],
+)
+def test_bad_options_are_one_clear_line(conf, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EtcdOptions.from_params(params("127.0.0.1:2379", **conf))
+
+
+def test_endpoints_parse_with_default_port_and_ipv6() -> None:
+    assert [str(e) for e in parse_endpoints("a:1, b ,[::1]:3,[fe80::2]")] == ["a:1", "b:2379", "[::1]:3", "[fe80::2]:2379"]
+    with pytest.raises(ValueError, match="not a number"):
+        parse_endpoints("host:port")
+    with pytest.raises(ValueError, match="needs --rdzv-endpoint"):
+        parse_endpoints("")
+
+
+def test_closing_a_client_leaves_its_keys_for_the_rest_of_the_run(shared_etcd) -> None:
+    client = EtcdClient(EtcdOptions.from_params(params(shared_etcd.endpoint)))
+    key = f"/probe/{uuid.uuid4().hex}"
+    client.txn([], [client.put_op(key.encode(), b"v")], [], what="write")
+    client.close()
+    assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == "v"

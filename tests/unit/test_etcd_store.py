@@ -1,0 +1,185 @@
+"""EtcdStore behaves as TCPStore does: every check runs against both, side by side."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+from elastic.rendezvous.etcd import create_backend
+
+TIMEOUT = timedelta(seconds=1)
+
+
+@pytest.fixture(scope="module")
+def tcp_server():
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT, wait_for_workers=False)
+    yield server
+
+
+def etcd_store(endpoint: str, run_id: str) -> dist.Store:
+    params = RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=1)
+    _, store = create_backend(params)
+    store.set_timeout(TIMEOUT)
+    return store
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def make_store(request, tcp_server, shared_etcd):
+    """A factory of clients of one fresh store: several clients see the same keys."""
+    namespace = uuid.uuid4().hex
+    if request.param == "tcp":
+        def make() -> dist.Store:
+            client = dist.TCPStore("127.0.0.1", tcp_server.port, 1, False, timeout=TIMEOUT)
+            return dist.PrefixStore(namespace, client)
+    else:
+        def make() -> dist.Store:
+            return etcd_store(shared_etcd.endpoint, namespace)
+    return make
+
+
+@pytest.fixture
+def store(make_store):
+    return make_store()
+
+
+def test_set_then_get_returns_bytes(store) -> None:
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    store.set("binary", b"\x00\xff\x01")
+    assert store.get("binary") == b"\x00\xff\x01"
+    store.set("key", "replaced")
+    assert store.get("key") == b"replaced"
+
+
+def test_get_of_a_missing_key_times_out_with_dist_store_error(store) -> None:
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        store.get("never")
+    assert 0.9 <= time.monotonic() - started < 5
+
+
+def test_get_blocks_until_another_client_sets_the_key(make_store) -> None:
+    reader, writer = make_store(), make_store()
+    reader.set_timeout(timedelta(seconds=10))
+    threading.Timer(0.3, writer.set, ("late", "arrived")).start()
+    assert reader.get("late") == b"arrived"
+
+
+def test_add_creates_at_zero_and_returns_the_new_value(store) -> None:
+    assert store.add("counter", 3) == 3
+    assert store.add("counter", -5) == -2
+    assert store.add("zero", 0) == 0
+    assert store.get("zero") == b"0"
+    store.set("text", "7")
+    assert store.add("text", 1) == 8
+
+
+def test_add_is_atomic_under_concurrent_clients(make_store) -> None:
+    clients = [make_store() for _ in range(4)]
+    per_client = 15
+
+    def hammer(client: dist.Store) -> None:
+        for _ in range(per_client):
+            client.add("shared", 1)
+
+    threads = [threading.Thread(target=hammer, args=(c,)) for c in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert clients[0].add("shared", 0) == len(clients) * per_client
+
+
+def test_compare_set(store) -> None:
+    assert store.compare_set("absent", "", "created") == b"created"
+    assert store.compare_set("missing", "expected", "desired") == b"expected"
+    assert not store.check(["missing"])
+    assert store.compare_set("absent", "created", "swapped") == b"swapped"
+    assert store.compare_set("absent", "wrong", "ignored") == b"swapped"
+    assert store.get("absent") == b"swapped"
+
+
+def test_wait_returns_when_keys_exist_and_times_out_otherwise(store) -> None:
+    store.set("a", "1")
+    store.wait(["a"])
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        store.wait(["a", "b"], timedelta(milliseconds=300))
+    assert 0.25 <= time.monotonic() - started < 3
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["b"])  # the store's own timeout
+
+
+def test_check_does_not_wait(store) -> None:
+    store.set("a", "1")
+    started = time.monotonic()
+    assert store.check(["a"]) is True
+    assert store.check(["a", "b"]) is False
+    assert store.check([]) is True
+    assert time.monotonic() - started < 0.5
+
+
+def test_delete_key_says_whether_a_key_was_removed(store) -> None:
+    store.set("a", "1")
+    assert store.delete_key("a") is True
+    assert store.delete_key("a") is False
+    assert not store.check(["a"])
+
+
+def test_num_keys_counts_sets_and_deletes(store) -> None:
+    before = store.num_keys()
+    store.set("one", "1")
+    store.set("two", "2")
+    assert store.num_keys() == before + 2
+    store.delete_key("one")
+    assert store.num_keys() == before + 1
+
+
+def test_append_creates_then_extends(store) -> None:
+    store.append("log", "ab")
+    store.append("log", b"cd")
+    assert store.get("log") == b"abcd"
+
+
+def test_multi_set_and_multi_get(store) -> None:
+    store.multi_set(["x", "y"], ["1", b"2"])
+    assert store.multi_get(["y", "x"]) == [b"2", b"1"]
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        store.multi_get(["x", "never"])
+
+
+def test_prefix_store_over_the_store_keeps_namespaces_apart(make_store) -> None:
+    base = make_store()
+    first, second = dist.PrefixStore("first", base), dist.PrefixStore("second", base)
+    first.set("k", "1")
+    second.set("k", "2")
+    assert (first.get("k"), second.get("k")) == (b"1", b"2")
+    assert first.add("n", 2) == 2 and second.add("n", 5) == 5
+    assert first.multi_get(["k", "n"]) == [b"1", b"2"]
+
+
+def test_etcd_add_counts_once_when_a_reply_is_lost(shared_etcd) -> None:
+    """A transaction applied by etcd whose reply never arrived is retried by the
+    client; the retry must not add twice."""
+    store = etcd_store(shared_etcd.endpoint, uuid.uuid4().hex)
+    client = store._client
+    real_txn = client.txn
+    lost = []
+
+    def txn_losing_first_reply(*args, **kwargs):
+        reply = real_txn(*args, **kwargs)
+        if not lost and reply.get("succeeded"):
+            lost.append(reply)
+            return real_txn(*args, **kwargs)  # the client's retry of the same request
+        return reply
+
+    client.txn = txn_losing_first_reply
+    assert store.add("counter", 5) == 5
+    assert lost, "the test did not replay a transaction"
+    assert store.add("counter", 0) == 5
