@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
-
 from support import free_port
 
 

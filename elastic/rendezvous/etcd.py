@@ -36,9 +36,19 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
 
-from elastic.rendezvous.etcd_client import EtcdClient, EtcdOptions, KeyValue, txn_range_results, txn_revision
+from elastic.rendezvous.etcd_client import (
+    EtcdClient,
+    EtcdOptions,
+    KeyValue,
+    txn_range_results,
+    txn_revision,
+)
 from elastic.rendezvous.etcd_store import EtcdStore
 
 __all__ = ["BACKEND_NAME", "EtcdRendezvousBackend", "EtcdStore", "create_backend", "create_handler_v3", "handler_creator"]

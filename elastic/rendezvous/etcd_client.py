@@ -35,7 +35,10 @@ import requests
 from etcd3gw import exceptions as etcd_exceptions
 from etcd3gw.client import Etcd3Client
 from etcd3gw.utils import _decode, _encode
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
 
 logger = logging.getLogger(__name__)
 

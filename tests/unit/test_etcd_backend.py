@@ -12,7 +12,12 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStateError,
 )
 
-from elastic.rendezvous.etcd import BACKEND_NAME, create_backend, decode_state, encode_state
+from elastic.rendezvous.etcd import (
+    BACKEND_NAME,
+    create_backend,
+    decode_state,
+    encode_state,
+)
 from elastic.rendezvous.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
 
 
