@@ -128,12 +128,17 @@ def make_tls(directory: Path) -> Tls:
 
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
             "-days", "2", "-subj", "/CN=torchrevive test CA")
-    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+    # etcd's JSON gateway dials etcd's own gRPC port with the server certificate,
+    # so under --client-cert-auth that certificate must be good for clients too.
+    for name, usage in (("server", "serverAuth,clientAuth"), ("client", "clientAuth")):
         (directory / f"{name}.ext").write_text(
             f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n"
         )
+        # No Common Name on the client: with auth on, etcd's gateway refuses client
+        # certificates that carry one (a CN cannot become the user through it).
+        subject = "/CN=server" if name == "server" else "/O=torchrevive test client"
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", f"/CN={name}")
+                "-subj", subject)
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                 "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
     return Tls(

@@ -63,14 +63,17 @@ def torchrun_command(
     nproc_per_node: int = 1,
     max_restarts: int = 0,
     rdzv_conf: str = "join_timeout=60,last_call_timeout=3,close_timeout=5",
+    backend: str = "c10d",
+    endpoint: str | None = None,
 ) -> list[str]:
-    """One torchrun agent of a c10d job on loopback, running the GPT recipe."""
+    """One torchrun agent of a job on loopback, running the GPT recipe; the rendezvous
+    is c10d on `port` unless `backend` and `endpoint` say otherwise (etcd-v3)."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-backend={backend}",
+        f"--rdzv-endpoint={endpoint or f'127.0.0.1:{port}'}",
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={rdzv_conf}",
         f"--max-restarts={max_restarts}",

@@ -110,7 +110,8 @@ class EtcdOptions:
     read_timeout   seconds one etcd operation may take, retries and failover
                    included; default 60
     protocol       `http` (default) or `https`
-    ca_cert        CA bundle that signed etcd's server certificate (https)
+    ca_cert        CA bundle that signed etcd's server certificate (https;
+                   without it, only publicly signed certificates verify)
     ssl_cert       client certificate, for etcd's `--client-cert-auth`
     ssl_cert_key   the client certificate's private key
     user           etcd user, when etcd has auth enabled
@@ -197,9 +198,16 @@ def _reason(exc: BaseException) -> str:
         return match.group(1).strip()
     if isinstance(exc, etcd_exceptions.ConnectionTimeoutError) or "timed out" in text.lower():
         return "timed out"
-    if "SSLError" in text or "CERTIFICATE" in text.upper():
-        return "TLS handshake failed (check protocol, ca_cert, ssl_cert, ssl_cert_key)"
     return etcd_message(exc) or type(exc).__name__
+
+
+def _tls_reason(exc: BaseException) -> str:
+    """The useful part of an SSL error ('CERTIFICATE_VERIFY_FAILED', 'tlsv13 alert ...')."""
+    text = str(exc)
+    match = re.search(r"\[SSL: ([A-Z_]+)\]|(tlsv\d+ alert [a-z ]+)|(certificate verify failed[^(]*)", text)
+    if match:
+        return next(g for g in match.groups() if g).strip()
+    return text[:200]
 
 
 def etcd_message(exc: BaseException) -> str:
@@ -219,6 +227,10 @@ class EtcdClient:
     def __init__(self, options: EtcdOptions) -> None:
         self.options = options
         session = requests.Session()
+        # Where etcd is and whom to trust come from the options alone: with the
+        # environment trusted, REQUESTS_CA_BUNDLE would silently replace ca_cert
+        # and an HTTP_PROXY would carry the rendezvous.
+        session.trust_env = False
         if options.ca_cert:
             session.verify = options.ca_cert
         if options.ssl_cert and options.ssl_cert_key:
@@ -252,7 +264,8 @@ class EtcdClient:
     def _call(self, what: str, request: Callable[[Etcd3Client], T], *, retry_auth: bool = True) -> T:
         """Run `request` against the current endpoint, failing over and retrying
         connection failures until `read_timeout` is spent."""
-        deadline = time.monotonic() + self.options.read_timeout
+        started = time.monotonic()
+        deadline = started + self.options.read_timeout
         backoff = 0.05
         failures: dict[str, str] = {}
         attempts = 0
@@ -261,8 +274,14 @@ class EtcdClient:
             client = self._clients[index]
             endpoint = str(self.options.endpoints[index])
             try:
-                return request(client)
+                reply = request(client)
             except (etcd_exceptions.ConnectionFailedError, etcd_exceptions.ConnectionTimeoutError) as exc:
+                if isinstance(exc.__context__, requests.exceptions.SSLError):
+                    # A certificate does not become valid by waiting: say so now.
+                    raise RendezvousConnectionError(
+                        f"etcd at {endpoint}: TLS failed ({_tls_reason(exc.__context__)}); "
+                        "check protocol, ca_cert, ssl_cert and ssl_cert_key"
+                    ) from exc
                 failures[endpoint] = _reason(exc)
                 self._current = (index + 1) % len(self._clients)
             except etcd_exceptions.Etcd3Exception as exc:
@@ -272,10 +291,14 @@ class EtcdClient:
                     retry_auth = False
                     continue
                 raise RendezvousConnectionError(f"etcd at {endpoint} refused to {what}: {message or exc}") from exc
-            except requests.exceptions.RequestException as exc:
-                # TLS failures and the like arrive from requests directly.
-                failures[endpoint] = _reason(exc)
-                self._current = (index + 1) % len(self._clients)
+            else:
+                if failures:
+                    seen = "; ".join(f"{e}: {r}" for e, r in failures.items())
+                    logger.warning(
+                        "etcd at %s was out of reach for %.1f s (%s); reconnected to %s",
+                        ",".join(failures), time.monotonic() - started, seen, endpoint,
+                    )
+                return reply
             attempts += 1
             if attempts % len(self._clients) == 0:
                 remaining = deadline - time.monotonic()

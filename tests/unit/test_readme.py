@@ -18,7 +18,7 @@ def test_quick_start_is_exactly_two_commands() -> None:
     assert len(commands) == 2 and all("\n" not in c for c in commands)
     run_job, run_tests = commands
     assert "--nnodes=1:4" in run_job and "--rdzv-backend=c10d" in run_job and "recipes/gpt.py" in run_job
-    assert "pytest" in run_tests
+    assert "pytest" in run_tests and "etcd-server" in run_tests
 
 
 def test_ci_runs_the_readme_test_command() -> None:
