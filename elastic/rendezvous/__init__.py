@@ -1,1 +1,29 @@
-"""torchrun rendezvous plugins. `etcd` holds the `etcd-v3` backend (see its docstring)."""
+"""torchrun rendezvous plugins. `etcd` holds the `etcd-v3` backend (see its docstring).
+
+This package's own module stays free of torch imports: torch loads the entry point
+below while it imports its rendezvous registry, which may happen in the middle of
+importing `elastic.rendezvous.etcd` itself, so the backend is imported only when
+torchrun asks for a handler.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousHandler,
+        RendezvousParameters,
+    )
+
+
+def etcd_v3_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The `torchrun.handlers` entry point `etcd-v3`: torch calls it with no arguments
+    and registers the handler creator it returns."""
+    return _create_etcd_v3_handler
+
+
+def _create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from elastic.rendezvous.etcd import create_handler_v3
+
+    return create_handler_v3(params)

@@ -9,10 +9,30 @@ makes it available to an unchanged training script:
     torchrun --nnodes=1:4 --rdzv-backend=etcd-v3 --rdzv-endpoint=h1:2379,h2:2379 \\
         --rdzv-id=job1 --rdzv-conf=ttl=3600,read_timeout=30 recipes/gpt.py
 
-Options (`--rdzv-conf`), besides torch's own (join_timeout, last_call_timeout,
-close_timeout, keep_alive_interval, ...): see `EtcdOptions`. In short: key_prefix,
-ttl, read_timeout, protocol, ca_cert, ssl_cert, ssl_cert_key, user, password,
-password_file.
+Options (`--rdzv-conf=name=value,...`), besides torch's own (join_timeout,
+last_call_timeout, close_timeout, keep_alive_interval, ...):
+
+============== ==============================================================
+key_prefix     where the run's keys live; default `/torchrevive/<run id>`
+ttl            seconds the run's keys outlive its last agent; default 7200.
+               Every key is attached to its writer's lease, which a thread
+               keeps alive while the agent runs: abandoned runs disappear.
+read_timeout   seconds one etcd operation may take, retries and failover
+               included; default 60. Also how long torchrun tries an
+               unreachable etcd at start before it gives up.
+protocol       `http` (default) or `https`
+ca_cert        CA that signed etcd's server certificate (https). Only the
+               options are trusted: REQUESTS_CA_BUNDLE and proxies in the
+               environment are ignored.
+ssl_cert       client certificate, for etcd's `--client-cert-auth`
+ssl_cert_key   the client certificate's private key
+user           etcd user, when etcd has auth enabled
+password_file  file whose first line is the user's password (stays out of `ps`)
+password       the password itself
+============== ==============================================================
+
+With `--client-cert-auth` and auth both on, etcd's JSON gateway refuses client
+certificates that carry a Common Name: issue the rendezvous's without one.
 
 Layout under the key prefix (default `/torchrevive/<run id>`):
 
@@ -27,7 +47,6 @@ does not exist), so two agents never both win the same round.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 
 from etcd3gw.utils import _encode
 from torch.distributed import Store
@@ -51,7 +70,7 @@ from elastic.rendezvous.etcd_client import (
 )
 from elastic.rendezvous.etcd_store import EtcdStore
 
-__all__ = ["BACKEND_NAME", "EtcdRendezvousBackend", "EtcdStore", "create_backend", "create_handler_v3", "handler_creator"]
+__all__ = ["BACKEND_NAME", "EtcdRendezvousBackend", "EtcdStore", "create_backend", "create_handler_v3"]
 
 BACKEND_NAME = "etcd-v3"
 
@@ -143,8 +162,3 @@ def create_handler_v3(params: RendezvousParameters) -> RendezvousHandler:
     backend, store = create_backend(params)
     return create_handler(store, backend, params)
 
-
-def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The `torchrun.handlers` entry point: torch calls it with no arguments and
-    registers what it returns under the entry point's name."""
-    return create_handler_v3

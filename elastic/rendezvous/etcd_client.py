@@ -101,23 +101,7 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
 class EtcdOptions:
     """What `--rdzv-endpoint`, `--rdzv-id` and `--rdzv-conf` say about etcd.
 
-    Options (all through `--rdzv-conf=name=value,...`):
-
-    ============== ==========================================================
-    key_prefix     where the run's keys live; default `/torchrevive/<run id>`
-    ttl            seconds the run's keys outlive its last process (lease);
-                   default 7200
-    read_timeout   seconds one etcd operation may take, retries and failover
-                   included; default 60
-    protocol       `http` (default) or `https`
-    ca_cert        CA bundle that signed etcd's server certificate (https;
-                   without it, only publicly signed certificates verify)
-    ssl_cert       client certificate, for etcd's `--client-cert-auth`
-    ssl_cert_key   the client certificate's private key
-    user           etcd user, when etcd has auth enabled
-    password       that user's password (visible in `ps`; prefer password_file)
-    password_file  file whose first line is the password
-    ============== ==========================================================
+    The options are documented, as a table, in `elastic.rendezvous.etcd`.
     """
 
     endpoints: tuple[Endpoint, ...]

@@ -10,7 +10,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
 from etcd_server import EtcdServer, make_tls
 from support import (
     REPO,
@@ -22,6 +21,10 @@ from support import (
     wait_for,
     worker_env,
     worker_rank,
+)
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
 )
 
 from elastic.events import read_events

@@ -192,3 +192,23 @@ def test_closing_a_client_leaves_its_keys_for_the_rest_of_the_run(shared_etcd) -
     client.txn([], [client.put_op(key.encode(), b"v")], [], what="write")
     client.close()
     assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == "v"
+
+
+def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd) -> None:
+    """What `torchrun --rdzv-backend=etcd-v3` does: the registry loads the installed
+    entry point and builds torch's dynamic rendezvous handler on this backend."""
+    import subprocess
+    import sys
+
+    script = (
+        "import elastic.rendezvous.etcd\n"  # first, as a training script might: no import cycle
+        "from torch.distributed.elastic.rendezvous import registry\n"
+        "from torch.distributed.elastic.rendezvous.api import RendezvousParameters\n"
+        f"p = RendezvousParameters('etcd-v3', '{shared_etcd.endpoint}', 'entry-point', 1, 1)\n"
+        "handler = registry.get_rendezvous_handler(p)\n"
+        "print(type(handler).__name__, handler.get_backend())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["DynamicRendezvousHandler", "etcd-v3"]
+    assert "Exception while registering" not in done.stderr
