@@ -7,22 +7,28 @@ torchrun starts without any change to the command line:
                                             checkpoint is committed
     ELASTIC_FAULT=after_step@15:rank=1      die on rank 1 after step 15
     ELASTIC_FAULT=...:restart=any           fire on every attempt, not only the first
+    ELASTIC_FAULT=after_step@15:do=stop     SIGSTOP itself (a frozen host) instead
+    ELASTIC_FAULT=after_step@15:do=hang     block its main thread forever (a deadlock)
 
 A fault fires only on restart 0 unless `restart=` says otherwise, so a job
 that torchrun restarts after the fault runs on undisturbed. Several faults
-are separated by commas. The death is SIGKILL: no handler, no flush, no
-cleanup runs, as when a machine or the OOM killer takes a process.
+are separated by commas. The default death is SIGKILL: no handler, no flush,
+no cleanup runs, as when a machine or the OOM killer takes a process. `stop`
+and `hang` leave the process alive and silent: only hang detection
+(`elastic.watchdog`) gets the job going again.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 from elastic.errors import UsageError
 
 FAULT_POINTS = ("before_commit", "after_step")
+ACTIONS = ("kill", "stop", "hang")
 ENV_VAR = "ELASTIC_FAULT"
 
 
@@ -33,6 +39,7 @@ class Fault:
     rank: int = 0
     restart: int | None = 0
     """The attempt (TORCHELASTIC_RESTART_COUNT) it fires on; None: every attempt."""
+    action: str = "kill"
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -43,15 +50,19 @@ def parse_faults(text: str) -> list[Fault]:
         point, sep, step = head.partition("@")
         if point not in FAULT_POINTS or not sep or not step.isdigit():
             raise UsageError(f"{ENV_VAR} entry {entry!r} must look like POINT@STEP with POINT one of {FAULT_POINTS}")
-        fields: dict[str, int | None] = {}
+        fields: dict[str, int | str | None] = {}
         for option in options:
             key, _, value = option.partition("=")
             if key == "rank" and value.isdigit():
                 fields["rank"] = int(value)
             elif key == "restart" and (value.isdigit() or value == "any"):
                 fields["restart"] = None if value == "any" else int(value)
+            elif key == "do" and value in ACTIONS:
+                fields["action"] = value
             else:
-                raise UsageError(f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N or restart=N|any")
+                raise UsageError(
+                    f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N, restart=N|any or do={'|'.join(ACTIONS)}"
+                )
         faults.append(Fault(point, int(step), **fields))  # type: ignore[arg-type]
     return faults
 
@@ -66,5 +77,8 @@ class FaultInjector:
         ]
 
     def at(self, point: str, step: int) -> None:
-        if any(f.point == point and f.step == step for f in self._faults):
-            os.kill(os.getpid(), signal.SIGKILL)
+        for fault in self._faults:
+            if fault.point == point and fault.step == step:
+                if fault.action == "hang":
+                    threading.Event().wait()  # never set: this thread is stuck for good
+                os.kill(os.getpid(), signal.SIGSTOP if fault.action == "stop" else signal.SIGKILL)

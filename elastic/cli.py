@@ -57,6 +57,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return value
+
+
 def unit_interval(text: str) -> float:
     """A float in [0, 1)."""
     try:

@@ -13,12 +13,21 @@ Invariants:
   the whole job checkpoints at the same step.
 - A second SIGTERM restores the default action and kills the worker at once,
   for an operator (or agent) who does not want to wait.
+- The step boundary must come within `grace` seconds of the signal. A worker
+  blocked in a collective whose peer died never gets there (and its Python
+  handler does not even run, the main thread being inside C++): a watcher
+  thread, woken through `signal.set_wakeup_fd`, then ends the process with
+  status 143, so torchrun's agent does not wait its 30 s before SIGKILL when it
+  stops the group for a new round.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import sys
 import threading
 from types import FrameType
 
@@ -29,15 +38,52 @@ from elastic.runtime import WorkerContext, control_group
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_GRACE_SECONDS = 15.0
+
 
 class PreemptionHandler:
-    def __init__(self, ctx: WorkerContext, signum: int = signal.SIGTERM) -> None:
+    def __init__(self, ctx: WorkerContext, signum: int = signal.SIGTERM, grace: float = DEFAULT_GRACE_SECONDS) -> None:
         self._ctx = ctx
         self._signum = signum
+        self._grace = grace
         self._flag = False
         self._previous = None
+        self._reached_boundary = threading.Event()
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._previous_wakeup_fd = -1
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signum, self._on_signal)
+            self._watch_for_blocked_signal()
+
+    def _watch_for_blocked_signal(self) -> None:
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._wakeup = (reader, writer)
+        threading.Thread(target=self._watch, args=(reader,), name="elastic-sigterm-grace", daemon=True).start()
+
+    def _watch(self, reader: socket.socket) -> None:
+        """Runs beside the main thread: sees the signal even while the main thread is stuck."""
+        seen = 0
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:  # uninstalled
+                return
+            seen += data.count(self._signum)
+            if seen == 0:
+                continue
+            if seen >= 2:
+                os._exit(128 + self._signum)  # the second signal: no more waiting
+            if not self._reached_boundary.wait(self._grace):
+                print(
+                    f"preemption: {signal.Signals(self._signum).name} arrived but no step ended within "
+                    f"{self._grace:g} s (blocked in a collective?); exiting without a checkpoint",
+                    file=sys.stderr, flush=True,
+                )
+                os._exit(128 + self._signum)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._flag:
@@ -55,12 +101,23 @@ class PreemptionHandler:
     def requested(self) -> bool:
         """Whether any rank was signalled (a collective: call it on every rank at every step)."""
         if not self._ctx.distributed:
-            return self._flag
-        vote = torch.tensor([1 if self._flag else 0], dtype=torch.int32)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=control_group())
-        return bool(vote.item())
+            answer = self._flag
+        else:
+            vote = torch.tensor([1 if self._flag else 0], dtype=torch.int32)
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=control_group())
+            answer = bool(vote.item())
+        if answer:
+            self._reached_boundary.set()  # the checkpoint that follows may take its time
+        return answer
 
     def uninstall(self) -> None:
         if self._previous is not None:
             signal.signal(self._signum, self._previous)
             self._previous = None
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            reader, writer = self._wakeup
+            reader.shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv with b""
+            reader.close()
+            writer.close()
+            self._wakeup = None

@@ -43,6 +43,7 @@ from elastic.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
     int_at_least,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -63,6 +64,7 @@ from elastic.runtime import (  # noqa: E402
 )
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
+from elastic.watchdog import watchdog  # noqa: E402
 
 logger = logging.getLogger("gpt")
 
@@ -93,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines off a terminal")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--collective-timeout", type=positive_float, default=300.0, help="seconds before a collective fails")
+    p.add_argument(
+        "--term-grace", type=positive_float, default=15.0,
+        help="after SIGTERM, seconds to reach the end of the step and checkpoint; else exit at once (blocked)",
+    )
+    p.add_argument(
+        "--hang-timeout", type=non_negative_float, default=300.0,
+        help="exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)",
+    )
     return p
 
 
@@ -154,9 +164,11 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
             scheduler=scheduler, sampler=sampler, events=events, seed=args.seed,
         )
         cleanup.callback(ckpt.close)
-        preemption = PreemptionHandler(ctx)
+        preemption = PreemptionHandler(ctx, grace=args.term_grace)
         cleanup.callback(preemption.uninstall)
         faults = FaultInjector(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for chaos tests
+        hang = watchdog(args.hang_timeout)  # armed by the first completed step
+        cleanup.callback(hang.close)
         step = ckpt.restore()  # 0 on a fresh start; RNG, sampler and optimizer as they were at `step`
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda" else nullcontext()
         tokens_per_step = args.batch_size * cfg.block_size * ctx.world_size
@@ -208,20 +220,24 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
             pending = StepRecord(step, loss.detach(), time.time())
             if preemption.requested():  # SIGTERM on any rank: commit this step, then leave
                 report(pending)
-                ckpt.save(step, reason="preemption")
-                ckpt.flush()
+                with hang.paused():
+                    ckpt.save(step, reason="preemption")
+                    ckpt.flush()
                 progress.close()
                 saved = f"checkpoint committed in {args.ckpt_dir}" if ckpt.enabled else "no --ckpt-dir, nothing saved"
                 raise Preempted(f"stopped by SIGTERM after step {step}; {saved}")
             ckpt.maybe_save(step)
             faults.at("after_step", step)
+            hang.beat(step)
             if args.eval_every and step % args.eval_every == 0:
                 report(pending)
                 pending = None
-                validate()
+                with hang.paused():
+                    validate()
         if pending is not None:
             report(pending)
         seconds = time.perf_counter() - started
+        hang.close()  # what follows is not a training step
         if args.eval_every and step % args.eval_every != 0:
             validate()
 

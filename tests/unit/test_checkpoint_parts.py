@@ -154,6 +154,9 @@ def test_fault_specs_parse_and_match_rank_and_restart() -> None:
     ]
     injector = FaultInjector(rank=1, restart=2, environ={"ELASTIC_FAULT": "after_step@5:rank=1"})
     injector.at("after_step", 5)  # restart 2: the default restart=0 fault does not fire
-    for bad in ("explode@3", "after_step", "after_step@x", "after_step@3:color=red"):
+    assert parse_faults("after_step@7:do=stop,after_step@8:rank=2:do=hang") == [
+        Fault("after_step", 7, action="stop"), Fault("after_step", 8, rank=2, action="hang"),
+    ]
+    for bad in ("explode@3", "after_step", "after_step@x", "after_step@3:color=red", "after_step@3:do=melt"):
         with pytest.raises(UsageError, match="ELASTIC_FAULT"):
             parse_faults(bad)

@@ -1,0 +1,131 @@
+"""Hang detection: a worker whose training makes no progress exits so torchrun can act.
+
+torchrun restarts a worker group when a worker *exits*; a worker stuck in a
+collective whose peer is gone (or SIGSTOPped, or deadlocked) never exits on its
+own before the collective timeout, and with NCCL it may never exit at all. The
+watchdog is a daemon thread that the training loop feeds once per step. When no
+step completes for `timeout` seconds it prints one line naming the last step and
+the time waited, dumps every thread's Python stack to stderr (where the worker
+was stuck), and ends the process with `EXIT_CODE` through `os._exit`, the only
+exit that works while the main thread is blocked inside C++.
+
+Invariants: the watchdog is disarmed until the first `beat()` (restore and the
+first step may be slow: compilation, data loading), and `paused()` suspends it
+around work that legitimately takes longer than a step (validation, a final
+checkpoint flush).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+logger = logging.getLogger(__name__)
+
+# Distinct from a crash (1), a usage error (2) and preemption (143), so the
+# event log and the agent's failure summary tell a hang apart.
+EXIT_CODE = 124
+
+
+class Watchdog:
+    """Exits the process when `beat()` is not called for `timeout` seconds."""
+
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        on_trip: Callable[[str], None] | None = None,
+        poll: float | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError("watchdog timeout must be positive")
+        self.timeout = timeout
+        self._on_trip = on_trip or _exit_process
+        self._poll = poll if poll is not None else min(1.0, timeout / 10)
+        self._lock = threading.Lock()
+        self._last_beat: float | None = None  # None: disarmed
+        self._last_step: int | None = None
+        self._pauses = 0
+        self._stop = threading.Event()
+        self.tripped = False
+        self._thread = threading.Thread(target=self._watch, name="elastic-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int) -> None:
+        """The loop completed `step`; cheap enough to call every step."""
+        with self._lock:
+            self._last_beat = time.monotonic()
+            self._last_step = step
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No trip inside this block; the clock restarts when it ends."""
+        with self._lock:
+            self._pauses += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pauses -= 1
+                if self._last_beat is not None:
+                    self._last_beat = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll):
+            with self._lock:
+                if self._last_beat is None or self._pauses:
+                    continue
+                waited = time.monotonic() - self._last_beat
+                step = self._last_step
+            if waited >= self.timeout:
+                self.tripped = True
+                self._on_trip(
+                    f"watchdog: no training step completed for {waited:.0f} s after step {step} "
+                    f"(limit {self.timeout:g} s): a stuck collective, a deadlock or a stopped peer; "
+                    f"exiting with status {EXIT_CODE} so torchrun restarts the group"
+                )
+                return
+
+
+def _exit_process(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
+class NoWatchdog:
+    """What `watchdog(0)` returns: the same interface, never trips."""
+
+    tripped = False
+
+    def beat(self, step: int) -> None:
+        pass
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+def watchdog(timeout: float) -> Watchdog | NoWatchdog:
+    """A started watchdog, or none when `timeout` is 0 (hang detection off)."""
+    return Watchdog(timeout) if timeout > 0 else NoWatchdog()
