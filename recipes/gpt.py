@@ -60,6 +60,7 @@ from elastic.runtime import (  # noqa: E402
     DEVICE_CHOICES,
     WorkerContext,
     all_reduce_mean,
+    prefetch_slow_imports,
     worker_context,
 )
 from elastic.sampler import ElasticSampler  # noqa: E402
@@ -254,6 +255,7 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prefetch_slow_imports()  # overlaps loading data and joining the group
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
     # Check the data before joining the job: a bad path fails fast, alone, with exit 2.
     corpus = load_corpus(args.data)

@@ -1,0 +1,275 @@
+"""Recovery after a SIGKILLed worker: stock torchrun settings versus ours, side by side.
+
+    python benchmarks/recovery.py                   # 5 kills each, then goodput, ~15 min on 2 cores
+    python benchmarks/recovery.py --kills 3 --goodput-seconds 0
+
+The job: two torchrun agents on this machine, `--nnodes=1:3 --nproc-per-node=1`,
+c10d rendezvous, the GPT recipe (tiny model, checkpoints every 20 steps). One
+worker of a random rank is SIGKILLed, `--kills` times, each once the job has
+trained `--settle` seconds after the previous recovery.
+
+- stock: `torchrun` as installed, its defaults (shared worker store across
+  rounds, 30 s last call, 5 s keep-alive).
+- ours: `python -m elastic.launch` (fresh store per round, 2 s last call, 1 s
+  keep-alive), the same flags otherwise.
+
+Per setting it prints recovery time (kill -> first completed step after the
+restarted group's start, from the event log) median and worst, failed
+rendezvous rounds (rounds beyond one per kill), restarts consumed (failures
+the agents counted against `--max-restarts`), and goodput with one kill every
+`--goodput-interval` seconds for `--goodput-seconds`: the step the job reached
+divided by the steps a fault-free run of the same setting makes in that time.
+Targets (ours): median <= 6 s, zero failed rounds, goodput >= 0.90.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "gpt.py"
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
+SETTINGS = ("stock", "ours")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kills", type=int, default=5, help="SIGKILLs per setting (>= 5 for the README figures)")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds of training between a recovery and the next kill")
+    p.add_argument("--recovery-limit", type=float, default=400.0, help="seconds after which a recovery counts as failed")
+    p.add_argument("--goodput-seconds", type=float, default=180.0, help="length of the goodput runs (0: skip)")
+    p.add_argument("--goodput-interval", type=float, default=60.0, help="seconds between kills in the goodput runs")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="which to run, comma-separated")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def corpus(directory: Path) -> Path:
+    """Text the tiny model learns from: this repository's Python sources."""
+    path = directory / "corpus.txt"
+    path.write_text("".join(p.read_text() for p in sorted(REPO.glob("elastic/**/*.py"))))
+    return path
+
+
+class Job:
+    """Two agents of one elastic job under a given setting, with its event log."""
+
+    def __init__(self, setting: str, workdir: Path, data: Path, steps: int = 10_000_000) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True)
+        self.events = workdir / "events.jsonl"
+        launcher = ["-m", "torch.distributed.run"] if setting == "stock" else ["-m", "elastic.launch"]
+        port = free_port()
+        command = [
+            sys.executable, *launcher, "--nnodes=1:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={workdir.name}", "--max-restarts=100",
+            "--local-addr=127.0.0.1", str(RECIPE), "--data", str(data), "--max-steps", str(steps),
+            "--eval-every", "0", "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "20",
+            "--events", str(self.events), "--log-every", "1000", *TINY,
+        ]
+        env = {k: v for k, v in os.environ.items() if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)}
+        # LOGLEVEL=INFO: torchrun then logs each completed round and each restart it counts.
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+        self.agents = []
+        for i in range(2):
+            log = open(workdir / f"agent{i}.log", "wb")
+            self.agents.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO))
+
+    def records(self) -> list[dict]:
+        out = []
+        if self.events.exists():
+            for line in self.events.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a torn last line
+        return out
+
+    def last_step(self) -> tuple[int, float]:
+        steps = [r for r in self.records() if r["event"] == "step"]
+        return (steps[-1]["step"], steps[-1]["time"]) if steps else (0, 0.0)
+
+    def workers(self) -> list[int]:
+        found = []
+        for agent in self.agents:
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        stat = (entry / "stat").read_text()
+                    except OSError:
+                        continue
+                    if int(stat.rpartition(")")[2].split()[1]) == agent.pid:
+                        found.append(int(entry.name))
+        return found
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGINT)
+        deadline = time.time() + 30
+        for agent in self.agents:
+            try:
+                agent.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+        for pid in self.workers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def agent_log(self, i: int) -> str:
+        return (self.workdir / f"agent{i}.log").read_text(errors="replace")
+
+
+def wait_until(condition, timeout: float, interval: float = 0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+def recovered_at(job: Job, killed_at: float) -> float | None:
+    """Time of the first step completed by a worker group started after `killed_at`."""
+    restarted = False
+    for record in job.records():
+        if record["time"] <= killed_at:
+            continue
+        if record["event"] == "start":
+            restarted = True
+        elif record["event"] == "step" and restarted:
+            return record["time"]
+    return None
+
+
+def kill_random_worker(job: Job, rng: random.Random) -> float:
+    workers = wait_until(lambda: job.workers() if len(job.workers()) >= 2 else None, 60)
+    if not workers:
+        raise RuntimeError("the job has fewer than two workers to kill from")
+    victim = rng.choice(sorted(workers))
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    return killed_at
+
+
+def restarts_consumed(job: Job) -> list[int]:
+    """Failures each agent counted: torchrun logs 'N/M attempts left' once per restart."""
+    counts = []
+    for i in range(2):
+        counts.append(len(re.findall(r"\d+/100 attempts left", job.agent_log(i))))
+    return counts
+
+
+def rounds_completed(job: Job) -> int:
+    return len(re.findall(r"Rendezvous complete for workers", job.agent_log(0)))
+
+
+def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    job = Job(setting, workdir, data)
+    times: list[float] = []
+    failures = 0
+    try:
+        if not wait_until(lambda: job.last_step()[0] >= 20, 180):
+            raise RuntimeError(f"{setting}: the job did not start:\n{job.agent_log(0)[-3000:]}")
+        for _ in range(args.kills):
+            time.sleep(args.settle)
+            killed_at = kill_random_worker(job, rng)
+            back = wait_until(lambda: recovered_at(job, killed_at), args.recovery_limit, interval=0.1)
+            if back is None:
+                failures += 1
+                times.append(args.recovery_limit)
+            else:
+                times.append(back - killed_at)
+            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s", flush=True)
+    finally:
+        job.stop()
+    return {
+        "recovery_s": times,
+        "median_s": statistics.median(times),
+        "worst_s": max(times),
+        "unrecovered": failures,
+        "failed_rounds": max(0, rounds_completed(job) - 1 - args.kills),
+        "restarts_consumed": restarts_consumed(job),
+    }
+
+
+def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Namespace, faults: bool) -> float:
+    """Steps per second of wall time the job keeps, from its first step on."""
+    rng = random.Random(args.seed + 1)
+    job = Job(setting, workdir, data)
+    try:
+        if not wait_until(lambda: job.last_step()[0] >= 1, 180):
+            raise RuntimeError(f"{setting}: the job did not start:\n{job.agent_log(0)[-3000:]}")
+        _, started = job.last_step()
+        start_step = job.last_step()[0]
+        end = started + args.goodput_seconds
+        next_kill = started + args.goodput_interval
+        while time.time() < end:
+            if faults and time.time() >= next_kill:
+                kill_random_worker(job, rng)
+                next_kill += args.goodput_interval
+            time.sleep(0.1)
+        reached = max((r["step"] for r in job.records() if r["event"] == "step" and r["time"] <= end), default=0)
+    finally:
+        job.stop()
+    return (reached - start_step) / args.goodput_seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    unknown = set(settings) - set(SETTINGS)
+    if unknown or args.kills < 1:
+        print(f"recovery.py: error: --settings takes {', '.join(SETTINGS)}; --kills >= 1", file=sys.stderr)
+        return 2
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        root = Path(tmp)
+        data = corpus(root)
+        for setting in settings:
+            print(f"{setting}: {args.kills} kills", flush=True)
+            results[setting] = measure_recovery(setting, root / f"{setting}-recovery", data, args)
+            if args.goodput_seconds > 0:
+                clean = measure_goodput(setting, root / f"{setting}-clean", data, args, faults=False)
+                faulty = measure_goodput(setting, root / f"{setting}-faulty", data, args, faults=True)
+                results[setting]["goodput"] = faulty / clean
+                results[setting]["steps_per_s_clean"] = clean
+    print()
+    print(f"{'setting':8} {'median s':>9} {'worst s':>8} {'failed rounds':>14} {'restarts used':>14} {'goodput':>8}")
+    for setting, r in results.items():
+        goodput = f"{r['goodput']:.2f}" if "goodput" in r else "-"
+        print(
+            f"{setting:8} {r['median_s']:9.1f} {r['worst_s']:8.1f} {r['failed_rounds']:14d} "
+            f"{'/'.join(map(str, r['restarts_consumed'])):>14} {goodput:>8}"
+        )
+    if {"stock", "ours"} <= results.keys():
+        print(f"median recovery, stock / ours: {results['stock']['median_s'] / results['ours']['median_s']:.1f}x")
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

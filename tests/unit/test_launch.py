@@ -1,0 +1,34 @@
+"""The launcher is torchrun with recovery defaults: it only fills in what the user left out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from support import REPO
+
+from elastic.launch import RECOVERY_RDZV_CONF, merged_rdzv_conf
+
+
+def test_defaults_fill_an_empty_conf() -> None:
+    assert dict(item.split("=") for item in merged_rdzv_conf("").split(",")) == RECOVERY_RDZV_CONF
+
+
+def test_user_values_win_and_other_keys_pass_through() -> None:
+    merged = merged_rdzv_conf("last_call_timeout=9,join_timeout=120,read_timeout=5")
+    pairs = dict(item.split("=") for item in merged.split(","))
+    assert pairs["last_call_timeout"] == "9"
+    assert pairs["join_timeout"] == "120" and pairs["read_timeout"] == "5"
+    assert pairs["keep_alive_interval"] == RECOVERY_RDZV_CONF["keep_alive_interval"]
+    assert merged.startswith("last_call_timeout=9,join_timeout=120,read_timeout=5")
+
+
+def test_takes_torchrun_flags_and_rejects_what_torchrun_rejects() -> None:
+    done = subprocess.run([sys.executable, "-m", "elastic.launch", "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.returncode == 0
+    for flag in ("--nnodes", "--rdzv-backend", "--rdzv-conf", "--max-restarts", "--monitor-interval", "--standalone"):
+        assert flag in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "elastic.launch", "--nnodes=x:y", "script.py"], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
+    assert bad.returncode != 0
