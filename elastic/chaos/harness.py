@@ -1,0 +1,431 @@
+"""Run an elastic job of several torchrun agents on this machine and hurt it.
+
+`ChaosJob` starts N agents of one job (the GPT recipe by default) under
+`elastic.launch` or stock torchrun, with c10d or etcd-v3 rendezvous, and
+offers the faults a cluster deals out: SIGKILL a worker, SIGKILL a whole agent
+with its workers (node loss), a new agent joining (scale up), SIGSTOP a worker
+(a hang), SIGTERM a worker (preemption). Faults that must strike at an exact
+point inside a worker (just before a checkpoint commits) go through
+`ELASTIC_FAULT` (see `elastic.chaos.faults`).
+
+Each scenario (`SCENARIOS`) starts a job, injects its fault once training is
+under way, waits for the end, and returns a `ScenarioResult`: exit codes, the
+recovery time (fault -> first completed step of the restarted group, from the
+event log), and whether the final checkpoint verifies.
+
+Invariant: nothing here needs more than loopback, and every process it starts
+is killed when the job is closed, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
+
+
+@dataclass
+class JobSpec:
+    """One elastic job: how many agents, which rendezvous, which script."""
+
+    workdir: Path
+    script_args: Sequence[str]
+    agents: int = 2
+    nnodes: str = "1:3"
+    backend: str = "c10d"
+    endpoint: str | None = None
+    """c10d: a free loopback port is picked; etcd-v3: HOST:PORT of etcd (required)."""
+    max_restarts: int = 3
+    launcher: str = "ours"
+    """`ours` (python -m elastic.launch) or `stock` (torch.distributed.run)."""
+    script: Path = RECIPE
+    rdzv_conf: str = "join_timeout=60,close_timeout=10"
+    env: dict[str, str] = field(default_factory=dict)
+    run_id: str = "chaos"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+class ChaosJob:
+    """The agents of one job, their logs, its event log, and ways to hurt it."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        self.events_path = spec.workdir / "events.jsonl"
+        self.endpoint = spec.endpoint or f"127.0.0.1:{_free_port()}"
+        if spec.backend != "c10d" and spec.endpoint is None:
+            raise ValueError(f"the {spec.backend} rendezvous needs an endpoint")
+        self.agents: list[subprocess.Popen] = []
+        self.faults: list[tuple[str, float]] = []
+
+    def command(self) -> list[str]:
+        launcher = ["-m", "elastic.launch"] if self.spec.launcher == "ours" else ["-m", "torch.distributed.run"]
+        return [
+            sys.executable, *launcher,
+            f"--nnodes={self.spec.nnodes}", "--nproc-per-node=1",
+            f"--rdzv-backend={self.spec.backend}", f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.spec.run_id}", f"--rdzv-conf={self.spec.rdzv_conf}",
+            f"--max-restarts={self.spec.max_restarts}", "--local-addr=127.0.0.1",
+            str(self.spec.script), *self.spec.script_args, "--events", str(self.events_path),
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+        env.update(self.spec.env)
+        return env
+
+    def add_agent(self) -> subprocess.Popen:
+        """Start one more agent (the first ones, or a node joining later)."""
+        index = len(self.agents)
+        with open(self.spec.workdir / f"agent{index}.log", "wb") as log:
+            agent = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
+        self.agents.append(agent)
+        return agent
+
+    def start(self) -> ChaosJob:
+        self.add_agent()
+        if self.spec.backend == "c10d":
+            # The agent that binds the endpoint first hosts c10d's rendezvous store,
+            # the one node a c10d job cannot lose: make that agent 0, always.
+            self._wait_until_listening(self.endpoint, self.agents[0])
+        for _ in range(self.spec.agents - 1):
+            self.add_agent()
+        return self
+
+    def _wait_until_listening(self, endpoint: str, agent: subprocess.Popen, timeout: float = 60) -> None:
+        import socket
+
+        host, port = endpoint.rsplit(":", 1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and agent.poll() is None:
+            try:
+                with socket.create_connection((host, int(port)), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"the first agent never served {endpoint}:\n{self.logs()}")
+
+    # --- observing -------------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        if self.events_path.exists():
+            for line in self.events_path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a torn last line
+        return out
+
+    def last_step(self) -> int:
+        return max((r["step"] for r in self.records() if r["event"] == "step"), default=0)
+
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of every live worker."""
+        found = {}
+        for agent in self.agents:
+            if agent.poll() is None:
+                for pid in _children(agent.pid):
+                    rank = _rank_of(pid)
+                    if rank is not None:
+                        found[rank] = pid
+        return found
+
+    def logs(self, tail: int = 3000) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in sorted(self.spec.workdir.glob("agent*.log"))
+        )
+
+    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while self.last_step() < step:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not reach step {step} in {timeout:g} s:\n{self.logs()}")
+            if all(a.poll() is not None for a in self.agents):
+                raise RuntimeError(f"every agent exited before step {step}:\n{self.logs()}")
+            time.sleep(0.01)
+
+    def wait(self, timeout: float = 300) -> list[int | None]:
+        """Exit codes of every agent (None for one still running at the deadline)."""
+        deadline = time.monotonic() + timeout
+        for agent in self.agents:
+            try:
+                agent.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [a.poll() for a in self.agents]
+
+    def close(self) -> None:
+        """Kill whatever is left: agents, their workers, stopped ones included."""
+        for index, agent in enumerate(self.agents):
+            if agent.poll() is None:
+                self._kill_node(index)
+
+    def __enter__(self) -> ChaosJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- faults ------------------------------------------------------------------
+
+    def signal_worker(self, signum: int, rank: int | None = None, rng: random.Random | None = None) -> int:
+        """Send `signum` to the worker of `rank` (a random one if None); returns that rank."""
+        deadline = time.monotonic() + 60
+        while not (workers := self.workers()) or (rank is not None and rank not in workers):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no worker of rank {rank} to signal:\n{self.logs()}")
+            time.sleep(0.05)
+        chosen = rank if rank is not None else (rng or random.Random()).choice(sorted(workers))
+        self.faults.append((signal.Signals(signum).name, time.time()))
+        os.kill(workers[chosen], signum)
+        return chosen
+
+    def kill_agent(self, index: int) -> None:
+        """Node loss: SIGKILL an agent and its workers at once."""
+        self.faults.append(("node-loss", time.time()))
+        self._kill_node(index)
+
+    def _kill_node(self, index: int) -> None:
+        # torchrun starts each worker in a session of its own: signal them one by one.
+        agent = self.agents[index]
+        workers = _children(agent.pid)
+        for pid in [agent.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        agent.wait()
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """Record a fault injected from outside (etcd restarted, ELASTIC_FAULT)."""
+        self.faults.append((name, time.time() if at is None else at))
+
+    # --- verdicts -----------------------------------------------------------------
+
+    def recovery_seconds(self, fault_time: float) -> float | None:
+        """Fault -> first step completed by a worker group that started after it."""
+        restarted = False
+        for record in self.records():
+            if record["time"] <= fault_time:
+                continue
+            if record["event"] == "start":
+                restarted = True
+            elif record["event"] == "step" and restarted:
+                return record["time"] - fault_time
+        return None
+
+    def restart_times(self) -> list[float]:
+        """When each worker group after the first started (from its 'start' event)."""
+        return [r["time"] for r in self.records() if r["event"] == "start"][1:]
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    exit_codes: list[int | None]
+    expected_codes: list[int | None]
+    end_step: int | None
+    max_steps: int
+    recovery_seconds: list[float | None]
+    final_checkpoint: str | None
+    checkpoint_error: str | None
+    logs: str
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.exit_codes == self.expected_codes
+            and self.end_step == self.max_steps
+            and self.final_checkpoint is not None
+            and all(r is not None for r in self.recovery_seconds)
+        )
+
+    def summary(self) -> str:
+        recoveries = ", ".join("none" if r is None else f"{r:.1f} s" for r in self.recovery_seconds) or "-"
+        verdict = "ok" if self.ok else "FAILED"
+        return (
+            f"{self.scenario}: {verdict}; exit codes {self.exit_codes} (expected {self.expected_codes}); "
+            f"ended at step {self.end_step}/{self.max_steps}; recovery {recoveries}; "
+            f"final checkpoint {self.final_checkpoint or self.checkpoint_error}"
+        )
+
+
+def verified_final_checkpoint(directory: Path, step: int) -> tuple[str | None, str | None]:
+    """(name, None) when the checkpoint of `step` is committed and verifies, else (None, why)."""
+    store = CheckpointStore(directory)
+    for candidate in store.committed():
+        try:
+            manifest = store.verify(candidate)
+        except CorruptCheckpoint as exc:
+            return None, f"corrupt: {exc}"
+        if manifest.step == step:
+            return candidate.path.name, None
+    return None, f"no verified checkpoint of step {step} in {directory}"
+
+
+# --- scenarios ---------------------------------------------------------------------
+
+Scenario = Callable[[ChaosJob, random.Random], list[int | None]]
+"""Hurts a started job; returns the exit codes expected of its agents."""
+
+
+def kill_worker(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    job.wait_for_step(rng.randint(12, 18))
+    job.signal_worker(signal.SIGKILL, rng=rng)
+    return [0] * len(job.agents)
+
+
+def kill_during_save(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    # ELASTIC_FAULT=before_commit@20 (set by `scenario_env`) kills rank 0 between
+    # writing step 20's files and committing them; the fault time is the last
+    # event before the restarted group's start.
+    deadline = time.monotonic() + 180
+    while not job.restart_times():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the job never restarted after the fault:\n{job.logs()}")
+        time.sleep(0.05)
+    restarted = job.restart_times()[0]
+    job.mark("kill-during-save", at=max(r["time"] for r in job.records() if r["time"] < restarted))
+    return [0] * len(job.agents)
+
+
+def node_loss(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    job.wait_for_step(rng.randint(12, 18))
+    # Not agent 0: with c10d it hosts the rendezvous store, the one node a c10d job cannot lose.
+    job.kill_agent(len(job.agents) - 1)
+    return [0] * (len(job.agents) - 1) + [-signal.SIGKILL]
+
+
+def scale_up(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    job.wait_for_step(rng.randint(12, 18))
+    job.mark("scale-up")
+    job.add_agent()
+    return [0] * len(job.agents)
+
+
+def hang(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    job.wait_for_step(rng.randint(12, 18))
+    job.signal_worker(signal.SIGSTOP, rank=1)
+    return [0] * len(job.agents)
+
+
+def preemption(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    job.wait_for_step(rng.randint(12, 18))
+    job.signal_worker(signal.SIGTERM, rng=rng)
+    return [0] * len(job.agents)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "kill-worker": kill_worker,
+    "kill-during-save": kill_during_save,
+    "node-loss": node_loss,
+    "scale-up": scale_up,
+    "hang": hang,
+    "preemption": preemption,
+}
+
+
+# Scenarios that change the world size need the job to outlast a new round
+# (a joining agent first imports torch): they train longer.
+SCENARIO_STEPS = {"scale-up": 400, "node-loss": 200}
+
+
+def scenario_env(name: str) -> dict[str, str]:
+    return {"ELASTIC_FAULT": "before_commit@20"} if name == "kill-during-save" else {}
+
+
+def run_scenario(
+    name: str,
+    workdir: Path,
+    data: Path,
+    *,
+    steps: int | None = None,
+    backend: str = "c10d",
+    endpoint: str | None = None,
+    launcher: str = "ours",
+    seed: int = 0,
+    model_args: Sequence[str] = ("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"),
+    during: Callable[[ChaosJob], None] | None = None,
+    timeout: float = 300,
+) -> ScenarioResult:
+    """Run one scenario to the end and judge it. `during` runs after the fault
+    (e.g. restart etcd) while the job recovers."""
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    rng = random.Random(seed)
+    steps = steps or SCENARIO_STEPS.get(name, 40)
+    ckpt = workdir / "ckpt"
+    spec = JobSpec(
+        workdir=workdir, backend=backend, endpoint=endpoint, launcher=launcher,
+        run_id=f"chaos-{name}-{uuid.uuid4().hex[:8]}",  # several jobs may share one etcd
+        script_args=[
+            "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
+            "--ckpt-every", "5", "--hang-timeout", "3", "--dropout", "0.1", *model_args,
+        ],
+        env=scenario_env(name),
+    )
+    with ChaosJob(spec) as job:
+        job.start()
+        expected = SCENARIOS[name](job, rng)
+        if during is not None:
+            during(job)
+        codes = job.wait(timeout)
+        ends = [r["step"] for r in job.records() if r["event"] == "end"]
+        final, error = verified_final_checkpoint(ckpt, steps) if ckpt.is_dir() else (None, "no checkpoint directory")
+        return ScenarioResult(
+            scenario=name,
+            exit_codes=codes,
+            expected_codes=expected,
+            end_step=ends[-1] if ends else None,
+            max_steps=steps,
+            recovery_seconds=[job.recovery_seconds(t) for _, t in job.faults],
+            final_checkpoint=final,
+            checkpoint_error=error,
+            logs=job.logs(),
+        )
