@@ -22,7 +22,10 @@ README ("Recovery settings") explains each trade-off.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 RECOVERY_RDZV_CONF = {
     "last_call_timeout": "2",
@@ -40,6 +43,30 @@ def merged_rdzv_conf(user_conf: str) -> str:
     return ",".join(given + extra)
 
 
+# Exit statuses the runtime gives its workers, for the failure summary.
+_KNOWN_EXITS = {124: "the hang watchdog (no step completed in --hang-timeout)", 143: "SIGTERM (preemption)"}
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}" + (f", {_KNOWN_EXITS[exitcode]}" if exitcode in _KNOWN_EXITS else "")
+
+
+def failure_summary(error: ChildFailedError, max_restarts: int) -> str:
+    """One line for the end of a failed job: who failed first, how, and that the
+    restarts are used up (the checkpoints already committed stay as they are)."""
+    rank, failure = error.get_first_failure()
+    return (
+        f"torchrevive-run: job failed: worker rank {rank} {describe_exit(failure.exitcode)}, "
+        f"and this agent has used up --max-restarts={max_restarts}; committed checkpoints are kept, "
+        "run the job again to resume from the newest one"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import parse_args, run
@@ -47,7 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
-    record(run)(args)
+    try:
+        record(run)(args)  # torch's own report of the failure comes first
+    except ChildFailedError as error:
+        print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,23 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
     restores = [e for e in recorded if e["event"] == "restore"]
     assert restores and restores[-1]["step"] == 10, "resumed from the checkpoint before the hang"
     assert [e["step"] for e in recorded if e["event"] == "end"] == [30]
+
+
+def test_more_faults_than_max_restarts_fail_with_a_summary_and_a_good_checkpoint(tmp_path: Path, tiny_corpus: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = [
+        "--data", str(tiny_corpus), "--max-steps", "40", "--eval-every", "0", "--ckpt-dir", str(ckpt),
+        "--ckpt-every", "5", *TINY_MODEL,
+    ]
+    command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+               "--monitor-interval=0.5", str(REPO / "recipes" / "gpt.py"), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO,
+                          env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:restart=any"))
+    assert done.returncode != 0
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("torchrevive-run: job failed: worker rank 1 killed by SIGKILL"), last_line
+    assert "--max-restarts=1" in last_line
+    inspect = subprocess.run([sys.executable, "-m", "elastic.checkpoint", "inspect", str(ckpt)],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
+    assert "step_00000010" in inspect.stdout
