@@ -23,11 +23,12 @@ transactions whose retry is harmless (see `EtcdStore.add`).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Marks a put's lease in a request built before sending (see `put_op`).
+_CURRENT_LEASE = object()
 DEFAULT_PORT = 2379
 DEFAULT_TTL = 7200
 DEFAULT_READ_TIMEOUT = 60.0
@@ -78,6 +81,11 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
     for part in (p.strip() for p in (text or "").split(",")):
         if not part:
             continue
+        scheme, sep, rest = part.partition("://")
+        if sep:  # http://h:2379 is what etcd's own flags look like: accept it
+            if scheme not in ("http", "https"):
+                raise ValueError(f"etcd endpoint {part!r}: only http:// or https:// (or no scheme)")
+            part = rest.rstrip("/")
         if part.startswith("["):
             host, _, rest = part[1:].partition("]")
             port_text = rest[1:] if rest.startswith(":") else ""
@@ -113,7 +121,7 @@ class EtcdOptions:
     ssl_cert: str | None = None
     ssl_cert_key: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> EtcdOptions:
@@ -145,8 +153,15 @@ class EtcdOptions:
             raise ValueError("rdzv-conf password needs user")
         if user and password is None:
             raise ValueError("rdzv-conf user needs password or password_file")
+        endpoints = parse_endpoints(params.endpoint)
+        schemes = {p.strip().partition("://")[0] for p in params.endpoint.split(",") if "://" in p}
+        if schemes - {protocol}:
+            raise ValueError(
+                f"--rdzv-endpoint says {'/'.join(sorted(schemes))}:// but the protocol is {protocol}: "
+                f"add protocol={'/'.join(sorted(schemes))} to --rdzv-conf"
+            )
         return cls(
-            endpoints=parse_endpoints(params.endpoint),
+            endpoints=endpoints,
             key_prefix=prefix,
             ttl=ttl,
             read_timeout=read_timeout,
@@ -163,12 +178,13 @@ def _positive(params: RendezvousParameters, name: str, default: T, kind: Callabl
     text = params.get(name)
     if text is None or text == "":
         return default
+    what = "a positive integer" if kind is int else "a positive, finite number"
     try:
         value = kind(str(text))
     except ValueError:
-        raise ValueError(f"rdzv-conf {name} must be a positive number, not {text!r}") from None
-    if value <= 0:  # type: ignore[operator]
-        raise ValueError(f"rdzv-conf {name} must be a positive number, not {text!r}")
+        raise ValueError(f"rdzv-conf {name} must be {what}, not {text!r}") from None
+    if not 0 < value < math.inf:  # type: ignore[operator]  # also rejects nan
+        raise ValueError(f"rdzv-conf {name} must be {what}, not {text!r}")
     return value
 
 
@@ -185,10 +201,17 @@ def _reason(exc: BaseException) -> str:
     return etcd_message(exc) or type(exc).__name__
 
 
+def _tls_is_misconfigured(exc: BaseException) -> bool:
+    """A TLS failure that retrying cannot cure (verification, keys), as opposed to a
+    handshake cut short by a restarting server ('EOF occurred in violation of protocol')."""
+    text = str(exc).upper()
+    return any(sign in text for sign in ("VERIFY", "ALERT", "KEY_VALUES_MISMATCH", "PEM", "NO_CERTIFICATE", "WRONG_VERSION"))
+
+
 def _tls_reason(exc: BaseException) -> str:
     """The useful part of an SSL error ('CERTIFICATE_VERIFY_FAILED', 'tlsv13 alert ...')."""
     text = str(exc)
-    match = re.search(r"\[SSL: ([A-Z_]+)\]|(tlsv\d+ alert [a-z ]+)|(certificate verify failed[^(]*)", text)
+    match = re.search(r"\[(?:SSL|X509|PEM): ([A-Z_]+)\]|(tlsv\d+ alert [a-z ]+)|(certificate verify failed[^(]*)|\[SSL\] ([^(']+)", text)
     if match:
         return next(g for g in match.groups() if g).strip()
     return text[:200]
@@ -227,6 +250,7 @@ class EtcdClient:
         ]
         self._current = 0
         self._auth_lock = threading.Lock()
+        self._lease_lock = threading.Lock()
         self._closed = threading.Event()
         if options.user:
             self._call("authenticate", self._authenticate, retry_auth=False)
@@ -247,12 +271,15 @@ class EtcdClient:
 
     def _call(self, what: str, request: Callable[[Etcd3Client], T], *, retry_auth: bool = True) -> T:
         """Run `request` against the current endpoint, failing over and retrying
-        connection failures until `read_timeout` is spent."""
+        what an etcd restart looks like (refused or reset connections, TLS
+        handshakes cut short, the gateway's 500s and 503s) until `read_timeout`
+        is spent. Expired tokens and lost leases are renewed, then retried."""
         started = time.monotonic()
         deadline = started + self.options.read_timeout
         backoff = 0.05
         failures: dict[str, str] = {}
         attempts = 0
+        renewed: set[str] = set()
         while True:
             index = self._current
             client = self._clients[index]
@@ -260,21 +287,34 @@ class EtcdClient:
             try:
                 reply = request(client)
             except (etcd_exceptions.ConnectionFailedError, etcd_exceptions.ConnectionTimeoutError) as exc:
-                if isinstance(exc.__context__, requests.exceptions.SSLError):
+                cause = exc.__context__
+                if isinstance(cause, requests.exceptions.SSLError) and _tls_is_misconfigured(cause):
                     # A certificate does not become valid by waiting: say so now.
                     raise RendezvousConnectionError(
-                        f"etcd at {endpoint}: TLS failed ({_tls_reason(exc.__context__)}); "
+                        f"etcd at {endpoint}: TLS failed ({_tls_reason(cause)}); "
                         "check protocol, ca_cert, ssl_cert and ssl_cert_key"
                     ) from exc
                 failures[endpoint] = _reason(exc)
                 self._current = (index + 1) % len(self._clients)
+            except etcd_exceptions.InternalServerError as exc:
+                # The gateway answers 500 while the etcd behind it restarts.
+                failures[endpoint] = etcd_message(exc) or "internal server error"
+                self._current = (index + 1) % len(self._clients)
             except etcd_exceptions.Etcd3Exception as exc:
                 message = etcd_message(exc)
-                if retry_auth and self.options.user and "auth token" in message:
+                if retry_auth and self.options.user and "auth" in message and "auth" not in renewed:
+                    renewed.add("auth")  # an expired token, or one from before etcd restarted
                     self._call("authenticate", self._authenticate, retry_auth=False)
-                    retry_auth = False
+                    continue
+                if "lease not found" in message and "lease" not in renewed:
+                    renewed.add("lease")  # gone while etcd was out of reach longer than the ttl
+                    self._renew_lease(message)
                     continue
                 raise RendezvousConnectionError(f"etcd at {endpoint} refused to {what}: {message or exc}") from exc
+            except (requests.exceptions.RequestException, ValueError) as exc:
+                # A reply cut off mid-body (ChunkedEncodingError, bad JSON) while etcd stops.
+                failures[endpoint] = type(exc).__name__
+                self._current = (index + 1) % len(self._clients)
             else:
                 if failures:
                     seen = "; ".join(f"{e}: {r}" for e, r in failures.items())
@@ -288,9 +328,12 @@ class EtcdClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     seen = "; ".join(f"{e}: {r}" for e, r in failures.items())
+                    hint = ""
+                    if self.options.protocol == "http" and any("closed connection" in r for r in failures.values()):
+                        hint = "; if etcd serves https, add protocol=https"
                     raise RendezvousConnectionError(
                         f"cannot reach etcd at {self.endpoints_text} to {what} within "
-                        f"{self.options.read_timeout:g} s ({seen})"
+                        f"{self.options.read_timeout:g} s ({seen}){hint}"
                     )
                 time.sleep(min(backoff, remaining))
                 backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
@@ -298,9 +341,11 @@ class EtcdClient:
     def _authenticate(self, client: Etcd3Client) -> None:
         with self._auth_lock:
             try:
+                # Without the old token: etcd refuses a login that carries a stale one.
                 reply = client.post(
                     client.get_url("/auth/authenticate"),
                     json={"name": self.options.user, "password": self.options.password},
+                    headers={"Authorization": None},
                 )
             except (etcd_exceptions.ConnectionFailedError, etcd_exceptions.ConnectionTimeoutError):
                 raise
@@ -313,7 +358,19 @@ class EtcdClient:
     def txn(self, compare: list[dict], success: list[dict], failure: list[dict], what: str) -> dict[str, Any]:
         """One etcd transaction; returns the gateway's reply."""
         payload = {"compare": compare, "success": success, "failure": failure}
-        return self._call(what, lambda c: c.transaction(payload))
+        return self._call(what, lambda c: c.transaction(self._with_lease(payload)))
+
+    def _with_lease(self, payload: dict[str, Any]) -> dict[str, Any]:
+        lease = self.lease_id
+
+        def fill(ops: list[dict]) -> list[dict]:
+            return [
+                {"request_put": {**op["request_put"], "lease": lease}}
+                if op.get("request_put", {}).get("lease") is _CURRENT_LEASE else op
+                for op in ops
+            ]
+
+        return {**payload, "success": fill(payload["success"]), "failure": fill(payload["failure"])}
 
     def range(self, key: bytes, *, prefix: bool = False, count_only: bool = False, what: str = "read") -> dict[str, Any]:
         payload: dict[str, Any] = {"key": _encode(key)}
@@ -337,14 +394,21 @@ class EtcdClient:
     # --- request builders ---------------------------------------------------------
 
     def put_op(self, key: bytes, value: bytes) -> dict[str, Any]:
-        """A put for a transaction, attached to this client's lease."""
-        return {"request_put": {"key": _encode(key), "value": _encode(value), "lease": self.lease_id}}
+        """A put for a transaction, attached to this client's lease (the lease's id
+        is filled in when the request is sent: it changes if the lease is lost)."""
+        return {"request_put": {"key": _encode(key), "value": _encode(value), "lease": _CURRENT_LEASE}}
 
     @staticmethod
     def range_op(key: bytes) -> dict[str, Any]:
         return {"request_range": {"key": _encode(key)}}
 
     # --- the lease ------------------------------------------------------------------
+
+    def _renew_lease(self, why: str) -> None:
+        with self._lease_lock:
+            logger.warning("etcd lease %x is gone (%s); what this process wrote with it expired; granting a new one",
+                           self.lease_id, why)
+            self.lease_id = self._grant_lease()
 
     def _grant_lease(self) -> int:
         reply = self._call(

@@ -25,6 +25,7 @@ from datetime import timedelta
 
 from etcd3gw.utils import _encode
 from torch.distributed import DistStoreError, Store
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastic.rendezvous.etcd_client import EtcdClient, KeyValue, txn_range_results
 
@@ -32,6 +33,12 @@ from elastic.rendezvous.etcd_client import EtcdClient, KeyValue, txn_range_resul
 # arrive within milliseconds), back off so idle waiters cost etcd little.
 _FIRST_POLL_SECONDS = 0.005
 _MAX_POLL_SECONDS = 0.1
+# etcd refuses transactions of more operations than --max-txn-ops (default 128).
+_MAX_TXN_OPS = 128
+
+
+def _batches(items: list, size: int = _MAX_TXN_OPS) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _as_bytes(data: str | bytes) -> bytes:
@@ -63,7 +70,8 @@ class EtcdStore(Store):
         if len(keys) != len(values):
             raise ValueError("multi_set needs as many values as keys")
         puts = [self._client.put_op(self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)]
-        self._client.txn([], puts, [], what="set store keys")
+        for batch in _batches(puts):  # atomic per batch of 128: enough for the agent's use
+            self._client.txn([], batch, [], what="set store keys")
 
     def add(self, key: str, amount: int) -> int:
         def added(current: KeyValue | None) -> bytes:
@@ -94,6 +102,14 @@ class EtcdStore(Store):
         if reply.get("succeeded"):
             return desired
         kvs = txn_range_results(reply)[0]
+        if kvs and not expected and kvs[0].value == b"":
+            # TCPStore: an empty expectation also matches a key that holds b"".
+            empty = {"key": etcd_key, "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0].mod_revision}
+            reply = self._client.txn([empty], [self._client.put_op(self._key(key), desired)],
+                                     [EtcdClient.range_op(self._key(key))], what="compare-and-set a store key")
+            if reply.get("succeeded"):
+                return desired
+            kvs = txn_range_results(reply)[0]
         return kvs[0].value if kvs else expected
 
     def delete_key(self, key: str) -> bool:
@@ -123,6 +139,10 @@ class EtcdStore(Store):
         reply = self._client.range(self._prefix, prefix=True, count_only=True, what="count store keys")
         return int(reply.get("count", 0))
 
+    # Through `dist.PrefixStore` torch's bridge calls these two by their C++ names.
+    deleteKey = delete_key  # noqa: N815
+    getNumKeys = num_keys  # noqa: N815
+
     # --- helpers ------------------------------------------------------------------
 
     def _deadline(self, timeout: timedelta | None) -> float:
@@ -130,22 +150,30 @@ class EtcdStore(Store):
 
     def _read(self, keys: list[str]) -> list[KeyValue | None]:
         """All keys in one transaction: a consistent snapshot."""
-        if not keys:
-            return []
-        reply = self._client.txn([], [EtcdClient.range_op(self._key(k)) for k in keys], [], what="read store keys")
-        return [kvs[0] if kvs else None for kvs in txn_range_results(reply)]
+        found: list[KeyValue | None] = []
+        for batch in _batches(list(keys)):
+            reply = self._client.txn([], [EtcdClient.range_op(self._key(k)) for k in batch], [], what="read store keys")
+            found += [kvs[0] if kvs else None for kvs in txn_range_results(reply)]
+        return found
 
     def _wait_until_present(self, keys: list[str], deadline: float) -> None:
         pause = _FIRST_POLL_SECONDS
         started = time.monotonic()
         while True:
-            missing = [k for k, kv in zip(keys, self._read(keys), strict=True) if kv is None]
+            try:
+                missing = [k for k, kv in zip(keys, self._read(keys), strict=True) if kv is None]
+                unreachable = None
+            except RendezvousConnectionError as exc:  # a wait times out as a wait, etcd down or not
+                missing, unreachable = list(keys), exc
             if not missing:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 waited = round((time.monotonic() - started) * 1000)
-                raise DistStoreError(f"wait timeout after {waited}ms, keys: {', '.join(missing)} (etcd store)")
+                raise DistStoreError(
+                    f"wait timeout after {waited}ms, keys: {', '.join(missing)} (etcd store"
+                    + (f"; {unreachable})" if unreachable else ")")
+                ) from unreachable
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, _MAX_POLL_SECONDS)
 

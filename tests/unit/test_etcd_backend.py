@@ -165,8 +165,11 @@ def test_unreachable_etcd_raises_connection_error_naming_the_endpoint() -> None:
 @pytest.mark.parametrize(
     ("conf", "message"),
     [
-        ({"ttl": "soon"}, "ttl must be a positive number"),
-        ({"read_timeout": "0"}, "read_timeout must be a positive number"),
+        ({"ttl": "soon"}, "ttl must be a positive integer"),
+        ({"read_timeout": "0"}, "read_timeout must be a positive, finite number"),
+        ({"read_timeout": "inf"}, "read_timeout must be a positive, finite number"),
+        ({"read_timeout": "nan"}, "read_timeout must be a positive, finite number"),
+        ({"ttl": "1.5"}, "ttl must be a positive integer"),
         ({"protocol": "ftp"}, "protocol must be http or https"),
         ({"protocol": "https", "ca_cert": "/no/such/ca.pem"}, "ca_cert: no such file"),
         ({"password": "x"}, "password needs user"),
@@ -212,3 +215,37 @@ def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["DynamicRendezvousHandler", "etcd-v3"]
     assert "Exception while registering" not in done.stderr
+
+
+def test_endpoints_may_be_urls_whose_scheme_matches_the_protocol() -> None:
+    options = EtcdOptions.from_params(params("http://a:1,http://b:2/"))
+    assert [str(e) for e in options.endpoints] == ["a:1", "b:2"]
+    with pytest.raises(ValueError, match="add protocol=https"):
+        EtcdOptions.from_params(params("https://a:1"))
+
+
+def test_password_stays_out_of_repr() -> None:
+    options = EtcdOptions.from_params(params("a:1", user="root", password="hunter2"))
+    assert "hunter2" not in repr(options)
+
+
+def test_writes_go_on_after_the_lease_is_lost(shared_etcd) -> None:
+    backend, store = create_backend(params(shared_etcd.endpoint))
+    _, token, _ = backend.set_state(b"before")
+    shared_etcd.etcdctl("lease", "revoke", f"{backend._client.lease_id:x}")  # its keys go with it
+    assert backend.get_state() is None
+    _, token, written = backend.set_state(b"after")
+    store.set("k", "v")
+    assert written and backend.get_state() == (b"after", token)
+
+
+def test_auth_token_is_renewed_after_etcd_restarts(etcd) -> None:
+    etcd.etcdctl("user", "add", "root", "--new-user-password=pw")
+    etcd.etcdctl("auth", "enable")
+    backend, store = create_backend(params(etcd.endpoint, user="root", password="pw", read_timeout=20))
+    backend.set_state(b"s")
+    etcd.stop()
+    etcd.start()  # simple tokens do not survive a restart
+    assert backend.get_state()[0] == b"s"
+    store.set("k", "v")
+    assert store.get("k") == b"v"

@@ -38,8 +38,12 @@ def make_store(request, tcp_server, shared_etcd):
             client = dist.TCPStore("127.0.0.1", tcp_server.port, 1, False, timeout=TIMEOUT)
             return dist.PrefixStore(namespace, client)
     else:
+        keep_alive = []  # the Python object must outlive its C++ wrapper, as the agent's handler keeps it
+
         def make() -> dist.Store:
-            return etcd_store(shared_etcd.endpoint, namespace)
+            # Wrapped as the agent wraps it: calls cross torch's C++ bridge.
+            keep_alive.append(etcd_store(shared_etcd.endpoint, namespace))
+            return dist.PrefixStore("agent", keep_alive[-1])
     return make
 
 
@@ -183,3 +187,28 @@ def test_etcd_add_counts_once_when_a_reply_is_lost(shared_etcd) -> None:
     assert store.add("counter", 5) == 5
     assert lost, "the test did not replay a transaction"
     assert store.add("counter", 0) == 5
+
+
+def test_compare_set_with_an_empty_expectation_matches_an_empty_value(store) -> None:
+    store.set("blank", "")
+    assert store.compare_set("blank", "", "filled") == b"filled"
+    assert store.get("blank") == b"filled"
+
+
+def test_more_keys_than_one_etcd_transaction_takes(store) -> None:
+    keys = [f"node{i}" for i in range(300)]  # etcd's --max-txn-ops is 128
+    store.multi_set(keys, [str(i) for i in range(300)])
+    assert store.multi_get(keys) == [str(i).encode() for i in range(300)]
+    assert store.check(keys)
+    store.wait(keys, timedelta(seconds=5))
+
+
+def test_wait_while_etcd_is_down_times_out_as_a_wait(etcd) -> None:
+    params = RendezvousParameters(backend="etcd-v3", endpoint=etcd.endpoint, run_id=uuid.uuid4().hex, min_nodes=1,
+                                  max_nodes=1, read_timeout="1")
+    _, store = create_backend(params)
+    etcd.stop()
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        store.wait(["never"], timedelta(milliseconds=200))
+    assert time.monotonic() - started < 10
