@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from elastic.chaos.harness import ChaosJob, JobSpec
+
 REPO = Path(__file__).resolve().parent.parent
-RECIPE = REPO / "recipes" / "gpt.py"
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
 SETTINGS = ("stock", "ours")
 
@@ -56,12 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def corpus(directory: Path) -> Path:
     """Text the tiny model learns from: this repository's Python sources."""
     path = directory / "corpus.txt"
@@ -69,76 +61,14 @@ def corpus(directory: Path) -> Path:
     return path
 
 
-class Job:
-    """Two agents of one elastic job under a given setting, with its event log."""
-
-    def __init__(self, setting: str, workdir: Path, data: Path, steps: int = 10_000_000) -> None:
-        self.workdir = workdir
-        workdir.mkdir(parents=True)
-        self.events = workdir / "events.jsonl"
-        launcher = ["-m", "torch.distributed.run"] if setting == "stock" else ["-m", "elastic.launch"]
-        port = free_port()
-        command = [
-            sys.executable, *launcher, "--nnodes=1:3", "--nproc-per-node=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={workdir.name}", "--max-restarts=100",
-            "--local-addr=127.0.0.1", str(RECIPE), "--data", str(data), "--max-steps", str(steps),
-            "--eval-every", "0", "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "20",
-            "--events", str(self.events), "--log-every", "1000", *TINY,
-        ]
-        env = {k: v for k, v in os.environ.items() if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)}
-        # LOGLEVEL=INFO: torchrun then logs each completed round and each restart it counts.
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
-        self.agents = []
-        for i in range(2):
-            log = open(workdir / f"agent{i}.log", "wb")
-            self.agents.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO))
-
-    def records(self) -> list[dict]:
-        out = []
-        if self.events.exists():
-            for line in self.events.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a torn last line
-        return out
-
-    def last_step(self) -> tuple[int, float]:
-        steps = [r for r in self.records() if r["event"] == "step"]
-        return (steps[-1]["step"], steps[-1]["time"]) if steps else (0, 0.0)
-
-    def workers(self) -> list[int]:
-        found = []
-        for agent in self.agents:
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    try:
-                        stat = (entry / "stat").read_text()
-                    except OSError:
-                        continue
-                    if int(stat.rpartition(")")[2].split()[1]) == agent.pid:
-                        found.append(int(entry.name))
-        return found
-
-    def stop(self) -> None:
-        for agent in self.agents:
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGINT)
-        deadline = time.time() + 30
-        for agent in self.agents:
-            try:
-                agent.wait(max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
-        for pid in self.workers():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def agent_log(self, i: int) -> str:
-        return (self.workdir / f"agent{i}.log").read_text(errors="replace")
+def start_job(setting: str, workdir: Path, data: Path, steps: int = 10_000_000) -> ChaosJob:
+    """Two agents of one long job; `stock` is torchrun with torch's defaults throughout."""
+    spec = JobSpec(
+        workdir=workdir, launcher=setting, max_restarts=100, rdzv_conf="", run_id=workdir.name,
+        script_args=["--data", str(data), "--max-steps", str(steps), "--eval-every", "0",
+                     "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "20", "--log-every", "1000", *TINY],
+    )
+    return ChaosJob(spec).start()
 
 
 def wait_until(condition, timeout: float, interval: float = 0.05):
@@ -151,61 +81,35 @@ def wait_until(condition, timeout: float, interval: float = 0.05):
     return None
 
 
-def recovered_at(job: Job, killed_at: float) -> float | None:
-    """Time of the first step completed by a worker group started after `killed_at`."""
-    restarted = False
-    for record in job.records():
-        if record["time"] <= killed_at:
-            continue
-        if record["event"] == "start":
-            restarted = True
-        elif record["event"] == "step" and restarted:
-            return record["time"]
-    return None
-
-
-def kill_random_worker(job: Job, rng: random.Random) -> float:
-    workers = wait_until(lambda: job.workers() if len(job.workers()) >= 2 else None, 60)
-    if not workers:
-        raise RuntimeError("the job has fewer than two workers to kill from")
-    victim = rng.choice(sorted(workers))
-    killed_at = time.time()
-    os.kill(victim, signal.SIGKILL)
-    return killed_at
-
-
-def restarts_consumed(job: Job) -> list[int]:
+def restarts_consumed(job: ChaosJob) -> list[int]:
     """Failures each agent counted: torchrun logs 'N/M attempts left' once per restart."""
-    counts = []
-    for i in range(2):
-        counts.append(len(re.findall(r"\d+/100 attempts left", job.agent_log(i))))
-    return counts
+    return [len(re.findall(r"\d+/100 attempts left", job.agent_log(i))) for i in range(len(job.agents))]
 
 
-def rounds_completed(job: Job) -> int:
+def rounds_completed(job: ChaosJob) -> int:
     return len(re.findall(r"Rendezvous complete for workers", job.agent_log(0)))
 
 
 def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    job = Job(setting, workdir, data)
+    job = start_job(setting, workdir, data)
     times: list[float] = []
     failures = 0
     try:
-        if not wait_until(lambda: job.last_step()[0] >= 20, 180):
-            raise RuntimeError(f"{setting}: the job did not start:\n{job.agent_log(0)[-3000:]}")
+        job.wait_for_step(20)
         for _ in range(args.kills):
             time.sleep(args.settle)
-            killed_at = kill_random_worker(job, rng)
-            back = wait_until(lambda: recovered_at(job, killed_at), args.recovery_limit, interval=0.1)
+            job.signal_worker(signal.SIGKILL, rng=rng)
+            killed_at = job.faults[-1][1]
+            back = wait_until(lambda: job.recovery_seconds(killed_at), args.recovery_limit, interval=0.1)
             if back is None:
                 failures += 1
                 times.append(args.recovery_limit)
             else:
-                times.append(back - killed_at)
+                times.append(back)
             print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s", flush=True)
     finally:
-        job.stop()
+        job.close()
     return {
         "recovery_s": times,
         "median_s": statistics.median(times),
@@ -219,22 +123,21 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
 def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Namespace, faults: bool) -> float:
     """Steps per second of wall time the job keeps, from its first step on."""
     rng = random.Random(args.seed + 1)
-    job = Job(setting, workdir, data)
+    job = start_job(setting, workdir, data)
     try:
-        if not wait_until(lambda: job.last_step()[0] >= 1, 180):
-            raise RuntimeError(f"{setting}: the job did not start:\n{job.agent_log(0)[-3000:]}")
-        _, started = job.last_step()
-        start_step = job.last_step()[0]
+        job.wait_for_step(1)
+        first = next(r for r in job.records() if r["event"] == "step")
+        started, start_step = first["time"], first["step"]
         end = started + args.goodput_seconds
         next_kill = started + args.goodput_interval
         while time.time() < end:
             if faults and time.time() >= next_kill:
-                kill_random_worker(job, rng)
+                job.signal_worker(signal.SIGKILL, rng=rng)
                 next_kill += args.goodput_interval
             time.sleep(0.1)
         reached = max((r["step"] for r in job.records() if r["event"] == "step" and r["time"] <= end), default=0)
     finally:
-        job.stop()
+        job.close()
     return (reached - start_step) / args.goodput_seconds
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from elastic.chaos.harness import children_of, rank_of  # noqa: F401 - children_of is re-exported
+
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
 
@@ -101,31 +103,9 @@ def run_recipe(*args: str, timeout: float = 120, env: dict[str, str] | None = No
     )
 
 
-def children_of(pid: int) -> list[int]:
-    """Direct children of a process (from /proc), e.g. the workers of a torchrun agent."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # The command name may hold spaces; the parent pid is the 2nd field after it.
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def worker_rank(pid: int) -> int | None:
     """The RANK a torchrun worker was started with, read from its environment."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
+    return rank_of(pid)
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

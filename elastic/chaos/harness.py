@@ -65,7 +65,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -78,7 +78,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _rank_of(pid: int) -> int | None:
+def rank_of(pid: int) -> int | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
@@ -115,6 +115,8 @@ class ChaosJob:
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+        if self.spec.launcher == "stock":
+            env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # stock means torch's defaults
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
         env.update(self.spec.env)
         return env
@@ -165,13 +167,16 @@ class ChaosJob:
     def last_step(self) -> int:
         return max((r["step"] for r in self.records() if r["event"] == "step"), default=0)
 
+    def agent_log(self, index: int) -> str:
+        return (self.spec.workdir / f"agent{index}.log").read_text(errors="replace")
+
     def workers(self) -> dict[int, int]:
         """rank -> pid of every live worker."""
         found = {}
         for agent in self.agents:
             if agent.poll() is None:
-                for pid in _children(agent.pid):
-                    rank = _rank_of(pid)
+                for pid in children_of(agent.pid):
+                    rank = rank_of(pid)
                     if rank is not None:
                         found[rank] = pid
         return found
@@ -234,7 +239,7 @@ class ChaosJob:
     def _kill_node(self, index: int) -> None:
         # torchrun starts each worker in a session of its own: signal them one by one.
         agent = self.agents[index]
-        workers = _children(agent.pid)
+        workers = children_of(agent.pid)
         for pid in [agent.pid, *workers]:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -40,3 +40,22 @@ def test_checkpoint_benchmark_rejects_a_bad_flag_in_one_line() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "error: argument --configs" in result.stderr
+
+
+def test_recovery_benchmark_measures_a_kill() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/recovery.py", "--settings", "ours", "--kills", "1", "--settle", "1",
+         "--goodput-seconds", "0", "--recovery-limit", "120"],
+        capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    row = re.search(r"^ours +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$", result.stdout, flags=re.M)
+    assert row, result.stdout
+    assert float(row.group(1)) < 120, "the kill was not recovered from"
+    assert row.group(3) == "0", "a rendezvous round failed"
+
+
+def test_recovery_benchmark_rejects_unknown_settings() -> None:
+    result = subprocess.run([sys.executable, "benchmarks/recovery.py", "--settings", "fast"], capture_output=True,
+                            text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 2 and "--settings takes stock, ours" in result.stderr
