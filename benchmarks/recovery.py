@@ -86,6 +86,12 @@ def restarts_consumed(job: ChaosJob) -> list[int]:
     return [len(re.findall(r"\d+/100 attempts left", job.agent_log(i))) for i in range(len(job.agents))]
 
 
+def wait_for_both_workers(job: ChaosJob, timeout: float = 180) -> None:
+    """Agent 1 may join a round after agent 0 started alone: measure from world size 2."""
+    if not wait_until(lambda: any(r["event"] == "step" and r["world_size"] == 2 for r in job.records()), timeout):
+        raise RuntimeError(f"the two agents never trained together:\n{job.logs()}")
+
+
 def rounds_completed(job: ChaosJob) -> int:
     return len(re.findall(r"Rendezvous complete for workers", job.agent_log(0)))
 
@@ -95,10 +101,12 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
     job = start_job(setting, workdir, data)
     times: list[float] = []
     failures = 0
+    failed_rounds = 0
     try:
-        job.wait_for_step(20)
+        wait_for_both_workers(job)
         for _ in range(args.kills):
             time.sleep(args.settle)
+            rounds_before = rounds_completed(job)  # (the second agent may have joined in a round of its own)
             job.signal_worker(signal.SIGKILL, rng=rng)
             killed_at = job.faults[-1][1]
             back = wait_until(lambda: job.recovery_seconds(killed_at), args.recovery_limit, interval=0.1)
@@ -107,6 +115,7 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
                 times.append(args.recovery_limit)
             else:
                 times.append(back)
+            failed_rounds += max(0, rounds_completed(job) - rounds_before - 1)  # one round per kill is the price
             print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s", flush=True)
     finally:
         job.close()
@@ -115,7 +124,7 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
         "median_s": statistics.median(times),
         "worst_s": max(times),
         "unrecovered": failures,
-        "failed_rounds": max(0, rounds_completed(job) - 1 - args.kills),
+        "failed_rounds": failed_rounds,
         "restarts_consumed": restarts_consumed(job),
     }
 
@@ -125,8 +134,8 @@ def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Name
     rng = random.Random(args.seed + 1)
     job = start_job(setting, workdir, data)
     try:
-        job.wait_for_step(1)
-        first = next(r for r in job.records() if r["event"] == "step")
+        wait_for_both_workers(job)
+        first = next(r for r in job.records() if r["event"] == "step" and r["world_size"] == 2)
         started, start_step = first["time"], first["step"]
         end = started + args.goodput_seconds
         next_kill = started + args.goodput_interval

@@ -3,7 +3,8 @@
     python -m elastic.chaos --scenario kill-worker --scenario node-loss
     python -m elastic.chaos --scenario all --backend etcd-v3 --endpoint 127.0.0.1:2379
 
-Each scenario starts a fresh job of two torchrun agents (`--nnodes=1:3`),
+Each scenario starts a fresh job of two torchrun agents (`--nnodes=2:3`, or 1:3
+for node-loss and scale-up),
 injects its fault once training is under way, waits for the end and prints one
 line: exit codes, the step reached, recovery time from the event log, and
 whether the final checkpoint verifies. Exit status: 0 when every scenario

@@ -379,6 +379,9 @@ SCENARIOS: dict[str, Scenario] = {
 # Scenarios that change the world size need the job to outlast a new round
 # (a joining agent first imports torch): they train longer.
 SCENARIO_STEPS = {"scale-up": 400, "node-loss": 200}
+# Jobs whose world size must stay 2 wait for both agents before the first round
+# (with a minimum of 1, the first agent could train alone until the second joins).
+SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3"}
 
 
 def scenario_env(name: str) -> dict[str, str]:
@@ -407,7 +410,7 @@ def run_scenario(
     steps = steps or SCENARIO_STEPS.get(name, 40)
     ckpt = workdir / "ckpt"
     spec = JobSpec(
-        workdir=workdir, backend=backend, endpoint=endpoint, launcher=launcher,
+        workdir=workdir, backend=backend, endpoint=endpoint, launcher=launcher, nnodes=SCENARIO_NNODES.get(name, "2:3"),
         run_id=f"chaos-{name}-{uuid.uuid4().hex[:8]}",  # several jobs may share one etcd
         script_args=[
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
