@@ -16,16 +16,30 @@ did not set:
   `keep_alive_max_attempt=3` (a node that died is declared dead after about 3 s
   instead of 15 s). Values given in `--rdzv-conf` win.
 
+- Workers start warm (`elastic.warm_start`): forked from a fork server that
+  imported torch once per agent, instead of a fresh `python -u script.py`
+  that imports torch on every restart. This is torchrun's own
+  `--start-method=forkserver` with the script run in the forked process (as
+  `--run-path` does); `--start-method` given explicitly, `--no-python`, or
+  `TORCHREVIVE_PRELOAD=` (empty) keep torch's way.
+
 README ("Recovery settings") explains each trade-off.
 """
 
 from __future__ import annotations
 
+import argparse
+import multiprocessing
 import os
 import signal
 import sys
+import uuid
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from elastic.errors import UsageError
+from elastic.runtime import prefetch_slow_imports
+from elastic.warm_start import AGENT_PID_ENV, preload_modules, run_module, run_script
 
 RECOVERY_RDZV_CONF = {
     "last_call_timeout": "2",
@@ -69,16 +83,62 @@ def failure_summary(error: ChildFailedError, max_restarts: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
-    from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        preload = preload_modules()
+        check_script(args)
+    except UsageError as error:
+        print(f"torchrevive-run: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    # torch's log formatter imports torch._dynamo (1-3 s) the first time the agent
+    # logs a worker's traceback: on the path of the first recovery unless done now.
+    prefetch_slow_imports()
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     try:
-        record(run)(args)  # torch's own report of the failure comes first
+        record(launch)(args, preload)  # torch's own report of the failure comes first
     except ChildFailedError as error:
         print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def check_script(args: argparse.Namespace) -> None:
+    """A Python script that is not there fails now, once, rather than in every
+    worker of every restart."""
+    if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
+        raise UsageError(f"training script {args.training_script} does not exist")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """torchrun's own parser; `start_method` is None when neither the command line
+    nor PET_START_METHOD chose one (torch would take spawn)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"))
+    return parser.parse_args(argv)
+
+
+def launch(args: argparse.Namespace, preload: tuple[str, ...]) -> None:
+    """What `torch.distributed.run.run` does, with warm worker starts when they apply."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    warm = bool(preload) and not args.no_python and args.start_method in (None, "forkserver")
+    args.start_method = "forkserver" if warm else (args.start_method or "spawn")
+    if args.standalone:  # as torchrun: a one-node job with its own c10d store on a free port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if warm:
+        if not args.module:
+            args.training_script = os.path.abspath(args.training_script)
+        args.run_path = True  # torch then passes (script, *script_args) to a function entry point
+        os.environ[AGENT_PID_ENV] = str(os.getpid())  # inherited by the fork server and its workers
+        multiprocessing.set_forkserver_preload(list(preload))
+    config, entrypoint, entry_args = config_from_args(args)
+    if warm:
+        entrypoint = run_module if args.module else run_script
+    elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
 
 
 if __name__ == "__main__":

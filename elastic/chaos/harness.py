@@ -78,11 +78,26 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Children, grandchildren, ...: warm workers are children of the agent's fork server."""
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for parent in frontier for child in children_of(parent)]
+        found += children
+        frontier = children
+    return found
+
+
 def rank_of(pid: int) -> int | None:
+    """The RANK of a torchrun worker: from its process name (`python-rank<R>`, set by
+    warm workers, which share their fork server's environment) or its environment."""
     try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
+    if comm.startswith("python-rank") and comm[len("python-rank"):].isdigit():
+        return int(comm[len("python-rank"):])
     for item in environ:
         if item.startswith(b"RANK="):
             return int(item[5:])
@@ -175,7 +190,7 @@ class ChaosJob:
         found = {}
         for agent in self.agents:
             if agent.poll() is None:
-                for pid in children_of(agent.pid):
+                for pid in descendants_of(agent.pid):
                     rank = rank_of(pid)
                     if rank is not None:
                         found[rank] = pid
@@ -237,9 +252,9 @@ class ChaosJob:
         self._kill_node(index)
 
     def _kill_node(self, index: int) -> None:
-        # torchrun starts each worker in a session of its own: signal them one by one.
+        # torchrun starts each worker in a session of its own (or under a fork server): signal them one by one.
         agent = self.agents[index]
-        workers = children_of(agent.pid)
+        workers = descendants_of(agent.pid)
         for pid in [agent.pid, *workers]:
             try:
                 os.kill(pid, signal.SIGKILL)
