@@ -86,12 +86,17 @@ def torchrun_command(
     ]
 
 
-def standalone_command(nproc: int, script_args: Sequence[str], *, script: Path | str = GPT_RECIPE, max_restarts: int = 0) -> list[str]:
-    """A one-node torchrun job of `nproc` workers (its own c10d store on a free port)."""
+def standalone_command(
+    nproc: int, script_args: Sequence[str], *, script: Path | str = GPT_RECIPE, max_restarts: int = 0,
+    record_samples: bool = False,
+) -> list[str]:
+    """A one-node torchrun job of `nproc` workers (its own c10d store on a free port);
+    `record_samples` runs the script under `elastic.chaos.samples` (set ELASTIC_SAMPLE_LOG)."""
+    wrapper = ["-m", "elastic.chaos.samples"] if record_samples else []
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
-        str(script), *script_args,
+        *wrapper, str(script), *script_args,
     ]
 
 

@@ -31,7 +31,7 @@ def build_parser() -> OneLineArgumentParser:
     p.add_argument("--backend", choices=["c10d", "etcd-v3"], default="c10d")
     p.add_argument("--endpoint", default=None, help="etcd HOST:PORT (etcd-v3)")
     p.add_argument("--launcher", choices=["ours", "stock"], default="ours", help="elastic.launch or plain torchrun")
-    p.add_argument("--steps", type=positive_int, default=40, help="steps of each job")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps of each job (default: 40, 200 for node-loss, 400 for scale-up)")
     p.add_argument("--data", default=None, help="text for the recipe (default: this package's own sources)")
     p.add_argument("--workdir", default=None, help="keep jobs' logs, events and checkpoints here (default: temporary)")
     p.add_argument("--seed", type=int, default=0)

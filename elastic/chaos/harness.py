@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
+from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
@@ -55,6 +57,8 @@ class JobSpec:
     rdzv_conf: str = "join_timeout=60,close_timeout=10"
     env: dict[str, str] = field(default_factory=dict)
     run_id: str = "chaos"
+    sample_log: Path | None = None
+    """Record every rank's samples here (`elastic.chaos.samples`) for the exactly-once audit."""
 
 
 def _free_port() -> int:
@@ -125,14 +129,20 @@ class ChaosJob:
             f"--rdzv-backend={self.spec.backend}", f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.spec.run_id}", f"--rdzv-conf={self.spec.rdzv_conf}",
             f"--max-restarts={self.spec.max_restarts}", "--local-addr=127.0.0.1",
-            str(self.spec.script), *self.spec.script_args, "--events", str(self.events_path),
+            *self.script_command(), "--events", str(self.events_path),
         ]
+
+    def script_command(self) -> list[str]:
+        script = [str(self.spec.script), *self.spec.script_args]
+        return ["-m", "elastic.chaos.samples", *script] if self.spec.sample_log else script
 
     def environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
         if self.spec.launcher == "stock":
             env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # stock means torch's defaults
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
+        if self.spec.sample_log:
+            env[SAMPLE_LOG_ENV] = str(self.spec.sample_log)
         env.update(self.spec.env)
         return env
 
@@ -295,7 +305,13 @@ class ScenarioResult:
     recovery_seconds: list[float | None]
     final_checkpoint: str | None
     checkpoint_error: str | None
+    samples: SampleAudit
     logs: str
+
+    @property
+    def samples_ok(self) -> bool:
+        """Every step 1..max_steps survived once and used each sample of an epoch once."""
+        return self.samples.ok and (self.samples.first_step, self.samples.last_step) == (1, self.max_steps)
 
     @property
     def ok(self) -> bool:
@@ -304,6 +320,7 @@ class ScenarioResult:
             and self.end_step == self.max_steps
             and self.final_checkpoint is not None
             and all(r is not None for r in self.recovery_seconds)
+            and self.samples_ok
         )
 
     def summary(self) -> str:
@@ -312,7 +329,7 @@ class ScenarioResult:
         return (
             f"{self.scenario}: {verdict}; exit codes {self.exit_codes} (expected {self.expected_codes}); "
             f"ended at step {self.end_step}/{self.max_steps}; recovery {recoveries}; "
-            f"final checkpoint {self.final_checkpoint or self.checkpoint_error}"
+            f"final checkpoint {self.final_checkpoint or self.checkpoint_error}; {self.samples.summary()}"
         )
 
 
@@ -431,7 +448,7 @@ def run_scenario(
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
             "--ckpt-every", "5", "--hang-timeout", "3", "--dropout", "0.1", *model_args,
         ],
-        env=scenario_env(name),
+        env=scenario_env(name), sample_log=workdir / "samples",
     )
     with ChaosJob(spec) as job:
         job.start()
@@ -450,5 +467,6 @@ def run_scenario(
             recovery_seconds=[job.recovery_seconds(t) for _, t in job.faults],
             final_checkpoint=final,
             checkpoint_error=error,
+            samples=audit(workdir / "samples"),
             logs=job.logs(),
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -28,11 +27,10 @@ from support import (
 )
 from text_data import split_corpus
 
+from elastic.chaos.samples import audit
 from elastic.events import read_events
 
 pytestmark = pytest.mark.slow
-
-RECORDER = Path(__file__).resolve().parent / "record_samples.py"
 
 
 def logs(directory: Path) -> str:
@@ -91,21 +89,6 @@ def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, tiny_corpus: Pat
         assert not different, f"{name}: {len(different)} tensors differ after the kill at step {kill_after}, e.g. {different[:3]}"
 
 
-def epoch_zero_indices(log_prefix: Path, num_samples: int) -> list[int]:
-    """Every epoch-0 sample index any rank of any run trained on, with repeats."""
-    used = []
-    for log in sorted(log_prefix.parent.glob(log_prefix.name + ".rank*")):
-        for line in log.read_text().splitlines():
-            r = json.loads(line)
-            if r["epoch"] != 0:
-                continue
-            for j, index in enumerate(r["indices"]):
-                # Position in the global batch; positions past the epoch's end belong to epoch 1.
-                if r["consumed"] + r["rank"] * r["batch_size"] + j < num_samples:
-                    used.append(index)
-    return used
-
-
 def test_every_sample_once_across_world_sizes_2_3_1(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(random.Random(5), 4_000))
@@ -124,8 +107,8 @@ def test_every_sample_once_across_world_sizes_2_3_1(tmp_path: Path) -> None:
     ]
     for world, until in ((2, steps_w2), (3, steps_w2 + steps_w3), (1, total_steps)):
         result = subprocess.run(
-            standalone_command(world, [*common, "--max-steps", str(until)], script=RECORDER),
-            capture_output=True, text=True, timeout=180, cwd=REPO, env=worker_env(SAMPLE_LOG=str(log_prefix)),
+            standalone_command(world, [*common, "--max-steps", str(until)], record_samples=True),
+            capture_output=True, text=True, timeout=180, cwd=REPO, env=worker_env(ELASTIC_SAMPLE_LOG=str(log_prefix)),
         )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
@@ -133,9 +116,10 @@ def test_every_sample_once_across_world_sizes_2_3_1(tmp_path: Path) -> None:
     assert [(e["step"], e["world_size"]) for e in events if e["event"] == "restore"] == [
         (steps_w2, 3), (steps_w2 + steps_w3, 1),
     ]
-    used = epoch_zero_indices(log_prefix, n)
-    assert len(used) == n, f"{len(used)} epoch-0 samples trained on, the epoch has {n}"
-    assert sorted(used) == list(range(n)), "some sample was skipped or repeated"
+    samples = audit(log_prefix)
+    assert samples.ok, samples.problems
+    assert (samples.first_step, samples.last_step) == (1, total_steps)
+    assert samples.epochs_complete == 1, "the W=1 run reaches the end of epoch 0"
 
 
 def test_sigterm_to_one_worker_checkpoints_the_job_and_it_resumes(tmp_path: Path, tiny_corpus: Path) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from support import REPO
 
+from elastic.errors import UsageError
 from elastic.launch import RECOVERY_RDZV_CONF, merged_rdzv_conf
+from elastic.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
 
 
 def test_defaults_fill_an_empty_conf() -> None:
@@ -32,3 +35,16 @@ def test_takes_torchrun_flags_and_rejects_what_torchrun_rejects() -> None:
     bad = subprocess.run([sys.executable, "-m", "elastic.launch", "--nnodes=x:y", "script.py"], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
     assert bad.returncode != 0
+
+
+def test_preload_defaults_to_torch_and_an_empty_value_turns_warm_starts_off() -> None:
+    assert preload_modules({}) == DEFAULT_PRELOAD
+    assert preload_modules({PRELOAD_ENV: ""}) == ()
+    assert preload_modules({PRELOAD_ENV: " json , torch "}) == ("json", "torch")
+
+
+def test_preload_of_a_module_that_does_not_exist_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="'no_such_module_xyz'"):
+        preload_modules({PRELOAD_ENV: "torch,no_such_module_xyz"})
+    with pytest.raises(UsageError, match="'no_such_package_xyz.sub'"):
+        preload_modules({PRELOAD_ENV: "no_such_package_xyz.sub"})

@@ -1,0 +1,187 @@
+"""Which samples a job trained on, to prove none was skipped or trained twice.
+
+    ELASTIC_SAMPLE_LOG=runs/samples torchrevive-run ... -m elastic.chaos.samples recipes/gpt.py ARGS
+
+runs the recipe unchanged while every rank appends one JSON line per training
+step to `$ELASTIC_SAMPLE_LOG.rank<R>`: the step, the world size, the sampler's
+position and the sample indices the rank trained on. It wraps the two calls
+every recipe of this project makes: `CheckpointManager.restore` (the step a
+worker starts from) and `ElasticSampler.local_batch` (once per step).
+
+`audit(prefix)` then rebuilds the job's history across restarts. Records
+carry their round (an id rank 0 draws after each restore and broadcasts, so all
+ranks of a round agree) and the step it resumed from; rounds follow each other
+in time, since torchrun stops every worker of a round before the next starts.
+A round's steps count only up to the step the next round resumed from: the
+rest were lost with it and trained again. Over the steps that survive:
+
+- every step from the first to the last appears once, with one record per rank;
+- each step starts where the previous one ended in the epoch stream;
+- every complete epoch holds each sample exactly once, and no epoch holds a
+  sample twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOG_ENV = "ELASTIC_SAMPLE_LOG"
+
+
+@dataclass
+class SampleAudit:
+    first_step: int = 0
+    last_step: int = 0
+    """The final history runs from `first_step` (1 for a fresh job) to `last_step`."""
+    steps: int = 0
+    """Steps of the final history with one record per rank."""
+    samples: int = 0
+    """Samples trained on in that history."""
+    epochs_complete: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.steps > 0 and not self.problems
+
+    def summary(self) -> str:
+        if not self.ok:
+            return "samples: " + ("; ".join(self.problems[:3]) or "no steps recorded")
+        return (
+            f"samples: each once (steps {self.first_step}-{self.last_step}, {self.samples} samples, "
+            f"{self.epochs_complete} complete epochs)"
+        )
+
+
+def read_records(prefix: Path) -> list[dict[str, Any]]:
+    records = []
+    for log in sorted(prefix.parent.glob(prefix.name + ".rank*")):
+        for line in log.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line torn by a SIGKILL: that step was lost anyway
+    return records
+
+
+def audit(prefix: Path) -> SampleAudit:
+    """Check the sample records under `prefix` (see the module docstring)."""
+    result = SampleAudit()
+    rounds: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in read_records(prefix):
+        rounds[record["round"]].append(record)
+    if not rounds:
+        result.problems.append(f"no sample records under {prefix}")
+        return result
+    ordered = sorted(rounds.values(), key=lambda records: min(r["time"] for r in records))
+    # A round's steps survive up to the earliest step any later round resumed from.
+    kept: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    until = float("inf")
+    for records in reversed(ordered):
+        for r in records:
+            if r["step"] <= until:
+                kept[r["step"]].append(r)
+        until = min(until, records[0]["round_start"])
+
+    stream: list[int] = []
+    stream_start = (0, 0)
+    position: tuple[int, int] | None = None
+    result.first_step = ordered[0][0]["round_start"] + 1
+    result.last_step = max(kept, default=0)
+    for step in range(result.first_step, result.last_step + 1):
+        ranks = sorted(kept.get(step, []), key=lambda r: r["rank"])
+        world = ranks[0]["world_size"] if ranks else 0
+        if not ranks or [r["rank"] for r in ranks] != list(range(world)):
+            result.problems.append(f"step {step}: records of ranks {[r['rank'] for r in ranks]}, not one per rank")
+            position = None
+            continue
+        here = (ranks[0]["epoch"], ranks[0]["consumed"])
+        if position is not None and here != position:
+            result.problems.append(f"step {step} starts at (epoch, consumed) {here}; the step before ended at {position}")
+        n, batch = ranks[0]["num_samples"], ranks[0]["batch_size"]
+        position = divmod(here[0] * n + here[1] + batch * world, n)
+        if not stream:
+            stream_start = here
+        stream.extend(i for r in ranks for i in r["indices"])
+        result.steps += 1
+    if not stream:
+        result.problems.append("no step of the final history was recorded")
+        return result
+
+    # Cut the stream at epoch ends; the first piece may start mid-epoch (a resumed job).
+    n = ordered[0][0]["num_samples"]
+    epoch, cut = stream_start[0], n - stream_start[1]
+    pieces = [(epoch, stream[:cut], stream_start[1] == 0)]
+    for begin in range(cut, len(stream), n):
+        epoch += 1
+        pieces.append((epoch, stream[begin : begin + n], True))
+    for epoch, piece, from_start in pieces:
+        repeated = len(piece) - len(set(piece))
+        if repeated:
+            result.problems.append(f"epoch {epoch}: {repeated} samples trained twice")
+        elif from_start and len(piece) == n:
+            result.epochs_complete += 1
+    result.samples = len(stream)
+    return result
+
+
+# --- the recording wrapper ----------------------------------------------------------
+
+
+def _record_samples(prefix: str) -> None:
+    """Patch the sampler and state manager of this process to log every step."""
+    import torch.distributed as dist
+
+    from elastic.checkpoint import CheckpointManager
+    from elastic.runtime import control_group
+    from elastic.sampler import ElasticSampler
+
+    current = {"step": 1, "round": "", "round_start": 0}
+    original_restore, original_local_batch = CheckpointManager.restore, ElasticSampler.local_batch
+
+    def restore(self: CheckpointManager) -> int:
+        resumed = original_restore(self)
+        round_id = [uuid.uuid4().hex]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(round_id, src=0, group=control_group())
+        current.update(step=resumed + 1, round=round_id[0], round_start=resumed)
+        return resumed
+
+    def local_batch(self: ElasticSampler, rank: int, world_size: int):
+        indices = original_local_batch(self, rank, world_size)
+        record = {
+            "step": current["step"], "round": current["round"], "round_start": current["round_start"],
+            "time": time.time(), "rank": rank, "world_size": world_size,
+            "epoch": self.state.epoch, "consumed": self.state.consumed, "num_samples": self.num_samples,
+            "batch_size": self.batch_size, "indices": indices.tolist(),
+        }
+        current["step"] += 1
+        with open(f"{prefix}.rank{rank}", "a", encoding="utf-8") as log:
+            log.write(json.dumps(record) + "\n")
+        return indices
+
+    CheckpointManager.restore = restore  # type: ignore[method-assign]
+    ElasticSampler.local_batch = local_batch  # type: ignore[method-assign]
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or not os.environ.get(LOG_ENV):
+        sys.exit(f"usage: {LOG_ENV}=PREFIX python -m elastic.chaos.samples RECIPE [ARGS...]")
+    recipe = os.path.abspath(sys.argv[1])
+    _record_samples(os.environ[LOG_ENV])
+    sys.argv = [recipe, *sys.argv[2:]]
+    sys.path.insert(0, os.path.dirname(recipe))
+    runpy.run_path(recipe, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

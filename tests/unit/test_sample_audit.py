@@ -1,0 +1,92 @@
+"""The exactly-once audit rebuilds a job's history from per-rank sample records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from elastic.chaos.samples import audit
+from elastic.sampler import ElasticSampler
+
+N, BATCH = 50, 4
+
+
+class FakeJob:
+    """Writes the records `python -m elastic.chaos.samples` would, for rounds we script."""
+
+    def __init__(self, prefix: Path) -> None:
+        self.prefix = prefix
+        self.clock = 0.0
+        self.rounds = 0
+        self.checkpoints: dict[int, dict[str, int]] = {0: ElasticSampler(N, batch_size=BATCH, seed=3).state_dict()}
+
+    def round(self, *, resume: int, world: int, until: int, checkpoint_every: int = 5, skip_rank: int | None = None) -> None:
+        """Resume from the checkpoint of step `resume` at `world` ranks and train to `until`."""
+        self.rounds += 1
+        sampler = ElasticSampler(N, batch_size=BATCH, seed=3)
+        sampler.load_state_dict(self.checkpoints[resume])
+        for step in range(resume + 1, until + 1):
+            for rank in range(world):
+                if rank == skip_rank and step == until:
+                    continue
+                self.clock += 0.01
+                record = {
+                    "step": step, "round": f"r{self.rounds}", "round_start": resume, "time": self.clock,
+                    "rank": rank, "world_size": world, "epoch": sampler.state.epoch,
+                    "consumed": sampler.state.consumed, "num_samples": N, "batch_size": BATCH,
+                    "indices": sampler.local_batch(rank, world).tolist(),
+                }
+                with open(f"{self.prefix}.rank{rank}", "a") as log:
+                    log.write(json.dumps(record) + "\n")
+            sampler.advance(world)
+            if step % checkpoint_every == 0:
+                self.checkpoints[step] = sampler.state_dict()
+
+
+def test_a_history_of_kills_and_resizes_uses_every_sample_once(tmp_path: Path) -> None:
+    job = FakeJob(tmp_path / "samples")
+    job.round(resume=0, world=2, until=12)   # killed after step 12: steps 11-12 are lost
+    job.round(resume=10, world=1, until=17)  # node lost: world size 1, killed again after 17
+    job.round(resume=15, world=3, until=40)  # a node joined
+    result = audit(tmp_path / "samples")
+    assert result.ok, result.problems
+    assert (result.first_step, result.last_step, result.steps) == (1, 40, 40)
+    assert result.samples == 10 * 2 * BATCH + 5 * 1 * BATCH + 25 * 3 * BATCH
+    assert result.epochs_complete == result.samples // N
+    assert result.summary().startswith("samples: each once (steps 1-40")
+
+
+def test_a_round_that_resumed_too_far_back_trains_samples_twice(tmp_path: Path) -> None:
+    job = FakeJob(tmp_path / "samples")
+    job.round(resume=0, world=2, until=10)
+    job.round(resume=5, world=2, until=10)
+    # A third round that claims to resume at 10 but was given step 5's sampler state.
+    job.checkpoints[10] = job.checkpoints[5]
+    job.round(resume=10, world=2, until=20)
+    result = audit(tmp_path / "samples")
+    assert not result.ok
+    assert any("step 11 starts at" in p for p in result.problems), result.problems
+    assert any("trained twice" in p for p in result.problems), result.problems
+
+
+def test_a_step_missing_a_rank_is_reported(tmp_path: Path) -> None:
+    job = FakeJob(tmp_path / "samples")
+    job.round(resume=0, world=2, until=8, skip_rank=1)
+    result = audit(tmp_path / "samples")
+    assert result.problems == ["step 8: records of ranks [0], not one per rank"]
+
+
+def test_a_job_resumed_mid_epoch_is_audited_from_where_it_resumed(tmp_path: Path) -> None:
+    job = FakeJob(tmp_path / "samples")
+    job.round(resume=0, world=2, until=5)
+    for log in tmp_path.glob("samples.rank*"):
+        log.unlink()  # an earlier run whose records we do not have
+    job.round(resume=5, world=2, until=30)
+    result = audit(tmp_path / "samples")
+    assert result.ok, result.problems
+    assert (result.first_step, result.last_step) == (6, 30)
+
+
+def test_no_records_is_not_a_pass(tmp_path: Path) -> None:
+    result = audit(tmp_path / "nothing")
+    assert not result.ok and "no sample records" in result.summary()
