@@ -36,9 +36,11 @@ def etcd_binary() -> str:
 class EtcdServer:
     """One etcd member. `stop()` then `start()` restarts it on the same data."""
 
-    def __init__(self, data_dir: Path, tls: Tls | None = None) -> None:
+    def __init__(self, data_dir: Path, tls: Tls | None = None, listen_host: str = "127.0.0.1") -> None:
         self.data_dir = data_dir
         self.tls = tls
+        self.listen_host = listen_host
+        """0.0.0.0 serves network namespaces too (at their gateway address)."""
         self.port = free_port()
         self.peer_port = free_port()
         self.log_path = data_dir.with_suffix(".log")
@@ -58,7 +60,7 @@ class EtcdServer:
             etcd_binary(),
             "--name", "test",
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.url,
+            "--listen-client-urls", f"{'https' if self.tls else 'http'}://{self.listen_host}:{self.port}",
             "--advertise-client-urls", self.url,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,

@@ -2,22 +2,28 @@
 
     python -m elastic.chaos --scenario kill-worker --scenario node-loss
     python -m elastic.chaos --scenario all --backend etcd-v3 --endpoint 127.0.0.1:2379
+    sudo python -m elastic.chaos --scenario partition --hosts netns
 
 Each scenario starts a fresh job of two torchrun agents (`--nnodes=2:3`, or 1:3
-for node-loss and scale-up),
-injects its fault once training is under way, waits for the end and prints one
-line: exit codes, the step reached, recovery time from the event log, and
-whether the final checkpoint verifies. Exit status: 0 when every scenario
-passed, 1 when one failed (its agents' logs are kept in --workdir), 2 on usage.
+for node-loss, scale-up and partition), injects its fault once training is
+under way, waits for the end and prints one line: exit codes, the step
+reached, recovery time from the event log, whether the final checkpoint
+verifies, and the exactly-once audit of the samples trained on. With `--hosts
+netns` each agent runs in a network namespace of its own, as a host with its
+own address (root only); `partition` needs that. Exit status: 0 when every
+scenario passed, 1 when one failed (its agents' logs are kept in --workdir),
+2 on usage.
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
-from elastic.chaos.harness import SCENARIOS, run_scenario
+from elastic.chaos.harness import NEEDS_NETWORK, SCENARIOS, run_scenario
+from elastic.chaos.netns import VirtualNetwork
 from elastic.cli import OneLineArgumentParser, positive_int, run_main
 from elastic.errors import ElasticError, UsageError
 
@@ -29,9 +35,17 @@ def build_parser() -> OneLineArgumentParser:
         help="fault to inject (repeatable; 'all' runs every one)",
     )
     p.add_argument("--backend", choices=["c10d", "etcd-v3"], default="c10d")
-    p.add_argument("--endpoint", default=None, help="etcd HOST:PORT (etcd-v3)")
+    p.add_argument(
+        "--endpoint", default=None,
+        help="etcd HOST:PORT (etcd-v3); with --hosts netns a loopback HOST means this machine as the hosts see it, "
+        "so etcd must listen on 0.0.0.0",
+    )
+    p.add_argument(
+        "--hosts", choices=["loopback", "netns"], default="loopback",
+        help="agents on this machine's loopback, or each on a host of its own (network namespaces; root)",
+    )
     p.add_argument("--launcher", choices=["ours", "stock"], default="ours", help="elastic.launch or plain torchrun")
-    p.add_argument("--steps", type=positive_int, default=None, help="steps of each job (default: 40, 200 for node-loss, 400 for scale-up)")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps of each job (default: 40; more for node-loss, scale-up, partition)")
     p.add_argument("--data", default=None, help="text for the recipe (default: this package's own sources)")
     p.add_argument("--workdir", default=None, help="keep jobs' logs, events and checkpoints here (default: temporary)")
     p.add_argument("--seed", type=int, default=0)
@@ -42,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.backend == "etcd-v3" and not args.endpoint:
         raise UsageError("--backend etcd-v3 needs --endpoint HOST:PORT of a running etcd")
-    names = list(SCENARIOS) if "all" in args.scenario else list(dict.fromkeys(args.scenario))
+    if "all" in args.scenario:
+        names = [n for n in SCENARIOS if args.hosts == "netns" or n not in NEEDS_NETWORK]
+    else:
+        names = list(dict.fromkeys(args.scenario))
+    needy = [n for n in names if n in NEEDS_NETWORK]
+    if needy and args.hosts != "netns":
+        raise UsageError(f"--scenario {needy[0]} cuts a host's link: it needs --hosts netns")
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     data = Path(args.data) if args.data else root / "corpus.txt"
@@ -52,13 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     elif not data.is_file():
         raise UsageError(f"--data {data}: no such file")
     failed = 0
-    for name in names:
-        result = run_scenario(
-            name, root / name, data, steps=args.steps, backend=args.backend, endpoint=args.endpoint,
-            launcher=args.launcher, seed=args.seed,
-        )
-        print(result.summary(), flush=True)
-        failed += not result.ok
+    with ExitStack() as stack:
+        network = stack.enter_context(VirtualNetwork.create()) if args.hosts == "netns" else None
+        endpoint = args.endpoint
+        if network and endpoint and endpoint.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+            endpoint = f"{network.gateway}:{endpoint.rsplit(':', 1)[1]}"
+        for name in names:
+            result = run_scenario(
+                name, root / name, data, steps=args.steps, backend=args.backend, endpoint=endpoint,
+                launcher=args.launcher, seed=args.seed, network=network,
+            )
+            print(result.summary(), flush=True)
+            failed += not result.ok
     if failed:
         raise ElasticError(f"{failed} of {len(names)} scenarios failed; logs under {root}")
     print(f"all {len(names)} scenarios passed; logs under {root}")

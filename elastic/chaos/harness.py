@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.chaos.netns import INTERFACE, VirtualNetwork
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
@@ -59,6 +60,8 @@ class JobSpec:
     run_id: str = "chaos"
     sample_log: Path | None = None
     """Record every rank's samples here (`elastic.chaos.samples`) for the exactly-once audit."""
+    network: VirtualNetwork | None = None
+    """Put each agent on a host of its own (a network namespace); None: all on loopback."""
 
 
 def _free_port() -> int:
@@ -115,22 +118,34 @@ class ChaosJob:
         self.spec = spec
         spec.workdir.mkdir(parents=True, exist_ok=True)
         self.events_path = spec.workdir / "events.jsonl"
-        self.endpoint = spec.endpoint or f"127.0.0.1:{_free_port()}"
+        if spec.network is not None and spec.network.hosts == 0:
+            spec.network.add_host()  # agent 0's host: the c10d store's address must exist now
+        self.endpoint = spec.endpoint or f"{self.host_address(0)}:{_free_port()}"
         if spec.backend != "c10d" and spec.endpoint is None:
             raise ValueError(f"the {spec.backend} rendezvous needs an endpoint")
         self.agents: list[subprocess.Popen] = []
         self.faults: list[tuple[str, float]] = []
 
-    def command(self) -> list[str]:
+    def host_address(self, index: int) -> str:
+        return self.spec.network.address(index) if self.spec.network else "127.0.0.1"
+
+    def command(self, index: int) -> list[str]:
+        """Agent `index`'s command line (on its own host when the job has a network)."""
         launcher = ["-m", "elastic.launch"] if self.spec.launcher == "ours" else ["-m", "torch.distributed.run"]
-        return [
+        rdzv_conf = self.spec.rdzv_conf
+        if self.spec.network and self.spec.backend == "c10d":
+            # torch guesses which agent hosts the c10d store from the hostname, which every
+            # namespace shares: say it outright.
+            rdzv_conf = ",".join(filter(None, [rdzv_conf, f"is_host={str(index == 0).lower()}"]))
+        command = [
             sys.executable, *launcher,
             f"--nnodes={self.spec.nnodes}", "--nproc-per-node=1",
             f"--rdzv-backend={self.spec.backend}", f"--rdzv-endpoint={self.endpoint}",
-            f"--rdzv-id={self.spec.run_id}", f"--rdzv-conf={self.spec.rdzv_conf}",
-            f"--max-restarts={self.spec.max_restarts}", "--local-addr=127.0.0.1",
+            f"--rdzv-id={self.spec.run_id}", f"--rdzv-conf={rdzv_conf}",
+            f"--max-restarts={self.spec.max_restarts}", f"--local-addr={self.host_address(index)}",
             *self.script_command(), "--events", str(self.events_path),
         ]
+        return self.spec.network.wrap(index, command) if self.spec.network else command
 
     def script_command(self) -> list[str]:
         script = [str(self.spec.script), *self.spec.script_args]
@@ -143,14 +158,18 @@ class ChaosJob:
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LOGLEVEL="INFO")
         if self.spec.sample_log:
             env[SAMPLE_LOG_ENV] = str(self.spec.sample_log)
+        if self.spec.network:
+            env["GLOO_SOCKET_IFNAME"] = INTERFACE  # the hostname resolves to no address inside a namespace
         env.update(self.spec.env)
         return env
 
     def add_agent(self) -> subprocess.Popen:
         """Start one more agent (the first ones, or a node joining later)."""
         index = len(self.agents)
+        if self.spec.network is not None and self.spec.network.hosts <= index:
+            self.spec.network.add_host()
         with open(self.spec.workdir / f"agent{index}.log", "wb") as log:
-            agent = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
+            agent = subprocess.Popen(self.command(index), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
         self.agents.append(agent)
         return agent
 
@@ -220,6 +239,19 @@ class ChaosJob:
                 raise RuntimeError(f"every agent exited before step {step}:\n{self.logs()}")
             time.sleep(0.01)
 
+    def wait_for_world_size(self, world_size: int, after: float, timeout: float = 180) -> float:
+        """Wait for a step trained at `world_size` after time `after`; returns its time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for record in self.records():
+                if record["event"] == "step" and record["world_size"] == world_size and record["time"] > after:
+                    return record["time"]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no step at world size {world_size} in {timeout:g} s:\n{self.logs()}")
+            if all(a.poll() is not None for a in self.agents):
+                raise RuntimeError(f"every agent exited before a step at world size {world_size}:\n{self.logs()}")
+            time.sleep(0.05)
+
     def wait(self, timeout: float = 300) -> list[int | None]:
         """Exit codes of every agent (None for one still running at the deadline)."""
         deadline = time.monotonic() + timeout
@@ -231,10 +263,13 @@ class ChaosJob:
         return [a.poll() for a in self.agents]
 
     def close(self) -> None:
-        """Kill whatever is left: agents, their workers, stopped ones included."""
+        """Kill whatever is left (agents, their workers, stopped ones included) and
+        plug every cable back, so the network can serve the next job."""
         for index, agent in enumerate(self.agents):
             if agent.poll() is None:
                 self._kill_node(index)
+        for index in range(self.spec.network.hosts if self.spec.network else 0):
+            self.spec.network.heal(index)
 
     def __enter__(self) -> ChaosJob:
         return self
@@ -271,6 +306,17 @@ class ChaosJob:
             except ProcessLookupError:
                 pass
         agent.wait()
+
+    def cut_link(self, index: int) -> None:
+        """Network partition: agent `index`'s host loses its link (connections stall, no reset)."""
+        if self.spec.network is None:
+            raise ValueError("cutting a link needs agents on hosts of their own (JobSpec.network)")
+        self.faults.append(("partition", time.time()))
+        self.spec.network.cut(index)
+
+    def heal_link(self, index: int) -> None:
+        if self.spec.network is not None:
+            self.spec.network.heal(index)
 
     def mark(self, name: str, at: float | None = None) -> None:
         """Record a fault injected from outside (etcd restarted, ELASTIC_FAULT)."""
@@ -392,6 +438,20 @@ def hang(job: ChaosJob, rng: random.Random) -> list[int | None]:
     return [0] * len(job.agents)
 
 
+def partition(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    """The last agent's host loses its network; the job goes on without it, and takes
+    it back once the link returns."""
+    job.wait_for_step(rng.randint(12, 18))
+    lost = len(job.agents) - 1  # not agent 0: with c10d it hosts the rendezvous store
+    job.cut_link(lost)
+    job.wait_for_world_size(len(job.agents) - 1, after=job.faults[-1][1])
+    healed = time.time()
+    job.heal_link(lost)
+    job.mark("heal", at=healed)
+    job.wait_for_world_size(len(job.agents), after=healed)
+    return [0] * len(job.agents)
+
+
 def preemption(job: ChaosJob, rng: random.Random) -> list[int | None]:
     job.wait_for_step(rng.randint(12, 18))
     job.signal_worker(signal.SIGTERM, rng=rng)
@@ -405,15 +465,18 @@ SCENARIOS: dict[str, Scenario] = {
     "scale-up": scale_up,
     "hang": hang,
     "preemption": preemption,
+    "partition": partition,
 }
+NEEDS_NETWORK = {"partition"}
+"""Scenarios that need agents on hosts of their own (network namespaces)."""
 
 
 # Scenarios that change the world size need the job to outlast a new round
 # (a joining agent first imports torch): they train longer.
-SCENARIO_STEPS = {"scale-up": 400, "node-loss": 200}
+SCENARIO_STEPS = {"scale-up": 400, "node-loss": 200, "partition": 800}
 # Jobs whose world size must stay 2 wait for both agents before the first round
 # (with a minimum of 1, the first agent could train alone until the second joins).
-SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3"}
+SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3", "partition": "1:3"}
 
 
 def scenario_env(name: str) -> dict[str, str]:
@@ -433,11 +496,15 @@ def run_scenario(
     model_args: Sequence[str] = ("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"),
     during: Callable[[ChaosJob], None] | None = None,
     timeout: float = 300,
+    network: VirtualNetwork | None = None,
 ) -> ScenarioResult:
     """Run one scenario to the end and judge it. `during` runs after the fault
-    (e.g. restart etcd) while the job recovers."""
+    (e.g. restart etcd) while the job recovers. With a `network` each agent runs
+    on a host of its own (the caller owns the network and closes it)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    if name in NEEDS_NETWORK and network is None:
+        raise ValueError(f"the {name} scenario needs agents on hosts of their own (a network of namespaces)")
     rng = random.Random(seed)
     steps = steps or SCENARIO_STEPS.get(name, 40)
     ckpt = workdir / "ckpt"
@@ -448,7 +515,7 @@ def run_scenario(
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
             "--ckpt-every", "5", "--hang-timeout", "3", "--dropout", "0.1", *model_args,
         ],
-        env=scenario_env(name), sample_log=workdir / "samples",
+        env=scenario_env(name), sample_log=workdir / "samples", network=network,
     )
     with ChaosJob(spec) as job:
         job.start()

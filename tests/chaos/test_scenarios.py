@@ -1,15 +1,18 @@
-"""Every chaos scenario on a real two-agent job, for c10d and etcd-v3 rendezvous.
+"""Every chaos scenario on a real two-agent job, for c10d and etcd-v3 rendezvous,
+on loopback and with each agent on a host of its own (network namespaces).
 
 Each asserts: the agents exit as expected (0, or SIGKILL for the lost node), the
-job reaches its last step, the final checkpoint verifies, and the fault was
+job reaches its last step, the final checkpoint verifies, the fault was
 followed by a restarted group that completed a step (its recovery time is
-printed, never asserted). Jobs with a constant world size must also end with
-weights bit-identical to an uninterrupted run's.
+printed, never asserted), and the samples of the surviving history used every
+sample of each epoch exactly once. Jobs with a constant world size must also
+end with weights bit-identical to an uninterrupted run's.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from etcd_server import EtcdServer
 from support import flat_tensors, make_text
 
 from elastic.chaos.harness import run_scenario
+from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +72,7 @@ def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
 
 
-@pytest.mark.parametrize("scenario", ["kill-worker", "node-loss", "hang", "preemption"])
+@pytest.mark.parametrize("scenario", ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption"])
 def test_etcd_v3(scenario: str, tmp_path: Path, corpus: Path, reference, shared_etcd: EtcdServer) -> None:
     steps = STEPS if scenario in CONSTANT_WORLD else None
     result = run_scenario(scenario, tmp_path, corpus, steps=steps, backend="etcd-v3", endpoint=shared_etcd.endpoint)
@@ -85,4 +89,32 @@ def test_etcd_v3_restart_of_etcd_mid_recovery(tmp_path: Path, corpus: Path, refe
 
     result = run_scenario("kill-worker", tmp_path, corpus, steps=STEPS, backend="etcd-v3", endpoint=etcd.endpoint,
                           during=restart_etcd)
+    check(result, tmp_path, reference)
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[VirtualNetwork]:
+    try:
+        net = VirtualNetwork.create()
+    except NetworkUnavailable as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    with net:
+        yield net
+
+
+@pytest.mark.parametrize("scenario", ["kill-worker", "partition"])
+def test_c10d_on_separate_hosts(scenario: str, tmp_path: Path, corpus: Path, reference, network: VirtualNetwork) -> None:
+    steps = STEPS if scenario in CONSTANT_WORLD else None
+    check(run_scenario(scenario, tmp_path, corpus, steps=steps, network=network), tmp_path, reference)
+
+
+def test_etcd_v3_partition_on_separate_hosts(tmp_path: Path, corpus: Path, reference, network: VirtualNetwork) -> None:
+    """The cut-off host loses etcd too; it rejoins through etcd once its link is back."""
+    server = EtcdServer(tmp_path / "etcd-data", listen_host="0.0.0.0")
+    server.start()
+    try:
+        endpoint = f"{network.gateway}:{server.port}"
+        result = run_scenario("partition", tmp_path, corpus, backend="etcd-v3", endpoint=endpoint, network=network)
+    finally:
+        server.stop()
     check(result, tmp_path, reference)

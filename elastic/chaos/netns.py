@@ -1,0 +1,128 @@
+"""Several hosts on one machine: network namespaces on a virtual switch.
+
+    with VirtualNetwork.create() as net:
+        address = net.add_host()                # 10.X.Y.1, in namespace net.namespace(0)
+        command = net.wrap(0, ["python", ...])  # runs inside that host
+        net.cut(0); net.heal(0)                 # pull the host's cable, plug it back
+
+Each host is a namespace with one interface, `eth0`, cabled to a bridge that
+lives in a namespace of its own (the switch), so no firewall rule of this
+machine's own namespace sees the traffic between hosts. This machine joins the
+switch too, at `gateway` (10.X.Y.254): a server started here on that address
+(or on 0.0.0.0), an etcd say, is reachable from every host. `cut` takes a
+host's switch port down: its connections stall without a reset, exactly as
+when a cable or a top-of-rack switch fails.
+
+Invariants: needs root and iproute2's `ip`; every namespace and link it made
+is gone after `close()` (deleting the switch namespace deletes the cables),
+processes started inside must be ended by their owner first. Names carry a
+random id, so several networks can exist at once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import uuid
+
+from elastic.errors import ElasticError
+
+INTERFACE = "eth0"
+"""The host side of every cable; point GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME at it."""
+
+
+class NetworkUnavailable(ElasticError):
+    """Network namespaces cannot be made here (not root, no `ip`, no kernel support)."""
+
+    exit_code = 2
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise NetworkUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
+
+
+class VirtualNetwork:
+    """Hosts (network namespaces) on one switch, plus this machine at `gateway`."""
+
+    def __init__(self, prefix: str) -> None:
+        self.id = uuid.uuid4().hex[:6]
+        self.prefix = prefix
+        """The /24 every address is in, as 'A.B.C'."""
+        self.gateway = f"{prefix}.254"
+        self._switch = f"trv-{self.id}-sw"
+        self._root_link = f"trv{self.id}"
+        self._hosts: list[str] = []
+
+    @classmethod
+    def create(cls, prefix: str | None = None) -> VirtualNetwork:
+        """A switch with this machine on it; raises `NetworkUnavailable` with the reason."""
+        if shutil.which("ip") is None:
+            raise NetworkUnavailable("iproute2's `ip` is not installed (Debian: apt-get install iproute2)")
+        if os.geteuid() != 0:
+            raise NetworkUnavailable("network namespaces need root")
+        net = cls(prefix or f"10.{random.randint(200, 250)}.{random.randint(0, 255)}")
+        try:
+            _ip("netns", "add", net._switch)
+            _ip("-n", net._switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", net._switch, "link", "set", "br0", "up")
+            _ip("link", "add", net._root_link, "type", "veth", "peer", "name", "gw", "netns", net._switch)
+            _ip("-n", net._switch, "link", "set", "gw", "master", "br0", "up")
+            _ip("addr", "add", f"{net.gateway}/24", "dev", net._root_link)
+            _ip("link", "set", net._root_link, "up")
+        except NetworkUnavailable:
+            net.close()
+            raise
+        return net
+
+    @property
+    def hosts(self) -> int:
+        return len(self._hosts)
+
+    def address(self, host: int) -> str:
+        return f"{self.prefix}.{host + 1}"
+
+    def namespace(self, host: int) -> str:
+        return self._hosts[host]
+
+    def add_host(self) -> str:
+        """One more host on the switch; returns its address."""
+        index = len(self._hosts)
+        if index >= 250:
+            raise ValueError("a virtual network holds at most 250 hosts")
+        name = f"trv-{self.id}-h{index}"
+        port = f"h{index}"
+        _ip("netns", "add", name)
+        self._hosts.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+        _ip("-n", name, "link", "add", INTERFACE, "type", "veth", "peer", "name", port, "netns", self._switch)
+        _ip("-n", self._switch, "link", "set", port, "master", "br0", "up")
+        _ip("-n", name, "addr", "add", f"{self.address(index)}/24", "dev", INTERFACE)
+        _ip("-n", name, "link", "set", INTERFACE, "up")
+        return self.address(index)
+
+    def wrap(self, host: int, command: list[str]) -> list[str]:
+        """`command` run inside `host` (`ip netns exec` execs it: same process)."""
+        return ["ip", "netns", "exec", self.namespace(host), *command]
+
+    def cut(self, host: int) -> None:
+        """Unplug `host`: packets to and from it are dropped, connections stall."""
+        _ip("-n", self._switch, "link", "set", f"h{host}", "down")
+
+    def heal(self, host: int) -> None:
+        _ip("-n", self._switch, "link", "set", f"h{host}", "up")
+
+    def close(self) -> None:
+        """Delete every namespace (and with the switch, every cable); safe to repeat."""
+        for name in [*self._hosts, self._switch]:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._hosts.clear()
+
+    def __enter__(self) -> VirtualNetwork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
