@@ -11,10 +11,12 @@ trained `--settle` seconds after the previous recovery.
 - stock: `torchrun` as installed, its defaults (shared worker store across
   rounds, 30 s last call, 5 s keep-alive).
 - ours: `python -m elastic.launch` (fresh store per round, 2 s last call, 1 s
-  keep-alive), the same flags otherwise.
+  keep-alive, warm worker starts), the same flags otherwise.
 
 Per setting it prints recovery time (kill -> first completed step after the
-restarted group's start, from the event log) median and worst, failed
+restarted group's start, from the event log) median and worst, where that
+time goes (an agent decides to restart, the new round's workers start, rank 0
+has restored the checkpoint, the first step), failed
 rendezvous rounds (rounds beyond one per kill), restarts consumed (failures
 the agents counted against `--max-restarts`), and goodput with one kill every
 `--goodput-interval` seconds for `--goodput-seconds`: the step the job reached
@@ -100,6 +102,7 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
     rng = random.Random(args.seed)
     job = start_job(setting, workdir, data)
     times: list[float] = []
+    phases: list[dict[str, float]] = []
     failures = 0
     failed_rounds = 0
     try:
@@ -116,7 +119,11 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
             else:
                 times.append(back)
             failed_rounds += max(0, rounds_completed(job) - rounds_before - 1)  # one round per kill is the price
-            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s", flush=True)
+            breakdown = job.recovery_phases(killed_at) if back is not None else None
+            if breakdown:
+                phases.append(breakdown)
+            where = ", ".join(f"{k} {v:.1f}" for k, v in (breakdown or {}).items())
+            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s ({where or 'no breakdown'})", flush=True)
     finally:
         job.close()
     return {
@@ -126,6 +133,7 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
         "unrecovered": failures,
         "failed_rounds": failed_rounds,
         "restarts_consumed": restarts_consumed(job),
+        "median_phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {},
     }
 
 
@@ -177,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{setting:8} {r['median_s']:9.1f} {r['worst_s']:8.1f} {r['failed_rounds']:14d} "
             f"{'/'.join(map(str, r['restarts_consumed'])):>14} {goodput:>8}"
         )
+    for setting, r in results.items():
+        if r["median_phases_s"]:
+            marks = ", ".join(f"{k} at {v:.1f} s" for k, v in r["median_phases_s"].items())
+            print(f"{setting}: median time line after a kill: {marks}")
     if {"stock", "ours"} <= results.keys():
         print(f"median recovery, stock / ours: {results['stock']['median_s'] / results['ours']['median_s']:.1f}x")
     print(json.dumps(results))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,10 @@ class JobSpec:
     """Record every rank's samples here (`elastic.chaos.samples`) for the exactly-once audit."""
     network: VirtualNetwork | None = None
     """Put each agent on a host of its own (a network namespace); None: all on loopback."""
+
+
+# torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
+_TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.M)
 
 
 def _free_port() -> int:
@@ -335,6 +341,36 @@ class ChaosJob:
             elif record["event"] == "step" and restarted:
                 return record["time"] - fault_time
         return None
+
+    def recovery_phases(self, fault_time: float) -> dict[str, float] | None:
+        """Where a recovery's time went, in seconds after the fault: `detected` (an agent
+        decided to restart its workers), `rendezvous` (the new round's workers start),
+        `restored` (rank 0 reloaded the checkpoint: its 'start' event) and `step` (the
+        first step). From the agents' logs (torch logs at INFO) and the event log."""
+        step = self.recovery_seconds(fault_time)
+        if step is None:
+            return None
+        restart = [t for t, what in self._agent_log_times() if t > fault_time and "will restart worker group" in what]
+        started = [t for t, what in self._agent_log_times() if restart and t > restart[0] and "Starting worker group" in what]
+        restored = [r["time"] for r in self.records() if r["event"] == "start" and r["time"] > fault_time]
+        if not (restart and started and restored):
+            return None
+        return {
+            "detected": min(restart) - fault_time,
+            "rendezvous": min(started) - fault_time,
+            "restored": restored[0] - fault_time,
+            "step": step,
+        }
+
+    def _agent_log_times(self) -> list[tuple[float, str]]:
+        """(unix time, line) of every timestamped line torch logged in the agents' logs."""
+        year = time.localtime().tm_year
+        found = []
+        for index in range(len(self.agents)):
+            for match in _TORCH_LOG_LINE.finditer(self.agent_log(index)):
+                stamp = datetime.strptime(f"{year}{match['date']} {match['time']}", "%Y%m%d %H:%M:%S.%f")
+                found.append((stamp.timestamp(), match["message"]))
+        return sorted(found)
 
     def restart_times(self) -> list[float]:
         """When each worker group after the first started (from its 'start' event)."""

@@ -53,6 +53,11 @@ def test_recovery_benchmark_measures_a_kill() -> None:
     assert row, result.stdout
     assert float(row.group(1)) < 120, "the kill was not recovered from"
     assert row.group(3) == "0", "a rendezvous round failed"
+    line = re.search(r"^ours: median time line after a kill: detected at ([\d.]+) s, rendezvous at ([\d.]+) s, "
+                     r"restored at ([\d.]+) s, step at ([\d.]+) s$", result.stdout, flags=re.M)
+    assert line, result.stdout
+    marks = [float(x) for x in line.groups()]
+    assert marks == sorted(marks) and marks[-1] == float(row.group(1)), "the phases follow each other up to the recovery"
 
 
 def test_recovery_benchmark_rejects_unknown_settings() -> None:

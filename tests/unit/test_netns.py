@@ -1,0 +1,84 @@
+"""Virtual hosts for the chaos harness: namespaces that reach each other and this
+machine, until a cable is cut."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork
+
+# Connects to HOST:PORT from inside a host; prints "ok" or the error's name.
+DIAL = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.5).close()
+    print("ok")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+@pytest.fixture
+def network():
+    try:
+        net = VirtualNetwork.create()
+    except NetworkUnavailable as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    with net:
+        yield net
+
+
+def dial(net: VirtualNetwork, host: int, address: str, port: int) -> str:
+    done = subprocess.run(net.wrap(host, [sys.executable, "-c", DIAL, address, str(port)]),
+                          capture_output=True, text=True, timeout=30)
+    return done.stdout.strip() or done.stderr
+
+
+def test_hosts_reach_each_other_and_this_machine_until_a_link_is_cut(network: VirtualNetwork) -> None:
+    first, second = network.add_host(), network.add_host()
+    assert (first, second) == (network.address(0), network.address(1))
+    listener = subprocess.Popen(
+        network.wrap(0, [sys.executable, "-c", "import socket,time; s=socket.create_server(('0.0.0.0', 7777)); time.sleep(60)"]),
+    )
+    here = socket.create_server((network.gateway, 0))
+    try:
+        deadline = time.monotonic() + 20
+        while dial(network, 1, first, 7777) != "ok" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert dial(network, 1, first, 7777) == "ok"
+        assert dial(network, 1, network.gateway, here.getsockname()[1]) == "ok", "hosts reach this machine at the gateway"
+        network.cut(0)
+        assert dial(network, 1, first, 7777) == "TimeoutError", "a cut link drops packets: no reset, a stall"
+        network.heal(0)
+        assert dial(network, 1, first, 7777) == "ok"
+    finally:
+        here.close()
+        listener.kill()
+        listener.wait()
+
+
+def test_close_removes_every_namespace(network: VirtualNetwork) -> None:
+    network.add_host()
+    names = [network.namespace(0)]
+    network.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names) and network.id not in listed
+
+
+def test_without_root_it_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(NetworkUnavailable, match="need root"):
+        VirtualNetwork.create()
+
+
+def test_the_chaos_cli_refuses_partition_on_loopback(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "elastic.chaos", "--scenario", "partition", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "__main__.py: error: --scenario partition cuts a host's link: it needs --hosts netns\n"
