@@ -92,6 +92,10 @@ def configure_logging(rank: int | None = None) -> None:
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Run an entry point; an `ElasticError` becomes one stderr line and its exit code."""
     prog = os.path.basename(sys.argv[0]) or "elastic"
+    main_module = sys.modules.get("__main__")
+    spec = getattr(main_module, "__spec__", None)
+    if prog == "__main__.py" and spec is not None and spec.parent:
+        prog = f"python -m {spec.parent}"  # as the user typed it
     try:
         return main(argv) or 0
     except ElasticError as exc:

@@ -81,4 +81,4 @@ def test_the_chaos_cli_refuses_partition_on_loopback(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "elastic.chaos", "--scenario", "partition", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr == "__main__.py: error: --scenario partition cuts a host's link: it needs --hosts netns\n"
+    assert done.stderr == "python -m elastic.chaos: error: --scenario partition cuts a host's link: it needs --hosts netns\n"
