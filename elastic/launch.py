@@ -15,13 +15,17 @@ did not set:
   once the minimum number of nodes is there), `keep_alive_interval=1` and
   `keep_alive_max_attempt=3` (a node that died is declared dead after about 3 s
   instead of 15 s). Values given in `--rdzv-conf` win.
-
 - Workers start warm (`elastic.warm_start`): forked from a fork server that
   imported torch once per agent, instead of a fresh `python -u script.py`
   that imports torch on every restart. This is torchrun's own
   `--start-method=forkserver` with the script run in the forked process (as
   `--run-path` does); `--start-method` given explicitly, `--no-python`, or
   `TORCHREVIVE_PRELOAD=` (empty) keep torch's way.
+
+It also imports torch._dynamo in the agent at start (torch's log formatter
+imports it when the agent first logs a worker's traceback: 1-3 s on the first
+recovery's path), and a script path that does not exist fails at once with
+one line instead of in every worker of every restart.
 
 README ("Recovery settings") explains each trade-off.
 """

@@ -5,15 +5,16 @@ torch before it can do anything else: 1 to 3 s on a small CPU, more when the
 workers of a node start together. A restart pays it again, on the critical path
 of every recovery. `elastic.launch` instead starts workers with
 multiprocessing's fork server, which imports the modules named in
-`TORCHREVIVE_PRELOAD` (default: torch) once per agent; each worker of every
+`TORCHREVIVE_PRELOAD` (default: torch and torch._dynamo, which the first
+optimizer step imports, another 1-2 s) once per agent; each worker of every
 round is then a fork of that warm process and runs the training script in it.
 
 Invariants:
-- The fork server only imports modules: it never initialises CUDA, starts a
-  thread pool of its own or joins a process group, so a forked worker is as
-  clean as a fresh interpreter as far as devices and collectives go. (That is
-  why the default preloads torch alone: modules that probe the GPU at import
-  must not be preloaded.)
+- The fork server only imports modules: it never initialises CUDA or joins a
+  process group, so a forked worker is as clean as a fresh interpreter as far
+  as devices and collectives go. Modules
+  that probe the GPU at import must not be preloaded; torch and torch._dynamo
+  do not (torch initialises CUDA lazily, on first use).
 - The script runs as `python -u SCRIPT ARGS` would run it: `sys.argv`, the
   script's folder first on `sys.path`, `__name__ == "__main__"`, line-buffered
   stdout and stderr, and its exit status is the worker's.
@@ -37,6 +38,7 @@ import runpy
 import select
 import sys
 import threading
+from collections.abc import Mapping
 
 from elastic.errors import UsageError
 
@@ -48,7 +50,7 @@ DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 _PR_SET_NAME = 15  # prctl(2): set the calling thread's name, which is the process name for the main thread
 
 
-def preload_modules(environ: dict[str, str] | os._Environ = os.environ) -> tuple[str, ...]:
+def preload_modules(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """Modules the fork server imports, from TORCHREVIVE_PRELOAD (comma-separated;
     empty: no warm start). Raises `UsageError` naming a module that cannot be found,
     since the fork server itself would skip it silently."""

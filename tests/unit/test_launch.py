@@ -48,3 +48,29 @@ def test_preload_of_a_module_that_does_not_exist_is_a_usage_error() -> None:
         preload_modules({PRELOAD_ENV: "torch,no_such_module_xyz"})
     with pytest.raises(UsageError, match="'no_such_package_xyz.sub'"):
         preload_modules({PRELOAD_ENV: "no_such_package_xyz.sub"})
+
+
+CUDA_SPY = """
+import sys, torch
+calls = []
+def spy(name, original):
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+    return wrapper
+for name in ("_cuda_getDeviceCount", "_cuda_init"):
+    if hasattr(torch._C, name):
+        setattr(torch._C, name, spy(name, getattr(torch._C, name)))
+for name in ("is_available", "device_count", "_lazy_init", "init"):
+    setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+for module in sys.argv[1:]:
+    __import__(module)
+print(calls)
+"""
+
+
+def test_the_default_preload_never_touches_cuda() -> None:
+    """A fork server that initialised CUDA would hand every worker a broken CUDA."""
+    done = subprocess.run([sys.executable, "-c", CUDA_SPY, *DEFAULT_PRELOAD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
