@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from elastic.chaos.harness import children_of, rank_of  # noqa: F401 - children_of is re-exported
+from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
@@ -38,12 +38,6 @@ def make_text(rng: random.Random, size: int) -> str:
         out.append(sentence)
         length += len(sentence)
     return "".join(out)[:size]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(**extra: str) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """`python -m elastic.chaos`: run chaos scenarios against the GPT recipe on this machine.
 
     python -m elastic.chaos --scenario kill-worker --scenario node-loss
-    python -m elastic.chaos --scenario all --backend etcd-v3 --endpoint 127.0.0.1:2379
+    python -m elastic.chaos --scenario all --backend etcd-v3      # starts an etcd of its own
+    python -m elastic.chaos --scenario kill-worker --backend etcd-v3 --endpoint 127.0.0.1:2379
     sudo python -m elastic.chaos --scenario partition --hosts netns
 
 Each scenario starts a fresh job of two torchrun agents (`--nnodes=2:3`, or 1:3
@@ -10,7 +11,9 @@ under way, waits for the end and prints one line: exit codes, the step
 reached, recovery time from the event log, whether the final checkpoint
 verifies, and the exactly-once audit of the samples trained on. With `--hosts
 netns` each agent runs in a network namespace of its own, as a host with its
-own address (root only); `partition` needs that. Exit status: 0 when every
+own address (root only); `partition` needs that. `--backend etcd-v3` without
+`--endpoint` starts an etcd of its own (the `etcd` binary), which the
+`etcd-restart` scenario stops and starts again. Exit status: 0 when every
 scenario passed, 1 when one failed (its agents' logs are kept in --workdir),
 2 on usage.
 """
@@ -22,7 +25,8 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from elastic.chaos.harness import NEEDS_NETWORK, SCENARIOS, run_scenario
+from elastic.chaos.etcd import EtcdServer
+from elastic.chaos.harness import NEEDS_NETWORK, NEEDS_OWN_ETCD, SCENARIOS, run_scenario
 from elastic.chaos.netns import VirtualNetwork
 from elastic.cli import OneLineArgumentParser, positive_int, run_main
 from elastic.errors import ElasticError, UsageError
@@ -37,8 +41,8 @@ def build_parser() -> OneLineArgumentParser:
     p.add_argument("--backend", choices=["c10d", "etcd-v3"], default="c10d")
     p.add_argument(
         "--endpoint", default=None,
-        help="etcd HOST:PORT (etcd-v3); with --hosts netns a loopback HOST means this machine as the hosts see it, "
-        "so etcd must listen on 0.0.0.0",
+        help="etcd HOST:PORT (etcd-v3; default: start one here); with --hosts netns a loopback HOST means this "
+        "machine as the hosts see it, so etcd must listen on 0.0.0.0",
     )
     p.add_argument(
         "--hosts", choices=["loopback", "netns"], default="loopback",
@@ -54,15 +58,21 @@ def build_parser() -> OneLineArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.backend == "etcd-v3" and not args.endpoint:
-        raise UsageError("--backend etcd-v3 needs --endpoint HOST:PORT of a running etcd")
+    own_etcd = args.backend == "etcd-v3" and not args.endpoint
+    if args.endpoint and args.backend != "etcd-v3":
+        raise UsageError("--endpoint is etcd's address: it goes with --backend etcd-v3")
     if "all" in args.scenario:
-        names = [n for n in SCENARIOS if args.hosts == "netns" or n not in NEEDS_NETWORK]
+        names = [
+            n for n in SCENARIOS
+            if (args.hosts == "netns" or n not in NEEDS_NETWORK) and (own_etcd or n not in NEEDS_OWN_ETCD)
+        ]
     else:
         names = list(dict.fromkeys(args.scenario))
-    needy = [n for n in names if n in NEEDS_NETWORK]
-    if needy and args.hosts != "netns":
-        raise UsageError(f"--scenario {needy[0]} cuts a host's link: it needs --hosts netns")
+    for name in names:
+        if name in NEEDS_NETWORK and args.hosts != "netns":
+            raise UsageError(f"--scenario {name} cuts a host's link: it needs --hosts netns")
+        if name in NEEDS_OWN_ETCD and not own_etcd:
+            raise UsageError(f"--scenario {name} restarts etcd: it needs --backend etcd-v3 without --endpoint")
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     data = Path(args.data) if args.data else root / "corpus.txt"
@@ -77,10 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = args.endpoint
         if network and endpoint and endpoint.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
             endpoint = f"{network.gateway}:{endpoint.rsplit(':', 1)[1]}"
+        etcd = None
+        if own_etcd:
+            listen = "0.0.0.0" if network else "127.0.0.1"
+            etcd = stack.enter_context(EtcdServer(root / "etcd-data", listen_host=listen))
         for name in names:
             result = run_scenario(
                 name, root / name, data, steps=args.steps, backend=args.backend, endpoint=endpoint,
-                launcher=args.launcher, seed=args.seed, network=network,
+                launcher=args.launcher, seed=args.seed, network=network, etcd=etcd,
             )
             print(result.summary(), flush=True)
             failed += not result.ok

@@ -34,7 +34,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from elastic.chaos.netns import INTERFACE, VirtualNetwork
+from elastic.chaos.etcd import EtcdServer
+from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
@@ -64,18 +65,12 @@ class JobSpec:
     """Record every rank's samples here (`elastic.chaos.samples`) for the exactly-once audit."""
     network: VirtualNetwork | None = None
     """Put each agent on a host of its own (a network namespace); None: all on loopback."""
+    etcd: EtcdServer | None = None
+    """The etcd of an etcd-v3 job, when the harness started it (and may restart it)."""
 
 
 # torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
 _TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.M)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:
@@ -126,7 +121,7 @@ class ChaosJob:
         self.events_path = spec.workdir / "events.jsonl"
         if spec.network is not None and spec.network.hosts == 0:
             spec.network.add_host()  # agent 0's host: the c10d store's address must exist now
-        self.endpoint = spec.endpoint or f"{self.host_address(0)}:{_free_port()}"
+        self.endpoint = spec.endpoint or f"{self.host_address(0)}:{free_port()}"
         if spec.backend != "c10d" and spec.endpoint is None:
             raise ValueError(f"the {spec.backend} rendezvous needs an endpoint")
         self.agents: list[subprocess.Popen] = []
@@ -488,6 +483,21 @@ def partition(job: ChaosJob, rng: random.Random) -> list[int | None]:
     return [0] * len(job.agents)
 
 
+def etcd_restart(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    """etcd goes down just as the job must rendezvous: a worker is killed while etcd
+    is stopped, and etcd comes back (same data) 2 s later. The agents' etcd client
+    retries through the outage (`read_timeout`) and the job recovers through it."""
+    if job.spec.etcd is None:
+        raise ValueError("the etcd-restart scenario needs an etcd the harness started (JobSpec.etcd)")
+    job.wait_for_step(rng.randint(12, 18))
+    job.spec.etcd.stop()
+    job.mark("etcd-stop")
+    job.signal_worker(signal.SIGKILL, rng=rng)
+    time.sleep(2)
+    job.spec.etcd.start()
+    return [0] * len(job.agents)
+
+
 def preemption(job: ChaosJob, rng: random.Random) -> list[int | None]:
     job.wait_for_step(rng.randint(12, 18))
     job.signal_worker(signal.SIGTERM, rng=rng)
@@ -502,9 +512,12 @@ SCENARIOS: dict[str, Scenario] = {
     "hang": hang,
     "preemption": preemption,
     "partition": partition,
+    "etcd-restart": etcd_restart,
 }
 NEEDS_NETWORK = {"partition"}
 """Scenarios that need agents on hosts of their own (network namespaces)."""
+NEEDS_OWN_ETCD = {"etcd-restart"}
+"""Scenarios that need the etcd-v3 backend on an etcd the harness started."""
 
 
 # Scenarios that change the world size need the job to outlast a new round
@@ -530,17 +543,21 @@ def run_scenario(
     launcher: str = "ours",
     seed: int = 0,
     model_args: Sequence[str] = ("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"),
-    during: Callable[[ChaosJob], None] | None = None,
     timeout: float = 300,
     network: VirtualNetwork | None = None,
+    etcd: EtcdServer | None = None,
 ) -> ScenarioResult:
-    """Run one scenario to the end and judge it. `during` runs after the fault
-    (e.g. restart etcd) while the job recovers. With a `network` each agent runs
-    on a host of its own (the caller owns the network and closes it)."""
+    """Run one scenario to the end and judge it. With a `network` each agent runs on
+    a host of its own; with `etcd` (a started member) an etcd-v3 job uses it, and
+    may restart it. The caller owns both and closes them."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     if name in NEEDS_NETWORK and network is None:
         raise ValueError(f"the {name} scenario needs agents on hosts of their own (a network of namespaces)")
+    if name in NEEDS_OWN_ETCD and (etcd is None or backend != "etcd-v3"):
+        raise ValueError(f"the {name} scenario needs the etcd-v3 backend on an etcd the harness started")
+    if etcd is not None and endpoint is None:
+        endpoint = f"{network.gateway}:{etcd.port}" if network else etcd.endpoint
     rng = random.Random(seed)
     steps = steps or SCENARIO_STEPS.get(name, 40)
     ckpt = workdir / "ckpt"
@@ -551,13 +568,11 @@ def run_scenario(
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
             "--ckpt-every", "5", "--hang-timeout", "3", "--dropout", "0.1", *model_args,
         ],
-        env=scenario_env(name), sample_log=workdir / "samples", network=network,
+        env=scenario_env(name), sample_log=workdir / "samples", network=network, etcd=etcd,
     )
     with ChaosJob(spec) as job:
         job.start()
         expected = SCENARIOS[name](job, rng)
-        if during is not None:
-            during(job)
         codes = job.wait(timeout)
         ends = [r["step"] for r in job.records() if r["event"] == "end"]
         final, error = verified_final_checkpoint(ckpt, steps) if ckpt.is_dir() else (None, "no checkpoint directory")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import socket
 import subprocess
 import uuid
 
@@ -37,6 +38,13 @@ class NetworkUnavailable(ElasticError):
     """Network namespaces cannot be made here (not root, no `ip`, no kernel support)."""
 
     exit_code = 2
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the kernel's pick)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def _ip(*args: str) -> None:

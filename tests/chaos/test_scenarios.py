@@ -26,7 +26,7 @@ from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork
 pytestmark = pytest.mark.slow
 
 STEPS = 40
-CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption"}
+CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption", "etcd-restart"}
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +80,8 @@ def test_etcd_v3(scenario: str, tmp_path: Path, corpus: Path, reference, shared_
 
 
 def test_etcd_v3_restart_of_etcd_mid_recovery(tmp_path: Path, corpus: Path, reference, etcd: EtcdServer) -> None:
-    """A worker is killed and etcd restarts while the agents regroup."""
-
-    def restart_etcd(job) -> None:
-        etcd.stop()
-        job.mark("etcd-restart")
-        etcd.start()
-
-    result = run_scenario("kill-worker", tmp_path, corpus, steps=STEPS, backend="etcd-v3", endpoint=etcd.endpoint,
-                          during=restart_etcd)
+    """A worker is killed while etcd is down; etcd comes back and the agents regroup through it."""
+    result = run_scenario("etcd-restart", tmp_path, corpus, steps=STEPS, backend="etcd-v3", etcd=etcd)
     check(result, tmp_path, reference)
 
 
@@ -110,11 +103,6 @@ def test_c10d_on_separate_hosts(scenario: str, tmp_path: Path, corpus: Path, ref
 
 def test_etcd_v3_partition_on_separate_hosts(tmp_path: Path, corpus: Path, reference, network: VirtualNetwork) -> None:
     """The cut-off host loses etcd too; it rejoins through etcd once its link is back."""
-    server = EtcdServer(tmp_path / "etcd-data", listen_host="0.0.0.0")
-    server.start()
-    try:
-        endpoint = f"{network.gateway}:{server.port}"
-        result = run_scenario("partition", tmp_path, corpus, backend="etcd-v3", endpoint=endpoint, network=network)
-    finally:
-        server.stop()
+    with EtcdServer(tmp_path / "etcd-data", listen_host="0.0.0.0") as server:
+        result = run_scenario("partition", tmp_path, corpus, backend="etcd-v3", etcd=server, network=network)
     check(result, tmp_path, reference)
