@@ -1,20 +1,24 @@
 """Run an elastic job of several torchrun agents on this machine and hurt it.
 
 `ChaosJob` starts N agents of one job (the GPT recipe by default) under
-`elastic.launch` or stock torchrun, with c10d or etcd-v3 rendezvous, and
-offers the faults a cluster deals out: SIGKILL a worker, SIGKILL a whole agent
-with its workers (node loss), a new agent joining (scale up), SIGSTOP a worker
-(a hang), SIGTERM a worker (preemption). Faults that must strike at an exact
-point inside a worker (just before a checkpoint commits) go through
-`ELASTIC_FAULT` (see `elastic.chaos.faults`).
+`elastic.launch` or stock torchrun, with c10d or etcd-v3 rendezvous, on
+loopback or each on a host of its own (`elastic.chaos.netns`), and offers the
+faults a cluster deals out: SIGKILL a worker, SIGKILL a whole agent with its
+workers (node loss), a new agent joining (scale up), SIGSTOP a worker (a
+hang), SIGTERM a worker (preemption), a cut network link (partition), an etcd
+that stops and comes back. Faults that must strike at an exact point inside a
+worker (just before a checkpoint commits) go through `ELASTIC_FAULT` (see
+`elastic.chaos.faults`).
 
 Each scenario (`SCENARIOS`) starts a job, injects its fault once training is
 under way, waits for the end, and returns a `ScenarioResult`: exit codes, the
 recovery time (fault -> first completed step of the restarted group, from the
-event log), and whether the final checkpoint verifies.
+event log), whether the final checkpoint verifies, and the exactly-once audit
+of the samples trained on (`elastic.chaos.samples`).
 
-Invariant: nothing here needs more than loopback, and every process it starts
-is killed when the job is closed, whatever happened.
+Invariant: every process it starts is killed, and every cable it cut is
+plugged back, when the job is closed, whatever happened. The network and the
+etcd a job uses belong to the caller.
 """
 
 from __future__ import annotations
