@@ -24,7 +24,9 @@ did not set:
 
 It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
-recovery's path), and a script path that does not exist fails at once with
+recovery's path), runs the frozen-worker reaper (`elastic.reaper`: a stopped
+worker cannot act on the SIGTERM that stops its group, and torch would wait
+30 s before SIGKILL), and a script path that does not exist fails at once with
 one line instead of in every worker of every restart.
 
 README ("Recovery settings") explains each trade-off.
@@ -42,6 +44,7 @@ import uuid
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import UsageError
+from elastic.reaper import start_reaper
 from elastic.runtime import prefetch_slow_imports
 from elastic.warm_start import AGENT_PID_ENV, preload_modules, run_module, run_script
 
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     # torch's log formatter imports torch._dynamo (1-3 s) the first time the agent
     # logs a worker's traceback: on the path of the first recovery unless done now.
     prefetch_slow_imports()
+    start_reaper()  # a stopped worker would cost each restart torch's 30 s SIGTERM wait
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     try:
