@@ -22,40 +22,19 @@ import threading
 import time
 from pathlib import Path
 
+from elastic.proctree import descendants, status
+
 logger = logging.getLogger(__name__)
 
 _SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
 
 
-def children(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc/PID/task/*/children."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(child) for child in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for parent in frontier for child in children(parent)]
-        found += frontier
-    return found
-
-
 def stopped_with_sigterm_pending(pid: int) -> bool:
     """State T (stopped, not traced) and SIGTERM pending for the process or a thread."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
+    fields = status(pid)
+    if not fields.get("State", "").startswith("T"):
         return False
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    if not fields.get("State", "").strip().startswith("T"):
-        return False
-    pending = int(fields.get("ShdPnd", "0").strip() or "0", 16) | int(fields.get("SigPnd", "0").strip() or "0", 16)
+    pending = int(fields.get("ShdPnd") or "0", 16) | int(fields.get("SigPnd") or "0", 16)
     return bool(pending & _SIGTERM_BIT)
 
 

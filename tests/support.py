@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from elastic.chaos.harness import children_of, rank_of  # noqa: F401 - children_of is re-exported
+from elastic.chaos.harness import rank_of
 from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
+from elastic.proctree import children as children_of  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"

@@ -43,6 +43,7 @@ from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
+from elastic.proctree import descendants
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
 
@@ -75,29 +76,6 @@ class JobSpec:
 
 # torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
 _TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.M)
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def descendants_of(pid: int) -> list[int]:
-    """Children, grandchildren, ...: warm workers are children of the agent's fork server."""
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for parent in frontier for child in children_of(parent)]
-        found += children
-        frontier = children
-    return found
 
 
 def rank_of(pid: int) -> int | None:
@@ -224,7 +202,7 @@ class ChaosJob:
         found = {}
         for agent in self.agents:
             if agent.poll() is None:
-                for pid in descendants_of(agent.pid):
+                for pid in descendants(agent.pid):
                     rank = rank_of(pid)
                     if rank is not None:
                         found[rank] = pid
@@ -304,7 +282,7 @@ class ChaosJob:
     def _kill_node(self, index: int) -> None:
         # torchrun starts each worker in a session of its own (or under a fork server): signal them one by one.
         agent = self.agents[index]
-        workers = descendants_of(agent.pid)
+        workers = descendants(agent.pid)
         for pid in [agent.pid, *workers]:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from support import REPO, wait_for, worker_env
 
-from elastic.chaos.harness import descendants_of, rank_of
+from elastic.chaos.harness import rank_of
+from elastic.proctree import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +145,7 @@ def test_workers_do_not_outlive_a_killed_agent(tmp_path: Path, probe: Path) -> N
     tree: list[int] = []
     try:
         wait_for(lambda: len(list(out.iterdir())) == 2, 90, "both workers to report")
-        tree = descendants_of(agent.pid)  # fork server, resource tracker, workers
+        tree = descendants(agent.pid)  # fork server, resource tracker, workers
         workers = [pid for pid in tree if rank_of(pid) is not None]
         assert len(workers) == 2
         os.kill(agent.pid, signal.SIGKILL)

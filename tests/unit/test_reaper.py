@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from elastic.reaper import descendants, reap_once, stopped_with_sigterm_pending
+from elastic.proctree import descendants
+from elastic.reaper import reap_once, stopped_with_sigterm_pending
 
 
 def wait_state(pid: int, letter: str) -> None:
