@@ -175,7 +175,8 @@ def _record_samples(prefix: str) -> None:
 
 def main() -> None:
     if len(sys.argv) < 2 or not os.environ.get(LOG_ENV):
-        sys.exit(f"usage: {LOG_ENV}=PREFIX python -m elastic.chaos.samples RECIPE [ARGS...]")
+        print(f"usage: {LOG_ENV}=PREFIX python -m elastic.chaos.samples RECIPE [ARGS...]", file=sys.stderr)
+        sys.exit(2)
     recipe = os.path.abspath(sys.argv[1])
     _record_samples(os.environ[LOG_ENV])
     sys.argv = [recipe, *sys.argv[2:]]
