@@ -191,8 +191,19 @@ class ChaosJob:
                     pass  # a torn last line
         return out
 
-    def last_step(self) -> int:
-        return max((r["step"] for r in self.records() if r["event"] == "step"), default=0)
+    def last_step(self, after: float = 0.0) -> int:
+        return max((r["step"] for r in self.records() if r["event"] == "step" and r["time"] > after), default=0)
+
+    def wait_for_recovery(self, fault_time: float, timeout: float = 180) -> float:
+        """Seconds from `fault_time` to the first step of a group started after it."""
+        deadline = time.monotonic() + timeout
+        while (seconds := self.recovery_seconds(fault_time)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no recovery {timeout:g} s after the fault:\n{self.logs()}")
+            if all(a.poll() is not None for a in self.agents):
+                raise RuntimeError(f"every agent exited without recovering:\n{self.logs()}")
+            time.sleep(0.05)
+        return seconds
 
     def agent_log(self, index: int) -> str:
         return (self.spec.workdir / f"agent{index}.log").read_text(errors="replace")
@@ -213,9 +224,10 @@ class ChaosJob:
             f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}" for p in sorted(self.spec.workdir.glob("agent*.log"))
         )
 
-    def wait_for_step(self, step: int, timeout: float = 180) -> None:
+    def wait_for_step(self, step: int, timeout: float = 180, after: float = 0.0) -> None:
+        """Wait until a step >= `step` completes (one completed after time `after`)."""
         deadline = time.monotonic() + timeout
-        while self.last_step() < step:
+        while self.last_step(after) < step:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not reach step {step} in {timeout:g} s:\n{self.logs()}")
             if all(a.poll() is not None for a in self.agents):
@@ -480,6 +492,19 @@ def etcd_restart(job: ChaosJob, rng: random.Random) -> list[int | None]:
     return [0] * len(job.agents)
 
 
+def soak(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    """Faults on a schedule, in one job: a SIGKILL, a SIGTERM and a SIGSTOP of random
+    workers, each once the job has recovered from the one before and trained on."""
+    since = 0.0
+    for signum in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
+        started = [r for r in job.records() if r["event"] == "start" and r["time"] > since]
+        job.wait_for_step((started[-1]["step"] if started else 0) + rng.randint(5, 10), after=since)
+        job.signal_worker(signum, rng=rng)
+        since = job.faults[-1][1]
+        job.wait_for_recovery(since)
+    return [0] * len(job.agents)
+
+
 def preemption(job: ChaosJob, rng: random.Random) -> list[int | None]:
     job.wait_for_step(rng.randint(12, 18))
     job.signal_worker(signal.SIGTERM, rng=rng)
@@ -495,6 +520,7 @@ SCENARIOS: dict[str, Scenario] = {
     "preemption": preemption,
     "partition": partition,
     "etcd-restart": etcd_restart,
+    "soak": soak,
 }
 NEEDS_NETWORK = {"partition"}
 """Scenarios that need agents on hosts of their own (network namespaces)."""
@@ -504,7 +530,7 @@ NEEDS_OWN_ETCD = {"etcd-restart"}
 
 # Scenarios that change the world size need the job to outlast a new round
 # (a joining agent first imports torch): they train longer.
-SCENARIO_STEPS = {"scale-up": 400, "node-loss": 200, "partition": 800}
+SCENARIO_STEPS = {"scale-up": 400, "node-loss": 200, "partition": 800, "soak": 300}
 # Jobs whose world size must stay 2 wait for both agents before the first round
 # (with a minimum of 1, the first agent could train alone until the second joins).
 SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3", "partition": "1:3"}

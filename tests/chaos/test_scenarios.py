@@ -12,7 +12,7 @@ end with weights bit-identical to an uninterrupted run's.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,7 @@ from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork
 pytestmark = pytest.mark.slow
 
 STEPS = 40
-CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption", "etcd-restart"}
+CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption", "etcd-restart", "soak"}
 
 
 @pytest.fixture(scope="module")
@@ -37,38 +37,47 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[str, torch.Tensor]:
-    """Final weights of an uninterrupted two-agent run (a scale-up with no fault
-    is not needed: 'kill-worker' at a step past the end never fires)."""
-    workdir = tmp_path_factory.mktemp("reference")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Final weights of an uninterrupted two-agent run of N steps (each N run once)."""
     from elastic.chaos.harness import ChaosJob, JobSpec, verified_final_checkpoint
 
-    spec = JobSpec(
-        workdir=workdir, nnodes="2:2", run_id="reference",
-        script_args=["--data", str(corpus), "--max-steps", str(STEPS), "--eval-every", "0", "--ckpt-dir",
-                     str(workdir / "ckpt"), "--ckpt-every", "5", "--dropout", "0.1", "--n-layer", "2", "--n-head",
-                     "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"],
-    )
-    with ChaosJob(spec) as job:
-        job.start()
-        assert job.wait(240) == [0, 0], job.logs()
-    name, error = verified_final_checkpoint(workdir / "ckpt", STEPS)
-    assert name, error
-    return dict(flat_tensors(torch.load(workdir / "ckpt" / name / "model.pt", weights_only=True)))
+    runs: dict[int, dict[str, torch.Tensor]] = {}
+
+    def weights(steps: int) -> dict[str, torch.Tensor]:
+        if steps not in runs:
+            workdir = tmp_path_factory.mktemp(f"reference-{steps}")
+            spec = JobSpec(
+                workdir=workdir, nnodes="2:2", run_id="reference",
+                script_args=["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir",
+                             str(workdir / "ckpt"), "--ckpt-every", "5", "--dropout", "0.1", "--n-layer", "2",
+                             "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"],
+            )
+            with ChaosJob(spec) as job:
+                job.start()
+                assert job.wait(240) == [0, 0], job.logs()
+            name, error = verified_final_checkpoint(workdir / "ckpt", steps)
+            assert name, error
+            runs[steps] = dict(flat_tensors(torch.load(workdir / "ckpt" / name / "model.pt", weights_only=True)))
+        return runs[steps]
+
+    return weights
 
 
-def check(result, workdir: Path, reference: dict[str, torch.Tensor]) -> None:
+def check(result, workdir: Path, reference: Callable[[int], dict[str, torch.Tensor]]) -> None:
     print(result.summary())
     assert result.ok, result.summary() + "\n" + result.logs
     if result.scenario in CONSTANT_WORLD:
+        want = reference(result.max_steps)
         got = dict(flat_tensors(torch.load(workdir / "ckpt" / result.final_checkpoint / "model.pt", weights_only=True)))
-        different = [k for k in reference if not torch.equal(reference[k], got[k])]
+        different = [k for k in want if not torch.equal(want[k], got[k])]
         assert not different, f"{result.scenario}: {len(different)} tensors differ from the uninterrupted run"
 
 
-@pytest.mark.parametrize("scenario", ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption"])
+@pytest.mark.parametrize(
+    "scenario", ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption", "soak"]
+)
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
-    steps = STEPS if scenario in CONSTANT_WORLD else None  # the others train longer (SCENARIO_STEPS)
+    steps = STEPS if scenario in CONSTANT_WORLD - {"soak"} else None  # the others train longer (SCENARIO_STEPS)
     check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
 
 
