@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             endpoint = f"{network.gateway}:{endpoint.rsplit(':', 1)[1]}"
         etcd = None
         if own_etcd:
-            listen = "0.0.0.0" if network else "127.0.0.1"
-            etcd = stack.enter_context(EtcdServer(root / "etcd-data", listen_host=listen))
+            listen = ("127.0.0.1", network.gateway) if network else ("127.0.0.1",)
+            etcd = stack.enter_context(EtcdServer(root / "etcd-data", listen_hosts=listen))
         for name in names:
             result = run_scenario(
                 name, root / name, data, steps=args.steps, backend=args.backend, endpoint=endpoint,

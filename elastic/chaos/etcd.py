@@ -6,8 +6,8 @@ etcd-server): for chaos runs that need etcd to fail and come back, and for tests
     server.stop(); server.start()                 # a restart on the same data
     server.endpoint                               # "127.0.0.1:PORT" for --rdzv-endpoint
 
-Invariants: a member listens only where it is told (loopback by default,
-`listen_host="0.0.0.0"` to serve network namespaces too), keeps its data
+Invariants: a member listens only where it is told (loopback by default; add
+a virtual network's gateway to `listen_hosts` to serve its hosts), keeps its data
 across `stop()`/`start()`, and `stop()` leaves no process behind.
 """
 
@@ -48,11 +48,10 @@ def etcd_binary() -> str:
 class EtcdServer:
     """One etcd member. `stop()` then `start()` restarts it on the same data."""
 
-    def __init__(self, data_dir: Path, tls: Tls | None = None, listen_host: str = "127.0.0.1") -> None:
+    def __init__(self, data_dir: Path, tls: Tls | None = None, listen_hosts: tuple[str, ...] = ("127.0.0.1",)) -> None:
         self.data_dir = data_dir
         self.tls = tls
-        self.listen_host = listen_host
-        """0.0.0.0 serves network namespaces too (at their gateway address)."""
+        self.listen_hosts = listen_hosts
         self.port = free_port()
         self.peer_port = free_port()
         self.log_path = data_dir.with_suffix(".log")
@@ -72,7 +71,8 @@ class EtcdServer:
             etcd_binary(),
             "--name", "test",
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", f"{'https' if self.tls else 'http'}://{self.listen_host}:{self.port}",
+            "--listen-client-urls",
+            ",".join(f"{'https' if self.tls else 'http'}://{host}:{self.port}" for host in self.listen_hosts),
             "--advertise-client-urls", self.url,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,

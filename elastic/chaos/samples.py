@@ -178,6 +178,9 @@ def main() -> None:
         print(f"usage: {LOG_ENV}=PREFIX python -m elastic.chaos.samples RECIPE [ARGS...]", file=sys.stderr)
         sys.exit(2)
     recipe = os.path.abspath(sys.argv[1])
+    if not os.path.isfile(recipe):
+        print(f"python -m elastic.chaos.samples: error: recipe {sys.argv[1]} does not exist", file=sys.stderr)
+        sys.exit(2)
     _record_samples(os.environ[LOG_ENV])
     sys.argv = [recipe, *sys.argv[2:]]
     sys.path.insert(0, os.path.dirname(recipe))

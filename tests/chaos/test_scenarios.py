@@ -112,6 +112,6 @@ def test_c10d_on_separate_hosts(scenario: str, tmp_path: Path, corpus: Path, ref
 
 def test_etcd_v3_partition_on_separate_hosts(tmp_path: Path, corpus: Path, reference, network: VirtualNetwork) -> None:
     """The cut-off host loses etcd too; it rejoins through etcd once its link is back."""
-    with EtcdServer(tmp_path / "etcd-data", listen_host="0.0.0.0") as server:
+    with EtcdServer(tmp_path / "etcd-data", listen_hosts=("127.0.0.1", network.gateway)) as server:
         result = run_scenario("partition", tmp_path, corpus, backend="etcd-v3", etcd=server, network=network)
     check(result, tmp_path, reference)
