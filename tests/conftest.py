@@ -15,6 +15,8 @@ sys.path.insert(0, str(REPO / "recipes"))
 from etcd_server import EtcdServer  # noqa: E402
 from support import free_port, make_text  # noqa: E402
 
+from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork  # noqa: E402
+
 
 @pytest.fixture
 def tiny_corpus(tmp_path: Path) -> Path:
@@ -45,3 +47,15 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def network() -> Iterator[VirtualNetwork]:
+    """A virtual network for tests of separate hosts; skipped (with the reason) where
+    namespaces cannot be made, e.g. without root."""
+    try:
+        net = VirtualNetwork.create()
+    except NetworkUnavailable as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    with net:
+        yield net

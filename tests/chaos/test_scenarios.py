@@ -12,7 +12,7 @@ end with weights bit-identical to an uninterrupted run's.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from etcd_server import EtcdServer
 from support import flat_tensors, make_text
 
 from elastic.chaos.harness import run_scenario
-from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork
+from elastic.chaos.netns import VirtualNetwork
 
 pytestmark = pytest.mark.slow
 
@@ -92,16 +92,6 @@ def test_etcd_v3_restart_of_etcd_mid_recovery(tmp_path: Path, corpus: Path, refe
     """A worker is killed while etcd is down; etcd comes back and the agents regroup through it."""
     result = run_scenario("etcd-restart", tmp_path, corpus, steps=STEPS, backend="etcd-v3", etcd=etcd)
     check(result, tmp_path, reference)
-
-
-@pytest.fixture(scope="module")
-def network() -> Iterator[VirtualNetwork]:
-    try:
-        net = VirtualNetwork.create()
-    except NetworkUnavailable as exc:
-        pytest.skip(f"no network namespaces here: {exc}")
-    with net:
-        yield net
 
 
 @pytest.mark.parametrize("scenario", ["kill-worker", "partition"])

@@ -24,16 +24,6 @@ except OSError as exc:
 """
 
 
-@pytest.fixture
-def network():
-    try:
-        net = VirtualNetwork.create()
-    except NetworkUnavailable as exc:
-        pytest.skip(f"no network namespaces here: {exc}")
-    with net:
-        yield net
-
-
 def dial(net: VirtualNetwork, host: int, address: str, port: int) -> str:
     done = subprocess.run(net.wrap(host, [sys.executable, "-c", DIAL, address, str(port)]),
                           capture_output=True, text=True, timeout=30)
