@@ -18,8 +18,8 @@ did not set:
 - Workers start warm (`elastic.warm_start`): forked from a fork server that
   imported torch once per agent, instead of a fresh `python -u script.py`
   that imports torch on every restart. This is torchrun's own
-  `--start-method=forkserver` with the script run in the forked process (as
-  `--run-path` does); `--start-method` given explicitly, `--no-python`, or
+  `--start-method=forkserver` and `--run-path`; `--no-python`, a
+  `--start-method` other than forkserver, `PYTHON_EXEC`, or
   `TORCHREVIVE_PRELOAD=` (empty) keep torch's way.
 
 It also imports torch._dynamo in the agent at start (torch's log formatter
@@ -35,18 +35,16 @@ README ("Recovery settings") explains each trade-off.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import signal
 import sys
-import uuid
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from elastic import warm_start
 from elastic.errors import UsageError
 from elastic.reaper import start_reaper
 from elastic.runtime import prefetch_slow_imports
-from elastic.warm_start import AGENT_PID_ENV, preload_modules, run_module, run_script
 
 RECOVERY_RDZV_CONF = {
     "last_call_timeout": "2",
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        preload = preload_modules()
+        preload = warm_start.preload_modules()
         check_script(args)
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)
@@ -129,24 +127,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace, preload: tuple[str, ...]) -> None:
-    """What `torch.distributed.run.run` does, with warm worker starts when they apply."""
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args
+    """torch's own `torch.distributed.run.run`, with warm worker starts when they apply."""
+    from torch.distributed.run import run
 
-    warm = bool(preload) and not args.no_python and args.start_method in (None, "forkserver")
-    args.start_method = "forkserver" if warm else (args.start_method or "spawn")
-    if args.standalone:  # as torchrun: a one-node job with its own c10d store on a free port
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    if warm:
-        if not args.module:
-            args.training_script = os.path.abspath(args.training_script)
-        args.run_path = True  # torch then passes (script, *script_args) to a function entry point
-        os.environ[AGENT_PID_ENV] = str(os.getpid())  # inherited by the fork server and its workers
-        multiprocessing.set_forkserver_preload(list(preload))
-    config, entrypoint, entry_args = config_from_args(args)
-    if warm:
-        entrypoint = run_module if args.module else run_script
-    elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    if warm_start.applies(args, preload):
+        warm_start.configure(args, preload)
+    elif args.start_method is None:
+        args.start_method = "spawn"  # torch's default
+    run(args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+WARM_WORKER_NAME = "python-rank"
+"""Warm workers name themselves `python-rank<RANK>` (`elastic.warm_start`)."""
+
 
 def children(pid: int) -> list[int]:
     """Direct children of `pid` (from /proc/PID/task/*/children: no scan of every process)."""
@@ -38,3 +41,20 @@ def status(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return {key: value.strip() for key, _, value in (line.partition(":") for line in text.splitlines())}
+
+
+def worker_rank(pid: int) -> int | None:
+    """The RANK of a torchrun worker, None for any other process: from the process
+    name of a warm worker (they share their fork server's environment), else from
+    the environment torchrun started the worker with."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if comm.startswith(WARM_WORKER_NAME) and comm[len(WARM_WORKER_NAME):].isdigit():
+        return int(comm[len(WARM_WORKER_NAME):])
+    for item in environ:
+        if item.startswith(b"RANK=") and item[5:].isdigit():
+            return int(item[5:])
+    return None

@@ -1,16 +1,18 @@
-"""Frozen workers: end at once a worker that was told to stop but cannot.
+"""Stopped workers: end at once a worker that was told to stop but cannot act on it.
 
 When torchrun's agent stops a worker group (a peer failed, a node joined), it
 sends SIGTERM and waits 30 s before SIGKILL. A worker that is stopped (SIGSTOP,
-a job-control stop, a frozen cgroup) cannot act on the SIGTERM, so every such
-restart costs the whole 30 s. The reaper is a daemon thread in the agent that
-looks at the agent's own descendants a few times a second and SIGKILLs any
-that is stopped with SIGTERM pending: what torch would do 30 s later anyway.
+a job-control stop) cannot act on the SIGTERM, so every such restart costs the
+whole 30 s. The reaper is a daemon thread in the agent that looks at the
+agent's workers a few times a second and SIGKILLs any that is stopped with
+SIGTERM pending: what torch would do 30 s later anyway.
 
-Invariants: it signals only descendants of this process that are in the
-stopped state (`T`) with SIGTERM pending, never a running one, and never one
-being traced by a debugger (`t`); it reads /proc only (Linux; elsewhere it
-does nothing).
+Invariants: it signals only this agent's workers (descendants that carry a
+torchrun RANK, see `elastic.proctree.worker_rank`), and only when it sees the
+same worker stopped (`T`, not traced `t`) with SIGTERM pending on two scans in
+a row, so that a SIGTERM followed at once by SIGCONT (a shell's `kill` of a
+stopped job, a scheduler resuming one) still reaches the worker's handler. It
+reads /proc only (Linux; elsewhere it does nothing).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic.proctree import descendants, status
+from elastic.proctree import descendants, status, worker_rank
 
 logger = logging.getLogger(__name__)
 
@@ -38,34 +40,47 @@ def stopped_with_sigterm_pending(pid: int) -> bool:
     return bool(pending & _SIGTERM_BIT)
 
 
-def reap_once(root: int) -> list[int]:
-    """SIGKILL every descendant of `root` that is stopped with SIGTERM pending; their pids."""
-    reaped = []
-    for pid in descendants(root):
-        if stopped_with_sigterm_pending(pid):
+def stuck_workers(root: int) -> set[int]:
+    """This agent's workers that are stopped with SIGTERM pending, right now."""
+    return {pid for pid in descendants(root) if worker_rank(pid) is not None and stopped_with_sigterm_pending(pid)}
+
+
+class Reaper:
+    """Call `scan()` periodically: a worker stuck on two scans in a row is SIGKILLed."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self._seen: set[int] = set()
+
+    def scan(self) -> list[int]:
+        """One look; returns the pids it killed."""
+        stuck = stuck_workers(self.root)
+        killed = []
+        for pid in sorted(stuck & self._seen):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            reaped.append(pid)
-    return reaped
+            killed.append(pid)
+            logger.warning(
+                "worker pid %d is stopped and cannot act on the SIGTERM that stops its group: "
+                "sent SIGKILL instead of waiting torch's 30 s", pid,
+            )
+        self._seen = stuck - set(killed)
+        return killed
 
 
 def start_reaper(interval: float = 0.25) -> threading.Thread | None:
-    """Watch this process's descendants from a daemon thread (None off Linux)."""
+    """Watch this process's workers from a daemon thread (None off Linux)."""
     if not Path(f"/proc/{os.getpid()}/task").is_dir():
         return None
-    root = os.getpid()
+    reaper = Reaper(os.getpid())
 
     def watch() -> None:
         while True:
-            for pid in reap_once(root):
-                logger.warning(
-                    "worker pid %d is stopped (SIGSTOP or frozen) and cannot act on the SIGTERM that stops its group: "
-                    "sent SIGKILL instead of waiting torch's 30 s", pid,
-                )
+            reaper.scan()
             time.sleep(interval)
 
-    thread = threading.Thread(target=watch, name="elastic-frozen-worker-reaper", daemon=True)
+    thread = threading.Thread(target=watch, name="elastic-stopped-worker-reaper", daemon=True)
     thread.start()
     return thread

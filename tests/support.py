@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from elastic.chaos.harness import rank_of
 from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
 from elastic.proctree import children as children_of  # noqa: F401 - re-exported
+from elastic.proctree import worker_rank  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
@@ -101,11 +101,6 @@ def run_recipe(*args: str, timeout: float = 120, env: dict[str, str] | None = No
         [sys.executable, str(GPT_RECIPE), *args],
         capture_output=True, text=True, timeout=timeout, env=env or worker_env(), cwd=REPO,
     )
-
-
-def worker_rank(pid: int) -> int | None:
-    """The RANK a torchrun worker was started with, read from its environment."""
-    return rank_of(pid)
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

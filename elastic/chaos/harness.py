@@ -43,7 +43,7 @@ from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
-from elastic.proctree import descendants
+from elastic.proctree import descendants, worker_rank
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
 
@@ -76,22 +76,6 @@ class JobSpec:
 
 # torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
 _TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.M)
-
-
-def rank_of(pid: int) -> int | None:
-    """The RANK of a torchrun worker: from its process name (`python-rank<R>`, set by
-    warm workers, which share their fork server's environment) or its environment."""
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    if comm.startswith("python-rank") and comm[len("python-rank"):].isdigit():
-        return int(comm[len("python-rank"):])
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
 
 
 class ChaosJob:
@@ -213,10 +197,10 @@ class ChaosJob:
         found = {}
         for agent in self.agents:
             if agent.poll() is None:
-                for pid in descendants(agent.pid):
-                    rank = rank_of(pid)
+                for pid in descendants(agent.pid):  # parents first: a worker before its children
+                    rank = worker_rank(pid)
                     if rank is not None:
-                        found[rank] = pid
+                        found.setdefault(rank, pid)
         return found
 
     def logs(self, tail: int = 3000) -> str:

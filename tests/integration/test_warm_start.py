@@ -1,5 +1,6 @@
 """`elastic.launch` starts workers warm (forked from a fork server that imported torch)
-and they must not be able to tell, except by the time they save."""
+and a script must not be able to tell, except by the time it saves: what it sees,
+how it ends and what runs at its end are those of `python -u script.py`."""
 
 from __future__ import annotations
 
@@ -13,28 +14,40 @@ from pathlib import Path
 import pytest
 from support import REPO, wait_for, worker_env
 
-from elastic.chaos.harness import rank_of
-from elastic.proctree import descendants
+from elastic.proctree import descendants, worker_rank
 
 pytestmark = pytest.mark.slow
 
 PROBE = '''\
 import sys
 torch_was_loaded = "torch" in sys.modules  # before this script imported anything
-import json, os
+import atexit, json, multiprocessing, os
 import probe_sibling  # beside this script: its folder must be first on sys.path
+out, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "0"
+rank = os.environ["RANK"]
 report = {
     "torch_was_loaded": torch_was_loaded, "name": __name__, "argv": sys.argv, "path0": sys.path[0],
-    "comm": open("/proc/self/comm").read().strip(), "rank": int(os.environ["RANK"]),
-    "world_size": int(os.environ["WORLD_SIZE"]), "sibling": probe_sibling.VALUE,
+    "comm": open("/proc/self/comm").read().strip(), "rank": int(rank), "world_size": int(os.environ["WORLD_SIZE"]),
+    "sibling": probe_sibling.VALUE, "session_leader": os.getsid(0) == os.getpid(),
+    "start_method_unset": multiprocessing.get_start_method(allow_none=True) is None,
 }
-with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as out:
-    json.dump(report, out)
-print(f"rank {os.environ['RANK']} reported", flush=True)
-if len(sys.argv) > 2 and sys.argv[2] == "sleep":
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(report, f)
+atexit.register(lambda: open(os.path.join(out, f"atexit{rank}"), "w").close())
+print(f"rank {rank} reported", flush=True)
+if mode == "sleep":
     import time
     time.sleep(600)
-sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+elif mode == "spawn":
+    multiprocessing.set_start_method("spawn")
+elif mode == "exit-none":
+    sys.exit()
+elif mode == "raise":
+    raise RuntimeError("the script failed")
+elif mode == "interrupt":
+    raise KeyboardInterrupt
+else:
+    sys.exit(int(mode))
 '''
 
 
@@ -48,20 +61,24 @@ def probe(tmp_path: Path) -> Path:
     return script
 
 
-def launch(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
-               *args]
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    return folder
+
+
+def launch(*args: str, env: dict[str, str] | None = None, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "elastic.launch", f"--nproc-per-node={nproc}", "--monitor-interval=0.2", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env or worker_env())
 
 
-def reports(directory: Path) -> list[dict]:
-    return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
+def reports(directory: Path, ranks: int = 2) -> list[dict]:
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def test_workers_start_warm_and_see_what_python_script_would_show(tmp_path: Path, probe: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    done = launch(str(probe), str(out))
+def test_workers_start_warm_and_see_what_python_script_would_show(out: Path, probe: Path) -> None:
+    done = launch("--standalone", str(probe), str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     for rank, report in enumerate(reports(out)):
         assert report["torch_was_loaded"], "the worker imported torch itself: not a warm start"
@@ -71,11 +88,19 @@ def test_workers_start_warm_and_see_what_python_script_would_show(tmp_path: Path
         assert report["sibling"] == 42
         assert report["comm"] == f"python-rank{rank}"
         assert (report["rank"], report["world_size"]) == (rank, 2)
+        assert report["session_leader"], "a terminal's signals must reach the agent, not the workers"
+        assert report["start_method_unset"]
+        assert (out / f"atexit{rank}").exists(), "atexit handlers run at the end"
 
 
-def test_relative_script_path_is_made_absolute(tmp_path: Path, probe: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
+def test_a_one_node_job_without_rendezvous_flags_runs_as_under_torchrun(out: Path, probe: Path) -> None:
+    """torchrun's static default (no --standalone, no endpoint) becomes a local c10d job."""
+    done = launch(str(probe), str(out), nproc=1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert reports(out, 1)[0]["torch_was_loaded"]
+
+
+def test_relative_script_path_is_made_absolute(out: Path, probe: Path, tmp_path: Path) -> None:
     command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=2", "scripts/probe.py", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=worker_env(PYTHONPATH=str(REPO)))
@@ -88,35 +113,45 @@ def test_relative_script_path_is_made_absolute(tmp_path: Path, probe: Path) -> N
     [
         ("empty TORCHREVIVE_PRELOAD", [], {"TORCHREVIVE_PRELOAD": ""}),
         ("explicit --start-method=spawn", ["--start-method=spawn"], {}),
+        ("PYTHON_EXEC", [], {"PYTHON_EXEC": sys.executable}),
     ],
 )
-def test_warm_start_can_be_turned_off(tmp_path: Path, probe: Path, how: str, extra_args: list[str], env: dict) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    done = launch(*extra_args, str(probe), str(out), env=worker_env(**env))
+def test_warm_start_can_be_turned_off(out: Path, probe: Path, how: str, extra_args: list[str], env: dict) -> None:
+    done = launch("--standalone", *extra_args, str(probe), str(out), env=worker_env(**env))
     assert done.returncode == 0, done.stdout + done.stderr
     for report in reports(out):
         assert not report["torch_was_loaded"], f"{how}: the worker was started warm"
         assert report["path0"] == str(probe.parent) and report["sibling"] == 42
 
 
-def test_a_module_runs_as_python_dash_m(tmp_path: Path, probe: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    done = launch("-m", "probe", str(out), env=worker_env(PYTHONPATH=f"{probe.parent}{os.pathsep}{REPO}"))
+def test_a_module_runs_as_python_dash_m(out: Path, probe: Path) -> None:
+    done = launch("--standalone", "-m", "probe", str(out), env=worker_env(PYTHONPATH=f"{probe.parent}{os.pathsep}{REPO}"))
     assert done.returncode == 0, done.stdout + done.stderr
     report = reports(out)[0]
     assert report["torch_was_loaded"] and report["name"] == "__main__"
     assert report["argv"] == [str(probe), str(out)]
+    assert report["path0"] == str(REPO), "python -m puts the working directory first"
 
 
-def test_a_failing_worker_reports_its_exit_status(tmp_path: Path, probe: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    done = launch("--max-restarts=0", str(probe), str(out), "3")
+@pytest.mark.parametrize("mode", ["exit-none", "spawn"])
+def test_scripts_that_end_without_error_succeed(out: Path, probe: Path, mode: str) -> None:
+    """sys.exit() and a script that picks its own multiprocessing start method end the job with 0."""
+    done = launch("--standalone", str(probe), str(out), mode, timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("mode", "summary"),
+    [("3", "exit status 3"), ("raise", "exit status 1"), ("interrupt", "killed by SIGINT")],
+)
+def test_a_failing_worker_reports_how_it_failed_and_runs_its_atexit_handlers(
+    out: Path, probe: Path, mode: str, summary: str
+) -> None:
+    done = launch("--standalone", "--max-restarts=0", str(probe), str(out), mode, timeout=90)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("torchrevive-run: job failed: worker rank") and "exit status 3" in last, last
+    assert last.startswith("torchrevive-run: job failed: worker rank") and summary in last, last
+    assert any(out.glob("atexit*")), "atexit handlers run after a failure too (a checkpoint in flight is committed)"
 
 
 @pytest.mark.parametrize(
@@ -136,17 +171,15 @@ def test_bad_script_or_preload_is_one_line_exit_2(tmp_path: Path, args: list[str
     assert message in done.stderr
 
 
-def test_workers_do_not_outlive_a_killed_agent(tmp_path: Path, probe: Path) -> None:
+def test_workers_do_not_outlive_a_killed_agent(out: Path, probe: Path) -> None:
     """The agent dies by SIGKILL (OOM killer, node drain): its warm workers notice and exit."""
-    out = tmp_path / "out"
-    out.mkdir()
     command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=2", str(probe), str(out), "sleep"]
     agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=worker_env())
     tree: list[int] = []
     try:
-        wait_for(lambda: len(list(out.iterdir())) == 2, 90, "both workers to report")
+        wait_for(lambda: len(list(out.glob("rank*.json"))) == 2, 90, "both workers to report")
         tree = descendants(agent.pid)  # fork server, resource tracker, workers
-        workers = [pid for pid in tree if rank_of(pid) is not None]
+        workers = [pid for pid in tree if worker_rank(pid) is not None]
         assert len(workers) == 2
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()

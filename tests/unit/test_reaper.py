@@ -8,8 +8,17 @@ import subprocess
 import sys
 import time
 
-from elastic.proctree import descendants
-from elastic.reaper import reap_once, stopped_with_sigterm_pending
+from elastic.proctree import descendants, worker_rank
+from elastic.reaper import Reaper, stopped_with_sigterm_pending
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def start(rank: int | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    if rank is not None:
+        env["RANK"] = str(rank)  # what torchrun gives a worker
+    return subprocess.Popen(SLEEP, env=env)
 
 
 def wait_state(pid: int, letter: str) -> None:
@@ -22,27 +31,51 @@ def wait_state(pid: int, letter: str) -> None:
     raise AssertionError(f"process {pid} never reached state {letter}")
 
 
-def test_a_stopped_child_is_killed_only_once_sigterm_is_pending() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def stop_then_term(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGSTOP)
+    wait_state(process.pid, "T")
+    process.send_signal(signal.SIGTERM)  # what torchrun's agent sends when it stops the group
+    time.sleep(0.05)
+
+
+def test_a_stopped_worker_with_sigterm_pending_is_killed_on_the_second_look() -> None:
+    worker, bystander, running = start(rank=1), start(rank=None), start(rank=0)
     try:
-        child.send_signal(signal.SIGSTOP)
-        wait_state(child.pid, "T")
-        assert not stopped_with_sigterm_pending(child.pid)
-        assert reap_once(os.getpid()) == [], "a stopped worker nobody asked to stop is left alone"
-        child.send_signal(signal.SIGTERM)  # what torchrun's agent sends when it stops the group
-        time.sleep(0.05)
-        assert stopped_with_sigterm_pending(child.pid)
-        assert reap_once(os.getpid()) == [child.pid]
-        assert child.wait(5) == -signal.SIGKILL
-        assert running.poll() is None, "a running process is never touched"
+        worker.send_signal(signal.SIGSTOP)
+        wait_state(worker.pid, "T")
+        reaper = Reaper(os.getpid())
+        assert not stopped_with_sigterm_pending(worker.pid)
+        assert reaper.scan() == [] and reaper.scan() == [], "a stopped worker nobody asked to stop is left alone"
+        stop_then_term(worker)
+        stop_then_term(bystander)
+        assert stopped_with_sigterm_pending(worker.pid) and worker_rank(worker.pid) == 1
+        assert reaper.scan() == [], "one look is not enough"
+        assert reaper.scan() == [worker.pid]
+        assert worker.wait(5) == -signal.SIGKILL
+        assert bystander.poll() is None, "a process that is not a torchrun worker is never touched"
+        assert running.poll() is None, "a running worker is never touched"
     finally:
-        for p in (child, running):
+        for p in (worker, bystander, running):
             p.kill()
             p.wait()
 
 
-def test_descendants_include_grandchildren() -> None:
+def test_a_sigterm_followed_by_sigcont_reaches_the_worker() -> None:
+    """`kill -TERM` then `kill -CONT` of a stopped job: the worker's own handler runs."""
+    worker = start(rank=0)
+    try:
+        reaper = Reaper(os.getpid())
+        stop_then_term(worker)
+        assert reaper.scan() == []
+        worker.send_signal(signal.SIGCONT)
+        assert worker.wait(5) == -signal.SIGTERM, "it died of its SIGTERM, not of the reaper"
+        assert reaper.scan() == []
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_descendants_include_grandchildren_parents_first() -> None:
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
     try:
@@ -50,7 +83,8 @@ def test_descendants_include_grandchildren() -> None:
         while len(descendants(parent.pid)) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         (grandchild,) = descendants(parent.pid)
-        assert parent.pid in descendants(os.getpid()) and grandchild in descendants(os.getpid())
+        mine = descendants(os.getpid())
+        assert mine.index(parent.pid) < mine.index(grandchild)
     finally:
         for pid in descendants(parent.pid):
             os.kill(pid, signal.SIGKILL)
