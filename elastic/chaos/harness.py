@@ -416,14 +416,16 @@ def kill_worker(job: ChaosJob, rng: random.Random) -> list[int | None]:
 def kill_during_save(job: ChaosJob, rng: random.Random) -> list[int | None]:
     # ELASTIC_FAULT=before_commit@20 (set by `scenario_env`) kills rank 0 between
     # writing step 20's files and committing them; the fault time is the last
-    # event before the restarted group's start.
+    # event of the first group (the restarted group opens with restore, start).
     deadline = time.monotonic() + 180
     while not job.restart_times():
         if time.monotonic() > deadline:
             raise TimeoutError(f"the job never restarted after the fault:\n{job.logs()}")
         time.sleep(0.05)
-    restarted = job.restart_times()[0]
-    job.mark("kill-during-save", at=max(r["time"] for r in job.records() if r["time"] < restarted))
+    records = job.records()
+    second_start = [i for i, r in enumerate(records) if r["event"] == "start"][1]
+    opening = second_start - (records[second_start - 1]["event"] == "restore")
+    job.mark("kill-during-save", at=records[opening - 1]["time"])
     return [0] * len(job.agents)
 
 

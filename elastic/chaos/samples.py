@@ -15,8 +15,11 @@ in time, since torchrun stops every worker of a round before the next starts.
 A round's steps count only up to the step the next round resumed from: the
 rest were lost with it and trained again. Over the steps that survive:
 
+- rounds never trained at the same time (no split brain);
 - every step from the first to the last appears once, with one record per rank;
-- each step starts where the previous one ended in the epoch stream;
+- each step starts where the previous one ended in the epoch stream, and
+  holds exactly the samples the epoch order (`elastic.sampler.epoch_permutation`
+  of the seed) puts there;
 - every complete epoch holds each sample exactly once, and no epoch holds a
   sample twice.
 """
@@ -66,6 +69,8 @@ def read_records(prefix: Path) -> list[dict[str, Any]]:
     records = []
     for log in sorted(prefix.parent.glob(prefix.name + ".rank*")):
         for line in log.read_text().splitlines():
+            if not line.strip():
+                continue
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
@@ -83,6 +88,12 @@ def audit(prefix: Path) -> SampleAudit:
         result.problems.append(f"no sample records under {prefix}")
         return result
     ordered = sorted(rounds.values(), key=lambda records: min(r["time"] for r in records))
+    for before, after in zip(ordered, ordered[1:]):
+        if max(r["time"] for r in before) > min(r["time"] for r in after):
+            result.problems.append(
+                f"rounds resumed from steps {before[0]['round_start']} and {after[0]['round_start']} "
+                "trained at the same time (two groups at once: a split brain)"
+            )
     # A round's steps survive up to the earliest step any later round resumed from.
     kept: dict[int, list[dict[str, Any]]] = defaultdict(list)
     until = float("inf")
@@ -92,49 +103,99 @@ def audit(prefix: Path) -> SampleAudit:
                 kept[r["step"]].append(r)
         until = min(until, records[0]["round_start"])
 
-    stream: list[int] = []
-    stream_start = (0, 0)
-    position: tuple[int, int] | None = None
     result.first_step = ordered[0][0]["round_start"] + 1
     result.last_step = max(kept, default=0)
+    stream = _check_steps(kept, result)
+    if stream is not None:
+        _check_epochs(stream, result)
+    return result
+
+
+def _check_steps(kept: dict[int, list[dict[str, Any]]], result: SampleAudit) -> _Stream | None:
+    """Each step: one record per rank, starting where the step before ended, holding
+    exactly the samples the epoch order puts there. The samples in order, or None
+    when a step is missing (the epochs cannot be cut then)."""
+    stream: _Stream | None = None
+    position: tuple[int, int] | None = None
+    orders: dict[int, list[int]] = {}
     for step in range(result.first_step, result.last_step + 1):
         ranks = sorted(kept.get(step, []), key=lambda r: r["rank"])
         world = ranks[0]["world_size"] if ranks else 0
         if not ranks or [r["rank"] for r in ranks] != list(range(world)):
             result.problems.append(f"step {step}: records of ranks {[r['rank'] for r in ranks]}, not one per rank")
-            position = None
-            continue
-        here = (ranks[0]["epoch"], ranks[0]["consumed"])
+            return None
+        first = ranks[0]
+        n, batch, seed = first["num_samples"], first["batch_size"], first["seed"]
+        here = (first["epoch"], first["consumed"])
         if position is not None and here != position:
             result.problems.append(f"step {step} starts at (epoch, consumed) {here}; the step before ended at {position}")
-        n, batch = ranks[0]["num_samples"], ranks[0]["batch_size"]
+        trained = [i for r in ranks for i in r["indices"]]
+        expected = _stream_slice(orders, n, seed, here, batch * world)
+        if trained != expected:
+            wrong = sum(a != b for a, b in zip(trained, expected)) + abs(len(trained) - len(expected))
+            result.problems.append(f"step {step}: {wrong} of its samples are not those the epoch order puts at {here}")
         position = divmod(here[0] * n + here[1] + batch * world, n)
-        if not stream:
-            stream_start = here
-        stream.extend(i for r in ranks for i in r["indices"])
+        if stream is None:
+            stream = _Stream(start=here, num_samples=n)
+        stream.indices += trained
         result.steps += 1
-    if not stream:
-        result.problems.append("no step of the final history was recorded")
-        return result
+    return stream
 
-    # Cut the stream at epoch ends; the first piece may start mid-epoch (a resumed job).
-    n = ordered[0][0]["num_samples"]
-    epoch, cut = stream_start[0], n - stream_start[1]
-    pieces = [(epoch, stream[:cut], stream_start[1] == 0)]
-    for begin in range(cut, len(stream), n):
+
+@dataclass
+class _Stream:
+    start: tuple[int, int]
+    """(epoch, consumed) where the history begins: (0, 0) for a fresh job."""
+    num_samples: int
+    indices: list[int] = field(default_factory=list)
+
+
+def _stream_slice(orders: dict[int, list[int]], n: int, seed: int, at: tuple[int, int], count: int) -> list[int]:
+    """`count` indices of the epoch stream from position `at`, as the sampler defines it."""
+    from elastic.sampler import epoch_permutation
+
+    out: list[int] = []
+    epoch, consumed = at
+    while len(out) < count:
+        if epoch not in orders:
+            orders[epoch] = epoch_permutation(n, seed, epoch).tolist()
+        take = min(count - len(out), n - consumed)
+        out += orders[epoch][consumed : consumed + take]
+        epoch, consumed = epoch + 1, 0
+    return out
+
+
+def _check_epochs(stream: _Stream, result: SampleAudit) -> None:
+    """No epoch holds a sample twice; complete ones hold every sample."""
+    n = stream.num_samples
+    epoch, cut = stream.start[0], n - stream.start[1]
+    pieces = [(epoch, stream.indices[:cut], stream.start[1] == 0)]
+    for begin in range(cut, len(stream.indices), n):
         epoch += 1
-        pieces.append((epoch, stream[begin : begin + n], True))
+        pieces.append((epoch, stream.indices[begin : begin + n], True))
     for epoch, piece, from_start in pieces:
         repeated = len(piece) - len(set(piece))
         if repeated:
             result.problems.append(f"epoch {epoch}: {repeated} samples trained twice")
         elif from_start and len(piece) == n:
-            result.epochs_complete += 1
-    result.samples = len(stream)
-    return result
+            if set(piece) != set(range(n)):
+                result.problems.append(f"epoch {epoch}: holds indices outside 0..{n - 1}")
+            else:
+                result.epochs_complete += 1
+    result.samples = len(stream.indices)
 
 
 # --- the recording wrapper ----------------------------------------------------------
+
+
+def append_record(prefix: str | Path, rank: int, record: dict[str, Any]) -> None:
+    """One write per record, starting with a newline: a line torn by a SIGKILL
+    never swallows the next round's first record."""
+    fd = os.open(f"{prefix}.rank{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, ("\n" + json.dumps(record)).encode())
+    finally:
+        os.close(fd)
 
 
 def _record_samples(prefix: str) -> None:
@@ -162,11 +223,10 @@ def _record_samples(prefix: str) -> None:
             "step": current["step"], "round": current["round"], "round_start": current["round_start"],
             "time": time.time(), "rank": rank, "world_size": world_size,
             "epoch": self.state.epoch, "consumed": self.state.consumed, "num_samples": self.num_samples,
-            "batch_size": self.batch_size, "indices": indices.tolist(),
+            "batch_size": self.batch_size, "seed": self.seed, "indices": indices.tolist(),
         }
         current["step"] += 1
-        with open(f"{prefix}.rank{rank}", "a", encoding="utf-8") as log:
-            log.write(json.dumps(record) + "\n")
+        append_record(prefix, rank, record)
         return indices
 
     CheckpointManager.restore = restore  # type: ignore[method-assign]

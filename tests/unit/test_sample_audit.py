@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from elastic.chaos.samples import audit
+from elastic.chaos.samples import append_record, audit
 from elastic.sampler import ElasticSampler
 
 N, BATCH = 50, 4
@@ -20,9 +19,14 @@ class FakeJob:
         self.rounds = 0
         self.checkpoints: dict[int, dict[str, int]] = {0: ElasticSampler(N, batch_size=BATCH, seed=3).state_dict()}
 
-    def round(self, *, resume: int, world: int, until: int, checkpoint_every: int = 5, skip_rank: int | None = None) -> None:
+    def round(
+        self, *, resume: int, world: int, until: int, checkpoint_every: int = 5, skip_rank: int | None = None,
+        started: float | None = None, corrupt_step: int | None = None,
+    ) -> None:
         """Resume from the checkpoint of step `resume` at `world` ranks and train to `until`."""
         self.rounds += 1
+        if started is not None:
+            self.clock = started
         sampler = ElasticSampler(N, batch_size=BATCH, seed=3)
         sampler.load_state_dict(self.checkpoints[resume])
         for step in range(resume + 1, until + 1):
@@ -30,14 +34,16 @@ class FakeJob:
                 if rank == skip_rank and step == until:
                     continue
                 self.clock += 0.01
+                indices = sampler.local_batch(rank, world).tolist()
+                if step == corrupt_step and rank == 0:
+                    indices[0] = (indices[0] + 1) % N  # a sampler bug: one sample swapped for another
                 record = {
                     "step": step, "round": f"r{self.rounds}", "round_start": resume, "time": self.clock,
                     "rank": rank, "world_size": world, "epoch": sampler.state.epoch,
-                    "consumed": sampler.state.consumed, "num_samples": N, "batch_size": BATCH,
-                    "indices": sampler.local_batch(rank, world).tolist(),
+                    "consumed": sampler.state.consumed, "num_samples": N, "batch_size": BATCH, "seed": 3,
+                    "indices": indices,
                 }
-                with open(f"{self.prefix}.rank{rank}", "a") as log:
-                    log.write(json.dumps(record) + "\n")
+                append_record(self.prefix, rank, record)
             sampler.advance(world)
             if step % checkpoint_every == 0:
                 self.checkpoints[step] = sampler.state_dict()
@@ -90,3 +96,30 @@ def test_a_job_resumed_mid_epoch_is_audited_from_where_it_resumed(tmp_path: Path
 def test_no_records_is_not_a_pass(tmp_path: Path) -> None:
     result = audit(tmp_path / "nothing")
     assert not result.ok and "no sample records" in result.summary()
+
+
+def test_two_rounds_training_at_once_are_a_split_brain(tmp_path: Path) -> None:
+    job = FakeJob(tmp_path / "samples")
+    job.round(resume=0, world=2, until=10)
+    job.round(resume=10, world=1, until=20, started=0.05)  # while the first was still training
+    result = audit(tmp_path / "samples")
+    assert any("split brain" in p for p in result.problems), result.problems
+
+
+def test_a_sample_swapped_for_another_mid_epoch_is_caught(tmp_path: Path) -> None:
+    """No complete epoch to count on: the step itself must hold what the epoch order puts there."""
+    job = FakeJob(tmp_path / "samples")
+    job.round(resume=0, world=2, until=4, corrupt_step=3)
+    result = audit(tmp_path / "samples")
+    assert result.problems == ["step 3: 1 of its samples are not those the epoch order puts at (0, 16)"]
+
+
+def test_a_record_torn_by_a_kill_does_not_hide_the_next_one(tmp_path: Path) -> None:
+    job = FakeJob(tmp_path / "samples")
+    job.round(resume=0, world=2, until=7)
+    with open(tmp_path / "samples.rank0", "a") as log:
+        log.write('{"step": 8, "round": "r1", "ind')  # SIGKILL in the middle of a write
+    job.round(resume=5, world=2, until=12)
+    result = audit(tmp_path / "samples")
+    assert result.ok, result.problems
+    assert (result.first_step, result.last_step) == (1, 12)
