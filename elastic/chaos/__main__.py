@@ -56,6 +56,19 @@ def build_parser() -> OneLineArgumentParser:
     return p
 
 
+def as_seen_from_hosts(endpoint: str, gateway: str) -> str:
+    """etcd endpoints (`HOST:PORT` or URLs, comma-separated) as the namespaced hosts
+    reach them: a loopback host is this machine, which they see at `gateway`."""
+    rewritten = []
+    for item in endpoint.split(","):
+        scheme, sep, rest = item.strip().rpartition("://")
+        host, colon, port = rest.rpartition(":")
+        if host in ("127.0.0.1", "localhost", "[::1]"):
+            rest = f"{gateway}{colon}{port}"
+        rewritten.append(f"{scheme}{sep}{rest}")
+    return ",".join(rewritten)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     own_etcd = args.backend == "etcd-v3" and not args.endpoint
@@ -84,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     with ExitStack() as stack:
         network = stack.enter_context(VirtualNetwork.create()) if args.hosts == "netns" else None
-        endpoint = args.endpoint
-        if network and endpoint and endpoint.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
-            endpoint = f"{network.gateway}:{endpoint.rsplit(':', 1)[1]}"
+        endpoint = as_seen_from_hosts(args.endpoint, network.gateway) if network and args.endpoint else args.endpoint
         etcd = None
         if own_etcd:
             listen = ("127.0.0.1", network.gateway) if network else ("127.0.0.1",)

@@ -95,10 +95,12 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"etcd exited at start: {self.log_path.read_text()[-2000:]}")
             if self.healthy():
                 return
             time.sleep(0.1)
+        self.stop()  # never leave a member behind that the caller thinks is not running
         raise RuntimeError(f"etcd did not become healthy in {timeout} s: {self.log_path.read_text()[-2000:]}")
 
     def healthy(self) -> bool:

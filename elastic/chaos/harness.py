@@ -323,8 +323,9 @@ class ChaosJob:
         step = self.recovery_seconds(fault_time)
         if step is None:
             return None
-        restart = [t for t, what in self._agent_log_times() if t > fault_time and "will restart worker group" in what]
-        started = [t for t, what in self._agent_log_times() if restart and t > restart[0] and "Starting worker group" in what]
+        logged = self._agent_log_times()
+        restart = [t for t, what in logged if t > fault_time and "will restart worker group" in what]
+        started = [t for t, what in logged if restart and t > restart[0] and "Starting worker group" in what]
         restored = [r["time"] for r in self.records() if r["event"] == "start" and r["time"] > fault_time]
         if not (restart and started and restored):
             return None

@@ -13,17 +13,21 @@ switch too, at `gateway` (10.X.Y.254): a server started here on that address
 host's switch port down: its connections stall without a reset, exactly as
 when a cable or a top-of-rack switch fails.
 
-Invariants: needs root and iproute2's `ip`; every namespace and link it made
-is gone after `close()` (deleting the switch namespace deletes the cables),
-processes started inside must be ended by their owner first. Names carry a
-random id, so several networks can exist at once.
+Invariants: needs root and iproute2's `ip`; every namespace and link it made,
+and every process still running inside one, is gone after `close()` (deleting
+the switch namespace deletes the cables). Names carry the creating process's
+pid and a random id, so several networks can exist at once, and `create()`
+first removes what a creator that died without `close()` left behind. The
+/24 is one this machine does not use yet.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import uuid
@@ -47,10 +51,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _ip(*args: str) -> None:
+def _ip(*args: str) -> str:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise NetworkUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+_NAME = re.compile(r"^trv-(?P<pid>\d+)-[0-9a-f]+-(sw|h\d+)\b", re.M)
+
+
+def _delete_namespace(name: str) -> None:
+    """Kill what still runs inside `name`, then delete it."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def sweep_abandoned() -> list[str]:
+    """Delete the namespaces of networks whose creating process is gone; their names."""
+    abandoned = [
+        m.group(0) for m in _NAME.finditer(_ip("netns", "list")) if not os.path.exists(f"/proc/{m.group('pid')}")
+    ]
+    for name in abandoned:
+        _delete_namespace(name)
+    return abandoned
+
+
+def _unused_prefix() -> str:
+    """A 10.X.Y /24 that no address or route of this machine touches."""
+    taken = _ip("-4", "addr") + _ip("-4", "route")
+    for _ in range(1000):
+        prefix = f"10.{random.randint(200, 250)}.{random.randint(0, 255)}"
+        if f"{prefix}." not in taken:
+            return prefix
+    raise NetworkUnavailable("no free 10.200-250.x.0/24 for a virtual network")
 
 
 class VirtualNetwork:
@@ -61,7 +100,8 @@ class VirtualNetwork:
         self.prefix = prefix
         """The /24 every address is in, as 'A.B.C'."""
         self.gateway = f"{prefix}.254"
-        self._switch = f"trv-{self.id}-sw"
+        self._names = f"trv-{os.getpid()}-{self.id}"
+        self._switch = f"{self._names}-sw"
         self._root_link = f"trv{self.id}"
         self._hosts: list[str] = []
 
@@ -72,7 +112,8 @@ class VirtualNetwork:
             raise NetworkUnavailable("iproute2's `ip` is not installed (Debian: apt-get install iproute2)")
         if os.geteuid() != 0:
             raise NetworkUnavailable("network namespaces need root")
-        net = cls(prefix or f"10.{random.randint(200, 250)}.{random.randint(0, 255)}")
+        sweep_abandoned()
+        net = cls(prefix or _unused_prefix())
         try:
             _ip("netns", "add", net._switch)
             _ip("-n", net._switch, "link", "add", "br0", "type", "bridge")
@@ -101,7 +142,7 @@ class VirtualNetwork:
         index = len(self._hosts)
         if index >= 250:
             raise ValueError("a virtual network holds at most 250 hosts")
-        name = f"trv-{self.id}-h{index}"
+        name = f"{self._names}-h{index}"
         port = f"h{index}"
         _ip("netns", "add", name)
         self._hosts.append(name)
@@ -124,9 +165,10 @@ class VirtualNetwork:
         _ip("-n", self._switch, "link", "set", f"h{host}", "up")
 
     def close(self) -> None:
-        """Delete every namespace (and with the switch, every cable); safe to repeat."""
+        """Kill what runs inside, delete every namespace (and with the switch, every
+        cable); safe to repeat."""
         for name in [*self._hosts, self._switch]:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            _delete_namespace(name)
         self._hosts.clear()
 
     def __enter__(self) -> VirtualNetwork:

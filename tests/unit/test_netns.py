@@ -53,12 +53,29 @@ def test_hosts_reach_each_other_and_this_machine_until_a_link_is_cut(network: Vi
         listener.wait()
 
 
-def test_close_removes_every_namespace(network: VirtualNetwork) -> None:
+def test_close_kills_what_runs_inside_and_removes_every_namespace(network: VirtualNetwork) -> None:
     network.add_host()
     names = [network.namespace(0)]
+    inside = subprocess.Popen(network.wrap(0, [sys.executable, "-c", "import time; time.sleep(60)"]))
+    time.sleep(0.5)
     network.close()
+    assert inside.wait(10) == -9, "a process left inside a namespace would keep it alive"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names) and network.id not in listed
+
+
+def test_a_network_whose_creator_died_is_swept_by_the_next_one() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = f"trv-{dead.pid}-abcdef-sw"
+    if subprocess.run(["ip", "netns", "add", leftover], capture_output=True).returncode != 0:
+        pytest.skip("no network namespaces here")
+    try:
+        with VirtualNetwork.create():
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert leftover not in listed
+    finally:
+        subprocess.run(["ip", "netns", "del", leftover], capture_output=True)
 
 
 def test_without_root_it_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,3 +89,12 @@ def test_the_chaos_cli_refuses_partition_on_loopback(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr == "python -m elastic.chaos: error: --scenario partition cuts a host's link: it needs --hosts netns\n"
+
+
+def test_loopback_etcd_endpoints_are_rewritten_to_the_gateway_hosts_see() -> None:
+    from elastic.chaos.__main__ import as_seen_from_hosts
+
+    assert as_seen_from_hosts("127.0.0.1:2379", "10.9.9.254") == "10.9.9.254:2379"
+    assert as_seen_from_hosts("http://localhost:2379,10.0.0.5:2379,https://127.0.0.1:2380", "G") == (
+        "http://G:2379,10.0.0.5:2379,https://G:2380"
+    )
