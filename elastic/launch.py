@@ -24,7 +24,7 @@ did not set:
 
 It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
-recovery's path), runs the frozen-worker reaper (`elastic.reaper`: a stopped
+recovery's path), runs the stopped-worker reaper (`elastic.reaper`: a stopped
 worker cannot act on the SIGTERM that stops its group, and torch would wait
 30 s before SIGKILL), and a script path that does not exist fails at once with
 one line instead of in every worker of every restart.
