@@ -83,13 +83,14 @@ def torchrun_command(
 
 def standalone_command(
     nproc: int, script_args: Sequence[str], *, script: Path | str = GPT_RECIPE, max_restarts: int = 0,
-    record_samples: bool = False,
+    record_samples: bool = False, launcher: str = "torch.distributed.run",
 ) -> list[str]:
     """A one-node torchrun job of `nproc` workers (its own c10d store on a free port);
-    `record_samples` runs the script under `elastic.chaos.samples` (set ELASTIC_SAMPLE_LOG)."""
+    `record_samples` runs the script under `elastic.chaos.samples` (set ELASTIC_SAMPLE_LOG);
+    `launcher` is stock torchrun or ours (`elastic.launch`)."""
     wrapper = ["-m", "elastic.chaos.samples"] if record_samples else []
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", launcher, "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
         *wrapper, str(script), *script_args,
     ]

@@ -28,7 +28,10 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
         *TINY_MODEL,
     ]
     done = subprocess.run(
-        standalone_command(2, args, max_restarts=1), capture_output=True, text=True, timeout=240, cwd=REPO,
+        # Our launcher: its reaper ends the SIGSTOPped worker when the group stops, where
+        # stock torchrun waits 30 s for it to act on SIGTERM.
+        standalone_command(2, args, max_restarts=1, launcher="elastic.launch"),
+        capture_output=True, text=True, timeout=240, cwd=REPO,
         env=worker_env(ELASTIC_FAULT=f"after_step@12:rank=1:do={action}"),
     )
     output = done.stdout + done.stderr
