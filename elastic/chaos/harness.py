@@ -180,14 +180,19 @@ class ChaosJob:
 
     def wait_for_recovery(self, fault_time: float, timeout: float = 180) -> float:
         """Seconds from `fault_time` to the first step of a group started after it."""
+        return self._poll(lambda: self.recovery_seconds(fault_time), timeout, "a recovery from the fault")
+
+    def _poll(self, found: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+        """`found()` once it is not None; fails naming `what` at the deadline or when
+        every agent has exited."""
         deadline = time.monotonic() + timeout
-        while (seconds := self.recovery_seconds(fault_time)) is None:
+        while (value := found()) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no recovery {timeout:g} s after the fault:\n{self.logs()}")
+                raise TimeoutError(f"no {what} in {timeout:g} s:\n{self.logs()}")
             if all(a.poll() is not None for a in self.agents):
-                raise RuntimeError(f"every agent exited without recovering:\n{self.logs()}")
-            time.sleep(0.05)
-        return seconds
+                raise RuntimeError(f"every agent exited before {what}:\n{self.logs()}")
+            time.sleep(interval)
+        return value
 
     def agent_log(self, index: int) -> str:
         return (self.spec.workdir / f"agent{index}.log").read_text(errors="replace")
@@ -210,26 +215,19 @@ class ChaosJob:
 
     def wait_for_step(self, step: int, timeout: float = 180, after: float = 0.0) -> None:
         """Wait until a step >= `step` completes (one completed after time `after`)."""
-        deadline = time.monotonic() + timeout
-        while self.last_step(after) < step:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the job did not reach step {step} in {timeout:g} s:\n{self.logs()}")
-            if all(a.poll() is not None for a in self.agents):
-                raise RuntimeError(f"every agent exited before step {step}:\n{self.logs()}")
-            time.sleep(0.01)
+        self._poll(lambda: True if self.last_step(after) >= step else None, timeout, f"step {step}", interval=0.01)
 
     def wait_for_world_size(self, world_size: int, after: float, timeout: float = 180) -> float:
         """Wait for a step trained at `world_size` after time `after`; returns its time."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for record in self.records():
-                if record["event"] == "step" and record["world_size"] == world_size and record["time"] > after:
-                    return record["time"]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no step at world size {world_size} in {timeout:g} s:\n{self.logs()}")
-            if all(a.poll() is not None for a in self.agents):
-                raise RuntimeError(f"every agent exited before a step at world size {world_size}:\n{self.logs()}")
-            time.sleep(0.05)
+
+        def step_time() -> float | None:
+            return next(
+                (r["time"] for r in self.records()
+                 if r["event"] == "step" and r["world_size"] == world_size and r["time"] > after),
+                None,
+            )
+
+        return self._poll(step_time, timeout, f"step at world size {world_size}")
 
     def wait(self, timeout: float = 300) -> list[int | None]:
         """Exit codes of every agent (None for one still running at the deadline)."""
