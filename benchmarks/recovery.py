@@ -22,6 +22,9 @@ the agents counted against `--max-restarts`), and goodput with one kill every
 `--goodput-interval` seconds for `--goodput-seconds`: the step the job reached
 divided by the steps a fault-free run of the same setting makes in that time.
 Targets (ours): median <= 6 s, zero failed rounds, goodput >= 0.90.
+
+Each job's picture (`python -m elastic.report`: loss, throughput, world size,
+each recovery's time written on it) is written to `--pictures`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob, JobSpec, draw_report
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
@@ -53,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-interval", type=float, default=60.0, help="seconds between kills in the goodput runs")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which to run, comma-separated")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pictures", default="runs/recovery-benchmark", help="folder for each job's report PNG")
     return p.parse_args(argv)
 
 
@@ -98,6 +102,12 @@ def rounds_completed(job: ChaosJob) -> int:
     return len(re.findall(r"Rendezvous complete for workers", job.agent_log(0)))
 
 
+def picture(job: ChaosJob, args: argparse.Namespace, title: str) -> None:
+    out = draw_report(job.events_path, Path(args.pictures) / f"{job.spec.workdir.name}.png", title=title)
+    if out is not None:
+        print(f"  picture: {out}", flush=True)
+
+
 def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     job = start_job(setting, workdir, data)
@@ -126,6 +136,7 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
             print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s ({where or 'no breakdown'})", flush=True)
     finally:
         job.close()
+    picture(job, args, f"{setting}: {args.kills} SIGKILLs")
     return {
         "recovery_s": times,
         "median_s": statistics.median(times),
@@ -155,6 +166,7 @@ def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Name
         reached = max((r["step"] for r in job.records() if r["event"] == "step" and r["time"] <= end), default=0)
     finally:
         job.close()
+    picture(job, args, f"{setting}: goodput run, {'one kill per %g s' % args.goodput_interval if faults else 'no faults'}")
     return (reached - start_step) / args.goodput_seconds
 
 

@@ -94,8 +94,8 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     prog = os.path.basename(sys.argv[0]) or "elastic"
     main_module = sys.modules.get("__main__")
     spec = getattr(main_module, "__spec__", None)
-    if prog == "__main__.py" and spec is not None and spec.parent:
-        prog = f"python -m {spec.parent}"  # as the user typed it
+    if spec is not None and spec.name:  # started with -m: name it as the user typed it
+        prog = f"python -m {spec.parent if prog == '__main__.py' else spec.name}"
     try:
         return main(argv) or 0
     except ElasticError as exc:

@@ -7,7 +7,11 @@ Invariants:
   rewritten, so one file holds the whole history of a job across restarts and a
   worker killed mid-write leaves at most one torn last line, which readers skip.
 - Only the main rank writes; every other rank holds a disabled log whose
-  `emit` does nothing, so recipes call it unconditionally.
+  `emit` writes nothing, so recipes call it unconditionally.
+- Listeners (`subscribe`) see every event on every rank, written or not: the
+  metrics of each worker are fed from the same stream as the file, so the two
+  cannot disagree. A listener that raises is dropped with one warning; it
+  never breaks training.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class EventLog:
         self._restart = restart
         self._clock = clock
         self._fd: int | None = None
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -46,9 +51,13 @@ class EventLog:
     def enabled(self) -> bool:
         return self._fd is not None
 
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener(record)` with every event emitted from now on, in this process."""
+        self._listeners.append(listener)
+
     def emit(self, event: str, *, step: int, world_size: int, time: float | None = None, **fields: Any) -> None:
         """Append one event; `time` defaults to now (pass it to record when a thing happened)."""
-        if self._fd is None:
+        if self._fd is None and not self._listeners:
             return
         if event not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {event!r}; expected one of {EVENT_KINDS}")
@@ -60,8 +69,15 @@ class EventLog:
             "restart": self._restart,
             **fields,
         }
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        os.write(self._fd, line.encode())
+        if self._fd is not None:
+            line = json.dumps(record, separators=(",", ":")) + "\n"
+            os.write(self._fd, line.encode())
+        for listener in list(self._listeners):
+            try:
+                listener(record)
+            except Exception as exc:  # noqa: BLE001 - observers must not stop training
+                self._listeners.remove(listener)
+                logger.warning("event listener %r failed and is removed: %s", listener, exc)
 
     def close(self) -> None:
         if self._fd is not None:

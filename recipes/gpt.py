@@ -52,6 +52,7 @@ from elastic.cli import (  # noqa: E402
 )
 from elastic.errors import ElasticError, Preempted, UsageError  # noqa: E402
 from elastic.events import EventLog  # noqa: E402
+from elastic.metrics import add_metrics_arguments, start_metrics  # noqa: E402
 from elastic.preemption import PreemptionHandler  # noqa: E402
 from elastic.progress import Progress  # noqa: E402
 from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    add_metrics_arguments(p)
     p.add_argument("--ckpt-dir", default=None, help="commit checkpoints here and resume from the newest good one")
     p.add_argument("--ckpt-every", type=non_negative_int, default=50, help="steps between checkpoints (0: only the final one)")
     p.add_argument("--ckpt-keep", type=int_at_least(2), default=3, help="committed checkpoints to keep (a fallback needs 2)")
@@ -160,6 +162,14 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
 
     with ExitStack() as cleanup:  # on every exit path: commit saves in flight, restore SIGTERM
         events = cleanup.enter_context(EventLog(args.events if ctx.is_main else None, restart=ctx.restart_count))
+        hang = watchdog(args.hang_timeout)  # armed by the first completed step
+        cleanup.callback(hang.close)
+        cleanup.enter_context(  # before restore, so a scrape sees the restore too
+            start_metrics(
+                ctx, events, port=args.metrics_port, host=args.metrics_host,
+                samples_per_step=args.batch_size, tokens_per_sample=cfg.block_size, watchdog=hang,
+            )
+        )
         ckpt = CheckpointManager(
             ctx, args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep, model=raw_model, optimizer=optimizer,
             scheduler=scheduler, sampler=sampler, events=events, seed=args.seed,
@@ -168,8 +178,6 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
         preemption = PreemptionHandler(ctx, grace=args.term_grace)
         cleanup.callback(preemption.uninstall)
         faults = FaultInjector(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for chaos tests
-        hang = watchdog(args.hang_timeout)  # armed by the first completed step
-        cleanup.callback(hang.close)
         step = ckpt.restore()  # 0 on a fresh start; RNG, sampler and optimizer as they were at `step`
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda" else nullcontext()
         tokens_per_step = args.batch_size * cfg.block_size * ctx.world_size
@@ -177,6 +185,7 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
         events.emit(
             "start", step=step, world_size=ctx.world_size, run_id=ctx.run_id,
             parameters=raw_model.num_parameters(), device=str(ctx.device),
+            samples_per_step=args.batch_size * ctx.world_size, tokens_per_step=tokens_per_step,
         )
         if ctx.is_main:
             logger.info(

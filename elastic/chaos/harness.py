@@ -24,6 +24,7 @@ etcd a job uses belong to the caller.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -44,6 +45,8 @@ from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
 from elastic.proctree import descendants, worker_rank
+
+logger = logging.getLogger(__name__)
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
 
@@ -361,6 +364,8 @@ class ScenarioResult:
     checkpoint_error: str | None
     samples: SampleAudit
     logs: str
+    report: Path | None = None
+    """The run's picture (`elastic.report`), when matplotlib is installed."""
 
     @property
     def samples_ok(self) -> bool:
@@ -384,7 +389,21 @@ class ScenarioResult:
             f"{self.scenario}: {verdict}; exit codes {self.exit_codes} (expected {self.expected_codes}); "
             f"ended at step {self.end_step}/{self.max_steps}; recovery {recoveries}; "
             f"final checkpoint {self.final_checkpoint or self.checkpoint_error}; {self.samples.summary()}"
+            + (f"; picture {self.report}" if self.report else "")
         )
+
+
+def draw_report(events: Path, out: Path, *, title: str) -> Path | None:
+    """Draw the job's picture; None when it cannot be drawn (no matplotlib, no step ran)."""
+    from elastic.errors import UsageError
+    from elastic.report import load_events, render
+
+    try:
+        render(load_events(events), out, title=title)
+    except UsageError as exc:
+        logger.info("no report for %s: %s", events, exc)
+        return None
+    return out
 
 
 def verified_final_checkpoint(directory: Path, step: int) -> tuple[str | None, str | None]:
@@ -580,4 +599,5 @@ def run_scenario(
             checkpoint_error=error,
             samples=audit(workdir / "samples"),
             logs=job.logs(),
+            report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {name} ({backend})"),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from support import REPO, worker_env
@@ -42,10 +43,10 @@ def test_checkpoint_benchmark_rejects_a_bad_flag_in_one_line() -> None:
     assert result.stderr.count("\n") == 1 and "error: argument --configs" in result.stderr
 
 
-def test_recovery_benchmark_measures_a_kill() -> None:
+def test_recovery_benchmark_measures_a_kill(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "benchmarks/recovery.py", "--settings", "ours", "--kills", "1", "--settle", "1",
-         "--goodput-seconds", "0", "--recovery-limit", "120"],
+         "--goodput-seconds", "0", "--recovery-limit", "120", "--pictures", str(tmp_path)],
         capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -58,6 +59,7 @@ def test_recovery_benchmark_measures_a_kill() -> None:
     assert line, result.stdout
     marks = [float(x) for x in line.groups()]
     assert marks == sorted(marks) and marks[-1] == float(row.group(1)), "the phases follow each other up to the recovery"
+    assert (tmp_path / "ours-recovery.png").read_bytes().startswith(b"\x89PNG"), "the job's picture was not drawn"
 
 
 def test_recovery_benchmark_rejects_unknown_settings() -> None:

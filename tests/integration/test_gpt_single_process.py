@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
-from support import run_recipe
+from support import TINY_MODEL, run_recipe
 
 from elastic.events import read_events
 
@@ -19,6 +20,22 @@ def test_runs_five_steps_on_default_data_without_torchrun(tmp_path: Path) -> Non
     assert all(e["world_size"] == 1 and e["restart"] == 0 for e in events)
 
 
+def test_a_taken_metrics_port_is_one_warning_and_training_finishes(tmp_path: Path, tiny_corpus: Path) -> None:
+    events_path = tmp_path / "events.jsonl"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_recipe(
+            "--data", str(tiny_corpus), "--max-steps", "6", "--eval-every", "0", "--events", str(events_path),
+            "--metrics-port", str(port), *TINY_MODEL,
+        )
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and f"metrics: cannot serve on 127.0.0.1:{port}" in warnings[0], result.stderr
+    assert [e["event"] for e in read_events(events_path)][-1] == "end"
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -28,6 +45,7 @@ def test_runs_five_steps_on_default_data_without_torchrun(tmp_path: Path) -> Non
         (["--ckpt-every", "-5"], "argument --ckpt-every: -5 must be at least 0"),
         (["--max-steps", "ten"], "argument --max-steps: 'ten' is not an integer"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--metrics-port", "70000"], "argument --metrics-port: 70000 is not a port number"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )

@@ -1,0 +1,136 @@
+"""What happened in a job, read back from its event log: rounds, interruptions, recoveries.
+
+A *round* is one worker group's life: it begins at a `start` event (rank 0 of
+a new group, after restoring) and lasts until the next `start`. A round that
+begins while the previous one had not ended (no `end` event) is a
+*recovery*: training stopped at the previous round's last step and went on at
+this round's first step.
+
+Invariants:
+- Only the event log is read (rank 0's view, in wall-clock time); no other
+  source is needed, so a report can be made from a log copied off a cluster.
+- Recovery time = first step event after the new `start` - last step event of
+  the round before: the wall time no step completed, which is what the job
+  lost. After a SIGKILL it exceeds the fault-to-step time the chaos harness
+  measures by the part of a step that was running; after a SIGTERM the
+  worker finishes its step and commits it first, so it is a little shorter.
+- Its cause comes from TORCHELASTIC_RESTART_COUNT: a higher count is a
+  *failure* the agent restarted after; the same count is a *membership change*
+  (a node joined or left; torch does not count those); a lower one is a
+  *relaunch* (a new torchrun resumed the job from its checkpoints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Round:
+    index: int
+    restart: int
+    world_size: int
+    start_time: float
+    start_step: int
+    """The step the round resumed from (its restored checkpoint; 0 for a fresh start)."""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    """Its step events, in order."""
+    ended: bool = False
+    """The round wrote an `end` event: it finished the job."""
+    samples_per_step: int | None = None
+    tokens_per_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The gap between two rounds when the first one did not finish."""
+
+    round: int
+    """Index of the round that recovered (the second of the two)."""
+    cause: str
+    """"failure", "membership change" or "relaunch" (see the module docstring)."""
+    restart: int
+    world_size_before: int
+    world_size_after: int
+    stopped_time: float
+    """Time of the last step event before the interruption."""
+    stopped_step: int
+    resumed_time: float
+    """Time of the first step event of the new round."""
+    restored_step: int
+    """The checkpoint step the new round went on from."""
+
+    @property
+    def seconds(self) -> float:
+        return self.resumed_time - self.stopped_time
+
+    @property
+    def steps_redone(self) -> int:
+        """Steps finished before the interruption that were trained again (not in a checkpoint)."""
+        return max(0, self.stopped_step - self.restored_step)
+
+    def describe(self) -> str:
+        return (
+            f"{self.cause} (restart {self.restart}): recovered in {self.seconds:.1f} s, "
+            f"world size {self.world_size_before} -> {self.world_size_after}, "
+            f"resumed at step {self.restored_step}, {self.steps_redone} steps redone"
+        )
+
+
+def rounds(events: list[dict[str, Any]]) -> list[Round]:
+    """Split a job's events into rounds; events before the first `start` are ignored."""
+    found: list[Round] = []
+    for event in events:
+        kind = event.get("event")
+        if kind == "start":
+            found.append(
+                Round(
+                    index=len(found), restart=int(event.get("restart", 0)), world_size=int(event["world_size"]),
+                    start_time=float(event["time"]), start_step=int(event["step"]),
+                    samples_per_step=event.get("samples_per_step"), tokens_per_step=event.get("tokens_per_step"),
+                )
+            )
+        elif not found:
+            continue
+        elif kind == "step":
+            found[-1].steps.append(event)
+        elif kind == "end":
+            found[-1].ended = True
+    return found
+
+
+def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
+    """Every interruption the job recovered from, in order (see the module invariants)."""
+    found: list[Recovery] = []
+    all_rounds = rounds(events)
+    last_progress: Round | None = None  # newest round that completed a step
+    for current in all_rounds:
+        if last_progress is not None and not last_progress.ended and current.steps and current.index > last_progress.index:
+            # Rounds in between that never stepped (a failed round) are part of this gap.
+            if current.restart > last_progress.restart:
+                cause = "failure"
+            elif current.restart == last_progress.restart:
+                cause = "membership change"
+            else:
+                cause = "relaunch"
+            stopped = last_progress.steps[-1]
+            found.append(
+                Recovery(
+                    round=current.index, cause=cause, restart=current.restart,
+                    world_size_before=last_progress.world_size, world_size_after=current.world_size,
+                    stopped_time=float(stopped["time"]), stopped_step=int(stopped["step"]),
+                    resumed_time=float(current.steps[0]["time"]), restored_step=current.start_step,
+                )
+            )
+        if current.steps:
+            last_progress = current
+    return found
+
+
+def checkpoints(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == "checkpoint"]
+
+
+def restores(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == "restore"]

@@ -1,0 +1,135 @@
+"""Worker metrics: fed from the event stream, served over HTTP, never fatal."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic.events import EventLog
+from elastic.metrics import METRICS, PREFIX, TrainingMetrics, start_metrics
+from elastic.runtime import WorkerContext
+
+
+def context(rank: int = 1, local_rank: int = 0, restarts: int = 2) -> WorkerContext:
+    return WorkerContext(
+        rank=rank, local_rank=local_rank, world_size=4, local_world_size=2, restart_count=restarts,
+        run_id="job7", device=torch.device("cpu"), backend="gloo",
+    )
+
+
+def samples(metrics: TrainingMetrics) -> dict[str, float]:
+    """name{labels} -> value, for this worker's torchrevive_* series."""
+    found = {}
+    for family in metrics.registry.collect():
+        for s in family.samples:
+            if s.name.startswith(PREFIX):
+                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id"))
+                found[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_steps_checkpoints_restores_and_evals_update_the_metrics() -> None:
+    metrics = TrainingMetrics(rank=1, run_id="job7", restarts=2, world_size=4, samples_per_step=8, tokens_per_sample=32)
+    log = EventLog(None, restart=2)
+    log.subscribe(metrics.observe)
+    log.emit("restore", step=40, world_size=4, time=100.0, seconds=0.75, checkpoint="step_00000040")
+    log.emit("start", step=40, world_size=4, time=100.5)
+    log.emit("step", step=41, world_size=4, time=101.0, loss=2.5)  # 0.5 s after the start
+    log.emit("step", step=42, world_size=4, time=101.25, loss=2.25)
+    log.emit("checkpoint", step=42, world_size=4, time=102.0, seconds=0.5, blocking_seconds=0.002)
+    log.emit("eval", step=42, world_size=4, time=110.0, val_loss=2.0, accuracy=0.5)
+    log.emit("step", step=43, world_size=4, time=110.5, loss=2.0)  # validation time is not step time
+    got = samples(metrics)
+    assert got["torchrevive_step"] == 43
+    assert got["torchrevive_loss"] == 2.0
+    assert got["torchrevive_last_step_timestamp_seconds"] == 110.5
+    assert got["torchrevive_samples_total"] == 3 * 8 and got["torchrevive_tokens_total"] == 3 * 8 * 32
+    assert got["torchrevive_samples_per_second"] == 8 / 0.5 and got["torchrevive_tokens_per_second"] == 8 * 32 / 0.5
+    assert got["torchrevive_step_duration_seconds_count"] == 3
+    assert got["torchrevive_step_duration_seconds_sum"] == pytest.approx(0.5 + 0.25 + 0.5)
+    assert got["torchrevive_checkpoint_blocking_seconds_sum"] == 0.002
+    assert got["torchrevive_checkpoint_write_seconds_sum"] == 0.5
+    assert got["torchrevive_checkpoint_last_step"] == 42
+    assert got["torchrevive_restore_seconds"] == 0.75 and got["torchrevive_restored_step"] == 40
+    assert got["torchrevive_eval{metric=val_loss}"] == 2.0 and got["torchrevive_eval{metric=accuracy}"] == 0.5
+    assert got["torchrevive_restarts"] == 2 and got["torchrevive_world_size"] == 4
+
+
+def test_every_listed_metric_is_exported_with_rank_and_run_id() -> None:
+    metrics = TrainingMetrics(rank=3, run_id="job7", restarts=0, world_size=4, samples_per_step=8)
+    log = EventLog(None, restart=0)
+    log.subscribe(metrics.observe)
+    log.emit("eval", step=0, world_size=4, val_loss=1.0)
+    families = {f.name: f for f in metrics.registry.collect()}
+    for name, (kind, _) in METRICS.items():
+        family = families[f"{PREFIX}_{name}".removesuffix("_total")]
+        assert family.type == kind and family.documentation
+        assert all(s.labels["rank"] == "3" and s.labels["run_id"] == "job7" for s in family.samples), name
+
+
+def test_a_worker_serves_its_metrics_on_base_port_plus_local_rank(caplog: pytest.LogCaptureFixture) -> None:
+    base = free_port()
+    log = EventLog(None, restart=2)
+    with start_metrics(context(local_rank=0), log, port=base, samples_per_step=4) as metrics:
+        assert metrics.address == ("127.0.0.1", base)
+        log.emit("step", step=7, world_size=4, loss=1.5)
+        families = {f.name: f for f in text_string_to_metric_families(scrape(base))}
+    (step,) = families["torchrevive_step"].samples
+    assert step.value == 7 and step.labels == {"rank": "1", "run_id": "job7"}
+    assert "process_resident_memory_bytes" in families, "process metrics come along"
+    with pytest.raises(OSError):
+        scrape(base)  # closed with the context
+
+
+def test_a_taken_port_is_one_warning_naming_it_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        log = EventLog(None, restart=0)
+        with caplog.at_level(logging.WARNING, logger="elastic.metrics"):
+            with start_metrics(context(), log, port=port, samples_per_step=4) as metrics:
+                log.emit("step", step=1, world_size=4, loss=1.0)  # the stream still flows
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"127.0.0.1:{port}" in warning.getMessage() and "without a metrics endpoint" in warning.getMessage()
+    assert metrics.address is None
+    assert samples(metrics)["torchrevive_step"] == 1
+
+
+def test_port_zero_serves_nothing_and_subscribes_nothing() -> None:
+    log = EventLog(None, restart=0)
+    with start_metrics(context(), log, port=0, samples_per_step=4) as metrics:
+        log.emit("step", step=5, world_size=4, loss=1.0)
+    assert metrics.address is None and samples(metrics)["torchrevive_step"] == 0
+
+
+def test_a_failing_listener_is_dropped_and_the_log_keeps_writing(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    seen = []
+
+    def broken(record: dict) -> None:
+        seen.append(record["step"])
+        raise RuntimeError("boom")
+
+    with EventLog(tmp_path / "e.jsonl", restart=0) as log:
+        log.subscribe(broken)
+        log.emit("step", step=1, world_size=1, loss=1.0)
+        log.emit("step", step=2, world_size=1, loss=1.0)
+    assert seen == [1], "dropped after its first failure"
+    assert len((tmp_path / "e.jsonl").read_text().splitlines()) == 2
+    assert "boom" in caplog.text

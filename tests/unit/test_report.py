@@ -1,0 +1,103 @@
+"""Run history and the report: recoveries read from an event log, and the CLI's refusals."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+from elastic.run_history import recoveries, rounds
+
+
+def event(kind: str, t: float, step: int, restart: int = 0, world: int = 2, **extra) -> dict:
+    return {"event": kind, "time": t, "step": step, "world_size": world, "restart": restart, **extra}
+
+
+def job_with_a_failure_a_resize_and_a_relaunch() -> list[dict]:
+    return [
+        event("start", 0.0, 0),
+        *[event("step", 1.0 + i, i + 1, loss=3.0) for i in range(5)],  # steps 1-5 at t=1..5
+        event("checkpoint", 4.2, 4, seconds=0.1, blocking_seconds=0.001),
+        # worker killed; agent restarts (restart 1); an empty failed round first
+        event("start", 7.0, 4, restart=1),
+        event("restore", 8.5, 4, restart=1, seconds=0.2),
+        event("start", 9.0, 4, restart=1),
+        event("step", 9.5, 5, restart=1, loss=2.9),
+        event("step", 10.0, 6, restart=1, loss=2.8),
+        # a node leaves: same restart count, world size 1
+        event("start", 12.0, 6, restart=1, world=1),
+        event("step", 12.5, 7, restart=1, world=1, loss=2.7),
+        # the whole job preempted, relaunched by a new torchrun later (count back to 0)
+        event("start", 100.0, 7, restart=0),
+        event("step", 101.0, 8, restart=0, loss=2.6),
+        event("end", 101.1, 8, restart=0),
+        # a second launch after a clean end is a new run, not a recovery
+        event("start", 200.0, 8, restart=0),
+        event("step", 201.0, 9, restart=0, loss=2.5),
+    ]
+
+
+def test_recoveries_span_last_step_to_first_step_and_name_their_cause() -> None:
+    found = recoveries(job_with_a_failure_a_resize_and_a_relaunch())
+    assert [(r.cause, r.seconds, r.restored_step, r.steps_redone) for r in found] == [
+        ("failure", 9.5 - 5.0, 4, 1),
+        ("membership change", 12.5 - 10.0, 6, 0),
+        ("relaunch", 101.0 - 12.5, 7, 0),
+    ]
+    assert (found[1].world_size_before, found[1].world_size_after) == (2, 1)
+    assert len(rounds(job_with_a_failure_a_resize_and_a_relaunch())) == 6
+
+
+def write_log(path: Path, events: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def binary_file(path: Path) -> Path:
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    return path
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])  # the IHDR chunk comes first
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elastic.report", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_the_cli_draws_a_png_of_the_asked_size_and_prints_each_recovery(tmp_path: Path) -> None:
+    log = write_log(tmp_path / "job.jsonl", job_with_a_failure_a_resize_and_a_relaunch())
+    result = report(str(log), "-o", str(tmp_path / "out" / "job.png"), "--width", "800", "--height", "600")
+    assert result.returncode == 0, result.stderr
+    assert png_size(tmp_path / "out" / "job.png") == (800, 600)
+    assert "failure (restart 1): recovered in 4.5 s" in result.stdout
+    assert "membership change (restart 1): recovered in 2.5 s, world size 2 -> 1" in result.stdout
+    assert not list((tmp_path / "out").glob("*.tmp")), "written through a temporary and renamed"
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: d / "missing.jsonl", "no event log at"),
+        (lambda d: write_log(d / "e.jsonl", [event("start", 0.0, 0)]), "holds no step events"),
+        (lambda d: binary_file(d / "b.jsonl"), "not a JSON-lines event log"),
+    ],
+)
+def test_a_bad_log_is_one_line_and_exit_2(tmp_path: Path, setup, message: str) -> None:
+    result = report(str(setup(tmp_path)), "-o", str(tmp_path / "x.png"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_an_output_that_is_not_a_png_is_refused(tmp_path: Path) -> None:
+    log = write_log(tmp_path / "job.jsonl", job_with_a_failure_a_resize_and_a_relaunch())
+    result = report(str(log), "-o", str(tmp_path / "job.jpg"))
+    assert result.returncode == 2 and "name the output *.png" in result.stderr
