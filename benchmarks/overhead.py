@@ -15,6 +15,12 @@ and as 1 / mean step time (the mean counts the steps that start a checkpoint,
 the median is robust to a neighbour process stealing the CPU), and the median
 over `--rounds` rounds (alternating which loop goes first) is reported.
 Target: ratio >= 0.98.
+
+Metrics: the recipe runs with `--metrics-port` on, and the benchmark scrapes
+every worker's /metrics every `--scrape-interval` seconds while it trains (far
+more often than Prometheus' usual 15 s), so the ratio includes what metrics
+cost. A third loop, the recipe with metrics off, runs in the same rounds; the
+with / without ratio is the metrics' own cost.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6, help="alternating recipe/baseline rounds")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=10, help="recipe checkpoint interval (0: no checkpoints)")
+    p.add_argument("--metrics-port", type=int, default=None, help="base port of the workers' /metrics (default: a free one)")
+    p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of each worker")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -58,11 +69,11 @@ def mean_steps_per_second(step_end_times: list[float], warmup: int) -> float:
     return (len(timed) - 1) / (timed[-1] - timed[0])
 
 
-def recipe_args(opts: argparse.Namespace, events: str, ckpt_dir: str) -> list[str]:
+def recipe_args(opts: argparse.Namespace, events: str, ckpt_dir: str, metrics_port: int) -> list[str]:
     ckpt = ["--ckpt-dir", ckpt_dir, "--ckpt-every", str(opts.ckpt_every)] if opts.ckpt_every else []
     return [
         "--max-steps", str(opts.steps), "--batch-size", str(opts.batch_size),
-        "--eval-every", "0", "--events", events, "--device", "cpu", *ckpt,
+        "--eval-every", "0", "--events", events, "--device", "cpu", "--metrics-port", str(metrics_port), *ckpt,
     ]
 
 
@@ -115,28 +126,37 @@ def worker(opts: argparse.Namespace) -> None:
     from elastic.events import read_events
     from elastic.runtime import barrier, worker_context
 
-    results: dict[str, list[float]] = {"recipe": [], "baseline": [], "recipe_mean": [], "baseline_mean": []}
+    loops = ("recipe", "recipe_no_metrics", "baseline")
+    results: dict[str, list[float]] = {f"{name}{kind}": [] for name in loops for kind in ("", "_mean")}
     with worker_context("cpu") as ctx, tempfile.TemporaryDirectory() as tmp:
+        corpus = gpt.load_corpus(None)
         for round_ in range(opts.rounds):
-            events = os.path.join(tmp, f"round{round_}.jsonl")
-            # A fresh directory per round: each recipe run starts at step 0, none resumes.
-            args = gpt.build_parser().parse_args(recipe_args(opts, events, os.path.join(tmp, f"ckpt{round_}")))
-            corpus = gpt.load_corpus(args.data)
-            train_set, val_set = gpt.split_corpus(corpus, block_size=args.block_size)
 
-            def recipe() -> None:
+            def recipe_args_for(name: str, metrics_port: int) -> argparse.Namespace:
+                # A fresh directory per run: each recipe run starts at step 0, none resumes.
+                events = os.path.join(tmp, f"{name}{round_}.jsonl")
+                return gpt.build_parser().parse_args(
+                    recipe_args(opts, events, os.path.join(tmp, f"ckpt-{name}{round_}"), metrics_port)
+                )
+
+            def recipe(name: str, metrics_port: int) -> None:
+                args = recipe_args_for(name, metrics_port)
+                train_set, val_set = gpt.split_corpus(corpus, block_size=args.block_size)
                 gpt.train(args, ctx, train_set, val_set)
-                times = [e["time"] for e in read_events(events) if e["event"] == "step"] if ctx.is_main else []
-                results["recipe"].append(steps_per_second(times, opts.warmup) if times else 0.0)
-                results["recipe_mean"].append(mean_steps_per_second(times, opts.warmup) if times else 0.0)
+                times = [e["time"] for e in read_events(args.events) if e["event"] == "step"] if ctx.is_main else []
+                results[name].append(steps_per_second(times, opts.warmup) if times else 0.0)
+                results[f"{name}_mean"].append(mean_steps_per_second(times, opts.warmup) if times else 0.0)
 
             def baseline() -> None:
+                args = recipe_args_for("baseline", 0)
+                train_set, _ = gpt.split_corpus(corpus, block_size=args.block_size)
                 times = run_baseline(gpt, args, ctx, train_set)
                 results["baseline"].append(steps_per_second(times, opts.warmup))
                 results["baseline_mean"].append(mean_steps_per_second(times, opts.warmup))
 
-            # Alternate which goes first, so a drift in machine speed hits both alike.
-            for run in (recipe, baseline) if round_ % 2 == 0 else (baseline, recipe):
+            runs = [lambda: recipe("recipe", opts.metrics_port), lambda: recipe("recipe_no_metrics", 0), baseline]
+            # Rotate which goes first, so a drift in machine speed hits all alike.
+            for run in runs[round_ % 3:] + runs[: round_ % 3]:
                 barrier(ctx)
                 run()
         if ctx.is_main and opts.out:
@@ -150,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if opts.steps <= opts.warmup + 1:
         sys.exit("overhead.py: error: --steps must exceed --warmup + 1")
+    if opts.metrics_port is None:
+        opts.metrics_port = free_port_block(opts.ranks)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items() if k not in {"worker", "out"}]
@@ -158,21 +180,74 @@ def main(argv: list[str] | None = None) -> int:
             __file__, "--worker", f"--out={out}", *forwarded,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
-        subprocess.run(command, check=True, env=env, cwd=REPO)
+        with Scraper([opts.metrics_port + r for r in range(opts.ranks)], opts.scrape_interval) as scraper:
+            subprocess.run(command, check=True, env=env, cwd=REPO)
         results = json.loads(Path(out).read_text())
-    recipe, baseline = statistics.median(results["recipe"]), statistics.median(results["baseline"])
+    med = {name: statistics.median(values) for name, values in results.items()}
     print(f"ranks={opts.ranks} steps={opts.steps} (timed after {opts.warmup}) rounds={opts.rounds} device=cpu")
-    print("recipe   steps/s per round: " + " ".join(f"{v:.3f}" for v in results["recipe"]))
-    print("baseline steps/s per round: " + " ".join(f"{v:.3f}" for v in results["baseline"]))
-    recipe_mean, baseline_mean = statistics.median(results["recipe_mean"]), statistics.median(results["baseline_mean"])
+    for name in ("recipe", "recipe_no_metrics", "baseline"):
+        print(f"{name:17} steps/s per round: " + " ".join(f"{v:.3f}" for v in results[name]))
     print(f"ranks={opts.ranks} checkpoint every {opts.ckpt_every} steps" if opts.ckpt_every else "no checkpoints")
+    print(f"metrics scraped {scraper.scrapes} times ({scraper.failures} refused between runs), every {opts.scrape_interval:g} s per worker")
+    recipe, baseline = med["recipe"], med["baseline"]
     print(f"recipe/gpt.py {recipe:.3f} steps/s | seed-style DDP {baseline:.3f} steps/s | ratio {recipe / baseline:.3f} (1/median step)")
     print(
-        f"recipe/gpt.py {recipe_mean:.3f} steps/s | seed-style DDP {baseline_mean:.3f} steps/s | "
-        f"ratio {recipe_mean / baseline_mean:.3f} (steps/seconds, checkpoint steps included)"
+        f"recipe/gpt.py {med['recipe_mean']:.3f} steps/s | seed-style DDP {med['baseline_mean']:.3f} steps/s | "
+        f"ratio {med['recipe_mean'] / med['baseline_mean']:.3f} (steps/seconds, checkpoint steps included)"
+    )
+    print(
+        f"metrics on / off: {recipe / med['recipe_no_metrics']:.3f} (1/median step), "
+        f"{med['recipe_mean'] / med['recipe_no_metrics_mean']:.3f} (steps/seconds)"
     )
     return 0
 
+
+def free_port_block(count: int) -> int:
+    """A base port whose next `count` ports are free now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count <= 65535 and all(_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no block of free ports found")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class Scraper:
+    """Scrapes each worker's /metrics every `interval` seconds, as Prometheus would."""
+
+    def __init__(self, ports: list[int], interval: float) -> None:
+        self.ports, self.interval = ports, interval
+        self.scrapes = self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for port in self.ports:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                        response.read()
+                    self.scrapes += 1
+                except OSError:
+                    self.failures += 1  # no recipe run is serving right now
+
+    def __enter__(self) -> Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 if __name__ == "__main__":
     sys.exit(main())

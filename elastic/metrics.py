@@ -14,6 +14,7 @@ Invariants:
   read, a few lock-protected number updates. Never a device sync.
 - Every series carries the labels `rank` and `run_id` (TORCHELASTIC_RUN_ID).
   Rates and throughputs are this rank's; `sum by (run_id)` gives the job's.
+  The checkpoint series exist on rank 0 only, the rank that commits them.
 - A metrics failure never stops training: a port already taken (or an address
   that cannot be bound) is one WARNING line naming the address and port, and
   that worker trains without an endpoint.
@@ -52,6 +53,9 @@ DEFAULT_HOST = "127.0.0.1"
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Checkpoint times from a snapshot that barely blocks to a slow shared filesystem.
 CHECKPOINT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# Series only rank 0 exports: it alone commits checkpoints.
+COMMITTER_ONLY = "checkpoint_"
 
 # Fields of an eval event that are not a measured value.
 _EVENT_FIELDS = {"event", "time", "step", "world_size", "restart"}
@@ -126,6 +130,8 @@ class TrainingMetrics:
         labels = {"rank": str(rank), "run_id": run_id}
         self._m: dict[str, Any] = {}
         for name, (kind, doc) in METRICS.items():
+            if name.startswith(COMMITTER_ONLY) and rank != 0:
+                continue  # only rank 0 commits checkpoints: elsewhere the series would be a constant lie
             full = f"{PREFIX}_{name}"
             if kind == "counter":
                 metric = Counter(full.removesuffix("_total"), doc, LABELS, registry=self.registry)
@@ -142,7 +148,8 @@ class TrainingMetrics:
         self._m["restarts"].set(restarts)
         self._m["world_size"].set(world_size)
         self._m["watchdog_timeout_seconds"].set(watchdog_timeout)
-        self._m["checkpoint_last_step"].set(-1)
+        if rank == 0:
+            self._m["checkpoint_last_step"].set(-1)
         self._last_time: float | None = None
         self._last_step: int | None = None
         self._server: Any = None
@@ -156,7 +163,7 @@ class TrainingMetrics:
         kind = record["event"]
         if kind == "step":
             self._on_step(record)
-        elif kind == "checkpoint":
+        elif kind == "checkpoint" and "checkpoint_last_step" in self._m:
             self._m["checkpoint_blocking_seconds"].observe(record.get("blocking_seconds", 0.0))
             self._m["checkpoint_write_seconds"].observe(record.get("seconds", 0.0))
             self._m["checkpoint_last_step"].set(record["step"])

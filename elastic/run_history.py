@@ -14,7 +14,8 @@ Invariants:
   lost. After a SIGKILL it exceeds the fault-to-step time the chaos harness
   measures by the part of a step that was running; after a SIGTERM the
   worker finishes its step and commits it first, so it is a little shorter.
-- Its cause comes from TORCHELASTIC_RESTART_COUNT: a higher count is a
+- Its cause: *preemption* when the stopped round committed a checkpoint for a
+  SIGTERM; otherwise from TORCHELASTIC_RESTART_COUNT: a higher count is a
   *failure* the agent restarted after; the same count is a *membership change*
   (a node joined or left; torch does not count those); a lower one is a
   *relaunch* (a new torchrun resumed the job from its checkpoints).
@@ -38,6 +39,8 @@ class Round:
     """Its step events, in order."""
     ended: bool = False
     """The round wrote an `end` event: it finished the job."""
+    preempted: bool = False
+    """The round committed a checkpoint for a SIGTERM (reason "preemption") before it stopped."""
     samples_per_step: int | None = None
     tokens_per_step: int | None = None
 
@@ -49,7 +52,7 @@ class Recovery:
     round: int
     """Index of the round that recovered (the second of the two)."""
     cause: str
-    """"failure", "membership change" or "relaunch" (see the module docstring)."""
+    """"preemption", "failure", "membership change" or "relaunch" (see the module docstring)."""
     restart: int
     world_size_before: int
     world_size_after: int
@@ -97,6 +100,8 @@ def rounds(events: list[dict[str, Any]]) -> list[Round]:
             found[-1].steps.append(event)
         elif kind == "end":
             found[-1].ended = True
+        elif kind == "checkpoint" and event.get("reason") == "preemption":
+            found[-1].preempted = True
     return found
 
 
@@ -108,7 +113,9 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
     for current in all_rounds:
         if last_progress is not None and not last_progress.ended and current.steps and current.index > last_progress.index:
             # Rounds in between that never stepped (a failed round) are part of this gap.
-            if current.restart > last_progress.restart:
+            if last_progress.preempted:
+                cause = "preemption"
+            elif current.restart > last_progress.restart:
                 cause = "failure"
             elif current.restart == last_progress.restart:
                 cause = "membership change"

@@ -13,13 +13,17 @@ from support import REPO, worker_env
 pytestmark = pytest.mark.slow
 
 
-def test_overhead_benchmark_prints_both_loops_and_their_ratio() -> None:
+def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost() -> None:
     result = subprocess.run(
-        [sys.executable, "benchmarks/overhead.py", "--steps", "6", "--warmup", "2", "--rounds", "1", "--batch-size", "4", "--ckpt-every", "3"],
+        [sys.executable, "benchmarks/overhead.py", "--steps", "6", "--warmup", "2", "--rounds", "1", "--batch-size", "4",
+         "--ckpt-every", "3", "--scrape-interval", "0.2"],
         capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"recipe/gpt.py [\d.]+ steps/s \| seed-style DDP [\d.]+ steps/s \| ratio [\d.]+", result.stdout)
+    assert re.search(r"^metrics on / off: [\d.]+ \(1/median step\)", result.stdout, re.M), result.stdout
+    scraped = re.search(r"^metrics scraped (\d+) times", result.stdout, re.M)
+    assert scraped and int(scraped.group(1)) > 0, "the recipe's workers served no scrape"
 
 
 def test_checkpoint_benchmark_prints_the_stall_ratio() -> None:

@@ -24,3 +24,14 @@ def test_quick_start_is_exactly_two_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci_lines = (REPO / ".ci" / "run").read_text().splitlines()
     assert quick_start_commands()[1] in ci_lines
+
+
+def test_every_metric_is_listed_and_the_pictured_run_is_committed() -> None:
+    from elastic.metrics import METRICS, PREFIX
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(\w+)` \| (\w+) \|", section, flags=re.M))
+    assert listed == {(f"{PREFIX}_{name}", kind) for name, (kind, _) in METRICS.items()}
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
+        assert (REPO / image).read_bytes().startswith(b"\x89PNG"), image

@@ -32,13 +32,17 @@ def job_with_a_failure_a_resize_and_a_relaunch() -> list[dict]:
         # a node leaves: same restart count, world size 1
         event("start", 12.0, 6, restart=1, world=1),
         event("step", 12.5, 7, restart=1, world=1, loss=2.7),
-        # the whole job preempted, relaunched by a new torchrun later (count back to 0)
+        # the whole job crashed, relaunched by a new torchrun later (count back to 0)
         event("start", 100.0, 7, restart=0),
         event("step", 101.0, 8, restart=0, loss=2.6),
         event("end", 101.1, 8, restart=0),
         # a second launch after a clean end is a new run, not a recovery
         event("start", 200.0, 8, restart=0),
         event("step", 201.0, 9, restart=0, loss=2.5),
+        # SIGTERM: the step is committed, the agent restarts the group
+        event("checkpoint", 201.2, 9, restart=0, seconds=0.1, blocking_seconds=0.05, reason="preemption"),
+        event("start", 204.0, 9, restart=1),
+        event("step", 205.0, 10, restart=1, loss=2.4),
     ]
 
 
@@ -48,9 +52,10 @@ def test_recoveries_span_last_step_to_first_step_and_name_their_cause() -> None:
         ("failure", 9.5 - 5.0, 4, 1),
         ("membership change", 12.5 - 10.0, 6, 0),
         ("relaunch", 101.0 - 12.5, 7, 0),
+        ("preemption", 205.0 - 201.0, 9, 0),
     ]
     assert (found[1].world_size_before, found[1].world_size_after) == (2, 1)
-    assert len(rounds(job_with_a_failure_a_resize_and_a_relaunch())) == 6
+    assert len(rounds(job_with_a_failure_a_resize_and_a_relaunch())) == 7
 
 
 def write_log(path: Path, events: list[dict]) -> Path:
