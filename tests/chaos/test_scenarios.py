@@ -66,6 +66,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callabl
 def check(result, workdir: Path, reference: Callable[[int], dict[str, torch.Tensor]]) -> None:
     print(result.summary())
     assert result.ok, result.summary() + "\n" + result.logs
+    assert result.report is not None and result.report.read_bytes()[:4] == b"\x89PNG", "the run's picture is missing"
     if result.scenario in CONSTANT_WORLD:
         want = reference(result.max_steps)
         got = dict(flat_tensors(torch.load(workdir / "ckpt" / result.final_checkpoint / "model.pt", weights_only=True)))
