@@ -1,0 +1,121 @@
+"""Pods as processes: the rendered manifests' own commands run an elastic job that survives a deleted pod.
+
+The cpu overlay is rendered; etcd starts from its StatefulSet's command (etcd
+from Debian's package standing in for the image's), and two trainer "pods"
+start from the trainer StatefulSet's entrypoint, args, env and ConfigMap,
+with service names mapped to loopback and /ckpt to a shared folder. One pod is
+deleted (its whole process tree SIGKILLed) and, as the StatefulSet controller
+would, started again under the same name; the job must recover and complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+from kube import K8S, PodProcess, find, local_executables, render
+from support import free_port, wait_for
+
+from elastic.events import read_events
+from elastic.proctree import descendants
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+# What a user would set in trainer-config for a small CPU run.
+SETTINGS = {"MAX_STEPS": str(STEPS), "CKPT_EVERY": "5", "BATCH_SIZE": "4", "JOB_ID": "k8s-test"}
+
+
+def delete_pod(process: subprocess.Popen) -> None:
+    """What deleting a pod does to its container, minus the grace period: SIGKILL to every process in it."""
+    for pid in [process.pid, *descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(10)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian package etcd-server)")
+def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tmp_path: Path) -> None:
+    objects = render(K8S / "overlays" / "cpu")
+    client, peer = free_port(), free_port()
+    network = {
+        "hosts": {"etcd-client": "127.0.0.1", "etcd-0.etcd": "127.0.0.1"},
+        "ports": {2379: client, 2380: peer},
+        "executables": local_executables(),
+    }
+    etcd = PodProcess(objects, find(objects, "StatefulSet", "etcd"), "etcd-0",
+                      mounts={"/var/lib/etcd": tmp_path / "etcd"}, **network)
+    (tmp_path / "etcd").mkdir()
+    pods: dict[str, subprocess.Popen] = {}
+    events = tmp_path / "ckpt" / f"{SETTINGS['JOB_ID']}-events.jsonl"
+    (tmp_path / "ckpt").mkdir()
+
+    def trainer(name: str) -> PodProcess:
+        # Two pods on one machine share its address: each gets its own metrics port.
+        settings = {**SETTINGS, "METRICS_PORT": str(metrics_ports[name])}
+        return PodProcess(objects, find(objects, "StatefulSet", "trainer"), name, mounts={"/ckpt": tmp_path / "ckpt"},
+                          config_overrides={"trainer-config": settings}, **network)
+
+    def start(name: str) -> None:
+        pods[name] = trainer(name).start(tmp_path / f"{name}.log", {"OMP_NUM_THREADS": "1"})
+
+    def logs() -> str:
+        return "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text(errors='replace')[-2500:]}" for n in pods)
+
+    def records() -> list[dict]:
+        return list(read_events(events)) if events.exists() else []
+
+    metrics_ports = {"trainer-0": free_port(), "trainer-1": free_port()}
+    etcd_process = etcd.start(tmp_path / "etcd.log", {})
+    try:
+        probe = etcd.container["readinessProbe"]["httpGet"]
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{client}{probe['path']}"), 30, "etcd's readiness probe")
+        for name in ("trainer-0", "trainer-1"):
+            start(name)
+        wait_for(lambda: any(r["event"] == "step" and r["world_size"] == 2 and r["step"] >= 8 for r in records()),
+                 180, "both pods training together")
+        scraped = [http_ok(f"http://127.0.0.1:{port}/metrics") for port in metrics_ports.values()]
+        assert all(scraped), "the pods' metrics endpoints do not answer"
+
+        delete_pod(pods["trainer-1"])
+        deleted_at = max(r["step"] for r in records() if r["event"] == "step")
+        start("trainer-1")  # the StatefulSet controller recreates the pod under its name
+
+        def finished(name: str) -> bool:
+            return "the job finished; idling" in (tmp_path / f"{name}.log").read_text(errors="replace")
+
+        wait_for(lambda: all(finished(n) for n in pods), 240, f"both pods to finish the job\n{logs()}")
+        assert all(p.poll() is None for p in pods.values()), "a finished pod idles rather than exit (StatefulSet)"
+        for process in pods.values():
+            process.terminate()  # pod deleted after the job: the idle entrypoint exits 0 on SIGTERM
+        assert [p.wait(20) for p in pods.values()] == [0, 0]
+    finally:
+        for process in [*pods.values(), etcd_process]:
+            if process.poll() is None:
+                delete_pod(process)
+
+    history = records()
+    steps = [r for r in history if r["event"] == "step"]
+    starts = [r for r in history if r["event"] == "start"]
+    assert any(r["step"] <= deleted_at for r in starts[1:]), "no round resumed from a checkpoint after the deletion"
+    (end,) = [r for r in history if r["event"] == "end"]
+    assert end["step"] == STEPS and steps[-1]["step"] == STEPS, logs()
+    assert len(set(end["param_digests"])) == 1, "the replicas ended different"
+    final = tmp_path / "ckpt" / SETTINGS["JOB_ID"] / f"step_{STEPS:08d}"
+    assert json.loads((final / "manifest.json").read_text())["step"] == STEPS, "the final checkpoint is on the shared volume"

@@ -1,0 +1,222 @@
+"""deploy/k8s renders, every object validates strictly, and the objects agree with each other."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from kube import (
+    DOCKERFILE,
+    K8S,
+    KUSTOMIZATIONS,
+    KustomizeError,
+    PodProcess,
+    build,
+    dockerfile_instructions,
+    find,
+    image_entrypoint,
+    kubectl,
+    pod_spec,
+    render,
+)
+from support import REPO
+from torch.distributed.run import get_args_parser
+
+KUBERNETES_VERSION = "1.30"
+# Kinds without a schema in kubernetes-validate, allowed only from this list,
+# each with the fields it must carry.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints")}
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)) or "base")
+def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(request.param)
+
+
+def workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if pod_spec(o) is not None]
+
+
+def test_every_object_validates_strictly_against_the_kubernetes_schemas(rendered: list[dict[str, Any]]) -> None:
+    for obj in rendered:
+        key = (obj["apiVersion"], obj["kind"])
+        if key in CUSTOM_KINDS:
+            assert all(f in obj["spec"] for f in CUSTOM_KINDS[key]), obj["metadata"]["name"]
+            continue
+        # Raises on an unknown field (strict), a wrong type, a missing required field,
+        # and on a kind it has no schema for (so a new custom kind must be listed above).
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_misspelt_field_is_caught() -> None:
+    objects = render(K8S)
+    trainer = find(objects, "StatefulSet", "trainer")
+    pod_spec(trainer)["containers"][0]["comand"] = ["oops"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(trainer, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.skipif(kubectl() is None, reason="kubectl is not installed: nothing to compare the fallback with")
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)) or "base")
+def test_the_fallback_renders_what_kubectl_renders(directory: Path) -> None:
+    def keyed(objects: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+        return {(o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o for o in objects}
+
+    assert keyed(build(directory)) == keyed(render(directory, use_kubectl=True))
+
+
+def test_the_fallback_refuses_what_it_cannot_render(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {team: a}\n")
+    with pytest.raises(KustomizeError, match="commonLabels"):
+        build(tmp_path)
+
+
+def test_everything_lives_in_one_namespace(rendered: list[dict[str, Any]]) -> None:
+    (namespace,) = [o["metadata"]["name"] for o in rendered if o["kind"] == "Namespace"]
+    assert {o["metadata"].get("namespace") for o in rendered if o["kind"] != "Namespace"} == {namespace}
+
+
+def test_selectors_match_their_pods_and_services_find_them(rendered: list[dict[str, Any]]) -> None:
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in workloads(rendered)}
+    for obj in workloads(rendered):
+        selector = obj["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= pods[obj["metadata"]["name"]].items(), f"{obj['metadata']['name']}: selector misses its pods"
+    for service in (o for o in rendered if o["kind"] == "Service"):
+        chosen = [name for name, labels in pods.items() if service["spec"]["selector"].items() <= labels.items()]
+        assert len(chosen) == 1, f"Service {service['metadata']['name']} selects {chosen}"
+    for budget in (o for o in rendered if o["kind"] == "PodDisruptionBudget"):
+        assert any(budget["spec"]["selector"]["matchLabels"].items() <= labels.items() for labels in pods.values())
+    for monitor in (o for o in rendered if o["kind"] == "ServiceMonitor"):
+        services = [s for s in rendered if s["kind"] == "Service"
+                    and monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert services, "the ServiceMonitor selects no Service"
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]} for s in services)
+
+
+def test_stateful_sets_name_a_headless_service_and_ports_exist(rendered: list[dict[str, Any]]) -> None:
+    for sts in (o for o in rendered if o["kind"] == "StatefulSet"):
+        service = find(rendered, "Service", sts["spec"]["serviceName"])
+        assert service["spec"].get("clusterIP") == "None", f"{service['metadata']['name']} is not headless"
+    for service in (o for o in rendered if o["kind"] == "Service"):
+        (workload,) = [w for w in workloads(rendered)
+                       if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        named = {p["name"]: p["containerPort"] for c in pod_spec(workload)["containers"] for p in c.get("ports", [])}
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert target in named or target in named.values(), f"{service['metadata']['name']}: no port {target}"
+    for workload in workloads(rendered):
+        spec = pod_spec(workload)
+        volumes = {v["name"] for v in spec.get("volumes", [])}
+        volumes |= {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+        claims = {v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+        assert claims <= {o["metadata"]["name"] for o in rendered if o["kind"] == "PersistentVolumeClaim"}
+        for container in spec["containers"]:
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                if probe in container and "httpGet" in container[probe]:
+                    port = container[probe]["httpGet"]["port"]
+                    assert port in {p["name"] for p in container["ports"]} | {p["containerPort"] for p in container["ports"]}
+            for source in container.get("envFrom", []):
+                find(rendered, "ConfigMap", source["configMapRef"]["name"])
+
+
+def trainer(objects: list[dict[str, Any]]) -> PodProcess:
+    return PodProcess(objects, find(objects, "StatefulSet", "trainer"), "trainer-0", mounts={}, use_entrypoint=False)
+
+
+def test_the_trainer_runs_torchrun_with_arguments_torchrun_accepts(rendered: list[dict[str, Any]]) -> None:
+    pod = trainer(rendered)
+    argv = pod.argv()
+    assert argv[0] == "torchrevive-run", "the container runs our torchrun (it takes every torchrun flag)"
+    args = get_args_parser().parse_args(argv[1:])  # torchrun's own parser
+    assert not [a for a in argv if "$(" in a], f"unexpanded variables: {argv}"
+    minimum, maximum = (int(n) for n in args.nnodes.split(":"))
+    replicas = find(rendered, "StatefulSet", "trainer")["spec"]["replicas"]
+    assert 1 <= minimum <= replicas <= maximum, "replicas outside MIN:MAX"
+    assert args.rdzv_backend == "etcd-v3"
+    assert (REPO / args.training_script).is_file(), f"{args.training_script} is not a recipe of this repository"
+    assert args.training_script.startswith("recipes/")
+
+    import sys
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    import gpt
+
+    recipe = gpt.build_parser().parse_args(args.training_script_args)  # exits 2 on a bad flag
+    mounts = {m["mountPath"] for m in pod.container["volumeMounts"]}
+    assert any(recipe.ckpt_dir.startswith(m + "/") for m in mounts), "checkpoints are not on a volume"
+    claims = {v["name"]: v for v in pod_spec(pod.workload)["volumes"]}
+    ckpt_volume = next(m["name"] for m in pod.container["volumeMounts"] if recipe.ckpt_dir.startswith(m["mountPath"]))
+    claim = find(rendered, "PersistentVolumeClaim", claims[ckpt_volume]["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every trainer pod mounts the checkpoints at once"
+
+    # Metrics: the flag, the containerPort named metrics, the scrape annotations agree.
+    metrics_port = {p["name"]: p["containerPort"] for p in pod.container["ports"]}["metrics"]
+    assert recipe.metrics_port == metrics_port and recipe.metrics_host == "0.0.0.0"
+    annotations = find(rendered, "StatefulSet", "trainer")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(metrics_port) and annotations["prometheus.io/scrape"] == "true"
+
+    # The SIGTERM checkpoint fits in the grace period.
+    grace = pod_spec(pod.workload)["terminationGracePeriodSeconds"]
+    assert grace >= recipe.term_grace + 30, f"{grace} s of grace for a {recipe.term_grace} s SIGTERM checkpoint"
+
+
+def test_the_etcd_endpoint_is_the_etcd_client_service(rendered: list[dict[str, Any]]) -> None:
+    args = get_args_parser().parse_args(trainer(rendered).argv()[1:])
+    host, _, port = args.rdzv_endpoint.partition(":")
+    service = find(rendered, "Service", host)
+    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
+    etcd = find(rendered, "StatefulSet", "etcd")
+    assert service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
+    etcd_pod = PodProcess(rendered, etcd, "etcd-0", mounts={}, use_entrypoint=False)
+    flags = dict(a.removeprefix("--").split("=", 1) for a in etcd_pod.argv()[1:])
+    assert f":{port}" in flags["listen-client-urls"]
+    assert "enable-v2" not in flags, "v3 API only"
+    members = dict(m.split("=", 1) for m in flags["initial-cluster"].split(","))
+    assert set(members) == {f"etcd-{i}" for i in range(etcd["spec"]["replicas"])}
+    assert flags["initial-advertise-peer-urls"] == members["etcd-0"], "the member advertises what the cluster lists"
+    mounts = {m["mountPath"] for m in etcd_pod.container["volumeMounts"]}
+    assert any(flags["data-dir"].startswith(m) for m in mounts), "etcd data is not on its volume"
+
+
+def test_pods_run_as_non_root_without_privileges(rendered: list[dict[str, Any]]) -> None:
+    for workload in workloads(rendered):
+        spec = pod_spec(workload)
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["capabilities"]["drop"] == ["ALL"]
+
+
+def test_gpus_are_requested_in_the_base_and_not_in_the_cpu_overlay() -> None:
+    def gpu_and_device(directory: Path) -> tuple[dict[str, Any], str]:
+        objects = render(directory)
+        resources = trainer(objects).container["resources"]
+        return resources, find(objects, "ConfigMap", "trainer-config")["data"]["DEVICE"]
+
+    base, device = gpu_and_device(K8S)
+    assert base["limits"]["nvidia.com/gpu"] == base["requests"]["nvidia.com/gpu"] == 1 and device == "cuda"
+    nproc = int(find(render(K8S), "ConfigMap", "trainer-config")["data"]["NPROC_PER_NODE"])
+    assert nproc == base["limits"]["nvidia.com/gpu"], "one worker per GPU"
+    cpu, device = gpu_and_device(K8S / "overlays" / "cpu")
+    assert "nvidia.com/gpu" not in str(cpu) and device == "cpu"
+
+
+def test_the_dockerfile_builds_what_the_manifests_run() -> None:
+    instructions = dockerfile_instructions()
+    assert re.match(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-", instructions[0][1]), "a CUDA runtime base"
+    assert (REPO / image_entrypoint()[0].replace("/app/", "deploy/k8s/")).exists()
+    for word, rest in instructions:
+        if word == "COPY":
+            *sources, _ = rest.split()
+            for source in sources:
+                assert (REPO / source).exists(), f"COPY {source}: not in the repository"
+    users = [rest for word, rest in instructions if word == "USER"]
+    assert users and users[-1].split(":")[0] == str(pod_spec(find(render(K8S), "StatefulSet", "trainer"))["securityContext"]["runAsUser"])
+    installs = " ".join(rest for word, rest in instructions if word == "RUN")
+    assert "pip install" in installs and "vision" in installs, "the package and its vision extra"
+    assert DOCKERFILE.parent == K8S
