@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
@@ -20,6 +22,7 @@ from elastic.proctree import worker_rank  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
+CIFAR_RECIPE = REPO / "recipes" / "cifar.py"
 
 # A GPT small enough that a CPU step takes milliseconds, with dropout on.
 TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
@@ -39,6 +42,44 @@ def make_text(rng: random.Random, size: int) -> str:
         out.append(sentence)
         length += len(sentence)
     return "".join(out)[:size]
+
+
+CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def write_cifar10(root: Path, *, train: int = 320, test: int = 80, seed: int = 0) -> Path:
+    """A CIFAR-10 folder, `root`/cifar-10-batches-py/, in the release's exact python format
+    (pickled dicts: uint8 `data` rows of 3072 pixels, plane by plane, and `labels`;
+    five training batches, a test batch, batches.meta), holding `train` + `test`
+    images a small CNN learns in a few epochs: each class has its own colour, plus noise.
+    Returns `root`."""
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(30, 226, size=(10, 3))
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+
+    def images(count: int) -> tuple[np.ndarray, list[int]]:
+        labels = rng.integers(0, 10, size=count)
+        pixels = colours[labels][:, :, None] + rng.normal(0, 40, size=(count, 3, 1024))
+        return np.clip(pixels, 0, 255).astype(np.uint8).reshape(count, 3072), [int(label) for label in labels]
+
+    def write(name: str, content: dict[str, Any]) -> None:
+        with open(folder / name, "wb") as f:
+            pickle.dump(content, f, protocol=2)  # the release's files are protocol-2 pickles
+
+    for number, size in enumerate(np.array_split(np.arange(train), 5), 1):
+        data, labels = images(len(size))
+        write(f"data_batch_{number}", {
+            "batch_label": f"training batch {number} of 5", "labels": labels, "data": data,
+            "filenames": [f"train_{number}_{i}.png" for i in range(len(labels))],
+        })
+    data, labels = images(test)
+    write("test_batch", {
+        "batch_label": "testing batch 1 of 1", "labels": labels, "data": data,
+        "filenames": [f"test_{i}.png" for i in range(len(labels))],
+    })
+    write("batches.meta", {"num_cases_per_batch": -(-train // 5), "label_names": CIFAR_CLASSES, "num_vis": 3072})
+    return root
 
 
 def worker_env(**extra: str) -> dict[str, str]:

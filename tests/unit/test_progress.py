@@ -38,3 +38,14 @@ def test_other_ranks_report_nothing(caplog: pytest.LogCaptureFixture) -> None:
     progress.update(1, loss=1.0, tokens_per_s=1.0)
     progress.write("hello")
     assert screen.getvalue() == "" and caplog.records == []
+
+
+def test_throughput_is_reported_in_the_unit_given(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="elastic.progress")
+    screen = FakeTerminal()
+    bar = Progress(total=1, stream=screen, unit="images")
+    bar.update(1, loss=0.5, tokens_per_s=2048.0)
+    bar.close()
+    assert "images_s=2,048" in screen.getvalue()
+    Progress(total=1, stream=io.StringIO(), log_every=1, unit="images").update(1, loss=0.5, tokens_per_s=2048.0)
+    assert caplog.records[-1].getMessage() == "step 1/1 loss 0.5000 2048 images/s"

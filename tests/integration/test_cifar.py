@@ -1,0 +1,166 @@
+"""The CIFAR-10 recipe as real jobs: two torchrun agents learning a tiny CIFAR-format
+set, a SIGKILLed worker that must change nothing, and the one line a user without
+the data set gets."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support import (
+    CIFAR_RECIPE,
+    REPO,
+    children_of,
+    flat_tensors,
+    free_port,
+    start_agents,
+    torchrun_command,
+    wait_all,
+    wait_for,
+    worker_env,
+    worker_rank,
+    write_cifar10,
+)
+
+from elastic.events import read_events
+
+TRAIN_IMAGES, TEST_IMAGES, BATCH = 320, 80, 16
+STEPS_PER_EPOCH = TRAIN_IMAGES // (BATCH * 2)  # at world size 2
+EPOCHS = 12
+STEPS = EPOCHS * STEPS_PER_EPOCH
+TINY_CNN = ["--model", "cnn", "--cnn-width", "8", "--batch-size", str(BATCH), "--lr", "0.2", "--eval-batch-size", "40"]
+
+
+def logs(directory: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(directory.glob("*.log")))
+
+
+def steps_seen(events: Path) -> int:
+    if not events.exists():
+        return 0
+    return max((e["step"] for e in read_events(events) if e["event"] == "step"), default=0)
+
+
+def recipe_args(data: Path, out: Path, *, workers: int, steps: int = STEPS) -> list[str]:
+    return [
+        "--data", str(data), "--max-steps", str(steps), "--ckpt-dir", str(out / "ckpt"), "--ckpt-every", "10",
+        "--events", str(out / "events.jsonl"), "--workers", str(workers), *TINY_CNN,
+    ]
+
+
+def start_two_agents(data: Path, out: Path, *, workers: int) -> list[subprocess.Popen]:
+    """A job of exactly two agents of one worker each (the world size never changes)."""
+    command = torchrun_command(
+        nnodes="2:2", port=free_port(), run_id=out.name, max_restarts=2, script=CIFAR_RECIPE,
+        script_args=recipe_args(data, out, workers=workers),
+    )
+    return start_agents(2, command, out)
+
+
+def final_state(out: Path, step: int = STEPS) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        name: dict(flat_tensors(torch.load(out / "ckpt" / f"step_{step:08d}" / name, weights_only=True)))
+        for name in ("model.pt", "optimizer.pt", "trainer.pt")
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_cifar(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_cifar10(tmp_path_factory.mktemp("cifar"), train=TRAIN_IMAGES, test=TEST_IMAGES)
+
+
+@pytest.fixture(scope="module")
+def two_agent_run(tiny_cifar: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted two-agent job, one DataLoader worker per rank: the tests below
+    read its events and compare against its final checkpoint."""
+    out = tmp_path_factory.mktemp("clean")
+    codes = wait_all(start_two_agents(tiny_cifar, out, workers=1), timeout=240)
+    assert codes == [0, 0], logs(out)
+    return out
+
+
+@pytest.mark.slow
+def test_two_agents_learn_above_chance_and_end_with_identical_weights_and_batchnorm_buffers(
+    two_agent_run: Path,
+) -> None:
+    events = list(read_events(two_agent_run / "events.jsonl"))
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))
+    assert {e["world_size"] for e in events} == {2}, "both agents joined one round"
+
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == list(range(STEPS_PER_EPOCH, STEPS + 1, STEPS_PER_EPOCH)), "one per epoch"
+    accuracies = [e["accuracy"] for e in evals]
+    assert accuracies[-1] >= 0.6 and accuracies[-1] > accuracies[0], f"chance is 0.1; accuracy by epoch: {accuracies}"
+
+    (end,) = [e for e in events if e["event"] == "end"]
+    digests = end["param_digests"]  # over state_dict(): parameters and batch norm buffers
+    assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights or buffers"
+    # Each rank normalised its own half batch and no buffer is broadcast: equal buffers
+    # mean the statistics were the whole job's. They did move from their initial values.
+    model = final_state(two_agent_run)["model.pt"]
+    tracked = {k: v for k, v in model.items() if k.endswith("num_batches_tracked")}
+    assert len(tracked) == 3 and all(v.item() == STEPS for v in tracked.values())
+    assert all(not torch.all(v == 0) for k, v in model.items() if k.endswith("running_mean"))
+
+
+@pytest.mark.slow
+def test_checkpoint_of_two_synced_ranks_resumes_in_a_single_process(
+    two_agent_run: Path, tiny_cifar: Path, tmp_path: Path,
+) -> None:
+    shutil.copytree(two_agent_run / "ckpt", tmp_path / "ckpt")
+    more = STEPS + 4
+    result = subprocess.run(
+        [sys.executable, str(CIFAR_RECIPE), *recipe_args(tiny_cifar, tmp_path, workers=0, steps=more)],
+        capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = list(read_events(tmp_path / "events.jsonl"))
+    (restore,) = [e for e in events if e["event"] == "restore"]
+    assert (restore["step"], restore["saved_world_size"], restore["world_size"]) == (STEPS, 2, 1)
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(STEPS + 1, more + 1))
+
+
+@pytest.mark.slow
+def test_sigkilled_worker_resumes_bit_identical_with_loader_workers(
+    two_agent_run: Path, tiny_cifar: Path, tmp_path: Path,
+) -> None:
+    kill_after = random.Random().randint(22, 45)  # some checkpoints (every 10) are behind it
+    events = tmp_path / "events.jsonl"
+    agents = start_two_agents(tiny_cifar, tmp_path, workers=2)  # two loader workers: another split of the work
+    try:
+        wait_for(lambda: steps_seen(events) >= kill_after, 120, f"step {kill_after}", interval=0.005)
+        victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+    except BaseException:
+        wait_all(agents, timeout=0)
+        raise
+    assert wait_all(agents, timeout=240) == [0, 0], logs(tmp_path)
+
+    restores = [e for e in read_events(events) if e["event"] == "restore"]
+    assert restores, f"the kill after step {kill_after} did not cause a restart:\n{logs(tmp_path)}"
+    assert all(e["step"] >= 20 and e["world_size"] == 2 for e in restores)
+
+    want, got = final_state(two_agent_run), final_state(tmp_path)
+    assert any(k.endswith("running_var") for k in want["model.pt"]), "batch norm buffers are compared too"
+    for name in want:
+        assert want[name].keys() == got[name].keys()
+        different = [key for key in want[name] if not torch.equal(want[name][key], got[name][key])]
+        assert not different, f"{name}: {len(different)} tensors differ after the kill at step {kill_after}, e.g. {different[:3]}"
+
+
+def test_missing_data_set_is_one_line_naming_the_file_and_where_to_get_it(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(CIFAR_RECIPE), "--data", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=worker_env(), cwd=REPO,
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "no cifar-10-batches-py/ folder" in line and "cifar-10-python.tar.gz" in line
+    assert "https://www.cs.toronto.edu/~kriz/cifar.html" in line
