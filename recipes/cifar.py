@@ -82,6 +82,7 @@ from elastic.cli import (  # noqa: E402
 )
 from elastic.errors import ElasticError, Preempted  # noqa: E402
 from elastic.events import EventLog  # noqa: E402
+from elastic.metrics import add_metrics_arguments, start_metrics  # noqa: E402
 from elastic.preemption import PreemptionHandler  # noqa: E402
 from elastic.progress import Progress  # noqa: E402
 from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--fake-data", action="store_true", help="random images of CIFAR-10's shape (smoke runs)")
     p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    add_metrics_arguments(p)
     p.add_argument("--ckpt-dir", default=None, help="commit checkpoints here and resume from the newest good one")
     p.add_argument("--ckpt-every", type=non_negative_int, default=200, help="steps between checkpoints (0: only the final one)")
     p.add_argument("--ckpt-keep", type=int_at_least(2), default=3, help="committed checkpoints to keep (a fallback needs 2)")
@@ -228,6 +230,12 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_images: Dataset, t
         events = cleanup.enter_context(EventLog(args.events if ctx.is_main else None, restart=ctx.restart_count))
         hang = watchdog(args.hang_timeout)  # armed by the first completed step
         cleanup.callback(hang.close)
+        cleanup.enter_context(  # before restore, so a scrape sees the restore too
+            start_metrics(
+                ctx, events, port=args.metrics_port, host=args.metrics_host,
+                samples_per_step=args.batch_size, watchdog=hang,
+            )
+        )
         ckpt = CheckpointManager(
             ctx, args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep, model=raw_model, optimizer=optimizer,
             scheduler=scheduler, sampler=sampler, events=events, seed=args.seed,

@@ -115,12 +115,16 @@ def test_checkpoint_of_two_synced_ranks_resumes_in_a_single_process(
     two_agent_run: Path, tiny_cifar: Path, tmp_path: Path,
 ) -> None:
     shutil.copytree(two_agent_run / "ckpt", tmp_path / "ckpt")
-    more = STEPS + 4
+    more, port = STEPS + 4, free_port()
     result = subprocess.run(
-        [sys.executable, str(CIFAR_RECIPE), *recipe_args(tiny_cifar, tmp_path, workers=0, steps=more)],
+        [
+            sys.executable, str(CIFAR_RECIPE), *recipe_args(tiny_cifar, tmp_path, workers=0, steps=more),
+            "--metrics-port", str(port),
+        ],
         capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"metrics: serving http://127.0.0.1:{port}/metrics" in result.stderr
     events = list(read_events(tmp_path / "events.jsonl"))
     (restore,) = [e for e in events if e["event"] == "restore"]
     assert (restore["step"], restore["saved_world_size"], restore["world_size"]) == (STEPS, 2, 1)

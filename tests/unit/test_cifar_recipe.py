@@ -28,6 +28,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--label-smoothing", "1.5"], "argument --label-smoothing: 1.5 must be in [0, 1)"),
         (["--workers", "-1"], "argument --workers: -1 must be at least 0"),
         (["--epochs", "0"], "argument --epochs: 0.0 must be a positive finite number"),
+        (["--metrics-port", "70000"], "argument --metrics-port: 70000 is not a port number"),
     ],
 )
 def test_bad_values_are_one_line_and_exit_2(args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
