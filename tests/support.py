@@ -64,8 +64,9 @@ def write_cifar10(root: Path, *, train: int = 320, test: int = 80, seed: int = 0
         return np.clip(pixels, 0, 255).astype(np.uint8).reshape(count, 3072), [int(label) for label in labels]
 
     def write(name: str, content: dict[str, Any]) -> None:
-        with open(folder / name, "wb") as f:
-            pickle.dump(content, f, protocol=2)  # the release's files are protocol-2 pickles
+        # The release's files are protocol-2 pickles naming numpy.core.multiarray (numpy 2 says numpy._core).
+        data = pickle.dumps(content, protocol=2).replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n")
+        (folder / name).write_bytes(data)
 
     for number, size in enumerate(np.array_split(np.arange(train), 5), 1):
         data, labels = images(len(size))
