@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         with Scraper([opts.metrics_port + r for r in range(opts.ranks)], opts.scrape_interval) as scraper:
             subprocess.run(command, check=True, env=env, cwd=REPO)
         results = json.loads(Path(out).read_text())
+    if scraper.scrapes == 0:
+        sys.exit("overhead.py: error: no worker served /metrics: the 'metrics on' runs measured nothing of metrics")
     med = {name: statistics.median(values) for name, values in results.items()}
     print(f"ranks={opts.ranks} steps={opts.steps} (timed after {opts.warmup}) rounds={opts.rounds} device=cpu")
     for name in ("recipe", "recipe_no_metrics", "baseline"):

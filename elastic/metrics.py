@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -39,6 +40,7 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.metrics_core import Metric
 
 from elastic.events import EventLog
 from elastic.runtime import WorkerContext
@@ -106,6 +108,25 @@ def port_number(text: str) -> int:
     return value
 
 
+class LabelledProcessCollector:
+    """prometheus_client's process metrics with this worker's `rank` and `run_id` labels.
+
+    Without them the process series of the workers of one pod (or of two jobs)
+    could not be told apart, and a dashboard filtering on rank would drop them.
+    """
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self._inner = ProcessCollector(registry=None)
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labelled.add_sample(sample.name, {**sample.labels, **self._labels}, sample.value, sample.timestamp)
+            yield labelled
+
+
 class TrainingMetrics:
     """One worker's metrics, updated from its event stream; `serve()` exposes them."""
 
@@ -124,7 +145,6 @@ class TrainingMetrics:
         # (the process start time is in process_start_time_seconds).
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
-        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, ...
         self._samples_per_step = samples_per_step
         self._tokens_per_sample = tokens_per_sample
         labels = {"rank": str(rank), "run_id": run_id}
@@ -145,6 +165,7 @@ class TrainingMetrics:
             # Bind the labels once: an update is then a lock and an add, no dict lookups.
             self._m[name] = metric if name == "eval" else metric.labels(**labels)
         self._labels = labels
+        self.registry.register(LabelledProcessCollector(labels))  # process_cpu_seconds_total, memory, ...
         self._m["restarts"].set(restarts)
         self._m["world_size"].set(world_size)
         self._m["watchdog_timeout_seconds"].set(watchdog_timeout)
@@ -210,8 +231,8 @@ class TrainingMetrics:
         """Serve /metrics on host:port; False (after one warning) when that is impossible."""
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
+        except Exception as exc:  # noqa: BLE001 - a taken port, a bad address: never fatal to training
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             logger.warning(
                 "metrics: cannot serve on %s:%d (rank %s): %s; this worker trains without a metrics endpoint",
                 host, port, self._labels["rank"], reason,

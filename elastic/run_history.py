@@ -14,11 +14,15 @@ Invariants:
   lost. After a SIGKILL it exceeds the fault-to-step time the chaos harness
   measures by the part of a step that was running; after a SIGTERM the
   worker finishes its step and commits it first, so it is a little shorter.
-- Its cause: *preemption* when the stopped round committed a checkpoint for a
-  SIGTERM; otherwise from TORCHELASTIC_RESTART_COUNT: a higher count is a
-  *failure* the agent restarted after; the same count is a *membership change*
-  (a node joined or left; torch does not count those); a lower one is a
-  *relaunch* (a new torchrun resumed the job from its checkpoints).
+- Its cause is a heuristic on what rank 0 saw. TORCHELASTIC_RESTART_COUNT
+  went up: a *failure* the agent restarted after, or a *preemption* when the
+  stopped group committed a checkpoint for a SIGTERM first. It went down: a
+  *relaunch* (a new torchrun resumed the job from its checkpoints). It stayed:
+  a *membership change* when the world size changed or the group was stopped
+  by SIGTERM (torch's agent stops a healthy group that way when a node joins),
+  else a *new worker group* (a relaunch at the same count, a node replaced).
+  The count is per agent and rank 0 may move between nodes, so across nodes
+  the label can name the wrong one of these; the times are exact either way.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class Recovery:
     round: int
     """Index of the round that recovered (the second of the two)."""
     cause: str
-    """"preemption", "failure", "membership change" or "relaunch" (see the module docstring)."""
+    """"failure", "preemption", "relaunch", "membership change" or "new worker group" (see the module docstring)."""
     restart: int
     world_size_before: int
     world_size_after: int
@@ -113,14 +117,7 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
     for current in all_rounds:
         if last_progress is not None and not last_progress.ended and current.steps and current.index > last_progress.index:
             # Rounds in between that never stepped (a failed round) are part of this gap.
-            if last_progress.preempted:
-                cause = "preemption"
-            elif current.restart > last_progress.restart:
-                cause = "failure"
-            elif current.restart == last_progress.restart:
-                cause = "membership change"
-            else:
-                cause = "relaunch"
+            cause = interruption_cause(last_progress, current)
             stopped = last_progress.steps[-1]
             found.append(
                 Recovery(
@@ -133,6 +130,19 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
         if current.steps:
             last_progress = current
     return found
+
+
+def interruption_cause(stopped: Round, resumed: Round) -> str:
+    """Why the job went from `stopped` to `resumed` (a heuristic: see the module docstring)."""
+    if resumed.restart < stopped.restart:
+        return "relaunch"
+    if resumed.restart > stopped.restart:
+        return "preemption" if stopped.preempted else "failure"
+    if resumed.world_size != stopped.world_size or stopped.preempted:
+        # The agent stopped a healthy group (with SIGTERM, hence a preemption
+        # checkpoint) because a node joined, or a node left.
+        return "membership change"
+    return "new worker group"
 
 
 def checkpoints(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

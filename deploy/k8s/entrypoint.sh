@@ -1,14 +1,29 @@
 #!/bin/sh
 # The image's entrypoint: run the container's arguments (the torchrun line).
 #
+# In a pod this shell is PID 1, and PID 1 ignores SIGTERM unless it handles
+# it: so it passes SIGTERM and SIGINT on to the job (kubectl delete pod, a
+# scale-down or a node drain then reaches torchrun, whose workers finish their
+# step and commit a checkpoint), and exits with the job's status.
+#
 # A StatefulSet restarts a container that exits, even with status 0, so a pod
 # whose job finished would start training again. With IDLE_AFTER_SUCCESS=1 (the
 # trainer manifest sets it) a successful run leaves the pod idle instead; the
 # job's state is in its checkpoints and event log, and `kubectl delete -k`
 # releases the pods. Failures exit with their status, so Kubernetes restarts
 # the pod and the job resumes from its newest checkpoint.
-"$@"
-status=$?
+"$@" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM
+trap 'kill -INT "$child" 2>/dev/null' INT
+# `wait` returns early (status > 128) when a trapped signal arrives: wait again
+# until the job itself has exited, and keep its status.
+while :; do
+    wait "$child"
+    status=$?
+    kill -0 "$child" 2>/dev/null || break
+done
+trap - TERM INT
 if [ "$status" -eq 0 ] && [ "${IDLE_AFTER_SUCCESS:-0}" = "1" ]; then
     echo "entrypoint: the job finished; idling so the StatefulSet does not start it again" >&2
     trap 'exit 0' TERM INT

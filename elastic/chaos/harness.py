@@ -400,8 +400,11 @@ def draw_report(events: Path, out: Path, *, title: str) -> Path | None:
 
     try:
         render(load_events(events), out, title=title)
-    except UsageError as exc:
+    except UsageError as exc:  # no matplotlib, or nothing to draw
         logger.info("no report for %s: %s", events, exc)
+        return None
+    except Exception:  # noqa: BLE001 - a drawing bug must not fail the scenario it would illustrate
+        logger.warning("drawing the report of %s failed", events, exc_info=True)
         return None
     return out
 

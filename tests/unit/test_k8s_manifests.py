@@ -160,9 +160,11 @@ def test_the_trainer_runs_torchrun_with_arguments_torchrun_accepts(rendered: lis
     annotations = find(rendered, "StatefulSet", "trainer")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(metrics_port) and annotations["prometheus.io/scrape"] == "true"
 
-    # The SIGTERM checkpoint fits in the grace period.
+    # The SIGTERM checkpoint fits: the worker's grace < torchrun's wait for its workers
+    # before SIGKILL (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s) < the pod's grace period.
+    torchrun_wait = int(pod.environment().get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     grace = pod_spec(pod.workload)["terminationGracePeriodSeconds"]
-    assert grace >= recipe.term_grace + 30, f"{grace} s of grace for a {recipe.term_grace} s SIGTERM checkpoint"
+    assert recipe.term_grace + 10 <= torchrun_wait <= grace - 10, (recipe.term_grace, torchrun_wait, grace)
 
 
 def test_the_etcd_endpoint_is_the_etcd_client_service(rendered: list[dict[str, Any]]) -> None:
@@ -181,6 +183,31 @@ def test_the_etcd_endpoint_is_the_etcd_client_service(rendered: list[dict[str, A
     assert flags["initial-advertise-peer-urls"] == members["etcd-0"], "the member advertises what the cluster lists"
     mounts = {m["mountPath"] for m in etcd_pod.container["volumeMounts"]}
     assert any(flags["data-dir"].startswith(m) for m in mounts), "etcd data is not on its volume"
+    (claim,) = etcd["spec"]["volumeClaimTemplates"]
+    size = claim["spec"]["resources"]["requests"]["storage"]
+    assert size.endswith("Gi") and int(flags["quota-backend-bytes"]) < int(size[:-2]) * 2**30, "quota beyond the volume"
+
+
+def test_network_policies_select_real_pods_and_name_real_ports(rendered: list[dict[str, Any]]) -> None:
+    pods = {o["metadata"]["name"]: o for o in workloads(rendered)}
+
+    def selected(selector: dict[str, Any]) -> list[str]:
+        return [n for n, w in pods.items()
+                if selector["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+
+    policies = [o for o in rendered if o["kind"] == "NetworkPolicy"]
+    assert {name for p in policies for name in selected(p["spec"]["podSelector"])} == set(pods), "a workload is unguarded"
+    for policy in policies:
+        (target,) = selected(policy["spec"]["podSelector"])
+        ports = {p["name"] for c in pod_spec(pods[target])["containers"] for p in c.get("ports", [])}
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule.get("from", []):
+                assert selected(peer["podSelector"]), f"{policy['metadata']['name']}: a rule admits no pod"
+            for port in rule.get("ports", []):
+                assert port["port"] in ports, f"{policy['metadata']['name']}: no port {port['port']} on {target}"
+    trainer_rules = next(p for p in policies if selected(p["spec"]["podSelector"]) == ["trainer"])["spec"]["ingress"]
+    assert any(selected(peer["podSelector"]) == ["trainer"] and "ports" not in rule
+               for rule in trainer_rules for peer in rule.get("from", [])), "trainers must reach each other on any port"
 
 
 def test_pods_run_as_non_root_without_privileges(rendered: list[dict[str, Any]]) -> None:

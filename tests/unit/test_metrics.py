@@ -97,6 +97,9 @@ def test_a_worker_serves_its_metrics_on_base_port_plus_local_rank(caplog: pytest
     (step,) = families["torchrevive_step"].samples
     assert step.value == 7 and step.labels == {"rank": "1", "run_id": "job7"}
     assert "process_resident_memory_bytes" in families, "process metrics come along"
+    for family in families.values():
+        for s in family.samples:
+            assert s.labels.get("rank") == "1" and s.labels.get("run_id") == "job7", s.name
     with pytest.raises(OSError):
         scrape(base)  # closed with the context
 
@@ -114,6 +117,14 @@ def test_a_taken_port_is_one_warning_naming_it_and_training_goes_on(caplog: pyte
     assert f"127.0.0.1:{port}" in warning.getMessage() and "without a metrics endpoint" in warning.getMessage()
     assert metrics.address is None
     assert samples(metrics)["torchrevive_step"] == 1
+
+
+def test_an_address_that_cannot_be_bound_is_a_warning_too(caplog: pytest.LogCaptureFixture) -> None:
+    log = EventLog(None, restart=0)
+    with caplog.at_level(logging.WARNING, logger="elastic.metrics"):
+        with start_metrics(context(), log, port=free_port(), host="a" * 300, samples_per_step=4) as metrics:
+            log.emit("step", step=1, world_size=4, loss=1.0)
+    assert metrics.address is None and "without a metrics endpoint" in caplog.text
 
 
 def test_port_zero_serves_nothing_and_subscribes_nothing() -> None:

@@ -35,7 +35,12 @@ def job_with_a_failure_a_resize_and_a_relaunch() -> list[dict]:
         # the whole job crashed, relaunched by a new torchrun later (count back to 0)
         event("start", 100.0, 7, restart=0),
         event("step", 101.0, 8, restart=0, loss=2.6),
-        event("end", 101.1, 8, restart=0),
+        # a node joins: the agent SIGTERMs the healthy group (a preemption checkpoint), same count
+        event("step", 101.05, 8, restart=0, loss=2.6),
+        event("checkpoint", 101.06, 8, restart=0, seconds=0.1, blocking_seconds=0.05, reason="preemption"),
+        event("start", 101.08, 8, restart=0, world=3),
+        event("step", 101.09, 9, restart=0, world=3, loss=2.6),
+        event("end", 101.1, 9, restart=0, world=3),
         # a second launch after a clean end is a new run, not a recovery
         event("start", 200.0, 8, restart=0),
         event("step", 201.0, 9, restart=0, loss=2.5),
@@ -52,10 +57,11 @@ def test_recoveries_span_last_step_to_first_step_and_name_their_cause() -> None:
         ("failure", 9.5 - 5.0, 4, 1),
         ("membership change", 12.5 - 10.0, 6, 0),
         ("relaunch", 101.0 - 12.5, 7, 0),
+        ("membership change", 101.09 - 101.05, 8, 0),
         ("preemption", 205.0 - 201.0, 9, 0),
     ]
     assert (found[1].world_size_before, found[1].world_size_after) == (2, 1)
-    assert len(rounds(job_with_a_failure_a_resize_and_a_relaunch())) == 7
+    assert len(rounds(job_with_a_failure_a_resize_and_a_relaunch())) == 8
 
 
 def write_log(path: Path, events: list[dict]) -> Path:
