@@ -72,7 +72,6 @@ from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
-    int_at_least,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -80,15 +79,15 @@ from elastic.cli import (  # noqa: E402
     run_main,
     unit_interval,
 )
+from elastic.contract import add_runtime_arguments  # noqa: E402
 from elastic.errors import ElasticError, Preempted  # noqa: E402
 from elastic.events import EventLog  # noqa: E402
-from elastic.metrics import add_metrics_arguments, start_metrics  # noqa: E402
+from elastic.metrics import start_metrics  # noqa: E402
 from elastic.preemption import PreemptionHandler  # noqa: E402
 from elastic.progress import Progress  # noqa: E402
 from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
 from elastic.rng import seed_all  # noqa: E402
 from elastic.runtime import (  # noqa: E402
-    DEVICE_CHOICES,
     WorkerContext,
     prefetch_slow_imports,
     worker_context,
@@ -116,12 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", default=None, help="folder holding cifar-10-batches-py/ (default: ./data)")
     source.add_argument("--fake-data", action="store_true", help="random images of CIFAR-10's shape (smoke runs)")
-    p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
-    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    add_metrics_arguments(p)
-    p.add_argument("--ckpt-dir", default=None, help="commit checkpoints here and resume from the newest good one")
-    p.add_argument("--ckpt-every", type=non_negative_int, default=200, help="steps between checkpoints (0: only the final one)")
-    p.add_argument("--ckpt-keep", type=int_at_least(2), default=3, help="committed checkpoints to keep (a fallback needs 2)")
+    add_runtime_arguments(p, ckpt_every=200)
     p.add_argument("--model", choices=MODEL_CHOICES, default="resnet18")
     p.add_argument("--cnn-width", type=positive_int, default=32, help="channels of the small CNN's first stage")
     p.add_argument("--schedule", choices=("onecycle", "cosine"), default="onecycle", help="learning-rate schedule")
@@ -135,15 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=non_negative_int, default=2, help="DataLoader processes per rank (0: load in the trainer)")
     p.add_argument("--eval-batch-size", type=positive_int, default=500, help="test images per rank per forward pass")
     p.add_argument("--log-every", type=positive_int, default=50, help="steps between log lines off a terminal")
-    p.add_argument("--collective-timeout", type=positive_float, default=300.0, help="seconds before a collective fails")
-    p.add_argument(
-        "--term-grace", type=positive_float, default=15.0,
-        help="after SIGTERM, seconds to reach the end of the step and checkpoint; else exit at once (blocked)",
-    )
-    p.add_argument(
-        "--hang-timeout", type=non_negative_float, default=300.0,
-        help="exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)",
-    )
     return p
 
 

@@ -42,23 +42,21 @@ from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
-    int_at_least,
-    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
     run_main,
     unit_interval,
 )
+from elastic.contract import add_runtime_arguments  # noqa: E402
 from elastic.errors import ElasticError, Preempted, UsageError  # noqa: E402
 from elastic.events import EventLog  # noqa: E402
-from elastic.metrics import add_metrics_arguments, start_metrics  # noqa: E402
+from elastic.metrics import start_metrics  # noqa: E402
 from elastic.preemption import PreemptionHandler  # noqa: E402
 from elastic.progress import Progress  # noqa: E402
 from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
 from elastic.rng import seed_all  # noqa: E402
 from elastic.runtime import (  # noqa: E402
-    DEVICE_CHOICES,
     WorkerContext,
     all_reduce_mean,
     prefetch_slow_imports,
@@ -78,12 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=non_negative_int, default=1337)
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
-    p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
-    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    add_metrics_arguments(p)
-    p.add_argument("--ckpt-dir", default=None, help="commit checkpoints here and resume from the newest good one")
-    p.add_argument("--ckpt-every", type=non_negative_int, default=50, help="steps between checkpoints (0: only the final one)")
-    p.add_argument("--ckpt-keep", type=int_at_least(2), default=3, help="committed checkpoints to keep (a fallback needs 2)")
+    add_runtime_arguments(p, ckpt_every=50)
     p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes")
     p.add_argument("--n-layer", type=positive_int, default=4)
     p.add_argument("--n-head", type=positive_int, default=4)
@@ -97,15 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches per rank per validation")
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines off a terminal")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--collective-timeout", type=positive_float, default=300.0, help="seconds before a collective fails")
-    p.add_argument(
-        "--term-grace", type=positive_float, default=15.0,
-        help="after SIGTERM, seconds to reach the end of the step and checkpoint; else exit at once (blocked)",
-    )
-    p.add_argument(
-        "--hang-timeout", type=non_negative_float, default=300.0,
-        help="exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)",
-    )
     return p
 
 

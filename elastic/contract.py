@@ -1,0 +1,44 @@
+"""The recipe command line contract of DESIGN.md, shared by every recipe.
+
+Each recipe adds its own model and data flags, and its own `--max-steps`,
+`--batch-size`, `--lr`, `--seed` and `--data` (their defaults and meaning
+differ per recipe); the flags here drive the runtime and mean the same in all:
+where the event log goes, the device, metrics, checkpoints, and how a worker
+reacts to a dead peer, a SIGTERM or a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from elastic.cli import (
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+)
+from elastic.metrics import add_metrics_arguments
+from elastic.runtime import DEVICE_CHOICES
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser, *, ckpt_every: int) -> None:
+    """--events, --device, --metrics-port/--metrics-host, --ckpt-dir/--ckpt-every/--ckpt-keep,
+    --collective-timeout, --term-grace, --hang-timeout."""
+    p = parser
+    p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    add_metrics_arguments(p)
+    p.add_argument("--ckpt-dir", default=None, help="commit checkpoints here and resume from the newest good one")
+    p.add_argument(
+        "--ckpt-every", type=non_negative_int, default=ckpt_every, help="steps between checkpoints (0: only the final one)"
+    )
+    p.add_argument("--ckpt-keep", type=int_at_least(2), default=3, help="committed checkpoints to keep (a fallback needs 2)")
+    p.add_argument("--collective-timeout", type=positive_float, default=300.0, help="seconds before a collective fails")
+    p.add_argument(
+        "--term-grace", type=positive_float, default=15.0,
+        help="after SIGTERM, seconds to reach the end of the step and checkpoint; else exit at once (blocked)",
+    )
+    p.add_argument(
+        "--hang-timeout", type=non_negative_float, default=300.0,
+        help="exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)",
+    )
