@@ -31,6 +31,7 @@ a shard of the test set.
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import math
 import os
@@ -149,6 +150,22 @@ def total_steps(args: argparse.Namespace, num_samples: int, world_size: int) -> 
     return max(1, math.ceil(epochs * num_samples / (args.batch_size * world_size)))
 
 
+# DDP's switch for the per-step buffer broadcast was renamed in torch 2.13.
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def steps_for_epochs_left(args: argparse.Namespace, sampler: ElasticSampler, step: int, images_per_step: int) -> int:
+    """With --epochs, the run's length after a restore: the steps done plus the steps
+    that cover the samples left at this world size (which may differ from the saved one)."""
+    epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS
+    left = epochs * sampler.num_samples - (sampler.epoch * sampler.num_samples + sampler.state.consumed)
+    return step + max(0, math.ceil(left / images_per_step))
+
+
 def lr_schedule(args: argparse.Namespace, steps: int) -> OneCycle | WarmupCosine:
     if args.schedule == "onecycle":
         warmup = args.warmup_steps if args.warmup_steps is not None else steps // 4
@@ -203,9 +220,7 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_images: Dataset, t
     model: torch.nn.Module = raw_model
     if ctx.distributed:
         # Synchronised batch norm keeps the buffers equal on every rank: no broadcast each step.
-        model = DDP(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, forward_sync_buffers=False
-        )
+        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, **NO_BUFFER_SYNC)
     seed_all(args.seed + ctx.rank, ctx.device)
     sampler = ElasticSampler(num_samples, batch_size=args.batch_size, seed=args.seed)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -227,6 +242,14 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_images: Dataset, t
         )
         cleanup.callback(ckpt.close)
         step = ckpt.restore()  # 0 on a fresh start; RNG, sampler and optimizer as they were at `step`
+        if step and args.max_steps is None:
+            # --epochs at another world size than the checkpoint's: as many steps as the
+            # epochs left need, and the schedule (restored with the old length) ends there.
+            resized = steps_for_epochs_left(args, sampler, step, args.batch_size * ctx.world_size)
+            if resized != max_steps:
+                max_steps = resized
+                scheduler.lr_lambdas[0] = lr_schedule(args, max_steps)
+                logger.info("--epochs at world size %d: the run now ends at step %d", ctx.world_size, max_steps)
         # The loader's workers are forked here, before the SIGTERM handler is installed:
         # a worker forked after it would share its wakeup socket, and a signal to the
         # worker alone would then read as a preemption of this process.
@@ -338,7 +361,10 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_images: Dataset, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.momentum <= 0:
+        parser.error(f"argument --momentum: {args.momentum} must be above 0 (Nesterov momentum)")
     prefetch_slow_imports()  # overlaps loading data and joining the group
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
     # Check the data before joining the job: a missing or malformed folder fails fast, alone, with exit 2.

@@ -141,12 +141,12 @@ def check_cifar10(data: str) -> Path:
                 _check_meta(content)
             else:
                 counts[name] = _check_batch(content)
-        except (pickle.UnpicklingError, ValueError, TypeError, EOFError, AttributeError, IndexError, KeyError) as exc:
+        except OSError as exc:
+            raise UsageError(f"--data {data}: cannot read {BASE_FOLDER}/{name}: {exc.strerror}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever a corrupt pickle raises is one line, not a traceback
             raise UsageError(
                 f"--data {data}: {BASE_FOLDER}/{name} is not a CIFAR-10 python batch ({exc}); {_where_to_get(data)}"
             ) from None
-        except OSError as exc:
-            raise UsageError(f"--data {data}: cannot read {BASE_FOLDER}/{name}: {exc.strerror}") from None
     if sum(counts[name] for name in TRAIN_FILES) == 0 or counts[TEST_FILE] == 0:
         raise UsageError(f"--data {data}: the training or the test batches hold no images; {_where_to_get(data)}")
     return root
@@ -300,6 +300,11 @@ def _die_with(parent: int) -> None:
 
 def _worker_init(parent: int, worker_id: int) -> None:
     _die_with(parent)
+    # torchrun stops a group with SIGTERM to each worker's process group, which
+    # holds its loader workers too: were they to die of it, the trainer would
+    # fail on a dead loader instead of finishing its step and committing the
+    # preemption checkpoint. They end with the trainer (above) or its loader.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # A worker transforms one image at a time: several intra-op threads per
     # worker would only oversubscribe the cores the training process uses.
     torch.set_num_threads(1)
@@ -320,6 +325,9 @@ def step_loader(
         dataset,
         batch_sampler=UpcomingBatches(sampler, rank=rank, world_size=world_size, steps=steps),
         num_workers=workers,
+        # Forked: workers must share the trainer's pid as their parent (see _die_with),
+        # and fork is what makes them cheap; not every platform default is fork.
+        multiprocessing_context="fork" if workers else None,
         pin_memory=pin_memory,
         worker_init_fn=functools.partial(_worker_init, os.getpid()) if workers else None,
         # A generator of its own: without one, each new iterator draws its base seed
