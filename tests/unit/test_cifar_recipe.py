@@ -29,6 +29,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
         (["--workers", "-1"], "argument --workers: -1 must be at least 0"),
         (["--epochs", "0"], "argument --epochs: 0.0 must be a positive finite number"),
         (["--metrics-port", "70000"], "argument --metrics-port: 70000 is not a port number"),
+        (["--momentum", "0"], "argument --momentum: 0.0 must be above 0"),
     ],
 )
 def test_bad_values_are_one_line_and_exit_2(args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,3 +64,14 @@ def test_schedules_warm_up_over_a_share_of_the_run_unless_told() -> None:
     assert cifar.lr_schedule(parse([]), 100) == OneCycle(25, 100)
     assert cifar.lr_schedule(parse(["--schedule", "cosine"]), 100) == WarmupCosine(2, 100, min_ratio=0.0)
     assert cifar.lr_schedule(parse(["--warmup-steps", "500"]), 100) == OneCycle(100, 100)
+
+
+def test_after_a_resize_epochs_end_where_the_samples_left_run_out() -> None:
+    from elastic.sampler import ElasticSampler
+
+    args = cifar.build_parser().parse_args(["--epochs", "2", "--batch-size", "16"])
+    sampler = ElasticSampler(320, batch_size=16, seed=0)
+    for _ in range(5):  # 5 steps at world size 2: 160 of the 640 samples
+        sampler.advance(2)
+    assert cifar.steps_for_epochs_left(args, sampler, 5, images_per_step=16) == 5 + 30  # now alone: 480 / 16
+    assert cifar.steps_for_epochs_left(args, sampler, 5, images_per_step=64) == 5 + 8  # four ranks: ceil(480 / 64)
