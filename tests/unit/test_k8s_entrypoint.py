@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,27 @@ time.sleep(60)
 """
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_what_a_test_left() -> Iterator[None]:
+    """A failing test must not leave an idling entrypoint behind."""
+    yield
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait(5)
+
+
 def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     prefix = ["unshare", "--pid", "--fork", "--kill-child"] if AS_PID_1 else []
-    return subprocess.Popen([*prefix, "sh", str(ENTRYPOINT), *args], env={**os.environ, **(env or {})},
-                            stderr=subprocess.PIPE, text=True)
+    # With unshare --kill-child, killing unshare ends the namespace and the job in it.
+    process = subprocess.Popen([*prefix, "sh", str(ENTRYPOINT), *args], env={**os.environ, **(env or {})},
+                               stderr=subprocess.PIPE, text=True)
+    STARTED.append(process)
+    return process
 
 
 def entrypoint_pid(process: subprocess.Popen) -> int:
