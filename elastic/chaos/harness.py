@@ -451,6 +451,9 @@ def kill_during_save(job: ChaosJob, rng: random.Random) -> list[int | None]:
 
 
 def node_loss(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    # Both nodes must be in the job before one is lost: on a busy machine the second
+    # agent can miss the first round and join through a membership change later.
+    job.wait_for_world_size(2, after=0.0)
     job.wait_for_step(rng.randint(12, 18))
     # Not agent 0: with c10d it hosts the rendezvous store, the one node a c10d job cannot lose.
     job.kill_agent(len(job.agents) - 1)
@@ -537,7 +540,7 @@ NEEDS_OWN_ETCD = {"etcd-restart"}
 
 # Scenarios that change the world size need the job to outlast a new round
 # (a joining agent first imports torch): they train longer.
-SCENARIO_STEPS = {"scale-up": 400, "node-loss": 200, "partition": 800, "soak": 300}
+SCENARIO_STEPS = {"scale-up": 400, "node-loss": 400, "partition": 800, "soak": 300}
 # Jobs whose world size must stay 2 wait for both agents before the first round
 # (with a minimum of 1, the first agent could train alone until the second joins).
 SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3", "partition": "1:3"}
