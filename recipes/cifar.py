@@ -81,10 +81,10 @@ from elastic.cli import (  # noqa: E402
     unit_interval,
 )
 from elastic.contract import add_runtime_arguments  # noqa: E402
-from elastic.errors import ElasticError, Preempted  # noqa: E402
+from elastic.errors import ElasticError  # noqa: E402
 from elastic.events import EventLog  # noqa: E402
 from elastic.metrics import start_metrics  # noqa: E402
-from elastic.preemption import PreemptionHandler  # noqa: E402
+from elastic.preemption import PreemptionHandler, commit_and_stop  # noqa: E402
 from elastic.progress import Progress  # noqa: E402
 from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
 from elastic.rng import seed_all  # noqa: E402
@@ -325,12 +325,7 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_images: Dataset, t
             pending = StepRecord(step, loss.detach(), time.time())
             if preemption.requested():  # SIGTERM on any rank: commit this step, then leave
                 report(pending)
-                with hang.paused():
-                    ckpt.save(step, reason="preemption")
-                    ckpt.flush()
-                progress.close()
-                saved = f"checkpoint committed in {args.ckpt_dir}" if ckpt.enabled else "no --ckpt-dir, nothing saved"
-                raise Preempted(f"stopped by SIGTERM after step {step}; {saved}")
+                commit_and_stop(step, ckpt, hang, progress)
             ckpt.maybe_save(step)
             faults.at("after_step", step)
             hang.beat(step)
