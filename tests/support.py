@@ -198,3 +198,17 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
                 p.kill()
                 p.wait()
     return codes
+
+
+def logs(directory: Path, pattern: str = "*.log") -> str:
+    """The last 3000 characters of each log in `directory`, for a failing assertion's message."""
+    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(directory.glob(pattern)))
+
+
+def steps_seen(events: Path) -> int:
+    """The highest step in an event log (0 before the first)."""
+    from elastic.events import read_events
+
+    if not events.exists():
+        return 0
+    return max((e["step"] for e in read_events(events) if e["event"] == "step"), default=0)

@@ -20,7 +20,9 @@ from support import (
     children_of,
     flat_tensors,
     free_port,
+    logs,
     start_agents,
+    steps_seen,
     torchrun_command,
     wait_all,
     wait_for,
@@ -38,14 +40,6 @@ STEPS = EPOCHS * STEPS_PER_EPOCH
 TINY_CNN = ["--model", "cnn", "--cnn-width", "8", "--batch-size", str(BATCH), "--lr", "0.2", "--eval-batch-size", "40"]
 
 
-def logs(directory: Path) -> str:
-    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(directory.glob("*.log")))
-
-
-def steps_seen(events: Path) -> int:
-    if not events.exists():
-        return 0
-    return max((e["step"] for e in read_events(events) if e["event"] == "step"), default=0)
 
 
 def recipe_args(data: Path, out: Path, *, workers: int, steps: int = STEPS) -> list[str]:

@@ -16,9 +16,11 @@ from support import (
     children_of,
     flat_tensors,
     free_port,
+    logs,
     make_text,
     standalone_command,
     start_agents,
+    steps_seen,
     torchrun_command,
     wait_all,
     wait_for,
@@ -33,14 +35,6 @@ from elastic.events import read_events
 pytestmark = pytest.mark.slow
 
 
-def logs(directory: Path) -> str:
-    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(directory.glob("*.log")))
-
-
-def steps_seen(events: Path) -> int:
-    if not events.exists():
-        return 0
-    return max((e["step"] for e in read_events(events) if e["event"] == "step"), default=0)
 
 
 def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after: int | None = None) -> Path:

@@ -16,6 +16,8 @@ from support import (
     TINY_MODEL,
     children_of,
     free_port,
+    logs,
+    steps_seen,
     torchrun_command,
     wait_all,
     wait_for,
@@ -57,22 +59,14 @@ def recipe_args(corpus: Path, events: Path, steps: int, *extra: str) -> list[str
             *TINY_MODEL, *extra]
 
 
-def logs(directory: Path) -> str:
-    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(directory.glob("agent*.log")))
-
 
 def finish(agents: list[subprocess.Popen], directory: Path, timeout: float = 180) -> list[int]:
     """The agents' exit codes; on a timeout, fail with their logs (then they are killed)."""
     try:
         return wait_all(agents, timeout=timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"agents still running after {timeout} s:\n{logs(directory)}")
+        pytest.fail(f"agents still running after {timeout} s:\n{logs(directory, 'agent*.log')}")
 
-
-def steps_seen(events: Path) -> int:
-    if not events.exists():
-        return 0
-    return max((e["step"] for e in read_events(events) if e["event"] == "step"), default=0)
 
 
 def test_two_agents_meet_on_etcd_with_a_dead_endpoint_listed_first(
@@ -86,7 +80,7 @@ def test_two_agents_meet_on_etcd_with_a_dead_endpoint_listed_first(
         agent(etcd_command(f"{dead},{shared_etcd.endpoint}", run_id, "2", args), tmp_path / "agent0.log"),
         agent(etcd_command(shared_etcd.endpoint, run_id, "2", args), tmp_path / "agent1.log"),
     ]
-    assert finish(agents, tmp_path) == [0, 0], logs(tmp_path)
+    assert finish(agents, tmp_path) == [0, 0], logs(tmp_path, "agent*.log")
     recorded = list(read_events(events))
     assert {e["world_size"] for e in recorded} == {2}
     assert [e["step"] for e in recorded if e["event"] == "step"] == list(range(1, 21))
@@ -108,10 +102,10 @@ def test_sigkilled_worker_recovers_with_nnodes_1_to_3(tmp_path: Path, tiny_corpu
     except BaseException:
         wait_all(agents, timeout=0)
         raise
-    assert finish(agents, tmp_path, 240) == [0, 0], logs(tmp_path)
+    assert finish(agents, tmp_path, 240) == [0, 0], logs(tmp_path, "agent*.log")
     recorded = list(read_events(events))
     restores = [e for e in recorded if e["event"] == "restore"]
-    assert restores and restores[-1]["step"] >= 20, logs(tmp_path)
+    assert restores and restores[-1]["step"] >= 20, logs(tmp_path, "agent*.log")
     (end,) = [e for e in recorded if e["event"] == "end"]
     assert end["step"] == steps and end["world_size"] == 2
 
@@ -132,11 +126,11 @@ def test_job_survives_an_etcd_restart(tmp_path: Path, tiny_corpus: Path, etcd: E
     except BaseException:
         wait_all(agents, timeout=0)
         raise
-    assert finish(agents, tmp_path, 240) == [0, 0], logs(tmp_path)
+    assert finish(agents, tmp_path, 240) == [0, 0], logs(tmp_path, "agent*.log")
     recorded = list(read_events(events))
     (end,) = [e for e in recorded if e["event"] == "end"]
     assert end["step"] == 1500 and end["time"] > restarted_at
-    assert "etcd at" in logs(tmp_path) and "reconnected" in logs(tmp_path), "no agent noticed the outage"
+    assert "etcd at" in logs(tmp_path, "agent*.log") and "reconnected" in logs(tmp_path, "agent*.log"), "no agent noticed the outage"
 
 
 def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path, tiny_corpus: Path) -> None:
