@@ -1,9 +1,53 @@
 """torchrevive: a fault-tolerant elastic training runtime for PyTorch.
 
-The library (`elastic`) holds the pieces recipes compose: the worker runtime
-(`elastic.runtime`), the elastic sampler (`elastic.sampler`), the event log
-(`elastic.events`) and replica checks (`elastic.replicas`). It never imports a
-recipe: dependencies point recipes -> elastic -> torch.
+The front door is one object:
+
+    import elastic
+    with elastic.Run.from_args(args) as run: ...      # see elastic/run.py
+
+Underneath, its parts stay usable alone, in layers (each imports only the ones
+below it):
+
+- `elastic.run`: the front door (`Run`, `RunConfig`) and `elastic.contract`,
+  the recipe flags that configure it.
+- `elastic.data` (the sampler in a DataLoader), `elastic.sampler`,
+  `elastic.preemption`, `elastic.watchdog`, `elastic.events`, `elastic.metrics`,
+  `elastic.progress`, `elastic.replicas`, `elastic.rng`: one concern each.
+- `elastic.checkpoint`: the state manager (commit, verify, fall back, inspect).
+- `elastic.runtime`: who this worker is, its device and process group.
+- the launcher (`elastic.launch`, `elastic.warm_start`, `elastic.reaper`) and
+  the rendezvous plugin (`elastic.rendezvous`), which run beside the workers;
+  `elastic.chaos`, the fault-injection tooling and audits.
+
+It never imports a recipe: dependencies point recipes -> elastic -> torch.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["Run", "RunConfig", "add_runtime_arguments", "seeded_samples"]
+
+if TYPE_CHECKING:
+    from elastic.contract import add_runtime_arguments
+    from elastic.data import seeded_samples
+    from elastic.run import Run, RunConfig
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the launcher and the rendezvous plugin import `elastic.*` modules and
+    # must not pay for (or depend on) the training-side imports.
+    if name in ("Run", "RunConfig"):
+        from elastic import run
+
+        return getattr(run, name)
+    if name == "add_runtime_arguments":
+        from elastic.contract import add_runtime_arguments
+
+        return add_runtime_arguments
+    if name == "seeded_samples":
+        from elastic.data import seeded_samples
+
+        return seeded_samples
+    raise AttributeError(f"module 'elastic' has no attribute {name!r}")

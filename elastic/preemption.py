@@ -19,6 +19,14 @@ Invariants:
   thread, woken through `signal.set_wakeup_fd`, then ends the process with
   status 143, so torchrun's agent does not wait its 30 s before SIGKILL when it
   stops the group for a new round.
+- Only the process that installed the handler is affected. Children forked
+  after it (DataLoader workers, multiprocessing 'fork' children, os.fork) are
+  never affected: in them the flag is clear, the SIGTERM disposition and the
+  wakeup fd are those from before the install (a child whose Python refuses
+  to change them gets its wakeup fd pointed at /dev/null instead), and their
+  copies of the socketpair are closed, never shut down. So a SIGTERM that
+  reaches only a child ends that child (status -15) and is never read as the
+  parent's preemption.
 """
 
 from __future__ import annotations
@@ -47,6 +55,25 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_SECONDS = 15.0
 
+# Handlers installed in this process, oldest first. The fork hook below cannot
+# be unregistered, so it acts on whatever is installed at the time of the fork.
+_installed: list[PreemptionHandler] = []
+
+
+def _after_fork_in_child() -> None:
+    """Runs in every child forked from this process, before the child's own code.
+
+    Without it the child inherits the Python handler and the wakeup fd: its
+    SIGTERM would write into the socket the parent's watcher reads, and end the
+    parent as if the parent had been preempted.
+    """
+    for handler in reversed(_installed):  # newest first: each puts back what the one before it saw
+        handler._release_in_child()
+    _installed.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class PreemptionHandler:
     def __init__(self, ctx: WorkerContext, signum: int = signal.SIGTERM, grace: float = DEFAULT_GRACE_SECONDS) -> None:
@@ -61,6 +88,7 @@ class PreemptionHandler:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signum, self._on_signal)
             self._watch_for_blocked_signal()
+            _installed.append(self)
 
     def _watch_for_blocked_signal(self) -> None:
         reader, writer = socket.socketpair()
@@ -68,6 +96,46 @@ class PreemptionHandler:
         self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         self._wakeup = (reader, writer)
         threading.Thread(target=self._watch, args=(reader,), name="elastic-sigterm-grace", daemon=True).start()
+
+    def _release_in_child(self) -> None:
+        """In a forked child: drop everything shared with the parent, leave the parent's untouched.
+
+        Invariants: the child is not signalled; its SIGTERM disposition and
+        wakeup fd are the ones from before the install; its copies of the
+        socketpair are closed with close() only, never shutdown(), which would
+        act on the socket itself and stop the parent's watcher.
+        """
+        self._flag = False  # the parent's signal is not the child's
+        self._reached_boundary = threading.Event()  # the parent's may have been mid-use by another thread
+        wakeup, self._wakeup = self._wakeup, None
+        previous, self._previous = self._previous, None
+        wakeup_cleared = True
+        if wakeup is not None:
+            try:
+                signal.set_wakeup_fd(self._previous_wakeup_fd)
+            except ValueError:  # Python does not see this thread as the main one (a fork from another thread)
+                wakeup_cleared = False
+        if previous is not None:
+            try:
+                signal.signal(self._signum, previous)
+            except ValueError:  # same cause; then Python never runs the handler in this child anyway
+                logger.debug("forked child could not restore the %s disposition", signal.Signals(self._signum).name)
+        if wakeup is None:
+            return
+        reader, writer = wakeup
+        reader.close()
+        if wakeup_cleared:
+            writer.close()
+            return
+        # The writer is still this child's wakeup fd: point that fd number at
+        # /dev/null and keep it taken, so the child's signal bytes go nowhere
+        # and a file opened later cannot reuse the number.
+        devnull = os.open(os.devnull, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.dup2(devnull, writer.fileno(), inheritable=False)
+        finally:
+            os.close(devnull)
+        writer.detach()
 
     def _watch(self, reader: socket.socket) -> None:
         """Runs beside the main thread: sees the signal even while the main thread is stuck."""
@@ -118,6 +186,8 @@ class PreemptionHandler:
         return answer
 
     def uninstall(self) -> None:
+        if self in _installed:
+            _installed.remove(self)
         if self._previous is not None:
             signal.signal(self._signum, self._previous)
             self._previous = None

@@ -216,6 +216,40 @@ def init_worker(
     return ctx
 
 
+def adopt_worker(
+    device: str = "auto",
+    *,
+    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+    environ: Mapping[str, str] | None = None,
+) -> WorkerContext:
+    """The context of a worker whose script already called `init_process_group`.
+
+    Rank and world size come from the group; the rest from the launcher's
+    environment. The group is left as it is: whoever created it destroys it.
+    On NCCL a gloo group for host-side exchanges is added (a collective: every
+    rank adopts at the same point).
+    """
+    environ = os.environ if environ is None else environ
+    env = parse_launch_env(environ)
+    dev = select_device(device, env.local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = str(dist.get_backend())
+    if backend == "nccl":
+        global _control_group
+        _control_group = dist.new_group(backend="gloo", timeout=timeout)
+    return WorkerContext(
+        rank=dist.get_rank(),
+        local_rank=env.local_rank,
+        world_size=dist.get_world_size(),
+        local_world_size=env.local_world_size,
+        restart_count=env.restart_count,
+        run_id=env.run_id,
+        device=dev,
+        backend=backend,
+    )
+
+
 def warn_if_restarts_share_a_store(environ: Mapping[str, str]) -> None:
     """torchrun's shared worker store outlives rendezvous rounds: after a restart the
     new round's gloo group can read the dead round's addresses and hang in connect

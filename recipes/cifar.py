@@ -18,10 +18,11 @@ An elastic job of 1 to 4 nodes, two GPUs each (run the same line on every node):
 
 A smoke run without the data set: `python recipes/cifar.py --fake-data --model cnn --max-steps 20`.
 
-Each step the job takes the next global batch of the elastic sampler's stream
-(see elastic/sampler.py); DataLoader workers prepare this rank's share of the
-steps to come, each image augmented from a seed of (seed, epoch, index) alone,
-so a job resumed after a kill ends bit-identical to one never interrupted.
+Each step the job takes the next global batch of the elastic sampler's stream:
+an ordinary DataLoader with worker processes, driven by `run.batch_sampler()`,
+prepares this rank's share of the steps to come, each image augmented from a
+seed of (seed, epoch, index) alone (`elastic.data.seeded_samples`), so a job
+resumed after a kill ends bit-identical to one never interrupted.
 At world size > 1 batch norm uses the statistics of the whole job's batch
 (cifar_model.sync_batchnorm), so every rank holds the same running statistics.
 Test accuracy is measured at every epoch boundary, on all ranks, each taking
@@ -36,12 +37,8 @@ import logging
 import math
 import os
 import sys
-import time
-from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
-from datetime import timedelta
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,24 +49,20 @@ from torch.utils.data import DataLoader, Dataset, Subset
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models beside the recipe
 
 from cifar_data import (  # noqa: E402
-    SeededAugmentation,
     Transformed,
     eval_transform,
     fake_cifar10,
     load_cifar10,
-    step_loader,
     train_transform,
 )
 from cifar_model import (  # noqa: E402
     MODEL_CHOICES,
     build_model,
-    num_parameters,
     parameter_groups,
     sync_batchnorm,
 )
 
-from elastic.chaos import FaultInjector  # noqa: E402
-from elastic.checkpoint import CheckpointManager  # noqa: E402
+import elastic  # noqa: E402
 from elastic.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
@@ -80,22 +73,10 @@ from elastic.cli import (  # noqa: E402
     run_main,
     unit_interval,
 )
-from elastic.contract import add_runtime_arguments  # noqa: E402
-from elastic.errors import ElasticError  # noqa: E402
-from elastic.events import EventLog  # noqa: E402
-from elastic.metrics import start_metrics  # noqa: E402
-from elastic.preemption import PreemptionHandler, commit_and_stop  # noqa: E402
-from elastic.progress import Progress  # noqa: E402
-from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
-from elastic.rng import seed_all  # noqa: E402
-from elastic.runtime import (  # noqa: E402
-    WorkerContext,
-    prefetch_slow_imports,
-    worker_context,
-)
+from elastic.data import seeded_samples  # noqa: E402
+from elastic.runtime import prefetch_slow_imports  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import OneCycle, WarmupCosine  # noqa: E402
-from elastic.watchdog import watchdog  # noqa: E402
 
 logger = logging.getLogger("cifar")
 
@@ -116,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", default=None, help="folder holding cifar-10-batches-py/ (default: ./data)")
     source.add_argument("--fake-data", action="store_true", help="random images of CIFAR-10's shape (smoke runs)")
-    add_runtime_arguments(p, ckpt_every=200)
+    elastic.add_runtime_arguments(p, ckpt_every=200)
     p.add_argument("--model", choices=MODEL_CHOICES, default="resnet18")
     p.add_argument("--cnn-width", type=positive_int, default=32, help="channels of the small CNN's first stage")
     p.add_argument("--schedule", choices=("onecycle", "cosine"), default="onecycle", help="learning-rate schedule")
@@ -131,15 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batch-size", type=positive_int, default=500, help="test images per rank per forward pass")
     p.add_argument("--log-every", type=positive_int, default=50, help="steps between log lines off a terminal")
     return p
-
-
-@dataclass
-class StepRecord:
-    """A finished step whose loss is read later, so the host never waits on the device mid-loop."""
-
-    step: int
-    loss: torch.Tensor
-    time: float
 
 
 def total_steps(args: argparse.Namespace, num_samples: int, world_size: int) -> int:
@@ -175,184 +147,94 @@ def lr_schedule(args: argparse.Namespace, steps: int) -> OneCycle | WarmupCosine
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, test_set: Dataset, ctx: WorkerContext, batch_size: int) -> tuple[float, float]:
+def evaluate(model: torch.nn.Module, test_set: Dataset, run: elastic.Run, batch_size: int) -> tuple[float, float]:
     """Accuracy and mean cross-entropy over the whole test set: rank r takes images
     r, r + W, ...; the sums are reduced over ranks."""
     model.eval()
-    shard = Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size))  # type: ignore[arg-type]
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # correct, loss sum, images
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda" else nullcontext()
-    # Loaded in this process: see train() on forking workers once the SIGTERM handler is in.
+    shard = Subset(test_set, range(run.rank, len(test_set), run.world_size))  # type: ignore[arg-type]
+    totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # correct, loss sum, images
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda" else nullcontext()
     # A generator of its own, or each evaluation would draw from torch's global one,
     # which a resumed run must find exactly where an uninterrupted run left it.
     for x, y in DataLoader(shard, batch_size=batch_size, generator=torch.Generator()):
-        x, y = x.to(ctx.device, memory_format=memory_format(ctx)), y.to(ctx.device)
+        x, y = x.to(run.device, memory_format=memory_format(run.device)), y.to(run.device)
         with autocast:
             logits = model(x)
         totals[0] += (logits.argmax(dim=1) == y).sum()
         totals[1] += F.cross_entropy(logits.float(), y, reduction="sum").double()
         totals[2] += len(y)
     model.train()
-    if ctx.distributed:
+    if run.distributed:
         dist.all_reduce(totals)
     correct, loss_sum, count = totals.tolist()
     return correct / count, loss_sum / count
 
 
-def memory_format(ctx: WorkerContext) -> torch.memory_format:
+def memory_format(device: torch.device) -> torch.memory_format:
     """channels_last on CUDA, where convolutions run faster in it."""
-    return torch.channels_last if ctx.device.type == "cuda" else torch.contiguous_format
+    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
 
 
-def train(args: argparse.Namespace, ctx: WorkerContext, train_images: Dataset, test_set: Dataset) -> dict[str, Any]:
+def train(args: argparse.Namespace, train_images: Dataset, test_set: Dataset) -> dict:
     """The training loop; returns a summary (final step, last loss, accuracy, steps/s)."""
     num_samples = len(train_images)  # type: ignore[arg-type]
-    max_steps = total_steps(args, num_samples, ctx.world_size)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    raw_model = build_model(args.model, cnn_width=args.cnn_width)
-    if ctx.world_size > 1:
-        raw_model = sync_batchnorm(raw_model, ctx.device)
-    raw_model = raw_model.to(ctx.device, memory_format=memory_format(ctx))
-    optimizer = torch.optim.SGD(
-        parameter_groups(raw_model, args.weight_decay), lr=args.lr, momentum=args.momentum, nesterov=True
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max_steps))
-    model: torch.nn.Module = raw_model
-    if ctx.distributed:
-        # Synchronised batch norm keeps the buffers equal on every rank: no broadcast each step.
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, **NO_BUFFER_SYNC)
-    seed_all(args.seed + ctx.rank, ctx.device)
-    sampler = ElasticSampler(num_samples, batch_size=args.batch_size, seed=args.seed)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda" else nullcontext()
-
-    with ExitStack() as cleanup:  # on every exit path: commit saves in flight, restore SIGTERM
-        events = cleanup.enter_context(EventLog(args.events if ctx.is_main else None, restart=ctx.restart_count))
-        hang = watchdog(args.hang_timeout)  # armed by the first completed step
-        cleanup.callback(hang.close)
-        cleanup.enter_context(  # before restore, so a scrape sees the restore too
-            start_metrics(
-                ctx, events, port=args.metrics_port, host=args.metrics_host,
-                samples_per_step=args.batch_size, watchdog=hang,
-            )
+    with elastic.Run.from_args(args) as run:
+        max_steps = total_steps(args, num_samples, run.world_size)
+        fmt = memory_format(run.device)
+        raw_model = build_model(args.model, cnn_width=args.cnn_width)
+        if run.world_size > 1:
+            raw_model = sync_batchnorm(raw_model, run.device)
+        raw_model = raw_model.to(run.device, memory_format=fmt)
+        optimizer = torch.optim.SGD(
+            parameter_groups(raw_model, args.weight_decay), lr=args.lr, momentum=args.momentum, nesterov=True
         )
-        ckpt = CheckpointManager(
-            ctx, args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep, model=raw_model, optimizer=optimizer,
-            scheduler=scheduler, sampler=sampler, events=events, seed=args.seed,
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args, max_steps))
+        # Synchronised batch norm keeps the buffers equal on every rank: no broadcast each step.
+        model = run.ddp(raw_model, **NO_BUFFER_SYNC)
+        step = run.start(
+            model=raw_model, optimizer=optimizer, scheduler=scheduler, data=train_images, batch_size=args.batch_size
         )
-        cleanup.callback(ckpt.close)
-        step = ckpt.restore()  # 0 on a fresh start; RNG, sampler and optimizer as they were at `step`
         if step and args.max_steps is None:
             # --epochs at another world size than the checkpoint's: as many steps as the
             # epochs left need, and the schedule (restored with the old length) ends there.
-            resized = steps_for_epochs_left(args, sampler, step, args.batch_size * ctx.world_size)
+            resized = steps_for_epochs_left(args, run.sampler, step, args.batch_size * run.world_size)
             if resized != max_steps:
                 max_steps = resized
                 scheduler.lr_lambdas[0] = lr_schedule(args, max_steps)
-                logger.info("--epochs at world size %d: the run now ends at step %d", ctx.world_size, max_steps)
-        # The loader's workers are forked here, before the SIGTERM handler is installed:
-        # a worker forked after it would share its wakeup socket, and a signal to the
-        # worker alone would then read as a preemption of this process.
-        augmented = SeededAugmentation(train_images, train_transform(), seed=args.seed)
-        loader = step_loader(
-            augmented, sampler, rank=ctx.rank, world_size=ctx.world_size, steps=max(0, max_steps - step),
-            workers=args.workers, pin_memory=ctx.device.type == "cuda",
+                logger.info("--epochs at world size %d: the run now ends at step %d", run.world_size, max_steps)
+        loader = DataLoader(
+            seeded_samples(Transformed(train_images, train_transform()), args.seed),
+            batch_sampler=run.batch_sampler(), num_workers=args.workers, pin_memory=run.device.type == "cuda",
         )
-        batches = iter(loader) if step < max_steps else iter(())
-        preemption = PreemptionHandler(ctx, grace=args.term_grace)
-        cleanup.callback(preemption.uninstall)
-        faults = FaultInjector(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for chaos tests
-        images_per_step = args.batch_size * ctx.world_size
-        progress = Progress(total=max_steps, initial=step, enabled=ctx.is_main, log_every=args.log_every, unit="images")
-        events.emit(
-            "start", step=step, world_size=ctx.world_size, run_id=ctx.run_id,
-            parameters=num_parameters(raw_model), device=str(ctx.device), samples_per_step=images_per_step,
-        )
-        if ctx.is_main:
-            logger.info(
-                "training %s (%.2fM parameters) on %d train / %d test images, world size %d, device %s, "
-                "step %d of %d (%.1f epochs)",
-                args.model, num_parameters(raw_model) / 1e6, num_samples, len(test_set), ctx.world_size,  # type: ignore[arg-type]
-                ctx.device, step, max_steps, max_steps * images_per_step / num_samples,
-            )
-
-        last_report = time.time()
-        last_loss, accuracy, evaluated_at = math.nan, math.nan, -1
-
-        def report(record: StepRecord) -> None:
-            nonlocal last_report, last_loss
-            last_loss = record.loss.item()
-            elapsed, last_report = record.time - last_report, record.time
-            events.emit("step", step=record.step, world_size=ctx.world_size, time=record.time, loss=last_loss)
-            progress.update(record.step, loss=last_loss, tokens_per_s=images_per_step / max(elapsed, 1e-9))
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda" else nullcontext()
+        accuracy, evaluated_at = math.nan, -1
 
         def validate() -> None:
             nonlocal accuracy, evaluated_at
-            accuracy, test_loss = evaluate(raw_model, test_set, ctx, args.eval_batch_size)
-            evaluated_at = step
-            epochs_done = (sampler.epoch * num_samples + sampler.state.consumed) / num_samples
-            events.emit(
-                "eval", step=step, world_size=ctx.world_size, epoch=round(epochs_done, 4),
-                accuracy=accuracy, test_loss=test_loss,
-            )
-            progress.write(f"step {step} (epoch {epochs_done:.2f}): test accuracy {accuracy:.2%}, loss {test_loss:.4f}")
+            with run.pause():
+                accuracy, test_loss = evaluate(raw_model, test_set, run, args.eval_batch_size)
+            evaluated_at = run.step
+            run.event("eval", epoch=round(run.epochs_done, 4), accuracy=accuracy, test_loss=test_loss)
+            run.print(f"step {run.step} (epoch {run.epochs_done:.2f}): test accuracy {accuracy:.2%}, loss {test_loss:.4f}")
 
-        pending: StepRecord | None = None
-        started, first_step = time.perf_counter(), step
-        fmt = memory_format(ctx)
-        while step < max_steps:
-            indices = sampler.local_batch(ctx.rank, ctx.world_size)
-            loaded, x, y = next(batches)
-            if not torch.equal(loaded, indices):
-                raise ElasticError(
-                    f"step {step + 1}: the data loader produced other samples than the sampler assigns to rank "
-                    f"{ctx.rank} (a bug: the loader and the sampler are out of step)"
-                )
-            x = x.to(ctx.device, non_blocking=True, memory_format=fmt)
-            y = y.to(ctx.device, non_blocking=True)
+        epoch = run.epoch
+        for x, y in run.batches(loader, max_steps=max_steps):
+            if run.epoch != epoch:  # the last step completed an epoch
+                epoch = run.epoch
+                validate()
+            x = x.to(run.device, non_blocking=True, memory_format=fmt)
+            y = y.to(run.device, non_blocking=True)
             with autocast:
                 loss = criterion(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             scheduler.step()
-            epoch_before = sampler.epoch
-            sampler.advance(ctx.world_size)
-            step += 1
-            # Read the previous step's loss only now: the device already has this step queued.
-            if pending is not None:
-                report(pending)
-            pending = StepRecord(step, loss.detach(), time.time())
-            if preemption.requested():  # SIGTERM on any rank: commit this step, then leave
-                report(pending)
-                commit_and_stop(step, ckpt, hang, progress)
-            ckpt.maybe_save(step)
-            faults.at("after_step", step)
-            hang.beat(step)
-            if sampler.epoch > epoch_before:  # this step completed an epoch
-                report(pending)
-                pending = None
-                with hang.paused():
-                    validate()
-        if pending is not None:
-            report(pending)
-        seconds = time.perf_counter() - started
-        hang.close()  # what follows is not a training step
-        if evaluated_at != step:
+            run.log(loss)
+        if evaluated_at != run.step:
             validate()
-
-        ckpt.save(step, reason="final")
-        ckpt.flush()
-        digests = gather_digests(ctx, parameter_digest(raw_model))  # parameters and batch norm buffers
-        events.emit("end", step=step, world_size=ctx.world_size, loss=last_loss, accuracy=accuracy, param_digests=digests)
-        progress.close()
-        if len(set(digests)) != 1:
-            raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
-        steps_run = step - first_step
-        return {
-            "step": step, "loss": last_loss, "accuracy": accuracy,
-            "steps_per_s": steps_run / seconds if seconds > 0 else math.inf,
-        }
+        return {**run.finish(accuracy=accuracy), "accuracy": accuracy}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,9 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     # Check the data before joining the job: a missing or malformed folder fails fast, alone, with exit 2.
     train_images, test_images = fake_cifar10() if args.fake_data else load_cifar10(args.data or "data")
     test_set = Transformed(test_images, eval_transform())
-    with worker_context(args.device, timeout=timedelta(seconds=args.collective_timeout)) as ctx:
-        summary = train(args, ctx, train_images, test_set)
-    if ctx.is_main:
+    summary = train(args, train_images, test_set)
+    if summary["rank"] == 0:
         logger.info(
             "done: %d steps, final loss %.4f, test accuracy %.2f%%, %.2f steps/s",
             summary["step"], summary["loss"], 100 * summary["accuracy"], summary["steps_per_s"],

@@ -1,5 +1,8 @@
-"""CIFAR-10 for the vision recipe: the files on disk, the transforms, and a loader
-that feeds each step exactly the samples the elastic sampler gives this rank.
+"""CIFAR-10 for the vision recipe: the files on disk and the transforms.
+
+The loader that feeds each step exactly the samples the elastic sampler gives
+this rank, each augmented from (seed, epoch, index) alone, is the library's
+(`elastic.data`): an ordinary DataLoader over `run.batch_sampler()`.
 
 On disk: `--data DIR` with DIR/cifar-10-batches-py/ as extracted from the
 python version of CIFAR-10 (cifar-10-python.tar.gz): data_batch_1..5,
@@ -14,37 +17,23 @@ Invariants:
   problem is one `UsageError` line naming the file and where CIFAR-10 comes
   from. The md5 sums of the official release are not required, so a subset
   in the same format (as the tests write) loads too.
-- The random augmentation of a sample is a function of (seed, epoch, index)
-  only: not of the DataLoader worker that happens to load it, the number of
-  workers, the world size, or where the job was restarted.
-- `step_loader` yields, step after step, this rank's share of the next global
-  batch of the sampler's stream, starting where the sampler stands when it is
-  built; each batch carries its sample indices so the loop can check them
-  against `ElasticSampler.local_batch`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import io
-import os
 import pickle
-import signal
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torchvision
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from elastic.errors import UsageError
-from elastic.sampler import ElasticSampler
 
 BASE_FOLDER = torchvision.datasets.CIFAR10.base_folder  # "cifar-10-batches-py"
 TRAIN_FILES = tuple(name for name, _ in torchvision.datasets.CIFAR10.train_list)
@@ -210,128 +199,3 @@ class Transformed(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image, label = self.base[index]
         return self.transform(image), int(label)
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of one sample's augmentation in one epoch (a hash: no two keys collide in practice)."""
-    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _SAMPLE_SEED_MASK
-
-
-class SeededAugmentation(Dataset):
-    """Samples keyed by (epoch, index): (index, augmented image, label).
-
-    torchvision's random transforms draw from torch's global generator; here
-    that generator is seeded from `sample_seed(seed, epoch, index)` around the
-    transform and put back after it, so the result depends on the key alone
-    and the caller's random stream is untouched.
-    """
-
-    def __init__(self, base: Dataset, transform: Callable[[Any], torch.Tensor], seed: int) -> None:
-        self.base = base
-        self.transform = transform
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.base)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, torch.Tensor, int]:
-        epoch, index = key
-        image, label = self.base[index]
-        with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is never touched
-            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
-            image = self.transform(image)
-        return index, image, int(label)
-
-
-# --- the loader of the steps to come -----------------------------------------------
-
-
-class UpcomingBatches:
-    """A batch sampler: this rank's (epoch, index) keys for each of the next `steps` steps.
-
-    It replays the sampler's stream from the sampler's position at
-    construction, on a copy, so the sampler the loop advances is never touched
-    ahead of time. The epoch of a key is that of its position in the stream: a
-    global batch may straddle two epochs.
-    """
-
-    def __init__(self, sampler: ElasticSampler, *, rank: int, world_size: int, steps: int) -> None:
-        self._state = sampler.state_dict()
-        self._num_samples, self._batch_size, self._seed = sampler.num_samples, sampler.batch_size, sampler.seed
-        self.rank, self.world_size, self.steps = rank, world_size, steps
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        replay = ElasticSampler(self._num_samples, batch_size=self._batch_size, seed=self._seed)
-        replay.load_state_dict(self._state)
-        start = self.rank * self._batch_size
-        for _ in range(self.steps):
-            epoch, consumed = replay.state.epoch, replay.state.consumed
-            indices = replay.global_batch(self.world_size)[start : start + self._batch_size].tolist()
-            yield [
-                (epoch + (consumed + start + offset) // self._num_samples, index)
-                for offset, index in enumerate(indices)
-            ]
-            replay.advance(self.world_size)
-
-
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def _die_with(parent: int) -> None:
-    """Have the kernel SIGKILL this process the moment `parent` dies.
-
-    A loader worker is forked from a training process that belongs to a gloo or
-    NCCL group, and so holds copies of its connections to the other ranks. When
-    that process is SIGKILLed, the connections stay open in its orphaned workers
-    until they notice (up to 5 s), and meanwhile the other ranks wait in their
-    collectives instead of failing at once and getting the job restarted.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the line above took effect
-        os._exit(0)
-
-
-def _worker_init(parent: int, worker_id: int) -> None:
-    _die_with(parent)
-    # torchrun stops a group with SIGTERM to each worker's process group, which
-    # holds its loader workers too: were they to die of it, the trainer would
-    # fail on a dead loader instead of finishing its step and committing the
-    # preemption checkpoint. They end with the trainer (above) or its loader.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # A worker transforms one image at a time: several intra-op threads per
-    # worker would only oversubscribe the cores the training process uses.
-    torch.set_num_threads(1)
-
-
-def step_loader(
-    dataset: SeededAugmentation,
-    sampler: ElasticSampler,
-    *,
-    rank: int,
-    world_size: int,
-    steps: int,
-    workers: int,
-    pin_memory: bool = False,
-) -> DataLoader:
-    """Batches (indices, images, labels) of this rank for the next `steps` steps."""
-    return DataLoader(
-        dataset,
-        batch_sampler=UpcomingBatches(sampler, rank=rank, world_size=world_size, steps=steps),
-        num_workers=workers,
-        # Forked: workers must share the trainer's pid as their parent (see _die_with),
-        # and fork is what makes them cheap; not every platform default is fork.
-        multiprocessing_context="fork" if workers else None,
-        pin_memory=pin_memory,
-        worker_init_fn=functools.partial(_worker_init, os.getpid()) if workers else None,
-        # A generator of its own: without one, each new iterator draws its base seed
-        # from torch's global generator, and a resumed run (which builds its iterator
-        # at another step) would leave that stream somewhere else than a clean run.
-        generator=torch.Generator().manual_seed(sampler.seed * 1_000_003 + rank),
-    )

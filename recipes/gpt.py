@@ -11,6 +11,10 @@ An elastic job of 1 to 4 nodes, one worker per node (run the same line on every 
         --rdzv-conf=join_timeout=120,last_call_timeout=2 \\
         recipes/gpt.py --data my_text/ --events runs/job1.jsonl
 
+What it learned: `python recipes/gpt.py --generate "def " --ckpt-dir ckpt` samples
+text from the newest checkpoint (the same model flags as the training run);
+a run also prints a short sample when it ends.
+
 Data: `--data` is a text file or a folder of them; tokens are bytes, so any
 text works. Each step the job takes the next global batch of the elastic
 sampler's stream (see elastic/sampler.py), so ranks never share a sample.
@@ -20,51 +24,33 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
-import time
-from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
-from datetime import timedelta
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # models beside the recipe
 
-from gpt_model import GPT, GPTConfig, configure_optimizer  # noqa: E402
+from gpt_model import GPT, GPTConfig, configure_optimizer, decode_tokens, encode_text  # noqa: E402
 from text_data import TokenWindows, load_corpus, split_corpus  # noqa: E402
 
-from elastic.chaos import FaultInjector  # noqa: E402
-from elastic.checkpoint import CheckpointManager  # noqa: E402
+import elastic  # noqa: E402
+from elastic.checkpoint import compat, load_newest_model_state  # noqa: E402
 from elastic.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
     run_main,
     unit_interval,
 )
-from elastic.contract import add_runtime_arguments  # noqa: E402
-from elastic.errors import ElasticError, UsageError  # noqa: E402
-from elastic.events import EventLog  # noqa: E402
-from elastic.metrics import start_metrics  # noqa: E402
-from elastic.preemption import PreemptionHandler, commit_and_stop  # noqa: E402
-from elastic.progress import Progress  # noqa: E402
-from elastic.replicas import gather_digests, parameter_digest  # noqa: E402
-from elastic.rng import seed_all  # noqa: E402
-from elastic.runtime import (  # noqa: E402
-    WorkerContext,
-    all_reduce_mean,
-    prefetch_slow_imports,
-    worker_context,
-)
-from elastic.sampler import ElasticSampler  # noqa: E402
+from elastic.errors import CheckpointMismatchError, UsageError  # noqa: E402
+from elastic.runtime import all_reduce_mean, prefetch_slow_imports  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
-from elastic.watchdog import watchdog  # noqa: E402
 
 logger = logging.getLogger("gpt")
 
@@ -76,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=non_negative_int, default=1337)
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
-    add_runtime_arguments(p, ckpt_every=50)
+    elastic.add_runtime_arguments(p, ckpt_every=50)
     p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes")
     p.add_argument("--n-layer", type=positive_int, default=4)
     p.add_argument("--n-head", type=positive_int, default=4)
@@ -90,16 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches per rank per validation")
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines off a terminal")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--generate", metavar="PROMPT", default=None, help="sample text from the newest checkpoint and exit")
+    p.add_argument("--sample-tokens", type=non_negative_int, default=200, help="bytes to sample (0: no sample at the end)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="sampling temperature (0: greedy)")
     return p
-
-
-@dataclass
-class StepRecord:
-    """A finished step whose loss is read later, so the host never waits on the device mid-loop."""
-
-    step: int
-    loss: torch.Tensor
-    time: float
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -113,92 +93,55 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val: TokenWindows, ctx: WorkerContext, batch_size: int, batches: int) -> float:
+def evaluate(model: torch.nn.Module, val: TokenWindows, run: elastic.Run, batch_size: int, batches: int) -> float:
     """Mean loss over the first held-out windows, split across ranks, reduced over ranks."""
     model.eval()
-    count = min(len(val), batches * batch_size * ctx.world_size)
-    mine = torch.arange(ctx.rank, count, ctx.world_size)
-    total = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # loss sum, samples
+    count = min(len(val), batches * batch_size * run.world_size)
+    mine = torch.arange(run.rank, count, run.world_size)
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)  # loss sum, samples
     for chunk in mine.split(batch_size):
-        x, y = (t.to(ctx.device) for t in val.batch(chunk))
+        x, y = (t.to(run.device) for t in val.batch(chunk))
         _, loss = model(x, y)
-        total += torch.stack([loss.double() * len(chunk), torch.tensor(float(len(chunk)), device=ctx.device)])
+        total += torch.stack([loss.double() * len(chunk), torch.tensor(float(len(chunk)), device=run.device)])
     model.train()
-    total = all_reduce_mean(ctx, total)
+    total = all_reduce_mean(run.ctx, total)
     return (total[0] / total[1]).item()
 
 
-def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows, val_set: TokenWindows) -> dict:
+def sample_text(model: GPT, prompt: str, tokens: int, temperature: float, seed: int) -> str:
+    """The prompt and `tokens` sampled bytes; a generator of its own leaves the training streams untouched."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    out = model.generate(
+        encode_text(prompt).to(generator.device)[None], tokens, temperature=temperature, generator=generator
+    )
+    return decode_tokens(out[0])
+
+
+def train(args: argparse.Namespace, train_set: TokenWindows, val_set: TokenWindows) -> dict:
     """The training loop; returns a summary (final step, last loss, steps/s)."""
     cfg = model_config(args)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    raw_model = GPT(cfg).to(ctx.device)
-    optimizer = configure_optimizer(raw_model, lr=args.lr, weight_decay=args.weight_decay)
-    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(warmup, args.max_steps, args.min_lr_ratio)
-    )
-    model: torch.nn.Module = torch.compile(raw_model) if args.compile else raw_model
-    if ctx.distributed:
-        model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    seed_all(args.seed + ctx.rank, ctx.device)  # each rank its own dropout stream
-    sampler = ElasticSampler(len(train_set), batch_size=args.batch_size, seed=args.seed)
-
-    with ExitStack() as cleanup:  # on every exit path: commit saves in flight, restore SIGTERM
-        events = cleanup.enter_context(EventLog(args.events if ctx.is_main else None, restart=ctx.restart_count))
-        hang = watchdog(args.hang_timeout)  # armed by the first completed step
-        cleanup.callback(hang.close)
-        cleanup.enter_context(  # before restore, so a scrape sees the restore too
-            start_metrics(
-                ctx, events, port=args.metrics_port, host=args.metrics_host,
-                samples_per_step=args.batch_size, tokens_per_sample=cfg.block_size, watchdog=hang,
-            )
+    with elastic.Run.from_args(args) as run:
+        raw_model = GPT(cfg).to(run.device)
+        optimizer = configure_optimizer(raw_model, lr=args.lr, weight_decay=args.weight_decay)
+        warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, args.max_steps, args.min_lr_ratio))
+        model = run.ddp(torch.compile(raw_model) if args.compile else raw_model)
+        run.start(
+            model=raw_model, optimizer=optimizer, scheduler=scheduler, data=train_set, batch_size=args.batch_size,
+            tokens_per_sample=cfg.block_size,
         )
-        ckpt = CheckpointManager(
-            ctx, args.ckpt_dir, every=args.ckpt_every, keep=args.ckpt_keep, model=raw_model, optimizer=optimizer,
-            scheduler=scheduler, sampler=sampler, events=events, seed=args.seed,
-        )
-        cleanup.callback(ckpt.close)
-        preemption = PreemptionHandler(ctx, grace=args.term_grace)
-        cleanup.callback(preemption.uninstall)
-        faults = FaultInjector(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for chaos tests
-        step = ckpt.restore()  # 0 on a fresh start; RNG, sampler and optimizer as they were at `step`
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda" else nullcontext()
-        tokens_per_step = args.batch_size * cfg.block_size * ctx.world_size
-        progress = Progress(total=args.max_steps, initial=step, enabled=ctx.is_main, log_every=args.log_every)
-        events.emit(
-            "start", step=step, world_size=ctx.world_size, run_id=ctx.run_id,
-            parameters=raw_model.num_parameters(), device=str(ctx.device),
-            samples_per_step=args.batch_size * ctx.world_size, tokens_per_step=tokens_per_step,
-        )
-        if ctx.is_main:
-            logger.info(
-                "training %.2fM parameters on %d train / %d held-out sequences, world size %d, device %s, from step %d",
-                raw_model.num_parameters() / 1e6, len(train_set), len(val_set), ctx.world_size, ctx.device, step,
-            )
-
-        last_report = time.time()
-        last_loss = math.nan
-
-        def report(record: StepRecord) -> None:
-            nonlocal last_report, last_loss
-            last_loss = record.loss.item()
-            elapsed, last_report = record.time - last_report, record.time
-            events.emit("step", step=record.step, world_size=ctx.world_size, time=record.time, loss=last_loss)
-            progress.update(record.step, loss=last_loss, tokens_per_s=tokens_per_step / max(elapsed, 1e-9))
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda" else nullcontext()
 
         def validate() -> None:
-            if args.eval_every == 0:
-                return
-            val_loss = evaluate(raw_model, val_set, ctx, args.batch_size, args.eval_batches)
-            events.emit("eval", step=step, world_size=ctx.world_size, val_loss=val_loss)
-            progress.write(f"step {step}: validation loss {val_loss:.4f}")
+            with run.pause():
+                val_loss = evaluate(raw_model, val_set, run, args.batch_size, args.eval_batches)
+            run.event("eval", val_loss=val_loss)
+            run.print(f"step {run.step}: validation loss {val_loss:.4f}")
 
-        pending: StepRecord | None = None
-        started, first_step = time.perf_counter(), step
-        while step < args.max_steps:
-            x, y = train_set.batch(sampler.local_batch(ctx.rank, ctx.world_size))
-            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        for indices in run.batches(max_steps=args.max_steps):
+            if run.due(args.eval_every):
+                validate()
+            x, y = (t.to(run.device, non_blocking=True) for t in train_set.batch(indices))
             with autocast:
                 _, loss = model(x, y)
             optimizer.zero_grad(set_to_none=True)
@@ -206,52 +149,42 @@ def train(args: argparse.Namespace, ctx: WorkerContext, train_set: TokenWindows,
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()
             scheduler.step()
-            sampler.advance(ctx.world_size)
-            step += 1
-            # Read the previous step's loss only now: the device already has this step queued.
-            if pending is not None:
-                report(pending)
-            pending = StepRecord(step, loss.detach(), time.time())
-            if preemption.requested():  # SIGTERM on any rank: commit this step, then leave
-                report(pending)
-                commit_and_stop(step, ckpt, hang, progress)
-            ckpt.maybe_save(step)
-            faults.at("after_step", step)
-            hang.beat(step)
-            if args.eval_every and step % args.eval_every == 0:
-                report(pending)
-                pending = None
-                with hang.paused():
-                    validate()
-        if pending is not None:
-            report(pending)
-        seconds = time.perf_counter() - started
-        hang.close()  # what follows is not a training step
-        if args.eval_every and step % args.eval_every != 0:
+            run.log(loss)
+        if args.eval_every:
             validate()
+        summary = run.finish()
+        if run.is_main and args.sample_tokens:  # after the final checkpoint: the watchdog is off
+            run.print("sample:\n" + sample_text(raw_model, "def ", args.sample_tokens, args.temperature, args.seed))
+    return summary
 
-        ckpt.save(step, reason="final")
-        ckpt.flush()
-        digests = gather_digests(ctx, parameter_digest(raw_model))
-        events.emit("end", step=step, world_size=ctx.world_size, loss=last_loss, param_digests=digests)
-        progress.close()
-        if len(set(digests)) != 1:
-            raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
-        steps_run = step - first_step
-        return {"step": step, "loss": last_loss, "steps_per_s": steps_run / seconds if seconds > 0 else math.inf}
+
+def generate(args: argparse.Namespace) -> None:
+    """--generate: sample from the newest good checkpoint in --ckpt-dir, alone, without joining a job."""
+    if args.ckpt_dir is None:
+        raise UsageError("--generate needs --ckpt-dir, the directory of a training run's checkpoints")
+    name, step, state = load_newest_model_state(args.ckpt_dir)
+    model = GPT(model_config(args))
+    try:
+        compat.check_model(name, model.state_dict(), state)
+    except CheckpointMismatchError as exc:
+        raise CheckpointMismatchError(f"{exc}; pass the model flags the run was trained with") from None
+    model.load_state_dict(state)
+    logger.info("sampling from %s (step %d)", name, step)
+    print(sample_text(model, args.generate, args.sample_tokens or 200, args.temperature, args.seed))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    prefetch_slow_imports()  # overlaps loading data and joining the group
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
+    if args.generate is not None:
+        generate(args)
+        return 0
+    prefetch_slow_imports()  # overlaps loading data and joining the group
     # Check the data before joining the job: a bad path fails fast, alone, with exit 2.
     corpus = load_corpus(args.data)
-    source = args.data or "the default corpus"
-    train_set, val_set = split_corpus(corpus, block_size=args.block_size, source=source)
-    with worker_context(args.device, timeout=timedelta(seconds=args.collective_timeout)) as ctx:
-        summary = train(args, ctx, train_set, val_set)
-    if ctx.is_main:
+    train_set, val_set = split_corpus(corpus, block_size=args.block_size, source=args.data or "the default corpus")
+    summary = train(args, train_set, val_set)
+    if summary["rank"] == 0:
         logger.info("done: %d steps, final loss %.4f, %.2f steps/s", summary["step"], summary["loss"], summary["steps_per_s"])
     return 0
 

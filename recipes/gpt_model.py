@@ -3,6 +3,9 @@
 Causal attention goes through `scaled_dot_product_attention(is_causal=True)`,
 so a token's logits depend only on itself and earlier tokens. The token
 embedding and the output head share one weight matrix.
+
+Tokens are the bytes of UTF-8 text (`encode_text`, `decode_tokens`), so any
+text is valid input and any token sequence decodes to some text.
 """
 
 from __future__ import annotations
@@ -15,6 +18,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BYTE_VOCAB = 256
+
+
+def encode_text(text: str) -> torch.Tensor:
+    """The UTF-8 bytes of `text` as a 1-D int64 tensor of tokens in [0, 256)."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def decode_tokens(tokens: torch.Tensor) -> str:
+    """Text from a 1-D tensor of byte tokens; broken UTF-8 becomes U+FFFD, never an error.
+
+    A sampled sequence can end (or wander) mid-character, so decoding must not fail.
+    """
+    if tokens.dim() != 1:
+        raise ValueError(f"decode_tokens takes one sequence (1-D), got shape {list(tokens.shape)}")
+    values = tokens.tolist()
+    if any(not 0 <= v < BYTE_VOCAB for v in values):
+        raise ValueError(f"tokens must be bytes in [0, {BYTE_VOCAB})")
+    return bytes(values).decode("utf-8", errors="replace")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,11 +149,75 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """The prompt followed by `max_new_tokens` sampled tokens, as int64 on the model's device.
+
+        `prompt` is one sequence (t,) or a batch (b, t) with t >= 1; the result has the
+        same number of dimensions. Each step sees at most the last `block_size` tokens.
+        `temperature <= 0` picks the most likely token (greedy, deterministic); otherwise
+        logits are divided by `temperature` and, with `top_k`, all but the k likeliest
+        tokens are dropped before sampling.
+
+        Invariants: torch's global random streams are never drawn from (sampling uses
+        `generator`, or a fresh nondeterministically seeded one), so a training run that
+        samples continues with exactly the random numbers it would have had; dropout is
+        off while sampling, and every submodule's training flag is restored afterwards.
+        Call it on the model itself, not on a DDP wrapper.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 0")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k} must be at least 1 (or None for no limit)")
+        if prompt.dim() not in (1, 2) or prompt.shape[-1] == 0:
+            raise ValueError(f"prompt must be (t,) or (b, t) tokens with t >= 1, got shape {list(prompt.shape)}")
+        device = self.tok_emb.weight.device
+        idx = prompt.to(device=device, dtype=torch.long)
+        idx = idx.unsqueeze(0) if prompt.dim() == 1 else idx
+        if generator is None:
+            # Not torch.default_generator: drawing from it would shift the training run's stream.
+            generator = torch.Generator()
+            generator.seed()
+        modes = {module: module.training for module in self.modules()}
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx[:, -self.cfg.block_size :])
+                next_token = _pick(logits[:, -1, :].float(), temperature, top_k, generator)
+                idx = torch.cat([idx, next_token.to(device)], dim=1)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        return idx[0] if prompt.dim() == 1 else idx
+
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward), PaLM appendix B estimate."""
         cfg = self.cfg
         non_embedding = self.num_parameters() - self.pos_emb.weight.numel()
         return 6 * non_embedding + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator
+) -> torch.Tensor:
+    """One next token per row of (b, vocab) float logits, as (b, 1) int64."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    # Sample where the generator lives: a CPU generator then works for a CUDA model too.
+    return torch.multinomial(probs.to(generator.device), 1, generator=generator)
 
 
 def configure_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:

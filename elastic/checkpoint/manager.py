@@ -16,6 +16,11 @@ Invariants:
 - Rank 0 writes: under DDP the model and optimizer are replicated, so its copy
   is everyone's. Only the RNG states differ per rank; they are gathered to
   rank 0 and stored per rank.
+- `extra` objects (anything with `state_dict`/`load_state_dict`: an EMA, a
+  data pipeline, counters) are saved by name beside the sampler, from rank 0,
+  copied when the save is asked for; like the model they must hold the same
+  state on every rank. Their state dicts must be tensors and plain values
+  (checkpoints load with `weights_only=True`).
 - `restore` loads the newest checkpoint that verifies, on every rank, onto the
   rank's own device, between barriers, before the first step. A corrupt one
   is moved aside with a warning naming it; a checkpoint of another model or
@@ -31,7 +36,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,6 +68,14 @@ TRAINER_FILE = "trainer.pt"
 
 # Ranks a grown job has no saved RNG state for are seeded from (seed, step, rank).
 _RESEED_STRIDE = 1_000_003
+
+
+class Stateful(Protocol):
+    """What an extra object needs to be checkpointed (torch.distributed.checkpoint's protocol)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
 @dataclass
@@ -96,6 +110,7 @@ class CheckpointManager:
         keep: int = 3,
         events: EventLog | None = None,
         seed: int = 0,
+        extra: Mapping[str, Stateful] | None = None,
     ) -> None:
         self._ctx = ctx
         self.enabled = directory is not None
@@ -105,6 +120,10 @@ class CheckpointManager:
         self._sampler = sampler
         self._scheduler = scheduler
         self._scaler = scaler
+        self._extra = dict(extra or {})
+        for name, obj in self._extra.items():
+            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+                raise TypeError(f"extra state {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
         self.every = every
         self._events = events or EventLog(None, restart=ctx.restart_count)
         self._seed = seed
@@ -216,6 +235,12 @@ class CheckpointManager:
             raise CheckpointMismatchError(
                 f"checkpoint {candidate.name} was saved {'without' if trainer['scaler'] is None else 'with'} a grad scaler"
             )
+        saved_extra = trainer.get("extra", {})  # checkpoints before extra state have none
+        if set(saved_extra) != set(self._extra):
+            raise CheckpointMismatchError(
+                f"checkpoint {candidate.name} holds extra state {sorted(saved_extra)}, this run registers "
+                f"{sorted(self._extra)}; register the same objects to resume"
+            )
 
         self._model.load_state_dict(model_state)
         self._optimizer.load_state_dict(optimizer_state)
@@ -224,6 +249,8 @@ class CheckpointManager:
         if self._scaler is not None:
             self._scaler.load_state_dict(trainer["scaler"])
         self._sampler.load_state_dict(sampler_state)
+        for name, obj in self._extra.items():
+            obj.load_state_dict(saved_extra[name])
         rng_states = trainer["rng"]
         if self._ctx.rank < len(rng_states):
             set_rng_state(rng_states[self._ctx.rank], self._ctx.device)
@@ -305,6 +332,7 @@ class CheckpointManager:
             "sampler": self._sampler.state_dict(),
             "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "extra": {name: obj.state_dict() for name, obj in self._extra.items()},
             "rng": rng_states,
         }
 

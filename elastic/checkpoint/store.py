@@ -52,6 +52,7 @@ LATEST = "latest"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
 _TMP_PREFIX = ".tmp."
 CORRUPT_SUFFIX = ".corrupt"
+_READ_CHUNK = 8 * 2**20
 
 
 def checkpoint_name(step: int) -> str:
@@ -248,24 +249,43 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} is unreadable: {exc}") from None
 
-    def read_verified(self, candidate: Candidate) -> tuple[Manifest, dict[str, bytes]]:
-        """The manifest and every file's bytes, each checked against its sha256 and size."""
+    def _read_checked_manifest(self, candidate: Candidate) -> Manifest:
         manifest = self.read_manifest(candidate)
         if manifest.step != candidate.step:
             raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} says step {manifest.step}")
-        contents = {}
-        for file_name, expected in manifest.files.items():
-            try:
-                data = (candidate.path / file_name).read_bytes()
-            except FileNotFoundError:
-                raise CorruptCheckpoint(f"{candidate.name}/{file_name} is missing") from None
-            if len(data) != int(expected["bytes"]):
-                raise CorruptCheckpoint(
-                    f"{candidate.name}/{file_name} has {len(data)} bytes, the manifest says {expected['bytes']}"
-                )
-            if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-                raise CorruptCheckpoint(f"{candidate.name}/{file_name} fails its sha256 check")
-            contents[file_name] = data
+        return manifest
+
+    def _check_file(self, candidate: Candidate, file_name: str, expected: Mapping[str, Any], *, keep: bool) -> bytes:
+        """The file's bytes (empty unless `keep`), after checking its size and sha256.
+
+        A file not kept is hashed in chunks, so checking a large one costs no memory.
+        """
+        digest, size, data = hashlib.sha256(), 0, b""
+        try:
+            with open(candidate.path / file_name, "rb") as f:
+                if keep:
+                    data = f.read()
+                    digest.update(data)
+                    size = len(data)
+                else:
+                    while chunk := f.read(_READ_CHUNK):
+                        digest.update(chunk)
+                        size += len(chunk)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{candidate.name}/{file_name} is missing") from None
+        if size != int(expected["bytes"]):
+            raise CorruptCheckpoint(f"{candidate.name}/{file_name} has {size} bytes, the manifest says {expected['bytes']}")
+        if digest.hexdigest() != expected["sha256"]:
+            raise CorruptCheckpoint(f"{candidate.name}/{file_name} fails its sha256 check")
+        return data
+
+    def read_verified(self, candidate: Candidate) -> tuple[Manifest, dict[str, bytes]]:
+        """The manifest and every file's bytes, each checked against its sha256 and size."""
+        manifest = self._read_checked_manifest(candidate)
+        contents = {
+            file_name: self._check_file(candidate, file_name, expected, keep=True)
+            for file_name, expected in manifest.files.items()
+        }
         return manifest, contents
 
     def verify(self, candidate: Candidate) -> Manifest:
@@ -283,6 +303,29 @@ class CheckpointStore:
             except Exception as exc:  # a file that hashes right but was written wrong
                 raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {exc}") from None
         return manifest, state
+
+    def load_file(
+        self, candidate: Candidate, file_name: str, map_location: torch.device | str
+    ) -> tuple[Manifest, Any]:
+        """Verify every file like `load`, then deserialize only `file_name` (weights_only=True).
+
+        The other files are hashed but never held in memory or unpickled, so a reader
+        that needs the model alone skips the optimizer's cost; a checkpoint any of whose
+        files fails its check is refused, as `load` would refuse it. The bytes that are
+        deserialized are the very bytes that were hashed, never a second read.
+        """
+        manifest = self._read_checked_manifest(candidate)
+        if file_name not in manifest.files:
+            raise CorruptCheckpoint(f"{candidate.name} holds no {file_name}")
+        data = b""
+        for name, expected in manifest.files.items():
+            content = self._check_file(candidate, name, expected, keep=name == file_name)
+            if name == file_name:
+                data = content
+        try:
+            return manifest, torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        except Exception as exc:  # a file that hashes right but was written wrong
+            raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {exc}") from None
 
     def quarantine(self, candidate: Candidate) -> Path:
         """Move a checkpoint that failed verification aside, keeping it for a post-mortem."""

@@ -2,8 +2,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -11,21 +9,14 @@ import pytest
 import torch
 from cifar_data import (
     SOURCE,
-    SeededAugmentation,
     Transformed,
-    UpcomingBatches,
-    _die_with,
     eval_transform,
     fake_cifar10,
     load_cifar10,
-    step_loader,
-    train_transform,
 )
 from support import CIFAR_CLASSES, write_cifar10
 
 from elastic.errors import UsageError
-from elastic.proctree import status
-from elastic.sampler import ElasticSampler
 
 
 @pytest.fixture
@@ -125,93 +116,3 @@ def test_fake_data_has_the_shape_of_cifar10() -> None:
     assert (len(train), len(test)) == (50_000, 1_000)
     image, label = Transformed(test, eval_transform())[3]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 10
-
-
-def test_augmentation_depends_only_on_seed_epoch_and_index(cifar: Path) -> None:
-    train, _ = load_cifar10(str(cifar))
-    augmented = SeededAugmentation(train, train_transform(), seed=3)
-    torch.manual_seed(0)
-    before = torch.get_rng_state()
-    first = [augmented[(0, i)] for i in range(8)]
-    assert torch.equal(torch.get_rng_state(), before), "the caller's random stream is untouched"
-    torch.manual_seed(12345)  # another global state: same images
-    again = [augmented[(0, i)] for i in range(8)]
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, again))
-    next_epoch = [augmented[(1, i)] for i in range(8)]
-    assert any(not torch.equal(a[1], b[1]) for a, b in zip(first, next_epoch)), "each epoch draws new crops and flips"
-    index, image, label = first[2]
-    assert (index, image.shape, label) == (2, (3, 32, 32), train[2][1])
-
-
-def replay(sampler: ElasticSampler, rank: int, world_size: int, steps: int) -> list[list[tuple[int, int]]]:
-    """What the loop sees: local_batch, then advance; keys carry the epoch of their stream position."""
-    out = []
-    for _ in range(steps):
-        epoch, consumed = sampler.state.epoch, sampler.state.consumed
-        local = sampler.local_batch(rank, world_size).tolist()
-        first = consumed + rank * sampler.batch_size
-        out.append([(epoch + (first + j) // sampler.num_samples, i) for j, i in enumerate(local)])
-        sampler.advance(world_size)
-    return out
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_upcoming_batches_are_the_samplers_local_batches_across_epoch_ends(rank: int) -> None:
-    sampler = ElasticSampler(10, batch_size=3, seed=7)  # a global batch of 6 straddles epochs
-    plan = list(UpcomingBatches(sampler, rank=rank, world_size=2, steps=7))
-    assert sampler.state.consumed == 0, "the plan replays a copy"
-    assert plan == replay(sampler, rank, 2, 7)
-    other = list(UpcomingBatches(ElasticSampler(10, batch_size=3, seed=7), rank=1 - rank, world_size=2, steps=7))
-    assert {epoch for batch in plan + other for epoch, _ in batch} == {0, 1, 2, 3, 4}  # 42 samples
-    for epoch in range(4):  # complete epochs hold each sample once over both ranks
-        assert sorted(i for batch in plan + other for e, i in batch if e == epoch) == list(range(10))
-
-
-def test_upcoming_batches_start_where_the_sampler_stands() -> None:
-    whole = list(UpcomingBatches(ElasticSampler(10, batch_size=3, seed=7), rank=1, world_size=2, steps=7))
-    resumed = ElasticSampler(10, batch_size=3, seed=7)
-    for _ in range(4):
-        resumed.advance(2)
-    assert list(UpcomingBatches(resumed, rank=1, world_size=2, steps=3)) == whole[4:]
-
-
-def test_loader_output_does_not_depend_on_its_worker_count(cifar: Path) -> None:
-    train, _ = load_cifar10(str(cifar))
-    augmented = SeededAugmentation(train, train_transform(), seed=1)
-    runs = []
-    for workers in (0, 2):
-        sampler = ElasticSampler(len(train), batch_size=8, seed=1)
-        loader = step_loader(augmented, sampler, rank=1, world_size=2, steps=5, workers=workers)
-        runs.append(list(loader))
-    for (i0, x0, y0), (i2, x2, y2) in zip(*runs, strict=True):
-        assert torch.equal(i0, i2) and torch.equal(x0, x2) and torch.equal(y0, y2)
-    assert runs[0][0][1].shape == (8, 3, 32, 32)
-
-
-def test_a_loader_worker_dies_with_its_parent() -> None:
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:  # the training process, to be killed
-        try:
-            if os.fork() == 0:  # its loader worker
-                _die_with(os.getppid())
-                os.write(writer, f"{os.getpid()}\n".encode())
-                time.sleep(60)
-            time.sleep(60)
-        finally:
-            os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader) as lines:
-        worker = int(lines.readline())
-    os.kill(child, signal.SIGKILL)
-    os.waitpid(child, 0)
-
-    def alive() -> bool:
-        return status(worker).get("State", "Z").startswith(("S", "R"))  # gone or a zombie: dead
-
-    deadline = time.monotonic() + 5
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if alive():
-        os.kill(worker, signal.SIGKILL)
-        pytest.fail("the orphaned worker lived on")

@@ -45,7 +45,7 @@ def test_a_malformed_data_set_is_refused_before_joining_the_job(
     write_cifar10(tmp_path, train=20, test=5)
     with open(tmp_path / "cifar-10-batches-py" / "data_batch_2", "wb") as f:
         pickle.dump({"data": [1, 2, 3], "labels": [0]}, f)
-    monkeypatch.setattr(cifar, "worker_context", lambda *a, **k: pytest.fail("joined the job with bad data"))
+    monkeypatch.setattr(cifar, "train", lambda *a, **k: pytest.fail("joined the job with bad data"))
     assert run_main(cifar.main, ["--data", str(tmp_path)]) == 2
     line = one_line_error(capsys)
     assert "cifar-10-batches-py/data_batch_2 is not a CIFAR-10 python batch" in line

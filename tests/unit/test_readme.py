@@ -1,10 +1,19 @@
-"""The README's quick start and CI must not drift apart."""
+"""The README and docs/ must not drift from CI, the code or each other."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from support import REPO
+
+DOCS = REPO / "docs"
+METRICS_PAGE = DOCS / "metrics.md"
+
+
+def pages() -> list[Path]:
+    """README.md and every page under docs/."""
+    return [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
 def quick_start_commands() -> list[str]:
@@ -29,9 +38,98 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_every_metric_is_listed_and_the_pictured_run_is_committed() -> None:
     from elastic.metrics import METRICS, PREFIX
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    page = METRICS_PAGE.read_text()
+    section = page.split("\n## Prometheus metrics\n", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `(\w+)` \| (\w+) \|", section, flags=re.M))
     assert listed == {(f"{PREFIX}_{name}", kind) for name, (kind, _) in METRICS.items()}
-    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
-        assert (REPO / image).read_bytes().startswith(b"\x89PNG"), image
+    assert images(METRICS_PAGE), "the metrics page shows the picture of a real run"
+    for path in pages():
+        for image in images(path):
+            assert (path.parent / image).read_bytes().startswith(b"\x89PNG"), f"{path.name}: {image}"
+
+
+# --- links between README.md and docs/ ------------------------------------------------
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", flags=re.M | re.S)
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", flags=re.S)
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks and code spans, where brackets are not links."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def links(path: Path) -> list[str]:
+    return LINK.findall(prose(path.read_text()))
+
+
+def images(path: Path) -> list[str]:
+    return IMAGE.findall(prose(path.read_text()))
+
+
+def is_relative(target: str) -> bool:
+    return not re.match(r"^[a-z][a-z0-9+.-]*:", target, flags=re.I) and not target.startswith("//")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: rendered text, lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text stays
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in FENCE.sub("", path.read_text()).splitlines():
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            base = slug(heading.group(1))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def test_slugs_follow_github() -> None:
+    assert slug("Checkpoints, resume and preemption") == "checkpoints-resume-and-preemption"
+    assert slug("Rendezvous on etcd (`--rdzv-backend=etcd-v3`)") == "rendezvous-on-etcd---rdzv-backendetcd-v3"
+    assert slug("The CIFAR-10 recipe (`recipes/cifar.py`)") == "the-cifar-10-recipe-recipescifarpy"
+    assert slug("Modules of `elastic/`") == "modules-of-elastic"
+
+
+def test_the_link_finder_sees_links_and_skips_code() -> None:
+    text = "[a](x.md) ![p](f.png) `[no](y.md)`\n```sh\n[no](z.md)\n```\n[b](w.md#h \"title\")\n"
+    assert LINK.findall(prose(text)) == ["x.md", "f.png", "w.md#h"]
+    assert IMAGE.findall(prose(text)) == ["f.png"]
+
+
+def test_every_relative_link_resolves() -> None:
+    broken = []
+    checked = 0
+    for path in pages():
+        for target in links(path):
+            if not is_relative(target):
+                continue
+            checked += 1
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and (dest.suffix != ".md" or anchor not in anchors(dest)):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no heading #{anchor})")
+    assert checked > 0
+    assert not broken, "\n".join(broken)
+
+
+def test_readme_links_every_docs_page_and_each_page_links_back() -> None:
+    docs = sorted(DOCS.glob("*.md"))
+    assert docs
+    readme_targets = {target.partition("#")[0] for target in links(REPO / "README.md")}
+    for page in docs:
+        assert f"docs/{page.name}" in readme_targets, f"README.md does not link docs/{page.name}"
+        title, summary = page.read_text().split("\n\n", 2)[:2]
+        assert title.startswith("# ") and "\n" not in title, f"{page.name} starts with its title"
+        assert "](../README.md)" in summary, f"{page.name}'s opening summary links back to the README"

@@ -1,0 +1,89 @@
+"""Read a model's weights from a checkpoint directory, outside a training job.
+
+For tools that only want the newest trained weights (sampling text from a
+GPT, an evaluation script): one process, no process group, no optimizer or
+sampler to build.
+
+    name, step, state = load_newest_model_state(args.ckpt_dir)
+    model.load_state_dict(state)
+
+Invariants:
+- Read only: nothing in the directory is written, moved or deleted, corrupt
+  checkpoints included; a training job may be saving into it meanwhile.
+- A checkpoint is good exactly when `CheckpointManager.restore` would verify
+  it: its manifest names its step and every file matches its sha256 and size.
+  The newest good one wins; the `latest` pointer is not trusted.
+- Only model.pt is deserialized, with weights_only=True: no pickled code runs,
+  and the optimizer and trainer files are hashed, never unpickled.
+- Every failure to find a good checkpoint is a `CheckpointError` of one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from elastic.checkpoint.manager import MODEL_FILE
+from elastic.checkpoint.store import Candidate, CheckpointStore, CorruptCheckpoint
+from elastic.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+def load_newest_model_state(
+    directory: str | os.PathLike[str], *, map_location: torch.device | str = "cpu"
+) -> tuple[str, int, dict[str, torch.Tensor]]:
+    """The newest good checkpoint's name, step and model state dict, loaded onto `map_location`.
+
+    Corrupt checkpoints are skipped with a warning (and left where they are);
+    raises `CheckpointError` when `directory` is missing, holds no committed
+    checkpoint, or none of them verifies.
+    """
+    store = CheckpointStore(directory)
+    if not store.root.exists():
+        raise CheckpointError(f"checkpoint directory {store.root} does not exist")
+    if not store.root.is_dir():
+        raise CheckpointError(f"checkpoint directory {store.root} is not a directory")
+    try:
+        candidates = store.committed()
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoint directory {store.root}: {exc.strerror or exc}") from None
+    if not candidates:
+        raise CheckpointError(f"{store.root} holds no committed checkpoint")
+    corrupt: list[str] = []
+    for candidate in candidates:
+        try:
+            state = _read_model(store, candidate, map_location)
+        except CorruptCheckpoint as exc:
+            if not candidate.path.exists():
+                # A running job retired it after we listed it: not damage, just gone.
+                logger.info("checkpoint %s was removed while being read; trying the previous one", candidate.name)
+                continue
+            reason = _one_line(exc)
+            logger.warning("checkpoint %s is corrupt (%s); trying the previous one", candidate.path, reason)
+            corrupt.append(reason)
+            continue
+        return candidate.name, candidate.step, state
+    if not corrupt:
+        raise CheckpointError(f"every checkpoint in {store.root} was removed while being read; try again")
+    raise CheckpointError(f"no checkpoint in {store.root} verifies ({len(corrupt)} corrupt, newest: {corrupt[0]})")
+
+
+def _read_model(store: CheckpointStore, candidate: Candidate, map_location: torch.device | str) -> dict[str, Any]:
+    """The verified model state of one checkpoint; `CorruptCheckpoint` if it is not one."""
+    try:
+        _, state = store.load_file(candidate, MODEL_FILE, map_location=map_location)
+    except OSError as exc:  # not damage (permissions, I/O): falling back would hide it
+        raise CheckpointError(f"cannot read {candidate.path}: {exc.strerror or exc}") from None
+    if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
+        raise CorruptCheckpoint(f"{candidate.name}/{MODEL_FILE} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an error: torch.load's can run to a page."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,497 @@
+"""`elastic.Run`: the one object a training script talks to.
+
+    with elastic.Run.from_args(args) as run:                      # every rank: joins the job
+        model = run.ddp(Net().to(run.device))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        run.start(model=model, optimizer=optimizer, data=dataset, batch_size=args.batch_size)
+        loader = DataLoader(dataset, batch_sampler=run.batch_sampler(), num_workers=2)
+        for x, y in run.batches(loader, max_steps=args.max_steps):
+            loss = loss_fn(model(x.to(run.device)), y.to(run.device))
+            optimizer.zero_grad(); loss.backward(); optimizer.step()
+            run.log(loss)
+    # leaving the block: final checkpoint, replica check, "end" event
+
+What is saved, at every `--ckpt-every` step, on SIGTERM and at the end: the
+model, the optimizer, the scheduler and grad scaler if given, each `extra`
+object, the data position (the elastic sampler: how many samples of which
+epoch the whole job consumed), the step, and every rank's RNG states. A
+restarted worker, at the same or another world size, continues from the
+newest checkpoint that verifies: same samples, same random numbers.
+
+Invariants (the ordering rules a recipe used to keep by hand):
+- Every rank makes the same calls in the same order: `start`, each step of
+  `batches`, `pause` blocks, `finish` are collectives.
+- `Run.__enter__` joins the process group (or adopts one the script already
+  made) and seeds every generator with `seed` on every rank, so the model
+  built next starts identical everywhere. `start` then gives each rank its own
+  random stream (`seed + rank`), serves metrics, restores, and only then
+  counts the run as started: a scrape sees the restore, a kill during restore
+  loses nothing.
+- A step's bookkeeping runs when the loop asks for the next batch, i.e. after
+  the body's `optimizer.step()` and `scheduler.step()`: the sampler advances,
+  the previous step's loss is read (one step late, so the host never waits on
+  the device), the preemption vote is taken (SIGTERM on any rank: every rank
+  commits this step and leaves with `Preempted`, exit status 143), a periodic
+  save starts, and only then the watchdog is fed, so a slow save never looks
+  like a hang and a hang inside a save is still caught.
+- Saves block the loop only to copy the state; writing runs behind the next
+  steps. `finish` and a preemption block until the checkpoint is committed.
+- `pause()` marks work that is not a training step (evaluation, sampling):
+  the watchdog does not count it.
+- A loader passed to `batches` is iterated with the caller's random streams
+  untouched (its workers' seeds are drawn from a forked generator), and its
+  workers die with the trainer and ignore the group's SIGTERM
+  (`elastic.data.SafeWorkerInit`). If it is driven by `batch_sampler()` /
+  `sampler()`, every step checks the batch it yields is the sampler's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic.chaos.faults import FaultInjector
+from elastic.checkpoint import CheckpointManager
+from elastic.checkpoint.manager import Stateful
+from elastic.cli import configure_logging
+from elastic.data import StepBatchSampler, StepSampler, make_workers_safe, step_sampler_of
+from elastic.errors import ElasticError, Preempted, UsageError
+from elastic.events import EventLog
+from elastic.metrics import DEFAULT_HOST, start_metrics
+from elastic.preemption import PreemptionHandler
+from elastic.progress import Progress
+from elastic.replicas import gather_digests, parameter_digest
+from elastic.rng import seed_all
+from elastic.runtime import WorkerContext, adopt_worker, barrier, init_worker, shutdown_worker
+from elastic.sampler import ElasticSampler
+from elastic.watchdog import NoWatchdog, Watchdog, watchdog
+
+logger = logging.getLogger(__name__)
+
+Batch = TypeVar("Batch")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """How the runtime behaves; `RunConfig.from_args` reads it from the recipe contract's flags
+    (`elastic.add_runtime_arguments`)."""
+
+    seed: int = 0
+    """Seeds initial weights (same on every rank), each rank's random stream and the data order."""
+    ckpt_dir: str | None = None
+    """Commit checkpoints here and resume from the newest good one (None: no checkpoints)."""
+    ckpt_every: int = 0
+    """Steps between checkpoints (0: only the final one and on SIGTERM)."""
+    ckpt_keep: int = 3
+    """Committed checkpoints to keep; at least 2, so a torn newest one has a fallback."""
+    events: str | None = None
+    """Append the JSON-lines event log here (rank 0)."""
+    device: str = "auto"
+    """auto, cpu or cuda: cuda:LOCAL_RANK when asked for or available."""
+    metrics_port: int = 0
+    """Serve Prometheus /metrics on this port + local rank (0: off)."""
+    metrics_host: str = DEFAULT_HOST
+    """Where the metrics endpoint binds (loopback unless told otherwise: it has no authentication)."""
+    collective_timeout: float = 300.0
+    """Seconds before a collective with a dead peer fails."""
+    term_grace: float = 15.0
+    """After SIGTERM, seconds to reach the end of the step and checkpoint, else exit at once."""
+    hang_timeout: float = 300.0
+    """Exit (status 124) when no step completes for this long (0: off)."""
+    log_every: int = 10
+    """Steps between progress lines when stdout is not a terminal."""
+
+    def __post_init__(self) -> None:
+        if self.ckpt_every < 0:
+            raise UsageError(f"ckpt_every={self.ckpt_every} must be 0 or more")
+        if self.ckpt_keep < 2:
+            raise UsageError(f"ckpt_keep={self.ckpt_keep} must be at least 2 (a fallback needs two)")
+        if self.collective_timeout <= 0 or self.term_grace <= 0 or self.hang_timeout < 0:
+            raise UsageError("collective_timeout and term_grace must be above 0, hang_timeout 0 or more")
+        if not 0 <= self.metrics_port <= 65535:
+            raise UsageError(f"metrics_port={self.metrics_port} is not a port number")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunConfig:
+        """The fields present in `args` (argparse turns --ckpt-dir into ckpt_dir); defaults for the rest."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
+
+
+@dataclass
+class _StepRecord:
+    """A finished step whose loss is read later, so the host never waits on the device mid-loop."""
+
+    step: int
+    loss: torch.Tensor | None
+    time: float
+
+
+class Run:
+    """A fault-tolerant training run of this worker; see the module docstring."""
+
+    def __init__(self, config: RunConfig | None = None, **settings: Any) -> None:
+        if config is not None and settings:
+            raise TypeError("pass a RunConfig or keyword settings, not both")
+        self.config = config if config is not None else RunConfig(**settings)
+        self.ctx: WorkerContext | None = None
+        self.step = 0
+        """Steps completed by the whole job (restored ones included)."""
+        self.last_loss = math.nan
+        self._stack = ExitStack()
+        self._owns_group = False
+        self._started = self._finished = False
+        self._pending: _StepRecord | None = None
+        self._loss: torch.Tensor | None = None
+        self._progress: Progress | None = None
+        self._loop_started: float | None = None
+        self._loop_seconds = 0.0
+        self._first_step = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Run:
+        return cls(RunConfig.from_args(args))
+
+    # -- who and where -------------------------------------------------------------
+
+    def __enter__(self) -> Run:
+        cfg = self.config
+        if not logging.getLogger().handlers:  # a script that set up no logging still sees progress
+            rank = os.environ.get("RANK", "")
+            configure_logging(rank=int(rank) if rank.isdigit() else None)
+        timeout = timedelta(seconds=cfg.collective_timeout)
+        if dist.is_available() and dist.is_initialized():
+            self.ctx = adopt_worker(cfg.device, timeout=timeout)
+        else:
+            self.ctx = init_worker(cfg.device, timeout=timeout)
+            self._owns_group = self.ctx.distributed
+        try:
+            seed_all(cfg.seed, self.ctx.device)  # the model built next is identical on every rank
+            self.events = self._stack.enter_context(
+                EventLog(cfg.events if self.ctx.is_main else None, restart=self.ctx.restart_count)
+            )
+            self.watchdog: Watchdog | NoWatchdog = watchdog(cfg.hang_timeout)  # armed by the first step
+            self._stack.callback(self.watchdog.close)
+        except BaseException:
+            self._leave(failed=True)
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        failed = exc_type is not None
+        try:
+            if not failed and self._started and not self._finished:
+                self.finish()
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self._leave(failed=failed)
+
+    def _leave(self, *, failed: bool) -> None:
+        try:
+            self._stack.close()  # commits saves in flight, puts SIGTERM back, closes metrics and the log
+        finally:
+            if self._owns_group:
+                if not failed:
+                    # Leave together: a rank tearing its gloo pairs down while a peer still
+                    # drains the last collective aborts that peer at exit.
+                    barrier(self._context)
+                shutdown_worker()  # on failure peers may be gone: no barrier
+                self._owns_group = False
+
+    @property
+    def _context(self) -> WorkerContext:
+        if self.ctx is None:
+            raise RuntimeError("use the Run as a context manager: `with elastic.Run(...) as run:`")
+        return self.ctx
+
+    @property
+    def device(self) -> torch.device:
+        return self._context.device
+
+    @property
+    def rank(self) -> int:
+        return self._context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._context.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self._context.is_main
+
+    @property
+    def distributed(self) -> bool:
+        return self._context.distributed
+
+    def ddp(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        """`model` under DistributedDataParallel in a job of several processes, as is alone."""
+        ctx = self._context
+        if not ctx.distributed:
+            return model
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+    # -- state ----------------------------------------------------------------------
+
+    def start(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Any,
+        batch_size: int,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        tokens_per_sample: int = 0,
+    ) -> int:
+        """Register the state and restore the newest checkpoint; returns the step to continue from.
+
+        `data`: the training set (or its length); `batch_size`: samples per rank
+        per step. `tokens_per_sample` (sequence models) makes throughput count tokens.
+        A collective. Raises `CheckpointMismatchError` (one line, nothing
+        changed) for a checkpoint of another model, optimizer, data set or state.
+        """
+        ctx, cfg = self._context, self.config
+        if self._started:
+            raise RuntimeError("Run.start() was already called")
+        self.model = unwrap(model)
+        num_samples = data if isinstance(data, int) else len(data)
+        self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
+        self._tokens_per_sample = tokens_per_sample
+        self._stack.enter_context(  # before restore, so a scrape sees the restore too
+            start_metrics(
+                ctx, self.events, port=cfg.metrics_port, host=cfg.metrics_host, samples_per_step=batch_size,
+                tokens_per_sample=tokens_per_sample, watchdog=self.watchdog,
+            )
+        )
+        self.checkpoints = CheckpointManager(
+            ctx, cfg.ckpt_dir, every=cfg.ckpt_every, keep=cfg.ckpt_keep, model=self.model, optimizer=optimizer,
+            scheduler=scheduler, scaler=scaler, sampler=self.sampler, events=self.events, seed=cfg.seed, extra=extra,
+        )
+        self._stack.callback(self.checkpoints.close)
+        seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
+        self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace)
+        self._stack.callback(self._preemption.uninstall)
+        self._faults = FaultInjector(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for the chaos suite
+        self.step = self._first_step = self.checkpoints.restore()
+        self._started = True
+        parameters = sum(p.numel() for p in self.model.parameters())
+        self.events.emit(
+            "start", step=self.step, world_size=ctx.world_size, run_id=ctx.run_id, parameters=parameters,
+            device=str(ctx.device), samples_per_step=batch_size * ctx.world_size,
+            **({"tokens_per_step": batch_size * tokens_per_sample * ctx.world_size} if tokens_per_sample else {}),
+        )
+        if ctx.is_main:
+            logger.info(
+                "training %.2fM parameters on %d samples, world size %d, device %s, from step %d",
+                parameters / 1e6, num_samples, ctx.world_size, ctx.device, self.step,
+            )
+        return self.step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next step starts in."""
+        return self._sampler_checked().epoch
+
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the data set so far, as a fraction."""
+        sampler = self._sampler_checked()
+        return sampler.epoch + sampler.state.consumed / sampler.num_samples
+
+    def _sampler_checked(self) -> ElasticSampler:
+        if not self._started:
+            raise RuntimeError("call Run.start() first")
+        return self.sampler
+
+    # -- data -----------------------------------------------------------------------
+
+    def batch_sampler(self) -> StepBatchSampler:
+        """For `DataLoader(dataset, batch_sampler=...)`: this rank's share of each step, exactly once per epoch."""
+        return StepBatchSampler(self._sampler_checked(), self.rank, self.world_size)
+
+    def sampler_for_loader(self) -> StepSampler:
+        """For `DataLoader(dataset, sampler=..., batch_size=B)` with B the batch size given to `start`."""
+        return StepSampler(self._sampler_checked(), self.rank, self.world_size)
+
+    # -- the loop -------------------------------------------------------------------
+
+    def batches(self, loader: Iterable[Batch] | None = None, *, max_steps: int) -> Iterator[Batch]:
+        """This rank's batch of each step until `max_steps` steps are done.
+
+        Without `loader`, the batch is this rank's sample indices (a tensor).
+        The step's bookkeeping runs when the next batch is asked for (see the
+        module docstring); a `break` skips it for the step it left.
+        """
+        ctx = self._context
+        sampler = self._sampler_checked()
+        if self._progress is None:
+            unit = "tokens" if self._tokens_per_sample else "samples"
+            self._progress = Progress(
+                total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every, unit=unit
+            )
+            self._stack.callback(self._progress.close)
+        source, issued = self._open(loader) if self.step < max_steps else (None, None)
+        self._loop_started = time.perf_counter()
+        self._last_report = time.time()
+        while self.step < max_steps:
+            expected = sampler.local_batch(ctx.rank, ctx.world_size)
+            if source is None:
+                batch: Any = expected
+            else:
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    raise ElasticError(
+                        f"the data loader ended at step {self.step} of {max_steps}; drive it with "
+                        "run.batch_sampler(), which never runs dry"
+                    ) from None
+                if issued is not None and issued.take_issued() != expected.tolist():
+                    raise ElasticError(
+                        f"step {self.step + 1}: the data loader produced other samples than the sampler assigns "
+                        f"to rank {ctx.rank} (was it iterated elsewhere?)"
+                    )
+            yield batch
+            self._end_step()
+        self._report_pending()
+        self._loop_seconds += time.perf_counter() - self._loop_started
+
+    def _open(self, loader: Iterable[Any] | None) -> tuple[Iterator[Any] | None, StepBatchSampler | StepSampler | None]:
+        if loader is None:
+            return None, None
+        make_workers_safe(loader)
+        issued = step_sampler_of(loader)
+        # A DataLoader draws its workers' base seed from torch's global generator when it is
+        # iterated: a resumed run, iterating at another step, would leave that stream elsewhere.
+        with torch.random.fork_rng(devices=[]):
+            return iter(loader), issued
+
+    def log(self, loss: torch.Tensor | float) -> None:
+        """The loss of the step being trained; read out one step later (no device sync now)."""
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+
+    def _end_step(self) -> None:
+        ctx = self._context
+        self.sampler.advance(ctx.world_size)
+        self.step += 1
+        if self._pending is not None:
+            self._report(self._pending)
+        self._pending = _StepRecord(self.step, self._loss, time.time())
+        self._loss = None
+        if self._preemption.requested():  # SIGTERM on any rank: commit this step, then leave
+            self._report_pending()
+            self._commit_and_stop()
+        self.checkpoints.maybe_save(self.step)
+        self._faults.at("after_step", self.step)
+        self.watchdog.beat(self.step)
+
+    def _report(self, record: _StepRecord) -> None:
+        ctx = self._context
+        fields: dict[str, Any] = {}
+        if record.loss is not None:
+            self.last_loss = fields["loss"] = record.loss.item()
+        elapsed, self._last_report = record.time - self._last_report, record.time
+        self.events.emit("step", step=record.step, world_size=ctx.world_size, time=record.time, **fields)
+        per_sample = self._tokens_per_sample or 1
+        rate = self.sampler.batch_size * ctx.world_size * per_sample / max(elapsed, 1e-9)
+        if self._progress is not None:
+            self._progress.update(record.step, loss=fields.get("loss", math.nan), tokens_per_s=rate)
+
+    def _report_pending(self) -> None:
+        if self._pending is not None:
+            self._report(self._pending)
+            self._pending = None
+
+    def _commit_and_stop(self) -> NoReturn:
+        with self.watchdog.paused():  # a slow filesystem is not a hang
+            self.checkpoints.save(self.step, reason="preemption")
+            self.checkpoints.flush()
+        where = self.checkpoints.store.root
+        saved = f"checkpoint committed in {where}" if self.checkpoints.enabled else "no --ckpt-dir, nothing saved"
+        raise Preempted(f"stopped by SIGTERM after step {self.step}; {saved}")
+
+    def due(self, every: int) -> bool:
+        """Whether the step just done by this run is a multiple of `every` (0: never)."""
+        return every > 0 and self.step > self._first_step and self.step % every == 0
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it."""
+        self._report_pending()
+        with self.watchdog.paused():
+            yield
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Append an event (e.g. "eval") at the current step to the event log (rank 0)."""
+        self.events.emit(kind, step=self.step, world_size=self.world_size, **fields)
+
+    def print(self, message: str) -> None:
+        """A line on rank 0's console that does not tear the progress bar."""
+        if self._progress is not None:
+            self._progress.write(message)
+        elif self.is_main:
+            logger.info("%s", message)
+
+    # -- the end --------------------------------------------------------------------
+
+    def finish(self, **end_fields: Any) -> dict[str, Any]:
+        """Commit the final checkpoint, check every rank holds the same parameters, log "end".
+
+        A collective; called by leaving the `with` block if not before. Returns
+        a summary: rank, step, loss (the last read), steps_per_s (of this process's loop).
+        """
+        ctx = self._context
+        if self._finished:
+            raise RuntimeError("Run.finish() was already called")
+        self._finished = True
+        self._report_pending()
+        self.watchdog.close()  # what follows is not a training step
+        self.checkpoints.save(self.step, reason="final")
+        self.checkpoints.flush()
+        digests = gather_digests(ctx, parameter_digest(self.model))
+        self.events.emit(
+            "end", step=self.step, world_size=ctx.world_size, loss=self.last_loss, param_digests=digests, **end_fields
+        )
+        if self._progress is not None:
+            self._progress.close()
+        if len(set(digests)) != 1:
+            raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
+        steps = self.step - self._first_step
+        seconds = self._loop_seconds
+        return {"rank": ctx.rank, "step": self.step, "loss": self.last_loss, "steps_per_s": steps / seconds if seconds > 0 else math.inf}
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose state is saved: under DDP and torch.compile wrappers.
+
+    Wrappers whose state the runtime cannot save correctly are refused in one line.
+    """
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            model = model._orig_mod
+        else:
+            break
+    name = type(model).__name__
+    if name == "FullyShardedDataParallel":
+        raise UsageError("FSDP (FullyShardedDataParallel) models are not supported yet: wrap with DDP (run.ddp)")
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise UsageError("sharded (DTensor) parameters, as fully_shard makes, are not supported yet: use DDP")
+    return model
