@@ -24,30 +24,30 @@ It never imports a recipe: dependencies point recipes -> elastic -> torch.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Run", "RunConfig", "add_runtime_arguments", "seeded_samples"]
+__all__ = ["ArgumentParser", "Run", "RunConfig", "add_runtime_arguments", "seeded_samples"]
 
 if TYPE_CHECKING:
-    from elastic.contract import add_runtime_arguments
+    from elastic.contract import ArgumentParser, add_runtime_arguments
     from elastic.data import seeded_samples
     from elastic.run import Run, RunConfig
+
+
+_EXPORTS = {
+    "ArgumentParser": "elastic.contract",
+    "Run": "elastic.run",
+    "RunConfig": "elastic.run",
+    "add_runtime_arguments": "elastic.contract",
+    "seeded_samples": "elastic.data",
+}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: the launcher and the rendezvous plugin import `elastic.*` modules and
     # must not pay for (or depend on) the training-side imports.
-    if name in ("Run", "RunConfig"):
-        from elastic import run
-
-        return getattr(run, name)
-    if name == "add_runtime_arguments":
-        from elastic.contract import add_runtime_arguments
-
-        return add_runtime_arguments
-    if name == "seeded_samples":
-        from elastic.data import seeded_samples
-
-        return seeded_samples
-    raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -10,8 +10,10 @@ reacts to a dead peer, a SIGTERM or a hang.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from elastic.cli import (
+    OneLineArgumentParser,
     int_at_least,
     non_negative_float,
     non_negative_int,
@@ -42,3 +44,12 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, ckpt_every: int) -
         "--hang-timeout", type=non_negative_float, default=300.0,
         help="exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)",
     )
+
+
+class ArgumentParser(OneLineArgumentParser):
+    """An argument parser that already holds the runtime flags (`add_runtime_arguments`)
+    and reports a bad value in one line with exit status 2; a script adds its own flags."""
+
+    def __init__(self, *args: Any, ckpt_every: int = 50, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        add_runtime_arguments(self, ckpt_every=ckpt_every)

@@ -96,7 +96,9 @@ class StepBatchSampler(Sampler[list[SampleKey]]):
         produced = 0
         while self.steps is None or produced < self.steps:
             epoch, consumed = replay.state.epoch, replay.state.consumed
-            indices = replay.local_batch(self.rank, self.world_size).tolist()
+            # Sliced from the global batch, not local_batch(): that call means "the loop trains on
+            # this now" to whoever observes it (the chaos suite's sample audit).
+            indices = replay.global_batch(self.world_size)[start : start + self.batch_size].tolist()
             self.issued.append(indices)
             yield [
                 SampleKey(index, epoch + (consumed + start + offset) // num_samples)

@@ -1,0 +1,147 @@
+"""recipes/tutorial.py, the classic DDP tutorial on the front door, as real jobs:
+killed under two torchrun agents and compared tensor by tensor with a clean run,
+resized 2 -> 3 -> 1 ranks with its DataLoader workers and audited exactly-once,
+and deaf to SIGTERMs that reach only its loader workers."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import (
+    REPO,
+    children_of,
+    flat_tensors,
+    free_port,
+    logs,
+    standalone_command,
+    start_agents,
+    steps_seen,
+    torchrun_command,
+    wait_all,
+    wait_for,
+    worker_env,
+    worker_rank,
+)
+
+from elastic.chaos.samples import audit
+from elastic.events import read_events
+
+pytestmark = pytest.mark.slow
+
+TUTORIAL = REPO / "recipes" / "tutorial.py"
+STEPS = 40
+
+
+def job_args(out: Path, *, steps: int = STEPS, workers: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        "--max-steps", str(steps), "--batch-size", "16", "--ckpt-dir", str(out / "ckpt"), "--ckpt-every", "7",
+        "--events", str(out / "events.jsonl"), "--workers", str(workers), "--device", "cpu", *extra,
+    ]
+
+
+def start_two_agents(out: Path) -> list[subprocess.Popen]:
+    command = torchrun_command(
+        nnodes="2:2", port=free_port(), run_id=out.name, max_restarts=2, script=TUTORIAL, script_args=job_args(out),
+    )
+    return start_agents(2, command, out)
+
+
+def final_state(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        name: dict(flat_tensors(torch.load(out / "ckpt" / f"step_{STEPS:08d}" / name, weights_only=True)))
+        for name in ("model.pt", "optimizer.pt", "trainer.pt")
+    }
+
+
+def test_a_worker_killed_at_any_step_changes_nothing(tmp_path: Path) -> None:
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    clean.mkdir()
+    killed.mkdir()
+    assert wait_all(start_two_agents(clean), timeout=240) == [0, 0], logs(clean)
+
+    kill_after = random.Random().randint(3, STEPS - 8)
+    events = killed / "events.jsonl"
+    agents = start_two_agents(killed)
+    try:
+        wait_for(lambda: steps_seen(events) >= kill_after, 120, f"step {kill_after}", interval=0.005)
+        victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+    except BaseException:
+        wait_all(agents, timeout=0)
+        raise
+    assert wait_all(agents, timeout=240) == [0, 0], logs(killed)
+    assert [e for e in read_events(events) if e["event"] == "restore"], f"no restart after step {kill_after}"
+
+    want, got = final_state(clean), final_state(killed)
+    for name in want:
+        assert want[name].keys() == got[name].keys()
+        different = [key for key in want[name] if not torch.equal(want[name][key], got[name][key])]
+        assert not different, f"{name}: {different[:3]} differ after the kill at step {kill_after}"
+
+
+def test_loader_path_uses_every_sample_once_across_world_sizes_2_3_1(tmp_path: Path) -> None:
+    data = tmp_path / "data.npz"
+    generator = np.random.default_rng(0)
+    np.savez(data, x=generator.normal(size=(200, 32)).astype(np.float32), y=generator.integers(0, 8, size=200))
+    batch, prefix = 8, tmp_path / "samples"
+    # 2 ranks for 3 steps (48 samples), 3 ranks for 3 (72), then one rank to the end of epoch 1.
+    total = 3 + 3 + -(-(2 * 200 - 48 - 72) // batch)
+    for world, until in ((2, 3), (3, 6), (1, total)):
+        args = ["--data", str(data), "--batch-size", str(batch), "--max-steps", str(until), "--ckpt-every", "0",
+                "--ckpt-dir", str(tmp_path / "ckpt"), "--events", str(tmp_path / "events.jsonl"), "--workers", "2"]
+        result = subprocess.run(
+            standalone_command(world, args, script=TUTORIAL, record_samples=True),
+            capture_output=True, text=True, timeout=180, cwd=REPO, env=worker_env(ELASTIC_SAMPLE_LOG=str(prefix)),
+        )
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+    events = list(read_events(tmp_path / "events.jsonl"))
+    assert [(e["step"], e["world_size"]) for e in events if e["event"] == "restore"] == [(3, 3), (6, 1)]
+    samples = audit(prefix)
+    assert samples.ok, samples.problems
+    assert (samples.first_step, samples.last_step, samples.epochs_complete) == (1, total, 2)
+
+
+def test_sigterm_to_its_loader_workers_only_does_not_stop_it(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    trainer = subprocess.Popen(
+        [sys.executable, str(TUTORIAL), *job_args(tmp_path, steps=100_000)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO,
+    )
+    try:
+        wait_for(lambda: steps_seen(events) >= 3, 120, "three steps")
+        workers = children_of(trainer.pid)
+        assert len(workers) == 2, workers
+        for _ in range(3):
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
+        reached = steps_seen(events)
+        wait_for(lambda: steps_seen(events) >= reached + 20, 120, "twenty more steps")
+        assert trainer.poll() is None, "the trainer stopped on its workers' signal"
+        os.kill(trainer.pid, signal.SIGTERM)  # its own signal still means: commit and leave
+        output, _ = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert trainer.returncode == 143, output[-3000:]
+    saved = [e for e in read_events(events) if e["event"] == "checkpoint" and e["reason"] == "preemption"]
+    assert saved, output[-3000:]
+
+
+def test_the_runtime_takes_at_most_ten_lines_of_the_script() -> None:
+    """Runtime lines: those naming the package or calling the run (its `run.device` stands where
+    the tutorial had its own `device`). Each is marked `# elastic` for the README's diff."""
+    code = TUTORIAL.read_text().split('"""', 2)[2]  # past the docstring
+    runtime = [line for line in code.splitlines() if "elastic" in line or re.search(r"\brun\.(?!device\b)", line)]
+    assert len(runtime) <= 10, runtime
+    assert all("# elastic" in line for line in runtime), [line for line in runtime if "# elastic" not in line]
