@@ -62,7 +62,7 @@ COMMITTER_ONLY = "checkpoint_"
 # Fields of an eval event that are not a measured value.
 _EVENT_FIELDS = {"event", "time", "step", "world_size", "restart"}
 
-# name (without prefix) -> (kind, help). The README's metrics table and the
+# name (without prefix) -> (kind, help). docs/metrics.md's metrics table and the
 # Grafana dashboard are checked against this list by the tests.
 METRICS: dict[str, tuple[str, str]] = {
     "step": ("gauge", "Optimizer steps the job has completed (the global step; restored on restart)."),

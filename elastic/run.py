@@ -203,6 +203,9 @@ class Run:
     def _leave(self, *, failed: bool) -> None:
         try:
             self._stack.close()  # commits saves in flight, puts SIGTERM back, closes metrics and the log
+        except BaseException:
+            failed = True
+            raise
         finally:
             if self._owns_group:
                 if not failed:

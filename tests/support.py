@@ -212,3 +212,33 @@ def steps_seen(events: Path) -> int:
     if not events.exists():
         return 0
     return max((e["step"] for e in read_events(events) if e["event"] == "step"), default=0)
+
+
+def kill_worker_after(agents: list[subprocess.Popen], events: Path, step: int, *, rank: int = 1) -> None:
+    """SIGKILL the worker of `rank` below `agents` once the event log reaches `step`
+    (on any failure here, the agents are killed too)."""
+    import signal
+
+    try:
+        wait_for(lambda: steps_seen(events) >= step, 120, f"step {step}", interval=0.005)
+        victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == rank)
+        os.kill(victim, signal.SIGKILL)
+    except BaseException:
+        wait_all(agents, timeout=0)
+        raise
+
+
+def checkpoint_tensors(ckpt_dir: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of the checkpoint of `step`, by file and path."""
+    return {
+        name: dict(flat_tensors(torch.load(ckpt_dir / f"step_{step:08d}" / name, weights_only=True)))
+        for name in ("model.pt", "optimizer.pt", "trainer.pt")
+    }
+
+
+def assert_same_tensors(want: dict[str, dict[str, torch.Tensor]], got: dict[str, dict[str, torch.Tensor]], why: str) -> None:
+    """Bit-identical states, file by file, tensor by tensor."""
+    for name in want:
+        assert want[name].keys() == got[name].keys(), f"{name}: other tensors {why}"
+        different = [key for key in want[name] if not torch.equal(want[name][key], got[name][key])]
+        assert not different, f"{name}: {len(different)} tensors differ {why}, e.g. {different[:3]}"

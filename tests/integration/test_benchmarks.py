@@ -15,13 +15,21 @@ pytestmark = pytest.mark.slow
 
 def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost() -> None:
     result = subprocess.run(
-        [sys.executable, "benchmarks/overhead.py", "--steps", "6", "--warmup", "2", "--rounds", "1", "--batch-size", "4",
-         "--ckpt-every", "3", "--scrape-interval", "0.2"],
+        [sys.executable, "benchmarks/overhead.py", "--blocks", "3", "--warmup", "2", "--batch-size", "4",
+         "--ckpt-every", "3", "--scrape-interval", "0.05"],
         capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"recipe/gpt.py [\d.]+ steps/s \| seed-style DDP [\d.]+ steps/s \| ratio [\d.]+", result.stdout)
-    assert re.search(r"^metrics on / off: [\d.]+ \(1/median step\)", result.stdout, re.M), result.stdout
+    ci = r"\[95% CI ([\d.]+)-([\d.]+)\]"
+    ratios = re.findall(rf"recipe/gpt.py [\d.]+ steps/s \| seed-style DDP [\d.]+ steps/s \| ratio ([\d.]+) {ci}", result.stdout)
+    assert len(ratios) == 2, result.stdout  # by 1/median step and by steps/seconds
+    on_off = re.search(rf"^metrics on / off: ([\d.]+) {ci} \(1/median step\)", result.stdout, re.M)
+    assert on_off, result.stdout
+    for ratio, low, high in [*ratios, on_off.groups()]:
+        assert float(low) <= float(ratio) <= float(high), result.stdout
+    assert re.search(r"^target ratio >= 0.98: (met|MISSED|not resolved)", result.stdout, re.M), result.stdout
+    saves = re.search(r"^checkpoint every 3 steps: (\d+) saves", result.stdout, re.M)
+    assert saves and int(saves.group(1)) > 0, result.stdout
     scraped = re.search(r"^metrics scraped (\d+) times", result.stdout, re.M)
     assert scraped and int(scraped.group(1)) > 0, "the recipe's workers served no scrape"
 

@@ -17,9 +17,10 @@ import torch
 from support import (
     CIFAR_RECIPE,
     REPO,
-    children_of,
-    flat_tensors,
+    assert_same_tensors,
+    checkpoint_tensors,
     free_port,
+    kill_worker_after,
     logs,
     start_agents,
     steps_seen,
@@ -27,7 +28,6 @@ from support import (
     wait_all,
     wait_for,
     worker_env,
-    worker_rank,
     write_cifar10,
 )
 
@@ -59,10 +59,7 @@ def start_two_agents(data: Path, out: Path, *, workers: int) -> list[subprocess.
 
 
 def final_state(out: Path, step: int = STEPS) -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        name: dict(flat_tensors(torch.load(out / "ckpt" / f"step_{step:08d}" / name, weights_only=True)))
-        for name in ("model.pt", "optimizer.pt", "trainer.pt")
-    }
+    return checkpoint_tensors(out / "ckpt", step)
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +130,7 @@ def test_sigkilled_worker_resumes_bit_identical_with_loader_workers(
     kill_after = random.Random().randint(22, 45)
     events = tmp_path / "events.jsonl"
     agents = start_two_agents(tiny_cifar, tmp_path, workers=2)  # two loader workers: another split of the work
-    try:
-        wait_for(lambda: steps_seen(events) >= kill_after, 120, f"step {kill_after}", interval=0.005)
-        victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == 1)
-        os.kill(victim, signal.SIGKILL)
-    except BaseException:
-        wait_all(agents, timeout=0)
-        raise
+    kill_worker_after(agents, events, kill_after)
     assert wait_all(agents, timeout=240) == [0, 0], logs(tmp_path)
 
     restores = [e for e in read_events(events) if e["event"] == "restore"]
@@ -149,10 +140,7 @@ def test_sigkilled_worker_resumes_bit_identical_with_loader_workers(
 
     want, got = final_state(two_agent_run), final_state(tmp_path)
     assert any(k.endswith("running_var") for k in want["model.pt"]), "batch norm buffers are compared too"
-    for name in want:
-        assert want[name].keys() == got[name].keys()
-        different = [key for key in want[name] if not torch.equal(want[name][key], got[name][key])]
-        assert not different, f"{name}: {len(different)} tensors differ after the kill at step {kill_after}, e.g. {different[:3]}"
+    assert_same_tensors(want, got, f"after the kill at step {kill_after}")
 
 
 def test_missing_data_set_is_one_line_naming_the_file_and_where_to_get_it(tmp_path: Path) -> None:

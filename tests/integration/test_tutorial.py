@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from support import (
     REPO,
+    assert_same_tensors,
+    checkpoint_tensors,
     children_of,
-    flat_tensors,
     free_port,
+    kill_worker_after,
     logs,
     standalone_command,
     start_agents,
@@ -29,7 +30,6 @@ from support import (
     wait_all,
     wait_for,
     worker_env,
-    worker_rank,
 )
 
 from elastic.chaos.samples import audit
@@ -55,13 +55,6 @@ def start_two_agents(out: Path) -> list[subprocess.Popen]:
     return start_agents(2, command, out)
 
 
-def final_state(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        name: dict(flat_tensors(torch.load(out / "ckpt" / f"step_{STEPS:08d}" / name, weights_only=True)))
-        for name in ("model.pt", "optimizer.pt", "trainer.pt")
-    }
-
-
 def test_a_worker_killed_at_any_step_changes_nothing(tmp_path: Path) -> None:
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     clean.mkdir()
@@ -71,21 +64,13 @@ def test_a_worker_killed_at_any_step_changes_nothing(tmp_path: Path) -> None:
     kill_after = random.Random().randint(3, STEPS - 8)
     events = killed / "events.jsonl"
     agents = start_two_agents(killed)
-    try:
-        wait_for(lambda: steps_seen(events) >= kill_after, 120, f"step {kill_after}", interval=0.005)
-        victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == 1)
-        os.kill(victim, signal.SIGKILL)
-    except BaseException:
-        wait_all(agents, timeout=0)
-        raise
+    kill_worker_after(agents, events, kill_after)
     assert wait_all(agents, timeout=240) == [0, 0], logs(killed)
     assert [e for e in read_events(events) if e["event"] == "restore"], f"no restart after step {kill_after}"
-
-    want, got = final_state(clean), final_state(killed)
-    for name in want:
-        assert want[name].keys() == got[name].keys()
-        different = [key for key in want[name] if not torch.equal(want[name][key], got[name][key])]
-        assert not different, f"{name}: {different[:3]} differ after the kill at step {kill_after}"
+    assert_same_tensors(
+        checkpoint_tensors(clean / "ckpt", STEPS), checkpoint_tensors(killed / "ckpt", STEPS),
+        f"after the kill at step {kill_after}",
+    )
 
 
 def test_loader_path_uses_every_sample_once_across_world_sizes_2_3_1(tmp_path: Path) -> None:
