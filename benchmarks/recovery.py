@@ -10,7 +10,7 @@ trained `--settle` seconds after the previous recovery.
 
 - stock: `torchrun` as installed, its defaults (shared worker store across
   rounds, 30 s last call, 5 s keep-alive).
-- ours: `python -m elastic.launch` (fresh store per round, 2 s last call, 1 s
+- ours: `python -m elastic.launcher` (fresh store per round, 2 s last call, 1 s
   keep-alive, warm worker starts), the same flags otherwise.
 
 Per setting it prints recovery time (kill -> first completed step after the

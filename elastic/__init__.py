@@ -15,9 +15,9 @@ below it):
   `elastic.progress`, `elastic.replicas`, `elastic.rng`: one concern each.
 - `elastic.checkpoint`: the state manager (commit, verify, fall back, inspect).
 - `elastic.runtime`: who this worker is, its device and process group.
-- the launcher (`elastic.launch`, `elastic.warm_start`, `elastic.reaper`) and
-  the rendezvous plugin (`elastic.rendezvous`), which run beside the workers;
-  `elastic.chaos`, the fault-injection tooling and audits.
+- `elastic.launcher` (torchrevive-run, warm starts, the reaper) and
+  `elastic.rendezvous` (the etcd-v3 plugin) run beside the workers, in the
+  agent; `elastic.chaos` is the fault-injection tooling and audits.
 
 It never imports a recipe: dependencies point recipes -> elastic -> torch.
 """

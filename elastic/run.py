@@ -66,7 +66,12 @@ from elastic.chaos.faults import FaultInjector
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.manager import Stateful
 from elastic.cli import configure_logging
-from elastic.data import StepBatchSampler, StepSampler, make_workers_safe, step_sampler_of
+from elastic.data import (
+    StepBatchSampler,
+    StepSampler,
+    make_workers_safe,
+    step_sampler_of,
+)
 from elastic.errors import ElasticError, Preempted, UsageError
 from elastic.events import EventLog
 from elastic.metrics import DEFAULT_HOST, start_metrics
@@ -74,7 +79,13 @@ from elastic.preemption import PreemptionHandler
 from elastic.progress import Progress
 from elastic.replicas import gather_digests, parameter_digest
 from elastic.rng import seed_all
-from elastic.runtime import WorkerContext, adopt_worker, barrier, init_worker, shutdown_worker
+from elastic.runtime import (
+    WorkerContext,
+    adopt_worker,
+    barrier,
+    init_worker,
+    shutdown_worker,
+)
 from elastic.sampler import ElasticSampler
 from elastic.watchdog import NoWatchdog, Watchdog, watchdog
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
-from elastic.proctree import children as children_of  # noqa: F401 - re-exported
-from elastic.proctree import worker_rank  # noqa: F401 - re-exported
+from elastic.launcher.proctree import children as children_of  # noqa: F401 - re-exported
+from elastic.launcher.proctree import worker_rank  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
@@ -129,7 +129,7 @@ def standalone_command(
 ) -> list[str]:
     """A one-node torchrun job of `nproc` workers (its own c10d store on a free port);
     `record_samples` runs the script under `elastic.chaos.samples` (set ELASTIC_SAMPLE_LOG);
-    `launcher` is stock torchrun or ours (`elastic.launch`)."""
+    `launcher` is stock torchrun or ours (`elastic.launcher`)."""
     wrapper = ["-m", "elastic.chaos.samples"] if record_samples else []
     return [
         sys.executable, "-m", launcher, "--standalone",

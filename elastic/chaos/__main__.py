@@ -48,7 +48,7 @@ def build_parser() -> OneLineArgumentParser:
         "--hosts", choices=["loopback", "netns"], default="loopback",
         help="agents on this machine's loopback, or each on a host of its own (network namespaces; root)",
     )
-    p.add_argument("--launcher", choices=["ours", "stock"], default="ours", help="elastic.launch or plain torchrun")
+    p.add_argument("--launcher", choices=["ours", "stock"], default="ours", help="elastic.launcher or plain torchrun")
     p.add_argument("--steps", type=positive_int, default=None, help="steps of each job (default: 40; more for node-loss, scale-up, partition)")
     p.add_argument("--data", default=None, help="text for the recipe (default: this package's own sources)")
     p.add_argument("--workdir", default=None, help="keep jobs' logs, events and checkpoints here (default: temporary)")

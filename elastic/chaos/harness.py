@@ -1,7 +1,7 @@
 """Run an elastic job of several torchrun agents on this machine and hurt it.
 
 `ChaosJob` starts N agents of one job (the GPT recipe by default) under
-`elastic.launch` or stock torchrun, with c10d or etcd-v3 rendezvous, on
+`elastic.launcher` or stock torchrun, with c10d or etcd-v3 rendezvous, on
 loopback or each on a host of its own (`elastic.chaos.netns`), and offers the
 faults a cluster deals out: SIGKILL a worker, SIGKILL a whole agent with its
 workers (node loss), a new agent joining (scale up), SIGSTOP a worker (a
@@ -44,7 +44,7 @@ from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
-from elastic.proctree import descendants, worker_rank
+from elastic.launcher.proctree import descendants, worker_rank
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class JobSpec:
     """c10d: a free loopback port is picked; etcd-v3: HOST:PORT of etcd (required)."""
     max_restarts: int = 3
     launcher: str = "ours"
-    """`ours` (python -m elastic.launch) or `stock` (torch.distributed.run)."""
+    """`ours` (python -m elastic.launcher) or `stock` (torch.distributed.run)."""
     script: Path = RECIPE
     rdzv_conf: str = "join_timeout=60,close_timeout=10"
     env: dict[str, str] = field(default_factory=dict)
@@ -101,7 +101,7 @@ class ChaosJob:
 
     def command(self, index: int) -> list[str]:
         """Agent `index`'s command line (on its own host when the job has a network)."""
-        launcher = ["-m", "elastic.launch"] if self.spec.launcher == "ours" else ["-m", "torch.distributed.run"]
+        launcher = ["-m", "elastic.launcher"] if self.spec.launcher == "ours" else ["-m", "torch.distributed.run"]
         rdzv_conf = self.spec.rdzv_conf
         if self.spec.network and self.spec.backend == "c10d":
             # torch guesses which agent hosts the c10d store from the hostname, which every

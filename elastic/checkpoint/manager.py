@@ -35,8 +35,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch

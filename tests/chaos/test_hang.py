@@ -30,7 +30,7 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
     done = subprocess.run(
         # Our launcher: its reaper ends the SIGSTOPped worker when the group stops, where
         # stock torchrun waits 30 s for it to act on SIGTERM.
-        standalone_command(2, args, max_restarts=1, launcher="elastic.launch"),
+        standalone_command(2, args, max_restarts=1, launcher="elastic.launcher"),
         capture_output=True, text=True, timeout=240, cwd=REPO,
         env=worker_env(ELASTIC_FAULT=f"after_step@12:rank=1:do={action}"),
     )
@@ -50,7 +50,7 @@ def test_more_faults_than_max_restarts_fail_with_a_summary_and_a_good_checkpoint
         "--data", str(tiny_corpus), "--max-steps", "40", "--eval-every", "0", "--ckpt-dir", str(ckpt),
         "--ckpt-every", "5", *TINY_MODEL,
     ]
-    command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
                "--monitor-interval=0.5", str(REPO / "recipes" / "gpt.py"), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO,
                           env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:restart=any"))

@@ -24,7 +24,7 @@ from kube import K8S, PodProcess, find, local_executables, render
 from support import free_port, wait_for
 
 from elastic.events import read_events
-from elastic.proctree import descendants
+from elastic.launcher.proctree import descendants
 
 pytestmark = pytest.mark.slow
 

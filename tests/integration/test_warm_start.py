@@ -1,4 +1,4 @@
-"""`elastic.launch` starts workers warm (forked from a fork server that imported torch)
+"""`elastic.launcher` starts workers warm (forked from a fork server that imported torch)
 and a script must not be able to tell, except by the time it saves: what it sees,
 how it ends and what runs at its end are those of `python -u script.py`."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support import REPO, wait_for, worker_env
 
-from elastic.proctree import descendants, worker_rank
+from elastic.launcher.proctree import descendants, worker_rank
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def out(tmp_path: Path) -> Path:
 
 
 def launch(*args: str, env: dict[str, str] | None = None, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "elastic.launch", f"--nproc-per-node={nproc}", "--monitor-interval=0.2", *args]
+    command = [sys.executable, "-m", "elastic.launcher", f"--nproc-per-node={nproc}", "--monitor-interval=0.2", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env or worker_env())
 
 
@@ -101,7 +101,7 @@ def test_a_one_node_job_without_rendezvous_flags_runs_as_under_torchrun(out: Pat
 
 
 def test_relative_script_path_is_made_absolute(out: Path, probe: Path, tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=2", "scripts/probe.py", str(out)]
+    command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", "scripts/probe.py", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=worker_env(PYTHONPATH=str(REPO)))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -163,7 +163,7 @@ def test_a_failing_worker_reports_how_it_failed_and_runs_its_atexit_handlers(
 )
 def test_bad_script_or_preload_is_one_line_exit_2(tmp_path: Path, args: list[str], env: dict, message: str) -> None:
     (tmp_path / "probe.py").write_text("")
-    command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=1", *args]
+    command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=1", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path,
                           env=worker_env(PYTHONPATH=str(REPO), **env))
     assert done.returncode == 2
@@ -173,7 +173,7 @@ def test_bad_script_or_preload_is_one_line_exit_2(tmp_path: Path, args: list[str
 
 def test_workers_do_not_outlive_a_killed_agent(out: Path, probe: Path) -> None:
     """The agent dies by SIGKILL (OOM killer, node drain): its warm workers notice and exit."""
-    command = [sys.executable, "-m", "elastic.launch", "--standalone", "--nproc-per-node=2", str(probe), str(out), "sleep"]
+    command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", str(probe), str(out), "sleep"]
     agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=worker_env())
     tree: list[int] = []
     try:

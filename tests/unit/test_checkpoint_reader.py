@@ -11,7 +11,11 @@ import torch
 from gpt_model import GPT, GPTConfig, configure_optimizer, encode_text
 from support import fingerprint
 
-from elastic.checkpoint import CheckpointManager, CheckpointStore, load_newest_model_state
+from elastic.checkpoint import (
+    CheckpointManager,
+    CheckpointStore,
+    load_newest_model_state,
+)
 from elastic.checkpoint.store import Manifest, versions
 from elastic.errors import CheckpointError
 from elastic.runtime import init_worker

@@ -22,7 +22,7 @@ from elastic.data import (
     seeded_samples,
     step_sampler_of,
 )
-from elastic.proctree import status
+from elastic.launcher.proctree import status
 from elastic.sampler import ElasticSampler
 
 

@@ -9,8 +9,8 @@ import pytest
 from support import REPO
 
 from elastic.errors import UsageError
-from elastic.launch import RECOVERY_RDZV_CONF, merged_rdzv_conf
-from elastic.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
+from elastic.launcher.launch import RECOVERY_RDZV_CONF, merged_rdzv_conf
+from elastic.launcher.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
 
 
 def test_defaults_fill_an_empty_conf() -> None:
@@ -27,12 +27,12 @@ def test_user_values_win_and_other_keys_pass_through() -> None:
 
 
 def test_takes_torchrun_flags_and_rejects_what_torchrun_rejects() -> None:
-    done = subprocess.run([sys.executable, "-m", "elastic.launch", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "elastic.launcher", "--help"], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert done.returncode == 0
     for flag in ("--nnodes", "--rdzv-backend", "--rdzv-conf", "--max-restarts", "--monitor-interval", "--standalone"):
         assert flag in done.stdout
-    bad = subprocess.run([sys.executable, "-m", "elastic.launch", "--nnodes=x:y", "script.py"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "elastic.launcher", "--nnodes=x:y", "script.py"], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
     assert bad.returncode != 0
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from elastic.proctree import descendants, worker_rank
-from elastic.reaper import Reaper, stopped_with_sigterm_pending
+from elastic.launcher.proctree import descendants, worker_rank
+from elastic.launcher.reaper import Reaper, stopped_with_sigterm_pending
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 

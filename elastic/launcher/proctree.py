@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 WARM_WORKER_NAME = "python-rank"
-"""Warm workers name themselves `python-rank<RANK>` (`elastic.warm_start`)."""
+"""Warm workers name themselves `python-rank<RANK>` (`elastic.launcher.warm_start`)."""
 
 
 def children(pid: int) -> list[int]:

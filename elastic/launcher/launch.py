@@ -1,4 +1,4 @@
-"""`python -m elastic.launch` (or `torchrevive-run`): torchrun with recovery-friendly defaults.
+"""`python -m elastic.launcher` (or `torchrevive-run`): torchrun with recovery-friendly defaults.
 
 It is torchrun: it takes every torchrun flag (torch's own parser reads the
 command line) and runs torch's own launcher. It only changes defaults the user
@@ -15,7 +15,7 @@ did not set:
   once the minimum number of nodes is there), `keep_alive_interval=1` and
   `keep_alive_max_attempt=3` (a node that died is declared dead after about 3 s
   instead of 15 s). Values given in `--rdzv-conf` win.
-- Workers start warm (`elastic.warm_start`): forked from a fork server that
+- Workers start warm (`elastic.launcher.warm_start`): forked from a fork server that
   imported torch once per agent, instead of a fresh `python -u script.py`
   that imports torch on every restart. This is torchrun's own
   `--start-method=forkserver` and `--run-path`; `--no-python`, a
@@ -24,12 +24,12 @@ did not set:
 
 It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
-recovery's path), runs the stopped-worker reaper (`elastic.reaper`: a stopped
+recovery's path), runs the stopped-worker reaper (`elastic.launcher.reaper`: a stopped
 worker cannot act on the SIGTERM that stops its group, and torch would wait
 30 s before SIGKILL), and a script path that does not exist fails at once with
 one line instead of in every worker of every restart.
 
-README ("Recovery settings") explains each trade-off.
+docs/recovery.md ("Recovery settings") explains each trade-off.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from elastic import warm_start
 from elastic.errors import UsageError
-from elastic.reaper import start_reaper
+from elastic.launcher import warm_start
+from elastic.launcher.reaper import start_reaper
 from elastic.runtime import prefetch_slow_imports
 
 RECOVERY_RDZV_CONF = {

@@ -8,7 +8,7 @@ agent's workers a few times a second and SIGKILLs any that is stopped with
 SIGTERM pending: what torch would do 30 s later anyway.
 
 Invariants: it signals only this agent's workers (descendants that carry a
-torchrun RANK, see `elastic.proctree.worker_rank`), and only when it sees the
+torchrun RANK, see `elastic.launcher.proctree.worker_rank`), and only when it sees the
 same worker stopped (`T`, not traced `t`) with SIGTERM pending on two scans in
 a row, so that a SIGTERM followed at once by SIGCONT (a shell's `kill` of a
 stopped job, a scheduler resuming one) still reaches the worker's handler. It
@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic.proctree import descendants, status, worker_rank
+from elastic.launcher.proctree import descendants, status, worker_rank
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 torchrun starts every worker as a fresh `python -u script.py`, which imports
 torch before it can do anything else: 1 to 3 s on a small CPU, more when the
 workers of a node start together. A restart pays it again, on the critical path
-of every recovery. `elastic.launch` instead starts workers with torch's own
+of every recovery. `elastic.launcher` instead starts workers with torch's own
 `--start-method=forkserver` and `--run-path`: multiprocessing's fork server
 imports the modules named in `TORCHREVIVE_PRELOAD` (default: torch and
 torch._dynamo, which the first optimizer step imports, another 1-2 s) once per
@@ -55,7 +55,7 @@ import threading
 from collections.abc import Mapping
 
 from elastic.errors import UsageError
-from elastic.proctree import WARM_WORKER_NAME
+from elastic.launcher.proctree import WARM_WORKER_NAME
 
 PRELOAD_ENV = "TORCHREVIVE_PRELOAD"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
@@ -174,7 +174,7 @@ def main() -> None:
     [this file, *script arguments]: run the target as `python -u` would."""
     kind, _, target = os.environ.pop(TARGET_ENV, "").partition(":")
     if kind not in ("script", "module") or not target:
-        raise SystemExit(f"{__file__}: {TARGET_ENV} is not set: this file is run by elastic.launch in its workers")
+        raise SystemExit(f"{__file__}: {TARGET_ENV} is not set: this file is run by elastic.launcher in its workers")
     sys.argv = [target, *sys.argv[1:]]
     try:
         _run_target(kind, target)
