@@ -91,3 +91,43 @@ def test_compile_flag_trains_a_compiled_model(tmp_path: Path, tiny_corpus: Path)
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert [e["step"] for e in read_events(events_path) if e["event"] == "step"] == [1, 2, 3]
+
+
+def test_a_run_ends_with_a_sample_and_generate_reads_the_newest_checkpoint(tmp_path: Path, tiny_corpus: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    trained = run_recipe(
+        "--data", str(tiny_corpus), "--max-steps", "8", "--ckpt-every", "4", "--ckpt-dir", str(ckpt),
+        "--eval-every", "0", "--sample-tokens", "30", *TINY_MODEL,
+    )
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "sample:\ndef " in trained.stdout + trained.stderr, "a run shows what it learned"
+
+    first = run_recipe("--generate", "class ", "--ckpt-dir", str(ckpt), "--sample-tokens", "40", "--seed", "5", *TINY_MODEL)
+    again = run_recipe("--generate", "class ", "--ckpt-dir", str(ckpt), "--sample-tokens", "40", "--seed", "5", *TINY_MODEL)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert first.stdout.startswith("class ") and len(first.stdout.encode()) >= len("class ") + 1
+    assert first.stdout == again.stdout, "the same seed samples the same text"
+    assert "sampling from step_00000008 (step 8)" in first.stderr
+    assert not list(ckpt.glob("*.corrupt*")), "--generate only reads"
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ([], "--generate needs --ckpt-dir"),
+        (["--ckpt-dir", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        (["--n-embd", "96"], "pass the model flags the run was trained with"),
+    ],
+)
+def test_generate_refuses_in_one_line(tmp_path: Path, tiny_corpus: Path, extra: list[str], expected: str) -> None:
+    if "--n-embd" in extra:  # a checkpoint of the tiny model, read with another shape
+        ckpt = tmp_path / "ckpt"
+        trained = run_recipe("--data", str(tiny_corpus), "--max-steps", "2", "--ckpt-dir", str(ckpt), "--eval-every", "0",
+                             "--sample-tokens", "0", *TINY_MODEL)
+        assert trained.returncode == 0, trained.stderr[-2000:]
+        extra = ["--ckpt-dir", str(ckpt), *TINY_MODEL, *extra]
+    result = run_recipe("--generate", "x", *extra)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and expected in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
