@@ -426,6 +426,12 @@ def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
+def blocks_to_resolve(a: list[float], b: list[float], resolution: float = 0.01) -> int:
+    """Blocks that would narrow the 95 % interval to +-`resolution` at the spread these blocks show."""
+    spread = statistics.stdev(math.log(x / y) for x, y in zip(a, b, strict=True))
+    return max(2, math.ceil((1.96 * spread / math.log1p(resolution)) ** 2))
+
+
 def ratio_text(ratio: tuple[float, float, float]) -> str:
     return f"{ratio[0]:.3f} [95% CI {ratio[1]:.3f}-{ratio[2]:.3f}]"
 
@@ -502,7 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     on_off_mean = paired_ratio(mean_rate["recipe"], mean_rate["recipe_no_metrics"])
     print(f"metrics on / off: {ratio_text(on_off)} (1/median step), {ratio_text(on_off_mean)} (steps/seconds)")
     print(f"target ratio >= {TARGET}: {verdict(paired_ratio(median_rate['recipe'], median_rate['baseline']))}")
-    print(f"took {seconds:.0f} s")
+    needed = blocks_to_resolve(median_rate["recipe"], median_rate["baseline"])
+    print(
+        f"took {seconds:.0f} s; at this run's spread, an interval of +-1 % needs --blocks {needed} "
+        f"(about {seconds * needed / opts.blocks / 60:.0f} min)"
+    )
     return 0
 
 
