@@ -37,6 +37,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -184,6 +186,17 @@ class PreemptionHandler:
         if answer:
             self._reached_boundary.set()  # the checkpoint that follows may take its time
         return answer
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Work between steps (evaluation, the final save): a SIGTERM arriving now waits for
+        the caller's vote after it instead of ending the process after the grace."""
+        self._reached_boundary.set()
+        try:
+            yield
+        finally:
+            if not self._flag:
+                self._reached_boundary.clear()
 
     def uninstall(self) -> None:
         if self in _installed:

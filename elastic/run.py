@@ -37,12 +37,17 @@ Invariants (the ordering rules a recipe used to keep by hand):
 - Saves block the loop only to copy the state; writing runs behind the next
   steps. `finish` and a preemption block until the checkpoint is committed.
 - `pause()` marks work that is not a training step (evaluation, sampling):
-  the watchdog does not count it.
+  the watchdog does not count it, a SIGTERM during it waits for its end, and
+  the preemption vote taken then commits the step (a collective).
 - A loader passed to `batches` is iterated with the caller's random streams
   untouched (its workers' seeds are drawn from a forked generator), and its
-  workers die with the trainer and ignore the group's SIGTERM
-  (`elastic.data.SafeWorkerInit`). If it is driven by `batch_sampler()` /
-  `sampler()`, every step checks the batch it yields is the sampler's.
+  workers die with the trainer (fork-started workers, on Linux) and ignore the
+  group's SIGTERM (`elastic.data.SafeWorkerInit`). If it is driven by
+  `batch_sampler()` / `sampler_for_loader()`, every step checks the batch it
+  yields is the sampler's.
+- Leaving `batches` with `break` after the body's `optimizer.step()` counts
+  that step as done (data position and step advance), so the final checkpoint
+  matches the weights it holds.
 """
 
 from __future__ import annotations
@@ -201,9 +206,10 @@ class Run:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        failed = exc_type is not None
+        # Preempted is raised on every rank at the same step, after a barrier: they leave together.
+        failed = exc_type is not None and not issubclass(exc_type, Preempted)
         try:
-            if not failed and self._started and not self._finished:
+            if exc_type is None and self._started and not self._finished:
                 self.finish()
         except BaseException:
             failed = True
@@ -219,12 +225,14 @@ class Run:
             raise
         finally:
             if self._owns_group:
-                if not failed:
-                    # Leave together: a rank tearing its gloo pairs down while a peer still
-                    # drains the last collective aborts that peer at exit.
-                    barrier(self._context)
-                shutdown_worker()  # on failure peers may be gone: no barrier
-                self._owns_group = False
+                try:
+                    if not failed:
+                        # Leave together: a rank tearing its gloo pairs down while a peer still
+                        # drains the last collective aborts that peer at exit.
+                        barrier(self._context)
+                finally:
+                    shutdown_worker()  # on failure peers may be gone: no barrier
+                    self._owns_group = False
 
     @property
     def _context(self) -> WorkerContext:
@@ -299,6 +307,9 @@ class Run:
             scheduler=scheduler, scaler=scaler, sampler=self.sampler, events=self.events, seed=cfg.seed, extra=extra,
         )
         self._stack.callback(self.checkpoints.close)
+        self._optimizer_steps = 0  # tells a `break` after optimizer.step() from one before it
+        hook = optimizer.register_step_post_hook(lambda *_: self._count_optimizer_step())
+        self._stack.callback(hook.remove)
         seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
         self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace)
         self._stack.callback(self._preemption.uninstall)
@@ -317,6 +328,9 @@ class Run:
                 parameters / 1e6, num_samples, ctx.world_size, ctx.device, self.step,
             )
         return self.step
+
+    def _count_optimizer_step(self) -> None:
+        self._optimizer_steps += 1
 
     @property
     def epoch(self) -> int:
@@ -351,10 +365,11 @@ class Run:
 
         Without `loader`, the batch is this rank's sample indices (a tensor).
         The step's bookkeeping runs when the next batch is asked for (see the
-        module docstring); a `break` skips it for the step it left.
+        module docstring); a `break` after the body's optimizer step counts that step
+        as done, a `break` before it leaves the step untrained.
         """
         ctx = self._context
-        sampler = self._sampler_checked()
+        self._sampler_checked()
         if self._progress is None:
             unit = "tokens" if self._tokens_per_sample else "samples"
             self._progress = Progress(
@@ -364,6 +379,13 @@ class Run:
         source, issued = self._open(loader) if self.step < max_steps else (None, None)
         self._loop_started = time.perf_counter()
         self._last_report = time.time()
+        try:
+            yield from self._steps(source, issued, max_steps)
+        finally:
+            self._loop_seconds += time.perf_counter() - self._loop_started
+
+    def _steps(self, source: Iterator[Any] | None, issued: Any, max_steps: int) -> Iterator[Any]:
+        ctx, sampler = self._context, self.sampler
         while self.step < max_steps:
             expected = sampler.local_batch(ctx.rank, ctx.world_size)
             if source is None:
@@ -381,16 +403,30 @@ class Run:
                         f"step {self.step + 1}: the data loader produced other samples than the sampler assigns "
                         f"to rank {ctx.rank} (was it iterated elsewhere?)"
                     )
-            yield batch
+            stepped_before = self._optimizer_steps
+            try:
+                yield batch
+            except GeneratorExit:  # the loop left with `break`
+                if self._optimizer_steps != stepped_before:  # ... after training on this batch
+                    self.sampler.advance(ctx.world_size)
+                    self.step += 1
+                    self._report_pending()
+                    self._pending = _StepRecord(self.step, self._loss, time.time())
+                raise
             self._end_step()
         self._report_pending()
-        self._loop_seconds += time.perf_counter() - self._loop_started
 
     def _open(self, loader: Iterable[Any] | None) -> tuple[Iterator[Any] | None, StepBatchSampler | StepSampler | None]:
         if loader is None:
             return None, None
         make_workers_safe(loader)
         issued = step_sampler_of(loader)
+        loader_batch = getattr(loader, "batch_size", None)
+        if isinstance(issued, StepSampler) and loader_batch != self.sampler.batch_size:
+            raise UsageError(
+                f"DataLoader(batch_size={loader_batch}) with run.sampler_for_loader() must take the batch size "
+                f"given to run.start() ({self.sampler.batch_size}): each step is one batch"
+            )
         # A DataLoader draws its workers' base seed from torch's global generator when it is
         # iterated: a resumed run, iterating at another step, would leave that stream elsewhere.
         with torch.random.fork_rng(devices=[]):
@@ -448,8 +484,10 @@ class Run:
     def pause(self) -> Iterator[None]:
         """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it."""
         self._report_pending()
-        with self.watchdog.paused():
+        with self.watchdog.paused(), self._preemption.hold():
             yield
+        if self._preemption.requested():  # SIGTERM arrived meanwhile: commit this step, then leave
+            self._commit_and_stop()
 
     def event(self, kind: str, **fields: Any) -> None:
         """Append an event (e.g. "eval") at the current step to the event log (rank 0)."""
@@ -476,8 +514,9 @@ class Run:
         self._finished = True
         self._report_pending()
         self.watchdog.close()  # what follows is not a training step
-        self.checkpoints.save(self.step, reason="final")
-        self.checkpoints.flush()
+        with self._preemption.hold():  # a SIGTERM now waits for the final checkpoint
+            self.checkpoints.save(self.step, reason="final")
+            self.checkpoints.flush()
         digests = gather_digests(ctx, parameter_digest(self.model))
         self.events.emit(
             "end", step=self.step, world_size=ctx.world_size, loss=self.last_loss, param_digests=digests, **end_fields

@@ -54,7 +54,7 @@ from elastic.checkpoint.store import (
     versions,
 )
 from elastic.checkpoint.writer import BackgroundWriter
-from elastic.errors import CheckpointError, CheckpointMismatchError
+from elastic.errors import CheckpointError, CheckpointMismatchError, UsageError
 from elastic.events import EventLog
 from elastic.rng import get_rng_state, seed_all, set_rng_state
 from elastic.runtime import WorkerContext, barrier, control_group
@@ -68,6 +68,28 @@ TRAINER_FILE = "trainer.pt"
 
 # Ranks a grown job has no saved RNG state for are seeded from (seed, step, rank).
 _RESEED_STRIDE = 1_000_003
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None))
+
+
+def plain_state(name: str, tree: Any, path: str = "") -> Any:
+    """`tree` if a `weights_only` load can read it back (tensors and plain values in dicts,
+    lists and tuples); else a `UsageError` at save time, not a failed restore later."""
+    if isinstance(tree, _PLAIN_LEAVES) and (isinstance(tree, torch.Tensor) or type(tree) in _PLAIN_LEAVES):
+        return tree
+    if type(tree) is dict:
+        for key, value in tree.items():
+            plain_state(name, value, f"{path}[{key!r}]")
+        return tree
+    if type(tree) in (list, tuple):
+        for i, value in enumerate(tree):
+            plain_state(name, value, f"{path}[{i}]")
+        return tree
+    raise UsageError(
+        f"extra state {name!r}: state_dict(){path} is a {type(tree).__module__}.{type(tree).__qualname__}; "
+        "checkpoints hold tensors and plain values only (int, float, str, lists, dicts: convert it)"
+    )
 
 
 class Stateful(Protocol):
@@ -242,6 +264,13 @@ class CheckpointManager:
                 f"{sorted(self._extra)}; register the same objects to resume"
             )
 
+        for name, obj in self._extra.items():  # first: the user's code may refuse the state
+            try:
+                obj.load_state_dict(saved_extra[name])
+            except Exception as exc:  # noqa: BLE001 - whatever it raises is one line naming the object
+                raise CheckpointMismatchError(
+                    f"checkpoint {candidate.name}: extra state {name!r} does not load ({type(exc).__name__}: {exc})"
+                ) from None
         self._model.load_state_dict(model_state)
         self._optimizer.load_state_dict(optimizer_state)
         if self._scheduler is not None and trainer["scheduler"] is not None:
@@ -249,8 +278,6 @@ class CheckpointManager:
         if self._scaler is not None:
             self._scaler.load_state_dict(trainer["scaler"])
         self._sampler.load_state_dict(sampler_state)
-        for name, obj in self._extra.items():
-            obj.load_state_dict(saved_extra[name])
         rng_states = trainer["rng"]
         if self._ctx.rank < len(rng_states):
             set_rng_state(rng_states[self._ctx.rank], self._ctx.device)
@@ -274,6 +301,8 @@ class CheckpointManager:
         if not self.enabled or step == self.last_step:
             return
         started, wall_started = time.perf_counter(), time.time()
+        # Every rank checks the extra state, so a bad one fails everywhere at this step, not on rank 0 alone.
+        extra = {name: plain_state(name, obj.state_dict()) for name, obj in self._extra.items()}
         rng_states = self._gather_rng()
         self.last_step = step
         if not self._ctx.is_main:
@@ -281,7 +310,7 @@ class CheckpointManager:
         self._collect(block=True)  # at most one save in flight
         self._prepare()
         now = copy_now(
-            {"trainer": self._trainer_state(step, rng_states), "buffers": dict(self._model.named_buffers())},
+            {"trainer": self._trainer_state(step, rng_states, extra), "buffers": dict(self._model.named_buffers())},
             self._pool, self._ctx.device, self._copy_stream,
         )
         record = _SaveRecord(
@@ -325,14 +354,14 @@ class CheckpointManager:
         dist.gather_object(mine, gathered if self._ctx.is_main else None, dst=0, group=control_group())
         return gathered
 
-    def _trainer_state(self, step: int, rng_states: list[dict[str, Any]]) -> dict[str, Any]:
+    def _trainer_state(self, step: int, rng_states: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
         return {
             "step": step,
             "world_size": self._ctx.world_size,
             "sampler": self._sampler.state_dict(),
             "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-            "extra": {name: obj.state_dict() for name, obj in self._extra.items()},
+            "extra": extra,
             "rng": rng_states,
         }
 

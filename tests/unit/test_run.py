@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ def train(tmp_path: Path, max_steps: int, *, extra: dict[str, Any] | None = None
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            for obj in (extra or {}).values():
+            for obj in (e for e in (extra or {}).values() if isinstance(e, Counter)):
                 obj.seen += len(x)
                 obj.total += x.sum(dim=0)
             run.log(loss)
@@ -203,3 +205,84 @@ def test_the_loop_must_start_first() -> None:
     with elastic.Run(device="cpu") as run:
         with pytest.raises(RuntimeError, match="call Run.start"):
             run.batch_sampler()
+
+
+class NumpyBest:
+    """Extra state holding a numpy scalar: saves with torch.save, but no weights_only load reads it."""
+
+    def __init__(self) -> None:
+        self.best = np.float64(1.5)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]
+
+
+class Picky(Counter):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise KeyError("total")
+
+
+def test_extra_state_that_could_not_be_loaded_back_fails_at_save_time(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"extra state 'best': state_dict\(\)\['best'\] is a numpy.float64"):
+        train(tmp_path, 3, extra={"best": NumpyBest()})
+    assert not list((tmp_path / "ckpt").glob("step_*")), "nothing was committed"
+
+
+def test_extra_state_refused_by_its_object_changes_nothing(tmp_path: Path) -> None:
+    train(tmp_path, 3, extra={"counter": Counter()})
+    with elastic.Run(device="cpu", seed=3, ckpt_dir=str(tmp_path / "ckpt")) as run:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(CheckpointMismatchError, match="extra state 'counter' does not load \\(KeyError"):
+            run.start(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), data=data(), batch_size=4,
+                      extra={"counter": Picky()})
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "the model was not touched"
+
+
+def test_break_after_the_optimizer_step_counts_that_step(tmp_path: Path) -> None:
+    dataset = data()
+    with elastic.Run(device="cpu", seed=3, ckpt_dir=str(tmp_path / "ckpt")) as run:
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.start(model=model, optimizer=optimizer, data=dataset, batch_size=4)
+        for x, y in run.batches(DataLoader(dataset, batch_sampler=run.batch_sampler()), max_steps=10):
+            if run.step == 5:
+                break  # before training on the 6th batch: not a step
+        for x, y in run.batches(DataLoader(dataset, batch_sampler=run.batch_sampler()), max_steps=10):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if run.step == 6:
+                break  # after training on the 7th: a step
+        assert run.step == 7 and run.sampler.state.consumed == 28
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
+    assert saved[-1] == "step_00000007"
+
+
+def test_a_loader_batch_size_other_than_the_runs_is_one_line(tmp_path: Path) -> None:
+    dataset = data()
+    with pytest.raises(UsageError, match=r"DataLoader\(batch_size=3\) with run.sampler_for_loader\(\) must take .* \(4\)"):
+        with elastic.Run(device="cpu") as run:
+            model = torch.nn.Linear(3, 1)
+            run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset, batch_size=4)
+            for _ in run.batches(DataLoader(dataset, sampler=run.sampler_for_loader(), batch_size=3), max_steps=2):
+                pass
+
+
+def test_sigterm_during_a_pause_waits_for_it_then_commits_the_step(tmp_path: Path) -> None:
+    with pytest.raises(Preempted, match="after step 3"):
+        with elastic.Run(device="cpu", ckpt_dir=str(tmp_path / "ckpt"), term_grace=0.2,
+                         events=str(tmp_path / "ev.jsonl")) as run:
+            model = torch.nn.Linear(2, 1)
+            run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=16, batch_size=2)
+            for _ in run.batches(max_steps=100):
+                if run.step == 3:
+                    with run.pause():  # an evaluation longer than the grace
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        time.sleep(1.0)
+    saved = [e for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "checkpoint"]
+    assert [(e["step"], e["reason"]) for e in saved] == [(3, "preemption")]
