@@ -66,7 +66,10 @@ def test_a_worker_killed_at_any_step_changes_nothing(tmp_path: Path) -> None:
     agents = start_two_agents(killed)
     kill_worker_after(agents, events, kill_after)
     assert wait_all(agents, timeout=240) == [0, 0], logs(killed)
-    assert [e for e in read_events(events) if e["event"] == "restore"], f"no restart after step {kill_after}"
+    # A second group started (before the first checkpoint, at step 7, it starts over: no restore event;
+    # rank 0's agent may count the new round as a membership change, not a restart).
+    starts = [e for e in read_events(events) if e["event"] == "start"]
+    assert len(starts) >= 2, f"no new worker group after the kill at step {kill_after}"
     assert_same_tensors(
         checkpoint_tensors(clean / "ckpt", STEPS), checkpoint_tensors(killed / "ckpt", STEPS),
         f"after the kill at step {kill_after}",
