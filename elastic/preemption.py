@@ -40,18 +40,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from elastic.errors import Preempted
 from elastic.runtime import WorkerContext, control_group
-
-if TYPE_CHECKING:  # annotations only: the checkpoint manager imports this module's neighbours
-    from elastic.checkpoint import CheckpointManager
-    from elastic.progress import Progress
-    from elastic.watchdog import NoWatchdog, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -212,13 +205,3 @@ class PreemptionHandler:
             writer.close()
             self._wakeup = None
 
-
-def commit_and_stop(step: int, ckpt: CheckpointManager, hang: Watchdog | NoWatchdog, progress: Progress) -> NoReturn:
-    """A preempted loop's way out: commit `step` on every rank (a collective), then raise
-    `Preempted`, whose exit status (143) tells torchrun the worker was stopped."""
-    with hang.paused():  # a slow filesystem is not a hang
-        ckpt.save(step, reason="preemption")
-        ckpt.flush()
-    progress.close()
-    saved = f"checkpoint committed in {ckpt.store.root}" if ckpt.enabled else "no --ckpt-dir, nothing saved"
-    raise Preempted(f"stopped by SIGTERM after step {step}; {saved}")

@@ -408,10 +408,7 @@ class Run:
                 yield batch
             except GeneratorExit:  # the loop left with `break`
                 if self._optimizer_steps != stepped_before:  # ... after training on this batch
-                    self.sampler.advance(ctx.world_size)
-                    self.step += 1
-                    self._report_pending()
-                    self._pending = _StepRecord(self.step, self._loss, time.time())
+                    self._count_step()
                 raise
             self._end_step()
         self._report_pending()
@@ -436,14 +433,16 @@ class Run:
         """The loss of the step being trained; read out one step later (no device sync now)."""
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
 
-    def _end_step(self) -> None:
-        ctx = self._context
-        self.sampler.advance(ctx.world_size)
+    def _count_step(self) -> None:
+        """This rank's part of a step's end: data position, step count, the loss read-outs."""
+        self.sampler.advance(self._context.world_size)
         self.step += 1
-        if self._pending is not None:
-            self._report(self._pending)
+        self._report_pending()
         self._pending = _StepRecord(self.step, self._loss, time.time())
         self._loss = None
+
+    def _end_step(self) -> None:
+        self._count_step()
         if self._preemption.requested():  # SIGTERM on any rank: commit this step, then leave
             self._report_pending()
             self._commit_and_stop()

@@ -51,7 +51,6 @@ STD = (0.2470, 0.2435, 0.2616)
 # CIFAR-10's training set size; a smaller test set keeps a smoke run's evaluations short.
 FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 50_000, 1_000
 
-_SAMPLE_SEED_MASK = 2**63 - 1
 
 
 # --- the files on disk ------------------------------------------------------------
