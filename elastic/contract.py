@@ -25,7 +25,7 @@ from elastic.runtime import DEVICE_CHOICES
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, *, ckpt_every: int) -> None:
     """--events, --device, --metrics-port/--metrics-host, --ckpt-dir/--ckpt-every/--ckpt-keep,
-    --collective-timeout, --term-grace, --hang-timeout."""
+    --ckpt-max-failures/--ckpt-timeout, --collective-timeout, --term-grace, --hang-timeout."""
     p = parser
     p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
@@ -35,6 +35,14 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, ckpt_every: int) -
         "--ckpt-every", type=non_negative_int, default=ckpt_every, help="steps between checkpoints (0: only the final one)"
     )
     p.add_argument("--ckpt-keep", type=int_at_least(2), default=3, help="committed checkpoints to keep (a fallback needs 2)")
+    p.add_argument(
+        "--ckpt-max-failures", type=int_at_least(1), default=3,
+        help="checkpoints that may fail in a row (full disk, I/O errors) before the job stops with status 75",
+    )
+    p.add_argument(
+        "--ckpt-timeout", type=positive_float, default=600.0,
+        help="seconds the final or a preemption checkpoint may take to commit; else stop with status 75",
+    )
     p.add_argument("--collective-timeout", type=positive_float, default=300.0, help="seconds before a collective fails")
     p.add_argument(
         "--term-grace", type=positive_float, default=15.0,

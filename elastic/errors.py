@@ -28,6 +28,21 @@ class CheckpointError(ElasticError):
     """No checkpoint can be loaded: all are corrupt, or the directory is unusable."""
 
 
+class CheckpointStorageError(CheckpointError):
+    """The checkpoint storage refuses writes (full, over quota, read-only, failing):
+    saves failed `--ckpt-max-failures` times in a row, or the final or preemption
+    save failed, or a restart finds the storage still unusable. The committed
+    checkpoints are intact; training on would only lose more work.
+
+    Exit status 75 (EX_TEMPFAIL: fix the storage and run again). The launcher
+    does not restart a group that exits with it.
+    """
+
+    exit_code = 75
+    raised_everywhere = True
+    """Raised on every rank at the same step, so the ranks leave together."""
+
+
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint that verifies but belongs to another model, optimizer or data set."""
 
@@ -42,3 +57,4 @@ class Preempted(ElasticError):
     """
 
     exit_code = 143
+    raised_everywhere = True

@@ -6,6 +6,9 @@ Invariants:
 - The file is only ever appended to (O_APPEND, one write per line), never
   rewritten, so one file holds the whole history of a job across restarts and a
   worker killed mid-write leaves at most one torn last line, which readers skip.
+- A log that cannot be created is a `UsageError` (one line); one that cannot be
+  written any more (a full disk) stops being written with one warning, and
+  training goes on: events are a record, not state.
 - Only the main rank writes; every other rank holds a disabled log whose
   `emit` writes nothing, so recipes call it unconditionally.
 - Listeners (`subscribe`) see every event on every rank, written or not: the
@@ -24,9 +27,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from elastic.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
-EVENT_KINDS = ("start", "step", "eval", "checkpoint", "restore", "end")
+EVENT_KINDS = ("start", "step", "eval", "checkpoint", "checkpoint_failed", "checkpoint_skipped", "restore", "end")
 
 
 class EventLog:
@@ -43,9 +48,13 @@ class EventLog:
         self._clock = clock
         self._fd: int | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._path = path
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise UsageError(f"--events {path}: cannot create the event log: {exc.strerror or exc}") from None
 
     @property
     def enabled(self) -> bool:
@@ -71,7 +80,11 @@ class EventLog:
         }
         if self._fd is not None:
             line = json.dumps(record, separators=(",", ":")) + "\n"
-            os.write(self._fd, line.encode())
+            try:
+                os.write(self._fd, line.encode())
+            except OSError as exc:  # a full disk must not stop training: the log is a record, not state
+                logger.warning("event log %s: %s; no more events are written to it", self._path, exc.strerror or exc)
+                self.close()
         for listener in list(self._listeners):
             try:
                 listener(record)

@@ -77,6 +77,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "checkpoint_blocking_seconds": ("histogram", "Seconds the training loop blocked per checkpoint (rank 0)."),
     "checkpoint_write_seconds": ("histogram", "Seconds from a checkpoint's start to its commit, mostly in the background (rank 0)."),
     "checkpoint_last_step": ("gauge", "Step of the newest committed checkpoint (-1: none yet)."),
+    "checkpoint_failures_total": ("counter", "Checkpoints that failed to write (full disk, I/O errors); training went on (rank 0)."),
+    "checkpoint_skipped_total": ("counter", "Periodic checkpoints skipped because the previous one was still being written (rank 0)."),
     "restarts": ("gauge", "Times the agent restarted this worker group after failures (TORCHELASTIC_RESTART_COUNT)."),
     "world_size": ("gauge", "Workers in the job in this rendezvous round."),
     "restore_seconds": ("gauge", "Seconds this worker spent loading the checkpoint it resumed from (0: fresh start)."),
@@ -188,6 +190,10 @@ class TrainingMetrics:
             self._m["checkpoint_blocking_seconds"].observe(record.get("blocking_seconds", 0.0))
             self._m["checkpoint_write_seconds"].observe(record.get("seconds", 0.0))
             self._m["checkpoint_last_step"].set(record["step"])
+        elif kind == "checkpoint_failed" and "checkpoint_failures_total" in self._m:
+            self._m["checkpoint_failures_total"].inc()
+        elif kind == "checkpoint_skipped" and "checkpoint_skipped_total" in self._m:
+            self._m["checkpoint_skipped_total"].inc()
         elif kind == "restore":
             self._m["restore_seconds"].set(record.get("seconds", 0.0))
             self._m["restored_step"].set(record["step"])

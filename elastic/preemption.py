@@ -170,13 +170,19 @@ class PreemptionHandler:
 
     def requested(self) -> bool:
         """Whether any rank was signalled (a collective: call it on every rank at every step)."""
+        return self.vote()[0]
+
+    def vote(self, *flags: bool) -> tuple[bool, ...]:
+        """`requested()`, and for each of this rank's `flags` whether any rank raised it:
+        one collective for the step's every stop reason."""
+        mine = [self._flag, *flags]
         if not self._ctx.distributed:
-            answer = self._flag
+            answer = tuple(mine)
         else:
-            vote = torch.tensor([1 if self._flag else 0], dtype=torch.int32)
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=control_group())
-            answer = bool(vote.item())
-        if answer:
+            votes = torch.tensor([int(v) for v in mine], dtype=torch.int32)
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=control_group())
+            answer = tuple(bool(v) for v in votes.tolist())
+        if answer[0]:
             self._reached_boundary.set()  # the checkpoint that follows may take its time
         return answer
 

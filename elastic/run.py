@@ -35,7 +35,14 @@ Invariants (the ordering rules a recipe used to keep by hand):
   save starts, and only then the watchdog is fed, so a slow save never looks
   like a hang and a hang inside a save is still caught.
 - Saves block the loop only to copy the state; writing runs behind the next
-  steps. `finish` and a preemption block until the checkpoint is committed.
+  steps, and a save due while the previous one is still being written is
+  skipped. `finish` and a preemption block until the checkpoint is committed
+  (within `ckpt_timeout`, in slices that keep every collective short).
+- A failed save is a warning, an event and a metric, and training goes on.
+  After `ckpt_max_failures` in a row (the vote carries rank 0's verdict), or
+  when the final or preemption save fails, every rank raises
+  `CheckpointStorageError` (exit status 75) at the same step; the committed
+  checkpoints are intact.
 - `pause()` marks work that is not a training step (evaluation, sampling):
   the watchdog does not count it, a SIGTERM during it waits for its end, and
   the preemption vote taken then commits the step (a collective).
@@ -77,7 +84,7 @@ from elastic.data import (
     make_workers_safe,
     step_sampler_of,
 )
-from elastic.errors import ElasticError, Preempted, UsageError
+from elastic.errors import CheckpointStorageError, ElasticError, Preempted, UsageError
 from elastic.events import EventLog
 from elastic.metrics import DEFAULT_HOST, start_metrics
 from elastic.preemption import PreemptionHandler
@@ -112,6 +119,10 @@ class RunConfig:
     """Steps between checkpoints (0: only the final one and on SIGTERM)."""
     ckpt_keep: int = 3
     """Committed checkpoints to keep; at least 2, so a torn newest one has a fallback."""
+    ckpt_max_failures: int = 3
+    """Periodic saves that may fail in a row (full disk, I/O errors) before the job stops with exit 75."""
+    ckpt_timeout: float = 600.0
+    """Seconds the final or a preemption checkpoint may take to commit before the job stops with exit 75."""
     events: str | None = None
     """Append the JSON-lines event log here (rank 0)."""
     device: str = "auto"
@@ -134,6 +145,8 @@ class RunConfig:
             raise UsageError(f"ckpt_every={self.ckpt_every} must be 0 or more")
         if self.ckpt_keep < 2:
             raise UsageError(f"ckpt_keep={self.ckpt_keep} must be at least 2 (a fallback needs two)")
+        if self.ckpt_max_failures < 1 or self.ckpt_timeout <= 0:
+            raise UsageError("ckpt_max_failures must be at least 1 and ckpt_timeout above 0")
         if self.collective_timeout <= 0 or self.term_grace <= 0 or self.hang_timeout < 0:
             raise UsageError("collective_timeout and term_grace must be above 0, hang_timeout 0 or more")
         if not 0 <= self.metrics_port <= 65535:
@@ -206,8 +219,8 @@ class Run:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        # Preempted is raised on every rank at the same step, after a barrier: they leave together.
-        failed = exc_type is not None and not issubclass(exc_type, Preempted)
+        # Preempted and a storage stop are raised on every rank at the same step: they leave together.
+        failed = exc_type is not None and not getattr(exc_type, "raised_everywhere", False)
         try:
             if exc_type is None and self._started and not self._finished:
                 self.finish()
@@ -305,6 +318,9 @@ class Run:
         self.checkpoints = CheckpointManager(
             ctx, cfg.ckpt_dir, every=cfg.ckpt_every, keep=cfg.ckpt_keep, model=self.model, optimizer=optimizer,
             scheduler=scheduler, scaler=scaler, sampler=self.sampler, events=self.events, seed=cfg.seed, extra=extra,
+            max_failures=cfg.ckpt_max_failures, timeout=cfg.ckpt_timeout,
+            # Waits for storage come in slices far below the collective and hang timeouts.
+            wait_slice=min(5.0, cfg.collective_timeout / 4, (cfg.hang_timeout or math.inf) / 4),
         )
         self._stack.callback(self.checkpoints.close)
         self._optimizer_steps = 0  # tells a `break` after optimizer.step() from one before it
@@ -443,9 +459,13 @@ class Run:
 
     def _end_step(self) -> None:
         self._count_step()
-        if self._preemption.requested():  # SIGTERM on any rank: commit this step, then leave
+        preempted, storage_failing = self._preemption.vote(self.checkpoints.must_stop)
+        if preempted:  # SIGTERM on any rank: commit this step, then leave
             self._report_pending()
             self._commit_and_stop()
+        if storage_failing:  # rank 0's saves keep failing: stop before more work is lost
+            self._report_pending()
+            raise CheckpointStorageError(self.checkpoints.share_stop_reason())
         self.checkpoints.maybe_save(self.step)
         self._faults.at("after_step", self.step)
         self.watchdog.beat(self.step)

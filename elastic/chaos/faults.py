@@ -9,26 +9,36 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=...:restart=any           fire on every attempt, not only the first
     ELASTIC_FAULT=after_step@15:do=stop     SIGSTOP itself (a frozen host) instead
     ELASTIC_FAULT=after_step@15:do=hang     block its main thread forever (a deadlock)
+    ELASTIC_FAULT=during_write@20+:do=enospc
+                                            every save from step 20 on fails as on a
+                                            full disk (rank 0's writer, after the
+                                            first file is half written)
+    ELASTIC_FAULT=during_write@20:do=slow:for=40
+                                            step 20's save stalls 40 s (slow storage)
 
 A fault fires only on restart 0 unless `restart=` says otherwise, so a job
 that torchrun restarts after the fault runs on undisturbed. Several faults
-are separated by commas. The default death is SIGKILL: no handler, no flush,
-no cleanup runs, as when a machine or the OOM killer takes a process. `stop`
-and `hang` leave the process alive and silent: only hang detection
-(`elastic.watchdog`) gets the job going again.
+are separated by commas; `@N+` matches step N and every later one. The
+default death is SIGKILL: no handler, no flush, no cleanup runs, as when a
+machine or the OOM killer takes a process. `stop` and `hang` leave the process
+alive and silent: only hang detection (`elastic.watchdog`) gets the job going
+again. `enospc` and `slow` are storage faults: the first raises the OSError a
+full disk gives, the second sleeps `for` seconds (default 30) in the writer.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from elastic.errors import UsageError
 
-FAULT_POINTS = ("before_commit", "after_step")
-ACTIONS = ("kill", "stop", "hang")
+FAULT_POINTS = ("during_write", "before_commit", "after_step")
+ACTIONS = ("kill", "stop", "hang", "enospc", "slow")
 ENV_VAR = "ELASTIC_FAULT"
 
 
@@ -40,6 +50,13 @@ class Fault:
     restart: int | None = 0
     """The attempt (TORCHELASTIC_RESTART_COUNT) it fires on; None: every attempt."""
     action: str = "kill"
+    onwards: bool = False
+    """Fire at `step` and at every later step (`@N+`)."""
+    seconds: float = 30.0
+    """How long `slow` stalls."""
+
+    def matches(self, point: str, step: int) -> bool:
+        return self.point == point and (step >= self.step if self.onwards else step == self.step)
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -48,9 +65,11 @@ def parse_faults(text: str) -> list[Fault]:
     for entry in filter(None, (part.strip() for part in text.split(","))):
         head, *options = entry.split(":")
         point, sep, step = head.partition("@")
+        onwards = step.endswith("+")
+        step = step.removesuffix("+")
         if point not in FAULT_POINTS or not sep or not step.isdigit():
-            raise UsageError(f"{ENV_VAR} entry {entry!r} must look like POINT@STEP with POINT one of {FAULT_POINTS}")
-        fields: dict[str, int | str | None] = {}
+            raise UsageError(f"{ENV_VAR} entry {entry!r} must look like POINT@STEP[+] with POINT one of {FAULT_POINTS}")
+        fields: dict[str, int | str | float | bool | None] = {"onwards": onwards}
         for option in options:
             key, _, value = option.partition("=")
             if key == "rank" and value.isdigit():
@@ -59,9 +78,12 @@ def parse_faults(text: str) -> list[Fault]:
                 fields["restart"] = None if value == "any" else int(value)
             elif key == "do" and value in ACTIONS:
                 fields["action"] = value
+            elif key == "for" and value.replace(".", "", 1).isdigit():
+                fields["seconds"] = float(value)
             else:
                 raise UsageError(
-                    f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N, restart=N|any or do={'|'.join(ACTIONS)}"
+                    f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N, restart=N|any, for=SECONDS "
+                    f"or do={'|'.join(ACTIONS)}"
                 )
         faults.append(Fault(point, int(step), **fields))  # type: ignore[arg-type]
     return faults
@@ -78,7 +100,12 @@ class FaultInjector:
 
     def at(self, point: str, step: int) -> None:
         for fault in self._faults:
-            if fault.point == point and fault.step == step:
+            if fault.matches(point, step):
                 if fault.action == "hang":
                     threading.Event().wait()  # never set: this thread is stuck for good
+                if fault.action == "slow":
+                    time.sleep(fault.seconds)
+                    continue
+                if fault.action == "enospc":
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected by {ENV_VAR}")
                 os.kill(os.getpid(), signal.SIGSTOP if fault.action == "stop" else signal.SIGKILL)

@@ -25,9 +25,21 @@ Invariants:
   rank's own device, between barriers, before the first step. A corrupt one
   is moved aside with a warning naming it; a checkpoint of another model or
   data set raises `CheckpointMismatchError` before anything is changed.
-- The loop blocks only to copy the state (see snapshot.py) and, if a
-  previous save is still being written, to wait for it: at most one save is in
-  flight. `flush`/`close` return only when every save is committed.
+- The loop blocks only to copy the state (see snapshot.py); at most one save
+  is in flight, and a periodic save due while the previous one is still being
+  written waits one short slice at most, then is skipped (event
+  `checkpoint_skipped`); see `save`.
+- A save that fails (full disk, quota, I/O error) is a warning and a
+  `checkpoint_failed` event; its temporary directory is removed and training
+  goes on. `max_failures` periodic failures in a row set `must_stop` (rank 0;
+  `elastic.Run` turns it into `CheckpointStorageError` on every rank at the
+  next step); a final or preemption save that fails or does not commit within
+  `timeout` raises it from `flush` on every rank. Committed checkpoints are
+  never touched by a failure.
+- `flush` waits in slices with a short collective after each, so slow storage
+  never trips the collective timeout. `restore` checks the storage takes a
+  write and has room for one more checkpoint: a restart on broken storage
+  stops at once instead of training into the same failure.
 """
 
 from __future__ import annotations
@@ -50,11 +62,18 @@ from elastic.checkpoint.store import (
     CheckpointStore,
     CorruptCheckpoint,
     Manifest,
+    SaveFailed,
     checkpoint_name,
+    describe_failure,
     versions,
 )
 from elastic.checkpoint.writer import BackgroundWriter
-from elastic.errors import CheckpointError, CheckpointMismatchError, UsageError
+from elastic.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointStorageError,
+    UsageError,
+)
 from elastic.events import EventLog
 from elastic.rng import get_rng_state, seed_all, set_rng_state
 from elastic.runtime import WorkerContext, barrier, control_group
@@ -100,6 +119,16 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What the writer thread reports for one save."""
+
+    finished: float
+    """Unix time the save committed or failed."""
+    error: str | None
+    """One line naming why it failed; None when it committed."""
+
+
 @dataclass
 class _SaveRecord:
     """One save, from the loop's call to the writer's commit."""
@@ -133,6 +162,9 @@ class CheckpointManager:
         events: EventLog | None = None,
         seed: int = 0,
         extra: Mapping[str, Stateful] | None = None,
+        max_failures: int = 3,
+        timeout: float = 600.0,
+        wait_slice: float = 5.0,
     ) -> None:
         self._ctx = ctx
         self.enabled = directory is not None
@@ -146,14 +178,25 @@ class CheckpointManager:
         for name, obj in self._extra.items():
             if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
                 raise TypeError(f"extra state {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
+        if max_failures < 1 or timeout <= 0 or wait_slice <= 0:
+            raise UsageError(f"max_failures={max_failures} must be 1 or more, timeout={timeout} and wait_slice above 0")
         self.every = every
+        self.max_failures = max_failures
+        """Periodic saves that may fail in a row before the job stops (`CheckpointStorageError`)."""
+        self.timeout = timeout
+        """Seconds a final or preemption save may take to commit, waiting for one in flight included."""
+        self._wait_slice = wait_slice
         self._events = events or EventLog(None, restart=ctx.restart_count)
         self._seed = seed
-        self._writer = BackgroundWriter()
+        self._writer = BackgroundWriter(drain_timeout=timeout)
         self._faults = FaultInjector(ctx.rank, ctx.restart_count)
         self._pool = BufferPool(pin_memory=ctx.device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
         self._in_flight: _SaveRecord | None = None
+        self._storage_behind = False  # rank 0: a periodic save was skipped and none kept up since
+        self._failures_in_a_row = 0  # rank 0: periodic saves failed since the last commit
+        self._stop_reason: str | None = None  # rank 0: why the job must stop (saves keep failing)
+        self._fatal: str | None = None  # rank 0: a final or preemption save that did not commit
         self._prepared = False  # directory created and stale temporaries removed (rank 0)
         self.last_step: int | None = None
         """The newest step saved or restored: a save at this step again is skipped."""
@@ -176,8 +219,10 @@ class CheckpointManager:
         preloaded = None
         if self._ctx.is_main:
             try:
-                self._prepare()
+                self._prepare()  # a storage that refuses writes stops a restart here, before any training
                 preloaded = self._select()
+                if preloaded is not None:
+                    self.store.check_room(preloaded[1].total_bytes)  # the next save would not fit
                 choice[0] = preloaded[0].name if preloaded else None
             except CheckpointError as exc:
                 choice[0] = exc  # every rank raises the same error
@@ -293,13 +338,26 @@ class CheckpointManager:
         """Save when `step` is a multiple of `every`; report saves that finished meanwhile."""
         if self.due(step):
             self.save(step)
-        else:
+        elif self._ctx.is_main:
             self._collect(block=False)
 
     def save(self, step: int, reason: str = "periodic") -> None:
-        """Start saving the state as of now (a collective); returns once the state is copied."""
+        """Start saving the state as of now (a collective); returns once the state is copied.
+
+        A periodic save while the previous one is still being written waits for
+        it one `wait_slice` at most, then is skipped (an event says so); once
+        one was skipped, later ones skip at once until a save keeps up again, so
+        slow storage costs skipped saves, not steps, and never nears the
+        watchdog or collective timeouts. A final or preemption save first waits,
+        within `timeout`, for the one in flight.
+        """
         if not self.enabled or step == self.last_step:
             return
+        if reason == "periodic":
+            if self._still_writing(step):
+                return
+        else:
+            self.flush()
         started, wall_started = time.perf_counter(), time.time()
         # Every rank checks the extra state, so a bad one fails everywhere at this step, not on rank 0 alone.
         extra = {name: plain_state(name, obj.state_dict()) for name, obj in self._extra.items()}
@@ -307,7 +365,6 @@ class CheckpointManager:
         self.last_step = step
         if not self._ctx.is_main:
             return
-        self._collect(block=True)  # at most one save in flight
         self._prepare()
         now = copy_now(
             {"trainer": self._trainer_state(step, rng_states, extra), "buffers": dict(self._model.named_buffers())},
@@ -321,24 +378,119 @@ class CheckpointManager:
         self._writer.submit(lambda: self._write(record))
         record.blocking_seconds += time.perf_counter() - started
 
+    def _still_writing(self, step: int) -> bool:
+        """Whether rank 0 is still writing the previous save (a collective: every rank skips alike)."""
+        busy = False
+        if self._ctx.is_main:
+            self._collect(block=False)
+            if self._in_flight is None:
+                self._storage_behind = False  # the last save kept up with the interval
+            elif not self._storage_behind:
+                # Nearly done is worth a short wait (one slice); after one that was not,
+                # skip at once until a save keeps up again, so slow storage costs no steps.
+                try:
+                    self._collect(block=True, timeout=self._wait_slice)
+                except TimeoutError:
+                    self._storage_behind = True
+            busy = self._in_flight is not None
+        if self._ctx.distributed:
+            flag = torch.tensor([int(busy)], dtype=torch.int32)
+            dist.broadcast(flag, src=0, group=control_group())
+            busy = bool(flag.item())
+        if busy and self._ctx.is_main:
+            writing = self._in_flight.step if self._in_flight is not None else None
+            logger.warning(
+                "skipping the checkpoint of step %d: the one of step %s is still being written (slow storage?)",
+                step, writing,
+            )
+            self._events.emit("checkpoint_skipped", step=step, world_size=self._ctx.world_size, writing=writing)
+        return busy
+
+    @property
+    def must_stop(self) -> bool:
+        """Rank 0: `max_failures` periodic saves failed in a row (`stop_reason` says why)."""
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
     def flush(self) -> None:
-        """Wait until every save is committed, on every rank (a collective)."""
+        """Wait until every save is committed or failed, on every rank (a collective).
+
+        Rank 0 waits in slices of `wait_slice` seconds with a short collective
+        after each, so slow storage never trips the collective timeout; after
+        `timeout` seconds it gives up. Raises `CheckpointStorageError` on every
+        rank when a final or preemption save failed or did not commit in time.
+        """
         if not self.enabled:
             return
-        if self._ctx.is_main:
-            self._collect(block=True)
-        barrier(self._ctx)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            writing = False
+            if self._ctx.is_main:
+                remaining = deadline - time.monotonic()
+                try:
+                    self._collect(block=True, timeout=max(0.0, min(self._wait_slice, remaining)))
+                except TimeoutError:
+                    if remaining > self._wait_slice:
+                        writing = True
+                    else:
+                        self._fatal = self._fatal or self._timed_out()
+            if not self._share_flag(writing):
+                break
+        fatal = self._share_message(self._fatal)
+        if fatal is not None:
+            raise CheckpointStorageError(fatal)
+
+    def _timed_out(self) -> str:
+        record = self._in_flight
+        what = f"the {record.reason} checkpoint of step {record.step}" if record else "a checkpoint"
+        return (
+            f"{what} did not commit within {self.timeout:g} s (--ckpt-timeout): {self.store.root} is too slow "
+            f"or hung; {self._newest_committed()}"
+        )
+
+    def _share_flag(self, flag: bool) -> bool:
+        """Rank 0's `flag` on every rank."""
+        if not self._ctx.distributed:
+            return flag
+        tensor = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.broadcast(tensor, src=0, group=control_group())
+        return bool(tensor.item())
+
+    def _share_message(self, message: str | None) -> str | None:
+        """Rank 0's `message` on every rank (two collectives only when there is one)."""
+        if not self._share_flag(message is not None):
+            return None
+        if not self._ctx.distributed:
+            return message
+        box: list[Any] = [message]
+        dist.broadcast_object_list(box, src=0, group=control_group())
+        return str(box[0])
+
+    def share_stop_reason(self) -> str:
+        """Rank 0's `stop_reason` on every rank (a collective, after a vote said to stop)."""
+        return self._share_message(self._stop_reason) or "checkpoint saves keep failing"
 
     def close(self) -> None:
-        """Commit what is in flight and detach from the optimizer; safe on error paths."""
+        """Commit what is in flight (waiting at most `timeout`) and detach from the optimizer;
+        safe on error paths, where a failed save is only reported."""
         try:
-            if self._ctx.is_main:
-                self._collect(block=True)
+            if self._ctx.is_main and self._in_flight is not None:
+                try:
+                    self._collect(block=True, timeout=self.timeout)
+                except TimeoutError:
+                    logger.warning("%s", self._timed_out())
         finally:
-            self._writer.close()
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
+            try:
+                self._writer.close(timeout=0 if self._writer.busy else None)
+            except TimeoutError:
+                pass  # reported above; the daemon thread finishes or dies with the process
+            finally:
+                if self._hook is not None:
+                    self._hook.remove()
+                    self._hook = None
 
     def _prepare(self) -> None:
         if not self._prepared:
@@ -388,8 +540,9 @@ class CheckpointManager:
                 model_state[key] = copy
         return {MODEL_FILE: model_state, OPTIMIZER_FILE: self._optimizer.state_dict()}
 
-    def _write(self, record: _SaveRecord) -> float:
-        """Writer thread: copy the rest, serialise, fsync, commit. Returns the commit time."""
+    def _write(self, record: _SaveRecord) -> _Outcome:
+        """Writer thread: copy the rest, serialise, fsync, commit. A storage failure is an
+        outcome (the loop goes on), not an exception; anything else is a bug and raises."""
         tree = record.deferred.run(
             lambda: self._live_state(record), self._pool, keep={id(t) for t in record.buffers.values()}
         )
@@ -409,21 +562,29 @@ class CheckpointManager:
                 tree,
                 describe=describe,
                 before_commit=lambda: self._faults.at("before_commit", record.step),
+                mid_write=lambda: self._faults.at("during_write", record.step),
             )
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot write the checkpoint of step {record.step} to {self.store.root}: {exc.strerror or exc}"
-            ) from None
-        return time.time()
+        except SaveFailed as exc:
+            return _Outcome(time.time(), str(exc))
+        except OSError as exc:  # after the commit's own cleanup: renaming, retiring
+            return _Outcome(time.time(), f"cannot commit step {record.step} in {self.store.root}: {describe_failure(exc)}")
+        return _Outcome(time.time(), None)
 
-    def _collect(self, *, block: bool) -> None:
-        """Rank 0: report the save in flight if it has committed (waiting for it if `block`)."""
+    def _collect(self, *, block: bool, timeout: float | None = None) -> None:
+        """Rank 0: report the save in flight if it has finished (waiting for it if `block`,
+        at most `timeout` seconds: `TimeoutError` then, and it stays in flight)."""
         record = self._in_flight
         if record is None or (not block and self._writer.busy):
             return
+        outcome: _Outcome = self._writer.wait(timeout)
         self._in_flight = None
-        # Its copy is certainly done once the writer finished; count no more waiting.
-        committed_at = self._writer.wait()
+        if outcome.error is not None:
+            self._on_failure(record, outcome.error)
+        else:
+            self._on_commit(record, outcome.finished)
+
+    def _on_commit(self, record: _SaveRecord, committed_at: float) -> None:
+        self._failures_in_a_row = 0
         seconds = committed_at - record.started
         self.history.append(
             {"step": record.step, "seconds": seconds, "blocking_seconds": record.blocking_seconds}
@@ -434,3 +595,34 @@ class CheckpointManager:
             path=str(self.store.root / checkpoint_name(record.step)),
         )
         logger.debug("checkpoint at step %d committed in %.2f s", record.step, seconds)
+
+    def _on_failure(self, record: _SaveRecord, error: str) -> None:
+        """A save that did not commit: a warning, an event and a metric; the job stops only
+        after `max_failures` periodic ones in a row, or when it was the final or preemption save."""
+        self._failures_in_a_row += record.reason == "periodic"
+        self._events.emit(
+            "checkpoint_failed", step=record.step, world_size=self._ctx.world_size, reason=record.reason,
+            error=error, failures_in_a_row=self._failures_in_a_row,
+        )
+        newest = self._newest_committed()
+        if record.reason != "periodic":
+            self._fatal = f"the {record.reason} checkpoint of step {record.step} failed: {error}; {newest}"
+            return
+        if self._failures_in_a_row >= self.max_failures:
+            self._stop_reason = (
+                f"{self._failures_in_a_row} checkpoints in a row failed (--ckpt-max-failures), the last: {error}; {newest}"
+            )
+            return  # the next step's vote stops every rank; its error is the one line
+        logger.warning(
+            "checkpoint of step %d failed (%d of %d in a row before the job stops): %s; training goes on",
+            record.step, self._failures_in_a_row, self.max_failures, error,
+        )
+
+    def _newest_committed(self) -> str:
+        try:
+            committed = self.store.committed()
+        except OSError:
+            committed = []
+        if not committed:
+            return "no checkpoint was committed"
+        return f"the newest committed checkpoint, {committed[0].path}, is intact"

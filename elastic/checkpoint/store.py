@@ -17,6 +17,10 @@ Invariants:
 - `latest` is replaced atomically (write a temporary file, fsync, rename) after
   the commit; it is a convenience for people and tools. Loading does not trust
   it: the newest committed directory that verifies wins.
+- A save that fails (full disk, quota, I/O error) removes its own `.tmp.*`
+  directory and raises `SaveFailed` naming the cause in one line; nothing
+  committed is touched. A failure after the rename (updating `latest`) is a
+  warning: the checkpoint is committed.
 - Older checkpoints are deleted only after a newer one is committed, and the
   newest `keep` committed ones always remain.
 - State files load with `torch.load(weights_only=True)`: no pickled code runs.
@@ -24,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -42,7 +47,7 @@ from typing import Any
 import torch
 
 import elastic
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointStorageError
 
 logger = logging.getLogger(__name__)
 
@@ -55,30 +60,73 @@ CORRUPT_SUFFIX = ".corrupt"
 _READ_CHUNK = 8 * 2**20
 
 
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MB"
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+# fsync on a directory is refused by some filesystems (FUSE, 9p, CIFS, some NFS
+# clients). The files themselves are fsynced; the rename is then as durable as
+# that filesystem can make it, which beats refusing every save on it.
+_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR}
+_dir_fsync_warned = False
+
+
 def _fsync_dir(path: Path) -> None:
+    global _dir_fsync_warned
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
+        if not _dir_fsync_warned:
+            _dir_fsync_warned = True
+            logger.warning("%s: the filesystem refuses fsync on a directory (%s); committing without it", path, exc.strerror)
     finally:
         os.close(fd)
 
 
+class SaveFailed(Exception):
+    """A save that could not be written (full disk, quota, I/O error, permissions);
+    its message is one line naming the cause. Nothing committed was touched."""
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for what went wrong in a save: the errno's text for OS errors."""
+    if isinstance(exc, OSError):
+        name = errno.errorcode.get(exc.errno or 0, "")
+        text = exc.strerror or str(exc)
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{text} ({name}){where}" if name else f"{text}{where}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"
+
+
 class _HashingWriter:
-    """A write-only file object that hashes and counts what passes through it."""
+    """A write-only file object that hashes and counts what passes through it.
+
+    It keeps the first OSError a write raised: torch's zip writer reports a
+    failed write (ENOSPC, EIO, EDQUOT) as a RuntimeError that names no cause.
+    """
 
     def __init__(self, raw: io.BufferedWriter) -> None:
         self._raw = raw
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes | memoryview) -> int:
         self.sha256.update(data)
         self.bytes += len(data)
-        return self._raw.write(data)
+        try:
+            return self._raw.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
 
     def flush(self) -> None:
         self._raw.flush()
@@ -149,16 +197,46 @@ class CheckpointStore:
     # -- writing -------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Create the directory and remove saves that died before their commit."""
+        """Create the directory, remove saves that died before their commit, and check a
+        write gets through (`CheckpointStorageError` naming the cause if not)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint directory {self.root}: {exc.strerror}") from None
+            raise CheckpointStorageError(f"cannot create checkpoint directory {self.root}: {exc.strerror}") from None
         if not os.access(self.root, os.W_OK | os.X_OK):
-            raise CheckpointError(f"checkpoint directory {self.root} is not writable")
+            raise CheckpointStorageError(f"checkpoint directory {self.root} is not writable")
         for stale in self.root.glob(_TMP_PREFIX + "*"):
             logger.info("removing %s: a save that never committed", stale.name)
             shutil.rmtree(stale, ignore_errors=True)
+        self._probe()
+
+    def _probe(self) -> None:
+        """Write, fsync and remove a small file: a read-only or failing filesystem is
+        found before training rather than at the first save."""
+        probe = self.root / f"{_TMP_PREFIX}probe.{uuid.uuid4().hex[:8]}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise CheckpointStorageError(
+                f"checkpoint directory {self.root} refuses writes: {describe_failure(exc)}"
+            ) from None
+        finally:
+            probe.unlink(missing_ok=True)
+
+    def check_room(self, needed_bytes: int) -> None:
+        """`CheckpointStorageError` unless `needed_bytes` (a checkpoint's size) fit in the free space."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return  # no statistics from this filesystem: the save will tell
+        if free < needed_bytes:
+            raise CheckpointStorageError(
+                f"checkpoint directory {self.root} has {_mb(free)} free, a checkpoint takes {_mb(needed_bytes)}: "
+                "free space or point --ckpt-dir at a larger volume"
+            )
 
     def commit(
         self,
@@ -167,30 +245,23 @@ class CheckpointStore:
         *,
         describe: Callable[[dict[str, dict[str, Any]]], Manifest],
         before_commit: Callable[[], None] = lambda: None,
+        mid_write: Callable[[], None] = lambda: None,
     ) -> Path:
         """Write `files` (name -> object for torch.save) as checkpoint `step`, atomically.
 
         `describe` builds the manifest from the written files' digests;
         `before_commit` runs after everything is durable but before the rename
-        (fault injection uses it to die at the worst moment).
+        (fault injection uses it to die at the worst moment); `mid_write` after
+        the first file is written (it injects storage faults).
         """
         name = checkpoint_name(step)
         tmp = self.root / f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        digests: dict[str, dict[str, Any]] = {}
-        for file_name, obj in files.items():
-            with open(tmp / file_name, "wb") as raw:
-                writer = _HashingWriter(raw)
-                torch.save(obj, writer)
-                raw.flush()
-                os.fsync(raw.fileno())
-            digests[file_name] = {"sha256": writer.sha256.hexdigest(), "bytes": writer.bytes}
-        manifest = describe(digests)
-        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        try:
+            self._write_files(tmp, files, describe, mid_write)
+        except Exception as exc:
+            # Nothing was committed: the save's own directory goes, the older checkpoints stay.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveFailed(f"cannot write {name} to {self.root}: {describe_failure(exc)}") from exc
         before_commit()
 
         final = self.root / name
@@ -203,18 +274,56 @@ class CheckpointStore:
             shutil.rmtree(retired, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.root)
-        self._write_latest(name)
+        # Committed. What follows is housekeeping: a failure there is a warning, not a failed save.
+        try:
+            _fsync_dir(self.root)
+            self._write_latest(name)
+        except OSError as exc:
+            logger.warning("%s committed, but updating %s failed: %s", name, LATEST, describe_failure(exc))
         self._retire_old()
         return final
 
-    def _write_latest(self, name: str) -> None:
-        tmp = self.root / f"{_TMP_PREFIX}{LATEST}.{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(name + "\n")
+    def _write_files(
+        self,
+        tmp: Path,
+        files: Mapping[str, Any],
+        describe: Callable[[dict[str, dict[str, Any]]], Manifest],
+        mid_write: Callable[[], None],
+    ) -> None:
+        """Every file and the manifest into `tmp`, each fsynced; raises the first OS error."""
+        tmp.mkdir()
+        digests: dict[str, dict[str, Any]] = {}
+        for file_name, obj in files.items():
+            with open(tmp / file_name, "wb") as raw:
+                writer = _HashingWriter(raw)
+                try:
+                    torch.save(obj, writer)
+                    raw.flush()
+                except Exception as exc:
+                    if writer.error is not None and writer.error is not exc:
+                        raise writer.error from None  # the cause torch's error hides
+                    raise
+                os.fsync(raw.fileno())
+            digests[file_name] = {"sha256": writer.sha256.hexdigest(), "bytes": writer.bytes}
+            if len(digests) == 1:
+                mid_write()
+        manifest = describe(digests)
+        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.root / LATEST)
+        _fsync_dir(tmp)
+
+    def _write_latest(self, name: str) -> None:
+        tmp = self.root / f"{_TMP_PREFIX}{LATEST}.{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(name + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.root / LATEST)
+        finally:
+            tmp.unlink(missing_ok=True)
         _fsync_dir(self.root)
 
     def _retire_old(self) -> None:

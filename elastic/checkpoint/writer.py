@@ -6,7 +6,8 @@ Invariants:
   `wait`, in the caller's thread.
 - The process does not exit with a job half done: the thread is a daemon (so a
   forgotten `close` cannot hang the interpreter), and an atexit hook waits for
-  the job in flight, on a normal exit and after an uncaught exception alike.
+  the job in flight, on a normal exit and after an uncaught exception alike,
+  for at most `drain_timeout` seconds (a hung filesystem must not hang the exit).
   (SIGKILL cannot be helped; the commit protocol makes it harmless.)
 """
 
@@ -36,8 +37,9 @@ class _Job:
 
 
 class BackgroundWriter:
-    def __init__(self, name: str = "checkpoint-writer") -> None:
+    def __init__(self, name: str = "checkpoint-writer", *, drain_timeout: float | None = None) -> None:
         self._name = name
+        self.drain_timeout = drain_timeout
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
@@ -57,24 +59,34 @@ class BackgroundWriter:
         self._jobs.put(self._job)
         return previous
 
-    def wait(self) -> Any:
-        """Wait for the job in flight (if any); return its result or raise its error."""
-        job, self._job = self._job, None
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the job in flight (if any); return its result or raise its error.
+
+        With a `timeout`, `TimeoutError` if it is still running then; it stays in flight.
+        """
+        job = self._job
         if job is None:
             return None
-        job.done.wait()
+        if not job.done.wait(timeout):
+            raise TimeoutError(f"the job in flight is still running after {timeout:g} s")
+        self._job = None
         if job.error is not None:
             raise job.error
         return job.result
 
-    def close(self) -> None:
-        """Finish the job in flight and stop the thread (raises that job's error)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the job in flight and stop the thread (raises that job's error).
+
+        With a `timeout`, a job still running then is left to the daemon thread
+        (`TimeoutError`); the thread stops after it.
+        """
         try:
-            self.wait()
+            self.wait(timeout)
         finally:
             if self._thread is not None:
                 self._jobs.put(None)
-                self._thread.join()
+                if not self.busy:
+                    self._thread.join()
                 self._thread = None
             atexit.unregister(self._drain)
 
@@ -84,4 +96,4 @@ class BackgroundWriter:
 
     def _drain(self) -> None:
         if self._job is not None:
-            self._job.done.wait()
+            self._job.done.wait(self.drain_timeout)

@@ -24,7 +24,9 @@ did not set:
 
 It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
-recovery's path), runs the stopped-worker reaper (`elastic.launcher.reaper`: a stopped
+recovery's path), ends the job instead of restarting it when a worker exits
+with status 75 (checkpoint storage refuses writes: a restart would meet the
+same storage), runs the stopped-worker reaper (`elastic.launcher.reaper`: a stopped
 worker cannot act on the SIGTERM that stops its group, and torch would wait
 30 s before SIGKILL), and a script path that does not exist fails at once with
 one line instead of in every worker of every restart.
@@ -38,10 +40,11 @@ import argparse
 import os
 import signal
 import sys
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from elastic.errors import UsageError
+from elastic.errors import CheckpointStorageError, UsageError
 from elastic.launcher import warm_start
 from elastic.launcher.reaper import start_reaper
 from elastic.runtime import prefetch_slow_imports
@@ -63,7 +66,42 @@ def merged_rdzv_conf(user_conf: str) -> str:
 
 
 # Exit statuses the runtime gives its workers, for the failure summary.
-_KNOWN_EXITS = {124: "the hang watchdog (no step completed in --hang-timeout)", 143: "SIGTERM (preemption)"}
+STORAGE_EXIT = CheckpointStorageError.exit_code
+_KNOWN_EXITS = {
+    124: "the hang watchdog (no step completed in --hang-timeout)",
+    143: "SIGTERM (preemption)",
+    STORAGE_EXIT: "checkpoint storage refuses writes",
+}
+# Exits a restart cannot fix: the agent stops instead of training into the same failure.
+FINAL_EXITS = frozenset({STORAGE_EXIT})
+
+
+def stop_restarts_on(exit_codes: frozenset[int]) -> None:
+    """Make torch's agent (in this process) end the job, not restart it, when a worker
+    exits with one of `exit_codes`.
+
+    torch restarts a FAILED worker group whatever its exit status while restarts
+    remain (torch/distributed/elastic/agent/server/api.py, `_invoke_run`: `if
+    self._remaining_restarts > 0: ... self._restart_workers(...)`); setting the
+    remaining restarts to 0 when such a failure is seen takes its other branch:
+    stop the workers and return FAILED. Idempotent.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
+
+    original = LocalElasticAgent._monitor_workers
+    if getattr(original, "stops_on", None) is not None:
+        return
+
+    def monitor(self: LocalElasticAgent, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        if result.is_failed() and any(f.exitcode in exit_codes for f in result.failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+    monitor.stops_on = exit_codes  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
 
 
 def describe_exit(exitcode: int) -> str:
@@ -79,6 +117,12 @@ def failure_summary(error: ChildFailedError, max_restarts: int) -> str:
     """One line for the end of a failed job: who failed first, how, and that the
     restarts are used up (the checkpoints already committed stay as they are)."""
     rank, failure = error.get_first_failure()
+    if failure.exitcode in FINAL_EXITS:
+        return (
+            f"torchrevive-run: job stopped: worker rank {rank} {describe_exit(failure.exitcode)} (its log says why); "
+            "not restarted, since a restart would meet the same storage; committed checkpoints are intact, "
+            "fix the storage and run the job again to resume from the newest one"
+        )
     return (
         f"torchrevive-run: job failed: worker rank {rank} {describe_exit(failure.exitcode)}, "
         f"and this agent has used up --max-restarts={max_restarts}; committed checkpoints are kept, "
@@ -102,11 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     start_reaper()  # a stopped worker would cost each restart torch's 30 s SIGTERM wait
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
+    stop_restarts_on(FINAL_EXITS)
     try:
         record(launch)(args, preload)  # torch's own report of the failure comes first
     except ChildFailedError as error:
         print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
-        sys.exit(1)
+        _, failure = error.get_first_failure()
+        sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
 
 
 def check_script(args: argparse.Namespace) -> None:
