@@ -195,6 +195,7 @@ class CheckpointManager:
         self._in_flight: _SaveRecord | None = None
         self._storage_behind = False  # rank 0: a periodic save was skipped and none kept up since
         self._failures_in_a_row = 0  # rank 0: periodic saves failed since the last commit
+        self._last_save_failed = False  # rank 0: the newest save did not commit
         self._stop_reason: str | None = None  # rank 0: why the job must stop (saves keep failing)
         self._fatal: str | None = None  # rank 0: a final or preemption save that did not commit
         self._prepared = False  # directory created and stale temporaries removed (rank 0)
@@ -351,13 +352,16 @@ class CheckpointManager:
         watchdog or collective timeouts. A final or preemption save first waits,
         within `timeout`, for the one in flight.
         """
-        if not self.enabled or step == self.last_step:
+        if not self.enabled:
             return
         if reason == "periodic":
-            if self._still_writing(step):
+            if step == self.last_step or self._still_writing(step):
                 return
         else:
-            self.flush()
+            self.flush()  # the one in flight first: at most one save at a time
+            # A step already saved is not saved again, unless that save failed.
+            if step == self.last_step and not self._share_flag(self._last_save_failed):
+                return
         started, wall_started = time.perf_counter(), time.time()
         # Every rank checks the extra state, so a bad one fails everywhere at this step, not on rank 0 alone.
         extra = {name: plain_state(name, obj.state_dict()) for name, obj in self._extra.items()}
@@ -585,6 +589,7 @@ class CheckpointManager:
 
     def _on_commit(self, record: _SaveRecord, committed_at: float) -> None:
         self._failures_in_a_row = 0
+        self._last_save_failed = False
         seconds = committed_at - record.started
         self.history.append(
             {"step": record.step, "seconds": seconds, "blocking_seconds": record.blocking_seconds}
@@ -600,6 +605,7 @@ class CheckpointManager:
         """A save that did not commit: a warning, an event and a metric; the job stops only
         after `max_failures` periodic ones in a row, or when it was the final or preemption save."""
         self._failures_in_a_row += record.reason == "periodic"
+        self._last_save_failed = True
         self._events.emit(
             "checkpoint_failed", step=record.step, world_size=self._ctx.world_size, reason=record.reason,
             error=error, failures_in_a_row=self._failures_in_a_row,

@@ -1,0 +1,76 @@
+"""Storage faults in real jobs: a full disk stops the job with one line and exit 75
+and is not restarted by our launcher; slow storage trips neither the watchdog nor
+the collective timeout."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
+
+from elastic.chaos.harness import verified_final_checkpoint
+from elastic.checkpoint.store import CheckpointStore
+from elastic.events import read_events
+
+
+def recipe_args(corpus: Path, tmp_path: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(tmp_path / "ckpt"),
+        "--ckpt-every", "5", "--events", str(tmp_path / "events.jsonl"), *TINY_MODEL, *extra,
+    ]
+
+
+def kinds(events: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(events) if e["event"] == kind]
+
+
+def test_a_full_disk_stops_a_single_process_with_one_line(tmp_path: Path, tiny_corpus: Path) -> None:
+    result = run_recipe(
+        *recipe_args(tiny_corpus, tmp_path, 60), timeout=180,
+        env=worker_env(ELASTIC_FAULT="during_write@10+:do=enospc"),
+    )
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpt.py: error: 3 checkpoints in a row failed (--ckpt-max-failures), the last: cannot write step_00000020")
+    assert "step_00000005, is intact" in last
+    assert [e["step"] for e in kinds(tmp_path / "events.jsonl", "checkpoint_failed")] == [10, 15, 20]
+    assert [c.step for c in CheckpointStore(tmp_path / "ckpt").committed()] == [5]
+
+
+def test_our_launcher_does_not_restart_a_job_whose_storage_fails(tmp_path: Path, tiny_corpus: Path) -> None:
+    done = subprocess.run(
+        standalone_command(2, recipe_args(tiny_corpus, tmp_path, 60, "--ckpt-max-failures", "2"),
+                           max_restarts=3, launcher="elastic.launcher"),
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=worker_env(ELASTIC_FAULT="during_write@10+:do=enospc:restart=any"),
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 75, output[-4000:]
+    assert "will restart worker group" not in output, "a restart would meet the same storage"
+    assert "torchrevive-run: job stopped: worker rank" in output and "exit status 75" in output
+    assert "2 checkpoints in a row failed" in output
+    starts = kinds(tmp_path / "events.jsonl", "start")
+    assert len(starts) == 1 and {e["restart"] for e in starts} == {0}
+    assert [c.step for c in CheckpointStore(tmp_path / "ckpt").committed()] == [5]
+
+
+def test_saves_slower_than_every_timeout_trip_none(tmp_path: Path, tiny_corpus: Path) -> None:
+    # Step 10's save and the final one each stall 9 s: longer than the watchdog (2 s) and
+    # the collective timeout (4 s). Saves due meanwhile are skipped; the job finishes.
+    done = subprocess.run(
+        standalone_command(2, recipe_args(tiny_corpus, tmp_path, 30, "--hang-timeout", "2", "--collective-timeout", "4"),
+                           max_restarts=0),
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=worker_env(ELASTIC_FAULT="during_write@10:do=slow:for=9,during_write@30:do=slow:for=9"),
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "watchdog: no training step" not in output
+    events = tmp_path / "events.jsonl"
+    assert kinds(events, "checkpoint_skipped"), "saves due while step 10's was writing are skipped"
+    assert kinds(events, "checkpoint_failed") == []
+    assert [e["step"] for e in kinds(events, "end")] == [30]
+    name, error = verified_final_checkpoint(tmp_path / "ckpt", 30)
+    assert name, error
