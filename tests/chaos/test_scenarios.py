@@ -1,8 +1,10 @@
 """Every chaos scenario on a real two-agent job, for c10d and etcd-v3 rendezvous,
 on loopback and with each agent on a host of its own (network namespaces).
 
-Each asserts: the agents exit as expected (0, or SIGKILL for the lost node), the
-job reaches its last step, the final checkpoint verifies, the fault was
+Each asserts: the agents exit as expected (0, SIGKILL for the lost node, 75
+when the disk is full), the job reaches its last step (or, on a full disk,
+stops with its last good checkpoint intact and no temporary left), the final
+checkpoint verifies, the fault was
 followed by a restarted group that completed a step (its recovery time is
 printed, never asserted), and the samples of the surviving history used every
 sample of each epoch exactly once. Jobs with a constant world size must also
@@ -26,7 +28,7 @@ from elastic.chaos.netns import VirtualNetwork
 pytestmark = pytest.mark.slow
 
 STEPS = 40
-CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption", "etcd-restart", "soak"}
+CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption", "etcd-restart", "soak", "slow-storage"}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,8 @@ def check(result, workdir: Path, reference: Callable[[int], dict[str, torch.Tens
 
 
 @pytest.mark.parametrize(
-    "scenario", ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption", "soak"]
+    "scenario",
+    ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption", "soak", "disk-full", "slow-storage"],
 )
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     steps = STEPS if scenario in CONSTANT_WORLD - {"soak"} else None  # the others train longer (SCENARIO_STEPS)
