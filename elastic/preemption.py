@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -133,27 +134,40 @@ class PreemptionHandler:
         writer.detach()
 
     def _watch(self, reader: socket.socket) -> None:
-        """Runs beside the main thread: sees the signal even while the main thread is stuck."""
+        """Runs beside the main thread: sees the signal even while the main thread is stuck.
+
+        After the first signal it keeps reading while it waits for the step
+        boundary, so a second signal ends the process at once even when the main
+        thread is blocked in C++ (where the Python handler cannot run).
+        """
         seen = 0
+        deadline: float | None = None
         while True:
+            timeout = None
+            if deadline is not None and not self._reached_boundary.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    print(
+                        f"preemption: {signal.Signals(self._signum).name} arrived but no step ended within "
+                        f"{self._grace:g} s (blocked in a collective?); exiting without a checkpoint",
+                        file=sys.stderr, flush=True,
+                    )
+                    os._exit(128 + self._signum)
+                timeout = min(remaining, 0.05)  # look at the boundary between reads
             try:
+                reader.settimeout(timeout)
                 data = reader.recv(64)
+            except TimeoutError:
+                continue
             except OSError:
                 return
             if not data:  # uninstalled
                 return
             seen += data.count(self._signum)
-            if seen == 0:
-                continue
             if seen >= 2:
                 os._exit(128 + self._signum)  # the second signal: no more waiting
-            if not self._reached_boundary.wait(self._grace):
-                print(
-                    f"preemption: {signal.Signals(self._signum).name} arrived but no step ended within "
-                    f"{self._grace:g} s (blocked in a collective?); exiting without a checkpoint",
-                    file=sys.stderr, flush=True,
-                )
-                os._exit(128 + self._signum)
+            if seen == 1 and deadline is None:
+                deadline = time.monotonic() + self._grace
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._flag:

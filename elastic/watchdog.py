@@ -42,12 +42,17 @@ class Watchdog:
         *,
         on_trip: Callable[[str], None] | None = None,
         poll: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`on_trip` gets the message (default: print it, dump the stacks, exit);
+        `poll` is how often the thread looks; `clock` is the time source (tests
+        pass a fake one and call `check()` themselves)."""
         if timeout <= 0:
             raise ValueError("watchdog timeout must be positive")
         self.timeout = timeout
         self._on_trip = on_trip or _exit_process
         self._poll = poll if poll is not None else min(1.0, timeout / 10)
+        self._clock = clock
         self._lock = threading.Lock()
         self._last_beat: float | None = None  # None: disarmed
         self._last_step: int | None = None
@@ -60,7 +65,7 @@ class Watchdog:
     def beat(self, step: int) -> None:
         """The loop completed `step`; cheap enough to call every step."""
         with self._lock:
-            self._last_beat = time.monotonic()
+            self._last_beat = self._clock()
             self._last_step = step
 
     @contextmanager
@@ -74,7 +79,7 @@ class Watchdog:
             with self._lock:
                 self._pauses -= 1
                 if self._last_beat is not None:
-                    self._last_beat = time.monotonic()
+                    self._last_beat = self._clock()
 
     def close(self) -> None:
         self._stop.set()
@@ -88,19 +93,29 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll):
-            with self._lock:
-                if self._last_beat is None or self._pauses:
-                    continue
-                waited = time.monotonic() - self._last_beat
-                step = self._last_step
-            if waited >= self.timeout:
-                self.tripped = True
-                self._on_trip(
-                    f"watchdog: no training step completed for {waited:.0f} s after step {step} "
-                    f"(limit {self.timeout:g} s): a stuck collective, a deadlock or a stopped peer; "
-                    f"exiting with status {EXIT_CODE} so torchrun restarts the group"
-                )
+            if self.check():
                 return
+
+    def check(self) -> bool:
+        """One look, as the thread takes every `poll` seconds: trips (once) when
+        armed, not paused and `timeout` has passed since the last beat; returns
+        whether it has tripped."""
+        with self._lock:
+            if self.tripped:
+                return True
+            if self._last_beat is None or self._pauses:
+                return False
+            waited = self._clock() - self._last_beat
+            step = self._last_step
+            if waited < self.timeout:
+                return False
+            self.tripped = True
+        self._on_trip(
+            f"watchdog: no training step completed for {waited:.0f} s after step {step} "
+            f"(limit {self.timeout:g} s): a stuck collective, a deadlock or a stopped peer; "
+            f"exiting with status {EXIT_CODE} so torchrun restarts the group"
+        )
+        return True
 
 
 def _exit_process(message: str) -> None:

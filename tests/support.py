@@ -242,3 +242,16 @@ def assert_same_tensors(want: dict[str, dict[str, torch.Tensor]], got: dict[str,
         assert want[name].keys() == got[name].keys(), f"{name}: other tensors {why}"
         different = [key for key in want[name] if not torch.equal(want[name][key], got[name][key])]
         assert not different, f"{name}: {len(different)} tensors differ {why}, e.g. {different[:3]}"
+
+
+SEED_ENV = "TORCHREVIVE_TEST_SEED"
+
+
+def seeded_rng(what: str) -> random.Random:
+    """A random.Random for a test's random choice (`what`), seeded from $TORCHREVIVE_TEST_SEED
+    or, unset, from a fresh random seed; prints the seed (pytest shows it with a failure),
+    so the failing draw comes back with TORCHREVIVE_TEST_SEED=<seed>."""
+    given = os.environ.get(SEED_ENV, "").strip()
+    seed = int(given) if given else random.SystemRandom().randrange(2**32)
+    print(f"{what}: seed {seed} ({'from' if given else 'reproduce with'} {SEED_ENV}={seed})", flush=True)
+    return random.Random(seed)

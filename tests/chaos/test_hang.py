@@ -15,6 +15,18 @@ from elastic.watchdog import EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
+# torch's agent logs each failed round of workers once, naming the first worker it saw exit:
+# "E1123 19:19:52.198000 6375 .../multiprocessing/api.py:836] failed (exitcode: 124) local_rank: 0
+# (pid: 6436) of fn: run_script_path (start_method: forkserver)" ("of binary: ..." without warm start).
+# Matched by its own structure, not by ^: a log record is one write, but the workers' unbuffered
+# stderr may leave half a line (a stack dump's) just before it.
+AGENT_FAILURE = re.compile(r"api\.py:\d+\] failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: \d+\) of (?:fn|binary): ")
+# The watchdog's message (one write; its newline may come after another worker's output).
+WATCHDOG_TRIP = re.compile(
+    r"watchdog: no training step completed for \d+ s after step \d+ \(limit 3 s\): [^\n]*"
+    rf"exiting with status {EXIT_CODE} so torchrun restarts the group"
+)
+
 
 @pytest.mark.parametrize("action", ["stop", "hang"])
 def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
@@ -36,8 +48,10 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    assert "watchdog: no training step completed" in output
-    assert f"exitcode  : {EXIT_CODE}" in output or f"exit code {EXIT_CODE}" in output or str(EXIT_CODE) in output
+    assert WATCHDOG_TRIP.search(output), output[-4000:]
+    # The one failed round (max_restarts=1 and the job succeeded) ended with the watchdog's
+    # status, not a crash (1), a collective timeout or a signal.
+    assert AGENT_FAILURE.findall(output) == [str(EXIT_CODE)], output[-4000:]
     recorded = list(read_events(events))
     restores = [e for e in recorded if e["event"] == "restore"]
     assert restores and restores[-1]["step"] == 10, "resumed from the checkpoint before the hang"

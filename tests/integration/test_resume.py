@@ -16,8 +16,10 @@ from support import (
     children_of,
     flat_tensors,
     free_port,
+    kill_worker_after,
     logs,
     make_text,
+    seeded_rng,
     standalone_command,
     start_agents,
     steps_seen,
@@ -35,8 +37,6 @@ from elastic.events import read_events
 pytestmark = pytest.mark.slow
 
 
-
-
 def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after: int | None = None) -> Path:
     """A 2-agent job (exactly 2 nodes, so the world size never changes); optionally SIGKILL a worker."""
     tmp.mkdir()
@@ -50,13 +50,8 @@ def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after
     )
     agents = start_agents(2, command, tmp)
     if kill_after is not None:
-        try:
-            wait_for(lambda: steps_seen(events) >= kill_after, 120, f"step {kill_after}", interval=0.005)
-            victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == 1)
-            os.kill(victim, signal.SIGKILL)
-        except BaseException:
-            wait_all(agents, timeout=0)
-            raise
+        kill_worker_after(agents, events, kill_after, rank=1)
+        print(f"SIGKILLed rank 1 with the event log at step {steps_seen(events)}", flush=True)
     codes = wait_all(agents, timeout=240)
     assert codes == [0, 0], logs(tmp)
     return tmp
@@ -64,7 +59,9 @@ def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after
 
 def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, tiny_corpus: Path) -> None:
     steps = 60
-    kill_after = random.Random().randint(22, 38)  # some checkpoints (every 10) are behind it
+    # Some checkpoints (every 10) are behind it; the seed is printed, TORCHREVIVE_TEST_SEED replays it.
+    kill_after = seeded_rng("kill step").randint(22, 38)
+    print(f"kill rank 1 once the event log reaches step {kill_after}", flush=True)
     clean = run_two_agents(tmp_path / "clean", tiny_corpus, free_port(), steps)
     faulty = run_two_agents(tmp_path / "faulty", tiny_corpus, free_port(), steps, kill_after=kill_after)
 
