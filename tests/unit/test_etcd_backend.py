@@ -129,18 +129,21 @@ def test_key_prefix_option_moves_the_keys(shared_etcd) -> None:
 
 
 def test_keys_of_an_abandoned_run_expire_after_ttl(shared_etcd) -> None:
+    ttl = 4
     run_id = uuid.uuid4().hex
-    backend, store = create_backend(params(shared_etcd.endpoint, run_id, ttl=2))
+    backend, store = create_backend(params(shared_etcd.endpoint, run_id, ttl=ttl))
     backend.set_state(b"s")
     store.set("k", "v")
-    time.sleep(3)
-    assert backend.get_state() == (b"s", backend.get_state()[1])  # kept alive while the process lives
-    backend._client.close()  # the process is gone: nobody keeps the lease alive
-    deadline = time.monotonic() + 15
-    while backend.get_state() is not None and time.monotonic() < deadline:
+    # The keep-alive thread renews every ttl/3 s, so the keys outlive the ttl unless
+    # it is starved for 2/3 of the ttl (2.7 s): the margin left for a busy machine.
+    time.sleep(ttl + 1)
+    assert backend.get_state()[0] == b"s" and store.check(["k"])  # kept alive while the process lives
+    backend._client.close(revoke=False)  # as if the process died: nobody keeps the lease alive
+    prefix = f"/torchrevive/{run_id}/"
+    deadline = time.monotonic() + ttl + 30  # etcd expires a lease on its own schedule: a wide margin
+    while shared_etcd.etcdctl("get", "--prefix", "--keys-only", prefix).strip() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert backend.get_state() is None
-    assert not store.check(["k"])
+    assert shared_etcd.etcdctl("get", "--prefix", "--keys-only", prefix).strip() == ""
 
 
 def test_failover_skips_a_dead_endpoint(shared_etcd) -> None:
@@ -189,12 +192,26 @@ def test_endpoints_parse_with_default_port_and_ipv6() -> None:
         parse_endpoints("")
 
 
-def test_closing_a_client_leaves_its_keys_for_the_rest_of_the_run(shared_etcd) -> None:
+def test_closing_a_client_revokes_its_lease_so_its_keys_go_at_once(shared_etcd) -> None:
     client = EtcdClient(EtcdOptions.from_params(params(shared_etcd.endpoint)))
     key = f"/probe/{uuid.uuid4().hex}"
     client.txn([], [client.put_op(key.encode(), b"v")], [], what="write")
-    client.close()
     assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == "v"
+    client.close()
+    assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == ""  # not ttl (7200 s) later
+    client.close()  # closing twice does nothing
+    with pytest.raises(RendezvousConnectionError, match="cannot read: the etcd client is closed"):
+        client.get(key.encode())
+
+
+def test_closing_without_revoking_leaves_the_keys_to_the_ttl(shared_etcd) -> None:
+    client = EtcdClient(EtcdOptions.from_params(params(shared_etcd.endpoint)))
+    key = f"/probe/{uuid.uuid4().hex}"
+    client.txn([], [client.put_op(key.encode(), b"v")], [], what="write")
+    client.close(revoke=False)
+    assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == "v"
+    assert "granted with TTL(7200s)" in shared_etcd.etcdctl("lease", "timetolive", f"{client.lease_id:x}")
+    shared_etcd.etcdctl("lease", "revoke", f"{client.lease_id:x}")
 
 
 def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd) -> None:
