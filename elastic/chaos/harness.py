@@ -133,13 +133,15 @@ class ChaosJob:
         env.update(self.spec.env)
         return env
 
-    def add_agent(self) -> subprocess.Popen:
-        """Start one more agent (the first ones, or a node joining later)."""
+    def add_agent(self, host: int | None = None) -> subprocess.Popen:
+        """Start one more agent (the first ones, or a node joining later), on host
+        `host` (default: a host of its own; a relaunch reuses the first ones)."""
         index = len(self.agents)
-        if self.spec.network is not None and self.spec.network.hosts <= index:
+        host = index if host is None else host
+        if self.spec.network is not None and self.spec.network.hosts <= host:
             self.spec.network.add_host()
         with open(self.spec.workdir / f"agent{index}.log", "wb") as log:
-            agent = subprocess.Popen(self.command(index), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
+            agent = subprocess.Popen(self.command(host), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
         self.agents.append(agent)
         return agent
 
@@ -152,6 +154,22 @@ class ChaosJob:
         for _ in range(self.spec.agents - 1):
             self.add_agent()
         return self
+
+    def relaunch(self, script_args: Sequence[str] | None = None) -> None:
+        """Launch the job again, once every agent of the last launch has exited: the
+        same agents on the same hosts, `--rdzv-id` and endpoint (what a user, or
+        Kubernetes, does to resume a job that ended). `script_args`, if given,
+        replace the script's arguments from now on."""
+        if any(agent.poll() is None for agent in self.agents):
+            raise RuntimeError("a relaunch needs every agent of the previous launch to have exited")
+        if script_args is not None:
+            self.spec.script_args = list(script_args)
+        first = len(self.agents)
+        self.add_agent(host=0)
+        if self.spec.backend == "c10d":
+            self._wait_until_listening(self.endpoint, self.agents[first])
+        for host in range(1, self.spec.agents):
+            self.add_agent(host=host)
 
     def _wait_until_listening(self, endpoint: str, agent: subprocess.Popen, timeout: float = 60) -> None:
         import socket
@@ -366,17 +384,22 @@ class ScenarioResult:
     logs: str
     report: Path | None = None
     """The run's picture (`elastic.report`), when matplotlib is installed."""
+    stops_at: int | None = None
+    """For a job meant to stop rather than finish: the step of the checkpoint it must leave intact."""
 
     @property
     def samples_ok(self) -> bool:
-        """Every step 1..max_steps survived once and used each sample of an epoch once."""
+        """Every step 1..max_steps survived once and used each sample of an epoch once
+        (up to where the job stopped, for one meant to stop)."""
+        if self.stops_at is not None:
+            return self.samples.ok and self.samples.first_step == 1
         return self.samples.ok and (self.samples.first_step, self.samples.last_step) == (1, self.max_steps)
 
     @property
     def ok(self) -> bool:
         return (
             self.exit_codes == self.expected_codes
-            and self.end_step == self.max_steps
+            and self.end_step == (self.max_steps if self.stops_at is None else None)
             and self.final_checkpoint is not None
             and all(r is not None for r in self.recovery_seconds)
             and self.samples_ok
@@ -521,6 +544,43 @@ def preemption(job: ChaosJob, rng: random.Random) -> list[int | None]:
     return [0] * len(job.agents)
 
 
+def relaunch(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    """The job's first launch trains a third to a half of the steps and ends (torch
+    closes the rendezvous); the job is launched again with the same `--rdzv-id` and
+    the full `--max-steps`, and must resume from the first launch's final
+    checkpoint. The 'fault' is the relaunch, its recovery the time to the first step.
+    (The final weights differ from an uninterrupted run's: the LR schedule follows
+    --max-steps.) `run_scenario` leaves the first launch to this scenario
+    (`LAUNCHES_ITSELF`)."""
+    args = list(job.spec.script_args)
+    at = args.index("--max-steps") + 1
+    first_steps = rng.randint(int(args[at]) // 3, int(args[at]) // 2)
+    job.spec.script_args = [*args[:at], str(first_steps), *args[at + 1 :]]
+    job.start()
+    codes = job.wait(300)
+    if codes != [0] * len(codes):
+        raise RuntimeError(f"the first launch ended with exit codes {codes}, not 0:\n{job.logs()}")
+    job.mark("relaunch")
+    job.relaunch(args)
+    return [0] * len(job.agents)
+
+
+def disk_full(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    """The checkpoint volume is full from step 20 on (`SCENARIO_FAULTS`: every save from
+    then on fails with ENOSPC, on every restart). Training goes on past the first
+    failures; the third in a row stops every worker with one line and exit 75, the
+    step-15 checkpoint intact. Our launcher does not restart it (a restart would
+    meet the same disk); stock torchrun restarts until --max-restarts is spent."""
+    return [75 if job.spec.launcher == "ours" else 1] * len(job.agents)
+
+
+def slow_storage(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    """Step 10's save and the final one each take 8 s (`SCENARIO_FAULTS`), longer than
+    the watchdog (3 s) and the collective timeout (4 s, `SCENARIO_ARGS`): saves due
+    meanwhile are skipped, nothing trips, the job finishes without a restart."""
+    return [0] * len(job.agents)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "kill-worker": kill_worker,
     "kill-during-save": kill_during_save,
@@ -531,11 +591,16 @@ SCENARIOS: dict[str, Scenario] = {
     "partition": partition,
     "etcd-restart": etcd_restart,
     "soak": soak,
+    "relaunch": relaunch,
+    "disk-full": disk_full,
+    "slow-storage": slow_storage,
 }
 NEEDS_NETWORK = {"partition"}
 """Scenarios that need agents on hosts of their own (network namespaces)."""
 NEEDS_OWN_ETCD = {"etcd-restart"}
 """Scenarios that need the etcd-v3 backend on an etcd the harness started."""
+LAUNCHES_ITSELF = {"relaunch"}
+"""Scenarios that start the job themselves (with arguments of their own)."""
 
 
 # Scenarios that change the world size need the job to outlast a new round
@@ -546,8 +611,21 @@ SCENARIO_STEPS = {"scale-up": 400, "node-loss": 400, "partition": 800, "soak": 3
 SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3", "partition": "1:3"}
 
 
+# Faults the workers inject themselves (elastic.chaos.faults), per scenario.
+SCENARIO_FAULTS = {
+    "kill-during-save": "before_commit@20",
+    "disk-full": "during_write@20+:do=enospc:restart=any",
+    "slow-storage": "during_write@10:do=slow:for=8,during_write@40:do=slow:for=8",
+}
+# Recipe flags a scenario adds to the common ones.
+SCENARIO_ARGS = {"slow-storage": ["--collective-timeout", "4"]}
+# Scenarios whose job must stop instead of finishing: the step of the newest
+# checkpoint that must be left intact.
+SCENARIO_STOPS_AT = {"disk-full": 15}
+
+
 def scenario_env(name: str) -> dict[str, str]:
-    return {"ELASTIC_FAULT": "before_commit@20"} if name == "kill-during-save" else {}
+    return {"ELASTIC_FAULT": SCENARIO_FAULTS[name]} if name in SCENARIO_FAULTS else {}
 
 
 def run_scenario(
@@ -585,15 +663,21 @@ def run_scenario(
         script_args=[
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
             "--ckpt-every", "5", "--hang-timeout", "3", "--dropout", "0.1", *model_args,
+            *SCENARIO_ARGS.get(name, []),
         ],
         env=scenario_env(name), sample_log=workdir / "samples", network=network, etcd=etcd,
     )
     with ChaosJob(spec) as job:
-        job.start()
+        if name not in LAUNCHES_ITSELF:
+            job.start()
         expected = SCENARIOS[name](job, rng)
         codes = job.wait(timeout)
         ends = [r["step"] for r in job.records() if r["event"] == "end"]
-        final, error = verified_final_checkpoint(ckpt, steps) if ckpt.is_dir() else (None, "no checkpoint directory")
+        stops_at = SCENARIO_STOPS_AT.get(name)
+        final_step = steps if stops_at is None else stops_at
+        final, error = verified_final_checkpoint(ckpt, final_step) if ckpt.is_dir() else (None, "no checkpoint directory")
+        if ckpt.is_dir() and any(p.name.startswith(".tmp.") for p in ckpt.iterdir()):
+            final, error = None, f"a failed save left its temporary directory in {ckpt}"
         return ScenarioResult(
             scenario=name,
             exit_codes=codes,
@@ -604,6 +688,7 @@ def run_scenario(
             final_checkpoint=final,
             checkpoint_error=error,
             samples=audit(workdir / "samples"),
+            stops_at=stops_at,
             logs=job.logs(),
             report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {name} ({backend})"),
         )

@@ -1,4 +1,5 @@
-"""torchrun rendezvous plugins. `etcd` holds the `etcd-v3` backend (see its docstring).
+"""torchrun rendezvous plugins. `etcd` holds the `etcd-v3` backend (see its docstring:
+its options, its keys, and how a job relaunched with the same id reopens a closed run).
 
 This package's own module stays free of torch imports: torch loads the entry point
 below while it imports its rendezvous registry, which may happen in the middle of
@@ -8,7 +9,8 @@ torchrun asks for a handler.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.api import (

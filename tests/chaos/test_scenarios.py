@@ -78,14 +78,17 @@ def check(result, workdir: Path, reference: Callable[[int], dict[str, torch.Tens
 
 @pytest.mark.parametrize(
     "scenario",
-    ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption", "soak", "disk-full", "slow-storage"],
+    ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption", "soak", "disk-full", "slow-storage",
+     "relaunch"],
 )
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     steps = STEPS if scenario in CONSTANT_WORLD - {"soak"} else None  # the others train longer (SCENARIO_STEPS)
     check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
 
 
-@pytest.mark.parametrize("scenario", ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption"])
+@pytest.mark.parametrize(
+    "scenario", ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption", "relaunch"]
+)
 def test_etcd_v3(scenario: str, tmp_path: Path, corpus: Path, reference, shared_etcd: EtcdServer) -> None:
     steps = STEPS if scenario in CONSTANT_WORLD else None
     result = run_scenario(scenario, tmp_path, corpus, steps=steps, backend="etcd-v3", endpoint=shared_etcd.endpoint)

@@ -85,7 +85,7 @@ def test_two_agents_meet_on_etcd_with_a_dead_endpoint_listed_first(
     assert {e["world_size"] for e in recorded} == {2}
     assert [e["step"] for e in recorded if e["event"] == "step"] == list(range(1, 21))
     keys = shared_etcd.etcdctl("get", "--prefix", "--keys-only", f"/torchrevive/{run_id}/").split()
-    assert f"/torchrevive/{run_id}/rdzv/state" in keys
+    assert keys == [], "the last agent out removes the finished run's keys (a relaunch starts afresh)"
 
 
 def test_sigkilled_worker_recovers_with_nnodes_1_to_3(tmp_path: Path, tiny_corpus: Path, shared_etcd: EtcdServer) -> None:
@@ -165,7 +165,7 @@ def test_tls_client_certificates_and_etcd_auth(tmp_path: Path, tiny_corpus: Path
         assert done.returncode == 0, done.stderr[-3000:]
         assert [e["step"] for e in read_events(events) if e["event"] == "end"] == [5]
         keys = server.etcdctl("get", "--prefix", "--keys-only", f"/torchrevive/{run_id}/", user="root:s3cret")
-        assert f"/torchrevive/{run_id}/rdzv/state" in keys.split()
+        assert keys.split() == [], "the last agent out removes the finished run's keys, through TLS and auth"
 
         wrong = etcd_command(server.endpoint, "wrong", "1", recipe_args(tiny_corpus, tmp_path / "w.jsonl", 5),
                              conf=f"read_timeout=5,{tls_conf},user=root,password=wrong")
