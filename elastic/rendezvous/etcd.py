@@ -2,8 +2,8 @@
 
 torch's own `etcd` and `etcd-v2` backends speak only etcd's v2 API, which etcd
 3.4 serves only with `--enable-v2` and etcd 3.6 removed. This backend keeps the
-rendezvous state, and the c10d store the agents share, in etcd v3 through its
-JSON gateway. After `pip install`, the entry point `torchrun.handlers: etcd-v3`
+rendezvous state, and the c10d store the agents share, in etcd v3 over gRPC
+(`etcd_client`). After `pip install`, the entry point `torchrun.handlers: etcd-v3`
 makes it available to an unchanged training script:
 
     torchrun --nnodes=1:4 --rdzv-backend=etcd-v3 --rdzv-endpoint=h1:2379,h2:2379 \\
@@ -24,7 +24,7 @@ protocol       `http` (default) or `https`
 liveness_ttl   seconds an agent's key outlives it when it dies without a clean
                exit; default 10 (see "Relaunching with the same id" below)
 ca_cert        CA that signed etcd's server certificate (https). Only the
-               options are trusted: REQUESTS_CA_BUNDLE and proxies in the
+               options are trusted: CA bundles and proxies in the
                environment are ignored.
 ssl_cert       client certificate, for etcd's `--client-cert-auth`
 ssl_cert_key   the client certificate's private key
@@ -33,8 +33,8 @@ password_file  file whose first line is the user's password (stays out of `ps`)
 password       the password itself
 ============== ==============================================================
 
-With `--client-cert-auth` and auth both on, etcd's JSON gateway refuses client
-certificates that carry a Common Name: issue the rendezvous's without one.
+With `--client-cert-auth` and auth both on, a client certificate and a
+`user`/`password` login work together (the login's token names the user).
 
 Layout under the key prefix (default `/torchrevive/<run id>`):
 
