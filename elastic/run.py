@@ -126,7 +126,8 @@ class RunConfig:
     events: str | None = None
     """Append the JSON-lines event log here (rank 0)."""
     device: str = "auto"
-    """auto, cpu or cuda: cuda:LOCAL_RANK when asked for or available."""
+    """auto, cpu or cuda: cuda:LOCAL_RANK when the process sees a GPU per local worker,
+    cuda:0 when it sees exactly one (a GPU per task)."""
     metrics_port: int = 0
     """Serve Prometheus /metrics on this port + local rank (0: off)."""
     metrics_host: str = DEFAULT_HOST
@@ -238,13 +239,16 @@ class Run:
             raise
         finally:
             if self._owns_group:
+                left_together = False
                 try:
                     if not failed:
                         # Leave together: a rank tearing its gloo pairs down while a peer still
                         # drains the last collective aborts that peer at exit.
                         barrier(self._context)
+                        left_together = True
                 finally:
-                    shutdown_worker()  # on failure peers may be gone: no barrier
+                    # On failure (or a failed barrier) peers may be gone: nothing that waits on them.
+                    shutdown_worker(failed=not left_together)
                     self._owns_group = False
 
     @property

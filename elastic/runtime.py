@@ -9,6 +9,12 @@ Invariants:
   elastic job that grows or shrinks runs the same code), always with a finite
   timeout so a dead peer becomes an error rather than a hang, and it is
   destroyed when the worker leaves `worker_context`.
+- Leaving never waits on a peer that may be dead: after a failure the group is
+  torn down without collectives (NCCL communicators aborted, not flushed), on a
+  thread given `ERROR_TEARDOWN_DEADLINE`, past which it is left to process exit.
+  Only a normal exit, after a barrier, destroys the group the collective way.
+- A worker's GPU is cuda:LOCAL_RANK when it sees a GPU per local worker, and
+  cuda:0 when it sees exactly one (CUDA_VISIBLE_DEVICES narrowed per task).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,11 +32,15 @@ import torch
 import torch.distributed as dist
 
 from elastic.errors import EnvironmentConfigError, UsageError
+from elastic.rendezvous.worker_store import recovery_hint, round_store
 
 logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+ERROR_TEARDOWN_DEADLINE = timedelta(seconds=5)
+"""How long a failed worker gives its process group's teardown before leaving it to process
+exit: well under torchrun's 30 s between SIGTERM and SIGKILL, so it never delays a recovery by that."""
 
 # A gloo group over all ranks for small host-side exchanges (preemption votes,
 # RNG states) when the main group is NCCL: they then cost no device sync.
@@ -116,11 +126,15 @@ def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     )
 
 
-def select_device(requested: str, local_rank: int, *, cuda_device_count: int | None = None) -> torch.device:
+def select_device(
+    requested: str, local_rank: int, local_world_size: int, *, cuda_device_count: int | None = None
+) -> torch.device:
     """Map `--device {auto,cpu,cuda}` to this worker's device.
 
-    auto: cuda:LOCAL_RANK when CUDA is usable, else cpu. cuda: as auto, but an
-    error when no GPU is visible or there are fewer GPUs than local workers.
+    auto: a GPU when CUDA is usable, else cpu; cuda: a GPU or an error. The GPU
+    is cuda:LOCAL_RANK when this process sees at least LOCAL_WORLD_SIZE GPUs
+    (torchrun on a whole node), cuda:0 when it sees exactly one (a GPU per task
+    or container). Any other count is a `UsageError` saying what to change.
     """
     if requested not in DEVICE_CHOICES:
         raise UsageError(f"--device {requested!r} is not one of {', '.join(DEVICE_CHOICES)}")
@@ -130,12 +144,16 @@ def select_device(requested: str, local_rank: int, *, cuda_device_count: int | N
         return torch.device("cpu")
     if cuda_device_count == 0:
         raise UsageError("--device cuda was asked for but no CUDA device is visible; use --device cpu or auto")
-    if local_rank >= cuda_device_count:
-        raise UsageError(
-            f"LOCAL_RANK={local_rank} has no GPU: only {cuda_device_count} visible; "
-            "lower --nproc-per-node to the number of GPUs"
-        )
-    return torch.device("cuda", local_rank)
+    if cuda_device_count == 1:
+        return torch.device("cuda", 0)
+    if local_rank < cuda_device_count and cuda_device_count >= local_world_size:
+        return torch.device("cuda", local_rank)
+    raise UsageError(
+        f"LOCAL_RANK={local_rank} has no GPU: {cuda_device_count} are visible to each of the "
+        f"{local_world_size} workers on this node, which needs one per worker; start "
+        f"--nproc-per-node={cuda_device_count} workers, or make exactly one GPU visible to each "
+        "(CUDA_VISIBLE_DEVICES per task)"
+    )
 
 
 def backend_for(device: torch.device) -> str:
@@ -178,23 +196,25 @@ def init_worker(
     environ = os.environ if environ is None else environ
     env = parse_launch_env(environ)
     if env.rank == 0:
-        warn_if_restarts_share_a_store(environ)
-    dev = select_device(device, env.local_rank)
+        log_recovery_hint(environ)
+    dev = select_device(device, env.local_rank, env.local_world_size)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = None
     if env.launched:
         backend = backend_for(dev)
-        if backend == "nccl":
-            # A failed or timed-out NCCL collective aborts the communicator and the
-            # process instead of hanging, so the agent can restart the group.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING is left as the launcher set it: torchrun sets it
+        # to 1 itself, and elsewhere torch's own default (tear the process down without
+        # cleaning up communicators) cannot hang in ncclCommAbort the way 1 can.
         dist.init_process_group(
             backend,
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
+            # Under torchrun's shared agent store: a namespace no earlier round used
+            # (elastic.rendezvous.worker_store); otherwise None, torch's env:// as usual.
+            store=round_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout),
         )
         if backend == "nccl":
             global _control_group
@@ -231,7 +251,7 @@ def adopt_worker(
     """
     environ = os.environ if environ is None else environ
     env = parse_launch_env(environ)
-    dev = select_device(device, env.local_rank)
+    dev = select_device(device, env.local_rank, env.local_world_size)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = str(dist.get_backend())
@@ -250,24 +270,91 @@ def adopt_worker(
     )
 
 
-def warn_if_restarts_share_a_store(environ: Mapping[str, str]) -> None:
-    """torchrun's shared worker store outlives rendezvous rounds: after a restart the
-    new round's gloo group can read the dead round's addresses and hang in connect
-    until the collective timeout. A fresh store per round avoids it."""
-    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts.isdigit() and int(restarts) > 0:
-        logger.warning(
-            "torchrun shares one worker store across restarts, which can hang a restarted job; "
-            "launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
-        )
+def log_recovery_hint(environ: Mapping[str, str]) -> None:
+    """Under plain torchrun with settings that cost recoveries what no worker can win
+    back (torch's 30 s last call; a shared agent store, which times out a node that
+    joins after the first round), one line leading to the fast path
+    (`worker_store.recovery_hint`); nothing otherwise. A dead round's keys in a
+    shared store need no warning: `worker_store.round_store` keeps rounds apart."""
+    hint = recovery_hint(environ)
+    if hint is not None:
+        logger.warning(hint)
 
 
-def shutdown_worker() -> None:
-    """Destroy the process group if one exists; safe to call more than once."""
+def shutdown_worker(*, failed: bool = False, deadline: timedelta = ERROR_TEARDOWN_DEADLINE) -> None:
+    """Tear the process group down if one exists; safe to call more than once.
+
+    `failed=False`, every rank leaving together after a barrier: destroy it (on
+    NCCL a flush of each communicator, which waits for the peers' kernels).
+    `failed=True`, peers perhaps dead: nothing that waits on a peer (see
+    `error_teardown`), run on a daemon thread given `deadline`; past it the
+    worker goes on and process exit reclaims the group, with one warning line.
+    """
     global _control_group
     _control_group = None
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not failed:
         dist.destroy_process_group()
+        return
+    rank = dist.get_rank()
+    teardown = error_teardown(str(dist.get_backend()))
+    # A thread starts on device 0: give it this worker's, where the communicators live.
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        teardown()
+
+    _run_with_deadline(run, deadline, f"rank {rank}: leaving the process group after a failure")
+
+
+def error_teardown(backend: str) -> Callable[[], None]:
+    """How a failed worker leaves a process group of `backend` without waiting on its peers.
+
+    NCCL: abort every communicator (`ncclCommAbort`, all as one NCCL group), since
+    `destroy_process_group` flushes them (`ncclCommFinalize`), which waits for
+    peers that may be dead. Other backends (gloo): `destroy_process_group`,
+    which sends nothing there (gloo has no shutdown step), though it waits for a
+    collective still in flight, up to the collective timeout if its peer is stuck:
+    `shutdown_worker`'s deadline bounds that.
+    """
+    if "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl"
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        return abort if abort is not None else _leave_to_process_exit
+    return dist.destroy_process_group
+
+
+def _leave_to_process_exit() -> None:
+    """Without an abort API: an NCCL group never destroyed is aborted by its destructor at exit."""
+
+
+def _run_with_deadline(action: Callable[[], None], deadline: timedelta, what: str) -> bool:
+    """Run `action` on a daemon thread and wait at most `deadline`; True if it ended in time.
+
+    A failure or an overrun is one warning line: the worker is already leaving with an error of its own.
+    """
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as exc:  # noqa: BLE001 - reported below, in one line
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="elastic-group-teardown", daemon=True).start()
+    if not done.wait(deadline.total_seconds()):
+        logger.warning("%s took over %g s; leaving it to process exit", what, deadline.total_seconds())
+        return False
+    if errors:
+        error = errors[0]
+        first_line = next(iter(str(error).strip().splitlines()), "")
+        logger.warning("%s failed (%s: %s); leaving it to process exit", what, type(error).__name__, first_line)
+    return True
 
 
 def control_group() -> dist.ProcessGroup | None:
@@ -282,16 +369,21 @@ def control_group() -> dist.ProcessGroup | None:
 def worker_context(
     device: str = "auto", *, timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT
 ) -> Iterator[WorkerContext]:
-    """`init_worker` on entry, `shutdown_worker` on every exit path (after a barrier on a normal one)."""
+    """`init_worker` on entry, `shutdown_worker` on every exit path: after a barrier on
+    a normal one, without waiting on peers (`failed=True`) when the body or the barrier failed."""
     ctx = init_worker(device, timeout=timeout)
     try:
         yield ctx
     except BaseException:
-        shutdown_worker()  # peers may be gone: no barrier, just leave
+        shutdown_worker(failed=True)  # peers may be gone: no barrier, nothing that waits on them
         raise
-    # Leave together: a rank that tears its gloo pairs down while a peer still
-    # drains the last collective aborts that peer at exit (seen as SIGABRT).
-    barrier(ctx)
+    try:
+        # Leave together: a rank that tears its gloo pairs down while a peer still
+        # drains the last collective aborts that peer at exit (seen as SIGABRT).
+        barrier(ctx)
+    except BaseException:
+        shutdown_worker(failed=True)
+        raise
     shutdown_worker()
 
 

@@ -86,8 +86,8 @@ def write_cifar10(root: Path, *, train: int = 320, test: int = 80, seed: int = 0
 def worker_env(**extra: str) -> dict[str, str]:
     """The environment for a child job: no inherited torchrun variables, quiet threads."""
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
-    # Each rendezvous round gets a fresh worker store: with torchrun's shared store, a
-    # restarted round can read the dead round's gloo addresses and hang in connect.
+    # Each rendezvous round gets a fresh worker store: with torchrun's shared store a node
+    # joining after the first round times out (see elastic/launcher/launch.py).
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, **extra)
     return env
 

@@ -5,12 +5,12 @@ command line) and runs torch's own launcher. It only changes defaults the user
 did not set:
 
 - `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`. Stock torchrun keeps one worker store
-  for the whole job and, since the workers of every round write their gloo
-  addresses under the same keys, the workers of a new round can read the
-  addresses of the previous round's dead workers and fail with `Gloo
-  connectFullMesh failed ... Connection refused`: each such failed round costs a
-  join timeout and a restart. With a fresh store per round a kill costs exactly
-  one clean round.
+  for the whole job, hosted by the first round's rank-0 agent: a node that
+  joins after the first round (a scale-up, a replaced node) waits for a store
+  address nobody publishes and the rendezvous times out. (The dead round's gloo
+  addresses that the shared store also keeps are harmless to our workers:
+  `elastic.rendezvous.worker_store` gives every round a namespace of its own.)
+  A fresh store per round also spares the handshake.
 - `--rdzv-conf` gets `last_call_timeout=2` (torch: 30 s, paid by every round
   once the minimum number of nodes is there), `keep_alive_interval=1` and
   `keep_alive_max_attempt=3` (a node that died is declared dead after about 3 s

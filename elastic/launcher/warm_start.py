@@ -14,8 +14,14 @@ script or module named in `TORCHREVIVE_WARM_TARGET`.
 Invariants:
 - The fork server only imports modules: it never initialises CUDA or joins a
   process group, so a forked worker is as clean as a fresh interpreter as far
-  as devices and collectives go. Modules that probe the GPU at import must not
-  be preloaded; torch and torch._dynamo do not (torch initialises CUDA lazily).
+  as devices and collectives go. torch and torch._dynamo do not touch the GPU
+  at import (torch initialises CUDA lazily). A preloaded module that does
+  (torch's lazy CUDA init, or a device count or init call into the driver,
+  after which a forked child's CUDA is broken) is caught in the fork server,
+  which checks after each import: the agent then starts no forked worker but
+  starts every worker cold, as torchrun does, with one warning line naming the
+  module. The fork server imports this module (see `configure`), which does
+  the preload and keeps its `PreloadReport` for the agent to ask for.
 - The script runs as `python -u SCRIPT ARGS` would run it: `sys.argv`; the
   script's folder (or, for a module, the working directory) first on
   `sys.path` in place of the agent's; `__name__ == "__main__"`; line-buffered
@@ -52,7 +58,10 @@ import select
 import signal
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 from elastic.errors import UsageError
 from elastic.launcher.proctree import WARM_WORKER_NAME
@@ -63,6 +72,9 @@ TARGET_ENV = "TORCHREVIVE_WARM_TARGET"
 """What a warm worker runs: `script:/abs/path.py` or `module:package.name`."""
 AGENT_PID_ENV = "TORCHREVIVE_AGENT_PID"
 """Set by the launcher before the fork server starts, so every warm worker inherits it."""
+FORK_SERVER_PRELOAD_ENV = "TORCHREVIVE_FORK_SERVER_PRELOAD"
+"""The modules for the fork server to import, set by the agent only while the fork server
+starts; the fork server takes it out of its environment, so no worker sees it."""
 ORPHAN_EXIT_CODE = 1
 _PR_SET_NAME = 15  # prctl(2): set the calling thread's name, which is the process name for the main thread
 
@@ -99,15 +111,175 @@ def applies(args: argparse.Namespace, preload: tuple[str, ...], environ: Mapping
 
 def configure(args: argparse.Namespace, preload: tuple[str, ...]) -> None:
     """Turn torchrun's arguments into a warm start: torch runs this file in each
-    forked worker (`--run-path`), which then runs the user's script or module."""
+    forked worker (`--run-path`), which then runs the user's script or module.
+
+    Starts the fork server and waits for its preload (which the first worker
+    would wait for anyway). If a preloaded module initialised CUDA there, or
+    the preload could not be checked, the arguments stay torchrun's cold start
+    and one warning line says why; a forked worker could not have used the GPU.
+    """
     target = f"module:{args.training_script}" if args.module else f"script:{os.path.abspath(args.training_script)}"
     os.environ[TARGET_ENV] = target  # inherited by the fork server and its workers
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    report = start_fork_server(preload)
+    if report is None or report.cuda_by is not None:
+        _stop_fork_server()  # it may hold a CUDA context on a GPU the workers need
+        os.environ.pop(TARGET_ENV, None)
+        os.environ.pop(AGENT_PID_ENV, None)
+        if args.start_method is None:
+            args.start_method = "spawn"  # torch's default
+        return
     args.start_method = "forkserver"
     args.run_path = True
     args.module = False
     args.training_script = os.path.abspath(__file__)
-    multiprocessing.set_forkserver_preload(list(preload))
+
+
+@dataclass(frozen=True)
+class PreloadReport:
+    """What the fork server's preload did (made there, read by the agent)."""
+
+    pid: int
+    """The process that imported the modules: the fork server, or the report is not its own."""
+    cuda_by: str | None = None
+    """The module after whose import CUDA was initialised; the preload stopped there."""
+    failed: tuple[tuple[str, str], ...] = ()
+    """(module, `Error: message`) for each module whose import raised; skipped, as multiprocessing does."""
+
+
+def start_fork_server(preload: Sequence[str]) -> PreloadReport | None:
+    """Start multiprocessing's fork server, have it import `preload` (see `import_preload`),
+    and return its report: None when it could not be had. Each problem is one warning line
+    on stderr, saying what the launcher does about it."""
+    os.environ[FORK_SERVER_PRELOAD_ENV] = ",".join(preload)
+    multiprocessing.set_forkserver_preload([__name__])  # this module: its import does the preload
+    try:
+        report = _ask_fork_server()
+    except (OSError, EOFError) as exc:
+        _warn(
+            f"the fork server ended before it could start workers ({type(exc).__name__}: {exc}), "
+            f"perhaps ended by a {PRELOAD_ENV} module; starting workers cold"
+        )
+        return None
+    finally:
+        os.environ.pop(FORK_SERVER_PRELOAD_ENV, None)
+    if report is None:
+        _warn(f"the fork server could not import {__name__} to preload {PRELOAD_ENV}; starting workers cold")
+        return None
+    for name, error in report.failed:
+        _warn(f"{PRELOAD_ENV} module {name!r} failed to import in the fork server ({error}); the workers import it themselves")
+    if report.cuda_by is not None:
+        _warn(
+            f"{PRELOAD_ENV} module {report.cuda_by!r} initialised CUDA in the fork server, so forked workers "
+            f"could not use the GPU; starting workers cold instead: drop {report.cuda_by!r} from "
+            f"{PRELOAD_ENV} or import it in the training script"
+        )
+    return report
+
+
+def _warn(line: str) -> None:
+    print(f"torchrevive-run: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _ask_fork_server() -> PreloadReport | None:
+    """A child of the fork server (started as torch starts workers) sends back the report it inherited."""
+    context = multiprocessing.get_context("forkserver")
+    receiver, sender = context.Pipe(duplex=False)
+    probe = context.Process(target=_send_report, args=(sender,), name="torchrevive-preload-check", daemon=True)
+    try:
+        probe.start()
+        sender.close()
+        return receiver.recv()
+    finally:
+        receiver.close()
+        if probe.pid is not None:
+            probe.join()
+
+
+def _send_report(connection: Connection) -> None:
+    report = _fork_server_report
+    connection.send(report if report is not None and report.pid == os.getppid() else None)
+    connection.close()
+
+
+def _stop_fork_server() -> None:
+    """Stop multiprocessing's fork server if it runs (best effort: a private API of the stdlib)."""
+    from multiprocessing import forkserver
+
+    try:
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ChildProcessError):
+        pass
+
+
+def import_preload(modules: Sequence[str]) -> PreloadReport:
+    """Import `modules` in order, as the fork server does, checking CUDA after each.
+
+    torch comes first when a module of it is named, so that CUDA calls made by
+    the others' imports are seen. The first module after whose import CUDA is
+    initialised ends the preload (`cuda_by`); one whose import raises is noted
+    and skipped. Run in the fork server; a test may run it anywhere.
+    """
+    failed: list[tuple[str, str]] = []
+    names = list(modules)
+    if any(name == "torch" or name.startswith("torch.") for name in names):
+        names.insert(0, "torch")
+    watch = _CudaWatch()
+    try:
+        for name in dict.fromkeys(names):
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - one line for the agent; the worker's own import will say more
+                message = str(exc).strip().splitlines()
+                failed.append((name, f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__))
+            watch.install()
+            if watch.initialised():
+                return PreloadReport(pid=os.getpid(), cuda_by=name, failed=tuple(failed))
+        return PreloadReport(pid=os.getpid(), failed=tuple(failed))
+    finally:
+        watch.remove()
+
+
+class _CudaWatch:
+    """Whether this process initialised CUDA through torch: its lazy init (after which a
+    forked child fails with "Cannot re-initialize CUDA in forked subprocess"), or a
+    device count or init call into the driver (cuInit: a forked child's CUDA is broken)."""
+
+    _ENTRY_POINTS = ("_cuda_getDeviceCount", "_cuda_init")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._originals: dict[str, Any] = {}
+
+    def install(self) -> None:
+        """Watch torch's entry points into the driver, once torch is imported."""
+        native = getattr(sys.modules.get("torch"), "_C", None)
+        if native is None or self._originals:
+            return
+        for name in self._ENTRY_POINTS:
+            original = getattr(native, name, None)
+            if original is not None:
+                self._originals[name] = original
+                setattr(native, name, self._watched(name, original))
+
+    def _watched(self, name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            if name != "_cuda_getDeviceCount" or result > 0:  # no driver or no GPU: nothing to break
+                self.calls.append(name)
+            return result
+
+        return call
+
+    def initialised(self) -> bool:
+        cuda = sys.modules.get("torch.cuda")
+        return bool(self.calls) or (cuda is not None and bool(cuda.is_initialized()))
+
+    def remove(self) -> None:
+        native = getattr(sys.modules.get("torch"), "_C", None)
+        for name, original in self._originals.items():
+            setattr(native, name, original)
+        self._originals.clear()
 
 
 def exit_with_agent(agent_pid: int) -> threading.Thread | None:
@@ -192,6 +364,13 @@ def main() -> None:
     else:
         atexit._run_exitfuncs()
 
+
+# In the fork server, which imports this module as its preload (see `start_fork_server`):
+# import the user's preload here, and keep the report for the agent's probe.
+_fork_server_report: PreloadReport | None = None
+_fork_server_plan = os.environ.pop(FORK_SERVER_PRELOAD_ENV, None)
+if _fork_server_plan is not None and __name__ != "__main__":
+    _fork_server_report = import_preload([name for name in _fork_server_plan.split(",") if name])
 
 if __name__ == "__main__":
     main()

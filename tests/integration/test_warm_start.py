@@ -171,6 +171,45 @@ def test_bad_script_or_preload_is_one_line_exit_2(tmp_path: Path, args: list[str
     assert message in done.stderr
 
 
+def test_a_preload_module_that_initialises_cuda_makes_the_workers_start_cold(
+    out: Path, probe: Path, tmp_path: Path
+) -> None:
+    """Forked from a fork server with CUDA initialised, every worker would die with torch's
+    "Cannot re-initialize CUDA in forked subprocess", which names no module. Instead the job
+    runs with cold workers and one warning line names the module and what to do."""
+    preload = tmp_path / "preload"
+    preload.mkdir()
+    # On this CPU-only machine, what torch.cuda.init() would leave behind.
+    (preload / "cuda_at_import.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    env = worker_env(PYTHONPATH=f"{preload}{os.pathsep}{REPO}", TORCHREVIVE_PRELOAD="torch,cuda_at_import")
+    done = launch("--standalone", str(probe), str(out), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for report in reports(out):
+        assert not report["torch_was_loaded"], "a worker was forked from the fork server that initialised CUDA"
+        assert report["path0"] == str(probe.parent) and report["sibling"] == 42
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("torchrevive-run: warning:")]
+    assert len(warnings) == 1, done.stderr
+    assert "TORCHREVIVE_PRELOAD module 'cuda_at_import' initialised CUDA in the fork server" in warnings[0]
+    assert "drop 'cuda_at_import' from TORCHREVIVE_PRELOAD or import it in the training script" in warnings[0]
+
+
+def test_a_preload_module_that_fails_to_import_is_one_line_and_the_rest_stay_warm(
+    out: Path, probe: Path, tmp_path: Path
+) -> None:
+    """multiprocessing's fork server skips a module that raises ImportError and dies on any
+    other error, taking every worker start with it; here it is one line, and workers start warm."""
+    preload = tmp_path / "preload"
+    preload.mkdir()
+    (preload / "broken_at_import.py").write_text("raise ValueError('no config file')\n")
+    env = worker_env(PYTHONPATH=f"{preload}{os.pathsep}{REPO}", TORCHREVIVE_PRELOAD="torch,broken_at_import")
+    done = launch("--standalone", str(probe), str(out), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all(report["torch_was_loaded"] for report in reports(out))
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("torchrevive-run: warning:")]
+    assert len(warnings) == 1, done.stderr
+    assert "'broken_at_import' failed to import in the fork server (ValueError: no config file)" in warnings[0]
+
+
 def test_workers_do_not_outlive_a_killed_agent(out: Path, probe: Path) -> None:
     """The agent dies by SIGKILL (OOM killer, node drain): its warm workers notice and exit."""
     command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", str(probe), str(out), "sleep"]

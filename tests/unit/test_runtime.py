@@ -1,13 +1,20 @@
 from __future__ import annotations
 
+import logging
+import os
+import threading
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
 from support import free_port
 
+from elastic import runtime
 from elastic.errors import EnvironmentConfigError, UsageError
 from elastic.runtime import (
     SINGLE_PROCESS,
+    error_teardown,
     init_worker,
     parse_launch_env,
     select_device,
@@ -61,23 +68,37 @@ def test_missing_local_variables_default_to_a_one_worker_node() -> None:
 
 
 @pytest.mark.parametrize(
-    ("requested", "local_rank", "gpus", "expected"),
+    ("requested", "local_rank", "local_world_size", "gpus", "expected"),
     [
-        ("auto", 0, 0, "cpu"),
-        ("auto", 1, 2, "cuda:1"),
-        ("cpu", 1, 2, "cpu"),
-        ("cuda", 0, 1, "cuda:0"),
+        ("auto", 0, 1, 0, "cpu"),
+        ("auto", 1, 2, 2, "cuda:1"),
+        ("auto", 1, 2, 8, "cuda:1"),
+        ("cpu", 1, 2, 2, "cpu"),
+        ("cuda", 0, 1, 1, "cuda:0"),
+        # One GPU visible per process (Slurm --gpus-per-task, a GPU per container): it is cuda:0.
+        ("cuda", 1, 2, 1, "cuda:0"),
+        ("auto", 3, 4, 1, "cuda:0"),
     ],
 )
-def test_device_selection(requested: str, local_rank: int, gpus: int, expected: str) -> None:
-    assert select_device(requested, local_rank, cuda_device_count=gpus) == torch.device(expected)
+def test_device_selection(requested: str, local_rank: int, local_world_size: int, gpus: int, expected: str) -> None:
+    device = select_device(requested, local_rank, local_world_size, cuda_device_count=gpus)
+    assert device == torch.device(expected)
 
 
-def test_cuda_without_gpus_or_with_too_few_is_a_usage_error() -> None:
+def test_cuda_without_gpus_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="no CUDA device is visible"):
-        select_device("cuda", 0, cuda_device_count=0)
-    with pytest.raises(UsageError, match="LOCAL_RANK=2 has no GPU: only 2 visible"):
-        select_device("auto", 2, cuda_device_count=2)
+        select_device("cuda", 0, 1, cuda_device_count=0)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 2])
+def test_fewer_gpus_than_local_workers_but_more_than_one_is_one_line_on_every_rank(local_rank: int) -> None:
+    """2 GPUs visible to each of 3 workers: every local rank fails alike, none waits for the others."""
+    with pytest.raises(UsageError) as raised:
+        select_device("auto", local_rank, 3, cuda_device_count=2)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"LOCAL_RANK={local_rank} has no GPU: 2 are visible to each of the 3 workers" in message
+    assert "--nproc-per-node=2" in message and "exactly one GPU visible to each" in message
 
 
 def test_single_process_worker_has_no_process_group() -> None:
@@ -104,14 +125,102 @@ def test_launched_worker_joins_and_leaves_a_gloo_process_group() -> None:
     shutdown_worker()  # idempotent
 
 
-def test_warns_when_restarts_would_share_the_worker_store(caplog) -> None:
-    import logging
+def test_a_launched_worker_leaves_nccl_async_error_handling_to_the_launcher(monkeypatch) -> None:
+    """torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING itself; elsewhere torch's default stands."""
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(runtime, "select_device", lambda *args, **kwargs: torch.device("cpu"))
+    monkeypatch.setattr(runtime, "backend_for", lambda device: "nccl")  # the NCCL path, on a gloo group
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: None)
+    real_init = dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: real_init("gloo", **kwargs))
+    init_worker("cpu", environ=environ)
+    try:
+        assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    finally:
+        shutdown_worker()
 
-    from elastic.runtime import warn_if_restarts_share_a_store
 
-    with caplog.at_level(logging.WARNING):
-        warn_if_restarts_share_a_store({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"})
-        warn_if_restarts_share_a_store({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"})
-        assert not caplog.records
-        warn_if_restarts_share_a_store({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
+def test_error_teardown_aborts_nccl_and_destroys_gloo() -> None:
+    """NCCL's destroy flushes its communicators (waits on peers); abort does not. gloo's destroy is local."""
+    abort = dist.distributed_c10d._abort_process_group
+    assert error_teardown("nccl") is abort
+    assert error_teardown("cpu:gloo,cuda:nccl") is abort
+    assert error_teardown("gloo") is dist.destroy_process_group
+
+
+class FakeNcclWorld:
+    """A process group that claims to be NCCL, recording how it was torn down."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, abort_blocks: bool = False) -> None:
+        self.calls: list[str] = []
+        self.release = threading.Event()
+        self.abort_blocks = abort_blocks
+        self.initialized = True
+        monkeypatch.setattr(dist, "is_initialized", lambda: self.initialized)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
+        monkeypatch.setattr(dist, "destroy_process_group", self.destroy)
+        monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", self.abort)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+    def destroy(self, group=None) -> None:
+        self.calls.append("destroy")
+        self.initialized = False
+
+    def abort(self, group=None) -> None:
+        self.calls.append("abort")
+        if self.abort_blocks:
+            self.release.wait()  # ncclCommAbort stuck on a dead peer
+        self.initialized = False
+
+
+def test_a_failed_worker_aborts_an_nccl_group_instead_of_destroying_it(monkeypatch) -> None:
+    world = FakeNcclWorld(monkeypatch)
+    shutdown_worker(failed=True)
+    assert world.calls == ["abort"]
+
+
+def test_a_normal_exit_destroys_an_nccl_group(monkeypatch) -> None:
+    world = FakeNcclWorld(monkeypatch)
+    shutdown_worker()
+    assert world.calls == ["destroy"]
+
+
+def test_a_teardown_that_hangs_is_left_behind_after_the_deadline_with_one_line(monkeypatch, caplog) -> None:
+    world = FakeNcclWorld(monkeypatch, abort_blocks=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="elastic.runtime"):
+            shutdown_worker(failed=True, deadline=timedelta(seconds=0.2))  # returns: the test would time out otherwise
+        assert world.calls == ["abort"]
+        [record] = caplog.records
+        assert "rank 5: leaving the process group after a failure took over" in record.getMessage()
+        assert "leaving it to process exit" in record.getMessage() and not record.exc_info
+    finally:
+        world.release.set()
+
+
+def test_a_teardown_that_fails_is_one_warning_line(monkeypatch, caplog) -> None:
+    FakeNcclWorld(monkeypatch)
+
+    def abort(group=None) -> None:
+        raise RuntimeError("NCCL error: remote process exited\nmore detail")
+
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", abort)
+    with caplog.at_level(logging.WARNING, logger="elastic.runtime"):
+        shutdown_worker(failed=True)
+    [record] = caplog.records
+    assert "failed (RuntimeError: NCCL error: remote process exited)" in record.getMessage()
+    assert "\n" not in record.getMessage() and not record.exc_info
+
+
+def test_a_failed_worker_leaves_a_real_gloo_group(monkeypatch) -> None:
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    init_worker("cpu", environ=environ)
+    shutdown_worker(failed=True)
+    assert not dist.is_initialized()
+    shutdown_worker(failed=True)  # idempotent
