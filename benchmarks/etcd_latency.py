@@ -35,7 +35,13 @@ from etcd3gw.client import Etcd3Client
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic.chaos.etcd import EtcdServer
-from elastic.rendezvous.etcd_client import EtcdClient, EtcdOptions, encode, txn_range_results, txn_revision
+from elastic.rendezvous.etcd_client import (
+    EtcdClient,
+    EtcdOptions,
+    encode,
+    txn_range_results,
+    txn_revision,
+)
 
 REQUESTS = ("get", "put", "txn")
 

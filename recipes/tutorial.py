@@ -29,7 +29,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import elastic  # elastic
-from elastic.cli import non_negative_int, positive_float, positive_int, run_main  # elastic
+from elastic.cli import (  # elastic
+    non_negative_int,
+    positive_float,
+    positive_int,
+    run_main,
+)
 
 FEATURES, CLASSES, SAMPLES = 32, 8, 8192
 

@@ -33,7 +33,13 @@ from datetime import timedelta
 from torch.distributed import DistStoreError, Store
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elastic.rendezvous.etcd_client import EtcdClient, KeyValue, encode, txn_range_results, txn_revision
+from elastic.rendezvous.etcd_client import (
+    EtcdClient,
+    KeyValue,
+    encode,
+    txn_range_results,
+    txn_revision,
+)
 
 # etcd refuses transactions of more operations than --max-txn-ops (default 128).
 _MAX_TXN_OPS = 128
