@@ -49,12 +49,24 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert WATCHDOG_TRIP.search(output), output[-4000:]
-    # The one failed round (max_restarts=1 and the job succeeded) ended with the watchdog's
-    # status, not a crash (1), a collective timeout or a signal.
-    assert AGENT_FAILURE.findall(output) == [str(EXIT_CODE)], output[-4000:]
+    # One failed round (max_restarts=1 and the job succeeded). torch names the failure with
+    # the smallest timestamp: a worker that died by os._exit has none of its own and gets the
+    # time the agent saw it, one that raised gets its error file's. So:
+    # - stop: rank 1 is frozen, rank 0 is stuck in the collective: its watchdog ends it (124)
+    #   and that is the round's only exit until the group is stopped;
+    # - hang: rank 1's watchdog ends it (124), and rank 0's collective then fails at once
+    #   ("Connection closed by peer", 1, with an error file): either may be named.
+    failures = AGENT_FAILURE.findall(output)
+    assert len(failures) == 1, output[-4000:]
+    if action == "stop" or failures[0] != "1":
+        assert failures == [str(EXIT_CODE)], output[-4000:]
+    else:
+        assert "Connection closed by peer" in output, output[-4000:]
     recorded = list(read_events(events))
     restores = [e for e in recorded if e["event"] == "restore"]
-    assert restores and restores[-1]["step"] == 10, "resumed from the checkpoint before the hang"
+    # The newest checkpoint committed before the hang (10, unless slow storage skipped it).
+    before = [e["step"] for e in recorded if e["event"] == "checkpoint" and e["restart"] == 0 and e["step"] <= 12]
+    assert restores and before and restores[-1]["step"] == before[-1], "resumed from the checkpoint before the hang"
     assert [e["step"] for e in recorded if e["event"] == "end"] == [30]
 
 
