@@ -171,18 +171,23 @@ def test_bad_script_or_preload_is_one_line_exit_2(tmp_path: Path, args: list[str
     assert message in done.stderr
 
 
+def launch_with_preload(tmp_path: Path, probe: Path, out: Path, module: str, source: str) -> subprocess.CompletedProcess[str]:
+    """The probe job with `TORCHREVIVE_PRELOAD=torch,<module>`, `module` written from `source`."""
+    preload = tmp_path / "preload"
+    preload.mkdir()
+    (preload / f"{module}.py").write_text(source)
+    env = worker_env(PYTHONPATH=f"{preload}{os.pathsep}{REPO}", TORCHREVIVE_PRELOAD=f"torch,{module}")
+    return launch("--standalone", str(probe), str(out), env=env)
+
+
 def test_a_preload_module_that_initialises_cuda_makes_the_workers_start_cold(
     out: Path, probe: Path, tmp_path: Path
 ) -> None:
     """Forked from a fork server with CUDA initialised, every worker would die with torch's
     "Cannot re-initialize CUDA in forked subprocess", which names no module. Instead the job
     runs with cold workers and one warning line names the module and what to do."""
-    preload = tmp_path / "preload"
-    preload.mkdir()
     # On this CPU-only machine, what torch.cuda.init() would leave behind.
-    (preload / "cuda_at_import.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
-    env = worker_env(PYTHONPATH=f"{preload}{os.pathsep}{REPO}", TORCHREVIVE_PRELOAD="torch,cuda_at_import")
-    done = launch("--standalone", str(probe), str(out), env=env)
+    done = launch_with_preload(tmp_path, probe, out, "cuda_at_import", "import torch\ntorch.cuda.is_initialized = lambda: True\n")
     assert done.returncode == 0, done.stdout + done.stderr
     for report in reports(out):
         assert not report["torch_was_loaded"], "a worker was forked from the fork server that initialised CUDA"
@@ -198,11 +203,7 @@ def test_a_preload_module_that_fails_to_import_is_one_line_and_the_rest_stay_war
 ) -> None:
     """multiprocessing's fork server skips a module that raises ImportError and dies on any
     other error, taking every worker start with it; here it is one line, and workers start warm."""
-    preload = tmp_path / "preload"
-    preload.mkdir()
-    (preload / "broken_at_import.py").write_text("raise ValueError('no config file')\n")
-    env = worker_env(PYTHONPATH=f"{preload}{os.pathsep}{REPO}", TORCHREVIVE_PRELOAD="torch,broken_at_import")
-    done = launch("--standalone", str(probe), str(out), env=env)
+    done = launch_with_preload(tmp_path, probe, out, "broken_at_import", "raise ValueError('no config file')\n")
     assert done.returncode == 0, done.stdout + done.stderr
     assert all(report["torch_was_loaded"] for report in reports(out))
     warnings = [line for line in done.stderr.splitlines() if line.startswith("torchrevive-run: warning:")]
