@@ -397,10 +397,7 @@ class CheckpointManager:
                 except TimeoutError:
                     self._storage_behind = True
             busy = self._in_flight is not None
-        if self._ctx.distributed:
-            flag = torch.tensor([int(busy)], dtype=torch.int32)
-            dist.broadcast(flag, src=0, group=control_group())
-            busy = bool(flag.item())
+        busy = self._share_flag(busy)
         if busy and self._ctx.is_main:
             writing = self._in_flight.step if self._in_flight is not None else None
             logger.warning(
