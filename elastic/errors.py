@@ -58,3 +58,10 @@ class Preempted(ElasticError):
 
     exit_code = 143
     raised_everywhere = True
+
+
+class CorruptCheckpoint(Exception):
+    """A committed checkpoint whose manifest or data do not verify (a torn or damaged write).
+
+    Internal: restore falls back to the previous checkpoint and moves this one aside;
+    it reaches a user only inside a `CheckpointError` line."""

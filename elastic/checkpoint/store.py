@@ -5,8 +5,15 @@ Layout of `--ckpt-dir`:
     step_00000100/            a committed checkpoint: state files + manifest.json
     step_00000150/
     latest                    text file naming the newest committed checkpoint
+    writer.json               which job (run id, host, pid) writes here
     .tmp.step_00000200.<id>/  a save in progress (or one killed mid-write)
+    step_00000150.replaced/   the previous copy of a step being written again
     step_00000050.corrupt/    a checkpoint that failed verification, moved aside
+
+A checkpoint in format 2 (sharded.py) holds one `shard_NNNNN.bin` per rank
+that saved it, `tensors.json` (DCP's metadata, with a crc32c per block of
+every chunk) and `trainer.pt`; format 1 (releases before 0.3) holds
+`model.pt`, `optimizer.pt` and `trainer.pt` written by rank 0, with sha256s.
 
 Invariants:
 - A checkpoint exists only once its directory is renamed from `.tmp.*` to
@@ -15,15 +22,26 @@ Invariants:
   manifest naming the sha256 and size of each file. Readers look only at
   `step_XXXXXXXX` directories; a `.tmp.*` directory is never loaded.
 - `latest` is replaced atomically (write a temporary file, fsync, rename) after
-  the commit; it is a convenience for people and tools. Loading does not trust
-  it: the newest committed directory that verifies wins.
+  the commit. `committed()` reads it before listing the directory and adds
+  the checkpoint it names even when the listing misses it (an NFS client's
+  directory cache can hide a fresh `step_N` for tens of seconds); it is not
+  trusted otherwise: the newest committed directory that verifies wins.
+- Writing a step that is already committed renames the old copy to
+  `step_N.replaced` first; until the new copy is renamed in, the old one is
+  still found (and put back by `prepare` after a crash), so no moment exists
+  where a crash loses both.
+- `writer.json` names the job that writes: `prepare` refuses (one line) a
+  directory another live job writes, and a writer that lost the directory to
+  another refuses to commit. Only temporaries of a job that is gone are removed.
+- At most `keep_corrupt` quarantined `.corrupt` directories stay (the newest).
 - A save that fails (full disk, quota, I/O error) removes its own `.tmp.*`
   directory and raises `SaveFailed` naming the cause in one line; nothing
   committed is touched. A failure after the rename (updating `latest`) is a
   warning: the checkpoint is committed.
 - Older checkpoints are deleted only after a newer one is committed, and the
   newest `keep` committed ones always remain.
-- State files load with `torch.load(weights_only=True)`: no pickled code runs.
+- Nothing loads pickled code: tensors are raw bytes (format 2), other state files
+  load with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -44,17 +63,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 
 import elastic
-from elastic.errors import CheckpointStorageError
+from elastic.checkpoint import sharded
+from elastic.errors import CheckpointStorageError, CorruptCheckpoint
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Format of the checkpoints written now (sharded, crc32c); format 1 (rank 0's files, sha256) still loads."""
+READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
+WRITER = "writer.json"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
+_REPLACED = re.compile(r"^step_(\d{8})\.replaced$")
 _TMP_PREFIX = ".tmp."
 CORRUPT_SUFFIX = ".corrupt"
 _READ_CHUNK = 8 * 2**20
@@ -113,14 +138,18 @@ class _HashingWriter:
     failed write (ENOSPC, EIO, EDQUOT) as a RuntimeError that names no cause.
     """
 
-    def __init__(self, raw: io.BufferedWriter) -> None:
+    def __init__(self, raw: io.BufferedWriter, *, sha256: bool = True) -> None:
         self._raw = raw
-        self.sha256 = hashlib.sha256()
+        self.sha256 = hashlib.sha256() if sha256 else None
+        self.crc32c = 0
         self.bytes = 0
         self.error: OSError | None = None
 
     def write(self, data: bytes | memoryview) -> int:
-        self.sha256.update(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
+        else:
+            self.crc32c = crc32c.crc32c(data, self.crc32c)
         self.bytes += len(data)
         try:
             return self._raw.write(data)
@@ -141,24 +170,28 @@ class Manifest:
     consumed: int
     world_size: int
     files: dict[str, dict[str, Any]]
-    """file name -> {"sha256": hex digest, "bytes": size}"""
+    """file name -> {"bytes": size, and "crc32c": int (format 2) or "sha256": hex digest (format 1)};
+    format 2's shard files have a size only: their chunks' checksums are in tensors.json."""
     created: float
     reason: str
     run_id: str
     versions: dict[str, str]
+    format: int = FORMAT_VERSION
+    """1: rank 0's model.pt/optimizer.pt/trainer.pt with sha256s; 2: sharded tensors (sharded.py) with crc32c."""
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT_VERSION, **self.__dict__}, indent=1, sort_keys=True) + "\n"
+        return json.dumps(self.__dict__, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         raw = json.loads(text)
-        if raw.get("format") != FORMAT_VERSION:
-            raise ValueError(f"manifest format {raw.get('format')!r}, this runtime reads {FORMAT_VERSION}")
+        if raw.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"manifest format {raw.get('format')!r}, this runtime reads {READABLE_FORMATS}")
         return cls(
             step=int(raw["step"]), epoch=int(raw["epoch"]), consumed=int(raw["consumed"]),
             world_size=int(raw["world_size"]), files=dict(raw["files"]), created=float(raw["created"]),
             reason=str(raw["reason"]), run_id=str(raw["run_id"]), versions=dict(raw["versions"]),
+            format=int(raw["format"]),
         )
 
     @property
@@ -174,10 +207,6 @@ def versions() -> dict[str, str]:
     }
 
 
-class CorruptCheckpoint(Exception):
-    """A committed checkpoint whose manifest or files do not verify."""
-
-
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -186,29 +215,67 @@ class Candidate:
 
 
 class CheckpointStore:
-    """One checkpoint directory: commit, list, verify, load, retire."""
+    """One checkpoint directory: claim, commit, list, verify, load, retire."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, keep_corrupt: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1")
         self.root = Path(directory)
         self.keep = keep
+        self.keep_corrupt = keep_corrupt
 
-    # -- writing -------------------------------------------------------------
+    # -- ownership -----------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Create the directory, remove saves that died before their commit, and check a
-        write gets through (`CheckpointStorageError` naming the cause if not)."""
+    def prepare(self, identity: WriterIdentity | None = None) -> None:
+        """Create the directory, claim it for `identity`, put back a copy a crash left
+        replaced, remove saves that died before their commit, and check a write gets
+        through (`CheckpointStorageError` naming the cause if not)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointStorageError(f"cannot create checkpoint directory {self.root}: {exc.strerror}") from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise CheckpointStorageError(f"checkpoint directory {self.root} is not writable")
+        if identity is not None:
+            self.claim(identity)
+        self._recover_replaced()
         for stale in self.root.glob(_TMP_PREFIX + "*"):
             logger.info("removing %s: a save that never committed", stale.name)
             shutil.rmtree(stale, ignore_errors=True)
         self._probe()
+
+    def writer(self) -> WriterIdentity | None:
+        """Who claimed the directory last (None: nobody, or an unreadable claim)."""
+        try:
+            return WriterIdentity.from_json((self.root / WRITER).read_text(encoding="utf-8"))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def claim(self, identity: WriterIdentity) -> None:
+        """Make `identity` the directory's writer; `CheckpointStorageError` if another live job writes here."""
+        current = self.writer()
+        if current is not None and current.writer != identity.writer and current.run_id != identity.run_id:
+            if current.alive(identity):
+                raise CheckpointStorageError(
+                    f"{self.root} is written by another job (run {current.run_id} on {current.host}, pid {current.pid}, "
+                    f"seen {time.time() - current.heartbeat:.0f} s ago): give each job its own --ckpt-dir"
+                )
+            logger.warning("taking over %s from run %s on %s, which is gone", self.root, current.run_id, current.host)
+        self._write_small(WRITER, identity.to_json())
+
+    def heartbeat(self, identity: WriterIdentity) -> None:
+        """Refresh the claim (a job that saves rarely still looks alive); `SaveFailed` if it was lost."""
+        self.check_owner(identity)
+        self._write_small(WRITER, identity.beat().to_json())
+
+    def check_owner(self, identity: WriterIdentity) -> None:
+        """`SaveFailed` unless the directory is still this writer's (another job or a newer rank 0 took it)."""
+        current = self.writer()
+        if current is not None and current.writer != identity.writer:
+            raise SaveFailed(
+                f"{self.root} is now written by another writer (run {current.run_id} on {current.host}, pid "
+                f"{current.pid}); this one stops writing there"
+            )
 
     def _probe(self) -> None:
         """Write, fsync and remove a small file: a read-only or failing filesystem is
@@ -238,6 +305,65 @@ class CheckpointStore:
                 "free space or point --ckpt-dir at a larger volume"
             )
 
+    # -- writing -------------------------------------------------------------
+
+    def begin(self, step: int, tag: str) -> Path:
+        """The temporary directory of a save of `step` (every rank of the save writes into it)."""
+        return self.root / f"{_TMP_PREFIX}{checkpoint_name(step)}.{tag}"
+
+    def write_state_file(self, tmp: Path, file_name: str, obj: Any) -> dict[str, Any]:
+        """`obj` saved with torch.save into `tmp/file_name`, fsynced; its size and crc32c."""
+        tmp.mkdir(parents=True, exist_ok=True)
+        with open(tmp / file_name, "wb") as raw:
+            writer = _HashingWriter(raw, sha256=False)
+            try:
+                torch.save(obj, writer)
+                raw.flush()
+            except Exception as exc:
+                if writer.error is not None and writer.error is not exc:
+                    raise writer.error from None  # the cause torch's error hides
+                raise
+            os.fsync(raw.fileno())
+        return {"bytes": writer.bytes, "crc32c": writer.crc32c}
+
+    def finish(
+        self,
+        tmp: Path,
+        manifest: Manifest,
+        *,
+        owner: WriterIdentity | None = None,
+        before_commit: Callable[[], None] = lambda: None,
+    ) -> Path:
+        """Write the manifest into `tmp` and commit it as checkpoint `manifest.step`, atomically.
+
+        `before_commit` runs after everything is durable but before the rename
+        (fault injection dies there); with an `owner`, the commit is refused
+        (`SaveFailed`) when another writer has claimed the directory meanwhile.
+        A failure before the rename removes `tmp`; nothing committed is touched.
+        """
+        name = checkpoint_name(manifest.step)
+        try:
+            with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+                f.write(manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveFailed(f"cannot write {name} to {self.root}: {describe_failure(exc)}") from exc
+        before_commit()
+        if owner is not None:
+            try:
+                self.check_owner(owner)
+            except SaveFailed:
+                shutil.rmtree(tmp, ignore_errors=True)  # ours; the new writer's temporaries are left alone
+                raise
+        return self._publish(tmp, name, owner)
+
+    def abort(self, tmp: Path) -> None:
+        """Remove a save that failed before its commit."""
+        shutil.rmtree(tmp, ignore_errors=True)
+
     def commit(
         self,
         step: int,
@@ -247,84 +373,89 @@ class CheckpointStore:
         before_commit: Callable[[], None] = lambda: None,
         mid_write: Callable[[], None] = lambda: None,
     ) -> Path:
-        """Write `files` (name -> object for torch.save) as checkpoint `step`, atomically.
+        """Write `files` (name -> object for torch.save) as a format-1 checkpoint `step`, atomically.
 
-        `describe` builds the manifest from the written files' digests;
-        `before_commit` runs after everything is durable but before the rename
-        (fault injection uses it to die at the worst moment); `mid_write` after
-        the first file is written (it injects storage faults).
+        The format releases before 0.3 wrote from rank 0 (sha256 per file); kept
+        so tools and tests can make such checkpoints. `describe` builds the
+        manifest from the written files' digests; `mid_write` runs after the first file.
         """
         name = checkpoint_name(step)
         tmp = self.root / f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
         try:
-            self._write_files(tmp, files, describe, mid_write)
+            tmp.mkdir()
+            digests: dict[str, dict[str, Any]] = {}
+            for file_name, obj in files.items():
+                with open(tmp / file_name, "wb") as raw:
+                    writer = _HashingWriter(raw)
+                    try:
+                        torch.save(obj, writer)
+                        raw.flush()
+                    except Exception as exc:
+                        if writer.error is not None and writer.error is not exc:
+                            raise writer.error from None
+                        raise
+                    os.fsync(raw.fileno())
+                digests[file_name] = {"sha256": writer.sha256.hexdigest(), "bytes": writer.bytes}
+                if len(digests) == 1:
+                    mid_write()
         except Exception as exc:
-            # Nothing was committed: the save's own directory goes, the older checkpoints stay.
             shutil.rmtree(tmp, ignore_errors=True)
             raise SaveFailed(f"cannot write {name} to {self.root}: {describe_failure(exc)}") from exc
-        before_commit()
+        manifest = describe(digests)
+        return self.finish(tmp, Manifest(**{**manifest.__dict__, "format": 1}), before_commit=before_commit)
 
+    def _publish(self, tmp: Path, name: str, owner: WriterIdentity | None) -> Path:
+        """Rename `tmp` to `name`; an existing `name` stays findable until the new one is in."""
         final = self.root / name
         if final.exists():
-            # The same step committed by an earlier attempt: retire it only now
-            # that its replacement is complete, so there is never a moment without one.
-            retired = self.root / f"{_TMP_PREFIX}{name}.replaced.{uuid.uuid4().hex[:8]}"
-            os.rename(final, retired)
+            # A crash between these renames leaves step_N.replaced, which committed()
+            # still lists and prepare() puts back: there is never a moment without a copy.
+            replaced = self.root / f"{name}.replaced"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
             os.rename(tmp, final)
-            shutil.rmtree(retired, ignore_errors=True)
+            shutil.rmtree(replaced, ignore_errors=True)
         else:
             os.rename(tmp, final)
         # Committed. What follows is housekeeping: a failure there is a warning, not a failed save.
         try:
             _fsync_dir(self.root)
             self._write_latest(name)
+            if owner is not None:
+                self._write_small(WRITER, owner.beat().to_json())
         except OSError as exc:
             logger.warning("%s committed, but updating %s failed: %s", name, LATEST, describe_failure(exc))
         self._retire_old()
         return final
 
-    def _write_files(
-        self,
-        tmp: Path,
-        files: Mapping[str, Any],
-        describe: Callable[[dict[str, dict[str, Any]]], Manifest],
-        mid_write: Callable[[], None],
-    ) -> None:
-        """Every file and the manifest into `tmp`, each fsynced; raises the first OS error."""
-        tmp.mkdir()
-        digests: dict[str, dict[str, Any]] = {}
-        for file_name, obj in files.items():
-            with open(tmp / file_name, "wb") as raw:
-                writer = _HashingWriter(raw)
-                try:
-                    torch.save(obj, writer)
-                    raw.flush()
-                except Exception as exc:
-                    if writer.error is not None and writer.error is not exc:
-                        raise writer.error from None  # the cause torch's error hides
-                    raise
-                os.fsync(raw.fileno())
-            digests[file_name] = {"sha256": writer.sha256.hexdigest(), "bytes": writer.bytes}
-            if len(digests) == 1:
-                mid_write()
-        manifest = describe(digests)
-        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-
-    def _write_latest(self, name: str) -> None:
-        tmp = self.root / f"{_TMP_PREFIX}{LATEST}.{uuid.uuid4().hex[:8]}"
+    def _write_small(self, file_name: str, text: str) -> None:
+        """Replace `file_name` with `text` atomically (temporary file, fsync, rename)."""
+        tmp = self.root / f"{_TMP_PREFIX}{file_name}.{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
-                f.write(name + "\n")
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.root / LATEST)
+            os.replace(tmp, self.root / file_name)
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(self.root)
+
+    def _write_latest(self, name: str) -> None:
+        self._write_small(LATEST, name + "\n")
+
+    def _recover_replaced(self) -> None:
+        """A crash between the two renames of `_publish`: put the old copy back (or drop it)."""
+        for entry in self.root.iterdir():
+            match = _REPLACED.match(entry.name)
+            if not match:
+                continue
+            final = self.root / checkpoint_name(int(match.group(1)))
+            if final.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                logger.warning("putting back %s: a save that replaced it died before its commit", final.name)
+                os.rename(entry, final)
 
     def _retire_old(self) -> None:
         for old in self.committed()[self.keep :]:
@@ -334,20 +465,33 @@ class CheckpointStore:
     # -- reading -------------------------------------------------------------
 
     def committed(self) -> list[Candidate]:
-        """Committed checkpoints, newest step first."""
+        """Committed checkpoints, newest step first.
+
+        `latest` is read before the directory is listed, and the checkpoint it
+        names counts even when the listing misses it (a stale NFS directory cache).
+        """
         if not self.root.is_dir():
             return []
-        found = []
+        found: dict[int, Candidate] = {}
+        pointed = self.latest_pointer()
+        if pointed is not None and _COMMITTED.match(pointed) and (self.root / pointed).is_dir():
+            found[int(pointed[5:])] = Candidate(pointed, int(pointed[5:]), self.root / pointed)
+        replaced: dict[int, Candidate] = {}
         for entry in self.root.iterdir():
             match = _COMMITTED.match(entry.name)
             if match and entry.is_dir():
-                found.append(Candidate(entry.name, int(match.group(1)), entry))
-        return sorted(found, key=lambda c: c.step, reverse=True)
+                found[int(match.group(1))] = Candidate(entry.name, int(match.group(1)), entry)
+            elif (match := _REPLACED.match(entry.name)) and entry.is_dir():
+                step = int(match.group(1))
+                replaced[step] = Candidate(checkpoint_name(step), step, entry)
+        for step, candidate in replaced.items():
+            found.setdefault(step, candidate)  # a replace that died halfway: the old copy counts
+        return sorted(found.values(), key=lambda c: c.step, reverse=True)
 
     def latest_pointer(self) -> str | None:
         try:
             return (self.root / LATEST).read_text(encoding="utf-8").strip() or None
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def read_manifest(self, candidate: Candidate) -> Manifest:
@@ -358,89 +502,148 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} is unreadable: {exc}") from None
 
-    def _read_checked_manifest(self, candidate: Candidate) -> Manifest:
+    def read_checked_manifest(self, candidate: Candidate) -> Manifest:
+        """The manifest, checked to name the candidate's step (`CorruptCheckpoint` if not)."""
         manifest = self.read_manifest(candidate)
         if manifest.step != candidate.step:
             raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} says step {manifest.step}")
         return manifest
 
-    def _check_file(self, candidate: Candidate, file_name: str, expected: Mapping[str, Any], *, keep: bool) -> bytes:
-        """The file's bytes (empty unless `keep`), after checking its size and sha256.
+    def read_file(self, candidate: Candidate, file_name: str, expected: Mapping[str, Any], *, keep: bool = True) -> bytes:
+        """The file's bytes (empty unless `keep`), after checking its size and checksum.
 
-        A file not kept is hashed in chunks, so checking a large one costs no memory.
+        Format 2 files carry a crc32c, format 1 files a sha256; shard files carry
+        only a size (their chunks are checked as they are read). A file not kept
+        is checked in chunks, so checking a large one costs no memory.
         """
-        digest, size, data = hashlib.sha256(), 0, b""
+        digest = hashlib.sha256() if "sha256" in expected else None
+        crc, size, data = 0, 0, b""
         try:
             with open(candidate.path / file_name, "rb") as f:
                 if keep:
                     data = f.read()
-                    digest.update(data)
-                    size = len(data)
+                    chunks = [data]
                 else:
-                    while chunk := f.read(_READ_CHUNK):
+                    chunks = iter(lambda: f.read(_READ_CHUNK), b"")
+                for chunk in chunks:
+                    size += len(chunk)
+                    if digest is not None:
                         digest.update(chunk)
-                        size += len(chunk)
+                    elif "crc32c" in expected:
+                        crc = crc32c.crc32c(chunk, crc)
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{candidate.name}/{file_name} is missing") from None
         if size != int(expected["bytes"]):
             raise CorruptCheckpoint(f"{candidate.name}/{file_name} has {size} bytes, the manifest says {expected['bytes']}")
-        if digest.hexdigest() != expected["sha256"]:
+        if digest is not None and digest.hexdigest() != expected["sha256"]:
             raise CorruptCheckpoint(f"{candidate.name}/{file_name} fails its sha256 check")
+        if "crc32c" in expected and crc != int(expected["crc32c"]):
+            raise CorruptCheckpoint(f"{candidate.name}/{file_name} fails its crc32c check")
         return data
 
-    def read_verified(self, candidate: Candidate) -> tuple[Manifest, dict[str, bytes]]:
-        """The manifest and every file's bytes, each checked against its sha256 and size."""
-        manifest = self._read_checked_manifest(candidate)
-        contents = {
-            file_name: self._check_file(candidate, file_name, expected, keep=True)
-            for file_name, expected in manifest.files.items()
-        }
-        return manifest, contents
-
-    def verify(self, candidate: Candidate) -> Manifest:
-        """Raise `CorruptCheckpoint` unless every file matches the manifest."""
-        manifest, _ = self.read_verified(candidate)
-        return manifest
-
-    def load(self, candidate: Candidate, map_location: torch.device | str) -> tuple[Manifest, dict[str, Any]]:
-        """Verify, then deserialize every file with weights_only=True onto `map_location`."""
-        manifest, contents = self.read_verified(candidate)
-        state = {}
-        for file_name, data in contents.items():
+    def check_sizes(self, candidate: Candidate, manifest: Manifest) -> None:
+        """Every file the manifest names exists with its size (cheap: a stat each)."""
+        for file_name, expected in manifest.files.items():
             try:
-                state[file_name] = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-            except Exception as exc:  # a file that hashes right but was written wrong
-                raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {exc}") from None
-        return manifest, state
+                size = (candidate.path / file_name).stat().st_size
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{candidate.name}/{file_name} is missing") from None
+            if size != int(expected["bytes"]):
+                raise CorruptCheckpoint(
+                    f"{candidate.name}/{file_name} has {size} bytes, the manifest says {expected['bytes']}"
+                )
 
-    def load_file(
-        self, candidate: Candidate, file_name: str, map_location: torch.device | str
-    ) -> tuple[Manifest, Any]:
-        """Verify every file like `load`, then deserialize only `file_name` (weights_only=True).
-
-        The other files are hashed but never held in memory or unpickled, so a reader
-        that needs the model alone skips the optimizer's cost; a checkpoint any of whose
-        files fails its check is refused, as `load` would refuse it. The bytes that are
-        deserialized are the very bytes that were hashed, never a second read.
-        """
-        manifest = self._read_checked_manifest(candidate)
+    def load_state_file(self, candidate: Candidate, manifest: Manifest, file_name: str, map_location: Any = "cpu") -> Any:
+        """One checked state file, deserialised with weights_only=True (`CorruptCheckpoint` if it fails)."""
         if file_name not in manifest.files:
             raise CorruptCheckpoint(f"{candidate.name} holds no {file_name}")
-        data = b""
-        for name, expected in manifest.files.items():
-            content = self._check_file(candidate, name, expected, keep=name == file_name)
-            if name == file_name:
-                data = content
+        data = self.read_file(candidate, file_name, manifest.files[file_name])
         try:
-            return manifest, torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        except Exception as exc:  # a file that hashes right but was written wrong
-            raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {exc}") from None
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        except Exception as exc:  # a file that checks right but was written wrong
+            raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {_first_line(exc)}") from None
+
+    def verify(self, candidate: Candidate) -> Manifest:
+        """Read and check every byte of a checkpoint (one process); `CorruptCheckpoint` if any fails."""
+        manifest = self.read_checked_manifest(candidate)
+        self.check_sizes(candidate, manifest)
+        for file_name, expected in manifest.files.items():
+            if "sha256" in expected or "crc32c" in expected:
+                self.read_file(candidate, file_name, expected, keep=False)
+        if manifest.format >= 2:
+            sharded.verify_tensors(candidate.path, self.tensor_metadata(candidate, manifest))
+        return manifest
+
+    def tensor_metadata(self, candidate: Candidate, manifest: Manifest) -> Any:
+        """A format-2 checkpoint's DCP metadata (checked against its crc32c)."""
+        if sharded.TENSORS_FILE not in manifest.files:
+            raise CorruptCheckpoint(f"{candidate.name} holds no {sharded.TENSORS_FILE}")
+        text = self.read_file(candidate, sharded.TENSORS_FILE, manifest.files[sharded.TENSORS_FILE])
+        return sharded.metadata_from_json(text.decode("utf-8", errors="replace"))
 
     def quarantine(self, candidate: Candidate) -> Path:
-        """Move a checkpoint that failed verification aside, keeping it for a post-mortem."""
+        """Move a checkpoint that failed verification aside for a post-mortem; only the
+        newest `keep_corrupt` quarantined ones are kept, so they never fill the disk."""
         target = self.root / f"{candidate.name}{CORRUPT_SUFFIX}"
         if target.exists():
             target = self.root / f"{candidate.name}{CORRUPT_SUFFIX}.{int(time.time())}"
         os.rename(candidate.path, target)
         _fsync_dir(self.root)
+        quarantined = sorted(
+            (p for p in self.root.iterdir() if CORRUPT_SUFFIX in p.name and p.is_dir()),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )
+        for old in quarantined[self.keep_corrupt :]:
+            logger.info("deleting %s (keeping the newest %d corrupt checkpoints)", old.name, self.keep_corrupt)
+            shutil.rmtree(old, ignore_errors=True)
         return target
+
+
+@dataclass(frozen=True)
+class WriterIdentity:
+    """Who writes a checkpoint directory (writer.json): one per rank 0 of a job's run."""
+
+    writer: str
+    """Unique per writing process (a new rank 0 after a restart is a new writer)."""
+    run_id: str
+    host: str
+    pid: int
+    heartbeat: float
+    stale_after: float = 1800.0
+    """A claim older than this (seconds since its heartbeat) from another host is taken to be dead."""
+
+    @classmethod
+    def new(cls, run_id: str, *, stale_after: float = 1800.0) -> WriterIdentity:
+        return cls(uuid.uuid4().hex[:12], run_id, socket.gethostname(), os.getpid(), time.time(), stale_after)
+
+    def beat(self) -> WriterIdentity:
+        return WriterIdentity(self.writer, self.run_id, self.host, self.pid, time.time(), self.stale_after)
+
+    def alive(self, observer: WriterIdentity) -> bool:
+        """Whether this claim's writer may still be writing, as `observer` can tell."""
+        if self.host == observer.host:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        return time.time() - self.heartbeat < self.stale_after
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> WriterIdentity:
+        raw = json.loads(text)
+        return cls(
+            str(raw["writer"]), str(raw["run_id"]), str(raw["host"]), int(raw["pid"]), float(raw["heartbeat"]),
+            float(raw.get("stale_after", 1800.0)),
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

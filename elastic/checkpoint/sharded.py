@@ -1,0 +1,414 @@
+"""Tensor storage of a checkpoint on torch.distributed.checkpoint (DCP), without pickles.
+
+DCP plans who writes what (each rank its own shards; replicated tensors go to
+the one rank `owners` assigns them) and, on load, which saved chunks overlap
+each rank's target tensors, so a state saved at one world size loads at
+another. This module is the storage under it:
+
+    <checkpoint>/shard_00000.bin   rank 0's items, raw bytes, one after another
+    <checkpoint>/shard_00001.bin   rank 1's items
+    <checkpoint>/tensors.json      DCP's metadata: every tensor's global shape and
+                                   chunks, and where each chunk lies, with its checksums
+
+Invariants:
+- Nothing is pickled: chunks are the tensors' raw bytes, the metadata is JSON.
+  DCP's own format pickles its `.metadata` and loads byte items with
+  `weights_only=False`; neither happens here (byte items are refused).
+- Every chunk carries a crc32c per `BLOCK` bytes, computed while it is written
+  and checked when it is read, so a torn or flipped byte is a
+  `CorruptCheckpoint` naming the file, never a silently wrong weight.
+- A rank reads only the chunks that overlap its own targets, each once; it
+  counts the bytes (`ShardReader.bytes_read`).
+- Each rank fsyncs its own file; the coordinator fsyncs tensors.json. The
+  commit (atomic rename of the directory) is the store's, after all of it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import (
+    StorageReader,
+    StorageWriter,
+    WriteResult,
+)
+from torch.distributed.checkpoint.utils import CheckpointException
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from elastic.errors import CorruptCheckpoint
+
+TENSORS_FILE = "tensors.json"
+SHARD_PREFIX = "shard_"
+TENSORS_FORMAT = 1
+BLOCK = 16 * 2**20
+"""Bytes per checksum: large chunks are checked in blocks, on several threads."""
+
+_checksum_pool = ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 1))), thread_name_prefix="crc32c")
+
+
+def shard_file(rank: int) -> str:
+    return f"{SHARD_PREFIX}{rank:05d}.bin"
+
+
+def block_checksums(data: memoryview) -> list[int]:
+    """crc32c of each `BLOCK` of `data`; blocks in parallel (crc32c releases the GIL)."""
+    blocks = [data[i : i + BLOCK] for i in range(0, len(data), BLOCK)] or [data]
+    if len(blocks) == 1:
+        return [crc32c.crc32c(blocks[0])]
+    return list(_checksum_pool.map(crc32c.crc32c, blocks))
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpoint(f"{TENSORS_FILE} names an unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """Where one saved chunk lies and how to check it."""
+
+    file: str
+    offset: int
+    length: int
+    dtype: str
+    sizes: tuple[int, ...]
+    crc32c: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file, "offset": self.offset, "length": self.length, "dtype": self.dtype,
+            "sizes": list(self.sizes), "crc32c": list(self.crc32c),
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StoredChunk:
+        return cls(
+            file=str(raw["file"]), offset=int(raw["offset"]), length=int(raw["length"]), dtype=str(raw["dtype"]),
+            sizes=tuple(int(s) for s in raw["sizes"]), crc32c=tuple(int(c) for c in raw["crc32c"]),
+        )
+
+
+# -- metadata as JSON ----------------------------------------------------------------
+
+
+def metadata_to_json(metadata: Metadata) -> str:
+    tensors: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"{fqn} is not a tensor; checkpoints store tensors only")
+        tensors[fqn] = {
+            "dtype": str(md.properties.dtype),
+            "size": list(md.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+        }
+    chunks = [
+        {"fqn": index.fqn, "at": list(index.offset or ()), **stored.to_json()}
+        for index, stored in metadata.storage_data.items()
+    ]
+    return json.dumps({"format": TENSORS_FORMAT, "tensors": tensors, "chunks": chunks}, sort_keys=True) + "\n"
+
+
+def metadata_from_json(text: str) -> Metadata:
+    """The DCP metadata in `text`; `CorruptCheckpoint` if it is not one."""
+    try:
+        raw = json.loads(text)
+        if raw.get("format") != TENSORS_FORMAT:
+            raise CorruptCheckpoint(f"{TENSORS_FILE} has format {raw.get('format')!r}, this runtime reads {TENSORS_FORMAT}")
+        state: dict[str, Any] = {}
+        for fqn, md in raw["tensors"].items():
+            state[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=_dtype(md["dtype"])),
+                size=torch.Size(md["size"]),
+                chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in md["chunks"]],
+            )
+        storage = {
+            MetadataIndex(c["fqn"], torch.Size(c["at"])): StoredChunk.from_json(c) for c in raw["chunks"]
+        }
+    except CorruptCheckpoint:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpoint(f"{TENSORS_FILE} is unreadable: {type(exc).__name__}: {exc}") from None
+    return Metadata(state_dict_metadata=state, storage_data=storage)
+
+
+def tensor_shapes(metadata: Metadata) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Global shape and dtype of every saved tensor, by key."""
+    return {
+        fqn: (md.size, md.properties.dtype)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+# -- writing -------------------------------------------------------------------------
+
+
+class ShardWriter(StorageWriter):
+    """Each rank appends its items' raw bytes to its own file, checksumming as it goes."""
+
+    def __init__(self, directory: Path, *, after_first_item: Callable[[], None] = lambda: None) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+        self._after_first_item = after_first_item
+        self.bytes_written = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.directory = Path(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [replace(plan, storage_data=shard_file(rank)) for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        file_name = plan.storage_data
+        self.directory.mkdir(parents=True, exist_ok=True)
+        results: list[WriteResult] = []
+        with open(self.directory / file_name, "wb") as f:
+            offset = 0
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise ValueError(f"{item.index.fqn} is not a tensor; checkpoints store tensors only")
+                tensor = planner.resolve_data(item)
+                data = _raw_bytes(tensor.cpu() if tensor.device.type != "cpu" else tensor)
+                f.write(data)
+                stored = StoredChunk(
+                    file_name, offset, len(data), str(tensor.dtype), tuple(tensor.shape), tuple(block_checksums(data))
+                )
+                offset += len(data)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=stored))
+                if len(results) == 1:
+                    self._after_first_item()
+            f.flush()
+            os.fsync(f.fileno())
+        self.bytes_written = offset
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        with open(self.directory / TENSORS_FILE, "w", encoding="utf-8") as f:
+            f.write(metadata_to_json(metadata))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def storage_meta(self) -> None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """The state is already flat, one tensor per key; each replicated one is given by its owner only."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def save_tensors(
+    tensors: dict[str, torch.Tensor],
+    directory: Path,
+    *,
+    group: dist.ProcessGroup | None,
+    after_first_item: Callable[[], None] = lambda: None,
+) -> int:
+    """Write this rank's `tensors` into `directory` (a collective over `group`); bytes written here.
+
+    Raises DCP's `CheckpointException` on every rank if any rank failed; `first_error` digs out the cause.
+    """
+    writer = ShardWriter(directory, after_first_item=after_first_item)
+    dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=group, no_dist=group is None)
+    return writer.bytes_written
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Loads into the given tensors in place; byte items (pickles) are refused."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise CorruptCheckpoint(f"{read_item.dest_index.fqn} is stored as pickled bytes; refusing to load it")
+
+
+class ShardReader(StorageReader):
+    """Reads the chunks a rank's plan names, checks each chunk's crc32c, copies the overlap.
+
+    `deadline` (time.monotonic) makes a slow filesystem a `TimeoutError` between chunks.
+    """
+
+    def __init__(self, directory: Path, metadata: Metadata, *, deadline: float | None = None) -> None:
+        super().__init__()
+        self.directory = Path(directory)
+        self._metadata = metadata
+        self._deadline = deadline
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.directory = Path(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_chunk: dict[MetadataIndex, list[ReadItem]] = {}
+        for item in plan.items:
+            by_chunk.setdefault(item.storage_index, []).append(item)
+        # In file order: one pass over each file, each chunk read once.
+        order = sorted(by_chunk, key=lambda i: (self._storage[i].file, self._storage[i].offset))
+        for index in order:
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                raise TimeoutError("reading the checkpoint took longer than the restore deadline")
+            stored: StoredChunk = self._storage[index]
+            chunk = read_chunk(self.directory, stored, index.fqn)
+            self.bytes_read += stored.length
+            for item in by_chunk[index]:
+                piece = chunk
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    piece = piece.narrow(dim, start, length)
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(piece)
+                planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+
+def read_chunk(directory: Path, stored: StoredChunk, fqn: str) -> torch.Tensor:
+    """One saved chunk as a CPU tensor, after its checksums pass (`CorruptCheckpoint` if not)."""
+    where = f"{directory.name}/{stored.file}"
+    buffer = bytearray(stored.length)
+    try:
+        with open(directory / stored.file, "rb") as f:
+            f.seek(stored.offset)
+            got = f.readinto(buffer)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{where} is missing") from None
+    if got != stored.length:
+        raise CorruptCheckpoint(f"{where} is truncated: {fqn} needs bytes {stored.offset}..{stored.offset + stored.length}")
+    if tuple(block_checksums(memoryview(buffer))) != stored.crc32c:
+        raise CorruptCheckpoint(f"{where} fails its crc32c check at {fqn}")
+    dtype = _dtype(stored.dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8) if stored.length else torch.empty(0, dtype=torch.uint8)
+    return raw.view(dtype).reshape(stored.sizes)
+
+
+def load_tensors(
+    targets: dict[str, torch.Tensor],
+    directory: Path,
+    metadata: Metadata,
+    *,
+    group: dist.ProcessGroup | None,
+    deadline: float | None = None,
+) -> int:
+    """Fill this rank's `targets` (CPU tensors or DTensors of CPU shards) from `directory` (a
+    collective over `group`); bytes read here. Raises `CheckpointException` on every rank if any failed."""
+    reader = ShardReader(directory, metadata, deadline=deadline)
+    dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=group, no_dist=group is None)
+    return reader.bytes_read
+
+
+def verify_tensors(directory: Path, metadata: Metadata) -> int:
+    """Read and check every chunk (one process; `inspect`); bytes checked."""
+    total = 0
+    for index, stored in metadata.storage_data.items():
+        read_chunk(directory, stored, index.fqn)
+        total += stored.length
+    return total
+
+
+def full_tensors(directory: Path, metadata: Metadata, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Whole CPU tensors for `keys`, assembled from their chunks in one process (no group)."""
+    shapes = tensor_shapes(metadata)
+    out = {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in keys}
+    load_tensors(out, directory, metadata, group=None)
+    return out
+
+
+# -- errors --------------------------------------------------------------------------
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's `CheckpointException` (else `exc`)."""
+    if isinstance(exc, CheckpointException):
+        failures = exc.failures
+        for rank in sorted(failures):
+            cause = failures[rank]
+            # DCP stores a `_WrappedException(exception, traceback)` per rank.
+            return getattr(cause, "exception", cause)
+    return exc
+
+
+def is_bytes_metadata(md: Any) -> bool:
+    return isinstance(md, BytesStorageMetadata)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
