@@ -1,6 +1,7 @@
 """Replica checks: do all data-parallel ranks hold the same parameters?
 
-Under DDP every rank must end each step with bit-identical parameters. A
+Under DDP every rank must end each step with bit-identical parameters (under
+FSDP2, its buffers and any parameter left unsharded; the shards differ by design). A
 digest per rank, gathered on every rank, makes a silent divergence (a rank that
 skipped a step, a non-deterministic reduction) visible at the end of a run.
 """
@@ -11,14 +12,18 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from elastic.runtime import WorkerContext
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
-    """sha256 over every parameter and buffer, in `state_dict` order, bit for bit."""
+    """sha256 over every replicated parameter and buffer, in `state_dict` order, bit for bit
+    (sharded DTensors are skipped: each rank holds other shards)."""
     digest = hashlib.sha256()
     for name, tensor in module.state_dict().items():
+        if isinstance(tensor, DTensor):
+            continue
         digest.update(name.encode())
         data = tensor.detach().to("cpu").contiguous()
         # View as bytes so the digest sees the exact bits, including for bf16.

@@ -123,6 +123,8 @@ class RunConfig:
     """Periodic saves that may fail in a row (full disk, I/O errors) before the job stops with exit 75."""
     ckpt_timeout: float = 600.0
     """Seconds the final or a preemption checkpoint may take to commit before the job stops with exit 75."""
+    ckpt_restore_timeout: float = 600.0
+    """Seconds reading a checkpoint may take on restore before the job stops with exit 75."""
     events: str | None = None
     """Append the JSON-lines event log here (rank 0)."""
     device: str = "auto"
@@ -146,8 +148,8 @@ class RunConfig:
             raise UsageError(f"ckpt_every={self.ckpt_every} must be 0 or more")
         if self.ckpt_keep < 2:
             raise UsageError(f"ckpt_keep={self.ckpt_keep} must be at least 2 (a fallback needs two)")
-        if self.ckpt_max_failures < 1 or self.ckpt_timeout <= 0:
-            raise UsageError("ckpt_max_failures must be at least 1 and ckpt_timeout above 0")
+        if self.ckpt_max_failures < 1 or self.ckpt_timeout <= 0 or self.ckpt_restore_timeout <= 0:
+            raise UsageError("ckpt_max_failures must be at least 1, ckpt_timeout and ckpt_restore_timeout above 0")
         if self.collective_timeout <= 0 or self.term_grace <= 0 or self.hang_timeout < 0:
             raise UsageError("collective_timeout and term_grace must be above 0, hang_timeout 0 or more")
         if not 0 <= self.metrics_port <= 65535:
@@ -285,6 +287,38 @@ class Run:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
 
+    def fsdp(
+        self,
+        model: torch.nn.Module,
+        *,
+        blocks: Iterable[torch.nn.Module] = (),
+        mixed_precision: bool | None = None,
+    ) -> torch.nn.Module:
+        """`model` sharded with FSDP2 (`fully_shard`) over every rank: each of `blocks`
+        (the transformer layers), then the model itself. Parameters, gradients and
+        optimizer state are split across ranks, and checkpoints save each rank's
+        shards and reshard on restore at another world size. Build the optimizer
+        after this call. `mixed_precision` (default: on CUDA) computes in bf16 and
+        reduces gradients in fp32. Alone, the model is returned as is.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        ctx = self._context
+        if not ctx.distributed:
+            return model
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        if mixed_precision is None:
+            mixed_precision = ctx.device.type == "cuda"
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision else MixedPrecisionPolicy()
+        )
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
     # -- state ----------------------------------------------------------------------
 
     def start(
@@ -322,7 +356,7 @@ class Run:
         self.checkpoints = CheckpointManager(
             ctx, cfg.ckpt_dir, every=cfg.ckpt_every, keep=cfg.ckpt_keep, model=self.model, optimizer=optimizer,
             scheduler=scheduler, scaler=scaler, sampler=self.sampler, events=self.events, seed=cfg.seed, extra=extra,
-            max_failures=cfg.ckpt_max_failures, timeout=cfg.ckpt_timeout,
+            max_failures=cfg.ckpt_max_failures, timeout=cfg.ckpt_timeout, restore_timeout=cfg.ckpt_restore_timeout,
             # Waits for storage come in slices far below the collective and hang timeouts.
             wait_slice=min(5.0, cfg.collective_timeout / 4, (cfg.hang_timeout or math.inf) / 4),
         )
@@ -565,9 +599,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             break
-    name = type(model).__name__
-    if name == "FullyShardedDataParallel":
-        raise UsageError("FSDP (FullyShardedDataParallel) models are not supported yet: wrap with DDP (run.ddp)")
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        raise UsageError("sharded (DTensor) parameters, as fully_shard makes, are not supported yet: use DDP")
+    if type(model).__name__ == "FullyShardedDataParallel":
+        raise UsageError(
+            "FSDP1 (FullyShardedDataParallel) models cannot be checkpointed here: its state dict is a collective; "
+            "use FSDP2 (run.fsdp(model), torch.distributed.fsdp.fully_shard)"
+        )
     return model

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches per rank per validation")
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines off a terminal")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
     p.add_argument("--generate", metavar="PROMPT", default=None, help="sample text from the newest checkpoint and exit")
     p.add_argument("--sample-tokens", type=non_negative_int, default=200, help="bytes to sample (0: no sample at the end)")
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="sampling temperature (0: greedy)")
@@ -96,7 +97,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 def evaluate(model: torch.nn.Module, val: TokenWindows, run: elastic.Run, batch_size: int, batches: int) -> float:
     """Mean loss over the first held-out windows, split across ranks, reduced over ranks."""
     model.eval()
-    count = min(len(val), batches * batch_size * run.world_size)
+    count = min(len(val), batches * batch_size * run.world_size) // run.world_size * run.world_size  # same forwards on every rank
     mine = torch.arange(run.rank, count, run.world_size)
     total = torch.zeros(2, dtype=torch.float64, device=run.device)  # loss sum, samples
     for chunk in mine.split(batch_size):
@@ -122,10 +123,13 @@ def train(args: argparse.Namespace, train_set: TokenWindows, val_set: TokenWindo
     cfg = model_config(args)
     with elastic.Run.from_args(args) as run:
         raw_model = GPT(cfg).to(run.device)
+        if args.fsdp:  # sharded before the optimizer is built: it holds the shards
+            raw_model = run.fsdp(raw_model, blocks=raw_model.blocks)
         optimizer = configure_optimizer(raw_model, lr=args.lr, weight_decay=args.weight_decay)
         warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, args.max_steps, args.min_lr_ratio))
-        model = run.ddp(torch.compile(raw_model) if args.compile else raw_model)
+        compiled = torch.compile(raw_model) if args.compile else raw_model
+        model = compiled if args.fsdp else run.ddp(compiled)
         run.start(
             model=raw_model, optimizer=optimizer, scheduler=scheduler, data=train_set, batch_size=args.batch_size,
             tokens_per_sample=cfg.block_size,
@@ -153,8 +157,10 @@ def train(args: argparse.Namespace, train_set: TokenWindows, val_set: TokenWindo
         if args.eval_every:
             validate()
         summary = run.finish()
-        if run.is_main and args.sample_tokens:  # after the final checkpoint: the watchdog is off
-            run.print("sample:\n" + sample_text(raw_model, "def ", args.sample_tokens, args.temperature, args.seed))
+        # After the final checkpoint (the watchdog is off). Sharded, every rank samples alike: forwards are collectives.
+        if args.sample_tokens and (run.is_main or args.fsdp):
+            text = sample_text(raw_model, "def ", args.sample_tokens, args.temperature, args.seed)
+            run.print("sample:\n" + text)
     return summary
 
 

@@ -13,18 +13,27 @@
 
 Invariants:
 - Every method is called by every rank at the same step (they are collectives).
-- Rank 0 writes: under DDP the model and optimizer are replicated, so its copy
-  is everyone's. Only the RNG states differ per rank; they are gathered to
-  rank 0 and stored per rank.
+- Every rank writes its part, in parallel, on its own writer thread, through
+  torch.distributed.checkpoint on a gloo group of its own (sharded.py): its
+  shards of sharded (FSDP2) tensors and the replicated tensors `owners` gives
+  it, so each byte is written once. Rank 0 then writes trainer.pt (sampler,
+  schedule, scaler, extra state, optimizer settings, every rank's RNG states,
+  gathered) and the manifest, and commits the directory by one rename.
 - `extra` objects (anything with `state_dict`/`load_state_dict`: an EMA, a
   data pipeline, counters) are saved by name beside the sampler, from rank 0,
   copied when the save is asked for; like the model they must hold the same
   state on every rank. Their state dicts must be tensors and plain values
   (checkpoints load with `weights_only=True`).
-- `restore` loads the newest checkpoint that verifies, on every rank, onto the
-  rank's own device, between barriers, before the first step. A corrupt one
-  is moved aside with a warning naming it; a checkpoint of another model or
-  data set raises `CheckpointMismatchError` before anything is changed.
+- `restore` loads the newest checkpoint that verifies, before the first step.
+  Rank 0 reads the manifest, metadata and trainer.pt and checks the
+  checkpoint fits this model, optimizer and data (`CheckpointMismatchError`
+  before anything changes); every rank then reads only the chunks it needs
+  into host buffers (each sharded tensor resharded to this world size; each
+  replicated one read by one rank and broadcast), checking every chunk's
+  crc32c as it reads, so each byte is read and verified once per job. Only
+  when every rank read everything is the live state changed. A corrupt one is
+  moved aside with a warning naming it and the previous one is tried;
+  reading longer than `restore_timeout` is a `CheckpointStorageError`.
 - The loop blocks only to copy the state (see snapshot.py); at most one save
   is in flight, and a periodic save due while the previous one is still being
   written waits one short slice at most, then is skipped (event
@@ -47,22 +56,25 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from elastic.chaos import FaultInjector
-from elastic.checkpoint import compat
+from elastic.checkpoint import compat, sharded
+from elastic.checkpoint import state as live_state
 from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic.checkpoint.store import (
     Candidate,
     CheckpointStore,
-    CorruptCheckpoint,
     Manifest,
     SaveFailed,
+    WriterIdentity,
     checkpoint_name,
     describe_failure,
     versions,
@@ -72,6 +84,7 @@ from elastic.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointStorageError,
+    CorruptCheckpoint,
     UsageError,
 )
 from elastic.events import EventLog
@@ -83,6 +96,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
+"""Format 1 only: model and optimizer state dicts, written by rank 0 (format 2 shards them)."""
 TRAINER_FILE = "trainer.pt"
 
 # Ranks a grown job has no saved RNG state for are seeded from (seed, step, rank).
@@ -137,12 +151,14 @@ class _SaveRecord:
     reason: str
     started: float
     blocking_seconds: float
-    trainer: dict[str, Any]
-    """Sampler, scheduler, scaler, RNG, step: copied when the save was asked for."""
+    trainer: dict[str, Any] | None
+    """Rank 0: sampler, scheduler, scaler, extra, optimizer settings, RNG, step, copied at the save."""
     buffers: dict[str, torch.Tensor]
-    """Copies of the model's buffers (a forward pass changes them), by state_dict key."""
+    """Copies of this rank's share of the model's buffers (a forward pass changes them), by key."""
+    sources: dict[str, torch.Tensor]
+    """This rank's share of parameters and optimizer state: live tensors, copied on the writer thread."""
     deferred: DeferredCopy
-    """Parameters and optimizer state, built and copied on the writer thread."""
+    """The copy of `sources`, which the optimizer step waits for."""
     sources_released: bool = False
 
 
@@ -164,11 +180,13 @@ class CheckpointManager:
         extra: Mapping[str, Stateful] | None = None,
         max_failures: int = 3,
         timeout: float = 600.0,
+        restore_timeout: float = 600.0,
         wait_slice: float = 5.0,
     ) -> None:
         self._ctx = ctx
         self.enabled = directory is not None
         self.store = CheckpointStore(directory if directory is not None else ".", keep=keep)
+        live_state.check_supported(model, optimizer)
         self._model = model
         self._optimizer = optimizer
         self._sampler = sampler
@@ -178,13 +196,18 @@ class CheckpointManager:
         for name, obj in self._extra.items():
             if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
                 raise TypeError(f"extra state {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
-        if max_failures < 1 or timeout <= 0 or wait_slice <= 0:
-            raise UsageError(f"max_failures={max_failures} must be 1 or more, timeout={timeout} and wait_slice above 0")
+        if max_failures < 1 or timeout <= 0 or restore_timeout <= 0 or wait_slice <= 0:
+            raise UsageError(
+                f"max_failures={max_failures} must be 1 or more, timeout={timeout}, restore_timeout={restore_timeout} "
+                "and wait_slice above 0"
+            )
         self.every = every
         self.max_failures = max_failures
         """Periodic saves that may fail in a row before the job stops (`CheckpointStorageError`)."""
         self.timeout = timeout
         """Seconds a final or preemption save may take to commit, waiting for one in flight included."""
+        self.restore_timeout = restore_timeout
+        """Seconds reading a checkpoint may take on restore before the job stops (`CheckpointStorageError`)."""
         self._wait_slice = wait_slice
         self._events = events or EventLog(None, restart=ctx.restart_count)
         self._seed = seed
@@ -192,19 +215,30 @@ class CheckpointManager:
         self._faults = FaultInjector(ctx.rank, ctx.restart_count)
         self._pool = BufferPool(pin_memory=ctx.device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
+        self._group: dist.ProcessGroup | None = None
+        if self.enabled and ctx.distributed:
+            # Saves run their collectives on the writer threads: a group of their own, never the loop's.
+            self._group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=max(timeout, restore_timeout) + 60)
+            )
+        self._identity = WriterIdentity.new(ctx.run_id) if ctx.is_main else None
+        self._tag = ""  # shared by every rank at restore: names the temporary directory of each save
+        self._buffer_keys = {live_state.MODEL_PREFIX + name for name, _ in model.named_buffers()}
         self._in_flight: _SaveRecord | None = None
         self._storage_behind = False  # rank 0: a periodic save was skipped and none kept up since
         self._failures_in_a_row = 0  # rank 0: periodic saves failed since the last commit
         self._last_save_failed = False  # rank 0: the newest save did not commit
         self._stop_reason: str | None = None  # rank 0: why the job must stop (saves keep failing)
         self._fatal: str | None = None  # rank 0: a final or preemption save that did not commit
-        self._prepared = False  # directory created and stale temporaries removed (rank 0)
+        self._prepared = False  # directory claimed, created and stale temporaries removed (rank 0)
         self.last_step: int | None = None
         """The newest step saved or restored: a save at this step again is skipped."""
         self.history: list[dict[str, float]] = []
         """Per committed save: step, seconds (start to commit), blocking_seconds (rank 0)."""
+        self.restored_bytes = 0
+        """Bytes of tensor data this rank read on restore (each chunk it needed, once)."""
         self._hook = None
-        if self.enabled and ctx.is_main:
+        if self.enabled:
             # Parameters and optimizer state change only in optimizer.step(): their copy
             # may run until then, and this hook holds the step until it has.
             self._hook = optimizer.register_step_pre_hook(lambda *_: self._wait_sources_free())
@@ -216,46 +250,266 @@ class CheckpointManager:
         if not self.enabled:
             return 0
         started = time.perf_counter()
-        choice: list[Any] = [None]
-        preloaded = None
+        deadline = time.monotonic() + self.restore_timeout
+        candidates: list[Candidate] = []
+        box: list[Any] = [None, uuid.uuid4().hex[:8]]
         if self._ctx.is_main:
             try:
                 self._prepare()  # a storage that refuses writes stops a restart here, before any training
-                preloaded = self._select()
-                if preloaded is not None:
-                    self.store.check_room(preloaded[1].total_bytes)  # the next save would not fit
-                choice[0] = preloaded[0].name if preloaded else None
+                candidates = self.store.committed()
             except CheckpointError as exc:
-                choice[0] = exc  # every rank raises the same error
-        if self._ctx.distributed:
-            dist.broadcast_object_list(choice, src=0, group=control_group())
-        if isinstance(choice[0], CheckpointError):
-            raise choice[0]
-        if choice[0] is None:
-            barrier(self._ctx)
-            logger.info("no checkpoint in %s: starting at step 0", self.store.root)
-            return 0
-
-        name = choice[0]
-        if preloaded is not None:
-            candidate, manifest, state = preloaded
-        else:
-            candidate = Candidate(name, int(name.split("_")[1]), self.store.root / name)
-            if not candidate.path.is_dir():
-                raise CheckpointError(
-                    f"rank {self._ctx.rank} cannot see {candidate.path}: --ckpt-dir must be storage every node shares"
-                )
+                box[0] = exc  # every rank raises the same error
+        self._broadcast_objects(box)
+        if isinstance(box[0], CheckpointError):
+            raise box[0]
+        self._tag = box[1]
+        corrupt: list[str] = []
+        while True:
+            offer = self._offer(candidates, corrupt) if self._ctx.is_main else None
+            offer = self._broadcast_object(offer)
+            if isinstance(offer, CheckpointError):
+                raise offer
+            if offer is None:
+                break
+            name, manifest, trainer, tensors_json = offer
+            candidate = Candidate(name, manifest.step, self.store.root / name)
             try:
-                manifest, state = self.store.load(candidate, map_location=self._ctx.device)
+                if manifest.format == 1:
+                    self._restore_format1(candidate, manifest)
+                else:
+                    self._restore_sharded(candidate, manifest, trainer, tensors_json, deadline)
             except CorruptCheckpoint as exc:
-                raise CheckpointError(f"rank {self._ctx.rank} read a different {name} than rank 0: {exc}") from None
-        self._apply(candidate, manifest, state)
+                reason = str(exc)
+                if self._ctx.is_main:
+                    logger.warning("checkpoint %s is corrupt (%s); trying the previous one", candidate.path, reason)
+                    moved = self.store.quarantine(candidate)
+                    logger.warning("moved corrupt checkpoint %s aside to %s", name, moved.name)
+                    corrupt.append(reason)
+                    candidates = [c for c in candidates if c.name != name]
+                continue
+            return self._restored(name, manifest, started)
+        barrier(self._ctx)
+        logger.info("no checkpoint in %s: starting at step 0", self.store.root)
+        return 0
+
+    def _offer(self, candidates: list[Candidate], corrupt: list[str]) -> Any:
+        """Rank 0: the next candidate as (name, manifest, trainer state, tensors.json text), after
+        checking it fits this job; None when none is left; a `CheckpointError` for every rank to raise."""
+        try:
+            for candidate in list(candidates):
+                try:
+                    manifest = self.store.read_checked_manifest(candidate)
+                    self.store.check_sizes(candidate, manifest)
+                    trainer = self.store.load_state_file(candidate, manifest, TRAINER_FILE)
+                    tensors_json = None
+                    if manifest.format >= 2:
+                        metadata = self.store.tensor_metadata(candidate, manifest)
+                        tensors_json = sharded.metadata_to_json(metadata)
+                        self._check_sharded(candidate.name, metadata, trainer)
+                    self._check_trainer(candidate.name, trainer)
+                except CorruptCheckpoint as exc:
+                    logger.warning("checkpoint %s is corrupt (%s); trying the previous one", candidate.path, exc)
+                    moved = self.store.quarantine(candidate)
+                    logger.warning("moved corrupt checkpoint %s aside to %s", candidate.name, moved.name)
+                    corrupt.append(str(exc))
+                    candidates.remove(candidate)
+                    continue
+                self.store.check_room(manifest.total_bytes)  # the next save would not fit
+                return candidate.name, manifest, trainer, tensors_json
+        except CheckpointError as exc:
+            return exc
+        except OSError as exc:
+            return CheckpointStorageError(f"cannot read checkpoints in {self.store.root}: {describe_failure(exc)}")
+        if corrupt:
+            return CheckpointError(
+                f"no checkpoint in {self.store.root} verifies ({len(corrupt)} corrupt, newest: {corrupt[0]}); "
+                "move them away to start from scratch"
+            )
+        return None
+
+    def _check_sharded(self, name: str, metadata: Any, trainer: dict[str, Any]) -> None:
+        """The saved tensors and optimizer groups fit the live model and optimizer (before anything changes)."""
+        saved = sharded.tensor_shapes(metadata)
+        live = {
+            key: value for key, value in live_state.live_tensors(self._model, self._optimizer).items()
+            if key.startswith(live_state.MODEL_PREFIX)
+        }
+        live_state.check_shapes(name, live, saved, live_state.MODEL_PREFIX)
+        params = dict(self._model.named_parameters())
+        for key, (shape, _) in saved.items():
+            if not key.startswith(live_state.OPTIM_PREFIX):
+                continue
+            param_name = key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]
+            param = params.get(param_name)
+            if param is None:
+                raise CheckpointMismatchError(
+                    f"checkpoint {name} is for another model: it has optimizer state for {param_name}, which this "
+                    "model lacks"
+                )
+            if len(shape) == param.dim() and shape != param.shape:
+                raise CheckpointMismatchError(
+                    f"checkpoint {name} is for another model: optimizer state {key[len(live_state.OPTIM_PREFIX):]} "
+                    f"has shape {list(shape)} there and {list(param.shape)} here"
+                )
+        live_state.check_groups(name, self._optimizer, self._model, trainer["optimizer"])
+
+    def _check_trainer(self, name: str, trainer: dict[str, Any]) -> None:
+        sampler_state = trainer["sampler"]
+        if int(sampler_state["num_samples"]) != self._sampler.num_samples or int(sampler_state["seed"]) != self._sampler.seed:
+            raise CheckpointMismatchError(
+                f"checkpoint {name} is for another data set or seed: {sampler_state['num_samples']} samples "
+                f"with seed {sampler_state['seed']} there, {self._sampler.num_samples} with seed {self._sampler.seed} here"
+            )
+        if (trainer["scaler"] is None) != (self._scaler is None):
+            raise CheckpointMismatchError(
+                f"checkpoint {name} was saved {'without' if trainer['scaler'] is None else 'with'} a grad scaler"
+            )
+        saved_extra = trainer.get("extra", {})  # checkpoints before extra state have none
+        if set(saved_extra) != set(self._extra):
+            raise CheckpointMismatchError(
+                f"checkpoint {name} holds extra state {sorted(saved_extra)}, this run registers "
+                f"{sorted(self._extra)}; register the same objects to resume"
+            )
+
+    def _restore_sharded(
+        self, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], tensors_json: str, deadline: float
+    ) -> None:
+        """Every rank: read its part into host buffers, then (all of it read) change the live state.
+
+        Raises `CorruptCheckpoint` on every rank when any rank's chunk fails its check.
+        """
+        metadata = sharded.metadata_from_json(tensors_json)
+        saved = sharded.tensor_shapes(metadata)
+        live = live_state.live_tensors(self._model, self._optimizer)
+        params = dict(self._model.named_parameters())
+        targets: dict[str, torch.Tensor] = {}
+        plain: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        for key, (shape, dtype) in saved.items():
+            like = live.get(key)
+            if like is None:  # optimizer state: none exists yet; its parameter says how it is sharded
+                param = params[key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]]
+                like = param if param.shape == shape else None
+            if like is not None and isinstance(like, sharded.DTensor):
+                targets[key] = live_state.host_buffer_like(like, dtype=dtype)
+            else:
+                plain[key] = (shape, dtype)
+        owner = live_state.owners(
+            {key: _numel(shape) * dtype.itemsize for key, (shape, dtype) in plain.items()}, self._ctx.world_size
+        )
+        for key, (shape, dtype) in plain.items():
+            if owner[key] == self._ctx.rank:
+                targets[key] = torch.empty(shape, dtype=dtype)
+        error: BaseException | None = None
+        try:
+            self.restored_bytes = sharded.load_tensors(
+                targets, candidate.path, metadata, group=self._group, deadline=deadline
+            )
+        except Exception as exc:  # noqa: BLE001 - DCP raises one CheckpointException on every rank
+            error = sharded.first_error(exc)
+        if error is not None:
+            if isinstance(error, CorruptCheckpoint):
+                raise error
+            if isinstance(error, TimeoutError) or _is_timeout(error):
+                raise CheckpointStorageError(
+                    f"restoring {candidate.name} from {self.store.root} did not finish within "
+                    f"{self.restore_timeout:g} s (--ckpt-restore-timeout): the storage is too slow or hung"
+                )
+            raise CheckpointStorageError(
+                f"cannot read {candidate.name} in {self.store.root}: {describe_failure(error)}"
+            )
+        # Everything read and verified on every rank: only now does live state change.
+        self._apply_tensors(live, targets, plain, owner, trainer["optimizer"])
+        self._apply_trainer(manifest, trainer)
+
+    def _apply_tensors(
+        self,
+        live: dict[str, torch.Tensor],
+        targets: dict[str, torch.Tensor],
+        plain: dict[str, tuple[torch.Size, torch.dtype]],
+        owner: dict[str, int],
+        optimizer_settings: dict[str, Any],
+    ) -> None:
+        optimizer_tensors: dict[str, torch.Tensor] = {}
+        params = dict(self._model.named_parameters())
+        with torch.no_grad():
+            for key in sorted(set(targets) | set(plain)):
+                is_model = key.startswith(live_state.MODEL_PREFIX)
+                if key not in plain:  # a shard of this rank's, resharded by the load
+                    if is_model:
+                        live[key].to_local().copy_(targets.pop(key).to_local())
+                    else:
+                        optimizer_tensors[key] = targets.pop(key)
+                    continue
+                shape, dtype = plain[key]
+                if is_model:
+                    dest = live[key]
+                else:
+                    param = params[key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]]
+                    on_device = param.device.type == "cuda" and len(shape) > 0
+                    dest = torch.empty(shape, dtype=dtype, device=param.device if on_device else "cpu")
+                    optimizer_tensors[key] = dest
+                if owner[key] == self._ctx.rank:
+                    dest.copy_(targets.pop(key))
+                self._broadcast_tensor(dest, owner[key])
+        self._optimizer.load_state_dict(
+            live_state.optimizer_state_dict(self._model, self._optimizer, optimizer_tensors, optimizer_settings)
+        )
+
+    def _broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """`src`'s `tensor` on every rank: on the device (NCCL) for GPU tensors, else on the checkpoint group."""
+        if not self._ctx.distributed:
+            return
+        if tensor.device.type == "cuda":
+            dist.broadcast(tensor, src=src)
+        else:
+            dist.broadcast(tensor, src=src, group=self._group)
+
+    def _restore_format1(self, candidate: Candidate, manifest: Manifest) -> None:
+        """A checkpoint of releases before 0.3 (rank 0's whole files): every rank reads them itself."""
+        if any(isinstance(t, sharded.DTensor) for t in self._model.state_dict().values()):
+            raise CheckpointError(
+                f"checkpoint {candidate.path} is in format 1 (one file per state, written by rank 0); a sharded "
+                "(FSDP2) model cannot load it: resume it once without FSDP, which writes the sharded format"
+            )
+        state = {}
+        for file_name in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE):
+            state[file_name] = self.store.load_state_file(candidate, manifest, file_name, map_location=self._ctx.device)
+        compat.check_model(candidate.name, self._model.state_dict(), state[MODEL_FILE])
+        compat.check_optimizer(candidate.name, self._optimizer, state[OPTIMIZER_FILE])
+        self._check_trainer(candidate.name, state[TRAINER_FILE])
+        self._model.load_state_dict(state[MODEL_FILE])
+        self._optimizer.load_state_dict(state[OPTIMIZER_FILE])
+        self._apply_trainer(manifest, state[TRAINER_FILE])
+
+    def _apply_trainer(self, manifest: Manifest, trainer: dict[str, Any]) -> None:
+        for name, obj in self._extra.items():
+            try:
+                obj.load_state_dict(trainer.get("extra", {})[name])
+            except Exception as exc:  # noqa: BLE001 - whatever it raises is one line naming the object
+                raise CheckpointMismatchError(
+                    f"checkpoint step_{manifest.step:08d}: extra state {name!r} does not load ({type(exc).__name__}: {exc})"
+                ) from None
+        if self._scheduler is not None and trainer["scheduler"] is not None:
+            self._scheduler.load_state_dict(trainer["scheduler"])
+        if self._scaler is not None:
+            self._scaler.load_state_dict(trainer["scaler"])
+        self._sampler.load_state_dict(trainer["sampler"])
+        rng_states = trainer["rng"]
+        if self._ctx.rank < len(rng_states):
+            set_rng_state(rng_states[self._ctx.rank], self._ctx.device)
+        else:
+            seed_all(self._seed * _RESEED_STRIDE + manifest.step * 7919 + self._ctx.rank, self._ctx.device)
+
+    def _restored(self, name: str, manifest: Manifest, started: float) -> int:
         barrier(self._ctx)
         seconds = time.perf_counter() - started
         self.last_step = manifest.step
+        read = torch.tensor([self.restored_bytes], dtype=torch.int64)
+        if self._ctx.distributed:
+            dist.all_reduce(read, group=control_group())
         self._events.emit(
             "restore", step=manifest.step, world_size=self._ctx.world_size, seconds=seconds,
-            checkpoint=name, saved_world_size=manifest.world_size,
+            checkpoint=name, saved_world_size=manifest.world_size, bytes_read=int(read.item()),
         )
         if self._ctx.is_main:
             logger.info(
@@ -263,72 +517,6 @@ class CheckpointManager:
                 name, manifest.step, manifest.world_size, seconds,
             )
         return manifest.step
-
-    def _select(self) -> tuple[Candidate, Manifest, dict[str, Any]] | None:
-        """Rank 0: the newest checkpoint that verifies and loads; corrupt newer ones are moved aside."""
-        candidates = self.store.committed()
-        bad: list[tuple[Candidate, str]] = []
-        for candidate in candidates:
-            try:
-                manifest, state = self.store.load(candidate, map_location=self._ctx.device)
-            except CorruptCheckpoint as exc:
-                logger.warning("checkpoint %s is corrupt (%s); trying the previous one", candidate.path, exc)
-                bad.append((candidate, str(exc)))
-                continue
-            for corrupt, _ in bad:
-                moved = self.store.quarantine(corrupt)
-                logger.warning("moved corrupt checkpoint %s aside to %s", corrupt.name, moved.name)
-            return candidate, manifest, state
-        if bad:
-            raise CheckpointError(
-                f"no checkpoint in {self.store.root} verifies ({len(bad)} corrupt, newest: {bad[0][1]}); "
-                "move them away to start from scratch"
-            )
-        return None
-
-    def _apply(self, candidate: Candidate, manifest: Manifest, state: dict[str, Any]) -> None:
-        """Check everything fits, then load it; nothing changes if a check fails."""
-        model_state = state[MODEL_FILE]
-        optimizer_state = state[OPTIMIZER_FILE]
-        trainer = state[TRAINER_FILE]
-        compat.check_model(candidate.name, self._model.state_dict(), model_state)
-        compat.check_optimizer(candidate.name, self._optimizer, optimizer_state)
-        sampler_state = trainer["sampler"]
-        if int(sampler_state["num_samples"]) != self._sampler.num_samples or int(sampler_state["seed"]) != self._sampler.seed:
-            raise CheckpointMismatchError(
-                f"checkpoint {candidate.name} is for another data set or seed: {sampler_state['num_samples']} samples "
-                f"with seed {sampler_state['seed']} there, {self._sampler.num_samples} with seed {self._sampler.seed} here"
-            )
-        if (trainer["scaler"] is None) != (self._scaler is None):
-            raise CheckpointMismatchError(
-                f"checkpoint {candidate.name} was saved {'without' if trainer['scaler'] is None else 'with'} a grad scaler"
-            )
-        saved_extra = trainer.get("extra", {})  # checkpoints before extra state have none
-        if set(saved_extra) != set(self._extra):
-            raise CheckpointMismatchError(
-                f"checkpoint {candidate.name} holds extra state {sorted(saved_extra)}, this run registers "
-                f"{sorted(self._extra)}; register the same objects to resume"
-            )
-
-        for name, obj in self._extra.items():  # first: the user's code may refuse the state
-            try:
-                obj.load_state_dict(saved_extra[name])
-            except Exception as exc:  # noqa: BLE001 - whatever it raises is one line naming the object
-                raise CheckpointMismatchError(
-                    f"checkpoint {candidate.name}: extra state {name!r} does not load ({type(exc).__name__}: {exc})"
-                ) from None
-        self._model.load_state_dict(model_state)
-        self._optimizer.load_state_dict(optimizer_state)
-        if self._scheduler is not None and trainer["scheduler"] is not None:
-            self._scheduler.load_state_dict(trainer["scheduler"])
-        if self._scaler is not None:
-            self._scaler.load_state_dict(trainer["scaler"])
-        self._sampler.load_state_dict(sampler_state)
-        rng_states = trainer["rng"]
-        if self._ctx.rank < len(rng_states):
-            set_rng_state(rng_states[self._ctx.rank], self._ctx.device)
-        else:
-            seed_all(self._seed * _RESEED_STRIDE + manifest.step * 7919 + self._ctx.rank, self._ctx.device)
 
     # -- save ------------------------------------------------------------------
 
@@ -339,7 +527,7 @@ class CheckpointManager:
         """Save when `step` is a multiple of `every`; report saves that finished meanwhile."""
         if self.due(step):
             self.save(step)
-        elif self._ctx.is_main:
+        else:
             self._collect(block=False)
 
     def save(self, step: int, reason: str = "periodic") -> None:
@@ -365,17 +553,22 @@ class CheckpointManager:
         started, wall_started = time.perf_counter(), time.time()
         # Every rank checks the extra state, so a bad one fails everywhere at this step, not on rank 0 alone.
         extra = {name: plain_state(name, obj.state_dict()) for name, obj in self._extra.items()}
+        settings = plain_state("optimizer", live_state.optimizer_settings(self._model, self._optimizer))
         rng_states = self._gather_rng()
         self.last_step = step
-        if not self._ctx.is_main:
-            return
-        self._prepare()
+        if self._ctx.is_main:
+            self._prepare()
+        mine = live_state.share_of(
+            live_state.live_tensors(self._model, self._optimizer), self._ctx.rank, self._ctx.world_size
+        )
+        trainer = self._trainer_state(step, rng_states, extra, settings) if self._ctx.is_main else None
         now = copy_now(
-            {"trainer": self._trainer_state(step, rng_states, extra), "buffers": dict(self._model.named_buffers())},
+            {"trainer": trainer, "buffers": {k: v for k, v in mine.items() if k in self._buffer_keys}},
             self._pool, self._ctx.device, self._copy_stream,
         )
         record = _SaveRecord(
             step, reason, wall_started, 0.0, now["trainer"], now["buffers"],
+            {k: v for k, v in mine.items() if k not in self._buffer_keys},
             DeferredCopy(self._ctx.device, self._copy_stream),
         )
         self._in_flight = record
@@ -405,6 +598,8 @@ class CheckpointManager:
                 step, writing,
             )
             self._events.emit("checkpoint_skipped", step=step, world_size=self._ctx.world_size, writing=writing)
+        elif not busy and not self._ctx.is_main:
+            self._collect(block=True)  # rank 0 is done, so this rank's part has left every collective
         return busy
 
     @property
@@ -440,6 +635,8 @@ class CheckpointManager:
                         self._fatal = self._fatal or self._timed_out()
             if not self._share_flag(writing):
                 break
+        if not self._ctx.is_main and self._fatal is None:
+            self._collect(block=True, timeout=self._wait_slice)  # past every collective of the save already
         fatal = self._share_message(self._fatal)
         if fatal is not None:
             raise CheckpointStorageError(fatal)
@@ -464,11 +661,17 @@ class CheckpointManager:
         """Rank 0's `message` on every rank (two collectives only when there is one)."""
         if not self._share_flag(message is not None):
             return None
-        if not self._ctx.distributed:
-            return message
-        box: list[Any] = [message]
-        dist.broadcast_object_list(box, src=0, group=control_group())
-        return str(box[0])
+        return str(self._broadcast_object(message))
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        self._broadcast_objects(box)
+        return box[0]
+
+    def _broadcast_objects(self, box: list[Any]) -> None:
+        # broadcast_object_list pickles in memory between trusted peers; files hold plain types only.
+        if self._ctx.distributed:
+            dist.broadcast_object_list(box, src=0, group=control_group())
 
     def share_stop_reason(self) -> str:
         """Rank 0's `stop_reason` on every rank (a collective, after a vote said to stop)."""
@@ -478,16 +681,19 @@ class CheckpointManager:
         """Commit what is in flight (waiting at most `timeout`) and detach from the optimizer;
         safe on error paths, where a failed save is only reported."""
         try:
-            if self._ctx.is_main and self._in_flight is not None:
+            if self._in_flight is not None:
                 try:
                     self._collect(block=True, timeout=self.timeout)
                 except TimeoutError:
-                    logger.warning("%s", self._timed_out())
+                    if self._ctx.is_main:
+                        logger.warning("%s", self._timed_out())
         finally:
             try:
                 self._writer.close(timeout=0 if self._writer.busy else None)
             except TimeoutError:
                 pass  # reported above; the daemon thread finishes or dies with the process
+            except Exception as exc:  # noqa: BLE001 - a non-main rank's part of a failed save: rank 0 reported it
+                logger.debug("checkpoint writer: %s", exc)
             finally:
                 if self._hook is not None:
                     self._hook.remove()
@@ -495,7 +701,7 @@ class CheckpointManager:
 
     def _prepare(self) -> None:
         if not self._prepared:
-            self.store.prepare()
+            self.store.prepare(self._identity)
             self._prepared = True
 
     def _gather_rng(self) -> list[dict[str, Any]]:
@@ -507,7 +713,9 @@ class CheckpointManager:
         dist.gather_object(mine, gathered if self._ctx.is_main else None, dst=0, group=control_group())
         return gathered
 
-    def _trainer_state(self, step: int, rng_states: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    def _trainer_state(
+        self, step: int, rng_states: list[dict[str, Any]], extra: dict[str, Any], settings: dict[str, Any]
+    ) -> dict[str, Any]:
         return {
             "step": step,
             "world_size": self._ctx.world_size,
@@ -515,6 +723,7 @@ class CheckpointManager:
             "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "extra": extra,
+            "optimizer": settings,
             "rng": rng_states,
         }
 
@@ -528,57 +737,59 @@ class CheckpointManager:
         record.sources_released = True
         record.blocking_seconds += time.perf_counter() - started
 
-    def _live_state(self, record: _SaveRecord) -> dict[str, Any]:
-        """Writer thread: model and optimizer state dicts, buffers taken from the save's own copies.
-
-        Safe off the loop's thread because parameters and optimizer state (and
-        the learning rates the scheduler sets right after a step) change only
-        in an optimizer step, which the pre-hook holds until this is copied.
-        """
-        model_state = self._model.state_dict()
-        for key, copy in record.buffers.items():
-            if key in model_state:
-                model_state[key] = copy
-        return {MODEL_FILE: model_state, OPTIMIZER_FILE: self._optimizer.state_dict()}
-
     def _write(self, record: _SaveRecord) -> _Outcome:
-        """Writer thread: copy the rest, serialise, fsync, commit. A storage failure is an
-        outcome (the loop goes on), not an exception; anything else is a bug and raises."""
-        tree = record.deferred.run(
-            lambda: self._live_state(record), self._pool, keep={id(t) for t in record.buffers.values()}
-        )
-        tree[TRAINER_FILE] = record.trainer
-        trainer, sampler = record.trainer, record.trainer["sampler"]
-
-        def describe(files: dict[str, dict[str, Any]]) -> Manifest:
-            return Manifest(
+        """Writer thread, every rank: copy this rank's share, write it (a collective over the
+        checkpoint group); rank 0 then writes trainer.pt and the manifest and commits. A storage
+        failure is an outcome (the loop goes on), not an exception; anything else is a bug and raises."""
+        tensors = record.deferred.run(lambda: record.sources, self._pool)
+        tensors.update(record.buffers)
+        name = checkpoint_name(record.step)
+        tmp = self.store.begin(record.step, self._tag)
+        try:
+            sharded.save_tensors(
+                tensors, tmp, group=self._group,
+                after_first_item=lambda: self._faults.at("during_write", record.step),
+            )
+        except Exception as exc:  # noqa: BLE001 - DCP raises one CheckpointException on every rank
+            if self._ctx.is_main:
+                self.store.abort(tmp)
+            return _Outcome(time.time(), f"cannot write {name} to {self.store.root}: {describe_failure(sharded.first_error(exc))}")
+        if not self._ctx.is_main:
+            return _Outcome(time.time(), None)
+        try:
+            files = {
+                path.name: {"bytes": path.stat().st_size} for path in sorted(tmp.glob(sharded.SHARD_PREFIX + "*"))
+            }
+            tensors_json = (tmp / sharded.TENSORS_FILE).read_bytes()
+            files[sharded.TENSORS_FILE] = {"bytes": len(tensors_json), "crc32c": sharded.block_checksums(memoryview(tensors_json))[0]}
+            files[TRAINER_FILE] = self.store.write_state_file(tmp, TRAINER_FILE, record.trainer)
+            sampler = record.trainer["sampler"]
+            manifest = Manifest(
                 step=record.step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]),
-                world_size=int(trainer["world_size"]), files=files, created=time.time(),
+                world_size=self._ctx.world_size, files=files, created=time.time(),
                 reason=record.reason, run_id=self._ctx.run_id, versions=versions(),
             )
-
-        try:
-            self.store.commit(
-                record.step,
-                tree,
-                describe=describe,
+            self.store.finish(
+                tmp, manifest, owner=self._identity,
                 before_commit=lambda: self._faults.at("before_commit", record.step),
-                mid_write=lambda: self._faults.at("during_write", record.step),
             )
         except SaveFailed as exc:
             return _Outcome(time.time(), str(exc))
-        except OSError as exc:  # after the commit's own cleanup: renaming, retiring
-            return _Outcome(time.time(), f"cannot commit step {record.step} in {self.store.root}: {describe_failure(exc)}")
+        except OSError as exc:  # writing trainer.pt, renaming, retiring
+            self.store.abort(tmp)
+            return _Outcome(time.time(), f"cannot commit {name} in {self.store.root}: {describe_failure(exc)}")
         return _Outcome(time.time(), None)
 
     def _collect(self, *, block: bool, timeout: float | None = None) -> None:
-        """Rank 0: report the save in flight if it has finished (waiting for it if `block`,
-        at most `timeout` seconds: `TimeoutError` then, and it stays in flight)."""
+        """Report the save in flight if it has finished (waiting for it if `block`, at most
+        `timeout` seconds: `TimeoutError` then, and it stays in flight). Only rank 0 reports."""
         record = self._in_flight
         if record is None or (not block and self._writer.busy):
             return
         outcome: _Outcome = self._writer.wait(timeout)
         self._in_flight = None
+        if not self._ctx.is_main:
+            return
         if outcome.error is not None:
             self._on_failure(record, outcome.error)
         else:
@@ -629,3 +840,16 @@ class CheckpointManager:
         if not committed:
             return "no checkpoint was committed"
         return f"the newest committed checkpoint, {committed[0].path}, is intact"
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """A collective that timed out waiting for a rank still reading (gloo names it in its message)."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text

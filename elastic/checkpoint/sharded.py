@@ -29,6 +29,7 @@ import io
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -267,7 +268,9 @@ def save_tensors(
     Raises DCP's `CheckpointException` on every rank if any rank failed; `first_error` digs out the cause.
     """
     writer = ShardWriter(directory, after_first_item=after_first_item)
-    dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=group, no_dist=group is None)
+    with warnings.catch_warnings():  # alone, DCP warns it saves "in a single process": that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=group, no_dist=group is None)
     return writer.bytes_written
 
 
@@ -371,7 +374,9 @@ def load_tensors(
     """Fill this rank's `targets` (CPU tensors or DTensors of CPU shards) from `directory` (a
     collective over `group`); bytes read here. Raises `CheckpointException` on every rank if any failed."""
     reader = ShardReader(directory, metadata, deadline=deadline)
-    dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=group, no_dist=group is None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=group, no_dist=group is None)
     return reader.bytes_read
 
 

@@ -18,6 +18,8 @@ Invariants:
   was when the loop asked for the save, in CPU tensors (pinned on CUDA) that
   nothing else writes until the next save.
 - Tensors that share memory in the live state (tied weights) share one buffer.
+- A DTensor (an FSDP2 shard) is copied as its local shard and comes back as a
+  DTensor over the same mesh and placements: each rank holds only its shards.
 - Buffers are reused from one save to the next: a steady-state save allocates
   nothing, so the copy runs at memory bandwidth, not page-fault speed.
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 Tree = Any
 _TensorKey = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
@@ -70,6 +73,11 @@ def plan_copies(
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def walk(node: Tree, path: str) -> Tree:
+        if isinstance(node, DTensor):
+            local = walk(node.to_local(), path)
+            return DTensor.from_local(
+                local, node.device_mesh, node.placements, shape=node.shape, stride=node.stride(), run_check=False
+            )
         if isinstance(node, torch.Tensor):
             if id(node) in keep:
                 return node
