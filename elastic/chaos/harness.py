@@ -43,7 +43,8 @@ from elastic.chaos.etcd import EtcdServer
 from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
-from elastic.checkpoint.store import CheckpointStore, CorruptCheckpoint
+from elastic.checkpoint.store import CheckpointStore
+from elastic.errors import CorruptCheckpoint
 from elastic.launcher.proctree import descendants, worker_rank
 
 logger = logging.getLogger(__name__)

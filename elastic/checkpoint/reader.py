@@ -10,11 +10,13 @@ sampler to build.
 Invariants:
 - Read only: nothing in the directory is written, moved or deleted, corrupt
   checkpoints included; a training job may be saving into it meanwhile.
-- A checkpoint is good exactly when `CheckpointManager.restore` would verify
-  it: its manifest names its step and every file matches its sha256 and size.
-  The newest good one wins; the `latest` pointer is not trusted.
-- Only model.pt is deserialized, with weights_only=True: no pickled code runs,
-  and the optimizer and trainer files are hashed, never unpickled.
+- A checkpoint is good exactly when every byte of it verifies: its manifest
+  names its step, every file has its size and checksum, and every tensor
+  chunk its crc32c (format 2; format 1: every file its sha256). The newest
+  good one wins; the `latest` pointer is not trusted.
+- No pickled code runs: tensors are raw bytes (format 2), and format 1's
+  model.pt is loaded with weights_only=True; the optimizer is never unpickled.
+- Tensors saved in shards (FSDP2, any world size) come back whole.
 - Every failure to find a good checkpoint is a `CheckpointError` of one line.
 """
 
@@ -22,13 +24,16 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from elastic.checkpoint.manager import MODEL_FILE
-from elastic.checkpoint.store import Candidate, CheckpointStore, CorruptCheckpoint
-from elastic.errors import CheckpointError
+from elastic.checkpoint import sharded
+from elastic.checkpoint.manager import MODEL_FILE, TRAINER_FILE
+from elastic.checkpoint.state import MODEL_PREFIX
+from elastic.checkpoint.store import Candidate, CheckpointStore, Manifest
+from elastic.errors import CheckpointError, CorruptCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +80,48 @@ def load_newest_model_state(
 def _read_model(store: CheckpointStore, candidate: Candidate, map_location: torch.device | str) -> dict[str, Any]:
     """The verified model state of one checkpoint; `CorruptCheckpoint` if it is not one."""
     try:
-        _, state = store.load_file(candidate, MODEL_FILE, map_location=map_location)
+        manifest = store.verify(candidate)
+        if manifest.format >= 2:
+            tensors = read_tensors(store, candidate, manifest, prefix=MODEL_PREFIX)
+            return {key[len(MODEL_PREFIX) :]: t.to(map_location) for key, t in tensors.items()}
+        state = store.load_state_file(candidate, manifest, MODEL_FILE, map_location=map_location)
     except OSError as exc:  # not damage (permissions, I/O): falling back would hide it
         raise CheckpointError(f"cannot read {candidate.path}: {exc.strerror or exc}") from None
     if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
         raise CorruptCheckpoint(f"{candidate.name}/{MODEL_FILE} holds a {type(state).__name__}, not a state dict")
     return state
+
+
+def read_tensors(
+    store: CheckpointStore, candidate: Candidate, manifest: Manifest, *, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """A format-2 checkpoint's tensors whose keys start with `prefix`, whole, on CPU (one process)."""
+    metadata = store.tensor_metadata(candidate, manifest)
+    keys = [key for key in sharded.tensor_shapes(metadata) if key.startswith(prefix)]
+    return sharded.full_tensors(candidate.path, metadata, keys)
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Manifest, dict[str, torch.Tensor], dict[str, Any]]:
+    """One checkpoint directory, verified: its manifest, every tensor whole by key
+    (`model/<name>`, `optim/<param>/<state>`) and its trainer state (sampler, RNG, ...).
+
+    For tools and tests; format 1 checkpoints come back under the same keys for the model."""
+    directory = Path(path)
+    store = CheckpointStore(directory.parent)
+    try:
+        step = int(directory.name.split("_")[1])
+    except (IndexError, ValueError):
+        raise CheckpointError(f"{directory} is not a checkpoint directory (step_NNNNNNNN)") from None
+    candidate = Candidate(directory.name, step, directory)
+    try:
+        manifest = store.verify(candidate)
+        trainer = store.load_state_file(candidate, manifest, TRAINER_FILE)
+        if manifest.format >= 2:
+            return manifest, read_tensors(store, candidate, manifest), trainer
+        model = store.load_state_file(candidate, manifest, MODEL_FILE)
+        return manifest, {MODEL_PREFIX + key: value for key, value in model.items()}, trainer
+    except CorruptCheckpoint as exc:
+        raise CheckpointError(f"{directory} does not verify: {exc}") from None
 
 
 def _one_line(exc: BaseException) -> str:
