@@ -465,7 +465,7 @@ class CheckpointManager:
             dist.broadcast(tensor, src=src, group=self._group)
 
     def _restore_format1(self, candidate: Candidate, manifest: Manifest) -> None:
-        """A checkpoint of releases before 0.3 (rank 0's whole files): every rank reads them itself."""
+        """A checkpoint of torchrevive 0.1 (rank 0's whole files): every rank reads them itself."""
         if any(isinstance(t, sharded.DTensor) for t in self._model.state_dict().values()):
             raise CheckpointError(
                 f"checkpoint {candidate.path} is in format 1 (one file per state, written by rank 0); a sharded "

@@ -12,7 +12,7 @@ Layout of `--ckpt-dir`:
 
 A checkpoint in format 2 (sharded.py) holds one `shard_NNNNN.bin` per rank
 that saved it, `tensors.json` (DCP's metadata, with a crc32c per block of
-every chunk) and `trainer.pt`; format 1 (releases before 0.3) holds
+every chunk) and `trainer.pt`; format 1 (torchrevive 0.1) holds
 `model.pt`, `optimizer.pt` and `trainer.pt` written by rank 0, with sha256s.
 
 Invariants:
@@ -375,7 +375,7 @@ class CheckpointStore:
     ) -> Path:
         """Write `files` (name -> object for torch.save) as a format-1 checkpoint `step`, atomically.
 
-        The format releases before 0.3 wrote from rank 0 (sha256 per file); kept
+        The format torchrevive 0.1 wrote from rank 0 (sha256 per file); kept
         so tools and tests can make such checkpoints. `describe` builds the
         manifest from the written files' digests; `mid_write` runs after the first file.
         """
