@@ -15,6 +15,9 @@ torchrun starts without any change to the command line:
                                             first file is half written)
     ELASTIC_FAULT=during_write@20:do=slow:for=40
                                             step 20's save stalls 40 s (slow storage)
+    ELASTIC_FAULT=during_read@20:do=slow:for=40
+                                            restoring step 20's checkpoint stalls 40 s
+                                            after its first chunk (slow storage on restore)
 
 A fault fires only on restart 0 unless `restart=` says otherwise, so a job
 that torchrun restarts after the fault runs on undisturbed. Several faults
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 from elastic.errors import UsageError
 
-FAULT_POINTS = ("during_write", "before_commit", "after_step")
+FAULT_POINTS = ("during_write", "before_commit", "after_step", "during_read")
 ACTIONS = ("kill", "stop", "hang", "enospc", "slow")
 ENV_VAR = "ELASTIC_FAULT"
 

@@ -64,6 +64,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.utils import CheckpointException
 
 from elastic.chaos import FaultInjector
 from elastic.checkpoint import compat, sharded
@@ -120,9 +121,13 @@ def plain_state(name: str, tree: Any, path: str = "") -> Any:
             plain_state(name, value, f"{path}[{i}]")
         return tree
     raise UsageError(
-        f"extra state {name!r}: state_dict(){path} is a {type(tree).__module__}.{type(tree).__qualname__}; "
+        f"{_state_label(name)}: state_dict(){path} is a {type(tree).__module__}.{type(tree).__qualname__}; "
         "checkpoints hold tensors and plain values only (int, float, str, lists, dicts: convert it)"
     )
+
+
+def _state_label(name: str) -> str:
+    return f"the {name}" if name in ("scheduler", "scaler", "optimizer") else f"extra state {name!r}"
 
 
 class Stateful(Protocol):
@@ -402,10 +407,11 @@ class CheckpointManager:
         error: BaseException | None = None
         try:
             self.restored_bytes = sharded.load_tensors(
-                targets, candidate.path, metadata, group=self._group, deadline=deadline
+                targets, candidate.path, metadata, group=self._group, deadline=deadline,
+                after_first_chunk=lambda: self._faults.at("during_read", manifest.step),
             )
-        except Exception as exc:  # noqa: BLE001 - DCP raises one CheckpointException on every rank
-            error = sharded.first_error(exc)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException), on every rank
+            error = _first_error(exc)
         if error is not None:
             if isinstance(error, CorruptCheckpoint):
                 raise error
@@ -720,8 +726,9 @@ class CheckpointManager:
             "step": step,
             "world_size": self._ctx.world_size,
             "sampler": self._sampler.state_dict(),
-            "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
-            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            # Checked like extra state: what a weights_only load could not read back fails now, not at restore.
+            "scheduler": plain_state("scheduler", self._scheduler.state_dict()) if self._scheduler is not None else None,
+            "scaler": plain_state("scaler", self._scaler.state_dict()) if self._scaler is not None else None,
             "extra": extra,
             "optimizer": settings,
             "rng": rng_states,
@@ -750,10 +757,10 @@ class CheckpointManager:
                 tensors, tmp, group=self._group,
                 after_first_item=lambda: self._faults.at("during_write", record.step),
             )
-        except Exception as exc:  # noqa: BLE001 - DCP raises one CheckpointException on every rank
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException), on every rank
             if self._ctx.is_main:
                 self.store.abort(tmp)
-            return _Outcome(time.time(), f"cannot write {name} to {self.store.root}: {describe_failure(sharded.first_error(exc))}")
+            return _Outcome(time.time(), f"cannot write {name} to {self.store.root}: {describe_failure(_first_error(exc))}")
         if not self._ctx.is_main:
             return _Outcome(time.time(), None)
         try:
@@ -847,6 +854,17 @@ def _numel(shape: torch.Size) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first failing rank's own exception inside DCP's `CheckpointException` (else `exc`).
+
+    DCP keeps each rank's failure as an `(exception, traceback)` pair (older releases: an
+    object with `.exception`); either way the exception itself comes back."""
+    error = sharded.first_error(exc)
+    if isinstance(error, tuple) and error and isinstance(error[0], BaseException):
+        return error[0]
+    return error
 
 
 def _is_timeout(exc: BaseException) -> bool:

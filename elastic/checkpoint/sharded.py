@@ -290,14 +290,23 @@ class _LoadPlanner(DefaultLoadPlanner):
 class ShardReader(StorageReader):
     """Reads the chunks a rank's plan names, checks each chunk's crc32c, copies the overlap.
 
-    `deadline` (time.monotonic) makes a slow filesystem a `TimeoutError` between chunks.
+    `deadline` (time.monotonic) makes a slow filesystem a `TimeoutError` between chunks;
+    `after_first_chunk` runs once the first chunk is read (fault injection).
     """
 
-    def __init__(self, directory: Path, metadata: Metadata, *, deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        metadata: Metadata,
+        *,
+        deadline: float | None = None,
+        after_first_chunk: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__()
         self.directory = Path(directory)
         self._metadata = metadata
         self._deadline = deadline
+        self._after_first_chunk = after_first_chunk
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -327,6 +336,8 @@ class ShardReader(StorageReader):
                 raise TimeoutError("reading the checkpoint took longer than the restore deadline")
             stored: StoredChunk = self._storage[index]
             chunk = read_chunk(self.directory, stored, index.fqn)
+            if self.bytes_read == 0:
+                self._after_first_chunk()
             self.bytes_read += stored.length
             for item in by_chunk[index]:
                 piece = chunk
@@ -370,10 +381,11 @@ def load_tensors(
     *,
     group: dist.ProcessGroup | None,
     deadline: float | None = None,
+    after_first_chunk: Callable[[], None] = lambda: None,
 ) -> int:
     """Fill this rank's `targets` (CPU tensors or DTensors of CPU shards) from `directory` (a
     collective over `group`); bytes read here. Raises `CheckpointException` on every rank if any failed."""
-    reader = ShardReader(directory, metadata, deadline=deadline)
+    reader = ShardReader(directory, metadata, deadline=deadline, after_first_chunk=after_first_chunk)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=group, no_dist=group is None)

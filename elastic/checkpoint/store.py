@@ -254,13 +254,21 @@ class CheckpointStore:
     def claim(self, identity: WriterIdentity) -> None:
         """Make `identity` the directory's writer; `CheckpointStorageError` if another live job writes here."""
         current = self.writer()
-        if current is not None and current.writer != identity.writer and current.run_id != identity.run_id:
-            if current.alive(identity):
+        # The same job's earlier rank 0 on another host (a restart moved it, or a partition
+        # cut it off) is taken over: it is refused at its next commit. Anything else alive
+        # is another job, two single-process runs ("local") included; an earlier
+        # writer in this very process (a manager made again) is no other job.
+        if current is not None and current.writer != identity.writer:
+            same_job_elsewhere = current.run_id == identity.run_id and current.host != identity.host
+            this_process = current.host == identity.host and current.pid == identity.pid
+            if not same_job_elsewhere and not this_process and current.alive(identity):
                 raise CheckpointStorageError(
                     f"{self.root} is written by another job (run {current.run_id} on {current.host}, pid {current.pid}, "
-                    f"seen {time.time() - current.heartbeat:.0f} s ago): give each job its own --ckpt-dir"
+                    f"seen {time.time() - current.heartbeat:.0f} s ago): give each job its own --ckpt-dir "
+                    f"(or delete {self.root / WRITER} if that job is gone)"
                 )
-            logger.warning("taking over %s from run %s on %s, which is gone", self.root, current.run_id, current.host)
+            if current.run_id != identity.run_id:
+                logger.warning("taking over %s from run %s on %s, which is gone", self.root, current.run_id, current.host)
         self._write_small(WRITER, identity.to_json())
 
     def heartbeat(self, identity: WriterIdentity) -> None:
