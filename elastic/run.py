@@ -191,6 +191,7 @@ class Run:
         self._loop_started: float | None = None
         self._loop_seconds = 0.0
         self._first_step = 0
+        self._leaving_failed = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Run:
@@ -234,6 +235,7 @@ class Run:
             self._leave(failed=failed)
 
     def _leave(self, *, failed: bool) -> None:
+        self._leaving_failed = failed
         try:
             self._stack.close()  # commits saves in flight, puts SIGTERM back, closes metrics and the log
         except BaseException:
@@ -360,7 +362,9 @@ class Run:
             # Waits for storage come in slices far below the collective and hang timeouts.
             wait_slice=min(5.0, cfg.collective_timeout / 4, (cfg.hang_timeout or math.inf) / 4),
         )
-        self._stack.callback(self.checkpoints.close)
+        # Leaving on an error, peers may be dead: a save in flight (its writers meet in
+        # collectives) gets a few seconds, not --ckpt-timeout.
+        self._stack.callback(lambda: self.checkpoints.close(wait=5.0 if self._leaving_failed else None))
         self._optimizer_steps = 0  # tells a `break` after optimizer.step() from one before it
         hook = optimizer.register_step_post_hook(lambda *_: self._count_optimizer_step())
         self._stack.callback(hook.remove)

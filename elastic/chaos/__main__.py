@@ -4,6 +4,7 @@
     python -m elastic.chaos --scenario all --backend etcd-v3      # starts an etcd of its own
     python -m elastic.chaos --scenario kill-worker --backend etcd-v3 --endpoint 127.0.0.1:2379
     sudo python -m elastic.chaos --scenario partition --hosts netns
+    python -m elastic.chaos --scenario kill-worker --scenario node-loss --fsdp   # the model sharded (FSDP2)
 
 Each scenario starts a fresh job of two torchrun agents (`--nnodes=2:3`, or 1:3
 for node-loss, scale-up and partition), injects its fault once training is
@@ -11,7 +12,9 @@ under way, waits for the end and prints one line: exit codes, the step
 reached, recovery time from the event log, whether the final checkpoint
 verifies, and the exactly-once audit of the samples trained on. With `--hosts
 netns` each agent runs in a network namespace of its own, as a host with its
-own address (root only); `partition` needs that. `--backend etcd-v3` without
+own address (root only); `partition` needs that. `--fsdp` trains the recipe
+with its model sharded (FSDP2, `recipes/gpt.py --fsdp`) instead of DDP.
+`--backend etcd-v3` without
 `--endpoint` starts an etcd of its own (the `etcd` binary), which the
 `etcd-restart` scenario stops and starts again. Exit status: 0 when every
 scenario passed, 1 when one failed (its agents' logs are kept in --workdir),
@@ -50,6 +53,10 @@ def build_parser() -> OneLineArgumentParser:
     )
     p.add_argument("--launcher", choices=["ours", "stock"], default="ours", help="elastic.launcher or plain torchrun")
     p.add_argument("--steps", type=positive_int, default=None, help="steps of each job (default: 40; more for node-loss, scale-up, partition)")
+    p.add_argument(
+        "--fsdp", action="store_true",
+        help="train the recipe with --fsdp: parameters, gradients and optimizer state sharded (FSDP2) instead of DDP",
+    )
     p.add_argument("--data", default=None, help="text for the recipe (default: this package's own sources)")
     p.add_argument("--workdir", default=None, help="keep jobs' logs, events and checkpoints here (default: temporary)")
     p.add_argument("--seed", type=int, default=0)
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_scenario(
                 name, root / name, data, steps=args.steps, backend=args.backend, endpoint=endpoint,
                 launcher=args.launcher, seed=args.seed, network=network, etcd=etcd,
+                recipe_args=["--fsdp"] if args.fsdp else [],
             )
             print(result.summary(), flush=True)
             failed += not result.ok

@@ -640,13 +640,15 @@ def run_scenario(
     launcher: str = "ours",
     seed: int = 0,
     model_args: Sequence[str] = ("--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"),
+    recipe_args: Sequence[str] = (),
     timeout: float = 300,
     network: VirtualNetwork | None = None,
     etcd: EtcdServer | None = None,
 ) -> ScenarioResult:
     """Run one scenario to the end and judge it. With a `network` each agent runs on
     a host of its own; with `etcd` (a started member) an etcd-v3 job uses it, and
-    may restart it. The caller owns both and closes them."""
+    may restart it. The caller owns both and closes them. `recipe_args` go to the
+    recipe after the harness's own flags (e.g. `["--fsdp"]`: the model sharded with FSDP2)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     if name in NEEDS_NETWORK and network is None:
@@ -664,7 +666,7 @@ def run_scenario(
         script_args=[
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
             "--ckpt-every", "5", "--hang-timeout", "3", "--dropout", "0.1", *model_args,
-            *SCENARIO_ARGS.get(name, []),
+            *SCENARIO_ARGS.get(name, []), *recipe_args,
         ],
         env=scenario_env(name), sample_log=workdir / "samples", network=network, etcd=etcd,
     )
@@ -691,5 +693,5 @@ def run_scenario(
             samples=audit(workdir / "samples"),
             stops_at=stops_at,
             logs=job.logs(),
-            report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {name} ({backend})"),
+            report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {name} ({' '.join([backend, *recipe_args])})"),
         )

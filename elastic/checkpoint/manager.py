@@ -32,8 +32,10 @@ Invariants:
   replicated one read by one rank and broadcast), checking every chunk's
   crc32c as it reads, so each byte is read and verified once per job. Only
   when every rank read everything is the live state changed. A corrupt one is
-  moved aside with a warning naming it and the previous one is tried;
-  reading longer than `restore_timeout` is a `CheckpointStorageError`.
+  reported with a warning naming it and the previous one is tried; corrupt
+  ones are moved aside once an older one restored (none verifies: an error,
+  and nothing is moved); reading longer than `restore_timeout` is a
+  `CheckpointStorageError`.
 - The loop blocks only to copy the state (see snapshot.py); at most one save
   is in flight, and a periodic save due while the previous one is still being
   written waits one short slice at most, then is skipped (event
@@ -269,8 +271,9 @@ class CheckpointManager:
             raise box[0]
         self._tag = box[1]
         corrupt: list[str] = []
+        bad: list[Candidate] = []  # rank 0: moved aside once an older one restores; all corrupt: none moves
         while True:
-            offer = self._offer(candidates, corrupt) if self._ctx.is_main else None
+            offer = self._offer(candidates, corrupt, bad) if self._ctx.is_main else None
             offer = self._broadcast_object(offer)
             if isinstance(offer, CheckpointError):
                 raise offer
@@ -287,19 +290,21 @@ class CheckpointManager:
                 reason = str(exc)
                 if self._ctx.is_main:
                     logger.warning("checkpoint %s is corrupt (%s); trying the previous one", candidate.path, reason)
-                    moved = self.store.quarantine(candidate)
-                    logger.warning("moved corrupt checkpoint %s aside to %s", name, moved.name)
                     corrupt.append(reason)
+                    bad.append(candidate)
                     candidates = [c for c in candidates if c.name != name]
                 continue
+            if self._ctx.is_main:
+                self._quarantine(bad)
             return self._restored(name, manifest, started)
         barrier(self._ctx)
         logger.info("no checkpoint in %s: starting at step 0", self.store.root)
         return 0
 
-    def _offer(self, candidates: list[Candidate], corrupt: list[str]) -> Any:
+    def _offer(self, candidates: list[Candidate], corrupt: list[str], bad: list[Candidate]) -> Any:
         """Rank 0: the next candidate as (name, manifest, trainer state, tensors.json text), after
-        checking it fits this job; None when none is left; a `CheckpointError` for every rank to raise."""
+        checking it fits this job; None when none is left; a `CheckpointError` for every rank to raise.
+        Corrupt candidates are added to `corrupt` (why) and `bad`, not moved."""
         try:
             for candidate in list(candidates):
                 try:
@@ -314,9 +319,8 @@ class CheckpointManager:
                     self._check_trainer(candidate.name, trainer)
                 except CorruptCheckpoint as exc:
                     logger.warning("checkpoint %s is corrupt (%s); trying the previous one", candidate.path, exc)
-                    moved = self.store.quarantine(candidate)
-                    logger.warning("moved corrupt checkpoint %s aside to %s", candidate.name, moved.name)
                     corrupt.append(str(exc))
+                    bad.append(candidate)
                     candidates.remove(candidate)
                     continue
                 self.store.check_room(manifest.total_bytes)  # the next save would not fit
@@ -331,6 +335,17 @@ class CheckpointManager:
                 "move them away to start from scratch"
             )
         return None
+
+    def _quarantine(self, bad: list[Candidate]) -> None:
+        """Rank 0, once an older checkpoint restored: move the corrupt newer ones aside (a failure
+        to move one is a warning: the restore succeeded)."""
+        for candidate in bad:
+            try:
+                moved = self.store.quarantine(candidate)
+            except OSError as exc:
+                logger.warning("cannot move corrupt checkpoint %s aside: %s", candidate.path, describe_failure(exc))
+                continue
+            logger.warning("moved corrupt checkpoint %s aside to %s", candidate.name, moved.name)
 
     def _check_sharded(self, name: str, metadata: Any, trainer: dict[str, Any]) -> None:
         """The saved tensors and optimizer groups fit the live model and optimizer (before anything changes)."""
@@ -424,6 +439,7 @@ class CheckpointManager:
                 f"cannot read {candidate.name} in {self.store.root}: {describe_failure(error)}"
             )
         # Everything read and verified on every rank: only now does live state change.
+        self._apply_extra(manifest, trainer)
         self._apply_tensors(live, targets, plain, owner, trainer["optimizer"])
         self._apply_trainer(manifest, trainer)
 
@@ -483,11 +499,13 @@ class CheckpointManager:
         compat.check_model(candidate.name, self._model.state_dict(), state[MODEL_FILE])
         compat.check_optimizer(candidate.name, self._optimizer, state[OPTIMIZER_FILE])
         self._check_trainer(candidate.name, state[TRAINER_FILE])
+        self._apply_extra(manifest, state[TRAINER_FILE])
         self._model.load_state_dict(state[MODEL_FILE])
         self._optimizer.load_state_dict(state[OPTIMIZER_FILE])
         self._apply_trainer(manifest, state[TRAINER_FILE])
 
-    def _apply_trainer(self, manifest: Manifest, trainer: dict[str, Any]) -> None:
+    def _apply_extra(self, manifest: Manifest, trainer: dict[str, Any]) -> None:
+        """First of all: the user's code may refuse the state, and then nothing else has changed."""
         for name, obj in self._extra.items():
             try:
                 obj.load_state_dict(trainer.get("extra", {})[name])
@@ -495,6 +513,8 @@ class CheckpointManager:
                 raise CheckpointMismatchError(
                     f"checkpoint step_{manifest.step:08d}: extra state {name!r} does not load ({type(exc).__name__}: {exc})"
                 ) from None
+
+    def _apply_trainer(self, manifest: Manifest, trainer: dict[str, Any]) -> None:
         if self._scheduler is not None and trainer["scheduler"] is not None:
             self._scheduler.load_state_dict(trainer["scheduler"])
         if self._scaler is not None:
@@ -641,17 +661,22 @@ class CheckpointManager:
                         self._fatal = self._fatal or self._timed_out()
             if not self._share_flag(writing):
                 break
-        if not self._ctx.is_main and self._fatal is None:
-            self._collect(block=True, timeout=self._wait_slice)  # past every collective of the save already
         fatal = self._share_message(self._fatal)
         if fatal is not None:
             raise CheckpointStorageError(fatal)
+        if not self._ctx.is_main:
+            # Rank 0's save is over, so this rank's part has left every collective of it.
+            try:
+                self._collect(block=True, timeout=self._wait_slice)
+            except TimeoutError:
+                logger.warning("this rank's part of the checkpoint is still finishing after rank 0 committed it")
 
-    def _timed_out(self) -> str:
+    def _timed_out(self, waited: float | None = None) -> str:
         record = self._in_flight
         what = f"the {record.reason} checkpoint of step {record.step}" if record else "a checkpoint"
+        waited = self.timeout if waited is None else waited
         return (
-            f"{what} did not commit within {self.timeout:g} s (--ckpt-timeout): {self.store.root} is too slow "
+            f"{what} did not commit within {waited:g} s (--ckpt-timeout): {self.store.root} is too slow "
             f"or hung; {self._newest_committed()}"
         )
 
@@ -683,16 +708,19 @@ class CheckpointManager:
         """Rank 0's `stop_reason` on every rank (a collective, after a vote said to stop)."""
         return self._share_message(self._stop_reason) or "checkpoint saves keep failing"
 
-    def close(self) -> None:
-        """Commit what is in flight (waiting at most `timeout`) and detach from the optimizer;
-        safe on error paths, where a failed save is only reported."""
+    def close(self, wait: float | None = None) -> None:
+        """Commit what is in flight (waiting at most `wait`, default `timeout`) and detach from
+        the optimizer; safe on error paths, where a failed save is only reported. Past `wait`
+        the save is abandoned to its daemon thread and the exit does not wait for it."""
+        wait = self.timeout if wait is None else wait
         try:
             if self._in_flight is not None:
                 try:
-                    self._collect(block=True, timeout=self.timeout)
+                    self._collect(block=True, timeout=wait)
                 except TimeoutError:
+                    self._writer.drain_timeout = 0  # nor at interpreter exit
                     if self._ctx.is_main:
-                        logger.warning("%s", self._timed_out())
+                        logger.warning("%s", self._timed_out(wait))
         finally:
             try:
                 self._writer.close(timeout=0 if self._writer.busy else None)

@@ -418,7 +418,9 @@ def first_error(exc: BaseException) -> BaseException:
         failures = exc.failures
         for rank in sorted(failures):
             cause = failures[rank]
-            # DCP stores a `_WrappedException(exception, traceback)` per rank.
+            # DCP stores an `(exception, traceback)` pair per rank (older releases: an object with `.exception`).
+            if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+                return cause[0]
             return getattr(cause, "exception", cause)
     return exc
 

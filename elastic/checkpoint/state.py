@@ -134,7 +134,7 @@ def share_of(tensors: Mapping[str, torch.Tensor], rank: int, world_size: int) ->
 def host_buffer_like(live: torch.Tensor, shape: torch.Size | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An empty CPU tensor to load into: a DTensor with the live one's sharding, or a plain tensor."""
     if isinstance(live, DTensor):
-        local = torch.empty(live.to_local().shape, dtype=live.dtype, device="cpu")
+        local = torch.empty(live.to_local().shape, dtype=dtype or live.dtype, device="cpu")
         return DTensor.from_local(
             local, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
         )
