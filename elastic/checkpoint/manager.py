@@ -535,7 +535,7 @@ class CheckpointManager:
             dist.all_reduce(read, group=control_group())
         self._events.emit(
             "restore", step=manifest.step, world_size=self._ctx.world_size, seconds=seconds,
-            checkpoint=name, saved_world_size=manifest.world_size, bytes_read=int(read.item()),
+            checkpoint=name, saved_world_size=manifest.world_size, bytes_read=int(read.item()), source="disk",
         )
         if self._ctx.is_main:
             logger.info(
