@@ -596,10 +596,13 @@ class CheckpointStore:
         if target.exists():
             target = self.root / f"{candidate.name}{CORRUPT_SUFFIX}.{int(time.time())}"
         os.rename(candidate.path, target)
+        # A rename keeps the directory's mtime (when it was written): make it say when it was quarantined,
+        # or a restore that quarantines the newest step first would delete each older one at once.
+        os.utime(target)
         _fsync_dir(self.root)
         quarantined = sorted(
             (p for p in self.root.iterdir() if CORRUPT_SUFFIX in p.name and p.is_dir()),
-            key=lambda p: p.stat().st_mtime,
+            key=lambda p: (p.stat().st_mtime_ns, p == target),
             reverse=True,
         )
         for old in quarantined[self.keep_corrupt :]:

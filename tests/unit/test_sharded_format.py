@@ -1,0 +1,568 @@
+"""The sharded tensor format (elastic/checkpoint/sharded.py) and the flat live state (state.py).
+
+Single-process round trips, corruption found by the per-block crc32c, no pickles,
+and a real FSDP2 job on gloo: saved by 2 ranks, loaded by 1, 2 and 3 ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from elastic.checkpoint import sharded
+from elastic.checkpoint import state as live_state
+from elastic.errors import CheckpointMismatchError, CorruptCheckpoint, UsageError
+
+
+def assorted() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "model/f32": torch.randn(3, 5),
+        "model/bf16": torch.randn(4, 2).to(torch.bfloat16),
+        "model/i64": torch.arange(-3, 7, dtype=torch.int64) * (2**40),
+        "model/scalar": torch.tensor(3.25),
+        "model/empty": torch.empty(0, 3),
+        "model/empty_i64": torch.empty(0, dtype=torch.int64),
+        "model/uint8": torch.tensor([0, 1, 127, 128, 255], dtype=torch.uint8),
+        "model/bool": torch.tensor([True, False, True]),
+        "model/f64": torch.randn(2, 2, 2, dtype=torch.float64),
+        "model/transposed": torch.randn(4, 6).t(),  # not contiguous
+    }
+
+
+def saved(tmp_path: Path, tensors: dict[str, torch.Tensor] | None = None) -> tuple[Path, Metadata, dict[str, torch.Tensor]]:
+    tensors = assorted() if tensors is None else tensors
+    directory = tmp_path / "ckpt"
+    sharded.save_tensors(tensors, directory, group=None)
+    metadata = sharded.metadata_from_json((directory / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+    return directory, metadata, tensors
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def chunk_of(metadata: Metadata, fqn: str) -> tuple[Any, sharded.StoredChunk]:
+    (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
+    return index, metadata.storage_data[index]
+
+
+# -- single process --------------------------------------------------------------------
+
+
+def test_round_trip_of_assorted_dtypes_in_one_process(tmp_path: Path) -> None:
+    directory, metadata, tensors = saved(tmp_path)
+    assert sorted(p.name for p in directory.iterdir()) == [sharded.shard_file(0), sharded.TENSORS_FILE]
+    expected_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert (directory / sharded.shard_file(0)).stat().st_size == expected_bytes
+
+    shapes = sharded.tensor_shapes(metadata)
+    assert shapes == {key: (t.shape, t.dtype) for key, t in tensors.items()}
+    out = sharded.full_tensors(directory, metadata, list(tensors))
+    for key, tensor in tensors.items():
+        assert out[key].dtype == tensor.dtype, key
+        assert out[key].shape == tensor.shape, key
+        assert torch.equal(out[key], tensor), key
+    # Bit-exact, not just equal (bfloat16 and float64 bytes survive unchanged).
+    assert out["model/bf16"].view(torch.int16).tolist() == tensors["model/bf16"].view(torch.int16).tolist()
+
+    # A subset of keys loads on its own, and load_tensors counts only what it read.
+    part = {"model/i64": torch.zeros(10, dtype=torch.int64)}
+    read = sharded.load_tensors(part, directory, metadata, group=None)
+    assert read == 80
+    assert torch.equal(part["model/i64"], tensors["model/i64"])
+    assert sharded.verify_tensors(directory, metadata) == expected_bytes
+
+
+def test_save_returns_the_bytes_written_and_runs_the_hook_after_the_first_item(tmp_path: Path) -> None:
+    calls: list[bool] = []
+    directory = tmp_path / "ckpt"
+    tensors = {"a": torch.ones(4), "b": torch.zeros(2, 2, dtype=torch.int64)}
+
+    def hook() -> None:
+        # The first item is already in the shard file, the metadata is not written yet.
+        calls.append((directory / sharded.TENSORS_FILE).exists())
+
+    written = sharded.save_tensors(tensors, directory, group=None, after_first_item=hook)
+    assert written == 16 + 32
+    assert calls == [False]
+
+
+def test_a_flipped_byte_is_corrupt_checkpoint_naming_the_file(tmp_path: Path) -> None:
+    directory, metadata, tensors = saved(tmp_path)
+    _, stored = chunk_of(metadata, "model/i64")
+    shard = directory / stored.file
+    flip_byte(shard, stored.offset + 5)
+
+    with pytest.raises(CorruptCheckpoint, match=rf"ckpt/{stored.file} fails its crc32c check at model/i64"):
+        sharded.read_chunk(directory, stored, "model/i64")
+    with pytest.raises(CorruptCheckpoint, match=rf"{stored.file}.*model/i64"):
+        sharded.verify_tensors(directory, metadata)
+    # Through DCP: every rank gets DCP's CheckpointException; first_error digs out ours.
+    with pytest.raises(CheckpointException) as caught:
+        sharded.full_tensors(directory, metadata, list(tensors))
+    cause = sharded.first_error(caught.value)
+    assert isinstance(cause, CorruptCheckpoint), repr(caught.value)
+    assert stored.file in str(cause) and "crc32c" in str(cause)
+    # Chunks that were not touched still read.
+    _, other = chunk_of(metadata, "model/f32")
+    assert torch.equal(sharded.read_chunk(directory, other, "model/f32"), tensors["model/f32"])
+
+
+def test_every_block_has_its_own_checksum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sharded, "BLOCK", 64)
+    tensor = torch.arange(250, dtype=torch.int32)  # 1000 bytes: 16 blocks, the last one short
+    directory, metadata, _ = saved(tmp_path, {"w": tensor})
+    _, stored = chunk_of(metadata, "w")
+    assert len(stored.crc32c) == 16
+    assert torch.equal(sharded.read_chunk(directory, stored, "w"), tensor)
+    flip_byte(directory / stored.file, 999)  # in the last, short block
+    with pytest.raises(CorruptCheckpoint, match="fails its crc32c check at w"):
+        sharded.read_chunk(directory, stored, "w")
+
+
+def test_a_truncated_or_missing_shard_is_corrupt(tmp_path: Path) -> None:
+    directory, metadata, tensors = saved(tmp_path)
+    shard = directory / sharded.shard_file(0)
+    size = shard.stat().st_size
+    os.truncate(shard, size - 3)
+    last_index, last = max(metadata.storage_data.items(), key=lambda item: item[1].offset + item[1].length)
+    with pytest.raises(CorruptCheckpoint, match=rf"ckpt/{sharded.shard_file(0)} is truncated: {last_index.fqn}"):
+        sharded.read_chunk(directory, last, last_index.fqn)
+    with pytest.raises(CorruptCheckpoint, match="is truncated"):
+        sharded.verify_tensors(directory, metadata)
+    with pytest.raises(CheckpointException) as caught:
+        sharded.full_tensors(directory, metadata, list(tensors))
+    assert isinstance(sharded.first_error(caught.value), CorruptCheckpoint)
+
+    shard.unlink()
+    with pytest.raises(CorruptCheckpoint, match=rf"{sharded.shard_file(0)} is missing"):
+        sharded.verify_tensors(directory, metadata)
+
+
+def test_tensors_json_is_json_without_pickles_and_round_trips(tmp_path: Path) -> None:
+    directory, metadata, tensors = saved(tmp_path)
+    # No DCP `.metadata` pickle, no torch.save zip: only raw bytes and JSON.
+    assert not (directory / ".metadata").exists()
+    for path in directory.iterdir():
+        head = path.read_bytes()[:4]
+        assert not head.startswith(b"\x80"), f"{path.name} starts like a pickle"
+        assert not head.startswith(b"PK"), f"{path.name} is a zip (torch.save)"
+    text = (directory / sharded.TENSORS_FILE).read_text(encoding="utf-8")
+    raw = json.loads(text)
+    assert raw["format"] == sharded.TENSORS_FORMAT
+    assert set(raw["tensors"]) == set(tensors)
+    assert raw["tensors"]["model/bf16"] == {"dtype": "torch.bfloat16", "size": [4, 2], "chunks": [{"offsets": [0, 0], "sizes": [4, 2]}]}
+    with pytest.raises(pickle.UnpicklingError):
+        pickle.loads(text.encode())
+
+    again = sharded.metadata_from_json(text)
+    assert sharded.metadata_to_json(again) == text
+    assert again.state_dict_metadata == metadata.state_dict_metadata
+    assert again.storage_data == metadata.storage_data
+    for fqn, md in again.state_dict_metadata.items():
+        assert isinstance(md, TensorStorageMetadata)
+        assert md.properties.dtype == tensors[fqn].dtype
+        assert md.size == tensors[fqn].shape
+    _, scalar = chunk_of(again, "model/scalar")
+    assert scalar.sizes == () and scalar.length == 4
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda raw: raw.update(format=99), "has format 99"),
+        (lambda raw: raw["tensors"]["w"].update(dtype="torch.Size"), "unknown dtype 'torch.Size'"),
+        (lambda raw: raw["tensors"]["w"].update(dtype="os.system"), "unknown dtype"),
+        (lambda raw: raw["chunks"][0].pop("crc32c"), "is unreadable: KeyError"),
+        (lambda raw: raw.update(tensors=[1, 2]), "is unreadable"),
+    ],
+)
+def test_metadata_that_is_not_ours_is_corrupt(tmp_path: Path, mutate: Callable[[dict], Any], message: str) -> None:
+    directory, _, _ = saved(tmp_path, {"w": torch.ones(2)})
+    raw = json.loads((directory / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+    mutate(raw)
+    with pytest.raises(CorruptCheckpoint, match=message):
+        sharded.metadata_from_json(json.dumps(raw))
+
+
+def test_first_error_is_the_failing_rank_s_own_exception() -> None:
+    cause = CorruptCheckpoint("ckpt/shard_00001.bin fails its crc32c check at w")
+    other = OSError(5, "Input/output error")
+    wrapped = CheckpointException("read", {1: (other, None), 0: (cause, None)})  # type: ignore[dict-item]
+    assert sharded.first_error(wrapped) is cause
+    plain = ValueError("not from DCP")
+    assert sharded.first_error(plain) is plain
+
+
+def test_not_json_is_corrupt() -> None:
+    with pytest.raises(CorruptCheckpoint, match="is unreadable"):
+        sharded.metadata_from_json("\x80\x04garbage")
+
+
+def test_a_byte_item_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    with pytest.raises(CheckpointException) as caught:
+        sharded.save_tensors({"w": torch.ones(2), "blob": io.BytesIO(b"pickled")}, directory, group=None)  # type: ignore[dict-item]
+    cause = sharded.first_error(caught.value)
+    assert isinstance(cause, ValueError) and "blob is not a tensor" in str(cause)
+    assert not (directory / sharded.TENSORS_FILE).exists()
+    # A non-tensor value DCP would pickle is refused the same way.
+    with pytest.raises(CheckpointException) as caught:
+        sharded.save_tensors({"w": torch.ones(2), "step": 5}, tmp_path / "other", group=None)  # type: ignore[dict-item]
+    assert "step is not a tensor" in str(sharded.first_error(caught.value))
+    assert not (tmp_path / "other" / sharded.TENSORS_FILE).exists()
+    # Metadata naming bytes cannot be written as JSON either.
+    metadata = Metadata(state_dict_metadata={"blob": BytesStorageMetadata()})
+    with pytest.raises(ValueError, match="blob is not a tensor"):
+        sharded.metadata_to_json(metadata)
+    assert sharded.is_bytes_metadata(BytesStorageMetadata())
+
+
+def test_load_refuses_pickled_bytes() -> None:
+    planner = sharded._LoadPlanner()
+
+    class Item:
+        class dest_index:
+            fqn = "blob"
+
+    with pytest.raises(CorruptCheckpoint, match="blob is stored as pickled bytes"):
+        planner.load_bytes(Item(), io.BytesIO(pickle.dumps(object())))  # type: ignore[arg-type]
+
+
+def test_a_passed_deadline_stops_the_read(tmp_path: Path) -> None:
+    directory, metadata, tensors = saved(tmp_path)
+    targets = {key: torch.empty_like(t) for key, t in tensors.items()}
+    with pytest.raises(CheckpointException) as caught:
+        sharded.load_tensors(targets, directory, metadata, group=None, deadline=time.monotonic() - 1)
+    assert isinstance(sharded.first_error(caught.value), TimeoutError)
+
+
+# -- state.py ----------------------------------------------------------------------------
+
+
+def test_owners_is_deterministic_and_balances_bytes() -> None:
+    assert live_state.owners({"a": 100, "b": 60, "c": 50, "d": 10}, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    gen = torch.Generator().manual_seed(3)
+    sizes = {f"k{i}": int(s) for i, s in enumerate(torch.randint(1, 10_000, (60,), generator=gen))}
+    for world_size in (1, 2, 3, 5, 8):
+        owner = live_state.owners(sizes, world_size)
+        # The same answer whatever the order the keys come in (each rank computes it alone).
+        reordered = dict(sorted(sizes.items(), key=lambda kv: kv[0], reverse=True))
+        assert live_state.owners(reordered, world_size) == owner
+        assert set(owner) == set(sizes) and set(owner.values()) <= set(range(world_size))
+        load = [0] * world_size
+        for key, rank in owner.items():
+            load[rank] += sizes[key]
+        # Greedy largest-first: no rank exceeds another by more than the largest item.
+        assert max(load) - min(load) <= max(sizes.values())
+        assert max(load) <= sum(sizes.values()) / world_size + max(sizes.values())
+    # More ranks than keys: each key on its own rank.
+    assert sorted(live_state.owners({"x": 5, "y": 5, "z": 1}, 8).values()) == [0, 1, 2]
+    assert live_state.owners({}, 4) == {}
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+
+
+def stepped(model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(
+        [{"params": list(model[0].parameters()), "lr": 0.1},
+         {"params": list(model[1].parameters()) + list(model[2].parameters()), "lr": 0.01, "weight_decay": 0.0}]
+    )
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_live_tensors_are_keyed_by_name_and_rebuild_the_optimizer() -> None:
+    model = tiny_model()
+    optimizer = stepped(model)
+    live_state.check_supported(model, optimizer)
+    live = live_state.live_tensors(model, optimizer)
+    assert "model/1.running_mean" in live and "model/1.num_batches_tracked" in live
+    assert "optim/2.weight/exp_avg" in live and "optim/0.bias/exp_avg_sq" in live and "optim/0.weight/step" in live
+    assert torch.equal(live["model/0.weight"], model[0].weight)
+    assert live_state.model_keys(live) == [k for k in live if k.startswith("model/")]
+    settings = live_state.optimizer_settings(model, optimizer)
+    assert settings["groups"][0]["params"] == ["0.weight", "0.bias"]
+    json.dumps(settings)  # plain values only
+
+    fresh_model = tiny_model()
+    fresh = torch.optim.AdamW(
+        [{"params": list(fresh_model[0].parameters())},
+         {"params": list(fresh_model[1].parameters()) + list(fresh_model[2].parameters())}]
+    )
+    live_state.check_groups("step_1", fresh, fresh_model, settings)
+    copies = {k: v.clone() for k, v in live.items()}
+    fresh.load_state_dict(live_state.optimizer_state_dict(fresh_model, fresh, copies, settings))
+    assert fresh.param_groups[0]["lr"] == 0.1 and fresh.param_groups[1]["weight_decay"] == 0.0
+    assert live_state.live_tensors(fresh_model, fresh).keys() >= {k for k in live if k.startswith("optim/")}
+    for key, value in live_state.live_tensors(fresh_model, fresh).items():
+        if key.startswith("optim/"):
+            assert torch.equal(value, live[key]), key
+
+
+def test_check_shapes_and_groups_name_the_first_difference() -> None:
+    model = tiny_model()
+    optimizer = stepped(model)
+    live = live_state.live_tensors(model, optimizer)
+    shapes = {k: (v.shape, v.dtype) for k, v in live.items()}
+    live_state.check_shapes("step_5", live, shapes, live_state.MODEL_PREFIX)
+    live_state.check_shapes("step_5", live, shapes, live_state.OPTIM_PREFIX)
+
+    wrong = {**shapes, "model/2.weight": (torch.Size([2, 7]), torch.float32)}
+    with pytest.raises(CheckpointMismatchError, match=r"model 2.weight has shape \[2, 7\] there and \[2, 3\] here"):
+        live_state.check_shapes("step_5", live, wrong, live_state.MODEL_PREFIX)
+    missing = {k: v for k, v in shapes.items() if k != "model/0.bias"}
+    with pytest.raises(CheckpointMismatchError, match="it has no 0.bias"):
+        live_state.check_shapes("step_5", live, missing, live_state.MODEL_PREFIX)
+    extra = {**shapes, "optim/extra/exp_avg": (torch.Size([1]), torch.float32)}
+    with pytest.raises(CheckpointMismatchError, match="another optimizer: it has extra/exp_avg"):
+        live_state.check_shapes("step_5", live, extra, live_state.OPTIM_PREFIX)
+
+    settings = live_state.optimizer_settings(model, optimizer)
+    with pytest.raises(CheckpointMismatchError, match="1 parameter groups there, 2 here"):
+        live_state.check_groups("step_5", optimizer, model, {"groups": settings["groups"][:1]})
+    swapped = [settings["groups"][0], {**settings["groups"][1], "params": settings["groups"][1]["params"][::-1]}]
+    with pytest.raises(CheckpointMismatchError, match="group 1: the parameters are in another order"):
+        live_state.check_groups("step_5", optimizer, model, {"groups": swapped})
+    odd = [{**settings["groups"][0], "momentum": 0.9}, settings["groups"][1]]
+    with pytest.raises(CheckpointMismatchError, match="setting 'momentum' of group 0"):
+        live_state.check_groups("step_5", optimizer, model, {"groups": odd})
+
+
+def _one_line_usage_error(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    with pytest.raises(UsageError) as caught:
+        live_state.check_supported(model, optimizer)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_check_supported_refuses_zero_deepspeed_and_foreign_parameters() -> None:
+    model = tiny_model()
+
+    class ZeroRedundancyOptimizer(torch.optim.SGD):  # the name is what check_supported goes by
+        pass
+
+    assert "ZeroRedundancyOptimizer" in _one_line_usage_error(model, ZeroRedundancyOptimizer(model.parameters(), lr=0.1))
+
+    DeepSpeedEngine = type("DeepSpeedEngine", (nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    wrapped = nn.Sequential(model)
+    wrapped.add_module("engine", DeepSpeedEngine())
+    message = _one_line_usage_error(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1))
+    assert "engine is a DeepSpeed DeepSpeedEngine" in message
+
+    stranger = nn.Parameter(torch.ones(2))
+    message = _one_line_usage_error(model, torch.optim.SGD([*model.parameters(), stranger], lr=0.1))
+    assert "not the model's" in message
+
+
+# -- real process groups ----------------------------------------------------------------
+
+
+def run_job(target: Callable[..., None], world_size: int, *args: Any, timeout: float = 120) -> None:
+    """`target(rank, world_size, store_path, *args)` in `world_size` forked processes on gloo."""
+    store_path = args[0] / f"store.{target.__name__}.{world_size}"
+    ranks = mp.start_processes(
+        target, args=(world_size, str(store_path), *args), nprocs=world_size, join=False, start_method="fork"
+    )
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"{target.__name__} on {world_size} ranks did not finish within {timeout:g} s")
+
+
+def _init(rank: int, world_size: int, store_path: str) -> None:
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+
+
+def _fsdp2_model(world_size: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 5))  # 5 rows: uneven shards at 2 and 3 ranks
+    model.register_buffer("count", torch.arange(3))
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, sharded.DTensor) else v.clone() for k, v in tensors.items()}
+
+
+def _targets(model: nn.Module, metadata: Metadata, rank: int, world_size: int, *, plain_by_owner: bool) -> dict[str, torch.Tensor]:
+    """What the manager loads into: DTensor buffers sharded like the live parameters; plain tensors
+    by their owner only (or on every rank)."""
+    params = dict(model.named_parameters())
+    live = {live_state.MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
+    targets: dict[str, torch.Tensor] = {}
+    plain: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for key, (shape, dtype) in sharded.tensor_shapes(metadata).items():
+        like = live.get(key)
+        if like is None:
+            like = params[key[len(live_state.OPTIM_PREFIX):].rsplit("/", 1)[0]]
+            like = like if like.shape == shape else None
+        if isinstance(like, sharded.DTensor):
+            targets[key] = live_state.host_buffer_like(like, dtype=dtype)
+        else:
+            plain[key] = (shape, dtype)
+    owner = live_state.owners({k: s.numel() * d.itemsize for k, (s, d) in plain.items()}, world_size)
+    for key, (shape, dtype) in plain.items():
+        if owner[key] == rank or not plain_by_owner:
+            targets[key] = torch.empty(shape, dtype=dtype)
+    return targets
+
+
+def _save_on_two_ranks(rank: int, world_size: int, store_path: str, tmp: Path) -> None:
+    _init(rank, world_size, store_path)
+    try:
+        model = _fsdp2_model(world_size)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        model(torch.randn(4, 6)).sum().backward()
+        optimizer.step()
+        live_state.check_supported(model, optimizer)
+        live = live_state.live_tensors(model, optimizer)
+        mine = live_state.share_of(live, rank, world_size)
+        written = sharded.save_tensors(mine, tmp / "ckpt", group=dist.group.WORLD)
+        reference = _full(live)
+        if rank == 0:
+            torch.save(reference, tmp / "reference.pt")
+
+        # Restore at the same world size, the manager's way: each byte read once in all.
+        metadata = sharded.metadata_from_json((tmp / "ckpt" / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+        targets = _targets(model, metadata, rank, world_size, plain_by_owner=True)
+        read = sharded.load_tensors(targets, tmp / "ckpt", metadata, group=dist.group.WORLD)
+        restored = _full(targets)
+        torch.save(
+            {"written": written, "read": read, "restored": restored,
+             "local": {k: sharded.local_part(v).clone() for k, v in targets.items()},
+             "live_local": {k: sharded.local_part(v).clone() for k, v in live.items()}},
+            tmp / f"two.{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_on_three_ranks(rank: int, world_size: int, store_path: str, tmp: Path) -> None:
+    _init(rank, world_size, store_path)
+    try:
+        model = _fsdp2_model(world_size)
+        metadata = sharded.metadata_from_json((tmp / "ckpt" / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+        targets = _targets(model, metadata, rank, world_size, plain_by_owner=False)
+        read = sharded.load_tensors(targets, tmp / "ckpt", metadata, group=dist.group.WORLD)
+        shapes = {k: tuple(sharded.local_part(v).shape) for k, v in targets.items()}
+        torch.save({"read": read, "restored": _full(targets), "local_shapes": shapes}, tmp / f"three.{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_state_saved_by_two_ranks_loads_at_one_two_and_three(tmp_path: Path) -> None:
+    run_job(_save_on_two_ranks, 2, tmp_path)
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == [sharded.shard_file(0), sharded.shard_file(1), sharded.TENSORS_FILE]
+    reference: dict[str, torch.Tensor] = torch.load(tmp_path / "reference.pt")
+    assert {"model/0.weight", "model/count", "optim/2.weight/exp_avg", "optim/2.weight/step"} <= set(reference)
+    two = [torch.load(tmp_path / f"two.{rank}.pt") for rank in range(2)]
+
+    # Each rank wrote its own file; every byte once.
+    shard_bytes = [(ckpt / sharded.shard_file(r)).stat().st_size for r in range(2)]
+    assert [t["written"] for t in two] == shard_bytes
+    payload = sum(t.numel() * t.element_size() for t in reference.values())
+    assert sum(shard_bytes) == payload
+    # Both ranks wrote: sharded tensors split across the files, plain ones spread by owner.
+    assert min(shard_bytes) > 0
+
+    # World size 2: each byte read once in all, and each rank got back its own shards.
+    assert sum(t["read"] for t in two) == sum(shard_bytes)
+    for rank, result in enumerate(two):
+        for key, local in result["local"].items():
+            assert torch.equal(local, result["live_local"][key]), (rank, key)
+        for key, value in result["restored"].items():
+            assert torch.equal(value, reference[key]), (rank, key)
+    # Plain tensors (the buffer, AdamW's step counts) are read by their owner only, and both ranks own some.
+    plain = {key for key in reference if key == "model/count" or key.endswith("/step")}
+    assert set(two[0]["local"]) & set(two[1]["local"]) == set(reference) - plain
+    assert set(two[0]["local"]) ^ set(two[1]["local"]) == plain
+    assert plain & set(two[0]["local"]) and plain & set(two[1]["local"])
+
+    # World size 1, no process group: whole tensors from both ranks' files.
+    metadata = sharded.metadata_from_json((ckpt / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+    assert {k: v[0] for k, v in sharded.tensor_shapes(metadata).items()} == {k: v.shape for k, v in reference.items()}
+    whole = sharded.full_tensors(ckpt, metadata, list(reference))
+    for key, value in reference.items():
+        assert torch.equal(whole[key], value), key
+    assert sharded.verify_tensors(ckpt, metadata) == sum(shard_bytes)
+
+    # World size 3: DCP reshards 5 rows saved as 3+2 into 2+2+1.
+    run_job(_load_on_three_ranks, 3, tmp_path)
+    three = [torch.load(tmp_path / f"three.{rank}.pt") for rank in range(3)]
+    assert [t["local_shapes"]["model/2.weight"] for t in three] == [(2, 10), (2, 10), (1, 10)]
+    for rank, result in enumerate(three):
+        assert set(result["restored"]) == set(reference)
+        for key, value in reference.items():
+            assert torch.equal(result["restored"][key], value), (rank, key)
+
+
+def _real_fsdp1_and_zero(rank: int, world_size: int, store_path: str, tmp: Path) -> None:
+    _init(rank, world_size, store_path)
+    messages: dict[str, str] = {}
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        wrapped = FullyShardedDataParallel(inner, device_id=torch.device("cpu"))
+        for name, model, make in [
+            ("fsdp1", wrapped, lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+            ("zero", nn.Linear(3, 3), lambda m: ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)),
+        ]:
+            try:
+                live_state.check_supported(model, make(model))
+                messages[name] = "accepted"
+            except UsageError as exc:
+                messages[name] = str(exc)
+    finally:
+        torch.save(messages, tmp / "refusals.pt")
+        dist.destroy_process_group()
+
+
+def test_check_supported_refuses_real_fsdp1_and_zero_redundancy_optimizer(tmp_path: Path) -> None:
+    run_job(_real_fsdp1_and_zero, 1, tmp_path)
+    messages = torch.load(tmp_path / "refusals.pt")
+    assert messages["fsdp1"].startswith("the model is wrapped in FSDP1 (FullyShardedDataParallel)"), messages
+    assert "fully_shard" in messages["fsdp1"] and "\n" not in messages["fsdp1"]
+    assert messages["zero"].startswith("ZeroRedundancyOptimizer shards its state"), messages
+    assert "\n" not in messages["zero"]
