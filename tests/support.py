@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
+from elastic.checkpoint import read_checkpoint
 from elastic.launcher.proctree import children as children_of  # noqa: F401 - re-exported
 from elastic.launcher.proctree import worker_rank  # noqa: F401 - re-exported
 
@@ -177,6 +178,12 @@ def fingerprint(directory: Path) -> dict[str, str]:
     }
 
 
+def checkpoints_fingerprint(directory: Path) -> dict[str, str]:
+    """`fingerprint` of a checkpoint directory without writer.json: the claim every job's rank 0
+    writes there when it starts (restore), before anything else; it is no checkpoint data."""
+    return {name: digest for name, digest in fingerprint(directory).items() if name != "writer.json"}
+
+
 def start_agents(count: int, command: list[str], log_dir: Path) -> list[subprocess.Popen]:
     """Start `count` identical agents, each logging to its own file."""
     procs = []
@@ -229,11 +236,15 @@ def kill_worker_after(agents: list[subprocess.Popen], events: Path, step: int, *
 
 
 def checkpoint_tensors(ckpt_dir: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Every tensor of the checkpoint of `step`, by file and path."""
-    return {
-        name: dict(flat_tensors(torch.load(ckpt_dir / f"step_{step:08d}" / name, weights_only=True)))
-        for name in ("model.pt", "optimizer.pt", "trainer.pt")
-    }
+    """Every tensor of the checkpoint of `step`, verified, by part: "model" (state dict keys),
+    "optimizer" (`<parameter name>/<state name>`) and "trainer" (RNG states and the rest, by path)."""
+    _, tensors, trainer = read_checkpoint(ckpt_dir / f"step_{step:08d}")
+    parts: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}}
+    for key, tensor in tensors.items():
+        prefix, _, name = key.partition("/")
+        parts[{"model": "model", "optim": "optimizer"}[prefix]][name] = tensor
+    parts["trainer"] = dict(flat_tensors(trainer))
+    return parts
 
 
 def assert_same_tensors(want: dict[str, dict[str, torch.Tensor]], got: dict[str, dict[str, torch.Tensor]], why: str) -> None:

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
+import crc32c
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.utils import CheckpointException
@@ -426,7 +427,7 @@ class CheckpointManager:
                 after_first_chunk=lambda: self._faults.at("during_read", manifest.step),
             )
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException), on every rank
-            error = _first_error(exc)
+            error = sharded.first_error(exc)
         if error is not None:
             if isinstance(error, CorruptCheckpoint):
                 raise error
@@ -788,7 +789,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException), on every rank
             if self._ctx.is_main:
                 self.store.abort(tmp)
-            return _Outcome(time.time(), f"cannot write {name} to {self.store.root}: {describe_failure(_first_error(exc))}")
+            return _Outcome(time.time(), f"cannot write {name} to {self.store.root}: {describe_failure(sharded.first_error(exc))}")
         if not self._ctx.is_main:
             return _Outcome(time.time(), None)
         try:
@@ -796,7 +797,8 @@ class CheckpointManager:
                 path.name: {"bytes": path.stat().st_size} for path in sorted(tmp.glob(sharded.SHARD_PREFIX + "*"))
             }
             tensors_json = (tmp / sharded.TENSORS_FILE).read_bytes()
-            files[sharded.TENSORS_FILE] = {"bytes": len(tensors_json), "crc32c": sharded.block_checksums(memoryview(tensors_json))[0]}
+            # The whole file's crc32c, as the store checks it (block_checksums()[0] covers only its first block).
+            files[sharded.TENSORS_FILE] = {"bytes": len(tensors_json), "crc32c": crc32c.crc32c(tensors_json)}
             files[TRAINER_FILE] = self.store.write_state_file(tmp, TRAINER_FILE, record.trainer)
             sampler = record.trainer["sampler"]
             manifest = Manifest(
@@ -882,17 +884,6 @@ def _numel(shape: torch.Size) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _first_error(exc: BaseException) -> BaseException:
-    """The first failing rank's own exception inside DCP's `CheckpointException` (else `exc`).
-
-    DCP keeps each rank's failure as an `(exception, traceback)` pair (older releases: an
-    object with `.exception`); either way the exception itself comes back."""
-    error = sharded.first_error(exc)
-    if isinstance(error, tuple) and error and isinstance(error[0], BaseException):
-        return error[0]
-    return error
 
 
 def _is_timeout(exc: BaseException) -> bool:

@@ -95,7 +95,7 @@ def test_two_agents_learn_above_chance_and_end_with_identical_weights_and_batchn
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights or buffers"
     # Each rank normalised its own half batch and no buffer is broadcast: equal buffers
     # mean the statistics were the whole job's. They did move from their initial values.
-    model = final_state(two_agent_run)["model.pt"]
+    model = final_state(two_agent_run)["model"]
     tracked = {k: v for k, v in model.items() if k.endswith("num_batches_tracked")}
     assert len(tracked) == 3 and all(v.item() == STEPS for v in tracked.values())
     assert all(not torch.all(v == 0) for k, v in model.items() if k.endswith("running_mean"))
@@ -139,7 +139,8 @@ def test_sigkilled_worker_resumes_bit_identical_with_loader_workers(
     assert all(e["step"] >= 14 and e["world_size"] == 2 for e in restores)
 
     want, got = final_state(two_agent_run), final_state(tmp_path)
-    assert any(k.endswith("running_var") for k in want["model.pt"]), "batch norm buffers are compared too"
+    assert any(k.endswith("running_var") for k in want["model"]), "batch norm buffers are compared too"
+    assert want["optimizer"] and want["trainer"], "optimizer state and RNG states are compared too"
     assert_same_tensors(want, got, f"after the kill at step {kill_after}")
 
 

@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import fingerprint
+from support import checkpoints_fingerprint
 
-from elastic.checkpoint import CheckpointManager
+from elastic.checkpoint import (
+    CheckpointManager,
+    CheckpointStore,
+    Manifest,
+    read_checkpoint,
+)
+from elastic.checkpoint.store import versions
 from elastic.errors import CheckpointError, CheckpointMismatchError
 from elastic.events import EventLog, read_events
 from elastic.runtime import init_worker
@@ -85,8 +91,14 @@ def test_a_save_holds_the_state_of_its_step_while_training_runs_on(tmp_path: Pat
         job.train_step()
     job.ckpt.flush()
     job.close()
-    saved = torch.load(tmp_path / "ckpt" / "step_00000001" / "model.pt", weights_only=True)
-    assert all(torch.equal(a, b) for a, b in zip(saved.values(), at_save))
+    _, tensors, _ = read_checkpoint(tmp_path / "ckpt" / "step_00000001")
+    names = [name for name, _ in job.model.named_parameters()]
+    assert all(torch.equal(tensors[f"model/{name}"], b) for name, b in zip(names, at_save))
+
+
+def shard(step_dir: Path) -> Path:
+    (path,) = sorted(step_dir.glob("shard_*.bin"))  # one process: one shard file
+    return path
 
 
 def damage(path: Path, how: str) -> None:
@@ -104,7 +116,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, 
     job = Job(tmp_path / "ckpt")
     job.run(6)
     job.close()
-    damage(tmp_path / "ckpt" / "step_00000006" / ("model.pt" if how == "truncate" else "optimizer.pt"), how)
+    damage(shard(tmp_path / "ckpt" / "step_00000006"), how)  # truncated: its size; flipped: a chunk's crc32c
 
     again = Job(tmp_path / "ckpt")
     with caplog.at_level(logging.WARNING):
@@ -122,10 +134,10 @@ def test_all_corrupt_is_an_error_and_nothing_is_moved(tmp_path: Path) -> None:
     job.close()
     for step in (2, 4):
         damage(tmp_path / "ckpt" / f"step_{step:08d}" / "trainer.pt", "truncate")
-    before = fingerprint(tmp_path / "ckpt")
+    before = checkpoints_fingerprint(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="no checkpoint in .* verifies"):
         Job(tmp_path / "ckpt").ckpt.restore()
-    assert fingerprint(tmp_path / "ckpt") == before
+    assert checkpoints_fingerprint(tmp_path / "ckpt") == before
 
 
 @pytest.mark.parametrize(
@@ -139,10 +151,65 @@ def test_a_checkpoint_of_another_model_or_data_set_is_refused(tmp_path: Path, ch
     job = Job(tmp_path / "ckpt")
     job.run(2)
     job.close()
-    before = fingerprint(tmp_path / "ckpt")
+    before = checkpoints_fingerprint(tmp_path / "ckpt")
     other = Job(tmp_path / "ckpt", **change)
     weights = [p.detach().clone() for p in other.model.parameters()]
     with pytest.raises(CheckpointMismatchError, match=message):
         other.ckpt.restore()
-    assert fingerprint(tmp_path / "ckpt") == before
+    assert checkpoints_fingerprint(tmp_path / "ckpt") == before
     assert all(torch.equal(a, b) for a, b in zip(other.model.parameters(), weights)), "nothing was loaded"
+
+
+def test_a_format_1_checkpoint_of_an_older_release_still_restores(tmp_path: Path) -> None:
+    """Releases before 0.3 wrote model.pt, optimizer.pt and trainer.pt from rank 0 (sha256s)."""
+    from elastic.rng import get_rng_state
+
+    first = Job(tmp_path / "unused")
+    first.run(5)
+    first.close()
+    trainer = {  # what the old manager wrote (it had no "optimizer" settings)
+        "step": 5, "world_size": 1, "sampler": first.sampler.state_dict(),
+        "scheduler": first.scheduler.state_dict(), "scaler": None, "extra": {},
+        "rng": [get_rng_state(torch.device("cpu"))],
+    }
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.prepare()
+    store.commit(
+        5,
+        {"model.pt": first.model.state_dict(), "optimizer.pt": first.optimizer.state_dict(), "trainer.pt": trainer},
+        describe=lambda files: Manifest(
+            step=5, epoch=int(trainer["sampler"]["epoch"]), consumed=int(trainer["sampler"]["consumed"]),
+            world_size=1, files=files, created=0.0, reason="periodic", run_id="old", versions=versions(),
+        ),
+    )
+    (old,) = store.committed()
+    assert store.verify(old).format == 1
+    assert set(store.read_manifest(old).files) == {"model.pt", "optimizer.pt", "trainer.pt"}
+    expected_next = [first.model(torch.ones(1, 4)).item() for _ in range(2)]  # consumes dropout RNG
+
+    second = Job(tmp_path / "ckpt")
+    assert second.ckpt.restore() == 5
+    assert second.sampler.state == first.sampler.state
+    assert second.scheduler.state_dict() == first.scheduler.state_dict()
+    for a, b in zip(second.model.parameters(), first.model.parameters()):
+        assert torch.equal(a, b)
+    theirs, ours = first.optimizer.state_dict(), second.optimizer.state_dict()
+    assert theirs["param_groups"] == ours["param_groups"]
+    assert theirs["state"].keys() == ours["state"].keys()
+    for index, state in theirs["state"].items():
+        for name, value in state.items():
+            assert torch.equal(ours["state"][index][name], value), f"optimizer state {name} of parameter {index}"
+    assert [second.model(torch.ones(1, 4)).item() for _ in range(2)] == expected_next, "RNG restored"
+
+    # Training goes on from it and the next save is in the current format, which restores in turn.
+    second.run(1, start=5)
+    second.ckpt.save(6, reason="final")
+    second.ckpt.flush()
+    second.close()
+    manifest, tensors, _ = read_checkpoint(tmp_path / "ckpt" / "step_00000006")
+    assert manifest.format == 2 and "model/0.weight" in tensors and "optim/0.weight/exp_avg" in tensors
+    third = Job(tmp_path / "ckpt")
+    assert third.ckpt.restore() == 6
+    for a, b in zip(third.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+    third.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -50,10 +51,25 @@ class Trainer:
         self.ckpt.close()
 
 
-def flip_a_byte(path: Path) -> None:
+def flip_a_byte(path: Path, at: int | None = None) -> None:
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[len(data) // 2 if at is None else at] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def flip_in_tensor(step_dir: Path, prefix: str) -> None:
+    """Flip a byte in the middle of the stored bytes of the first tensor whose key starts with
+    `prefix` (`model/`: a weight; `optim/`: optimizer state, which loading the model never reads)."""
+    chunks = json.loads((step_dir / "tensors.json").read_text())["chunks"]
+    chunk = next(c for c in sorted(chunks, key=lambda c: c["fqn"]) if c["fqn"].startswith(prefix) and c["length"] > 1)
+    flip_a_byte(step_dir / chunk["file"], chunk["offset"] + chunk["length"] // 2)
+
+
+def damage(step_dir: Path, what: str) -> None:
+    if what in ("model/", "optim/"):
+        flip_in_tensor(step_dir, what)
+    else:
+        flip_a_byte(step_dir / what)
 
 
 @pytest.fixture
@@ -84,12 +100,12 @@ def test_the_weights_load_into_a_fresh_gpt_and_give_the_same_logits(trained: tup
         torch.testing.assert_close(fresh.eval()(idx)[0], model.eval()(idx)[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("damaged", ["model.pt", "optimizer.pt", "manifest.json"])
+@pytest.mark.parametrize("damaged", ["model/", "optim/", "tensors.json", "trainer.pt", "manifest.json"])
 def test_a_corrupt_newest_falls_back_and_is_left_in_place(
     trained: tuple[Path, GPT], damaged: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     ckpt_dir, _ = trained
-    flip_a_byte(ckpt_dir / "step_00000006" / damaged)
+    damage(ckpt_dir / "step_00000006", damaged)
     before = fingerprint(ckpt_dir)
     with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.reader"):
         name, step, _ = load_newest_model_state(ckpt_dir)
@@ -123,7 +139,7 @@ def test_a_directory_without_checkpoints_is_one_clear_error(tmp_path: Path) -> N
 def test_all_corrupt_is_one_clear_error_and_nothing_is_touched(trained: tuple[Path, GPT]) -> None:
     ckpt_dir, _ = trained
     for step in (2, 4, 6):
-        flip_a_byte(ckpt_dir / f"step_{step:08d}" / "model.pt")
+        flip_in_tensor(ckpt_dir / f"step_{step:08d}", "model/")
     before = fingerprint(ckpt_dir)
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies \(3 corrupt, newest: step_00000006") as info:
         load_newest_model_state(ckpt_dir)
