@@ -336,7 +336,7 @@ class ShardReader(StorageReader):
                 raise TimeoutError("reading the checkpoint took longer than the restore deadline")
             stored: StoredChunk = self._storage[index]
             chunk = read_chunk(self.directory, stored, index.fqn)
-            if self.bytes_read == 0:
+            if index is order[0]:
                 self._after_first_chunk()
             self.bytes_read += stored.length
             for item in by_chunk[index]:
