@@ -8,11 +8,14 @@ checkpoint verifies, the fault was
 followed by a restarted group that completed a step (its recovery time is
 printed, never asserted), and the samples of the surviving history used every
 sample of each epoch exactly once. Jobs with a constant world size must also
-end with weights bit-identical to an uninterrupted run's.
+end with weights and optimizer state bit-identical to an uninterrupted run's.
+The scenarios that kill and resize also run with the recipe's --fsdp (FSDP2:
+parameters and optimizer state sharded, checkpoints saved in shards).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -20,15 +23,21 @@ from pathlib import Path
 import pytest
 import torch
 from etcd_server import EtcdServer
-from support import flat_tensors, make_text
+from support import make_text
 
 from elastic.chaos.harness import run_scenario
 from elastic.chaos.netns import VirtualNetwork
+from elastic.checkpoint import read_checkpoint
+from elastic.checkpoint.sharded import TENSORS_FILE
+from elastic.events import read_events
 
 pytestmark = pytest.mark.slow
 
 STEPS = 40
 CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption", "etcd-restart", "soak", "slow-storage"}
+FSDP = ["--fsdp"]
+
+Reference = Callable[..., dict[str, torch.Tensor]]
 
 
 @pytest.fixture(scope="module")
@@ -39,41 +48,51 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[[int], dict[str, torch.Tensor]]:
-    """Final weights of an uninterrupted two-agent run of N steps (each N run once)."""
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Reference:
+    """Every tensor (model and optimizer, by checkpoint key) of the final checkpoint of an
+    uninterrupted two-agent run of N steps with these recipe args (each run once)."""
     from elastic.chaos.harness import ChaosJob, JobSpec, verified_final_checkpoint
 
-    runs: dict[int, dict[str, torch.Tensor]] = {}
+    runs: dict[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] = {}
 
-    def weights(steps: int) -> dict[str, torch.Tensor]:
-        if steps not in runs:
+    def tensors(steps: int, recipe_args: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        if (steps, recipe_args) not in runs:
             workdir = tmp_path_factory.mktemp(f"reference-{steps}")
             spec = JobSpec(
                 workdir=workdir, nnodes="2:2", run_id="reference",
                 script_args=["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir",
                              str(workdir / "ckpt"), "--ckpt-every", "5", "--dropout", "0.1", "--n-layer", "2",
-                             "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"],
+                             "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
+                             *recipe_args],
             )
             with ChaosJob(spec) as job:
                 job.start()
                 assert job.wait(240) == [0, 0], job.logs()
             name, error = verified_final_checkpoint(workdir / "ckpt", steps)
             assert name, error
-            runs[steps] = dict(flat_tensors(torch.load(workdir / "ckpt" / name / "model.pt", weights_only=True)))
-        return runs[steps]
+            runs[steps, recipe_args] = read_checkpoint(workdir / "ckpt" / name)[1]
+        return runs[steps, recipe_args]
 
-    return weights
+    return tensors
 
 
-def check(result, workdir: Path, reference: Callable[[int], dict[str, torch.Tensor]]) -> None:
+def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, ...] = ()) -> None:
     print(result.summary())
     assert result.ok, result.summary() + "\n" + result.logs
     assert result.report is not None and result.report.read_bytes()[:4] == b"\x89PNG", "the run's picture is missing"
     if result.scenario in CONSTANT_WORLD:
-        want = reference(result.max_steps)
-        got = dict(flat_tensors(torch.load(workdir / "ckpt" / result.final_checkpoint / "model.pt", weights_only=True)))
-        different = [k for k in want if not torch.equal(want[k], got[k])]
-        assert not different, f"{result.scenario}: {len(different)} tensors differ from the uninterrupted run"
+        final = workdir / "ckpt" / result.final_checkpoint
+        if "--fsdp" in recipe_args:  # saved in shards: each rank wrote its part of the sharded tensors
+            chunks = json.loads((final / TENSORS_FILE).read_text())["chunks"]
+            assert {c["file"] for c in chunks} == {"shard_00000.bin", "shard_00001.bin"}
+            assert any(c["fqn"].startswith("model/") and c["at"] and c["at"][0] > 0 for c in chunks), "not sharded"
+        want, got = reference(result.max_steps, recipe_args), read_checkpoint(final)[1]
+        assert want.keys() == got.keys(), f"{result.scenario}: other tensors than the uninterrupted run's"
+        assert any(k.startswith("model/") for k in want) and any(k.startswith("optim/") for k in want)
+        different = [k for k in sorted(want) if not torch.equal(want[k], got[k])]
+        assert not different, (
+            f"{result.scenario}: {len(different)} tensors differ from the uninterrupted run, e.g. {different[:3]}"
+        )
 
 
 @pytest.mark.parametrize(
@@ -84,6 +103,46 @@ def check(result, workdir: Path, reference: Callable[[int], dict[str, torch.Tens
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     steps = STEPS if scenario in CONSTANT_WORLD - {"soak"} else None  # the others train longer (SCENARIO_STEPS)
     check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
+
+
+@pytest.mark.parametrize("scenario", ["kill-worker", "kill-during-save", "node-loss"])
+def test_c10d_fsdp(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
+    """The recipe with --fsdp: a killed worker and a killed save resume from sharded
+    checkpoints at world size 2 and end bit-identical to an uninterrupted FSDP run; a
+    lost node's job reshards its model and optimizer to the new world size and goes on."""
+    steps = STEPS if scenario in CONSTANT_WORLD else None
+    result = run_scenario(scenario, tmp_path, corpus, steps=steps, recipe_args=FSDP)
+    check(result, tmp_path, reference, tuple(FSDP))
+    restores = [
+        (e["world_size"], e["saved_world_size"]) for e in read_events(tmp_path / "events.jsonl") if e["event"] == "restore"
+    ]
+    assert restores, "the job never restored a checkpoint"
+    if scenario == "node-loss":
+        # (The second agent may join after the first trained alone for a while: 1 -> 2 -> 1.)
+        assert restores[-1][0] == 1 and any(w != saved for w, saved in restores), f"nothing resharded: {restores}"
+    else:
+        assert set(restores) == {(2, 2)}, restores
+
+
+def test_cli_passes_fsdp_to_the_recipe(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m elastic.chaos --fsdp` runs each scenario with the recipe's --fsdp (and without it, without)."""
+    import elastic.chaos.__main__ as cli
+    from elastic.chaos.samples import SampleAudit
+
+    calls: list[tuple[str, list[str]]] = []
+
+    def fake_run(name: str, workdir: Path, data: Path, **kwargs):
+        from elastic.chaos.harness import ScenarioResult
+
+        calls.append((name, list(kwargs["recipe_args"])))
+        return ScenarioResult(name, [0, 0], [0, 0], 40, 40, [1.0], "step_00000040", None,
+                              SampleAudit(1, 40, 40, 640, 0), "")
+
+    monkeypatch.setattr(cli, "run_scenario", fake_run)
+    common = ["--data", str(corpus), "--workdir", str(tmp_path)]
+    assert cli.main(["--scenario", "kill-worker", "--scenario", "node-loss", "--fsdp", *common]) == 0
+    assert cli.main(["--scenario", "kill-worker", *common]) == 0
+    assert calls == [("kill-worker", FSDP), ("node-loss", FSDP), ("kill-worker", [])]
 
 
 @pytest.mark.parametrize(
