@@ -17,8 +17,11 @@ Invariants:
 - Every chunk carries a crc32c per `BLOCK` bytes, computed while it is written
   and checked when it is read, so a torn or flipped byte is a
   `CorruptCheckpoint` naming the file, never a silently wrong weight.
-- A rank reads only the chunks that overlap its own targets, each once; it
-  counts the bytes (`ShardReader.bytes_read`).
+- A rank reads only the chunks that overlap its own targets, each once, and of
+  a chunk split along its first dimension (FSDP2's rows, at another world
+  size) only the checksum blocks that hold its rows: a restore that reshards
+  reads each byte about once, not once per overlapping rank. It counts the
+  bytes it read (`ShardReader.bytes_read`).
 - Each rank fsyncs its own file; the coordinator fsyncs tensors.json. The
   commit (atomic rename of the directory) is the store's, after all of it.
 """
@@ -74,8 +77,9 @@ from elastic.errors import CorruptCheckpoint
 TENSORS_FILE = "tensors.json"
 SHARD_PREFIX = "shard_"
 TENSORS_FORMAT = 1
-BLOCK = 16 * 2**20
-"""Bytes per checksum: large chunks are checked in blocks, on several threads."""
+BLOCK = 2**20
+"""Bytes per checksum when writing (each chunk records its own): large chunks are checked in
+blocks on several threads, and a reader that needs some rows reads only their blocks."""
 
 _checksum_pool = ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 1))), thread_name_prefix="crc32c")
 
@@ -84,9 +88,10 @@ def shard_file(rank: int) -> str:
     return f"{SHARD_PREFIX}{rank:05d}.bin"
 
 
-def block_checksums(data: memoryview) -> list[int]:
-    """crc32c of each `BLOCK` of `data`; blocks in parallel (crc32c releases the GIL)."""
-    blocks = [data[i : i + BLOCK] for i in range(0, len(data), BLOCK)] or [data]
+def block_checksums(data: memoryview, block: int | None = None) -> list[int]:
+    """crc32c of each `block` bytes (default `BLOCK`) of `data`; in parallel (crc32c releases the GIL)."""
+    block = block or BLOCK
+    blocks = [data[i : i + block] for i in range(0, len(data), block)] or [data]
     if len(blocks) == 1:
         return [crc32c.crc32c(blocks[0])]
     return list(_checksum_pool.map(crc32c.crc32c, blocks))
@@ -116,18 +121,23 @@ class StoredChunk:
     dtype: str
     sizes: tuple[int, ...]
     crc32c: tuple[int, ...]
+    block: int
+    """Bytes each crc32c covers (the last block may be shorter)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "file": self.file, "offset": self.offset, "length": self.length, "dtype": self.dtype,
-            "sizes": list(self.sizes), "crc32c": list(self.crc32c),
+            "sizes": list(self.sizes), "crc32c": list(self.crc32c), "block": self.block,
         }
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StoredChunk:
+        block = int(raw["block"])
+        if block <= 0:
+            raise ValueError(f"block {block}")
         return cls(
             file=str(raw["file"]), offset=int(raw["offset"]), length=int(raw["length"]), dtype=str(raw["dtype"]),
-            sizes=tuple(int(s) for s in raw["sizes"]), crc32c=tuple(int(c) for c in raw["crc32c"]),
+            sizes=tuple(int(s) for s in raw["sizes"]), crc32c=tuple(int(c) for c in raw["crc32c"]), block=block,
         )
 
 
@@ -221,7 +231,8 @@ class ShardWriter(StorageWriter):
                 data = _raw_bytes(tensor.cpu() if tensor.device.type != "cpu" else tensor)
                 f.write(data)
                 stored = StoredChunk(
-                    file_name, offset, len(data), str(tensor.dtype), tuple(tensor.shape), tuple(block_checksums(data))
+                    file_name, offset, len(data), str(tensor.dtype), tuple(tensor.shape),
+                    tuple(block_checksums(data, BLOCK)), BLOCK,
                 )
                 offset += len(data)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=stored))
@@ -335,14 +346,17 @@ class ShardReader(StorageReader):
             if self._deadline is not None and time.monotonic() > self._deadline:
                 raise TimeoutError("reading the checkpoint took longer than the restore deadline")
             stored: StoredChunk = self._storage[index]
-            chunk = read_chunk(self.directory, stored, index.fqn)
+            items = by_chunk[index]
+            rows = _rows_needed(stored, items)
+            chunk, nbytes = read_rows(self.directory, stored, index.fqn, rows)
             if index is order[0]:
                 self._after_first_chunk()
-            self.bytes_read += stored.length
-            for item in by_chunk[index]:
+            self.bytes_read += nbytes
+            first_row = rows[0] if rows is not None else 0
+            for item in items:
                 piece = chunk
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    piece = piece.narrow(dim, start, length)
+                    piece = piece.narrow(dim, start - first_row if dim == 0 else start, length)
                 target = planner.resolve_tensor(item).detach()
                 target.copy_(piece)
                 planner.commit_tensor(item, target)
@@ -355,23 +369,59 @@ class ShardReader(StorageReader):
         return True
 
 
+def _rows_needed(stored: StoredChunk, items: list[ReadItem]) -> tuple[int, int] | None:
+    """The rows [first, end) of the chunk `items` need, when they narrow its first dimension
+    only (FSDP2's Shard(0)); None: the whole chunk."""
+    if len(stored.sizes) == 0:
+        return None
+    first, end = stored.sizes[0], 0
+    for item in items:
+        if any(item.storage_offsets[d] != 0 or item.lengths[d] != stored.sizes[d] for d in range(1, len(stored.sizes))):
+            return None
+        first = min(first, item.storage_offsets[0])
+        end = max(end, item.storage_offsets[0] + item.lengths[0])
+    return (first, end) if (first, end) != (0, stored.sizes[0]) else None
+
+
 def read_chunk(directory: Path, stored: StoredChunk, fqn: str) -> torch.Tensor:
     """One saved chunk as a CPU tensor, after its checksums pass (`CorruptCheckpoint` if not)."""
+    return read_rows(directory, stored, fqn, None)[0]
+
+
+def read_rows(
+    directory: Path, stored: StoredChunk, fqn: str, rows: tuple[int, int] | None
+) -> tuple[torch.Tensor, int]:
+    """Rows [first, end) of a saved chunk (None: all of it) as a CPU tensor, and the bytes read.
+
+    Only the checksum blocks that hold those rows are read, and each is checked
+    (`CorruptCheckpoint` if one fails)."""
     where = f"{directory.name}/{stored.file}"
-    buffer = bytearray(stored.length)
+    dtype = _dtype(stored.dtype)
+    row_bytes = stored.length // stored.sizes[0] if stored.sizes and stored.sizes[0] else stored.length
+    first_row, end_row = rows if rows is not None else (0, stored.sizes[0] if stored.sizes else 1)
+    lo, hi = first_row * row_bytes, end_row * row_bytes
+    if rows is None:
+        lo, hi = 0, stored.length
+    first_block, end_block = lo // stored.block, -(-hi // stored.block) if hi else 0
+    start, stop = first_block * stored.block, min(end_block * stored.block, stored.length)
+    buffer = bytearray(stop - start)
     try:
         with open(directory / stored.file, "rb") as f:
-            f.seek(stored.offset)
+            f.seek(stored.offset + start)
             got = f.readinto(buffer)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{where} is missing") from None
-    if got != stored.length:
+    if got != len(buffer):
         raise CorruptCheckpoint(f"{where} is truncated: {fqn} needs bytes {stored.offset}..{stored.offset + stored.length}")
-    if tuple(block_checksums(memoryview(buffer))) != stored.crc32c:
+    expected = stored.crc32c[first_block:end_block] if stored.length else stored.crc32c
+    if tuple(block_checksums(memoryview(buffer), stored.block)) != tuple(expected):
         raise CorruptCheckpoint(f"{where} fails its crc32c check at {fqn}")
-    dtype = _dtype(stored.dtype)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8) if stored.length else torch.empty(0, dtype=torch.uint8)
-    return raw.view(dtype).reshape(stored.sizes)
+    if hi == lo:
+        shape = (0, *stored.sizes[1:]) if rows is not None else stored.sizes
+        return torch.empty(shape, dtype=dtype), len(buffer)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, offset=lo - start, count=hi - lo)
+    shape = (end_row - first_row, *stored.sizes[1:]) if rows is not None else stored.sizes
+    return raw.view(dtype).reshape(shape), len(buffer)
 
 
 def load_tensors(

@@ -566,3 +566,22 @@ def test_check_supported_refuses_real_fsdp1_and_zero_redundancy_optimizer(tmp_pa
     assert "fully_shard" in messages["fsdp1"] and "\n" not in messages["fsdp1"]
     assert messages["zero"].startswith("ZeroRedundancyOptimizer shards its state"), messages
     assert "\n" not in messages["zero"]
+
+
+def test_a_restore_that_reshards_reads_the_rows_it_needs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One float per checksum block: every row boundary is a block boundary, so reading only a
+    # rank's rows is exact. (Forked ranks inherit the patched block size.)
+    monkeypatch.setattr(sharded, "BLOCK", 4)
+    run_job(_save_on_two_ranks, 2, tmp_path)
+    run_job(_load_on_three_ranks, 3, tmp_path)
+    reference: dict[str, torch.Tensor] = torch.load(tmp_path / "reference.pt")
+    plain = {key for key in reference if key == "model/count" or key.endswith("/step")}
+    sharded_bytes = sum(t.numel() * t.element_size() for key, t in reference.items() if key not in plain)
+    plain_bytes = sum(reference[key].numel() * reference[key].element_size() for key in plain)
+    three = [torch.load(tmp_path / f"three.{rank}.pt") for rank in range(3)]
+    # 5 rows saved as 3+2 and loaded as 2+2+1: the middle rank needs a row of each saved chunk;
+    # reading whole chunks would read the sharded bytes twice. (Every rank read the plain ones here.)
+    assert sum(t["read"] for t in three) == sharded_bytes + 3 * plain_bytes
+    for result in three:
+        for key, value in reference.items():
+            assert torch.equal(result["restored"][key], value), key
