@@ -43,6 +43,15 @@ class CheckpointStorageError(CheckpointError):
     """Raised on every rank at the same step, so the ranks leave together."""
 
 
+class RestoreTimedOut(CheckpointStorageError):
+    """Reading a checkpoint on restore passed --ckpt-restore-timeout (exit 75, not restarted).
+
+    Not raised everywhere at once: a rank stuck inside a read never raises it,
+    so leaving must not wait for peers."""
+
+    raised_everywhere = False
+
+
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint that verifies but belongs to another model, optimizer or data set."""
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -72,7 +73,7 @@ from torch.distributed.checkpoint.utils import CheckpointException
 from elastic.chaos import FaultInjector
 from elastic.checkpoint import compat, sharded
 from elastic.checkpoint import state as live_state
-from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
+from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now, dtensor_like
 from elastic.checkpoint.store import (
     Candidate,
     CheckpointStore,
@@ -89,6 +90,7 @@ from elastic.errors import (
     CheckpointMismatchError,
     CheckpointStorageError,
     CorruptCheckpoint,
+    RestoreTimedOut,
     UsageError,
 )
 from elastic.events import EventLog
@@ -224,11 +226,12 @@ class CheckpointManager:
         self._pool = BufferPool(pin_memory=ctx.device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
         self._group: dist.ProcessGroup | None = None
+        self._restore_group: dist.ProcessGroup | None = None
         if self.enabled and ctx.distributed:
             # Saves run their collectives on the writer threads: a group of their own, never the loop's.
-            self._group = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=max(timeout, restore_timeout) + 60)
-            )
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout + 60))
+            # A restore's collectives wait no longer than its deadline for a rank stuck reading.
+            self._restore_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=restore_timeout))
         self._identity = WriterIdentity.new(ctx.run_id) if ctx.is_main else None
         self._tag = ""  # shared by every rank at restore: names the temporary directory of each save
         self._buffer_keys = {live_state.MODEL_PREFIX + name for name, _ in model.named_buffers()}
@@ -420,25 +423,38 @@ class CheckpointManager:
         for key, (shape, dtype) in plain.items():
             if owner[key] == self._ctx.rank:
                 targets[key] = torch.empty(shape, dtype=dtype)
-        error: BaseException | None = None
-        try:
-            self.restored_bytes = sharded.load_tensors(
-                targets, candidate.path, metadata, group=self._group, deadline=deadline,
-                after_first_chunk=lambda: self._faults.at("during_read", manifest.step),
-            )
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException), on every rank
-            error = sharded.first_error(exc)
-        if error is not None:
+        timed_out = RestoreTimedOut(
+            f"restoring {candidate.name} from {self.store.root} did not finish within "
+            f"{self.restore_timeout:g} s (--ckpt-restore-timeout): the storage is too slow or hung"
+        )
+        # Read on a thread: a read stuck in the kernel (a hung mount) cannot be interrupted,
+        # but this rank can stop waiting for it at the deadline.
+        outcome: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                outcome["bytes"] = sharded.load_tensors(
+                    targets, candidate.path, metadata, group=self._restore_group, deadline=deadline,
+                    after_first_chunk=lambda: self._faults.at("during_read", manifest.step),
+                )
+            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                outcome["error"] = exc
+
+        reader = threading.Thread(target=read, name="checkpoint-restore", daemon=True)
+        reader.start()
+        reader.join(max(0.0, deadline - time.monotonic()) + 5.0)  # peers' own deadlines fire first
+        if reader.is_alive():
+            raise timed_out
+        if "error" in outcome:
+            error = sharded.first_error(outcome["error"])
             if isinstance(error, CorruptCheckpoint):
                 raise error
-            if isinstance(error, TimeoutError) or _is_timeout(error):
-                raise CheckpointStorageError(
-                    f"restoring {candidate.name} from {self.store.root} did not finish within "
-                    f"{self.restore_timeout:g} s (--ckpt-restore-timeout): the storage is too slow or hung"
-                )
-            raise CheckpointStorageError(
-                f"cannot read {candidate.name} in {self.store.root}: {describe_failure(error)}"
-            )
+            if isinstance(error, TimeoutError) or (_is_timeout(error) and time.monotonic() >= deadline):
+                raise timed_out
+            if isinstance(error, OSError):
+                raise CheckpointStorageError(f"cannot read {candidate.name} in {self.store.root}: {describe_failure(error)}")
+            raise outcome["error"]  # a peer died mid-restore: a failure like any other, which the launcher restarts
+        self.restored_bytes = outcome["bytes"]
         # Everything read and verified on every rank: only now does live state change.
         self._apply_extra(manifest, trainer)
         self._apply_tensors(live, targets, plain, owner, trainer["optimizer"])
@@ -461,7 +477,9 @@ class CheckpointManager:
                     if is_model:
                         live[key].to_local().copy_(targets.pop(key).to_local())
                     else:
-                        optimizer_tensors[key] = targets.pop(key)
+                        param = params[key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]]
+                        host = targets.pop(key).to_local()
+                        optimizer_tensors[key] = dtensor_like(host.to(param.device), param)
                     continue
                 shape, dtype = plain[key]
                 if is_model:
@@ -485,7 +503,7 @@ class CheckpointManager:
         if tensor.device.type == "cuda":
             dist.broadcast(tensor, src=src)
         else:
-            dist.broadcast(tensor, src=src, group=self._group)
+            dist.broadcast(tensor, src=src, group=self._restore_group)
 
     def _restore_format1(self, candidate: Candidate, manifest: Manifest) -> None:
         """A checkpoint of torchrevive 0.1 (rank 0's whole files): every rank reads them itself."""
@@ -714,6 +732,8 @@ class CheckpointManager:
         the optimizer; safe on error paths, where a failed save is only reported. Past `wait`
         the save is abandoned to its daemon thread and the exit does not wait for it."""
         wait = self.timeout if wait is None else wait
+        if self._fatal is not None:
+            wait = 0.0  # flush already waited --ckpt-timeout for it
         try:
             if self._in_flight is not None:
                 try:
@@ -777,12 +797,25 @@ class CheckpointManager:
         """Writer thread, every rank: copy this rank's share, write it (a collective over the
         checkpoint group); rank 0 then writes trainer.pt and the manifest and commits. A storage
         failure is an outcome (the loop goes on), not an exception; anything else is a bug and raises."""
-        tensors = record.deferred.run(lambda: record.sources, self._pool)
-        tensors.update(record.buffers)
+        if self._ctx.device.type == "cuda":
+            torch.cuda.set_device(self._ctx.device)  # this thread's allocations and copies belong to this rank's GPU
         name = checkpoint_name(record.step)
         tmp = self.store.begin(record.step, self._tag)
+        copy_error: str | None = None
         try:
-            sharded.save_tensors(
+            tensors = record.deferred.run(lambda: record.sources, self._pool)
+            tensors.update(record.buffers)
+        except Exception as exc:  # noqa: BLE001 - out of (pinned) memory: a failed save, on every rank alike
+            copy_error = f"rank {self._ctx.rank} could not copy its state: {describe_failure(exc)}"
+        # Every rank says whether it has its part before any joins DCP: one that has not must not
+        # leave the others waiting in DCP's collectives.
+        if not self._all_ranks_ok(copy_error is None):
+            if self._ctx.is_main:
+                self.store.abort(tmp)
+            what = copy_error or "another rank could not copy its state (its log says why)"
+            return _Outcome(time.time(), f"cannot write {name} to {self.store.root}: {what}")
+        try:
+            writer = sharded.save_tensors(
                 tensors, tmp, group=self._group,
                 after_first_item=lambda: self._faults.at("during_write", record.step),
             )
@@ -793,9 +826,9 @@ class CheckpointManager:
         if not self._ctx.is_main:
             return _Outcome(time.time(), None)
         try:
-            files = {
-                path.name: {"bytes": path.stat().st_size} for path in sorted(tmp.glob(sharded.SHARD_PREFIX + "*"))
-            }
+            # From what every rank reported writing, not a directory listing (another host's
+            # files can be missing from this host's cached view of the directory).
+            files = {file_name: {"bytes": size} for file_name, size in sorted(writer.file_sizes.items())}
             tensors_json = (tmp / sharded.TENSORS_FILE).read_bytes()
             # The whole file's crc32c, as the store checks it (block_checksums()[0] covers only its first block).
             files[sharded.TENSORS_FILE] = {"bytes": len(tensors_json), "crc32c": crc32c.crc32c(tensors_json)}
@@ -816,6 +849,14 @@ class CheckpointManager:
             self.store.abort(tmp)
             return _Outcome(time.time(), f"cannot commit {name} in {self.store.root}: {describe_failure(exc)}")
         return _Outcome(time.time(), None)
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        """Writer thread: whether `ok` holds on every rank (a collective on the save group)."""
+        if not self._ctx.distributed:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
 
     def _collect(self, *, block: bool, timeout: float | None = None) -> None:
         """Report the save in flight if it has finished (waiting for it if `block`, at most

@@ -81,7 +81,18 @@ BLOCK = 2**20
 """Bytes per checksum when writing (each chunk records its own): large chunks are checked in
 blocks on several threads, and a reader that needs some rows reads only their blocks."""
 
-_checksum_pool = ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 1))), thread_name_prefix="crc32c")
+_checksum_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _checksum_pool() -> ThreadPoolExecutor:
+    """This process's checksum threads. One per process: a forked child inherits the parent's
+    executor without its threads, and work submitted to it would wait forever."""
+    pool = _checksum_pools.get(os.getpid())
+    if pool is None:
+        pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="crc32c")
+        _checksum_pools.clear()
+        _checksum_pools[os.getpid()] = pool
+    return pool
 
 
 def shard_file(rank: int) -> str:
@@ -94,7 +105,7 @@ def block_checksums(data: memoryview, block: int | None = None) -> list[int]:
     blocks = [data[i : i + block] for i in range(0, len(data), block)] or [data]
     if len(blocks) == 1:
         return [crc32c.crc32c(blocks[0])]
-    return list(_checksum_pool.map(crc32c.crc32c, blocks))
+    return list(_checksum_pool().map(crc32c.crc32c, blocks))
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -204,6 +215,8 @@ class ShardWriter(StorageWriter):
         self.directory = Path(directory)
         self._after_first_item = after_first_item
         self.bytes_written = 0
+        self.file_sizes: dict[str, int] = {}
+        """Coordinator, after `finish`: every rank's file and its size, from what the ranks reported."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -247,6 +260,9 @@ class ShardWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        self.file_sizes = {shard_file(rank): 0 for rank in range(len(results))}
+        for stored in metadata.storage_data.values():
+            self.file_sizes[stored.file] = max(self.file_sizes[stored.file], stored.offset + stored.length)
         with open(self.directory / TENSORS_FILE, "w", encoding="utf-8") as f:
             f.write(metadata_to_json(metadata))
             f.flush()
@@ -273,8 +289,9 @@ def save_tensors(
     *,
     group: dist.ProcessGroup | None,
     after_first_item: Callable[[], None] = lambda: None,
-) -> int:
-    """Write this rank's `tensors` into `directory` (a collective over `group`); bytes written here.
+) -> ShardWriter:
+    """Write this rank's `tensors` into `directory` (a collective over `group`); the writer
+    (`bytes_written` here; on the coordinator `file_sizes` of every rank's file).
 
     Raises DCP's `CheckpointException` on every rank if any rank failed; `first_error` digs out the cause.
     """
@@ -282,7 +299,7 @@ def save_tensors(
     with warnings.catch_warnings():  # alone, DCP warns it saves "in a single process": that is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=group, no_dist=group is None)
-    return writer.bytes_written
+    return writer
 
 
 # -- reading -------------------------------------------------------------------------

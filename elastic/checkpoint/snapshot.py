@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 Tree = Any
 _TensorKey = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
@@ -60,6 +61,19 @@ class BufferPool:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """`local` (a host buffer) as a shard of a DTensor sharded like `like`, where it is.
+
+    Not `DTensor.from_local`: on a CUDA mesh that copies the local tensor to the
+    GPU, so the DTensor would hold the buffer's contents of that moment (before
+    the copy into it) on the GPU, instead of the buffer itself.
+    """
+    spec = like._spec
+    if local.dtype != like.dtype:  # an optimizer moment kept in another dtype than its parameter
+        spec = DTensorSpec(like.device_mesh, like.placements, tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def plan_copies(
     tree: Tree, pool: BufferPool, prefix: str, keep: set[int] = frozenset()
 ) -> tuple[Tree, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -74,10 +88,7 @@ def plan_copies(
 
     def walk(node: Tree, path: str) -> Tree:
         if isinstance(node, DTensor):
-            local = walk(node.to_local(), path)
-            return DTensor.from_local(
-                local, node.device_mesh, node.placements, shape=node.shape, stride=node.stride(), run_check=False
-            )
+            return dtensor_like(walk(node.to_local(), path), node)
         if isinstance(node, torch.Tensor):
             if id(node) in keep:
                 return node

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from elastic.checkpoint.snapshot import dtensor_like
 from elastic.errors import CheckpointMismatchError, UsageError
 
 MODEL_PREFIX = "model/"
@@ -134,10 +135,7 @@ def share_of(tensors: Mapping[str, torch.Tensor], rank: int, world_size: int) ->
 def host_buffer_like(live: torch.Tensor, shape: torch.Size | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An empty CPU tensor to load into: a DTensor with the live one's sharding, or a plain tensor."""
     if isinstance(live, DTensor):
-        local = torch.empty(live.to_local().shape, dtype=dtype or live.dtype, device="cpu")
-        return DTensor.from_local(
-            local, live.device_mesh, live.placements, shape=live.shape, stride=live.stride(), run_check=False
-        )
+        return dtensor_like(torch.empty(live.to_local().shape, dtype=dtype or live.dtype, device="cpu"), live)
     return torch.empty(shape if shape is not None else live.shape, dtype=dtype or live.dtype, device="cpu")
 
 

@@ -103,7 +103,7 @@ def test_save_returns_the_bytes_written_and_runs_the_hook_after_the_first_item(t
         # The first item is already in the shard file, the metadata is not written yet.
         calls.append((directory / sharded.TENSORS_FILE).exists())
 
-    written = sharded.save_tensors(tensors, directory, group=None, after_first_item=hook)
+    written = sharded.save_tensors(tensors, directory, group=None, after_first_item=hook).bytes_written
     assert written == 16 + 32
     assert calls == [False]
 
@@ -455,7 +455,7 @@ def _save_on_two_ranks(rank: int, world_size: int, store_path: str, tmp: Path) -
         live_state.check_supported(model, optimizer)
         live = live_state.live_tensors(model, optimizer)
         mine = live_state.share_of(live, rank, world_size)
-        written = sharded.save_tensors(mine, tmp / "ckpt", group=dist.group.WORLD)
+        written = sharded.save_tensors(mine, tmp / "ckpt", group=dist.group.WORLD).bytes_written
         reference = _full(live)
         if rank == 0:
             torch.save(reference, tmp / "reference.pt")
