@@ -359,6 +359,16 @@ class CheckpointManager:
             if key.startswith(live_state.MODEL_PREFIX)
         }
         live_state.check_shapes(name, live, saved, live_state.MODEL_PREFIX)
+        if trainer.get("aliases", {}) != live_state.tied_aliases(self._model):
+            raise CheckpointMismatchError(
+                f"checkpoint {name} is for another model: its tied weights {trainer.get('aliases', {})} differ from "
+                f"this model's {live_state.tied_aliases(self._model)}"
+            )
+        if set(trainer.get("module_extra", {})) != set(live_state.module_extra_state(self._model)):
+            raise CheckpointMismatchError(
+                f"checkpoint {name} is for another model: modules with extra state differ "
+                f"({sorted(trainer.get('module_extra', {}))} there, {sorted(live_state.module_extra_state(self._model))} here)"
+            )
         params = dict(self._model.named_parameters())
         for key, (shape, _) in saved.items():
             if not key.startswith(live_state.OPTIM_PREFIX):
@@ -458,6 +468,7 @@ class CheckpointManager:
         # Everything read and verified on every rank: only now does live state change.
         self._apply_extra(manifest, trainer)
         self._apply_tensors(live, targets, plain, owner, trainer["optimizer"])
+        live_state.set_module_extra_state(self._model, trainer.get("module_extra", {}))
         self._apply_trainer(manifest, trainer)
 
     def _apply_tensors(
@@ -775,6 +786,8 @@ class CheckpointManager:
             "step": step,
             "world_size": self._ctx.world_size,
             "sampler": self._sampler.state_dict(),
+            "aliases": live_state.tied_aliases(self._model),
+            "module_extra": plain_state("module extra state", live_state.module_extra_state(self._model)),
             # Checked like extra state: what a weights_only load could not read back fails now, not at restore.
             "scheduler": plain_state("scheduler", self._scheduler.state_dict()) if self._scheduler is not None else None,
             "scaler": plain_state("scaler", self._scaler.state_dict()) if self._scaler is not None else None,

@@ -82,8 +82,12 @@ def _read_model(store: CheckpointStore, candidate: Candidate, map_location: torc
     try:
         manifest = store.verify(candidate)
         if manifest.format >= 2:
-            tensors = read_tensors(store, candidate, manifest, prefix=MODEL_PREFIX)
-            return {key[len(MODEL_PREFIX) :]: t.to(map_location) for key, t in tensors.items()}
+            trainer = store.load_state_file(candidate, manifest, TRAINER_FILE)
+            tensors = read_tensors(store, candidate, manifest, trainer, prefix=MODEL_PREFIX)
+            return {
+                key[len(MODEL_PREFIX) :]: t.to(map_location) if isinstance(t, torch.Tensor) else t
+                for key, t in tensors.items()
+            }
         state = store.load_state_file(candidate, manifest, MODEL_FILE, map_location=map_location)
     except OSError as exc:  # not damage (permissions, I/O): falling back would hide it
         raise CheckpointError(f"cannot read {candidate.path}: {exc.strerror or exc}") from None
@@ -93,12 +97,20 @@ def _read_model(store: CheckpointStore, candidate: Candidate, map_location: torc
 
 
 def read_tensors(
-    store: CheckpointStore, candidate: Candidate, manifest: Manifest, *, prefix: str = ""
-) -> dict[str, torch.Tensor]:
-    """A format-2 checkpoint's tensors whose keys start with `prefix`, whole, on CPU (one process)."""
+    store: CheckpointStore, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], *, prefix: str = ""
+) -> dict[str, Any]:
+    """A format-2 checkpoint's state whose keys start with `prefix`, whole, on CPU (one process):
+    every tensor, a tied one under each of its names, and modules' extra state."""
     metadata = store.tensor_metadata(candidate, manifest)
     keys = [key for key in sharded.tensor_shapes(metadata) if key.startswith(prefix)]
-    return sharded.full_tensors(candidate.path, metadata, keys)
+    state: dict[str, Any] = dict(sharded.full_tensors(candidate.path, metadata, keys))
+    for alias, first in trainer.get("aliases", {}).items():
+        if first in state:
+            state[alias] = state[first]
+    for key, value in trainer.get("module_extra", {}).items():
+        if (MODEL_PREFIX + key).startswith(prefix):
+            state[MODEL_PREFIX + key] = value
+    return state
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Manifest, dict[str, torch.Tensor], dict[str, Any]]:
@@ -117,7 +129,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Manifest, dict[str, t
         manifest = store.verify(candidate)
         trainer = store.load_state_file(candidate, manifest, TRAINER_FILE)
         if manifest.format >= 2:
-            return manifest, read_tensors(store, candidate, manifest), trainer
+            return manifest, read_tensors(store, candidate, manifest, trainer), trainer
         model = store.load_state_file(candidate, manifest, MODEL_FILE)
         return manifest, {MODEL_PREFIX + key: value for key, value in model.items()}, trainer
     except CorruptCheckpoint as exc:

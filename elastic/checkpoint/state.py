@@ -32,6 +32,7 @@ from elastic.errors import CheckpointMismatchError, UsageError
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's key for get_extra_state()
 
 
 def check_supported(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -73,9 +74,39 @@ def parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return names
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return (local.data_ptr(), local.dtype, tuple(local.shape), tuple(local.stride()), local.storage_offset())
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Model keys that are the same tensor as an earlier key (a tied embedding): alias -> first key.
+
+    The tensor is saved once, under the first key; the alias is restored by the tie itself."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor) or key.endswith(_EXTRA_STATE):
+            continue
+        if value.numel() == 0:
+            continue  # empty tensors share no storage worth naming
+        storage = _storage_key(value)
+        if storage in first:
+            aliases[MODEL_PREFIX + key] = MODEL_PREFIX + first[storage]
+        else:
+            first[storage] = key
+    return aliases
+
+
 def live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every tensor of the model's state dict and the optimizer's state, by stable key (live, not copies)."""
-    tensors = {MODEL_PREFIX + key: value for key, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
+    """Every tensor of the model's state dict and the optimizer's state, by stable key (live, not
+    copies); a tied tensor once, under its first key; modules' extra state apart (`module_extra_state`)."""
+    aliases = tied_aliases(model)
+    tensors = {
+        MODEL_PREFIX + key: value
+        for key, value in model.state_dict().items()
+        if isinstance(value, torch.Tensor) and not key.endswith(_EXTRA_STATE) and MODEL_PREFIX + key not in aliases
+    }
     names = parameter_names(model)
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -83,6 +114,21 @@ def live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
                 if isinstance(value, torch.Tensor):
                     tensors[f"{OPTIM_PREFIX}{names[id(param)]}/{state_name}"] = value
     return tensors
+
+
+def module_extra_state(model: torch.nn.Module) -> dict[str, Any]:
+    """What modules return from `get_extra_state` (FP8 scaling metadata, say), by state dict key.
+
+    Not part of the tensors: `state_dict()` hands out a fresh object each time, so
+    it is restored through each module's `set_extra_state`."""
+    return {key: value for key, value in model.state_dict().items() if key.endswith(_EXTRA_STATE)}
+
+
+def set_module_extra_state(model: torch.nn.Module, saved: Mapping[str, Any]) -> None:
+    modules = dict(model.named_modules())
+    for key, value in saved.items():
+        module = modules[key[: -len(_EXTRA_STATE)].rstrip(".")]
+        module.set_extra_state(value)
 
 
 def optimizer_settings(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
