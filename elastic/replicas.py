@@ -18,11 +18,16 @@ from elastic.runtime import WorkerContext
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
-    """sha256 over every replicated parameter and buffer, in `state_dict` order, bit for bit
-    (sharded DTensors are skipped: each rank holds other shards)."""
+    """sha256 over every replicated parameter and buffer, in `state_dict` order, bit for bit.
+
+    Sharded DTensors are skipped (each rank holds other shards), and so are the buffers of a
+    sharded model: FSDP2, unlike DDP, does not keep them in step across ranks (a checkpoint
+    saves rank 0's; SyncBatchNorm keeps batch statistics in step)."""
     digest = hashlib.sha256()
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    buffers = {name for name, _ in module.named_buffers()} if sharded else set()
     for name, tensor in module.state_dict().items():
-        if isinstance(tensor, DTensor):
+        if isinstance(tensor, DTensor) or name in buffers or not isinstance(tensor, torch.Tensor):
             continue
         digest.update(name.encode())
         data = tensor.detach().to("cpu").contiguous()

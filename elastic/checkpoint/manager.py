@@ -233,8 +233,11 @@ class CheckpointManager:
             # A restore's collectives wait no longer than its deadline for a rank stuck reading.
             self._restore_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=restore_timeout))
         self._identity = WriterIdentity.new(ctx.run_id) if ctx.is_main else None
+        self._closing = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="checkpoint-heartbeat", daemon=True)
         self._tag = ""  # shared by every rank at restore: names the temporary directory of each save
-        self._buffer_keys = {live_state.MODEL_PREFIX + name for name, _ in model.named_buffers()}
+        self._buffer_keys = frozenset(live_state.MODEL_PREFIX + name for name, _ in model.named_buffers())
+        self._sharded = any(isinstance(p, sharded.DTensor) for p in model.parameters())
         self._in_flight: _SaveRecord | None = None
         self._storage_behind = False  # rank 0: a periodic save was skipped and none kept up since
         self._failures_in_a_row = 0  # rank 0: periodic saves failed since the last commit
@@ -615,7 +618,9 @@ class CheckpointManager:
         if self._ctx.is_main:
             self._prepare()
         mine = live_state.share_of(
-            live_state.live_tensors(self._model, self._optimizer), self._ctx.rank, self._ctx.world_size
+            live_state.live_tensors(self._model, self._optimizer), self._ctx.rank, self._ctx.world_size,
+            # Under FSDP2 buffers are not kept in step across ranks (DDP broadcasts them): rank 0's are saved.
+            from_rank0=self._buffer_keys if self._sharded else frozenset(),
         )
         trainer = self._trainer_state(step, rng_states, extra, settings) if self._ctx.is_main else None
         now = copy_now(
@@ -761,6 +766,7 @@ class CheckpointManager:
             except Exception as exc:  # noqa: BLE001 - a non-main rank's part of a failed save: rank 0 reported it
                 logger.debug("checkpoint writer: %s", exc)
             finally:
+                self._closing.set()
                 if self._hook is not None:
                     self._hook.remove()
                     self._hook = None
@@ -769,6 +775,20 @@ class CheckpointManager:
         if not self._prepared:
             self.store.prepare(self._identity)
             self._prepared = True
+            self._heartbeat.start()
+
+    def _beat(self) -> None:
+        """Heartbeat thread (rank 0): keep the claim on the directory fresh between rare commits,
+        so another host never takes this job for gone; stops once the claim is lost."""
+        assert self._identity is not None
+        interval = self._identity.stale_after / 4
+        while not self._closing.wait(interval):
+            try:
+                self.store.heartbeat(self._identity)
+            except SaveFailed:
+                return  # another writer took the directory: the next commit says so
+            except OSError as exc:
+                logger.debug("heartbeat on %s failed: %s", self.store.root, exc)
 
     def _gather_rng(self) -> list[dict[str, Any]]:
         mine = get_rng_state(self._ctx.device)

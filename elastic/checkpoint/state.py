@@ -171,10 +171,14 @@ def replicated(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     return [key for key, value in tensors.items() if not isinstance(value, DTensor)]
 
 
-def share_of(tensors: Mapping[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """What this rank saves: its shard of every DTensor, and the plain tensors it owns."""
-    plain = replicated(tensors)
+def share_of(
+    tensors: Mapping[str, torch.Tensor], rank: int, world_size: int, *, from_rank0: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """What this rank saves: its shard of every DTensor, the plain tensors it owns, and on
+    rank 0 the keys in `from_rank0` (state that may differ per rank: rank 0's copy is saved)."""
+    plain = [key for key in replicated(tensors) if key not in from_rank0]
     owner = owners({key: nbytes(tensors[key]) for key in plain}, world_size)
+    owner.update({key: 0 for key in from_rank0 if key in tensors})
     return {key: value for key, value in tensors.items() if isinstance(value, DTensor) or owner[key] == rank}
 
 

@@ -430,7 +430,9 @@ class CheckpointStore:
             _fsync_dir(self.root)
             self._write_latest(name)
             if owner is not None:
-                self._write_small(WRITER, owner.beat().to_json())
+                current = self.writer()
+                if current is None or current.writer == owner.writer:  # never overwrite a newer claim
+                    self._write_small(WRITER, owner.beat().to_json())
         except OSError as exc:
             logger.warning("%s committed, but updating %s failed: %s", name, LATEST, describe_failure(exc))
         self._retire_old()

@@ -126,3 +126,11 @@ def test_dtensor_copies_stay_in_host_buffers_on_a_cuda_mesh(one_rank_group: None
     assert snapshot.to_local().device.type == "cpu"
     host = live_state.host_buffer_like(live, dtype=torch.float64)
     assert host.to_local().device.type == "cpu" and host.dtype == torch.float64 and host.shape == live.shape
+
+
+def test_state_that_may_differ_per_rank_is_saved_from_rank_0() -> None:
+    tensors = {f"model/b{i}": torch.zeros(10 * (i + 1)) for i in range(4)}
+    pinned = frozenset({"model/b0", "model/b3"})
+    shares = [live_state.share_of(tensors, rank, 3, from_rank0=pinned) for rank in range(3)]
+    assert pinned <= set(shares[0]) and not pinned & (set(shares[1]) | set(shares[2]))
+    assert sorted(k for share in shares for k in share) == sorted(tensors), "each saved once"
