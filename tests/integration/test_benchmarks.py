@@ -38,13 +38,46 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost() 
 def test_checkpoint_benchmark_prints_the_stall_ratio() -> None:
     result = subprocess.run(
         [sys.executable, "benchmarks/checkpoint.py", "--tiny", "--configs", "recipe", "--saves", "2", "--repeats", "1",
-         "--warmup-steps", "1", "--every", "1"],
+         "--warmup-steps", "1", "--every", "1", "--ranks", "none"],
         capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"^recipe: checkpoint stall ratio (\S+) \(target <= 0\.05: (met|MISSED)\)$", result.stdout, re.M)
     assert match, result.stdout
     float(match.group(1))
+
+
+def test_checkpoint_benchmark_compares_todays_rank0_path_with_the_sharded_one() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/checkpoint.py", "--quick"],
+        capture_output=True, text=True, timeout=900, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    number = r"([\d.]+)"
+    rows = re.findall(
+        rf"^(today|new) +(ddp|fsdp) +(\d+) +{number} +{number} +{number} +{number} +{number} +{number} +{number} "
+        rf"+{number}x +{number} +{number} +(ok|MISMATCH)$",
+        result.stdout, re.M,
+    )
+    measured = {(path, mode, int(ranks)): values for path, mode, ranks, *values in rows}
+    assert set(measured) == {(path, mode, ranks) for ranks in (1, 2) for path, mode in
+                             [("today", "ddp"), ("new", "ddp"), ("new", "fsdp")]}, result.stdout
+    for (path, mode, ranks), values in measured.items():
+        ckpt_mb, stall, sync, ratio, commit, restore, _read_mb, read_x, save_rss, restore_rss = map(float, values[:10])
+        assert values[10] == "ok", f"{path} {mode} {ranks}: the restored state is not the saved one\n{result.stdout}"
+        assert ckpt_mb > 0 and stall > 0 and sync > 0 and commit > 0 and restore > 0, result.stdout
+        assert ratio == pytest.approx(stall / sync, rel=0.02, abs=2e-4), result.stdout
+        assert read_x == (1 if path == "new" else ranks), f"{path} {mode} {ranks} read {read_x}x\n{result.stdout}"
+        assert save_rss > 0 and restore_rss > 0, result.stdout
+    # Today's path has no FSDP support, and the table says so instead of a number.
+    assert re.findall(r"^today +fsdp +(\d+) +not supported", result.stdout, re.M) == ["1", "2"], result.stdout
+    # Exact bytes read on restore, summed over ranks: the new path reads the checkpoint once per job,
+    # today's path once per rank.
+    read = re.findall(r"^(today|new) (ddp|fsdp) (\d+): restore read (\d+) bytes over \d+ ranks, checkpoint (\d+) bytes",
+                      result.stdout, re.M)
+    assert len(read) == 6, result.stdout
+    for path, mode, ranks, got, checkpoint in read:
+        assert int(got) == int(checkpoint) * (1 if path == "new" else int(ranks)), f"{path} {mode} {ranks}"
 
 
 def test_checkpoint_benchmark_rejects_a_bad_flag_in_one_line() -> None:
