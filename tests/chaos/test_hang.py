@@ -64,9 +64,12 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
         assert "Connection closed by peer" in output, output[-4000:]
     recorded = list(read_events(events))
     restores = [e for e in recorded if e["event"] == "restore"]
-    # The newest checkpoint committed before the hang (10, unless slow storage skipped it).
+    # The newest checkpoint committed before the hang: 10, or 5 when slow storage skipped 10.
+    # Rank 0 reports a commit when it next looks (its "checkpoint" event), and a hang can come
+    # first: step 10's save, written by both ranks' writer threads, may commit unreported.
     before = [e["step"] for e in recorded if e["event"] == "checkpoint" and e["restart"] == 0 and e["step"] <= 12]
-    assert restores and before and restores[-1]["step"] == before[-1], "resumed from the checkpoint before the hang"
+    assert restores and before, "resumed from a checkpoint"
+    assert before[-1] <= restores[-1]["step"] <= 12 and restores[-1]["step"] % 5 == 0, "from the newest before the hang"
     assert [e["step"] for e in recorded if e["event"] == "end"] == [30]
 
 
