@@ -165,8 +165,9 @@ class _SaveRecord:
     """Rank 0: sampler, scheduler, scaler, extra, optimizer settings, RNG, step, copied at the save."""
     buffers: dict[str, torch.Tensor]
     """Copies of this rank's share of the model's buffers (a forward pass changes them), by key."""
-    sources: dict[str, torch.Tensor]
-    """This rank's share of parameters and optimizer state: live tensors, copied on the writer thread."""
+    sources: dict[str, torch.Tensor] | None
+    """This rank's share of parameters and optimizer state: live tensors, copied on the writer
+    thread (None: which ones is settled there too)."""
     deferred: DeferredCopy
     """The copy of `sources`, which the optimizer step waits for."""
     sources_released: bool = False
@@ -236,8 +237,8 @@ class CheckpointManager:
         self._closing = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="checkpoint-heartbeat", daemon=True)
         self._tag = ""  # shared by every rank at restore: names the temporary directory of each save
-        self._buffer_keys = frozenset(live_state.MODEL_PREFIX + name for name, _ in model.named_buffers())
-        self._sharded = any(isinstance(p, sharded.DTensor) for p in model.parameters())
+        self._layout = live_state.Layout(model, optimizer)
+        self._mine_keys: frozenset[str] = frozenset()  # writer thread: the keys of this rank's share
         self._in_flight: _SaveRecord | None = None
         self._storage_behind = False  # rank 0: a periodic save was skipped and none kept up since
         self._failures_in_a_row = 0  # rank 0: periodic saves failed since the last commit
@@ -612,24 +613,27 @@ class CheckpointManager:
         started, wall_started = time.perf_counter(), time.time()
         # Every rank checks the extra state, so a bad one fails everywhere at this step, not on rank 0 alone.
         extra = {name: plain_state(name, obj.state_dict()) for name, obj in self._extra.items()}
-        settings = plain_state("optimizer", live_state.optimizer_settings(self._model, self._optimizer))
+        settings = plain_state("optimizer", self._layout.settings())
         rng_states = self._gather_rng()
         self.last_step = step
         if self._ctx.is_main:
             self._prepare()
-        mine = live_state.share_of(
-            live_state.live_tensors(self._model, self._optimizer), self._ctx.rank, self._ctx.world_size,
-            # Under FSDP2 buffers are not kept in step across ranks (DDP broadcasts them): rank 0's are saved.
-            from_rank0=self._buffer_keys if self._sharded else frozenset(),
-        )
+        layout = self._layout
+        if layout.sharded:
+            # FSDP2 swaps the registered parameters in every forward: which tensors to save is
+            # settled here, on the loop's thread, between steps.
+            mine: dict[str, torch.Tensor] | None = layout.share(layout.tensors(), self._ctx.rank, self._ctx.world_size)
+            buffers = {k: v for k, v in mine.items() if k in layout.buffer_keys}
+        else:
+            # Parameters and optimizer state are the same tensors from step to step: which of them
+            # this rank saves is settled on the writer thread, off the loop (see snapshot.py).
+            mine = None
+            buffers = {live_state.MODEL_PREFIX + name: b for name, b in self._model.named_buffers()}
         trainer = self._trainer_state(step, rng_states, extra, settings) if self._ctx.is_main else None
-        now = copy_now(
-            {"trainer": trainer, "buffers": {k: v for k, v in mine.items() if k in self._buffer_keys}},
-            self._pool, self._ctx.device, self._copy_stream,
-        )
+        now = copy_now({"trainer": trainer, "buffers": buffers}, self._pool, self._ctx.device, self._copy_stream)
         record = _SaveRecord(
             step, reason, wall_started, 0.0, now["trainer"], now["buffers"],
-            {k: v for k, v in mine.items() if k not in self._buffer_keys},
+            {k: v for k, v in mine.items() if k not in layout.buffer_keys} if mine is not None else None,
             DeferredCopy(self._ctx.device, self._copy_stream),
         )
         self._in_flight = record
@@ -806,8 +810,8 @@ class CheckpointManager:
             "step": step,
             "world_size": self._ctx.world_size,
             "sampler": self._sampler.state_dict(),
-            "aliases": live_state.tied_aliases(self._model),
-            "module_extra": plain_state("module extra state", live_state.module_extra_state(self._model)),
+            "aliases": dict(self._layout.aliases),
+            "module_extra": plain_state("module extra state", self._layout.extra_state()),
             # Checked like extra state: what a weights_only load could not read back fails now, not at restore.
             "scheduler": plain_state("scheduler", self._scheduler.state_dict()) if self._scheduler is not None else None,
             "scaler": plain_state("scaler", self._scaler.state_dict()) if self._scaler is not None else None,
@@ -836,8 +840,8 @@ class CheckpointManager:
         tmp = self.store.begin(record.step, self._tag)
         copy_error: str | None = None
         try:
-            tensors = record.deferred.run(lambda: record.sources, self._pool)
-            tensors.update(record.buffers)
+            tensors = record.deferred.run(lambda: self._sources(record), self._pool)
+            tensors.update((k, v) for k, v in record.buffers.items() if k in self._mine_keys)
         except Exception as exc:  # noqa: BLE001 - out of (pinned) memory: a failed save, on every rank alike
             copy_error = f"rank {self._ctx.rank} could not copy its state: {describe_failure(exc)}"
         # Every rank says whether it has its part before any joins DCP: one that has not must not
@@ -882,6 +886,17 @@ class CheckpointManager:
             self.store.abort(tmp)
             return _Outcome(time.time(), f"cannot commit {name} in {self.store.root}: {describe_failure(exc)}")
         return _Outcome(time.time(), None)
+
+    def _sources(self, record: _SaveRecord) -> dict[str, torch.Tensor]:
+        """Writer thread: this rank's share of the live tensors, buffers left out (copied already);
+        `_mine_keys` says which of the buffer copies are this rank's to write."""
+        if record.sources is not None:
+            self._mine_keys = frozenset(record.sources) | frozenset(record.buffers)
+            return record.sources
+        layout = self._layout
+        mine = layout.share(layout.tensors(), self._ctx.rank, self._ctx.world_size)
+        self._mine_keys = frozenset(mine)
+        return {k: v for k, v in mine.items() if k not in layout.buffer_keys}
 
     def _all_ranks_ok(self, ok: bool) -> bool:
         """Writer thread: whether `ok` holds on every rank (a collective on the save group)."""

@@ -143,7 +143,7 @@ class StoredChunk:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StoredChunk:
-        block = int(raw["block"])
+        block = int(raw.get("block", 16 * 2**20))  # the first format-2 checkpoints used 16 MiB and did not say
         if block <= 0:
             raise ValueError(f"block {block}")
         return cls(

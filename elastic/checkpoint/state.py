@@ -98,22 +98,61 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def live_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def live_tensors(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    names: Mapping[int, str] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Every tensor of the model's state dict and the optimizer's state, by stable key (live, not
-    copies); a tied tensor once, under its first key; modules' extra state apart (`module_extra_state`)."""
-    aliases = tied_aliases(model)
+    copies); a tied tensor once, under its first key; modules' extra state apart (`module_extra_state`).
+    `names` and `aliases` (`parameter_names`, `tied_aliases`) may be given, worked out once."""
+    aliases = tied_aliases(model) if aliases is None else aliases
     tensors = {
         MODEL_PREFIX + key: value
         for key, value in model.state_dict().items()
         if isinstance(value, torch.Tensor) and not key.endswith(_EXTRA_STATE) and MODEL_PREFIX + key not in aliases
     }
-    names = parameter_names(model)
+    names = parameter_names(model) if names is None else names
     for group in optimizer.param_groups:
         for param in group["params"]:
             for state_name, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"{OPTIM_PREFIX}{names[id(param)]}/{state_name}"] = value
     return tensors
+
+
+class Layout:
+    """What does not change from one save to the next, worked out once: parameter names, tied
+    weights, whether any module has extra state, and who owns which replicated tensor."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.names = parameter_names(model)
+        self.aliases = tied_aliases(model)
+        self.buffer_keys = frozenset(MODEL_PREFIX + name for name, _ in model.named_buffers())
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        self._has_extra_state = any(
+            type(m).get_extra_state is not torch.nn.Module.get_extra_state for m in model.modules()
+        )
+        self._owners: dict[Any, dict[str, int]] = {}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return live_tensors(self.model, self.optimizer, names=self.names, aliases=self.aliases)
+
+    def share(self, tensors: Mapping[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+        # Under FSDP2 buffers are not kept in step across ranks (DDP broadcasts them): rank 0's are saved.
+        return share_of(
+            tensors, rank, world_size, from_rank0=self.buffer_keys if self.sharded else frozenset(), cache=self._owners
+        )
+
+    def settings(self) -> dict[str, Any]:
+        return optimizer_settings(self.model, self.optimizer, names=self.names)
+
+    def extra_state(self) -> dict[str, Any]:
+        return module_extra_state(self.model) if self._has_extra_state else {}
 
 
 def module_extra_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -131,9 +170,11 @@ def set_module_extra_state(model: torch.nn.Module, saved: Mapping[str, Any]) -> 
         module.set_extra_state(value)
 
 
-def optimizer_settings(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_settings(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, names: Mapping[int, str] | None = None
+) -> dict[str, Any]:
     """The optimizer's non-tensor state by parameter name: group hyperparameters and plain per-parameter values."""
-    names = parameter_names(model)
+    names = parameter_names(model) if names is None else names
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
         for group in optimizer.param_groups
@@ -172,12 +213,26 @@ def replicated(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 def share_of(
-    tensors: Mapping[str, torch.Tensor], rank: int, world_size: int, *, from_rank0: frozenset[str] = frozenset()
+    tensors: Mapping[str, torch.Tensor],
+    rank: int,
+    world_size: int,
+    *,
+    from_rank0: frozenset[str] = frozenset(),
+    cache: dict[Any, dict[str, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """What this rank saves: its shard of every DTensor, the plain tensors it owns, and on
-    rank 0 the keys in `from_rank0` (state that may differ per rank: rank 0's copy is saved)."""
+    rank 0 the keys in `from_rank0` (state that may differ per rank: rank 0's copy is saved).
+    `cache` keeps the owners of a set of keys and sizes from one save to the next."""
     plain = [key for key in replicated(tensors) if key not in from_rank0]
-    owner = owners({key: nbytes(tensors[key]) for key in plain}, world_size)
+    sizes = {key: nbytes(tensors[key]) for key in plain}
+    signature = (world_size, tuple(sizes.items()))
+    owner = cache.get(signature) if cache is not None else None
+    if owner is None:
+        owner = owners(sizes, world_size)
+        if cache is not None:
+            cache.clear()
+            cache[signature] = owner
+    owner = dict(owner)
     owner.update({key: 0 for key in from_rank0 if key in tensors})
     return {key: value for key, value in tensors.items() if isinstance(value, DTensor) or owner[key] == rank}
 
