@@ -55,6 +55,7 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -770,7 +771,7 @@ class CheckpointManager:
             except Exception as exc:  # noqa: BLE001 - a non-main rank's part of a failed save: rank 0 reported it
                 logger.debug("checkpoint writer: %s", exc)
             finally:
-                self._closing.set()
+                self._stop_heartbeat()
                 if self._hook is not None:
                     self._hook.remove()
                     self._hook = None
@@ -780,6 +781,16 @@ class CheckpointManager:
             self.store.prepare(self._identity)
             self._prepared = True
             self._heartbeat.start()
+            atexit.register(self._stop_heartbeat)  # if close() is never reached
+
+    def _stop_heartbeat(self) -> None:
+        """Stop and join the heartbeat thread: a daemon thread still alive while the
+        interpreter shuts down can abort the process ("terminate called without an active
+        exception") instead of letting it exit 0."""
+        self._closing.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=5.0)
+        atexit.unregister(self._stop_heartbeat)
 
     def _beat(self) -> None:
         """Heartbeat thread (rank 0): keep the claim on the directory fresh between rare commits,
