@@ -161,6 +161,22 @@ class _HashingWriter:
         self._raw.flush()
 
 
+def _save_durably(path: Path, obj: Any, *, sha256: bool) -> _HashingWriter:
+    """torch.save `obj` to `path` through a hashing writer, fsynced; raises the OS error behind
+    a failed write (torch's zip writer hides it behind a RuntimeError)."""
+    with open(path, "wb") as raw:
+        writer = _HashingWriter(raw, sha256=sha256)
+        try:
+            torch.save(obj, writer)
+            raw.flush()
+        except Exception as exc:
+            if writer.error is not None and writer.error is not exc:
+                raise writer.error from None
+            raise
+        os.fsync(raw.fileno())
+    return writer
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What a committed checkpoint holds; stored as manifest.json beside the files."""
@@ -322,16 +338,7 @@ class CheckpointStore:
     def write_state_file(self, tmp: Path, file_name: str, obj: Any) -> dict[str, Any]:
         """`obj` saved with torch.save into `tmp/file_name`, fsynced; its size and crc32c."""
         tmp.mkdir(parents=True, exist_ok=True)
-        with open(tmp / file_name, "wb") as raw:
-            writer = _HashingWriter(raw, sha256=False)
-            try:
-                torch.save(obj, writer)
-                raw.flush()
-            except Exception as exc:
-                if writer.error is not None and writer.error is not exc:
-                    raise writer.error from None  # the cause torch's error hides
-                raise
-            os.fsync(raw.fileno())
+        writer = _save_durably(tmp / file_name, obj, sha256=False)
         return {"bytes": writer.bytes, "crc32c": writer.crc32c}
 
     def finish(
@@ -393,16 +400,7 @@ class CheckpointStore:
             tmp.mkdir()
             digests: dict[str, dict[str, Any]] = {}
             for file_name, obj in files.items():
-                with open(tmp / file_name, "wb") as raw:
-                    writer = _HashingWriter(raw)
-                    try:
-                        torch.save(obj, writer)
-                        raw.flush()
-                    except Exception as exc:
-                        if writer.error is not None and writer.error is not exc:
-                            raise writer.error from None
-                        raise
-                    os.fsync(raw.fileno())
+                writer = _save_durably(tmp / file_name, obj, sha256=True)
                 digests[file_name] = {"sha256": writer.sha256.hexdigest(), "bytes": writer.bytes}
                 if len(digests) == 1:
                     mid_write()
