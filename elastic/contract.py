@@ -25,7 +25,7 @@ from elastic.runtime import DEVICE_CHOICES
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, *, ckpt_every: int) -> None:
     """--events, --device, --metrics-port/--metrics-host, --ckpt-dir/--ckpt-every/--ckpt-keep,
-    --ckpt-max-failures/--ckpt-timeout/--ckpt-restore-timeout, --collective-timeout, --term-grace, --hang-timeout."""
+    --ckpt-max-failures/--ckpt-timeout/--ckpt-restore-timeout, --snapshot-every, --collective-timeout, --term-grace, --hang-timeout."""
     p = parser
     p.add_argument("--events", default=None, help="append the JSON-lines event log here (rank 0)")
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
@@ -46,6 +46,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, ckpt_every: int) -
     p.add_argument(
         "--ckpt-restore-timeout", type=positive_float, default=600.0,
         help="seconds reading a checkpoint may take on restore; else stop with status 75 (not a restart loop)",
+    )
+    p.add_argument(
+        "--snapshot-every", type=non_negative_int, default=1,
+        help="steps between in-memory snapshots under torchrevive-run, which a failure resumes from (0: off)",
     )
     p.add_argument("--collective-timeout", type=positive_float, default=300.0, help="seconds before a collective fails")
     p.add_argument(

@@ -125,6 +125,8 @@ class RunConfig:
     """Seconds the final or a preemption checkpoint may take to commit before the job stops with exit 75."""
     ckpt_restore_timeout: float = 600.0
     """Seconds reading a checkpoint may take on restore before the job stops with exit 75."""
+    snapshot_every: int = 1
+    """Steps between in-memory snapshots (needs `ckpt_dir` and a snapshot keeper: torchrevive-run; 0: off)."""
     events: str | None = None
     """Append the JSON-lines event log here (rank 0)."""
     device: str = "auto"
@@ -144,8 +146,8 @@ class RunConfig:
     """Steps between progress lines when stdout is not a terminal."""
 
     def __post_init__(self) -> None:
-        if self.ckpt_every < 0:
-            raise UsageError(f"ckpt_every={self.ckpt_every} must be 0 or more")
+        if self.ckpt_every < 0 or self.snapshot_every < 0:
+            raise UsageError(f"ckpt_every={self.ckpt_every} and snapshot_every={self.snapshot_every} must be 0 or more")
         if self.ckpt_keep < 2:
             raise UsageError(f"ckpt_keep={self.ckpt_keep} must be at least 2 (a fallback needs two)")
         if self.ckpt_max_failures < 1 or self.ckpt_timeout <= 0 or self.ckpt_restore_timeout <= 0:
@@ -359,6 +361,7 @@ class Run:
             ctx, cfg.ckpt_dir, every=cfg.ckpt_every, keep=cfg.ckpt_keep, model=self.model, optimizer=optimizer,
             scheduler=scheduler, scaler=scaler, sampler=self.sampler, events=self.events, seed=cfg.seed, extra=extra,
             max_failures=cfg.ckpt_max_failures, timeout=cfg.ckpt_timeout, restore_timeout=cfg.ckpt_restore_timeout,
+            snapshot_every=cfg.snapshot_every,
             # Waits for storage come in slices far below the collective and hang timeouts.
             wait_slice=min(5.0, cfg.collective_timeout / 4, (cfg.hang_timeout or math.inf) / 4),
         )

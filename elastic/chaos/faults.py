@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from elastic.errors import UsageError
 
-FAULT_POINTS = ("during_write", "before_commit", "after_step", "during_read")
+FAULT_POINTS = ("during_write", "before_commit", "after_step", "during_read", "during_snapshot")
 ACTIONS = ("kill", "stop", "hang", "enospc", "slow")
 ENV_VAR = "ELASTIC_FAULT"
 

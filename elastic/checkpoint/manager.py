@@ -72,8 +72,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.utils import CheckpointException
 
 from elastic.chaos import FaultInjector
-from elastic.checkpoint import compat, sharded
+from elastic.checkpoint import compat, parts, sharded
 from elastic.checkpoint import state as live_state
+from elastic.checkpoint.memory import KeeperAddress, MemorySnapshots
 from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now, dtensor_like
 from elastic.checkpoint.store import (
     Candidate,
@@ -194,6 +195,7 @@ class CheckpointManager:
         timeout: float = 600.0,
         restore_timeout: float = 600.0,
         wait_slice: float = 5.0,
+        snapshot_every: int = 0,
     ) -> None:
         self._ctx = ctx
         self.enabled = directory is not None
@@ -258,6 +260,22 @@ class CheckpointManager:
             # Parameters and optimizer state change only in optimizer.step(): their copy
             # may run until then, and this hook holds the step until it has.
             self._hook = optimizer.register_step_pre_hook(lambda *_: self._wait_sources_free())
+        self._memory: MemorySnapshots | None = None
+        self._snapshot_copy: DeferredCopy | None = None
+        self._snapshot_pool = BufferPool(pin_memory=False)
+        if self.enabled and snapshot_every > 0:
+            keeper = KeeperAddress.from_env()
+            if keeper is None:
+                if ctx.is_main:
+                    logger.info(
+                        "in-memory snapshots are off: no snapshot keeper runs on this node (start the job with "
+                        "torchrevive-run for them); a failure resumes from the last checkpoint on disk"
+                    )
+            else:
+                self._memory = MemorySnapshots(
+                    ctx, keeper, every=snapshot_every, ckpt_dir=str(self.store.root.resolve()), keep=keep,
+                    fault=self._faults.at,
+                )
 
     # -- restore ---------------------------------------------------------------
 
@@ -279,6 +297,11 @@ class CheckpointManager:
         if isinstance(box[0], CheckpointError):
             raise box[0]
         self._tag = box[1]
+        if self._memory is not None:
+            newest_on_disk = candidates[0].step if candidates else -1
+            restored = self._restore_from_memory(newest_on_disk, started, deadline)
+            if restored is not None:
+                return restored
         corrupt: list[str] = []
         bad: list[Candidate] = []  # rank 0: moved aside once an older one restores; all corrupt: none moves
         while True:
@@ -305,7 +328,7 @@ class CheckpointManager:
                 continue
             if self._ctx.is_main:
                 self._quarantine(bad)
-            return self._restored(name, manifest, started)
+            return self._restored(name, manifest, started, source="disk")
         barrier(self._ctx)
         logger.info("no checkpoint in %s: starting at step 0", self.store.root)
         return 0
@@ -561,23 +584,130 @@ class CheckpointManager:
         else:
             seed_all(self._seed * _RESEED_STRIDE + manifest.step * 7919 + self._ctx.rank, self._ctx.device)
 
-    def _restored(self, name: str, manifest: Manifest, started: float) -> int:
+    def _restored(self, name: str, manifest: Manifest, started: float, *, source: str) -> int:
         barrier(self._ctx)
         seconds = time.perf_counter() - started
-        self.last_step = manifest.step
+        # A snapshot's step is not on disk yet (the keeper may still be writing it): a final
+        # save at this very step must not be skipped as already saved.
+        self.last_step = manifest.step if source == "disk" else None
         read = torch.tensor([self.restored_bytes], dtype=torch.int64)
         if self._ctx.distributed:
             dist.all_reduce(read, group=control_group())
+        redone = self._steps_redone(manifest.step)
         self._events.emit(
             "restore", step=manifest.step, world_size=self._ctx.world_size, seconds=seconds,
-            checkpoint=name, saved_world_size=manifest.world_size, bytes_read=int(read.item()), source="disk",
+            checkpoint=name, saved_world_size=manifest.world_size, bytes_read=int(read.item()), source=source,
+            **({"redone": redone} if redone is not None else {}),
         )
         if self._ctx.is_main:
             logger.info(
-                "resumed from %s (step %d, saved at world size %d) in %.2f s",
+                "resumed from %s (step %d, saved at world size %d) in %.2f s%s",
                 name, manifest.step, manifest.world_size, seconds,
+                f"; {redone} step(s) to redo" if redone is not None else "",
             )
         return manifest.step
+
+    def _steps_redone(self, step: int) -> int | None:
+        """Steps finished before the failure that the job trains again (the newest step any
+        node's workers noted, less the restored one); None when no node noted any (a first start,
+        or no keeper). A collective."""
+        progress = self._memory.last_progress() if self._memory is not None else None
+        newest = torch.tensor([-1 if progress is None else progress], dtype=torch.int64)
+        if self._ctx.distributed:
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=control_group())
+        return max(0, int(newest.item()) - step) if newest.item() >= 0 else None
+
+    # -- restore from memory -----------------------------------------------------
+
+    def _restore_from_memory(self, newest_on_disk: int, started: float, deadline: float) -> int | None:
+        """Every rank: restore the newest snapshot every old rank's part of is in some node's memory,
+        if it is at least as new as the newest checkpoint on disk; None (nothing changed) otherwise."""
+        assert self._memory is not None
+        memory = self._memory
+        memory.connect()
+        held = memory.inventory()
+        gathered: list[Any] = [None] * self._ctx.world_size if self._ctx.is_main else []
+        if self._ctx.distributed:
+            dist.gather_object(held, gathered if self._ctx.is_main else None, dst=0, group=control_group())
+        else:
+            gathered = [held]
+        plan = self._memory_plan(gathered, newest_on_disk) if self._ctx.is_main else None
+        plan = self._broadcast_object(plan)
+        if plan is None:
+            return None
+        step, world_size, source, locations, trainer, tensors_json = plan
+        name = f"the in-memory snapshot of step {step}"
+        directory: Any = None
+        why = None
+        try:
+            directory = memory.gather_files(locations, self._tag)
+        except OSError as exc:
+            why = f"rank {self._ctx.rank} could not get its parts: {describe_failure(exc)}"
+        if not self._all_ok_control(why is None):
+            if self._ctx.is_main:
+                logger.warning("%s cannot be restored (%s); restoring from disk", name, why or "another rank could not get its parts")
+            self._remove(directory)
+            return None
+        sampler = trainer["sampler"]
+        manifest = Manifest(
+            step=step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]), world_size=world_size,
+            files={}, created=time.time(), reason="snapshot", run_id=self._ctx.run_id, versions=versions(),
+        )
+        try:
+            self._restore_sharded(Candidate(name, step, directory), manifest, trainer, tensors_json, deadline)
+        except CorruptCheckpoint as exc:
+            if self._ctx.is_main:
+                logger.warning("%s fails its check (%s); restoring from disk", name, exc)
+            return None
+        finally:
+            self._remove(directory)
+        return self._restored(name, manifest, started, source=source)
+
+    def _memory_plan(self, gathered: list[dict[str, Any]], newest_on_disk: int) -> Any:
+        """Rank 0: (step, world size, source, locations, trainer, tensors.json) of the snapshot to
+        restore, or None: the newest step whose every part some node holds, when it fits this job
+        and is no older than the newest checkpoint on disk."""
+        places: dict[tuple[int, int], dict[int, list[tuple[str, str, str, str]]]] = {}
+        headers: dict[tuple[int, int], dict[int, parts.PartHeader]] = {}
+        for node in gathered:
+            for where, header in node["parts"]:
+                key = (header.step, header.world_size)
+                places.setdefault(key, {}).setdefault(header.rank, []).append((node["node"], node["url"], where, header.stem))
+                headers.setdefault(key, {}).setdefault(header.rank, header)
+        for (step, world_size) in sorted(places, reverse=True):
+            if step < newest_on_disk:
+                break
+            found = places[(step, world_size)]
+            if set(found) != set(range(world_size)):
+                continue
+            name = f"the in-memory snapshot of step {step}"
+            try:
+                chosen = [headers[(step, world_size)][rank] for rank in range(world_size)]
+                metadata = parts.merged_metadata(chosen)
+                trainer = parts.merged_trainer(chosen)
+                self._check_sharded(name, metadata, trainer)
+                self._check_trainer(name, trainer)
+            except (CorruptCheckpoint, CheckpointMismatchError, KeyError) as exc:
+                logger.warning("%s cannot be restored (%s); trying an older one", name, exc)
+                continue
+            # "memory": every part is where its own worker wrote it; "peer": some survive only as replicas.
+            source = "memory" if all(any(p[2] == "local" for p in found[r]) for r in found) else "peer"
+            return step, world_size, source, found, trainer, sharded.metadata_to_json(metadata)
+        return None
+
+    def _all_ok_control(self, ok: bool) -> bool:
+        if not self._ctx.distributed:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_group())
+        return bool(flag.item())
+
+    @staticmethod
+    def _remove(directory: Any) -> None:
+        if directory is not None:
+            import shutil
+
+            shutil.rmtree(directory, ignore_errors=True)
 
     # -- save ------------------------------------------------------------------
 
@@ -585,11 +715,50 @@ class CheckpointManager:
         return self.enabled and self.every > 0 and step % self.every == 0
 
     def maybe_save(self, step: int) -> None:
-        """Save when `step` is a multiple of `every`; report saves that finished meanwhile."""
+        """Save when `step` is a multiple of `every`; report saves that finished meanwhile; take
+        the in-memory snapshot when one is due."""
+        if self._memory is not None:
+            self._memory.note_step(step)
         if self.due(step):
             self.save(step)
         else:
             self._collect(block=False)
+        if self._memory is not None and self._memory.due(step):
+            self.snapshot(step)
+
+    def snapshot(self, step: int) -> None:
+        """Copy the state of `step` into this node's shared memory (see memory.py). Not a
+        collective: each rank copies its own share; the loop blocks only for the copy."""
+        memory = self._memory
+        if memory is None:
+            return
+        started = time.perf_counter()
+        memory.wait_previous()  # at most one in flight: its buffers are reused now
+        if memory.disabled is not None:
+            return
+        extra = {name: plain_state(name, obj.state_dict()) for name, obj in self._extra.items()}
+        settings = plain_state("optimizer", self._layout.settings())
+        trainer = self._trainer_state(step, [get_rng_state(self._ctx.device)], extra, settings)
+        layout = self._layout
+        rank, world = self._ctx.rank, self._ctx.world_size
+        if layout.sharded:
+            # FSDP2 swaps its registered parameters in every forward: the share is taken now.
+            mine = layout.share(layout.tensors(), rank, world)
+            buffers = {k: v for k, v in mine.items() if k in layout.buffer_keys}
+
+            def build() -> dict[str, torch.Tensor]:
+                return mine
+        else:
+            # Every buffer is copied now (a forward changes them; they are small); which of them
+            # and of the parameters this rank keeps is settled on the snapshot thread.
+            buffers = {live_state.MODEL_PREFIX + name: b for name, b in self._model.named_buffers()}
+
+            def build() -> dict[str, torch.Tensor]:
+                return layout.share(layout.tensors(), rank, world)
+        now = copy_now({"trainer": trainer, "buffers": buffers}, self._snapshot_pool, self._ctx.device, self._copy_stream)
+        self._snapshot_copy = DeferredCopy(self._ctx.device, self._copy_stream)
+        memory.submit(step, now["trainer"], now["buffers"], build, self._snapshot_copy)
+        memory.blocking_seconds.append(time.perf_counter() - started)
 
     def save(self, step: int, reason: str = "periodic") -> None:
         """Start saving the state as of now (a collective); returns once the state is copied.
@@ -772,6 +941,8 @@ class CheckpointManager:
                 logger.debug("checkpoint writer: %s", exc)
             finally:
                 self._stop_heartbeat()
+                if self._memory is not None:
+                    self._memory.close()
                 if self._hook is not None:
                     self._hook.remove()
                     self._hook = None
@@ -832,7 +1003,11 @@ class CheckpointManager:
         }
 
     def _wait_sources_free(self) -> None:
-        """Optimizer step pre-hook: the step may change parameters once the save has read them."""
+        """Optimizer step pre-hook: the step may change parameters once the save (and the
+        snapshot) have read them."""
+        if self._snapshot_copy is not None:
+            self._snapshot_copy.wait_sources_free()
+            self._snapshot_copy = None
         record = self._in_flight
         if record is None or record.sources_released:
             return

@@ -22,6 +22,12 @@ did not set:
   `--start-method` other than forkserver, `PYTHON_EXEC`, or
   `TORCHREVIVE_PRELOAD=` (empty) keep torch's way.
 
+Each node gets a snapshot keeper (`elastic.launcher.keeper`): the process
+side of the memory tier, which holds the workers' in-memory snapshots in
+/dev/shm, serves them to peer nodes, and writes the newest one to the
+checkpoint directory when the workers stop. `TORCHREVIVE_SNAPSHOTS=0` leaves
+it out (the workers then checkpoint to disk only, as under plain torchrun).
+
 It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
 recovery's path), ends the job instead of restarting it when a worker exits
@@ -46,6 +52,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import CheckpointStorageError, UsageError
 from elastic.launcher import warm_start
+from elastic.launcher.keeper import SnapshotKeeper, keeper_host
 from elastic.launcher.reaper import start_reaper
 from elastic.runtime import prefetch_slow_imports
 
@@ -147,12 +154,55 @@ def main(argv: list[str] | None = None) -> None:
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
+    keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
     try:
         record(launch)(args, preload)  # torch's own report of the failure comes first
     except ChildFailedError as error:
         print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
         _, failure = error.get_first_failure()
         sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
+    finally:
+        if keeper is not None:
+            keeper.close()  # the newest snapshot is persisted before the agent leaves
+
+
+SNAPSHOTS_ENV = "TORCHREVIVE_SNAPSHOTS"
+
+
+def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
+    """This node's snapshot keeper, its address in the environment the workers inherit, and the
+    agent told to call it whenever it stops its workers; None when TORCHREVIVE_SNAPSHOTS=0 or it
+    cannot start (one warning line: the job then checkpoints to disk only)."""
+    if os.environ.get(SNAPSHOTS_ENV, "1") == "0":
+        return None
+    try:
+        keeper = SnapshotKeeper(keeper_host(getattr(args, "local_addr", None)))
+    except OSError as exc:
+        print(f"torchrevive-run: warning: no in-memory snapshots on this node: the snapshot keeper cannot start "
+              f"({exc.strerror or exc}); checkpoints go to disk only", file=sys.stderr, flush=True)
+        return None
+    os.environ.update(keeper.address.environ())
+    notify_on_stop(keeper)
+    return keeper
+
+
+def notify_on_stop(keeper: SnapshotKeeper) -> None:
+    """Make torch's agent (in this process) tell `keeper` each time it has stopped its workers
+    (a failure, a restart for a new membership, the end of a failed job)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
+
+    original = getattr(LocalElasticAgent._stop_workers, "without_keeper", LocalElasticAgent._stop_workers)
+
+    def stop_workers(self: LocalElasticAgent, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            keeper.workers_stopped()
+
+    stop_workers.without_keeper = original  # type: ignore[attr-defined]
+    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
 
 
 def check_script(args: argparse.Namespace) -> None:

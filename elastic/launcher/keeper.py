@@ -1,0 +1,453 @@
+"""The snapshot keeper: the launcher's side of the memory tier, on each node.
+
+It lives in the torchrun agent's process (`torchrevive-run`), which outlives
+every worker it starts, and:
+
+- owns a directory in shared memory (`/dev/shm/torchrevive-snapshots/<node>/`,
+  or `TORCHREVIVE_SNAPSHOT_BASE`) where this node's workers write their
+  snapshot parts (`elastic.checkpoint.memory`), and tells the workers where it
+  is through the environment;
+- serves those parts to the other nodes' workers, and takes the parts a peer
+  node's workers copy to it, over HTTP on the address the agent was given
+  (`--local-addr`, or `TORCHREVIVE_SNAPSHOT_HOST`), port chosen by the system;
+- when its workers stop (a failure, or a restart for a membership change),
+  writes the newest snapshot it holds to the job's `--ckpt-dir` as a normal
+  committed checkpoint (`persist`), so a whole-job crash right after a failure
+  still loses at most one step;
+- removes what is no longer needed: the parts of dead workers once newer ones
+  exist, replicas beyond the newest two steps, and (at start) the directories
+  of keepers on this host whose agent is gone.
+
+Invariants:
+- Persisting goes through a staging directory in `--ckpt-dir` per step, shared
+  by every node's keeper: each copies in the parts it holds (its own workers'
+  and its peer's replicas), each part checked against its crc32c on the way;
+  whichever keeper finds every rank's part there commits it (one wins, by an
+  exclusively created file), by the store's own atomic rename. Only steps
+  newer than the newest committed checkpoint are written.
+- A part's files are never removed while a persist runs, nor while no newer
+  snapshot exists (a restore may still read them).
+- The endpoint serves part files by name only (no paths); what it receives is
+  data and JSON, and nothing it serves or stores is ever executed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from elastic.checkpoint import parts, sharded
+from elastic.checkpoint.memory import LOCAL, REPLICA, KeeperAddress
+from elastic.checkpoint.parts import PartHeader
+from elastic.errors import CorruptCheckpoint
+
+logger = logging.getLogger(__name__)
+
+BASE_ENV = "TORCHREVIVE_SNAPSHOT_BASE"
+HOST_ENV = "TORCHREVIVE_SNAPSHOT_HOST"
+DIRECTORY = "torchrevive-snapshots"
+OWNER_FILE = "owner.json"
+STAGE_PREFIX = ".snapshot."
+PRUNE_EVERY = 2.0
+STALE_UPLOAD = 60.0
+
+
+def snapshot_base(environ: dict[str, str] | None = None) -> Path:
+    """Where keepers put their directories: TORCHREVIVE_SNAPSHOT_BASE, else /dev/shm (memory)."""
+    env = os.environ if environ is None else environ
+    given = env.get(BASE_ENV)
+    if given:
+        return Path(given)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    import tempfile
+
+    return Path(tempfile.gettempdir())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SnapshotKeeper:
+    """One node's keeper (see the module docstring). `close()` removes its directory."""
+
+    def __init__(self, host: str, *, base: Path | None = None) -> None:
+        self.host = host
+        base = (base or snapshot_base()) / DIRECTORY
+        base.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(base)
+        self.node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.root = base / self.node
+        for name in (LOCAL, REPLICA):
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+        (self.root / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        self._server = ThreadingHTTPServer((host, 0), _Handler)
+        self._server.daemon_threads = True
+        self._server.keeper = self  # type: ignore[attr-defined]
+        port = self._server.server_address[1]
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self._lock = threading.Lock()  # persist and prune never overlap
+        self._closing = threading.Event()
+        self._persist_wanted = threading.Event()
+        self.persisted: list[int] = []
+        """Steps this keeper committed to a checkpoint directory."""
+        self._threads = [
+            threading.Thread(target=self._server.serve_forever, name="snapshot-keeper-http", daemon=True),
+            threading.Thread(target=self._maintain, name="snapshot-keeper", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def address(self) -> KeeperAddress:
+        return KeeperAddress(self.root, self.url, self.node)
+
+    # -- the agent's events --------------------------------------------------------
+
+    def workers_stopped(self) -> None:
+        """The agent stopped its workers: persist the newest snapshot (soon, on the keeper's thread)."""
+        self._persist_wanted.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no persist is wanted or running (the agent is about to exit)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._persist_wanted.is_set() and self._lock.acquire(timeout=0.1):
+                self._lock.release()
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self, timeout: float = 300.0) -> None:
+        """Finish a persist that is wanted, stop serving, remove the directory."""
+        if not self.wait_idle(timeout):
+            logger.warning("snapshot keeper: persisting the newest snapshot did not finish within %g s", timeout)
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+        with self._lock:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _maintain(self) -> None:
+        while not self._closing.is_set():
+            wanted = self._persist_wanted.wait(PRUNE_EVERY)
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                if wanted:
+                    self._persist_wanted.clear()
+                    try:
+                        self.persisted += self.persist()
+                    except Exception:  # noqa: BLE001 - the keeper must outlive any one failure
+                        logger.exception("snapshot keeper: persisting the newest snapshot failed")
+                try:
+                    self.prune()
+                except OSError as exc:
+                    logger.debug("snapshot keeper: prune: %s", exc)
+
+    # -- persist -------------------------------------------------------------------
+
+    def held(self) -> list[tuple[Path, PartHeader]]:
+        """(data file, header) of every part in this node's memory, its own and its peer's."""
+        found = []
+        for where in (LOCAL, REPLICA):
+            for header in parts.read_headers(self.root / where):
+                found.append((self.root / where / (header.stem + parts.DATA_SUFFIX), header))
+        return found
+
+    def persist(self) -> list[int]:
+        """Write the newest snapshot held here into its job's checkpoint directory (see the module
+        docstring); the steps committed by this keeper."""
+        from elastic.checkpoint.store import CheckpointStore
+
+        targets: dict[tuple[str, str, int, int], dict[int, list[tuple[Path, PartHeader]]]] = {}
+        for path, header in self.held():
+            steps = targets.setdefault((header.ckpt_dir, header.run_id, header.world_size, header.keep), {})
+            steps.setdefault(header.step, []).append((path, header))
+        committed: list[int] = []
+        for (ckpt_dir, run_id, world_size, keep), steps in targets.items():
+            root = Path(ckpt_dir)
+            if not root.is_dir():
+                continue
+            store = CheckpointStore(root, keep=keep)
+            newest = _newest(store)
+            for step in sorted(steps, reverse=True):
+                if step <= newest:
+                    break
+                stage = root / f"{STAGE_PREFIX}step_{step:08d}.{_safe(run_id)}.w{world_size}"
+                try:
+                    stage.mkdir(exist_ok=True)
+                    for path, header in steps[step]:
+                        self._stage_part(stage, path, header)
+                    if self._try_commit(store, stage, step, world_size):
+                        committed.append(step)
+                        logger.info("snapshot keeper: persisted the snapshot of step %d to %s", step, root)
+                        break
+                except OSError as exc:
+                    logger.warning("snapshot keeper: cannot persist step %d to %s: %s", step, root, exc)
+            _remove_old_stages(root, _newest(store))
+        return committed
+
+    def _stage_part(self, stage: Path, path: Path, header: PartHeader) -> None:
+        done = stage / f"part_{header.rank:05d}.json"
+        if done.exists():
+            return  # another keeper (or an earlier persist) copied this rank's part
+        try:
+            data = parts.read_data(path, header)
+        except CorruptCheckpoint as exc:
+            logger.warning("snapshot keeper: not persisting a part: %s", exc)
+            return
+        tmp = stage / f".{header.stem}.{uuid.uuid4().hex[:6]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, stage / sharded.shard_file(header.rank))
+        finally:
+            tmp.unlink(missing_ok=True)
+        tmp_header = stage / f".{done.name}.{uuid.uuid4().hex[:6]}"
+        tmp_header.write_bytes(header.to_json())
+        os.replace(tmp_header, done)
+
+    def _try_commit(self, store: Any, stage: Path, step: int, world_size: int) -> bool:
+        from elastic.checkpoint.manager import TRAINER_FILE
+        from elastic.checkpoint.store import Manifest, versions
+
+        headers_files = [stage / f"part_{rank:05d}.json" for rank in range(world_size)]
+        if not all(path.exists() for path in headers_files):
+            return False
+        try:
+            os.close(os.open(stage / ".commit", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False  # another keeper commits it
+        headers = [PartHeader.from_json(path.read_bytes()) for path in headers_files]
+        try:
+            metadata = parts.merged_metadata(headers)
+            trainer = parts.merged_trainer(headers)
+        except CorruptCheckpoint as exc:
+            logger.warning("snapshot keeper: step %d cannot be persisted: %s", step, exc)
+            return False
+        text = sharded.metadata_to_json(metadata).encode()
+        with open(stage / sharded.TENSORS_FILE, "wb") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        import crc32c
+
+        files: dict[str, dict[str, Any]] = {
+            sharded.shard_file(h.rank): {"bytes": h.data_bytes} for h in headers
+        }
+        files[sharded.TENSORS_FILE] = {"bytes": len(text), "crc32c": crc32c.crc32c(text)}
+        files[TRAINER_FILE] = store.write_state_file(stage, TRAINER_FILE, trainer)
+        for path in headers_files:
+            path.unlink()
+        (stage / ".commit").unlink()
+        if step <= _newest(store):
+            shutil.rmtree(stage, ignore_errors=True)
+            return False  # the workers committed this step or a newer one meanwhile
+        sampler = trainer["sampler"]
+        manifest = Manifest(
+            step=step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]), world_size=world_size,
+            files=files, created=time.time(), reason="breakpoint", run_id=headers[0].run_id, versions=versions(),
+        )
+        store.finish(stage, manifest)
+        return True
+
+    # -- housekeeping --------------------------------------------------------------
+
+    def prune(self) -> None:
+        """Remove parts nobody needs any more (see the module docstring)."""
+        local = self.root / LOCAL
+        headers = parts.read_headers(local)
+        live = [h for h in headers if _pid_alive(parts.writer_pid(h.writer))]
+        newest_live = max((h.step for h in live), default=None)
+        for entry in os.scandir(local):
+            parsed = parts.parse_part_name(entry.name)
+            if parsed is None:
+                continue
+            _, writer, _, _ = parsed
+            if _pid_alive(parts.writer_pid(writer)):
+                continue
+            own = [h.step for h in headers if h.writer == writer]
+            # A dead writer's parts go once a live one has written a newer snapshot (its restore is over).
+            if newest_live is not None and (not own or max(own) <= newest_live):
+                Path(entry.path).unlink(missing_ok=True)
+        self._prune_replicas()
+        fetched = self.root / "fetched"
+        if newest_live is not None and fetched.is_dir():
+            for entry in os.scandir(fetched):
+                Path(entry.path).unlink(missing_ok=True)
+
+    def _prune_replicas(self) -> None:
+        replica = self.root / REPLICA
+        headers = parts.read_headers(replica)
+        keep: set[str] = set()
+        by_rank: dict[int, list[PartHeader]] = {}
+        for header in headers:
+            by_rank.setdefault(header.rank, []).append(header)
+        for group in by_rank.values():
+            steps = sorted({h.step for h in group}, reverse=True)[:2]
+            keep.update(h.stem for h in group if h.step in steps)
+        now = time.time()
+        for entry in os.scandir(replica):
+            parsed = parts.parse_part_name(entry.name)
+            if parsed is None:
+                if entry.name.startswith(".") and now - entry.stat().st_mtime > STALE_UPLOAD:
+                    Path(entry.path).unlink(missing_ok=True)  # an upload that died
+                continue
+            stem = entry.name.rsplit(".", 1)[0]
+            has_header = (replica / (stem + parts.HEADER_SUFFIX)).exists()
+            if stem not in keep and (has_header or now - entry.stat().st_mtime > STALE_UPLOAD):
+                Path(entry.path).unlink(missing_ok=True)
+
+    # -- receiving a peer's part ---------------------------------------------------
+
+    def receive(self, stem: str, head: bytes, body: Any, length: int) -> None:
+        """Store a peer's part: data first, then its header (the old header of the slot goes first)."""
+        header = PartHeader.from_json(head)
+        if header.stem != stem or header.data_bytes != length:
+            raise ValueError("the part's header does not match its name or length")
+        replica = self.root / REPLICA
+        tmp = replica / f".{stem}.{uuid.uuid4().hex[:6]}"
+        try:
+            with open(tmp, "wb") as f:
+                remaining = length
+                while remaining:
+                    block = body.read(min(remaining, 2**20))
+                    if not block:
+                        raise ValueError("the part ended early")
+                    f.write(block)
+                    remaining -= len(block)
+            (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
+            os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
+        finally:
+            tmp.unlink(missing_ok=True)
+        parts.write_header(replica, header)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """GET /part/<local|replica>/<part file>; PUT /replica/<part stem> (header, then data)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        keeper: SnapshotKeeper = self.server.keeper  # type: ignore[attr-defined]
+        pieces = self.path.strip("/").split("/")
+        if len(pieces) != 3 or pieces[0] != "part" or pieces[1] not in (LOCAL, REPLICA) or parts.parse_part_name(pieces[2]) is None:
+            self.send_error(404)
+            return
+        path = keeper.root / pieces[1] / pieces[2]
+        try:
+            f = open(path, "rb")
+        except OSError:
+            self.send_error(404)
+            return
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            self.send_response(200)
+            self.send_header("Content-Length", str(size))
+            self.end_headers()
+            shutil.copyfileobj(f, self.wfile, 2**20)
+
+    def do_PUT(self) -> None:  # noqa: N802
+        keeper: SnapshotKeeper = self.server.keeper  # type: ignore[attr-defined]
+        pieces = self.path.strip("/").split("/")
+        try:
+            total = int(self.headers["Content-Length"])
+            head_bytes = int(self.headers["X-Header-Bytes"])
+        except (TypeError, ValueError):
+            self.send_error(400)
+            return
+        if len(pieces) != 2 or pieces[0] != REPLICA or parts.parse_part_name(pieces[1] + parts.HEADER_SUFFIX) is None \
+                or not 0 < head_bytes <= min(total, 2**26):
+            self.send_error(400)
+            self.close_connection = True
+            return
+        try:
+            keeper.receive(pieces[1], self.rfile.read(head_bytes), self.rfile, total - head_bytes)
+        except (ValueError, CorruptCheckpoint) as exc:
+            self.send_error(400, str(exc)[:200])
+            self.close_connection = True
+            return
+        except OSError as exc:
+            self.send_error(507, str(exc)[:200])
+            self.close_connection = True
+            return
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+        logger.debug("snapshot keeper: " + format, *args)
+
+
+def _newest(store: Any) -> int:
+    try:
+        committed = store.committed()
+    except OSError:
+        return -1
+    return committed[0].step if committed else -1
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:64]
+
+
+def _remove_old_stages(root: Path, newest: int) -> None:
+    """Staging directories of steps no newer than the newest committed checkpoint: never needed again."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(STAGE_PREFIX + "step_"):
+            continue
+        try:
+            step = int(entry.name[len(STAGE_PREFIX) + 5 :].split(".", 1)[0])
+        except ValueError:
+            continue
+        if step <= newest:
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _remove_orphans(base: Path) -> None:
+    """Directories of keepers on this host whose process is gone (killed before it could clean up)."""
+    host = socket.gethostname()
+    for entry in os.scandir(base):
+        try:
+            owner = json.loads((Path(entry.path) / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def keeper_host(local_addr: str | None, environ: dict[str, str] | None = None) -> str:
+    """Where the keeper binds: TORCHREVIVE_SNAPSHOT_HOST, else the agent's `--local-addr`, else this
+    host's name resolved (the address its peers reach it by)."""
+    env = os.environ if environ is None else environ
+    if env.get(HOST_ENV):
+        return env[HOST_ENV]
+    if local_addr:
+        return local_addr
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return "127.0.0.1"
