@@ -601,8 +601,9 @@ class CheckpointManager:
         )
         if self._ctx.is_main:
             logger.info(
-                "resumed from %s (step %d, saved at world size %d) in %.2f s%s",
-                name, manifest.step, manifest.world_size, seconds,
+                "resumed from %s%s (step %d, saved at world size %d) in %.2f s%s",
+                name, {"disk": "", "memory": " in memory", "peer": " in a peer node's memory"}[source],
+                manifest.step, manifest.world_size, seconds,
                 f"; {redone} step(s) to redo" if redone is not None else "",
             )
         return manifest.step
@@ -661,7 +662,7 @@ class CheckpointManager:
             return None
         finally:
             self._remove(directory)
-        return self._restored(name, manifest, started, source=source)
+        return self._restored(checkpoint_name(step), manifest, started, source=source)
 
     def _memory_plan(self, gathered: list[dict[str, Any]], newest_on_disk: int) -> Any:
         """Rank 0: (step, world size, source, locations, trainer, tensors.json) of the snapshot to

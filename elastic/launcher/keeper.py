@@ -106,6 +106,7 @@ class SnapshotKeeper:
         self._lock = threading.Lock()  # persist and prune never overlap
         self._closing = threading.Event()
         self._persist_wanted = threading.Event()
+        self._checkpoint_dirs: set[Path] = set()  # where persists went: their stale stages go at close
         self.persisted: list[int] = []
         """Steps this keeper committed to a checkpoint directory."""
         self._threads = [
@@ -144,6 +145,8 @@ class SnapshotKeeper:
         self._server.server_close()
         with self._lock:
             shutil.rmtree(self.root, ignore_errors=True)
+            for root in self._checkpoint_dirs:
+                _remove_old_stages(root, _newest(_store(root)))
 
     def _maintain(self) -> None:
         while not self._closing.is_set():
@@ -187,6 +190,7 @@ class SnapshotKeeper:
             if not root.is_dir():
                 continue
             store = CheckpointStore(root, keep=keep)
+            self._checkpoint_dirs.add(root)
             newest = _newest(store)
             for step in sorted(steps, reverse=True):
                 if step <= newest:
@@ -404,6 +408,12 @@ def _newest(store: Any) -> int:
     except OSError:
         return -1
     return committed[0].step if committed else -1
+
+
+def _store(root: Path) -> Any:
+    from elastic.checkpoint.store import CheckpointStore
+
+    return CheckpointStore(root)
 
 
 def _safe(text: str) -> str:
