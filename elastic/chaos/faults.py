@@ -18,6 +18,8 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=during_read@20:do=slow:for=40
                                             restoring step 20's checkpoint stalls 40 s
                                             after its first chunk (slow storage on restore)
+    ELASTIC_FAULT=during_snapshot@15:rank=1 die on rank 1 while it copies step 15's
+                                            in-memory snapshot (data written, header not)
 
 A fault fires only on restart 0 unless `restart=` says otherwise, so a job
 that torchrun restarts after the fault runs on undisturbed. Several faults

@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,8 @@ from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
 from elastic.checkpoint.store import CheckpointStore
 from elastic.errors import CorruptCheckpoint
+from elastic.launcher.keeper import BASE_ENV as SNAPSHOT_BASE_ENV
+from elastic.launcher.keeper import DIRECTORY as SNAPSHOT_DIRECTORY
 from elastic.launcher.proctree import descendants, worker_rank
 
 logger = logging.getLogger(__name__)
@@ -131,8 +134,22 @@ class ChaosJob:
             env[SAMPLE_LOG_ENV] = str(self.spec.sample_log)
         if self.spec.network:
             env["GLOO_SOCKET_IFNAME"] = INTERFACE  # the hostname resolves to no address inside a namespace
+        # The agents' snapshot keepers keep their shared memory here (in /dev/shm), so that a node
+        # loss can wipe the lost node's, as a real one would.
+        env[SNAPSHOT_BASE_ENV] = str(self.snapshot_base)
         env.update(self.spec.env)
         return env
+
+    @property
+    def snapshot_base(self) -> Path:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.spec.workdir
+        return base / f"chaos-{self.spec.run_id}"
+
+    def wipe_node_memory(self, pid: int) -> None:
+        """What a node loss takes with it: the shared memory of the agent `pid`'s snapshot keeper."""
+        for directory in (self.snapshot_base / SNAPSHOT_DIRECTORY).glob(f"*-{pid}-*"):
+            shutil.rmtree(directory, ignore_errors=True)
 
     def add_agent(self, host: int | None = None) -> subprocess.Popen:
         """Start one more agent (the first ones, or a node joining later), on host
@@ -269,6 +286,7 @@ class ChaosJob:
                 self._kill_node(index)
         for index in range(self.spec.network.hosts if self.spec.network else 0):
             self.spec.network.heal(index)
+        shutil.rmtree(self.snapshot_base, ignore_errors=True)
 
     def __enter__(self) -> ChaosJob:
         return self
@@ -305,6 +323,7 @@ class ChaosJob:
             except ProcessLookupError:
                 pass
         agent.wait()
+        self.wipe_node_memory(agent.pid)
 
     def cut_link(self, index: int) -> None:
         """Network partition: agent `index`'s host loses its link (connections stall, no reset)."""
@@ -387,6 +406,14 @@ class ScenarioResult:
     """The run's picture (`elastic.report`), when matplotlib is installed."""
     stops_at: int | None = None
     """For a job meant to stop rather than finish: the step of the checkpoint it must leave intact."""
+    redone: list[int] = field(default_factory=list)
+    """Per restore after a fault: steps finished before it that the job trained again."""
+    max_redone: int | None = None
+    """The most steps a fault may cost (None: not judged, e.g. under stock torchrun: no snapshots)."""
+
+    @property
+    def redone_ok(self) -> bool:
+        return self.max_redone is None or all(r <= self.max_redone for r in self.redone)
 
     @property
     def samples_ok(self) -> bool:
@@ -404,6 +431,7 @@ class ScenarioResult:
             and self.final_checkpoint is not None
             and all(r is not None for r in self.recovery_seconds)
             and self.samples_ok
+            and self.redone_ok
         )
 
     def summary(self) -> str:
@@ -412,6 +440,7 @@ class ScenarioResult:
         return (
             f"{self.scenario}: {verdict}; exit codes {self.exit_codes} (expected {self.expected_codes}); "
             f"ended at step {self.end_step}/{self.max_steps}; recovery {recoveries}; "
+            f"steps redone {self.redone or '-'}" + (f" (at most {self.max_redone})" if self.max_redone is not None else "") + "; "
             f"final checkpoint {self.final_checkpoint or self.checkpoint_error}; {self.samples.summary()}"
             + (f"; picture {self.report}" if self.report else "")
         )
@@ -458,7 +487,7 @@ def kill_worker(job: ChaosJob, rng: random.Random) -> list[int | None]:
     return [0] * len(job.agents)
 
 
-def kill_during_save(job: ChaosJob, rng: random.Random) -> list[int | None]:
+def kill_during_save(job: ChaosJob, rng: random.Random, name: str = "kill-during-save") -> list[int | None]:
     # ELASTIC_FAULT=before_commit@20 (set by `scenario_env`) kills rank 0 between
     # writing step 20's files and committing them; the fault time is the last
     # event of the first group (the restarted group opens with restore, start).
@@ -470,8 +499,14 @@ def kill_during_save(job: ChaosJob, rng: random.Random) -> list[int | None]:
     records = job.records()
     second_start = [i for i, r in enumerate(records) if r["event"] == "start"][1]
     opening = second_start - (records[second_start - 1]["event"] == "restore")
-    job.mark("kill-during-save", at=records[opening - 1]["time"])
+    job.mark(name, at=records[opening - 1]["time"])
     return [0] * len(job.agents)
+
+
+def kill_during_snapshot(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    # ELASTIC_FAULT=during_snapshot@15:rank=1 kills rank 1 while it copies step 15's state into
+    # shared memory (after the data, before its header): that part must never be loaded.
+    return kill_during_save(job, rng, name="kill-during-snapshot")
 
 
 def node_loss(job: ChaosJob, rng: random.Random) -> list[int | None]:
@@ -585,6 +620,7 @@ def slow_storage(job: ChaosJob, rng: random.Random) -> list[int | None]:
 SCENARIOS: dict[str, Scenario] = {
     "kill-worker": kill_worker,
     "kill-during-save": kill_during_save,
+    "kill-during-snapshot": kill_during_snapshot,
     "node-loss": node_loss,
     "scale-up": scale_up,
     "hang": hang,
@@ -615,6 +651,7 @@ SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3", "partition": "1:3"}
 # Faults the workers inject themselves (elastic.chaos.faults), per scenario.
 SCENARIO_FAULTS = {
     "kill-during-save": "before_commit@20",
+    "kill-during-snapshot": "during_snapshot@15:rank=1",
     "disk-full": "during_write@20+:do=enospc:restart=any",
     "slow-storage": "during_write@10:do=slow:for=8,during_write@40:do=slow:for=8",
 }
@@ -623,6 +660,11 @@ SCENARIO_ARGS = {"slow-storage": ["--collective-timeout", "4"]}
 # Scenarios whose job must stop instead of finishing: the step of the newest
 # checkpoint that must be left intact.
 SCENARIO_STOPS_AT = {"disk-full": 15}
+
+
+# Under our launcher (in-memory snapshots every step) a fault costs at most this many
+# finished steps (the restore events' `redone`).
+SCENARIO_MAX_REDONE = {"kill-worker": 1, "kill-during-snapshot": 1, "node-loss": 1, "preemption": 1}
 
 
 def scenario_env(name: str) -> dict[str, str]:
@@ -692,6 +734,8 @@ def run_scenario(
             checkpoint_error=error,
             samples=audit(workdir / "samples"),
             stops_at=stops_at,
+            redone=[r["redone"] for r in job.records() if r["event"] == "restore" and r.get("restart", 0) > 0 and "redone" in r],
+            max_redone=SCENARIO_MAX_REDONE.get(name) if launcher == "ours" else None,
             logs=job.logs(),
             report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {name} ({' '.join([backend, *recipe_args])})"),
         )

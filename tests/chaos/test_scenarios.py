@@ -34,7 +34,7 @@ from elastic.events import read_events
 pytestmark = pytest.mark.slow
 
 STEPS = 40
-CONSTANT_WORLD = {"kill-worker", "kill-during-save", "hang", "preemption", "etcd-restart", "soak", "slow-storage"}
+CONSTANT_WORLD = {"kill-worker", "kill-during-save", "kill-during-snapshot", "hang", "preemption", "etcd-restart", "soak", "slow-storage"}
 FSDP = ["--fsdp"]
 
 Reference = Callable[..., dict[str, torch.Tensor]]
@@ -97,15 +97,15 @@ def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, .
 
 @pytest.mark.parametrize(
     "scenario",
-    ["kill-worker", "kill-during-save", "node-loss", "scale-up", "hang", "preemption", "soak", "disk-full", "slow-storage",
-     "relaunch"],
+    ["kill-worker", "kill-during-save", "kill-during-snapshot", "node-loss", "scale-up", "hang", "preemption", "soak",
+     "disk-full", "slow-storage", "relaunch"],
 )
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     steps = STEPS if scenario in CONSTANT_WORLD - {"soak"} else None  # the others train longer (SCENARIO_STEPS)
     check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
 
 
-@pytest.mark.parametrize("scenario", ["kill-worker", "kill-during-save", "node-loss"])
+@pytest.mark.parametrize("scenario", ["kill-worker", "kill-during-save", "kill-during-snapshot", "node-loss"])
 def test_c10d_fsdp(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     """The recipe with --fsdp: a killed worker and a killed save resume from sharded
     checkpoints at world size 2 and end bit-identical to an uninterrupted FSDP run; a
