@@ -7,7 +7,9 @@ stops with its last good checkpoint intact and no temporary left), the final
 checkpoint verifies, the fault was
 followed by a restarted group that completed a step (its recovery time is
 printed, never asserted), and the samples of the surviving history used every
-sample of each epoch exactly once. Jobs with a constant world size must also
+sample of each epoch exactly once, and (in-memory snapshots every step) a
+killed worker, a killed snapshot, a lost node and a preemption each cost at most
+one finished step. Jobs with a constant world size must also
 end with weights and optimizer state bit-identical to an uninterrupted run's.
 The scenarios that kill and resize also run with the recipe's --fsdp (FSDP2:
 parameters and optimizer state sharded, checkpoints saved in shards).
@@ -103,6 +105,12 @@ def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, .
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     steps = STEPS if scenario in CONSTANT_WORLD - {"soak"} else None  # the others train longer (SCENARIO_STEPS)
     check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
+    sources = [e["source"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "restore" and e["restart"] > 0]
+    if scenario in ("kill-worker", "kill-during-snapshot"):
+        assert sources and set(sources) == {"memory"}, f"not restored from memory: {sources}"
+    if scenario == "node-loss":
+        # The lost node's shared memory is wiped: its ranks' parts come from the survivor's replica.
+        assert "peer" in sources, f"the lost node's state did not come from its peer's memory: {sources}"
 
 
 @pytest.mark.parametrize("scenario", ["kill-worker", "kill-during-save", "kill-during-snapshot", "node-loss"])
