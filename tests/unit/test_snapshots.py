@@ -1,0 +1,258 @@
+"""The memory tier in one process: snapshots into a keeper's shared memory, restore from
+them before disk, torn and corrupt parts never loaded, the keeper's endpoint and its
+persist at the breakpoint."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.checkpoint import (
+    CheckpointManager,
+    CheckpointStore,
+    parts,
+    read_checkpoint,
+)
+from elastic.checkpoint.memory import LOCAL, REPLICA, KeeperAddress
+from elastic.errors import CorruptCheckpoint
+from elastic.events import EventLog, read_events
+from elastic.launcher.keeper import SnapshotKeeper
+from elastic.runtime import init_worker
+from elastic.sampler import ElasticSampler
+
+
+@pytest.fixture
+def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    keeper = SnapshotKeeper("127.0.0.1", base=tmp_path / "shm")
+    for key, value in keeper.address.environ().items():
+        monkeypatch.setenv(key, value)
+    yield keeper
+    keeper.close(timeout=30)
+
+
+class Job:
+    """A tiny model with a buffer (batch norm), AdamW, a schedule and a sampler."""
+
+    def __init__(self, ckpt_dir: Path, *, seed: int = 0, events: Path | None = None, snapshot_every: int = 1) -> None:
+        torch.manual_seed(seed)
+        self.ctx = init_worker("cpu", environ={})
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
+        self.sampler = ElasticSampler(64, batch_size=4, seed=3)
+        self.events = EventLog(events, restart=0)
+        self.ckpt = CheckpointManager(
+            self.ctx, ckpt_dir, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+            scheduler=self.scheduler, every=5, events=self.events, seed=3, snapshot_every=snapshot_every,
+        )
+
+    def run(self, steps: int, start: int = 0) -> int:
+        for step in range(start + 1, start + steps + 1):
+            self.model(torch.randn(4, 4)).pow(2).mean().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+            self.sampler.advance(1)
+            self.ckpt.maybe_save(step)
+        return start + steps
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {f"model/{k}": v.clone() for k, v in self.model.state_dict().items()}
+        for param_id, values in self.optimizer.state_dict()["state"].items():
+            out.update({f"optim/{param_id}/{k}": v.clone() for k, v in values.items()})
+        return out
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.events.close()
+
+
+def assert_same(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert want.keys() == got.keys()
+    different = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not different, different
+
+
+def test_restore_prefers_the_newer_snapshot_over_disk(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    first = Job(tmp_path / "ckpt")
+    first.run(7)  # durable checkpoint at step 5, snapshots up to 7
+    first.ckpt._memory.wait_previous()
+    want, rng = first.state(), torch.get_rng_state()
+    first.close()
+    second = Job(tmp_path / "ckpt", seed=1, events=tmp_path / "ev.jsonl")
+    assert second.ckpt.restore() == 7
+    assert_same(want, second.state())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert second.sampler.state_dict()["consumed"] == 7 * 4
+    (restore,) = [e for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "restore"]
+    assert restore["source"] == "memory" and restore["step"] == 7 and restore["checkpoint"] == "step_00000007"
+    assert restore["redone"] == 0  # step 7 was the last one finished, and its snapshot is whole
+    second.close()
+
+
+def test_a_torn_snapshot_is_never_loaded(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(6)
+    job.ckpt._memory.wait_previous()
+    steps = sorted(h.step for h in parts.read_headers(keeper.root / LOCAL))
+    assert steps == [5, 6]  # two slots: the previous part stays whole while the next is written
+    # A worker dies while rewriting the slot of step 5: its header is gone first.
+    index, _ = job.ckpt._memory._slot_for(job.ckpt._layout.share(job.ckpt._layout.tensors(), 0, 1))
+    assert sorted(h.step for h in parts.read_headers(keeper.root / LOCAL)) == [6]
+    job.close()
+    again = Job(tmp_path / "ckpt", seed=1)
+    assert again.ckpt.restore() == 6
+    again.close()
+
+
+def test_a_corrupt_snapshot_falls_back_to_disk(tmp_path: Path, keeper: SnapshotKeeper, caplog) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(5)  # step 5: on disk and in memory
+    job.ckpt.flush()
+    job.ckpt._memory.wait_previous()
+    want = job.state()
+    job.close()
+    headers = [h for h in parts.read_headers(keeper.root / LOCAL) if h.step == 5]
+    data = keeper.root / LOCAL / (headers[0].stem + parts.DATA_SUFFIX)
+    raw = bytearray(data.read_bytes())
+    raw[headers[0].chunks[0]["offset"]] ^= 0xFF  # a flipped bit in memory
+    data.write_bytes(bytes(raw))
+    again = Job(tmp_path / "ckpt", seed=1, events=tmp_path / "ev.jsonl")
+    with caplog.at_level(logging.WARNING):
+        assert again.ckpt.restore() == 5
+    assert "fails its check" in caplog.text
+    assert_same(want, again.state())
+    (restore,) = [e for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "restore"]
+    assert restore["source"] == "disk"
+    again.close()
+
+
+def test_a_snapshot_of_another_model_is_not_loaded(tmp_path: Path, keeper: SnapshotKeeper, caplog) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(3)
+    job.ckpt._memory.wait_previous()
+    job.close()
+    torch.manual_seed(0)
+    ctx = init_worker("cpu", environ={})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    other = CheckpointManager(ctx, tmp_path / "ckpt", model=model, optimizer=optimizer,
+                              sampler=ElasticSampler(64, batch_size=4, seed=3), snapshot_every=1)
+    with caplog.at_level(logging.WARNING):
+        assert other.restore() == 0  # nothing on disk yet, and the snapshot is another model's
+    assert "another model" in caplog.text
+    other.close()
+
+
+def test_no_keeper_means_disk_only_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    for key in KeeperAddress(Path("/"), "", "").environ():
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level(logging.INFO):
+        job = Job(tmp_path / "ckpt")
+    assert job.ckpt._memory is None
+    assert "no snapshot keeper runs on this node" in caplog.text
+    job.close()
+
+
+def test_keeper_persists_the_newest_complete_snapshot(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(8)  # durable at step 5; snapshots of 7 and 8 in memory
+    job.ckpt.flush()
+    job.ckpt._memory.wait_previous()
+    want = job.state()
+    job.close()
+    assert keeper.persist() == [8]
+    store = CheckpointStore(tmp_path / "ckpt")
+    newest = store.committed()[0]
+    manifest = store.verify(newest)
+    assert (newest.name, manifest.reason) == ("step_00000008", "breakpoint")
+    _, tensors, trainer = read_checkpoint(newest.path)
+    assert trainer["step"] == 8 and trainer["sampler"]["consumed"] == 32
+    assert torch.equal(tensors["model/0.weight"], want["model/0.weight"])
+    assert keeper.persist() == []  # nothing newer than what is committed
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]
+    # A run without memory (a whole-job crash) resumes from it, bit-identical.
+    os.environ.pop("TORCHREVIVE_SNAPSHOT_ROOT")
+    fresh = Job(tmp_path / "ckpt", seed=2, snapshot_every=0)
+    assert fresh.ckpt.restore() == 8
+    assert_same(want, fresh.state())
+    fresh.close()
+
+
+def test_keeper_endpoint_takes_replicas_and_serves_parts(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(2)
+    job.ckpt._memory.wait_previous()
+    job.close()
+    header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
+    data = (keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX)).read_bytes()[: header.data_bytes]
+    host, port = keeper.url.removeprefix("http://").split(":")
+
+    def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        result = response.status, response.read()
+        conn.close()
+        return result
+
+    head = header.to_json()
+    status, _ = request("PUT", f"/replica/{header.stem}", head + data, {"X-Header-Bytes": str(len(head))})
+    assert status == 204
+    (replica,) = parts.read_headers(keeper.root / REPLICA)
+    assert (replica.step, replica.rank) == (header.step, header.rank)
+    assert parts.read_data(keeper.root / REPLICA / (replica.stem + parts.DATA_SUFFIX), replica) == data
+    status, served = request("GET", f"/part/{REPLICA}/{header.stem}{parts.DATA_SUFFIX}")
+    assert (status, served) == (200, data)
+    # Only part files by name: no paths, no other files, no lying headers.
+    assert request("GET", "/part/local/../owner.json")[0] == 404
+    assert request("GET", f"/part/{LOCAL}/owner.json")[0] == 404
+    assert request("PUT", f"/replica/{header.stem}", head + data[:-1], {"X-Header-Bytes": str(len(head))})[0] == 400
+    assert request("PUT", "/replica/evil", head + data, {"X-Header-Bytes": str(len(head))})[0] == 400
+
+
+def test_part_data_checks(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(1)
+    job.ckpt._memory.wait_previous()
+    job.close()
+    (header,) = parts.read_headers(keeper.root / LOCAL)
+    path = keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX)
+    parts.read_data(path, header)
+    bad = parts.PartHeader(**{**header.__dict__, "trainer_crc32c": header.trainer_crc32c ^ 1})
+    with pytest.raises(CorruptCheckpoint, match="trainer state"):
+        parts.decode_trainer(bad)
+    with pytest.raises(CorruptCheckpoint, match="format"):
+        parts.PartHeader.from_json(b'{"format": 99}')
+    os.truncate(path, header.data_bytes - 1)
+    assert parts.read_headers(keeper.root / LOCAL) == []  # a short data file is not a part
+
+
+def test_prune_removes_a_dead_writers_parts_once_newer_ones_exist(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(2)  # the live writer (this process) holds steps 1 and 2
+    job.ckpt._memory.wait_previous()
+    local = keeper.root / LOCAL
+    dead_writer = "7ffffffe-abcdef"  # no such pid: a worker that died
+
+    def dead_parts(step: int) -> None:
+        for header in parts.read_headers(local):
+            if header.writer == dead_writer:
+                continue
+            dead = parts.PartHeader(**{**header.__dict__, "writer": dead_writer, "step": step})
+            (local / (dead.stem + parts.DATA_SUFFIX)).write_bytes((local / (header.stem + parts.DATA_SUFFIX)).read_bytes())
+            parts.write_header(local, dead)
+
+    dead_parts(50)  # newer than anything the live writer has: a restore may still need them
+    keeper.prune()
+    assert {h.step for h in parts.read_headers(local) if h.writer == dead_writer} == {50}
+    dead_parts(1)  # the live writer has moved past them
+    keeper.prune()
+    assert not [p.name for p in local.iterdir() if dead_writer in p.name]
+    assert {h.step for h in parts.read_headers(local)} == {1, 2}  # the live writer's own stay
+    job.close()
