@@ -107,6 +107,7 @@ class SnapshotKeeper:
         self._closing = threading.Event()
         self._persist_wanted = threading.Event()
         self._checkpoint_dirs: set[Path] = set()  # where persists went: their stale stages go at close
+        self._staged: dict[Path, set[int]] = {}  # stage -> the ranks this keeper copied into it
         self.persisted: list[int] = []
         """Steps this keeper committed to a checkpoint directory."""
         self._threads = [
@@ -147,6 +148,11 @@ class SnapshotKeeper:
             shutil.rmtree(self.root, ignore_errors=True)
             for root in self._checkpoint_dirs:
                 _remove_old_stages(root, _newest(_store(root)))
+            # A stage only this keeper added to will never be completed once it is gone.
+            for stage, ranks in self._staged.items():
+                present = {int(p.name[5:10]) for p in stage.glob("part_*.json")} if stage.is_dir() else None
+                if present is not None and present <= ranks:
+                    shutil.rmtree(stage, ignore_errors=True)
 
     def _maintain(self) -> None:
         while not self._closing.is_set():
@@ -230,6 +236,7 @@ class SnapshotKeeper:
         tmp_header = stage / f".{done.name}.{uuid.uuid4().hex[:6]}"
         tmp_header.write_bytes(header.to_json())
         os.replace(tmp_header, done)
+        self._staged.setdefault(stage, set()).add(header.rank)
 
     def _try_commit(self, store: Any, stage: Path, step: int, world_size: int) -> bool:
         from elastic.checkpoint.manager import TRAINER_FILE

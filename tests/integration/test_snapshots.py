@@ -1,0 +1,76 @@
+"""In-memory snapshots on real torchrun jobs: on by default under our launcher, off with
+one line under plain torchrun, and persisted by the keeper when a failure ends the job."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+from support import TINY_MODEL, make_text, standalone_command, worker_env
+
+from elastic.checkpoint import CheckpointStore
+from elastic.events import read_events
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(make_text(random.Random(3), 20_000))
+    return path
+
+
+def job(
+    tmp_path: Path, corpus: Path, *, launcher: str, steps: int, max_restarts: int, fault: str, ckpt_every: int = 5,
+    **env: str,
+) -> subprocess.CompletedProcess[str]:
+    args = ["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(tmp_path / "ckpt"),
+            "--ckpt-every", str(ckpt_every), "--events", str(tmp_path / "ev.jsonl"), *TINY_MODEL]
+    return subprocess.run(
+        standalone_command(2, args, launcher=launcher, max_restarts=max_restarts),
+        env=worker_env(ELASTIC_FAULT=fault, TORCHREVIVE_SNAPSHOT_BASE=str(tmp_path / "shm"), **env),
+        capture_output=True, text=True, timeout=240,
+    )
+
+
+def restores(tmp_path: Path) -> list[dict]:
+    return [e for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "restore"]
+
+
+def test_under_plain_torchrun_a_failure_resumes_from_disk_and_says_why(tmp_path: Path, corpus: Path) -> None:
+    done = job(tmp_path, corpus, launcher="torch.distributed.run", steps=14, max_restarts=1, fault="after_step@12:rank=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "in-memory snapshots are off: no snapshot keeper runs on this node" in done.stderr
+    # (Step 10's checkpoint may still be in flight at the kill: then step 5's is the newest.)
+    assert [(r["source"], r["step"] in (5, 10)) for r in restores(tmp_path)] == [("disk", True)]
+
+
+def test_a_failure_that_ends_the_job_leaves_the_newest_snapshot_on_disk(tmp_path: Path, corpus: Path) -> None:
+    """No restarts left: the job ends at the kill, with --ckpt-every 50 nothing periodic was
+    committed, yet the keeper wrote the newest snapshot; a new launch resumes from it."""
+    failed = job(tmp_path, corpus, launcher="elastic.launcher", steps=30, max_restarts=0, fault="after_step@12:rank=1",
+                 ckpt_every=50)
+    assert failed.returncode != 0
+    store = CheckpointStore(tmp_path / "ckpt")
+    (newest,) = store.committed()
+    manifest = store.verify(newest)
+    assert manifest.reason == "breakpoint" and manifest.step in (11, 12), manifest
+    assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]
+    assert not list((tmp_path / "shm").glob("torchrevive-snapshots/*")), "the keeper left its shared memory behind"
+    again = job(tmp_path, corpus, launcher="elastic.launcher", steps=30, max_restarts=0, fault="", ckpt_every=50)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (restore,) = restores(tmp_path)
+    assert (restore["source"], restore["step"]) == ("disk", manifest.step)
+
+
+def test_snapshots_off_under_our_launcher(tmp_path: Path, corpus: Path) -> None:
+    """TORCHREVIVE_SNAPSHOTS=0: no keeper, and a failure resumes from disk as before."""
+    done = job(tmp_path, corpus, launcher="elastic.launcher", steps=14, max_restarts=1, fault="after_step@12:rank=1",
+               TORCHREVIVE_SNAPSHOTS="0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # (Step 10's checkpoint may still be in flight at the kill: then step 5's is the newest.)
+    assert [(r["source"], r["step"] in (5, 10)) for r in restores(tmp_path)] == [("disk", True)]
+    assert not (tmp_path / "shm").exists()
