@@ -146,8 +146,10 @@ class RunConfig:
     """Steps between progress lines when stdout is not a terminal."""
 
     def __post_init__(self) -> None:
-        if self.ckpt_every < 0 or self.snapshot_every < 0:
-            raise UsageError(f"ckpt_every={self.ckpt_every} and snapshot_every={self.snapshot_every} must be 0 or more")
+        if self.ckpt_every < 0:
+            raise UsageError(f"ckpt_every={self.ckpt_every} must be 0 or more")
+        if self.snapshot_every < 0:
+            raise UsageError(f"snapshot_every={self.snapshot_every} must be 0 or more")
         if self.ckpt_keep < 2:
             raise UsageError(f"ckpt_keep={self.ckpt_keep} must be at least 2 (a fallback needs two)")
         if self.ckpt_max_failures < 1 or self.ckpt_timeout <= 0 or self.ckpt_restore_timeout <= 0:

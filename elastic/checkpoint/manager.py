@@ -616,6 +616,8 @@ class CheckpointManager:
         newest = torch.tensor([-1 if progress is None else progress], dtype=torch.int64)
         if self._ctx.distributed:
             dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=control_group())
+        if self._memory is not None:
+            self._memory.reset_progress(step)  # every node has read its notes
         return max(0, int(newest.item()) - step) if newest.item() >= 0 else None
 
     # -- restore from memory -----------------------------------------------------
@@ -943,7 +945,7 @@ class CheckpointManager:
             finally:
                 self._stop_heartbeat()
                 if self._memory is not None:
-                    self._memory.close()
+                    self._memory.close(timeout=wait)
                 if self._hook is not None:
                     self._hook.remove()
                     self._hook = None

@@ -193,6 +193,18 @@ class MemorySnapshots:
         if self._progress is not None:
             struct.pack_into("<q", self._progress, 0, step)
 
+    def reset_progress(self, step: int) -> None:
+        """After a restore: this rank's progress is `step`, and the node forgets ranks it no longer
+        runs (their notes would count at the next failure). Local rank 0 does the forgetting."""
+        self.note_step(step)
+        if self._ctx.local_rank != 0:
+            return
+        first = self._ctx.rank - self._ctx.local_rank
+        mine = {f"rank_{r:05d}" for r in range(first, first + self._ctx.local_world_size)}
+        for path in (self.keeper.root / PROGRESS).glob("rank_*"):
+            if path.name not in mine:
+                path.unlink(missing_ok=True)
+
     def last_progress(self) -> int | None:
         """The newest step any worker of this node noted (before this restart)."""
         newest = None
@@ -394,9 +406,9 @@ class MemorySnapshots:
                     errors.append(f"{url}: {exc}")
         raise OSError(f"no keeper could send the part ({'; '.join(errors)})")
 
-    def close(self) -> None:
+    def close(self, timeout: float = PUSH_TIMEOUT) -> None:
         try:
-            self._writer.close(timeout=PUSH_TIMEOUT)
+            self._writer.close(timeout=min(timeout, PUSH_TIMEOUT))
         except Exception as exc:  # noqa: BLE001 - closing: a late snapshot failure is only logged
             logger.debug("snapshot writer: %s", exc)
         if self._progress is not None:
