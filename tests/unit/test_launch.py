@@ -74,3 +74,34 @@ def test_the_default_preload_never_touches_cuda() -> None:
     done = subprocess.run([sys.executable, "-c", CUDA_SPY, *DEFAULT_PRELOAD], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
+
+    from elastic.checkpoint.memory import KeeperAddress
+    from elastic.launcher import launch
+
+    monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_BASE", str(tmp_path))
+    monkeypatch.setattr(LocalElasticAgent, "_stop_workers", lambda self, group: "stopped")
+    for key in KeeperAddress(tmp_path, "", "").environ():
+        monkeypatch.setenv(key, "")  # so that what start_keeper sets is undone after the test
+    keeper = launch.start_keeper(argparse.Namespace(local_addr="127.0.0.1"))
+    try:
+        assert KeeperAddress.from_env() == keeper.address  # what the workers inherit
+        assert keeper.url.startswith("http://127.0.0.1:")
+        told = []
+        monkeypatch.setattr(keeper, "workers_stopped", lambda: told.append(True))
+        assert LocalElasticAgent._stop_workers(object(), None) == "stopped" and told == [True]
+        launch.notify_on_stop(keeper)  # again (a second launch in one process): still told once per stop
+        LocalElasticAgent._stop_workers(object(), None)
+        assert told == [True, True]
+    finally:
+        keeper.close(timeout=10)
+    assert not keeper.root.exists()
+    monkeypatch.setenv("TORCHREVIVE_SNAPSHOTS", "0")
+    assert launch.start_keeper(argparse.Namespace(local_addr="127.0.0.1")) is None
