@@ -64,6 +64,29 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
         assert "Connection closed by peer" in output, output[-4000:]
     recorded = list(read_events(events))
     restores = [e for e in recorded if e["event"] == "restore"]
+    # In-memory snapshots every step (our launcher): the group resumes at step 12, or 11 when
+    # rank 1 froze before its snapshot of step 12 was whole.
+    assert [(e["source"], e["step"] in (11, 12), e["redone"] <= 1) for e in restores] == [("memory", True, True)], restores
+    assert [e["step"] for e in recorded if e["event"] == "end"] == [30]
+
+
+def test_a_hang_without_snapshots_resumes_from_the_newest_checkpoint(tmp_path: Path, tiny_corpus: Path) -> None:
+    """The same stopped worker with snapshots off: the newest checkpoint on disk before the hang."""
+    events = tmp_path / "events.jsonl"
+    args = [
+        "--data", str(tiny_corpus), "--max-steps", "30", "--eval-every", "0", "--events", str(events),
+        "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5", "--hang-timeout", "3", "--snapshot-every", "0",
+        "--collective-timeout", "600", *TINY_MODEL,
+    ]
+    done = subprocess.run(
+        standalone_command(2, args, max_restarts=1, launcher="elastic.launcher"),
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+        env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:do=stop"),
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    recorded = list(read_events(events))
+    restores = [e for e in recorded if e["event"] == "restore"]
     # The newest checkpoint committed before the hang: 10, or 5 when slow storage skipped 10.
     # Rank 0 reports a commit when it next looks (its "checkpoint" event), and a hang can come
     # first: step 10's save, written by both ranks' writer threads, may commit unreported.
