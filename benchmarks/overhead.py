@@ -1,37 +1,58 @@
 """Runtime overhead: steps/s of recipes/gpt.py versus a plain seed-style DDP loop.
 
-    python benchmarks/overhead.py      # 2 ranks on CPU: both loops' steps/s, their ratio and its 95% CI
+    python benchmarks/overhead.py      # 2 ranks on CPU: the loops' steps/s, their ratios and 95% CIs
 
-Three loops share one `torchrun --standalone` job: the recipe's own `train()`
-with metrics on (elastic sampler, event log, progress, deferred loss read-out,
-preemption vote, async checkpoints every `--ckpt-every` steps, /metrics served
-and scraped), the same recipe with metrics off, and the loop of the PyTorch
-DDP tutorial (DistributedSampler + DataLoader, forward, backward, step). Model,
-data, per-rank batch and optimizer update (AdamW, warmup-cosine LR, gradient
+Four loops share one `torchrun --standalone` job: the recipe's own `train()`
+as `torchrevive-run` runs it, with metrics on and in-memory snapshots every
+`--snapshot-every` steps (elastic sampler, event log, progress, deferred loss
+read-out, preemption vote, a snapshot of the whole state into shared memory
+every step, async checkpoints every `--ckpt-every` steps, /metrics served and
+scraped), the same recipe with metrics off (snapshots on), the same recipe
+with snapshots off (metrics on), and the loop of the PyTorch DDP tutorial
+(DistributedSampler + DataLoader, forward, backward, step). Model, data,
+per-rank batch and optimizer update (AdamW, warmup-cosine LR, gradient
 clipping at 1.0) are the same, so the ratio isolates what the runtime adds.
-Target: ratio >= 0.98.
+Target: recipe (snapshots every step) / DDP loop >= 0.98; the ratio with
+snapshots off is printed beside it. `--snapshot-every 0` drops the loop
+without snapshots (every recipe loop then runs without them).
 
-Design: the loops take turns step by step inside three whole runs. Whole runs
+Snapshots need a snapshot keeper on the node, which `torchrevive-run` starts
+in its agent. This benchmark launches stock torchrun (`python -m
+torch.distributed.run`: the same agent, without our launcher's warm starts,
+which would only change the workers' start, untimed here) and starts the
+keepers itself, in the benchmark's process, before the agent: one per
+recipe loop with snapshots, since the loops of one worker share a run id and
+a keeper hands a restore every part of its run id (one loop would restore
+another's snapshot at its start). Each loop's thread puts its keeper's
+address in the environment before it builds its run, in its own first turn.
+
+Design: the loops take turns step by step inside four whole runs. Whole runs
 in turn cannot resolve 1 % on a busy 2-core machine: its speed wanders by tens
 of per cent within seconds (other jobs starting and stopping), so two loops run
 a minute apart see different machines. Short runs in turn would pay a run's
 start (model, DDP, restore, first step) per turn. Instead each loop is ONE run
 of `--warmup` + `--blocks` x `--block-steps` steps + 1, and each worker runs the
-three in threads (the recipe with metrics in the main thread, as users run it;
-the other two in helper threads) that pass one baton: only its holder runs,
+four in threads (the recipe with metrics in the main thread, as users run it;
+the others in helper threads) that pass one baton: only its holder runs,
 the others wait on a condition variable. The recipe is not modified: it takes
 one `train_set.batch()` per step, so the benchmark hands it a `train_set`
 whose `batch()` first calls a gate; the baseline calls the same gate at the top
 of its step. The gate clocks the step that just ended (the wait for the baton
 is no step's time) and, at the end of the loop's turn, passes the baton on.
 After the untimed warmup turns (a run's start, `--warmup` steps), the loops
-take turns of ONE step, in a fresh order every round (each group of six rounds
-runs the six orders, shuffled), so a change of machine speed hits all three
+take turns of ONE step, in a fresh order every round (each group of 24 rounds
+runs the 24 orders, shuffled), so a change of machine speed hits all four
 alike. The runs' ends (final save, flush, replica check) come after the last
 timed step. Every rank follows the same schedule, so their collectives match.
 
 Honesty: what a run does in the background must be charged to that run, not
-to the loop that holds the baton next. (1) Checkpoints: a turn in which a save
+to the loop that holds the baton next. (0) Snapshots: at the end of each of
+its turns, a loop with snapshots waits for its newest snapshot to be written
+(the copy into shared memory, checksums, header), and that wait counts in
+the turn's last step: with turns of one step, every step pays its whole
+snapshot, as if the snapshot thread never overlapped the loop (an upper
+bound; on 2 cores with a rank per core it hardly can). The waits are printed.
+(1) Checkpoints: a turn in which a save
 starts lasts `--save-hold` steps more, so the save's writer thread runs during
 its own run's steps; every loop keeps the same pattern of turn lengths (a
 block starts one step before a save: the warmup is rounded up to that), and
@@ -39,13 +60,14 @@ the benchmark checks from the event logs that every save started and committed
 within one turn of its own loop, and prints how many did not. (2) Metrics: the
 benchmark scrapes every worker's /metrics every `--scrape-interval` seconds
 (far more often than Prometheus' usual 15 s), from its own process, as a
-Prometheus on the machine would, but only while the recipe with metrics holds
-the baton in a timed turn (the worker raises a flag file the scraper reads), so
-the scraping is charged to that recipe alone.
+Prometheus on the machine would, but only while a recipe with metrics (with
+or without snapshots: each serves on a port block of its own) holds the baton
+in a timed turn (the worker raises that loop's flag file, which the scraper
+reads), so the scraping is charged to that recipe alone.
 
 Statistics: steps are grouped in blocks of `--block-steps` steps per loop
 (`--ckpt-every` by default, so each block of a recipe holds one save); the
-three loops' blocks are interleaved over the same few seconds. Per block and
+loops' blocks are interleaved over the same few seconds. Per block and
 loop, steps/s as 1 / median step time (robust to the odd step slowed by another
 process) and as steps / seconds (every step counts, checkpoint steps too). The
 block's ratio recipe / baseline is a paired measurement. The ratio printed is
@@ -79,10 +101,18 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-LOOPS = ("recipe", "recipe_no_metrics", "baseline")
+LOOPS = ("recipe", "recipe_no_metrics", "recipe_no_snapshots", "baseline")
+SNAPSHOTTING = ("recipe", "recipe_no_metrics")
+SCRAPED = ("recipe", "recipe_no_snapshots")  # metrics on: their /metrics are scraped in their timed turns
 TARGET = 0.98
+
+
+def loops(opts: argparse.Namespace) -> tuple[str, ...]:
+    """The loops this run has: without snapshots anywhere, no loop is there to compare them with."""
+    return LOOPS if opts.snapshot_every else tuple(name for name in LOOPS if name != "recipe_no_snapshots")
 
 
 def recipe_api() -> SimpleNamespace:
@@ -123,12 +153,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps a loop keeps the CPU after its checkpoint save starts (its writer's time is its own)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=10, help="recipe checkpoint interval (0: no checkpoints)")
+    p.add_argument("--snapshot-every", type=int, default=1,
+                   help="steps between in-memory snapshots of the recipe loops that take them (0: none)")
     p.add_argument("--metrics-port", type=int, default=None, help="base port of the workers' /metrics (default: a free one)")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of each worker")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--scrape-flag", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--keepers", default="{}", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
+    if opts.snapshot_every < 0 or opts.ckpt_every < 0:
+        p.error("--snapshot-every and --ckpt-every must be 0 or more")
     if opts.block_steps is None:
         opts.block_steps = opts.ckpt_every or 10
     if opts.blocks < 2:
@@ -142,12 +177,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return opts
 
 
-def recipe_args(opts: argparse.Namespace, max_steps: int, events: str, ckpt_dir: str, metrics_port: int) -> list[str]:
-    ckpt = ["--ckpt-dir", ckpt_dir, "--ckpt-every", str(opts.ckpt_every)] if opts.ckpt_every else []
+def recipe_args(
+    opts: argparse.Namespace, max_steps: int, events: str, ckpt_dir: str, metrics_port: int, snapshot_every: int = 0
+) -> list[str]:
+    # Snapshots need a checkpoint directory (the keeper persists them there); with --ckpt-every 0 it
+    # gets only the final checkpoint.
+    ckpt = ["--ckpt-dir", ckpt_dir, "--ckpt-every", str(opts.ckpt_every)] if opts.ckpt_every or snapshot_every else []
     return [
         "--max-steps", str(max_steps), "--batch-size", str(opts.batch_size),
         "--eval-every", "0", "--sample-tokens", "0", "--events", events, "--device", "cpu",
-        "--metrics-port", str(metrics_port), *ckpt,
+        "--metrics-port", str(metrics_port), "--snapshot-every", str(snapshot_every), *ckpt,
     ]
 
 
@@ -170,15 +209,15 @@ def turn_ends(opts: argparse.Namespace) -> list[int]:
     return ends
 
 
-def turn_order(rounds: int, seed: int = 0) -> list[str]:
-    """Who goes when in each round (one turn per loop): each group of six rounds runs the six orders, shuffled."""
+def turn_order(rounds: int, seed: int = 0, names: tuple[str, ...] = LOOPS) -> list[str]:
+    """Who goes when in each round (one turn per loop): each group of n! rounds runs the n! orders, shuffled."""
     rng = random.Random(seed)  # the same on every rank: their collectives must match
     order: list[str] = []
-    while len(order) < rounds * len(LOOPS):
-        group = list(itertools.permutations(LOOPS))
+    while len(order) < rounds * len(names):
+        group = list(itertools.permutations(names))
         rng.shuffle(group)
         order += [name for perm in group for name in perm]
-    return order[: rounds * len(LOOPS)]
+    return order[: rounds * len(names)]
 
 
 class Turns:
@@ -210,10 +249,12 @@ class Gate:
 
     def __init__(
         self, name: str, turns: Turns, ends: list[int], block_steps: int,
-        on_timed_turn: Callable[[bool], None] | None = None,
+        on_timed_turn: Callable[[bool], None] | None = None, drain: Callable[[], None] | None = None,
     ) -> None:
         self.name, self.turns, self.ends, self.block_steps = name, turns, ends, block_steps
         self.on_timed_turn = on_timed_turn
+        self.drain = drain  # at a turn's end: wait for this loop's background snapshot work
+        self.drained: list[float] = []  # seconds drain() waited at the end of each timed turn
         self.count = 0  # steps this loop has completed
         self.timed: list[list[float]] = []  # per block: the seconds of each of its steps
         self._at = 0  # index of the next turn end in `ends`
@@ -225,6 +266,11 @@ class Gate:
         return self.ends[-1] + 1  # the last timed turn ends at a step's top: one more step, then the run's end
 
     def __call__(self) -> None:
+        if self.drain is not None and self._at < len(self.ends) and self.count == self.ends[self._at]:
+            started = time.perf_counter()  # the turn ends here: its snapshot work is its own step's time
+            self.drain()
+            if 0 < self._at:
+                self.drained.append(time.perf_counter() - started)
         now = time.perf_counter()
         if self._thread is None:
             self._thread = threading.get_ident()
@@ -329,26 +375,57 @@ def in_thread(turns: Turns, gate: Gate, run: Callable[[], None]) -> threading.Th
     return threading.Thread(target=target, name=f"overhead-{gate.name}", daemon=True)
 
 
+def track_snapshots() -> dict[int, list]:
+    """Every `MemorySnapshots` this process builds from now on, by the thread that built it (each
+    loop builds its run, and so its snapshots, in its own thread)."""
+    from elastic.checkpoint import memory
+
+    built: dict[int, list] = {}
+    original = memory.MemorySnapshots.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        built.setdefault(threading.get_ident(), []).append(self)
+
+    memory.MemorySnapshots.__init__ = init
+    return built
+
+
 def worker(opts: argparse.Namespace) -> None:
     from elastic.events import read_events
     from elastic.runtime import barrier, worker_context
 
+    keepers: dict[str, dict[str, str]] = json.loads(opts.keepers)
+    snapshots = track_snapshots()
+    names = loops(opts)
+
+    def drain() -> None:  # the calling loop's snapshot in flight, written
+        for memory in snapshots.get(threading.get_ident(), []):
+            memory.wait_previous()
+
     with worker_context("cpu") as ctx, tempfile.TemporaryDirectory() as tmp:
         api = recipe_api()
-        flag = Path(opts.scrape_flag) if opts.scrape_flag and ctx.is_main else None
 
-        def scrape(timing: bool) -> None:  # the recipe with metrics is scraped during its own timed turns only
-            if flag is None:
-                return
-            if timing:
-                flag.touch()
-            else:
-                flag.unlink(missing_ok=True)
+        def scraper_flag(name: str) -> Callable[[bool], None] | None:
+            """The loop with metrics is scraped during its own timed turns only."""
+            if not (opts.scrape_flag and ctx.is_main) or name not in SCRAPED:
+                return None
+            flag = Path(f"{opts.scrape_flag}.{name}")
+
+            def scrape(timing: bool) -> None:
+                if timing:
+                    flag.touch()
+                else:
+                    flag.unlink(missing_ok=True)
+
+            return scrape
 
         ends = turn_ends(opts)
-        turns = Turns([*LOOPS, *turn_order(len(ends) - 1), *LOOPS])  # warmup turns, rounds, the runs' ends
+        turns = Turns([*names, *turn_order(len(ends) - 1, names=names), *names])  # warmup turns, rounds, the runs' ends
         gates = {
-            name: Gate(name, turns, ends, opts.block_steps, scrape if name == "recipe" else None) for name in LOOPS
+            name: Gate(name, turns, ends, opts.block_steps, scraper_flag(name),
+                       drain if name in SNAPSHOTTING and opts.snapshot_every else None)
+            for name in names
         }
         max_steps = gates["recipe"].max_steps
 
@@ -356,9 +433,17 @@ def worker(opts: argparse.Namespace) -> None:
             return os.path.join(tmp, f"{name}.jsonl")
 
         def args_for(name: str, metrics_port: int) -> argparse.Namespace:
-            return api.parse(recipe_args(opts, max_steps, events(name), os.path.join(tmp, f"ckpt-{name}"), metrics_port))
+            every = opts.snapshot_every if name in SNAPSHOTTING else 0
+            return api.parse(
+                recipe_args(opts, max_steps, events(name), os.path.join(tmp, f"ckpt-{name}"), metrics_port, every)
+            )
 
         def recipe(name: str, metrics_port: int) -> None:
+            # This loop's keeper (or none): read once, when the run builds its checkpoint manager, in
+            # this loop's first turn, while every other loop waits for the baton.
+            for key in {k for env in keepers.values() for k in env}:
+                os.environ.pop(key, None)
+            os.environ.update(keepers.get(name, {}))
             args = args_for(name, metrics_port)
             train_set, val_set = api.data(args)
             summary = api.train(args, GatedWindows(train_set, gates[name]), val_set)
@@ -369,10 +454,11 @@ def worker(opts: argparse.Namespace) -> None:
             args = args_for("baseline", 0)
             run_baseline(api, args, ctx, api.data(args)[0], gates["baseline"])
 
-        helpers = [
-            in_thread(turns, gates["recipe_no_metrics"], lambda: recipe("recipe_no_metrics", 0)),
-            in_thread(turns, gates["baseline"], baseline),
-        ]
+        helpers = [in_thread(turns, gates["recipe_no_metrics"], lambda: recipe("recipe_no_metrics", 0))]
+        if "recipe_no_snapshots" in names:
+            port = opts.metrics_port + opts.ranks  # a port block of its own
+            helpers.append(in_thread(turns, gates["recipe_no_snapshots"], lambda: recipe("recipe_no_snapshots", port)))
+        helpers.append(in_thread(turns, gates["baseline"], baseline))
         for thread in helpers:
             thread.start()
         barrier(ctx)
@@ -382,9 +468,19 @@ def worker(opts: argparse.Namespace) -> None:
         if ctx.is_main and opts.out:
             commits = {
                 name: [(e["time"] - e["seconds"], e["time"]) for e in read_events(events(name)) if e["event"] == "checkpoint"]
-                for name in ("recipe", "recipe_no_metrics")
+                for name in names if name != "baseline"
             }
-            results = {"timed": {name: gates[name].timed for name in LOOPS}, "turns": turns.walls, "commits": commits}
+            taken = {
+                gate.name: [
+                    {"snapshots": len(m.history), "blocking": m.blocking_seconds, "disabled": m.disabled}
+                    for m in snapshots.get(gate._thread, [])
+                ]
+                for gate in gates.values() if gate.name in SNAPSHOTTING
+            }
+            results = {
+                "timed": {name: gates[name].timed for name in names}, "turns": turns.walls, "commits": commits,
+                "snapshots": taken, "drained": {name: gates[name].drained for name in names},
+            }
             Path(opts.out).write_text(json.dumps(results))
 
 
@@ -450,40 +546,69 @@ def spilled_saves(saves: list[tuple[float, float]], turns: list[tuple[str, float
     return sum(not any(start <= began and committed <= end for start, end in own) for began, committed in saves)
 
 
+def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
+    """A snapshot keeper per recipe loop with snapshots, in this process (see the module docstring)."""
+    if not opts.snapshot_every:
+        return {}
+    from elastic.launcher.keeper import SnapshotKeeper
+
+    keepers: dict[str, Any] = {}
+    try:
+        for name in SNAPSHOTTING:
+            keepers[name] = SnapshotKeeper("127.0.0.1")
+    except BaseException:
+        for keeper in keepers.values():
+            keeper.close()
+        raise
+    return keepers
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if opts.worker:
         worker(opts)
         return 0
+    names = loops(opts)
+    scraped = [name for name in SCRAPED if name in names]
     if opts.metrics_port is None:
-        opts.metrics_port = free_port_block(opts.ranks)
+        opts.metrics_port = free_port_block(opts.ranks * len(scraped))
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        out, flag = os.path.join(tmp, "results.json"), os.path.join(tmp, "scrape")
-        hidden = {"worker", "out", "scrape_flag"}
-        forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items() if k not in hidden]
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.ranks}",
-            __file__, "--worker", f"--out={out}", f"--scrape-flag={flag}", *forwarded,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
-        ports = [opts.metrics_port + r for r in range(opts.ranks)]
-        with Scraper(ports, opts.scrape_interval, flag) as scraper:
-            subprocess.run(command, check=True, env=env, cwd=REPO)
-        results = json.loads(Path(out).read_text())
+    keepers = start_keepers(opts)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out, flag = os.path.join(tmp, "results.json"), os.path.join(tmp, "scrape")
+            hidden = {"worker", "out", "scrape_flag", "keepers"}
+            forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(opts).items() if k not in hidden]
+            addresses = {name: keeper.address.environ() for name, keeper in keepers.items()}
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.ranks}",
+                __file__, "--worker", f"--out={out}", f"--scrape-flag={flag}", f"--keepers={json.dumps(addresses)}",
+                *forwarded,
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
+            ports = {
+                f"{flag}.{name}": [opts.metrics_port + i * opts.ranks + r for r in range(opts.ranks)]
+                for i, name in enumerate(scraped)
+            }
+            with Scraper(ports, opts.scrape_interval) as scraper:
+                subprocess.run(command, check=True, env=env, cwd=REPO)
+            results = json.loads(Path(out).read_text())
+    finally:
+        for keeper in keepers.values():
+            keeper.close()
     seconds = time.monotonic() - started
     if scraper.scrapes == 0:
         sys.exit("overhead.py: error: no worker served /metrics: the 'metrics on' runs measured nothing of metrics")
-    rates = {name: [block_rates(steps) for steps in results["timed"][name]] for name in LOOPS}
-    median_rate = {name: [r[0] for r in rates[name]] for name in LOOPS}
-    mean_rate = {name: [r[1] for r in rates[name]] for name in LOOPS}
+    rates = {name: [block_rates(steps) for steps in results["timed"][name]] for name in names}
+    median_rate = {name: [r[0] for r in rates[name]] for name in names}
+    mean_rate = {name: [r[1] for r in rates[name]] for name in names}
     saves_turn = f" ({turn_lengths(opts)[0]} for a save's)" if opts.ckpt_every else ""
     print(
         f"ranks={opts.ranks} batch={opts.batch_size} device=cpu: {opts.blocks} blocks of {opts.block_steps} steps "
         f"per loop after {opts.warmup} warmup steps, taken in turns of one step{saves_turn} in a shuffled order"
     )
-    for name in LOOPS:
-        print(f"{name:17} steps/s per block: " + " ".join(f"{v:.2f}" for v in median_rate[name]))
+    for name in names:
+        print(f"{name:19} steps/s per block: " + " ".join(f"{v:.2f}" for v in median_rate[name]))
     if opts.ckpt_every:
         saves = sum(len(v) for v in results["commits"].values())
         spilled = sum(spilled_saves(v, results["turns"], name) for name, v in results["commits"].items())
@@ -493,21 +618,55 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print("no checkpoints")
+    snapshots_label = f"snapshots every {opts.snapshot_every} step{'s' if opts.snapshot_every != 1 else ''}"
+    if opts.snapshot_every:
+        taken, waits = [], []
+        for name in SNAPSHOTTING:
+            memories = results["snapshots"].get(name, [])
+            count = sum(m["snapshots"] for m in memories)
+            off = [m["disabled"] for m in memories if m["disabled"]]
+            blocking = [b for m in memories for b in m["blocking"]]
+            block_ms = f"{statistics.median(blocking) * 1e3:.2f} ms" if blocking else "-"
+            taken.append(f"{name} {count}{' (TURNED OFF: ' + off[0] + ')' if off else ''}, loop blocking {block_ms}")
+            drained = results["drained"].get(name, [])
+            waits.append(f"{name} {statistics.median(drained) * 1e3:.1f} ms" if drained else f"{name} -")
+        print(f"{snapshots_label}: snapshots taken on rank 0 (median loop blocking per snapshot): " + "; ".join(taken))
+        print("snapshot work waited for at the end of each timed turn (median, counted in that turn's step): "
+              + ", ".join(waits))
+    else:
+        print("no in-memory snapshots")
+    per_loop = ", ".join(f"{name} {scraper.by_flag[flag + '.' + name]}" for name in scraped)
     print(
         f"metrics scraped {scraper.scrapes} times ({scraper.failures} refused), "
-        f"every {opts.scrape_interval:g} s per worker during the timed turns of the recipe with metrics"
+        f"every {opts.scrape_interval:g} s per worker during the timed turns of the loops with metrics ({per_loop})"
     )
     how = f"geometric mean of {opts.blocks} paired block ratios, 95% t-interval"
     for rate, label in ((median_rate, "1/median step"), (mean_rate, "steps/seconds, checkpoint steps included")):
         ratio = paired_ratio(rate["recipe"], rate["baseline"])
         print(
             f"recipe/gpt.py {geometric_mean(rate['recipe']):.3f} steps/s | seed-style DDP "
-            f"{geometric_mean(rate['baseline']):.3f} steps/s | ratio {ratio_text(ratio)} ({label}; {how})"
+            f"{geometric_mean(rate['baseline']):.3f} steps/s | ratio {ratio_text(ratio)} "
+            f"({label}; {snapshots_label if opts.snapshot_every else 'no snapshots'}; {how})"
         )
+    if "recipe_no_snapshots" in names:
+        for rate, label in ((median_rate, "1/median step"), (mean_rate, "steps/seconds, checkpoint steps included")):
+            ratio = paired_ratio(rate["recipe_no_snapshots"], rate["baseline"])
+            print(
+                f"recipe/gpt.py, snapshots off {geometric_mean(rate['recipe_no_snapshots']):.3f} steps/s | seed-style "
+                f"DDP {geometric_mean(rate['baseline']):.3f} steps/s | ratio {ratio_text(ratio)} ({label}; {how})"
+            )
     on_off = paired_ratio(median_rate["recipe"], median_rate["recipe_no_metrics"])
     on_off_mean = paired_ratio(mean_rate["recipe"], mean_rate["recipe_no_metrics"])
     print(f"metrics on / off: {ratio_text(on_off)} (1/median step), {ratio_text(on_off_mean)} (steps/seconds)")
-    print(f"target ratio >= {TARGET}: {verdict(paired_ratio(median_rate['recipe'], median_rate['baseline']))}")
+    if "recipe_no_snapshots" in names:
+        snap = paired_ratio(median_rate["recipe"], median_rate["recipe_no_snapshots"])
+        snap_mean = paired_ratio(mean_rate["recipe"], mean_rate["recipe_no_snapshots"])
+        print(f"snapshots on / off: {ratio_text(snap)} (1/median step), {ratio_text(snap_mean)} (steps/seconds)")
+    print(f"target ratio >= {TARGET}: {verdict(paired_ratio(median_rate['recipe'], median_rate['baseline']))}"
+          + (f" ({snapshots_label})" if opts.snapshot_every else ""))
+    if "recipe_no_snapshots" in names:
+        print(f"target ratio >= {TARGET} with snapshots off: "
+              f"{verdict(paired_ratio(median_rate['recipe_no_snapshots'], median_rate['baseline']))}")
     needed = blocks_to_resolve(median_rate["recipe"], median_rate["baseline"])
     print(
         f"took {seconds:.0f} s; at this run's spread, an interval of +-1 % needs --blocks {needed} "
@@ -537,25 +696,29 @@ def _free(port: int) -> bool:
 
 
 class Scraper:
-    """Scrapes each worker's /metrics every `interval` seconds, as Prometheus would, while `flag` exists."""
+    """Scrapes each worker's /metrics every `interval` seconds, as Prometheus would: the ports of a
+    flag file while that file exists (its loop is in a timed turn)."""
 
-    def __init__(self, ports: list[int], interval: float, flag: str) -> None:
-        self.ports, self.interval, self.flag = ports, interval, flag
+    def __init__(self, ports: dict[str, list[int]], interval: float) -> None:
+        self.ports, self.interval = ports, interval
         self.scrapes = self.failures = 0
+        self.by_flag = {flag: 0 for flag in ports}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            if not os.path.exists(self.flag):  # another loop holds the CPU: not the recipe's cost
-                continue
-            for port in self.ports:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-                        response.read()
-                    self.scrapes += 1
-                except OSError:
-                    self.failures += 1  # its server is down: counted, the run goes on
+            for flag, ports in self.ports.items():
+                if not os.path.exists(flag):  # another loop holds the CPU: not this loop's cost
+                    continue
+                for port in ports:
+                    try:
+                        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                            response.read()
+                        self.scrapes += 1
+                        self.by_flag[flag] += 1
+                    except OSError:
+                        self.failures += 1  # its server is down: counted, the run goes on
 
     def __enter__(self) -> Scraper:
         self._thread.start()

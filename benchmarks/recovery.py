@@ -1,10 +1,14 @@
 """Recovery after a SIGKILLed worker: plain torchrun (stock, tuned) versus ours, side by side.
 
-    python benchmarks/recovery.py                   # 5 kills each, then goodput, ~25 min on 2 cores
+    python benchmarks/recovery.py                   # 5 kills each, then goodput, ~35 min on 2 cores
     python benchmarks/recovery.py --kills 3 --goodput-seconds 0
+    python benchmarks/recovery.py --kills 3 --settings ours,ours-disk   # in-memory snapshots vs disk only
 
 The job: two torchrun agents on this machine, `--nnodes=1:3 --nproc-per-node=1`,
-c10d rendezvous, the GPT recipe (tiny model, checkpoints every 20 steps). One
+c10d rendezvous, the GPT recipe (tiny model, checkpoints every `--ckpt-every`
+steps: 50, the recipe's default, so that what a kill costs in steps is the
+cost at a realistic checkpoint interval; until the in-memory snapshots this
+benchmark checkpointed every 20 steps). Every setting runs the same job. One
 worker of a random rank is SIGKILLed, `--kills` times, each once the job has
 trained `--settle` seconds after the previous recovery.
 
@@ -18,7 +22,13 @@ trained `--settle` seconds after the previous recovery.
   `--rdzv-conf` of a 2 s last call and 1 s keep-alive: what a user who keeps
   torchrun gets; it still starts every worker cold.
 - ours: `python -m elastic.launcher` (fresh store per round, 2 s last call, 1 s
-  keep-alive, warm worker starts), the same flags otherwise.
+  keep-alive, warm worker starts, a snapshot keeper per agent and the recipe's
+  in-memory snapshots every step: `--snapshot-every 1`, its default), the same
+  flags otherwise.
+- ours-disk: ours without the memory tier (`TORCHREVIVE_SNAPSHOTS=0`, so no
+  keeper, and `--snapshot-every 0`): a kill resumes from the newest checkpoint
+  on disk, as before the snapshots. stock and tuned have no keeper either
+  (plain torchrun), so they restore from disk too.
 
 Per setting it prints recovery time (kill -> first completed step after the
 restarted group's start, from the event log) median and worst, where that
@@ -28,6 +38,15 @@ rendezvous rounds (rounds beyond one per kill), restarts consumed (failures
 the agents counted against `--max-restarts`), and goodput with one kill every
 `--goodput-interval` seconds for `--goodput-seconds`: the step the job reached
 divided by the steps a fault-free run of the same setting makes in that time.
+A second table gives, per setting, the steps redone per kill (steps finished
+before the kill that the job trained again), mean and max over the kills, from
+the `redone` field of the restore event that followed each kill; where the
+runtime cannot know it (no keeper: ours-disk, stock, tuned) from the event log
+instead, marked `*`: the newest step logged before the kill less the restored
+step (a step's event is written one step late, so this can be one short). It
+also says where each restore came from (the restore event's `source`: memory,
+peer or disk; none: no checkpoint yet, the job started over), and the
+fault-free run's steps/s (what snapshots every step cost in throughput).
 Targets (ours): median <= 6 s, zero failed rounds, goodput >= 0.90; zero
 failed rounds for every setting; tuned within 1.5x of ours. Stock's median is
 torch's 30 s last call plus about what tuned takes: only the agents' command
@@ -51,11 +70,12 @@ import time
 from pathlib import Path
 
 from elastic.chaos.harness import ChaosJob, JobSpec, draw_report
-from elastic.launcher.launch import FRESH_STORE_ENV, merged_rdzv_conf
+from elastic.launcher.launch import FRESH_STORE_ENV, SNAPSHOTS_ENV, merged_rdzv_conf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
-SETTINGS = ("stock", "ours", "tuned")
+SETTINGS = ("stock", "ours", "tuned", "ours-disk")
+OURS = ("ours", "ours-disk")  # python -m elastic.launcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-seconds", type=float, default=180.0, help="length of the goodput runs (0: skip)")
     p.add_argument("--goodput-interval", type=float, default=60.0, help="seconds between kills in the goodput runs")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which to run, comma-separated")
+    p.add_argument("--ckpt-every", type=int, default=50, help="the job's steps between checkpoints on disk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pictures", default="runs/recovery-benchmark", help="folder for each job's report PNG")
     return p.parse_args(argv)
@@ -78,15 +99,21 @@ def corpus(directory: Path) -> Path:
     return path
 
 
-def start_job(setting: str, workdir: Path, data: Path, steps: int = 10_000_000) -> ChaosJob:
+def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: int = 10_000_000) -> ChaosJob:
     """Two agents of one long job; `stock` is torchrun with torch's defaults throughout,
-    `tuned` plain torchrun with a store per round and our launcher's `--rdzv-conf`."""
+    `tuned` plain torchrun with a store per round and our launcher's `--rdzv-conf`,
+    `ours-disk` our launcher without its snapshot keeper."""
+    env = {FRESH_STORE_ENV: "1"} if setting == "tuned" else {}
+    snapshots = []
+    if setting == "ours-disk":
+        env[SNAPSHOTS_ENV] = "0"
+        snapshots = ["--snapshot-every", "0"]
     spec = JobSpec(
-        workdir=workdir, launcher="ours" if setting == "ours" else "stock", max_restarts=100,
-        rdzv_conf=merged_rdzv_conf("") if setting == "tuned" else "", run_id=workdir.name,
-        env={FRESH_STORE_ENV: "1"} if setting == "tuned" else {},
+        workdir=workdir, launcher="ours" if setting in OURS else "stock", max_restarts=100,
+        rdzv_conf=merged_rdzv_conf("") if setting == "tuned" else "", run_id=workdir.name, env=env,
         script_args=["--data", str(data), "--max-steps", str(steps), "--eval-every", "0",
-                     "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "20", "--log-every", "1000", *TINY],
+                     "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(ckpt_every), "--log-every", "1000",
+                     *snapshots, *TINY],
     )
     return ChaosJob(spec).start()
 
@@ -116,6 +143,23 @@ def rounds_completed(job: ChaosJob) -> int:
     return len(re.findall(r"Rendezvous complete for workers", job.agent_log(0)))
 
 
+def steps_redone(job: ChaosJob, killed_at: float, recovered_at: float) -> dict:
+    """What the kill at `killed_at` cost in steps: the restore that followed it (before the
+    restarted group's first step, at `recovered_at`): `redone` from its event when the runtime
+    gives it, else from the event log (`estimated`), and its `source` ("none": no checkpoint yet)."""
+    records = job.records()
+    before = max((r["step"] for r in records if r["event"] == "step" and r["time"] <= killed_at), default=0)
+    restores = [r for r in records if r["event"] == "restore" and killed_at < r["time"] <= recovered_at]
+    if not restores:  # no checkpoint yet: the job started over from step 0
+        return {"redone": before, "estimated": True, "source": "none", "restored_step": 0, "before": before}
+    first = restores[0]
+    if "redone" in first:
+        return {"redone": int(first["redone"]), "estimated": False, "source": first.get("source", "disk"),
+                "restored_step": first["step"], "before": before}
+    return {"redone": max(0, before - first["step"]), "estimated": True, "source": first.get("source", "disk"),
+            "restored_step": first["step"], "before": before}
+
+
 def picture(job: ChaosJob, args: argparse.Namespace, title: str) -> None:
     out = draw_report(job.events_path, Path(args.pictures) / f"{job.spec.workdir.name}.png", title=title)
     if out is not None:
@@ -124,8 +168,9 @@ def picture(job: ChaosJob, args: argparse.Namespace, title: str) -> None:
 
 def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    job = start_job(setting, workdir, data)
+    job = start_job(setting, workdir, data, args.ckpt_every)
     times: list[float] = []
+    redone: list[dict] = []
     phases: list[dict[str, float]] = []
     failures = 0
     failed_rounds = 0
@@ -147,7 +192,15 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
             if breakdown:
                 phases.append(breakdown)
             where = ", ".join(f"{k} {v:.1f}" for k, v in (breakdown or {}).items())
-            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s ({where or 'no breakdown'})", flush=True)
+            lost = ""
+            if back is not None:
+                redone.append(steps_redone(job, killed_at, killed_at + back))
+                r = redone[-1]
+                lost = (f"; restored step {r['restored_step']} from {r['source']}, "
+                        f"{r['redone']}{'*' if r['estimated'] else ''} steps redone (newest step logged before the "
+                        f"kill: {r['before']})")
+            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s ({where or 'no breakdown'}){lost}",
+                  flush=True)
     finally:
         job.close()
     picture(job, args, f"{setting}: {args.kills} SIGKILLs")
@@ -159,13 +212,16 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
         "failed_rounds": failed_rounds,
         "restarts_consumed": restarts_consumed(job),
         "median_phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {},
+        "redone": [r["redone"] for r in redone],
+        "redone_estimated": any(r["estimated"] for r in redone),
+        "restore_sources": [r["source"] for r in redone],
     }
 
 
 def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Namespace, faults: bool) -> float:
     """Steps per second of wall time the job keeps, from its first step on."""
     rng = random.Random(args.seed + 1)
-    job = start_job(setting, workdir, data)
+    job = start_job(setting, workdir, data, args.ckpt_every)
     try:
         wait_for_both_workers(job)
         first = next(r for r in job.records() if r["event"] == "step" and r["world_size"] == 2)
@@ -204,20 +260,34 @@ def main(argv: list[str] | None = None) -> int:
                 results[setting]["goodput"] = faulty / clean
                 results[setting]["steps_per_s_clean"] = clean
     print()
-    print(f"{'setting':8} {'median s':>9} {'worst s':>8} {'failed rounds':>14} {'restarts used':>14} {'goodput':>8}")
+    print(f"{'setting':9} {'median s':>9} {'worst s':>8} {'failed rounds':>14} {'restarts used':>14} {'goodput':>8}")
     for setting, r in results.items():
         goodput = f"{r['goodput']:.2f}" if "goodput" in r else "-"
         print(
-            f"{setting:8} {r['median_s']:9.1f} {r['worst_s']:8.1f} {r['failed_rounds']:14d} "
+            f"{setting:9} {r['median_s']:9.1f} {r['worst_s']:8.1f} {r['failed_rounds']:14d} "
             f"{'/'.join(map(str, r['restarts_consumed'])):>14} {goodput:>8}"
         )
+    print()
+    print(f"checkpoint every {args.ckpt_every} steps; steps redone per kill "
+          "(* from the event log: the runtime has no figure without a keeper)")
+    print(f"{'setting':9} {'redone mean':>12} {'redone max':>11} {'steps/s':>8}  restored from")
+    for setting, r in results.items():
+        mark = "*" if r["redone_estimated"] else ""
+        mean = f"{statistics.fmean(r['redone']):.1f}{mark}" if r["redone"] else "-"
+        worst = f"{max(r['redone'])}{mark}" if r["redone"] else "-"
+        rate = f"{r['steps_per_s_clean']:.1f}" if "steps_per_s_clean" in r else "-"
+        sources = ", ".join(f"{s} {r['restore_sources'].count(s)}" for s in dict.fromkeys(r["restore_sources"])) or "-"
+        print(f"{setting:9} {mean:>12} {worst:>11} {rate:>8}  {sources}")
     for setting, r in results.items():
         if r["median_phases_s"]:
             marks = ", ".join(f"{k} at {v:.1f} s" for k, v in r["median_phases_s"].items())
             print(f"{setting}: median time line after a kill: {marks}")
-    for other in ("stock", "tuned"):
+    for other in ("stock", "tuned", "ours-disk"):
         if {other, "ours"} <= results.keys():
             print(f"median recovery, {other} / ours: {results[other]['median_s'] / results['ours']['median_s']:.1f}x")
+    if {"ours", "ours-disk"} <= results.keys() and "goodput" in results["ours"]:
+        print(f"goodput (one kill per {args.goodput_interval:g} s), ours / ours-disk: "
+              f"{results['ours']['goodput']:.2f} / {results['ours-disk']['goodput']:.2f}")
     print(json.dumps(results))
     return 0
 

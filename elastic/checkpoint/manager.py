@@ -672,8 +672,11 @@ class CheckpointManager:
         and is no older than the newest checkpoint on disk."""
         places: dict[tuple[int, int], dict[int, list[tuple[str, str, str, str]]]] = {}
         headers: dict[tuple[int, int], dict[int, parts.PartHeader]] = {}
+        ckpt_dir = str(self.store.root.resolve())
         for node in gathered:
             for where, header in node["parts"]:
+                if header.ckpt_dir != ckpt_dir:
+                    continue  # another job's (one keeper may serve several in one process)
                 key = (header.step, header.world_size)
                 places.setdefault(key, {}).setdefault(header.rank, []).append((node["node"], node["url"], where, header.stem))
                 headers.setdefault(key, {}).setdefault(header.rank, header)
@@ -739,9 +742,10 @@ class CheckpointManager:
         memory.wait_previous()  # at most one in flight: its buffers are reused now
         if memory.disabled is not None:
             return
-        extra = {name: plain_state(name, obj.state_dict()) for name, obj in self._extra.items()}
-        settings = plain_state("optimizer", self._layout.settings())
-        trainer = self._trainer_state(step, [get_rng_state(self._ctx.device)], extra, settings)
+        # What a weights-only load could not read back is refused at the checkpoints (plain_state);
+        # checking it again at every step's snapshot would cost the loop for nothing.
+        extra = {name: obj.state_dict() for name, obj in self._extra.items()}
+        trainer = self._trainer_state(step, [get_rng_state(self._ctx.device)], extra, self._layout.settings(), check=False)
         layout = self._layout
         rank, world = self._ctx.rank, self._ctx.world_size
         if layout.sharded:
@@ -989,17 +993,21 @@ class CheckpointManager:
         return gathered
 
     def _trainer_state(
-        self, step: int, rng_states: list[dict[str, Any]], extra: dict[str, Any], settings: dict[str, Any]
+        self, step: int, rng_states: list[dict[str, Any]], extra: dict[str, Any], settings: dict[str, Any],
+        *, check: bool = True,
     ) -> dict[str, Any]:
+        def plain(name: str, tree: Any) -> Any:
+            return plain_state(name, tree) if check else tree
+
         return {
             "step": step,
             "world_size": self._ctx.world_size,
             "sampler": self._sampler.state_dict(),
             "aliases": dict(self._layout.aliases),
-            "module_extra": plain_state("module extra state", self._layout.extra_state()),
+            "module_extra": plain("module extra state", self._layout.extra_state()),
             # Checked like extra state: what a weights_only load could not read back fails now, not at restore.
-            "scheduler": plain_state("scheduler", self._scheduler.state_dict()) if self._scheduler is not None else None,
-            "scaler": plain_state("scaler", self._scaler.state_dict()) if self._scaler is not None else None,
+            "scheduler": plain("scheduler", self._scheduler.state_dict()) if self._scheduler is not None else None,
+            "scaler": plain("scaler", self._scaler.state_dict()) if self._scaler is not None else None,
             "extra": extra,
             "optimizer": settings,
             "rng": rng_states,

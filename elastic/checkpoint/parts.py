@@ -35,7 +35,7 @@ import json
 import os
 import re
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,8 @@ class PartHeader:
         return part_stem(self.rank, self.writer, self.slot)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        # Not dataclasses.asdict: it deep-copies every chunk's checksums, on every step's snapshot.
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> PartHeader:
