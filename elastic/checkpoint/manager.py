@@ -297,7 +297,15 @@ class CheckpointManager:
         if isinstance(box[0], CheckpointError):
             raise box[0]
         self._tag = box[1]
+        if not self._all_ok_control(self._memory is not None) and self._memory is not None:
+            # Every rank takes the same path through the collectives below: one node without a
+            # keeper turns the memory tier off everywhere.
+            if self._ctx.is_main:
+                logger.warning("in-memory snapshots are off: a node of this job has no snapshot keeper")
+            self._memory.close(timeout=0)
+            self._memory = None
         if self._memory is not None:
+            self._memory.generation = self._tag
             newest_on_disk = candidates[0].step if candidates else -1
             restored = self._restore_from_memory(newest_on_disk, started, deadline)
             if restored is not None:
@@ -658,7 +666,9 @@ class CheckpointManager:
         )
         try:
             self._restore_sharded(Candidate(name, step, directory), manifest, trainer, tensors_json, deadline)
-        except CorruptCheckpoint as exc:
+        except (CorruptCheckpoint, CheckpointStorageError) as exc:  # every rank alike (DCP's collective)
+            if isinstance(exc, RestoreTimedOut):
+                raise
             if self._ctx.is_main:
                 logger.warning("%s fails its check (%s); restoring from disk", name, exc)
             return None
@@ -677,18 +687,21 @@ class CheckpointManager:
             for where, header in node["parts"]:
                 if header.ckpt_dir != ckpt_dir:
                     continue  # another job's (one keeper may serve several in one process)
-                key = (header.step, header.world_size)
-                places.setdefault(key, {}).setdefault(header.rank, []).append((node["node"], node["url"], where, header.stem))
-                headers.setdefault(key, {}).setdefault(header.rank, header)
-        for (step, world_size) in sorted(places, reverse=True):
+                # One plan takes parts of one generation (the restore their writers resumed from):
+                # parts a dead timeline left at the same step never mix with the live one's.
+                key = (header.step, header.world_size, str(header.extra.get("generation", "")))
+                chosen_header = headers.setdefault(key, {}).setdefault(header.rank, header)
+                if header.stem == chosen_header.stem:  # the file each rank reads is the header's own
+                    places.setdefault(key, {}).setdefault(header.rank, []).append((node["node"], node["url"], where, header.stem))
+        for (step, world_size, generation) in sorted(places, key=lambda k: (k[0], k[1]), reverse=True):
             if step < newest_on_disk:
                 break
-            found = places[(step, world_size)]
+            found = places[(step, world_size, generation)]
             if set(found) != set(range(world_size)):
                 continue
             name = f"the in-memory snapshot of step {step}"
             try:
-                chosen = [headers[(step, world_size)][rank] for rank in range(world_size)]
+                chosen = [headers[(step, world_size, generation)][rank] for rank in range(world_size)]
                 metadata = parts.merged_metadata(chosen)
                 trainer = parts.merged_trainer(chosen)
                 self._check_sharded(name, metadata, trainer)
@@ -742,10 +755,11 @@ class CheckpointManager:
         memory.wait_previous()  # at most one in flight: its buffers are reused now
         if memory.disabled is not None:
             return
-        # What a weights-only load could not read back is refused at the checkpoints (plain_state);
-        # checking it again at every step's snapshot would cost the loop for nothing.
-        extra = {name: obj.state_dict() for name, obj in self._extra.items()}
-        trainer = self._trainer_state(step, [get_rng_state(self._ctx.device)], extra, self._layout.settings(), check=False)
+        # What a weights-only load could not read back is refused at the first snapshot and at every
+        # checkpoint (plain_state); checking it at every step would cost the loop for nothing.
+        first = not memory.history
+        extra = {name: plain_state(name, obj.state_dict()) if first else obj.state_dict() for name, obj in self._extra.items()}
+        trainer = self._trainer_state(step, [get_rng_state(self._ctx.device)], extra, self._layout.settings(), check=first)
         layout = self._layout
         rank, world = self._ctx.rank, self._ctx.world_size
         if layout.sharded:
@@ -1017,8 +1031,15 @@ class CheckpointManager:
         """Optimizer step pre-hook: the step may change parameters once the save (and the
         snapshot) have read them."""
         if self._snapshot_copy is not None:
+            # The whole snapshot (copy, checksums, header, replica), not only the copy: a step
+            # whose parameters change is finished, and a failure after it must find that step's
+            # snapshot whole, so that at most one finished step is ever redone.
+            started = time.perf_counter()
             self._snapshot_copy.wait_sources_free()
             self._snapshot_copy = None
+            if self._memory is not None:
+                self._memory.wait_previous()
+                self._memory.step_wait_seconds.append(time.perf_counter() - started)
         record = self._in_flight
         if record is None or record.sources_released:
             return

@@ -58,7 +58,9 @@ ROOT_ENV = "TORCHREVIVE_SNAPSHOT_ROOT"
 URL_ENV = "TORCHREVIVE_SNAPSHOT_URL"
 NODE_ENV = "TORCHREVIVE_SNAPSHOT_NODE"
 LOCAL, REPLICA, FETCHED, PROGRESS = "local", "replica", "fetched", "progress"
-PUSH_TIMEOUT = 60.0
+PUSH_TIMEOUT = 30.0
+PUSH_PAUSE = 30.0
+"""Seconds without copies to the peer after one failed (a slow peer must not slow every step)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,11 @@ class MemorySnapshots:
         """Per snapshot: step, seconds (copy to replica done)."""
         self.blocking_seconds: list[float] = []
         """Per snapshot: seconds the loop was blocked taking it (the optimizer step's wait not included)."""
+        self.step_wait_seconds: list[float] = []
+        """Per snapshot: seconds the next optimizer step waited for it to be written and replicated."""
+        self.generation = ""
+        """The restore this worker resumed from (shared by every rank): a plan takes parts of one."""
+        self._push_paused_until = 0.0
         self._progress = self._open_progress()
 
     # -- progress ------------------------------------------------------------------
@@ -300,9 +307,10 @@ class MemorySnapshots:
             live = {k: v for k, v in share.items() if k not in buffers}
             tensors = {k: buffers.get(k, v) for k, v in share.items()}
             index, slot = self._slot_for(tensors)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - full /dev/shm (OSError), a failed mapping: degrade, never hang
             deferred.run(lambda: {}, None)  # release the optimizer step
-            self._disable(f"cannot allocate the snapshot in {self.keeper.root} ({exc.strerror or exc})")
+            what = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            self._disable(f"cannot allocate the snapshot in {self.keeper.root} ({what})")
             return
         deferred.run(lambda: live, slot)
         for key in tensors.keys() - live.keys():
@@ -324,9 +332,10 @@ class MemorySnapshots:
             run_id=self._ctx.run_id, step=step, rank=self._ctx.rank, world_size=self._ctx.world_size,
             writer=self.writer_id, slot=index, data_bytes=slot.size, chunks=chunks, tensors=shapes,
             trainer=blob, trainer_crc32c=blob_crc, ckpt_dir=self._ckpt_dir, keep=self._keep, created=time.time(),
+            extra={"generation": self.generation},
         )
         parts.write_header(self._local, header)
-        if self._peer is not None:
+        if self._peer is not None and time.monotonic() >= self._push_paused_until:
             self._push(header, data)
         self.history.append({"step": step, "seconds": time.perf_counter() - started})
 
@@ -350,6 +359,8 @@ class MemorySnapshots:
             finally:
                 conn.close()
         except (OSError, http.client.HTTPException) as exc:
+            # A peer that does not answer must not hold every step: no copies for a while.
+            self._push_paused_until = time.monotonic() + PUSH_PAUSE
             if not self._push_warned:
                 self._push_warned = True
                 logger.warning("cannot copy the snapshot to the peer node's keeper at %s (%s); "

@@ -108,6 +108,7 @@ class SnapshotKeeper:
         self._persist_wanted = threading.Event()
         self._checkpoint_dirs: set[Path] = set()  # where persists went: their stale stages go at close
         self._staged: dict[Path, set[int]] = {}  # stage -> the ranks this keeper copied into it
+        self._stage_worlds: dict[Path, int] = {}
         self.persisted: list[int] = []
         """Steps this keeper committed to a checkpoint directory."""
         self._threads = [
@@ -145,14 +146,14 @@ class SnapshotKeeper:
         self._server.shutdown()
         self._server.server_close()
         with self._lock:
+            # In a job of this node alone (its own workers wrote every rank's parts), a stage it
+            # could not complete never will be; in any other, a peer's keeper may still complete it.
+            for stage, world_size in self._stage_worlds.items():
+                if stage.is_dir() and not (stage / ".commit").exists() and self._local_ranks(world_size) >= set(range(world_size)):
+                    shutil.rmtree(stage, ignore_errors=True)
             shutil.rmtree(self.root, ignore_errors=True)
             for root in self._checkpoint_dirs:
                 _remove_old_stages(root, _newest(_store(root)))
-            # A stage only this keeper added to will never be completed once it is gone.
-            for stage, ranks in self._staged.items():
-                present = {int(p.name[5:10]) for p in stage.glob("part_*.json")} if stage.is_dir() else None
-                if present is not None and present <= ranks:
-                    shutil.rmtree(stage, ignore_errors=True)
 
     def _maintain(self) -> None:
         while not self._closing.is_set():
@@ -173,6 +174,9 @@ class SnapshotKeeper:
 
     # -- persist -------------------------------------------------------------------
 
+    def _local_ranks(self, world_size: int) -> set[int]:
+        return {h.rank for path, h in self.held() if h.world_size == world_size and path.parent.name == LOCAL}
+
     def held(self) -> list[tuple[Path, PartHeader]]:
         """(data file, header) of every part in this node's memory, its own and its peer's."""
         found = []
@@ -186,12 +190,18 @@ class SnapshotKeeper:
         docstring); the steps committed by this keeper."""
         from elastic.checkpoint.store import CheckpointStore
 
-        targets: dict[tuple[str, str, int, int], dict[int, list[tuple[Path, PartHeader]]]] = {}
-        for path, header in self.held():
-            steps = targets.setdefault((header.ckpt_dir, header.run_id, header.world_size, header.keep), {})
+        targets: dict[tuple[str, str, int, int, str], dict[int, list[tuple[Path, PartHeader]]]] = {}
+        held = self.held()
+        # Only where this node's own workers checkpoint: a peer's upload cannot name a directory.
+        declared = {(h.ckpt_dir, h.keep) for path, h in held if path.parent.name == LOCAL}
+        for path, header in held:
+            if (header.ckpt_dir, header.keep) not in declared:
+                continue
+            generation = str(header.extra.get("generation", ""))
+            steps = targets.setdefault((header.ckpt_dir, header.run_id, header.world_size, header.keep, generation), {})
             steps.setdefault(header.step, []).append((path, header))
         committed: list[int] = []
-        for (ckpt_dir, run_id, world_size, keep), steps in targets.items():
+        for (ckpt_dir, run_id, world_size, keep, generation), steps in targets.items():
             root = Path(ckpt_dir)
             if not root.is_dir():
                 continue
@@ -201,11 +211,12 @@ class SnapshotKeeper:
             for step in sorted(steps, reverse=True):
                 if step <= newest:
                     break
-                stage = root / f"{STAGE_PREFIX}step_{step:08d}.{_safe(run_id)}.w{world_size}"
+                stage = root / f"{STAGE_PREFIX}step_{step:08d}.{_safe(run_id)}.w{world_size}.g{_safe(generation)}"
                 try:
                     stage.mkdir(exist_ok=True)
                     for path, header in steps[step]:
                         self._stage_part(stage, path, header)
+                    self._stage_worlds[stage] = world_size
                     if self._try_commit(store, stage, step, world_size):
                         committed.append(step)
                         logger.info("snapshot keeper: persisted the snapshot of step %d to %s", step, root)
@@ -217,8 +228,8 @@ class SnapshotKeeper:
 
     def _stage_part(self, stage: Path, path: Path, header: PartHeader) -> None:
         done = stage / f"part_{header.rank:05d}.json"
-        if done.exists():
-            return  # another keeper (or an earlier persist) copied this rank's part
+        if done.exists() or (stage / ".commit").exists():
+            return  # another keeper (or an earlier persist) copied this rank's part, or commits the stage
         try:
             data = parts.read_data(path, header)
         except CorruptCheckpoint as exc:
@@ -255,6 +266,7 @@ class SnapshotKeeper:
             trainer = parts.merged_trainer(headers)
         except CorruptCheckpoint as exc:
             logger.warning("snapshot keeper: step %d cannot be persisted: %s", step, exc)
+            shutil.rmtree(stage, ignore_errors=True)
             return False
         text = sharded.metadata_to_json(metadata).encode()
         with open(stage / sharded.TENSORS_FILE, "wb") as f:
@@ -270,7 +282,6 @@ class SnapshotKeeper:
         files[TRAINER_FILE] = store.write_state_file(stage, TRAINER_FILE, trainer)
         for path in headers_files:
             path.unlink()
-        (stage / ".commit").unlink()
         if step <= _newest(store):
             shutil.rmtree(stage, ignore_errors=True)
             return False  # the workers committed this step or a newer one meanwhile
@@ -279,7 +290,9 @@ class SnapshotKeeper:
             step=step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]), world_size=world_size,
             files=files, created=time.time(), reason="breakpoint", run_id=headers[0].run_id, versions=versions(),
         )
-        store.finish(stage, manifest)
+        # `.commit` stays until the stage is published (other keepers leave a stage that has one alone).
+        final = store.finish(stage, manifest)
+        (final / ".commit").unlink(missing_ok=True)
         return True
 
     # -- housekeeping --------------------------------------------------------------
@@ -358,6 +371,7 @@ class _Handler(BaseHTTPRequestHandler):
     """GET /part/<local|replica>/<part file>; PUT /replica/<part stem> (header, then data)."""
 
     protocol_version = "HTTP/1.1"
+    timeout = 120  # seconds a stalled peer may hold a connection (and its temporary file)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         keeper: SnapshotKeeper = self.server.keeper  # type: ignore[attr-defined]
@@ -386,6 +400,7 @@ class _Handler(BaseHTTPRequestHandler):
             head_bytes = int(self.headers["X-Header-Bytes"])
         except (TypeError, ValueError):
             self.send_error(400)
+            self.close_connection = True  # the unread body must not be parsed as a request
             return
         if len(pieces) != 2 or pieces[0] != REPLICA or parts.parse_part_name(pieces[1] + parts.HEADER_SUFFIX) is None \
                 or not 0 < head_bytes <= min(total, 2**26):
@@ -456,14 +471,23 @@ def _remove_orphans(base: Path) -> None:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def keeper_host(local_addr: str | None, environ: dict[str, str] | None = None) -> str:
-    """Where the keeper binds: TORCHREVIVE_SNAPSHOT_HOST, else the agent's `--local-addr`, else this
-    host's name resolved (the address its peers reach it by)."""
+def keeper_host(local_addr: str | None, rdzv_endpoint: str | None = None, environ: dict[str, str] | None = None) -> str:
+    """Where the keeper binds: TORCHREVIVE_SNAPSHOT_HOST, else the agent's `--local-addr`, else the
+    address this host reaches the rendezvous endpoint from (the one its peers reach it by; a
+    host name that resolves to loopback, as Debian's 127.0.1.1 does, would cut replicas off)."""
     env = os.environ if environ is None else environ
     if env.get(HOST_ENV):
         return env[HOST_ENV]
     if local_addr:
         return local_addr
+    host = (rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]") if rdzv_endpoint else ""
+    if host:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))  # no packet is sent: only the route is looked up
+                return probe.getsockname()[0]
+        except OSError:
+            pass
     try:
         return socket.gethostbyname(socket.getfqdn())
     except OSError:

@@ -176,8 +176,8 @@ def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
     if os.environ.get(SNAPSHOTS_ENV, "1") == "0":
         return None
     try:
-        keeper = SnapshotKeeper(keeper_host(getattr(args, "local_addr", None)))
-    except OSError as exc:
+        keeper = SnapshotKeeper(keeper_host(getattr(args, "local_addr", None), getattr(args, "rdzv_endpoint", None)))
+    except (OSError, ValueError) as exc:
         print(f"torchrevive-run: warning: no in-memory snapshots on this node: the snapshot keeper cannot start "
               f"({exc.strerror or exc}); checkpoints go to disk only", file=sys.stderr, flush=True)
         return None
