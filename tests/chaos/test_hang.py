@@ -105,7 +105,8 @@ def test_more_faults_than_max_restarts_fail_with_a_summary_and_a_good_checkpoint
     command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
                "--monitor-interval=0.5", str(REPO / "recipes" / "gpt.py"), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO,
-                          env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:restart=any"))
+                          # @12+: a restart resumes from memory at step 11 or 12 and must die again.
+                          env=worker_env(ELASTIC_FAULT="after_step@12+:rank=1:restart=any"))
     assert done.returncode != 0
     last_line = done.stderr.strip().splitlines()[-1]
     # Warm workers of one node are watched together: the agent names the first it saw
