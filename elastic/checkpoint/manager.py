@@ -58,6 +58,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -297,7 +298,7 @@ class CheckpointManager:
         if isinstance(box[0], CheckpointError):
             raise box[0]
         self._tag = box[1]
-        if not self._all_ok_control(self._memory is not None) and self._memory is not None:
+        if not self._all_ranks_ok(self._memory is not None, on_loop=True) and self._memory is not None:
             # Every rank takes the same path through the collectives below: one node without a
             # keeper turns the memory tier off everywhere.
             if self._ctx.is_main:
@@ -654,7 +655,7 @@ class CheckpointManager:
             directory = memory.gather_files(locations, self._tag)
         except OSError as exc:
             why = f"rank {self._ctx.rank} could not get its parts: {describe_failure(exc)}"
-        if not self._all_ok_control(why is None):
+        if not self._all_ranks_ok(why is None, on_loop=True):
             if self._ctx.is_main:
                 logger.warning("%s cannot be restored (%s); restoring from disk", name, why or "another rank could not get its parts")
             self._remove(directory)
@@ -714,18 +715,9 @@ class CheckpointManager:
             return step, world_size, source, found, trainer, sharded.metadata_to_json(metadata)
         return None
 
-    def _all_ok_control(self, ok: bool) -> bool:
-        if not self._ctx.distributed:
-            return ok
-        flag = torch.tensor([int(ok)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_group())
-        return bool(flag.item())
-
     @staticmethod
     def _remove(directory: Any) -> None:
         if directory is not None:
-            import shutil
-
             shutil.rmtree(directory, ignore_errors=True)
 
     # -- save ------------------------------------------------------------------
@@ -1116,12 +1108,13 @@ class CheckpointManager:
         self._mine_keys = frozenset(mine)
         return {k: v for k, v in mine.items() if k not in layout.buffer_keys}
 
-    def _all_ranks_ok(self, ok: bool) -> bool:
-        """Writer thread: whether `ok` holds on every rank (a collective on the save group)."""
+    def _all_ranks_ok(self, ok: bool, *, on_loop: bool = False) -> bool:
+        """Whether `ok` holds on every rank: a collective on the save group (writer thread), or on
+        the control group with `on_loop` (the loop's thread, at restore)."""
         if not self._ctx.distributed:
             return ok
         flag = torch.tensor([int(ok)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_group() if on_loop else self._group)
         return bool(flag.item())
 
     def _collect(self, *, block: bool, timeout: float | None = None) -> None:

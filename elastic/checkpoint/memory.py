@@ -124,11 +124,16 @@ class _Slot:
         self.views = {
             e.key: self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries
         }
-        self.signature = tuple((e.key, e.dtype, e.shape) for e in entries)
+        self.signature = layout_signature(entries)
 
     def get(self, path: str, like: torch.Tensor) -> torch.Tensor:
         """The buffer for `path` ("later/<key>", as `snapshot.plan_copies` names it)."""
         return self.views[path.split("/", 1)[1]]
+
+
+def layout_signature(entries: list[_Entry]) -> tuple[Any, ...]:
+    """What a slot's mapping depends on: a slot is reused while this stays the same."""
+    return tuple((e.key, e.dtype, e.shape) for e in entries)
 
 
 def plan_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[_Entry], int]:
@@ -281,7 +286,7 @@ class MemorySnapshots:
         index = self._next_slot
         self._next_slot = 1 - index
         entries, size = plan_layout(tensors)
-        signature = tuple((e.key, e.dtype, e.shape) for e in entries)
+        signature = layout_signature(entries)
         stem = parts.part_stem(self._ctx.rank, self.writer_id, index)
         (self._local / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
         slot = self._slots[index]
