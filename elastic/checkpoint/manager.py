@@ -443,11 +443,13 @@ class CheckpointManager:
             )
 
     def _restore_sharded(
-        self, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], tensors_json: str, deadline: float
+        self, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], tensors_json: str, deadline: float,
+        *, in_memory: bool = False,
     ) -> None:
         """Every rank: read its part into host buffers, then (all of it read) change the live state.
 
         Raises `CorruptCheckpoint` on every rank when any rank's chunk fails its check.
+        `in_memory`: the files are snapshot parts in shared memory, read through maps.
         """
         metadata = sharded.metadata_from_json(tensors_json)
         saved = sharded.tensor_shapes(metadata)
@@ -482,7 +484,7 @@ class CheckpointManager:
             try:
                 outcome["bytes"] = sharded.load_tensors(
                     targets, candidate.path, metadata, group=self._restore_group, deadline=deadline,
-                    after_first_chunk=lambda: self._faults.at("during_read", manifest.step),
+                    after_first_chunk=lambda: self._faults.at("during_read", manifest.step), mapped=in_memory,
                 )
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 outcome["error"] = exc
@@ -530,15 +532,21 @@ class CheckpointManager:
                         optimizer_tensors[key] = dtensor_like(host.to(param.device), param)
                     continue
                 shape, dtype = plain[key]
+                mine = owner[key] == self._ctx.rank
                 if is_model:
                     dest = live[key]
                 else:
                     param = params[key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]]
                     on_device = param.device.type == "cuda" and len(shape) > 0
-                    dest = torch.empty(shape, dtype=dtype, device=param.device if on_device else "cpu")
+                    if mine and not on_device:  # the host buffer read into is the state itself
+                        dest = targets[key]
+                    else:
+                        dest = torch.empty(shape, dtype=dtype, device=param.device if on_device else "cpu")
                     optimizer_tensors[key] = dest
-                if owner[key] == self._ctx.rank:
-                    dest.copy_(targets.pop(key))
+                if mine:
+                    source = targets.pop(key)
+                    if source is not dest:
+                        dest.copy_(source)
                 self._broadcast_tensor(dest, owner[key])
         self._optimizer.load_state_dict(
             live_state.optimizer_state_dict(self._model, self._optimizer, optimizer_tensors, optimizer_settings)
@@ -666,7 +674,7 @@ class CheckpointManager:
             files={}, created=time.time(), reason="snapshot", run_id=self._ctx.run_id, versions=versions(),
         )
         try:
-            self._restore_sharded(Candidate(name, step, directory), manifest, trainer, tensors_json, deadline)
+            self._restore_sharded(Candidate(name, step, directory), manifest, trainer, tensors_json, deadline, in_memory=True)
         except (CorruptCheckpoint, CheckpointStorageError) as exc:  # every rank alike (DCP's collective)
             if isinstance(exc, RestoreTimedOut):
                 raise

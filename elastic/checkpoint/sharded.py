@@ -24,12 +24,16 @@ Invariants:
   bytes it read (`ShardReader.bytes_read`).
 - Each rank fsyncs its own file; the coordinator fsyncs tensors.json. The
   commit (atomic rename of the directory) is the store's, after all of it.
+- Files in memory (snapshot parts on tmpfs) may be read through a map
+  (`MappedFiles`): one copy fewer, checked alike. Never files on storage: a
+  read error there would be a SIGBUS instead of an `OSError`.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import time
 import warnings
@@ -319,7 +323,8 @@ class ShardReader(StorageReader):
     """Reads the chunks a rank's plan names, checks each chunk's crc32c, copies the overlap.
 
     `deadline` (time.monotonic) makes a slow filesystem a `TimeoutError` between chunks;
-    `after_first_chunk` runs once the first chunk is read (fault injection).
+    `after_first_chunk` runs once the first chunk is read (fault injection); `mapped`
+    reads through `MappedFiles` (files in memory only).
     """
 
     def __init__(
@@ -329,12 +334,14 @@ class ShardReader(StorageReader):
         *,
         deadline: float | None = None,
         after_first_chunk: Callable[[], None] = lambda: None,
+        mapped: bool = False,
     ) -> None:
         super().__init__()
         self.directory = Path(directory)
         self._metadata = metadata
         self._deadline = deadline
         self._after_first_chunk = after_first_chunk
+        self._mapped = mapped
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -359,24 +366,30 @@ class ShardReader(StorageReader):
             by_chunk.setdefault(item.storage_index, []).append(item)
         # In file order: one pass over each file, each chunk read once.
         order = sorted(by_chunk, key=lambda i: (self._storage[i].file, self._storage[i].offset))
-        for index in order:
-            if self._deadline is not None and time.monotonic() > self._deadline:
-                raise TimeoutError("reading the checkpoint took longer than the restore deadline")
-            stored: StoredChunk = self._storage[index]
-            items = by_chunk[index]
-            rows = _rows_needed(stored, items)
-            chunk, nbytes = read_rows(self.directory, stored, index.fqn, rows)
-            if index is order[0]:
-                self._after_first_chunk()
-            self.bytes_read += nbytes
-            first_row = rows[0] if rows is not None else 0
-            for item in items:
-                piece = chunk
-                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    piece = piece.narrow(dim, start - first_row if dim == 0 else start, length)
-                target = planner.resolve_tensor(item).detach()
-                target.copy_(piece)
-                planner.commit_tensor(item, target)
+        maps = MappedFiles(self.directory) if self._mapped else None
+        try:
+            for index in order:
+                if self._deadline is not None and time.monotonic() > self._deadline:
+                    raise TimeoutError("reading the checkpoint took longer than the restore deadline")
+                stored: StoredChunk = self._storage[index]
+                items = by_chunk[index]
+                rows = _rows_needed(stored, items)
+                chunk, nbytes = read_rows(self.directory, stored, index.fqn, rows, maps=maps)
+                if index is order[0]:
+                    self._after_first_chunk()
+                self.bytes_read += nbytes
+                first_row = rows[0] if rows is not None else 0
+                for item in items:
+                    piece = chunk
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        piece = piece.narrow(dim, start - first_row if dim == 0 else start, length)
+                    target = planner.resolve_tensor(item).detach()
+                    target.copy_(piece)
+                    planner.commit_tensor(item, target)
+                del chunk, piece  # no view of a map outlives its chunk
+        finally:
+            if maps is not None:
+                maps.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -405,13 +418,48 @@ def read_chunk(directory: Path, stored: StoredChunk, fqn: str) -> torch.Tensor:
     return read_rows(directory, stored, fqn, None)[0]
 
 
+class MappedFiles:
+    """Private read maps of a directory's data files, one per file, made on first use.
+
+    For files in memory only (tmpfs): a chunk is then checked and copied straight
+    from the page it lies in, with no read into a buffer first. The file's size is
+    checked before a chunk is handed out, so a short file is a `CorruptCheckpoint`,
+    never a SIGBUS. Close once no view of a chunk is left."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._maps: dict[str, mmap.mmap | None] = {}
+
+    def view(self, file: str, start: int, stop: int) -> memoryview | None:
+        """Bytes [start, stop) of `file`, or None if the file is shorter (or empty)."""
+        if file not in self._maps:
+            with open(self.directory / file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                # ACCESS_COPY: writable to Python (torch.frombuffer wants that), never written back.
+                self._maps[file] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        mapping = self._maps[file]
+        if stop > (len(mapping) if mapping is not None else 0):
+            return None
+        return memoryview(mapping)[start:stop] if mapping is not None else memoryview(b"")
+
+    def close(self) -> None:
+        for mapping in self._maps.values():
+            if mapping is not None:
+                try:
+                    mapping.close()
+                except BufferError:  # a view still alive: the map goes with it
+                    pass
+        self._maps.clear()
+
+
 def read_rows(
-    directory: Path, stored: StoredChunk, fqn: str, rows: tuple[int, int] | None
+    directory: Path, stored: StoredChunk, fqn: str, rows: tuple[int, int] | None, *, maps: MappedFiles | None = None
 ) -> tuple[torch.Tensor, int]:
     """Rows [first, end) of a saved chunk (None: all of it) as a CPU tensor, and the bytes read.
 
     Only the checksum blocks that hold those rows are read, and each is checked
-    (`CorruptCheckpoint` if one fails)."""
+    (`CorruptCheckpoint` if one fails). With `maps` the tensor is a view of the
+    mapped file, valid until the maps are closed."""
     where = f"{directory.name}/{stored.file}"
     dtype = _dtype(stored.dtype)
     row_bytes = stored.length // stored.sizes[0] if stored.sizes and stored.sizes[0] else stored.length
@@ -421,11 +469,16 @@ def read_rows(
         lo, hi = 0, stored.length
     first_block, end_block = lo // stored.block, -(-hi // stored.block) if hi else 0
     start, stop = first_block * stored.block, min(end_block * stored.block, stored.length)
-    buffer = bytearray(stop - start)
+    buffer: bytearray | memoryview
     try:
-        with open(directory / stored.file, "rb") as f:
-            f.seek(stored.offset + start)
-            got = f.readinto(buffer)
+        if maps is not None:
+            view = maps.view(stored.file, stored.offset + start, stored.offset + stop)
+            buffer, got = (view, len(view)) if view is not None else (bytearray(stop - start), -1)
+        else:
+            buffer = bytearray(stop - start)
+            with open(directory / stored.file, "rb") as f:
+                f.seek(stored.offset + start)
+                got = f.readinto(buffer)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{where} is missing") from None
     if got != len(buffer):
@@ -449,10 +502,12 @@ def load_tensors(
     group: dist.ProcessGroup | None,
     deadline: float | None = None,
     after_first_chunk: Callable[[], None] = lambda: None,
+    mapped: bool = False,
 ) -> int:
     """Fill this rank's `targets` (CPU tensors or DTensors of CPU shards) from `directory` (a
-    collective over `group`); bytes read here. Raises `CheckpointException` on every rank if any failed."""
-    reader = ShardReader(directory, metadata, deadline=deadline, after_first_chunk=after_first_chunk)
+    collective over `group`); bytes read here. Raises `CheckpointException` on every rank if any
+    failed. `mapped`: the files are in memory; read them through maps (`MappedFiles`)."""
+    reader = ShardReader(directory, metadata, deadline=deadline, after_first_chunk=after_first_chunk, mapped=mapped)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=group, no_dist=group is None)
