@@ -256,6 +256,8 @@ class CheckpointManager:
         """Per committed save: step, seconds (start to commit), blocking_seconds (rank 0)."""
         self.restored_bytes = 0
         """Bytes of tensor data this rank read on restore (each chunk it needed, once)."""
+        self.fetched_bytes = 0
+        """Of those, bytes this rank fetched from other nodes' snapshot keepers (with the blocks around them)."""
         self._hook = None
         if self.enabled:
             # Parameters and optimizer state change only in optimizer.step(): their copy
@@ -444,12 +446,12 @@ class CheckpointManager:
 
     def _restore_sharded(
         self, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], tensors_json: str, deadline: float,
-        *, in_memory: bool = False,
+        *, source: sharded.ChunkSource | None = None,
     ) -> None:
         """Every rank: read its part into host buffers, then (all of it read) change the live state.
 
         Raises `CorruptCheckpoint` on every rank when any rank's chunk fails its check.
-        `in_memory`: the files are snapshot parts in shared memory, read through maps.
+        `source`: where the bytes come from instead of the checkpoint's files (snapshot parts).
         """
         metadata = sharded.metadata_from_json(tensors_json)
         saved = sharded.tensor_shapes(metadata)
@@ -484,7 +486,7 @@ class CheckpointManager:
             try:
                 outcome["bytes"] = sharded.load_tensors(
                     targets, candidate.path, metadata, group=self._restore_group, deadline=deadline,
-                    after_first_chunk=lambda: self._faults.at("during_read", manifest.step), mapped=in_memory,
+                    after_first_chunk=lambda: self._faults.at("during_read", manifest.step), source=source,
                 )
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 outcome["error"] = exc
@@ -607,13 +609,16 @@ class CheckpointManager:
         # A snapshot's step is not on disk yet (the keeper may still be writing it): a final
         # save at this very step must not be skipped as already saved.
         self.last_step = manifest.step if source == "disk" else None
-        read = torch.tensor([self.restored_bytes], dtype=torch.int64)
+        if source == "disk":
+            self.fetched_bytes = 0
+        read = torch.tensor([self.restored_bytes, self.fetched_bytes], dtype=torch.int64)
         if self._ctx.distributed:
             dist.all_reduce(read, group=control_group())
         redone = self._steps_redone(manifest.step)
         self._events.emit(
             "restore", step=manifest.step, world_size=self._ctx.world_size, seconds=seconds,
-            checkpoint=name, saved_world_size=manifest.world_size, bytes_read=int(read.item()), source=source,
+            checkpoint=name, saved_world_size=manifest.world_size, bytes_read=int(read[0]), source=source,
+            **({"bytes_fetched": int(read[1])} if source != "disk" else {}),
             **({"redone": redone} if redone is not None else {}),
         )
         if self._ctx.is_main:
@@ -657,16 +662,16 @@ class CheckpointManager:
             return None
         step, world_size, source, locations, trainer, tensors_json = plan
         name = f"the in-memory snapshot of step {step}"
-        directory: Any = None
+        files = None
         why = None
         try:
-            directory = memory.gather_files(locations, self._tag)
+            files = memory.gather_files(locations, self._tag)
         except OSError as exc:
             why = f"rank {self._ctx.rank} could not get its parts: {describe_failure(exc)}"
         if not self._all_ranks_ok(why is None, on_loop=True):
             if self._ctx.is_main:
                 logger.warning("%s cannot be restored (%s); restoring from disk", name, why or "another rank could not get its parts")
-            self._remove(directory)
+            self._remove(files.directory if files is not None else None)
             return None
         sampler = trainer["sampler"]
         manifest = Manifest(
@@ -674,7 +679,7 @@ class CheckpointManager:
             files={}, created=time.time(), reason="snapshot", run_id=self._ctx.run_id, versions=versions(),
         )
         try:
-            self._restore_sharded(Candidate(name, step, directory), manifest, trainer, tensors_json, deadline, in_memory=True)
+            self._restore_sharded(Candidate(name, step, files.directory), manifest, trainer, tensors_json, deadline, source=files)
         except (CorruptCheckpoint, CheckpointStorageError) as exc:  # every rank alike (DCP's collective)
             if isinstance(exc, RestoreTimedOut):
                 raise
@@ -682,7 +687,8 @@ class CheckpointManager:
                 logger.warning("%s fails its check (%s); restoring from disk", name, exc)
             return None
         finally:
-            self._remove(directory)
+            self._remove(files.directory)
+        self.fetched_bytes = files.bytes_fetched
         return self._restored(checkpoint_name(step), manifest, started, source=source)
 
     def _memory_plan(self, gathered: list[dict[str, Any]], newest_on_disk: int) -> Any:

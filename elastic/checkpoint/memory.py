@@ -11,8 +11,9 @@ where both are (`KeeperAddress`, from the environment). Each worker:
   runs off the loop until the next optimizer step, as for checkpoints);
 - sends the part to the keeper of one peer node (node i -> node i+1, a ring),
   on the same background thread, so losing a whole node still leaves a copy;
-- at restore, reports what its node holds (`inventory`), and fetches from a
-  peer's keeper the parts its node lacks (`gather_files`).
+- at restore, reports what its node holds (`inventory`), and reads the parts
+  its node lacks from the keepers that hold them, only the rows it needs
+  (`gather_files`, `PartFiles`).
 
 Invariants:
 - At most one snapshot is in flight per worker: the next one waits for the
@@ -27,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import fcntl
 import http.client
 import logging
 import mmap
@@ -35,7 +35,6 @@ import os
 import shutil
 import struct
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +56,7 @@ logger = logging.getLogger(__name__)
 ROOT_ENV = "TORCHREVIVE_SNAPSHOT_ROOT"
 URL_ENV = "TORCHREVIVE_SNAPSHOT_URL"
 NODE_ENV = "TORCHREVIVE_SNAPSHOT_NODE"
-LOCAL, REPLICA, FETCHED, PROGRESS = "local", "replica", "fetched", "progress"
+LOCAL, REPLICA, PROGRESS = "local", "replica", "progress"
 PUSH_TIMEOUT = 30.0
 PUSH_PAUSE = 30.0
 """Seconds without copies to the peer after one failed (a slow peer must not slow every step)."""
@@ -384,43 +383,27 @@ class MemorySnapshots:
                     held.append((where, header))
         return {"node": self.keeper.node, "url": self.keeper.url, "progress": self.last_progress(), "parts": held}
 
-    def gather_files(self, locations: dict[int, list[tuple[str, str, str, str]]], tag: str) -> Path:
-        """A directory of this rank's where `shard_file(r)` is old rank r's part data (symlinks to
-        this node's copies; parts only other nodes hold are fetched from their keepers first).
+    def gather_files(self, locations: dict[int, list[tuple[str, str, str, str]]], tag: str) -> PartFiles:
+        """The parts of a restore, as this rank reads them: a directory where `shard_file(r)` is
+        old rank r's part data when this node holds it (a symlink to it), and the keepers to
+        ask for the rows of the others (`PartFiles`, read only where this rank's plan reads).
 
         `locations`: old rank -> [(node, keeper url, where, stem)], this node's first when it has one.
         """
         directory = self.keeper.root / f"restore-{tag}-{self._ctx.rank:05d}"
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
+        remote: dict[str, list[str]] = {}
         for old_rank, places in locations.items():
             here = [p for p in places if p[0] == self.keeper.node]
             if here:
                 _, _, where, stem = here[0]
-                source = self.keeper.root / where / (stem + parts.DATA_SUFFIX)
+                os.symlink(self.keeper.root / where / (stem + parts.DATA_SUFFIX), directory / sharded.shard_file(old_rank))
             else:
-                source = self._fetch(places)
-            os.symlink(source, directory / sharded.shard_file(old_rank))
-        return directory
-
-    def _fetch(self, places: list[tuple[str, str, str, str]]) -> Path:
-        """A part's data file from the first peer keeper that serves it, into this node's memory
-        (once per node: the node's other ranks wait for the first one's copy)."""
-        fetched = self.keeper.root / FETCHED
-        fetched.mkdir(exist_ok=True)
-        errors = []
-        for _, url, where, stem in places:
-            final = fetched / (stem + parts.DATA_SUFFIX)
-            with open(fetched / f".{stem}.lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if final.exists():
-                    return final
-                try:
-                    _download(f"{url}/part/{where}/{stem}{parts.DATA_SUFFIX}", final)
-                    return final
-                except (OSError, http.client.HTTPException) as exc:
-                    errors.append(f"{url}: {exc}")
-        raise OSError(f"no keeper could send the part ({'; '.join(errors)})")
+                remote[sharded.shard_file(old_rank)] = [
+                    f"{url}/part/{where}/{stem}{parts.DATA_SUFFIX}" for _, url, where, stem in places
+                ]
+        return PartFiles(directory, remote)
 
     def close(self, timeout: float = PUSH_TIMEOUT) -> None:
         try:
@@ -432,19 +415,83 @@ class MemorySnapshots:
             self._progress = None
 
 
-def _download(url: str, final: Path) -> None:
+READ_GAP = 2**20
+READ_MAX = 2**26
+"""Spans of a remote part at most READ_GAP apart are fetched in one request of up to READ_MAX
+bytes (a larger chunk in one of its own): few round trips, bounded memory."""
+
+
+class PartFiles:
+    """A restore's parts as one rank reads them (a `sharded.ChunkSource`): this node's through
+    maps, another node's by HTTP range requests to the keepers holding them, for the spans the
+    rank's plan reads only (nearby spans joined, see `READ_GAP`), one request at a time.
+
+    Nothing fetched is trusted: the reader checks every block's crc32c as for a file. A keeper
+    that fails is an `OSError` after the next one holding the part was tried."""
+
+    def __init__(self, directory: Path, remote: dict[str, list[str]]) -> None:
+        self.directory = directory
+        self.remote = remote
+        """file name -> URLs of the keepers that hold it, in the order to try them."""
+        self._maps = sharded.MappedFiles(directory)
+        self._requests: dict[str, list[tuple[int, int]]] = {}
+        self._held: tuple[str, int, int, bytearray] | None = None
+        self.bytes_fetched = 0
+
+    def expect(self, spans: list[tuple[str, int, int]]) -> None:
+        self._requests = {}
+        for file, start, stop in sorted(s for s in spans if s[0] in self.remote):
+            joined = self._requests.setdefault(file, [])
+            if joined and start - joined[-1][1] <= READ_GAP and stop - joined[-1][0] <= READ_MAX:
+                joined[-1] = (joined[-1][0], max(joined[-1][1], stop))
+            else:
+                joined.append((start, stop))
+
+    def view(self, file: str, start: int, stop: int) -> memoryview | bytearray | None:
+        if file not in self.remote:
+            return self._maps.view(file, start, stop)
+        held = self._held
+        if held is None or held[0] != file or not held[1] <= start <= stop <= held[2]:
+            lo, hi = next(((a, b) for a, b in self._requests.get(file, []) if a <= start and stop <= b), (start, stop))
+            data = self._fetch(file, lo, hi)
+            if len(data) < hi - lo:  # the part is shorter than its header says
+                return None
+            held = self._held = (file, lo, hi, data)
+        return memoryview(held[3])[start - held[1] : stop - held[1]]
+
+    def _fetch(self, file: str, start: int, stop: int) -> bytearray:
+        errors = []
+        for url in self.remote[file]:
+            try:
+                data = _get_range(url, start, stop)
+                self.bytes_fetched += len(data)
+                return data
+            except (OSError, http.client.HTTPException) as exc:
+                errors.append(f"{urlsplit(url).netloc}: {exc}")
+        raise OSError(f"no keeper could send {file} ({'; '.join(errors)})")
+
+    def close(self) -> None:
+        self._held = None
+        self._maps.close()
+
+
+def _get_range(url: str, start: int, stop: int) -> bytearray:
+    """Bytes [start, stop) of the part at `url` (fewer if it is shorter), by a range request."""
     parsed = urlsplit(url)
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}")
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=PUSH_TIMEOUT)
     try:
-        conn.request("GET", parsed.path)
+        conn.request("GET", parsed.path, headers={"Range": f"bytes={start}-{stop - 1}"})
         response = conn.getresponse()
-        if response.status != 200:
+        if response.status == 416:  # starts past the end: a short part
+            response.read()
+            return bytearray()
+        if response.status != 206:
             response.read()
             raise OSError(f"HTTP {response.status} {response.reason} for {parsed.path}")
-        with open(tmp, "wb") as f:
-            shutil.copyfileobj(response, f, 2**20)
-        os.replace(tmp, final)
+        data = bytearray(int(response.headers.get("Content-Length", "0")))
+        got = response.readinto(data)
+        if got != len(data):
+            raise OSError(f"{parsed.path} ended after {got} of {len(data)} bytes")
+        return data
     finally:
         conn.close()
-        tmp.unlink(missing_ok=True)

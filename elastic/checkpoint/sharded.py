@@ -24,9 +24,11 @@ Invariants:
   bytes it read (`ShardReader.bytes_read`).
 - Each rank fsyncs its own file; the coordinator fsyncs tensors.json. The
   commit (atomic rename of the directory) is the store's, after all of it.
-- Files in memory (snapshot parts on tmpfs) may be read through a map
-  (`MappedFiles`): one copy fewer, checked alike. Never files on storage: a
-  read error there would be a SIGBUS instead of an `OSError`.
+- A reader may take its bytes from a `ChunkSource` instead of reading the
+  files: snapshot parts in memory through maps (`MappedFiles`, one copy
+  fewer), or on another node over HTTP (memory.PartFiles). Checked alike.
+  Never maps of files on storage: a read error there would be a SIGBUS
+  instead of an `OSError`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import crc32c
 import torch
@@ -323,8 +325,8 @@ class ShardReader(StorageReader):
     """Reads the chunks a rank's plan names, checks each chunk's crc32c, copies the overlap.
 
     `deadline` (time.monotonic) makes a slow filesystem a `TimeoutError` between chunks;
-    `after_first_chunk` runs once the first chunk is read (fault injection); `mapped`
-    reads through `MappedFiles` (files in memory only).
+    `after_first_chunk` runs once the first chunk is read (fault injection); `source`
+    gives the bytes instead of the files (told first which spans the plan reads).
     """
 
     def __init__(
@@ -334,14 +336,14 @@ class ShardReader(StorageReader):
         *,
         deadline: float | None = None,
         after_first_chunk: Callable[[], None] = lambda: None,
-        mapped: bool = False,
+        source: ChunkSource | None = None,
     ) -> None:
         super().__init__()
         self.directory = Path(directory)
         self._metadata = metadata
         self._deadline = deadline
         self._after_first_chunk = after_first_chunk
-        self._mapped = mapped
+        self._source = source
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -366,7 +368,10 @@ class ShardReader(StorageReader):
             by_chunk.setdefault(item.storage_index, []).append(item)
         # In file order: one pass over each file, each chunk read once.
         order = sorted(by_chunk, key=lambda i: (self._storage[i].file, self._storage[i].offset))
-        maps = MappedFiles(self.directory) if self._mapped else None
+        if self._source is not None:
+            self._source.expect([
+                chunk_span(self._storage[i], _rows_needed(self._storage[i], by_chunk[i])) for i in order
+            ])
         try:
             for index in order:
                 if self._deadline is not None and time.monotonic() > self._deadline:
@@ -374,7 +379,7 @@ class ShardReader(StorageReader):
                 stored: StoredChunk = self._storage[index]
                 items = by_chunk[index]
                 rows = _rows_needed(stored, items)
-                chunk, nbytes = read_rows(self.directory, stored, index.fqn, rows, maps=maps)
+                chunk, nbytes = read_rows(self.directory, stored, index.fqn, rows, source=self._source)
                 if index is order[0]:
                     self._after_first_chunk()
                 self.bytes_read += nbytes
@@ -386,10 +391,10 @@ class ShardReader(StorageReader):
                     target = planner.resolve_tensor(item).detach()
                     target.copy_(piece)
                     planner.commit_tensor(item, target)
-                del chunk, piece  # no view of a map outlives its chunk
+                del chunk, piece  # no view of the source's bytes outlives its chunk
         finally:
-            if maps is not None:
-                maps.close()
+            if self._source is not None:
+                self._source.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -418,6 +423,20 @@ def read_chunk(directory: Path, stored: StoredChunk, fqn: str) -> torch.Tensor:
     return read_rows(directory, stored, fqn, None)[0]
 
 
+class ChunkSource(Protocol):
+    """Where a reader takes a chunk's bytes from, instead of reading the file itself."""
+
+    def expect(self, spans: list[tuple[str, int, int]]) -> None:
+        """The (file, start, stop) spans about to be read, in order (a hint: batch, read ahead)."""
+
+    def view(self, file: str, start: int, stop: int) -> memoryview | bytearray | None:
+        """Bytes [start, stop) of `file`; None if the file is shorter. `FileNotFoundError`
+        if it is missing, another `OSError` if it cannot be had."""
+
+    def close(self) -> None:
+        """Once no view is left."""
+
+
 class MappedFiles:
     """Private read maps of a directory's data files, one per file, made on first use.
 
@@ -429,6 +448,9 @@ class MappedFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._maps: dict[str, mmap.mmap | None] = {}
+
+    def expect(self, spans: list[tuple[str, int, int]]) -> None:
+        pass  # the pages are already in memory
 
     def view(self, file: str, start: int, stop: int) -> memoryview | None:
         """Bytes [start, stop) of `file`, or None if the file is shorter (or empty)."""
@@ -452,16 +474,9 @@ class MappedFiles:
         self._maps.clear()
 
 
-def read_rows(
-    directory: Path, stored: StoredChunk, fqn: str, rows: tuple[int, int] | None, *, maps: MappedFiles | None = None
-) -> tuple[torch.Tensor, int]:
-    """Rows [first, end) of a saved chunk (None: all of it) as a CPU tensor, and the bytes read.
-
-    Only the checksum blocks that hold those rows are read, and each is checked
-    (`CorruptCheckpoint` if one fails). With `maps` the tensor is a view of the
-    mapped file, valid until the maps are closed."""
-    where = f"{directory.name}/{stored.file}"
-    dtype = _dtype(stored.dtype)
+def _layout(stored: StoredChunk, rows: tuple[int, int] | None) -> tuple[int, int, int, int, int, int]:
+    """(lo, hi): the bytes of the rows within the chunk; (first_block, end_block): the checksum
+    blocks that hold them; (start, stop): those blocks' bytes within the chunk."""
     row_bytes = stored.length // stored.sizes[0] if stored.sizes and stored.sizes[0] else stored.length
     first_row, end_row = rows if rows is not None else (0, stored.sizes[0] if stored.sizes else 1)
     lo, hi = first_row * row_bytes, end_row * row_bytes
@@ -469,10 +484,31 @@ def read_rows(
         lo, hi = 0, stored.length
     first_block, end_block = lo // stored.block, -(-hi // stored.block) if hi else 0
     start, stop = first_block * stored.block, min(end_block * stored.block, stored.length)
+    return lo, hi, first_block, end_block, start, stop
+
+
+def chunk_span(stored: StoredChunk, rows: tuple[int, int] | None) -> tuple[str, int, int]:
+    """(file, start, stop): the bytes `read_rows` reads for these rows of the chunk."""
+    *_, start, stop = _layout(stored, rows)
+    return stored.file, stored.offset + start, stored.offset + stop
+
+
+def read_rows(
+    directory: Path, stored: StoredChunk, fqn: str, rows: tuple[int, int] | None, *, source: ChunkSource | None = None
+) -> tuple[torch.Tensor, int]:
+    """Rows [first, end) of a saved chunk (None: all of it) as a CPU tensor, and the bytes read.
+
+    Only the checksum blocks that hold those rows are read, and each is checked
+    (`CorruptCheckpoint` if one fails). With a `source` the bytes come from it (the
+    tensor may be a view of them, valid until the source is closed)."""
+    where = f"{directory.name}/{stored.file}"
+    dtype = _dtype(stored.dtype)
+    first_row, end_row = rows if rows is not None else (0, stored.sizes[0] if stored.sizes else 1)
+    lo, hi, first_block, end_block, start, stop = _layout(stored, rows)
     buffer: bytearray | memoryview
     try:
-        if maps is not None:
-            view = maps.view(stored.file, stored.offset + start, stored.offset + stop)
+        if source is not None:
+            view = source.view(stored.file, stored.offset + start, stored.offset + stop)
             buffer, got = (view, len(view)) if view is not None else (bytearray(stop - start), -1)
         else:
             buffer = bytearray(stop - start)
@@ -502,12 +538,12 @@ def load_tensors(
     group: dist.ProcessGroup | None,
     deadline: float | None = None,
     after_first_chunk: Callable[[], None] = lambda: None,
-    mapped: bool = False,
+    source: ChunkSource | None = None,
 ) -> int:
     """Fill this rank's `targets` (CPU tensors or DTensors of CPU shards) from `directory` (a
     collective over `group`); bytes read here. Raises `CheckpointException` on every rank if any
-    failed. `mapped`: the files are in memory; read them through maps (`MappedFiles`)."""
-    reader = ShardReader(directory, metadata, deadline=deadline, after_first_chunk=after_first_chunk, mapped=mapped)
+    failed. `source`: where the bytes come from instead of the files (closed afterwards)."""
+    reader = ShardReader(directory, metadata, deadline=deadline, after_first_chunk=after_first_chunk, source=source)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=group, no_dist=group is None)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import threading
@@ -315,10 +316,6 @@ class SnapshotKeeper:
             if newest_live is not None and (not own or max(own) <= newest_live):
                 Path(entry.path).unlink(missing_ok=True)
         self._prune_replicas()
-        fetched = self.root / "fetched"
-        if newest_live is not None and fetched.is_dir():
-            for entry in os.scandir(fetched):
-                Path(entry.path).unlink(missing_ok=True)
 
     def _prune_replicas(self) -> None:
         replica = self.root / REPLICA
@@ -368,7 +365,8 @@ class SnapshotKeeper:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """GET /part/<local|replica>/<part file>; PUT /replica/<part stem> (header, then data)."""
+    """GET /part/<local|replica>/<part file> (whole, or one `Range: bytes=a-b`); PUT /replica/<part stem>
+    (header, then data)."""
 
     protocol_version = "HTTP/1.1"
     timeout = 120  # seconds a stalled peer may hold a connection (and its temporary file)
@@ -387,10 +385,32 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with f:
             size = os.fstat(f.fileno()).st_size
-            self.send_response(200)
-            self.send_header("Content-Length", str(size))
+            start, stop = 0, size
+            wanted = self.headers.get("Range")
+            if wanted is not None:  # "bytes=first-last", the only form peers send
+                match = re.fullmatch(r"bytes=(\d+)-(\d+)", wanted.strip())
+                if match is None or int(match[1]) > int(match[2]) or int(match[1]) >= size:
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{size}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                start, stop = int(match[1]), min(int(match[2]) + 1, size)
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(stop - start))
             self.end_headers()
-            shutil.copyfileobj(f, self.wfile, 2**20)
+            f.seek(start)
+            remaining = stop - start
+            while remaining:
+                block = f.read(min(remaining, 2**20))
+                if not block:  # the file shrank: the peer sees a short body and tries elsewhere
+                    self.close_connection = True
+                    break
+                self.wfile.write(block)
+                remaining -= len(block)
 
     def do_PUT(self) -> None:  # noqa: N802
         keeper: SnapshotKeeper = self.server.keeper  # type: ignore[attr-defined]

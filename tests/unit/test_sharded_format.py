@@ -165,14 +165,14 @@ def test_a_mapped_read_gives_the_same_tensors_and_the_same_errors(tmp_path: Path
     # a flipped byte is the same CorruptCheckpoint as through read(), never a SIGBUS.
     directory, metadata, tensors = saved(tmp_path)
     targets = {key: torch.empty_like(t.contiguous()) for key, t in tensors.items()}
-    read = sharded.load_tensors(targets, directory, metadata, group=None, mapped=True)
+    read = sharded.load_tensors(targets, directory, metadata, group=None, source=sharded.MappedFiles(directory))
     assert read == sum(t.numel() * t.element_size() for t in tensors.values())
     for key, tensor in tensors.items():
         assert targets[key].reshape(-1).view(torch.uint8).tolist() == tensor.reshape(-1).view(torch.uint8).tolist(), key
 
     maps = sharded.MappedFiles(directory)
     _, stored = chunk_of(metadata, "model/f32")
-    chunk, _ = sharded.read_rows(directory, stored, "model/f32", (1, 3), maps=maps)
+    chunk, _ = sharded.read_rows(directory, stored, "model/f32", (1, 3), source=maps)
     assert torch.equal(chunk, tensors["model/f32"][1:3])
     del chunk
     maps.close()
@@ -180,21 +180,21 @@ def test_a_mapped_read_gives_the_same_tensors_and_the_same_errors(tmp_path: Path
     _, stored = chunk_of(metadata, "model/i64")
     flip_byte(directory / stored.file, stored.offset + 5)
     with pytest.raises(CorruptCheckpoint, match=rf"{stored.file} fails its crc32c check at model/i64"):
-        sharded.read_rows(directory, stored, "model/i64", None, maps=sharded.MappedFiles(directory))
+        sharded.read_rows(directory, stored, "model/i64", None, source=sharded.MappedFiles(directory))
     shard = directory / sharded.shard_file(0)
     os.truncate(shard, shard.stat().st_size - 3)
     last_index, last = max(metadata.storage_data.items(), key=lambda item: item[1].offset + item[1].length)
     with pytest.raises(CorruptCheckpoint, match=rf"{sharded.shard_file(0)} is truncated: {last_index.fqn}"):
-        sharded.read_rows(directory, last, last_index.fqn, None, maps=sharded.MappedFiles(directory))
+        sharded.read_rows(directory, last, last_index.fqn, None, source=sharded.MappedFiles(directory))
     with pytest.raises(CheckpointException) as caught:
-        sharded.load_tensors(targets, directory, metadata, group=None, mapped=True)
+        sharded.load_tensors(targets, directory, metadata, group=None, source=sharded.MappedFiles(directory))
     assert isinstance(sharded.first_error(caught.value), CorruptCheckpoint)
     os.truncate(shard, 0)  # an empty file maps to nothing: truncated too
     with pytest.raises(CorruptCheckpoint, match="is truncated"):
-        sharded.read_rows(directory, last, last_index.fqn, None, maps=sharded.MappedFiles(directory))
+        sharded.read_rows(directory, last, last_index.fqn, None, source=sharded.MappedFiles(directory))
     shard.unlink()
     with pytest.raises(CorruptCheckpoint, match=rf"{sharded.shard_file(0)} is missing"):
-        sharded.read_rows(directory, last, last_index.fqn, None, maps=sharded.MappedFiles(directory))
+        sharded.read_rows(directory, last, last_index.fqn, None, source=sharded.MappedFiles(directory))
 
 
 def test_tensors_json_is_json_without_pickles_and_round_trips(tmp_path: Path) -> None:

@@ -7,18 +7,25 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from support import free_port
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint import (
     CheckpointManager,
     CheckpointStore,
     parts,
     read_checkpoint,
+    sharded,
 )
-from elastic.checkpoint.memory import LOCAL, REPLICA, KeeperAddress
+from elastic.checkpoint.memory import LOCAL, REPLICA, KeeperAddress, PartFiles
 from elastic.errors import CorruptCheckpoint
 from elastic.events import EventLog, read_events
 from elastic.launcher.keeper import SnapshotKeeper
@@ -38,9 +45,12 @@ def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 class Job:
     """A tiny model with a buffer (batch norm), AdamW, a schedule and a sampler."""
 
-    def __init__(self, ckpt_dir: Path, *, seed: int = 0, events: Path | None = None, snapshot_every: int = 1) -> None:
+    def __init__(
+        self, ckpt_dir: Path, *, seed: int = 0, events: Path | None = None, snapshot_every: int = 1,
+        environ: dict[str, str] | None = None,
+    ) -> None:
         torch.manual_seed(seed)
-        self.ctx = init_worker("cpu", environ={})
+        self.ctx = init_worker("cpu", environ=environ or {})
         self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
@@ -209,6 +219,12 @@ def test_keeper_endpoint_takes_replicas_and_serves_parts(tmp_path: Path, keeper:
     assert parts.read_data(keeper.root / REPLICA / (replica.stem + parts.DATA_SUFFIX), replica) == data
     status, served = request("GET", f"/part/{REPLICA}/{header.stem}{parts.DATA_SUFFIX}")
     assert (status, served) == (200, data)
+    # A range: what a restoring rank on another node asks for (only the rows it reads).
+    path = f"/part/{REPLICA}/{header.stem}{parts.DATA_SUFFIX}"
+    assert request("GET", path, headers={"Range": "bytes=10-99"}) == (206, data[10:100])
+    assert request("GET", path, headers={"Range": f"bytes=5-{len(data) + 50}"}) == (206, data[5:])
+    for bad in (f"bytes={len(data)}-{len(data) + 9}", "bytes=9-2", "bytes=-5", "items=0-1"):
+        assert request("GET", path, headers={"Range": bad})[0] == 416, bad
     # Only part files by name: no paths, no other files, no lying headers.
     assert request("GET", "/part/local/../owner.json")[0] == 404
     assert request("GET", f"/part/{LOCAL}/owner.json")[0] == 404
@@ -256,3 +272,90 @@ def test_prune_removes_a_dead_writers_parts_once_newer_ones_exist(tmp_path: Path
     assert not [p.name for p in local.iterdir() if dead_writer in p.name]
     assert {h.step for h in parts.read_headers(local)} == {1, 2}  # the live writer's own stay
     job.close()
+
+
+def test_part_files_fetch_only_the_spans_a_rank_reads_from_the_keepers_that_answer(
+    tmp_path: Path, keeper: SnapshotKeeper
+) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(3)
+    job.ckpt._memory.wait_previous()
+    job.close()
+    header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
+    metadata = parts.merged_metadata([header])
+    shapes = sharded.tensor_shapes(metadata)
+    url = f"{keeper.url}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    dead = f"http://127.0.0.1:{free_port()}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    empty = tmp_path / "restore"
+    empty.mkdir()
+    # This node holds nothing: every byte comes from the keeper, after a dead one was tried.
+    files = PartFiles(empty, {sharded.shard_file(0): [dead, url]})
+    targets = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    read = sharded.load_tensors(targets, empty, metadata, group=None, source=files)
+    here = tmp_path / "here"  # the same part read from this node's memory, as a restore on its node would
+    here.mkdir()
+    os.symlink(keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX), here / sharded.shard_file(0))
+    local = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    sharded.load_tensors(local, here, metadata, group=None)
+    assert all(torch.equal(targets[k], local[k]) for k in shapes)
+    # Nearby chunks come in one request, with the alignment padding between them.
+    assert read <= files.bytes_fetched <= header.data_bytes
+    # One tensor of the part: only its bytes travel, not the whole part.
+    key = max(shapes, key=lambda k: shapes[k][0].numel())
+    files = PartFiles(empty, {sharded.shard_file(0): [url]})
+    one = {key: torch.empty(shapes[key][0], dtype=shapes[key][1])}
+    assert sharded.load_tensors(one, empty, metadata, group=None, source=files) == files.bytes_fetched
+    assert files.bytes_fetched == one[key].numel() * one[key].element_size() < header.data_bytes
+    assert torch.equal(one[key], local[key])
+    # No keeper answers: an OSError naming the part (the restore falls back to disk).
+    with pytest.raises(CheckpointException) as caught:
+        sharded.load_tensors(one, empty, metadata, group=None, source=PartFiles(empty, {sharded.shard_file(0): [dead]}))
+    error = sharded.first_error(caught.value)
+    assert isinstance(error, OSError) and "no keeper could send" in str(error), repr(caught.value)
+
+
+def _rank_on_node(rank: int, world: int, store: str, tmp: Path, keepers: list[dict[str, str]], phase: str, port: int) -> None:
+    """Rank `rank` of a 3-node job whose node is `keepers[...]`: "save" runs on node `rank`,
+    "restore" on node `rank - 1`, which holds neither its part nor that part's replica."""
+    torch.set_num_threads(1)
+    node = rank if phase == "save" else (rank - 1) % world
+    os.environ.update(keepers[node])
+    environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "TORCHELASTIC_RUN_ID": "three-nodes", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update(environ)
+    job = Job(tmp / "ckpt", seed=0 if phase == "save" else 5, events=tmp / f"{phase}.{rank}.jsonl", environ=environ)
+    if phase == "save":
+        job.run(3)
+        job.ckpt._memory.wait_previous()  # written here and copied to the next node
+        torch.save(job.state(), tmp / f"want.{rank}.pt")
+    else:
+        assert job.ckpt.restore() == 3
+        torch.save({"state": job.state(), "fetched": job.ckpt.fetched_bytes}, tmp / f"got.{rank}.pt")
+    job.close()
+    dist.destroy_process_group()
+
+
+def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp_path: Path) -> None:
+    keepers = [SnapshotKeeper("127.0.0.1", base=tmp_path / f"shm{n}") for n in range(3)]
+    try:
+        envs = [k.address.environ() for k in keepers]
+        for phase in ("save", "restore"):
+            ranks = mp.start_processes(_rank_on_node, args=(3, "", tmp_path, envs, phase, free_port()), nprocs=3,
+                                       join=False, start_method="fork")
+            deadline = time.monotonic() + 120
+            while not ranks.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    for process in ranks.processes:
+                        process.kill()
+                    pytest.fail(f"{phase} did not finish")
+    finally:
+        for k in keepers:
+            k.close(timeout=30)
+    want = torch.load(tmp_path / "want.0.pt")
+    got: list[dict[str, Any]] = [torch.load(tmp_path / f"got.{rank}.pt") for rank in range(3)]
+    for result in got:
+        assert_same(want, result["state"])
+    restore = [e for e in read_events(tmp_path / "restore.0.jsonl") if e["event"] == "restore"][-1]
+    # Every part is in its own node's memory ("memory"); each rank's own share came over HTTP.
+    assert restore["source"] == "memory"
+    assert 0 < restore["bytes_fetched"] == sum(r["fetched"] for r in got)
