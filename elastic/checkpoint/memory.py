@@ -488,10 +488,16 @@ def _get_range(url: str, start: int, stop: int) -> bytearray:
         if response.status != 206:
             response.read()
             raise OSError(f"HTTP {response.status} {response.reason} for {parsed.path}")
-        data = bytearray(int(response.headers.get("Content-Length", "0")))
-        got = response.readinto(data)
-        if got != len(data):
-            raise OSError(f"{parsed.path} ended after {got} of {len(data)} bytes")
+        length = int(response.headers.get("Content-Length", "-1"))
+        if not 0 <= length <= stop - start:
+            raise OSError(f"{parsed.path}: {length} bytes for a range of {stop - start}")
+        data = bytearray(length)
+        view, got = memoryview(data), 0
+        while got < len(data):
+            n = response.readinto(view[got:])
+            if not n:
+                raise OSError(f"{parsed.path} ended after {got} of {len(data)} bytes")
+            got += n
         return data
     finally:
         conn.close()
