@@ -488,9 +488,10 @@ def _get_range(url: str, start: int, stop: int) -> bytearray:
         if response.status != 206:
             response.read()
             raise OSError(f"HTTP {response.status} {response.reason} for {parsed.path}")
-        length = int(response.headers.get("Content-Length", "-1"))
+        declared = (response.headers.get("Content-Length") or "").strip()
+        length = int(declared) if declared.isdigit() else -1
         if not 0 <= length <= stop - start:
-            raise OSError(f"{parsed.path}: {length} bytes for a range of {stop - start}")
+            raise OSError(f"{parsed.path}: {declared or 'no'} bytes for a range of {stop - start}")
         data = bytearray(length)
         view, got = memoryview(data), 0
         while got < len(data):
