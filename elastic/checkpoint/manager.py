@@ -75,7 +75,7 @@ from torch.distributed.checkpoint.utils import CheckpointException
 from elastic.chaos import FaultInjector
 from elastic.checkpoint import compat, parts, sharded
 from elastic.checkpoint import state as live_state
-from elastic.checkpoint.memory import KeeperAddress, MemorySnapshots
+from elastic.checkpoint.memory import KeeperAddress, MemorySnapshots, PartFetchError
 from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now, dtensor_like
 from elastic.checkpoint.store import (
     Candidate,
@@ -500,6 +500,8 @@ class CheckpointManager:
             error = sharded.first_error(outcome["error"])
             if isinstance(error, CorruptCheckpoint):
                 raise error
+            if isinstance(error, PartFetchError):  # every rank alike, whatever its clock says
+                raise CheckpointStorageError(f"cannot read {candidate.name} from the other nodes: {error}")
             if isinstance(error, TimeoutError) or (_is_timeout(error) and time.monotonic() >= deadline):
                 raise timed_out
             if isinstance(error, OSError):
@@ -665,7 +667,9 @@ class CheckpointManager:
         files = None
         why = None
         try:
-            files = memory.gather_files(locations, self._tag)
+            # Fetching from other nodes gets half the time left: the disk fallback needs the rest.
+            now = time.monotonic()
+            files = memory.gather_files(locations, self._tag, fetch_deadline=now + (deadline - now) / 2)
         except OSError as exc:
             why = f"rank {self._ctx.rank} could not get its parts: {describe_failure(exc)}"
         if not self._all_ranks_ok(why is None, on_loop=True):
@@ -684,7 +688,7 @@ class CheckpointManager:
             if isinstance(exc, RestoreTimedOut):
                 raise
             if self._ctx.is_main:
-                logger.warning("%s fails its check (%s); restoring from disk", name, exc)
+                logger.warning("%s cannot be restored (%s); restoring from disk", name, exc)
             return None
         finally:
             self._remove(files.directory)

@@ -383,12 +383,15 @@ class MemorySnapshots:
                     held.append((where, header))
         return {"node": self.keeper.node, "url": self.keeper.url, "progress": self.last_progress(), "parts": held}
 
-    def gather_files(self, locations: dict[int, list[tuple[str, str, str, str]]], tag: str) -> PartFiles:
+    def gather_files(
+        self, locations: dict[int, list[tuple[str, str, str, str]]], tag: str, *, fetch_deadline: float | None = None
+    ) -> PartFiles:
         """The parts of a restore, as this rank reads them: a directory where `shard_file(r)` is
         old rank r's part data when this node holds it (a symlink to it), and the keepers to
         ask for the rows of the others (`PartFiles`, read only where this rank's plan reads).
 
         `locations`: old rank -> [(node, keeper url, where, stem)], this node's first when it has one.
+        `fetch_deadline` (time.monotonic): no request to another keeper starts or waits past it.
         """
         directory = self.keeper.root / f"restore-{tag}-{self._ctx.rank:05d}"
         shutil.rmtree(directory, ignore_errors=True)
@@ -403,7 +406,7 @@ class MemorySnapshots:
                 remote[sharded.shard_file(old_rank)] = [
                     f"{url}/part/{where}/{stem}{parts.DATA_SUFFIX}" for _, url, where, stem in places
                 ]
-        return PartFiles(directory, remote)
+        return PartFiles(directory, remote, deadline=fetch_deadline)
 
     def close(self, timeout: float = PUSH_TIMEOUT) -> None:
         try:
@@ -421,19 +424,28 @@ READ_MAX = 2**26
 bytes (a larger chunk in one of its own): few round trips, bounded memory."""
 
 
+class PartFetchError(OSError):
+    """No keeper sent a part's bytes (in time): the restore falls back to disk."""
+
+
 class PartFiles:
     """A restore's parts as one rank reads them (a `sharded.ChunkSource`): this node's through
     maps, another node's by HTTP range requests to the keepers holding them, for the spans the
     rank's plan reads only (nearby spans joined, see `READ_GAP`), one request at a time.
 
     Nothing fetched is trusted: the reader checks every block's crc32c as for a file. A keeper
-    that fails is an `OSError` after the next one holding the part was tried."""
+    that fails is asked again only after the others holding the part; when all fail, or
+    `deadline` (time.monotonic) has passed, a `PartFetchError`."""
 
-    def __init__(self, directory: Path, remote: dict[str, list[str]]) -> None:
+    def __init__(self, directory: Path, remote: dict[str, list[str]], *, deadline: float | None = None) -> None:
         self.directory = directory
         self.remote = remote
         """file name -> URLs of the keepers that hold it, in the order to try them."""
-        self._maps = sharded.MappedFiles(directory)
+        self.deadline = deadline
+        self._failed: set[str] = set()
+        # Maps only in memory: on a disk (TORCHREVIVE_SNAPSHOT_BASE may name one) a read
+        # error through a map would be a SIGBUS, not an OSError.
+        self._maps = sharded.MappedFiles(directory) if in_memory(directory) else None
         self._requests: dict[str, list[tuple[int, int]]] = {}
         self._held: tuple[str, int, int, bytearray] | None = None
         self.bytes_fetched = 0
@@ -449,7 +461,7 @@ class PartFiles:
 
     def view(self, file: str, start: int, stop: int) -> memoryview | bytearray | None:
         if file not in self.remote:
-            return self._maps.view(file, start, stop)
+            return self._maps.view(file, start, stop) if self._maps is not None else _read_span(self.directory / file, start, stop)
         held = self._held
         if held is None or held[0] != file or not held[1] <= start <= stop <= held[2]:
             lo, hi = next(((a, b) for a, b in self._requests.get(file, []) if a <= start and stop <= b), (start, stop))
@@ -461,24 +473,56 @@ class PartFiles:
 
     def _fetch(self, file: str, start: int, stop: int) -> bytearray:
         errors = []
-        for url in self.remote[file]:
+        for url in sorted(self.remote[file], key=lambda u: u in self._failed):  # stable: failed ones last
+            timeout = PUSH_TIMEOUT
+            if self.deadline is not None:
+                timeout = min(timeout, self.deadline - time.monotonic())
+                if timeout <= 0:
+                    errors.append("the restore's time for fetching parts is spent")
+                    break
             try:
-                data = _get_range(url, start, stop)
+                data = _get_range(url, start, stop, timeout)
                 self.bytes_fetched += len(data)
                 return data
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                self._failed.add(url)
                 errors.append(f"{urlsplit(url).netloc}: {exc}")
-        raise OSError(f"no keeper could send {file} ({'; '.join(errors)})")
+        raise PartFetchError(f"no keeper could send {file} ({'; '.join(errors)})")
 
     def close(self) -> None:
         self._held = None
-        self._maps.close()
+        if self._maps is not None:
+            self._maps.close()
 
 
-def _get_range(url: str, start: int, stop: int) -> bytearray:
+def in_memory(path: Path) -> bool:
+    """Whether `path` lies on a tmpfs (the longest mount point above it, from /proc/self/mounts)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    resolved, best, kind = str(path.resolve()), "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (resolved == point or resolved.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind == "tmpfs"
+
+
+def _read_span(path: Path, start: int, stop: int) -> bytearray | None:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(stop - start)
+    return bytearray(data) if len(data) == stop - start else None
+
+
+def _get_range(url: str, start: int, stop: int, timeout: float = PUSH_TIMEOUT) -> bytearray:
     """Bytes [start, stop) of the part at `url` (fewer if it is shorter), by a range request."""
     parsed = urlsplit(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=PUSH_TIMEOUT)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
     try:
         conn.request("GET", parsed.path, headers={"Range": f"bytes={start}-{stop - 1}"})
         response = conn.getresponse()
@@ -489,7 +533,7 @@ def _get_range(url: str, start: int, stop: int) -> bytearray:
             response.read()
             raise OSError(f"HTTP {response.status} {response.reason} for {parsed.path}")
         declared = (response.headers.get("Content-Length") or "").strip()
-        length = int(declared) if declared.isdigit() else -1
+        length = int(declared) if declared.isascii() and declared.isdigit() else -1
         if not 0 <= length <= stop - start:
             raise OSError(f"{parsed.path}: {declared or 'no'} bytes for a range of {stop - start}")
         data = bytearray(length)

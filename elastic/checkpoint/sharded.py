@@ -440,10 +440,12 @@ class ChunkSource(Protocol):
 class MappedFiles:
     """Private read maps of a directory's data files, one per file, made on first use.
 
-    For files in memory only (tmpfs): a chunk is then checked and copied straight
-    from the page it lies in, with no read into a buffer first. The file's size is
-    checked before a chunk is handed out, so a short file is a `CorruptCheckpoint`,
-    never a SIGBUS. Close once no view of a chunk is left."""
+    For files in memory only (tmpfs; `memory.in_memory`): a chunk is then checked and
+    copied straight from the page it lies in, with no read into a buffer first. The
+    file's size is checked when it is mapped, so a short file is a `CorruptCheckpoint`;
+    the files must not shrink or change while mapped (snapshot parts at restore never
+    do: their writers are gone, a replica is replaced by rename, pruning unlinks).
+    Close once no view of a chunk is left."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -509,7 +511,7 @@ def read_rows(
     try:
         if source is not None:
             view = source.view(stored.file, stored.offset + start, stored.offset + stop)
-            buffer, got = (view, len(view)) if view is not None else (bytearray(stop - start), -1)
+            buffer, got = (view, len(view)) if view is not None else (bytearray(), -1)
         else:
             buffer = bytearray(stop - start)
             with open(directory / stored.file, "rb") as f:

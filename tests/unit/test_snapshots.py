@@ -7,6 +7,8 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +23,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastic.checkpoint import (
     CheckpointManager,
     CheckpointStore,
+    memory,
     parts,
     read_checkpoint,
     sharded,
 )
-from elastic.checkpoint.memory import LOCAL, REPLICA, KeeperAddress, PartFiles
+from elastic.checkpoint.memory import (
+    LOCAL,
+    REPLICA,
+    KeeperAddress,
+    MemorySnapshots,
+    PartFetchError,
+    PartFiles,
+)
 from elastic.errors import CorruptCheckpoint
 from elastic.events import EventLog, read_events
 from elastic.launcher.keeper import SnapshotKeeper
@@ -135,7 +145,7 @@ def test_a_corrupt_snapshot_falls_back_to_disk(tmp_path: Path, keeper: SnapshotK
     again = Job(tmp_path / "ckpt", seed=1, events=tmp_path / "ev.jsonl")
     with caplog.at_level(logging.WARNING):
         assert again.ckpt.restore() == 5
-    assert "fails its check" in caplog.text
+    assert "cannot be restored" in caplog.text and "fails its crc32c check" in caplog.text
     assert_same(want, again.state())
     (restore,) = [e for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "restore"]
     assert restore["source"] == "disk"
@@ -336,7 +346,9 @@ def _rank_on_node(rank: int, world: int, store: str, tmp: Path, keepers: list[di
 
 
 def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp_path: Path) -> None:
-    keepers = [SnapshotKeeper("127.0.0.1", base=tmp_path / f"shm{n}") for n in range(3)]
+    # In /dev/shm where there is one: the parts on a rank's own node are then read through maps.
+    shm = Path(tempfile.mkdtemp(prefix="three-nodes-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
+    keepers = [SnapshotKeeper("127.0.0.1", base=shm / f"node{n}") for n in range(3)]
     try:
         envs = [k.address.environ() for k in keepers]
         for phase in ("save", "restore"):
@@ -351,6 +363,7 @@ def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp
     finally:
         for k in keepers:
             k.close(timeout=30)
+        shutil.rmtree(shm, ignore_errors=True)
     want = torch.load(tmp_path / "want.0.pt")
     got: list[dict[str, Any]] = [torch.load(tmp_path / f"got.{rank}.pt") for rank in range(3)]
     for result in got:
@@ -359,3 +372,55 @@ def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp
     # Every part is in its own node's memory ("memory"); each rank's own share came over HTTP.
     assert restore["source"] == "memory"
     assert 0 < restore["bytes_fetched"] == sum(r["fetched"] for r in got)
+
+
+def test_a_keeper_that_failed_is_asked_last_and_a_spent_deadline_stops_fetching(
+    tmp_path: Path, keeper: SnapshotKeeper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(2)
+    job.ckpt._memory.wait_previous()
+    job.close()
+    header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
+    metadata = parts.merged_metadata([header])
+    shapes = sharded.tensor_shapes(metadata)
+    url = f"{keeper.url}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    dead = f"http://127.0.0.1:{free_port()}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    asked: list[str] = []
+    get_range = memory._get_range
+    monkeypatch.setattr(memory, "_get_range", lambda u, *a: (asked.append(u), get_range(u, *a))[1])
+    monkeypatch.setattr(memory, "READ_GAP", -1)  # one request per chunk: several requests
+    empty = tmp_path / "restore"
+    empty.mkdir()
+    files = PartFiles(empty, {sharded.shard_file(0): [dead, url]})
+    targets = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+    sharded.load_tensors(targets, empty, metadata, group=None, source=files)
+    assert len(asked) == len(shapes) + 1 and asked.count(dead) == 1, asked
+    late = PartFiles(empty, {sharded.shard_file(0): [url]}, deadline=time.monotonic() - 1)
+    with pytest.raises(PartFetchError, match="time for fetching parts is spent"):
+        late.view(sharded.shard_file(0), 0, 8)
+
+
+def test_parts_no_keeper_sends_fall_back_to_disk(
+    tmp_path: Path, keeper: SnapshotKeeper, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    job = Job(tmp_path / "ckpt")
+    job.run(7)  # step 5 on disk, 7 in memory
+    job.ckpt.flush()
+    job.ckpt._memory.wait_previous()
+    job.close()
+    gather = MemorySnapshots.gather_files
+
+    def only_on_a_dead_node(self, locations, tag, **kwargs):
+        files = gather(self, locations, tag, **kwargs)
+        dead = f"http://127.0.0.1:{free_port()}/part/{LOCAL}/gone.bin"
+        return PartFiles(files.directory, {p.name: [dead] for p in files.directory.iterdir()}, deadline=files.deadline)
+
+    monkeypatch.setattr(MemorySnapshots, "gather_files", only_on_a_dead_node)
+    again = Job(tmp_path / "ckpt", seed=1, events=tmp_path / "ev.jsonl")
+    with caplog.at_level(logging.WARNING):
+        assert again.ckpt.restore() == 5
+    assert "cannot be restored" in caplog.text and "no keeper could send" in caplog.text
+    (restore,) = [e for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "restore"]
+    assert restore["source"] == "disk" and "bytes_fetched" not in restore
+    again.close()
