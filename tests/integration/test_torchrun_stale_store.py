@@ -20,10 +20,11 @@ from elastic.chaos.harness import ChaosJob, JobSpec
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 40
 LATE_RANK_0 = '''
-"""Rank 0 of every round after the first starts {delay} s late; then runs the recipe."""
-import os, runpy, sys, time
+"""Rank 0 of every round after the first starts {delay} s late; in the first round rank 1
+dies (SIGKILL) once a checkpoint is committed; then runs the recipe."""
+import os, runpy, signal, sys, threading, time
 from pathlib import Path
 
 marker = Path(os.environ["LATE_RANK_0_MARKER"])
@@ -31,6 +32,15 @@ if os.environ["RANK"] == "0":
     if marker.exists():
         time.sleep({delay})
     marker.touch()
+killed = Path(os.environ["KILLED_MARKER"])
+if os.environ["RANK"] == "1" and not killed.exists():
+    def kill_after_a_commit():
+        # Not a fixed step: on a busy machine step 4's save may not have committed by step 6.
+        while not any(Path(os.environ["CKPT_DIR"]).glob("step_*")):
+            time.sleep(0.02)
+        killed.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=kill_after_a_commit, daemon=True).start()
 sys.argv = sys.argv[1:]
 sys.path.insert(0, str(Path(sys.argv[0]).parent))
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -47,7 +57,8 @@ def test_plain_torchrun_recovers_from_a_kill_in_one_round_despite_stale_addresse
         rdzv_conf="join_timeout=60,close_timeout=10", script=wrapper,
         script_args=[str(GPT_RECIPE), "--data", str(tiny_corpus), "--max-steps", str(STEPS), "--eval-every", "0",
                      "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "4", *TINY_MODEL],
-        env={"ELASTIC_FAULT": "after_step@6:rank=1", "LATE_RANK_0_MARKER": str(tmp_path / "rank0-started")},
+        env={"LATE_RANK_0_MARKER": str(tmp_path / "rank0-started"), "KILLED_MARKER": str(tmp_path / "rank1-killed"),
+             "CKPT_DIR": str(tmp_path / "ckpt")},
     )
     with ChaosJob(spec) as job:
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in job.environment(), "stock means torch's shared store"
