@@ -284,18 +284,23 @@ def test_prune_removes_a_dead_writers_parts_once_newer_ones_exist(tmp_path: Path
     job.close()
 
 
-def test_part_files_fetch_only_the_spans_a_rank_reads_from_the_keepers_that_answer(
-    tmp_path: Path, keeper: SnapshotKeeper
-) -> None:
+def newest_part(tmp_path: Path, keeper: SnapshotKeeper, *, steps: int) -> tuple[Any, Any, Any, str, str]:
+    """After `steps` steps of a Job: the newest part's header, its metadata and tensor shapes,
+    the keeper's URL for its data, and the same URL on a port nothing listens on."""
     job = Job(tmp_path / "ckpt")
-    job.run(3)
+    job.run(steps)
     job.ckpt._memory.wait_previous()
     job.close()
     header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
     metadata = parts.merged_metadata([header])
-    shapes = sharded.tensor_shapes(metadata)
-    url = f"{keeper.url}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
-    dead = f"http://127.0.0.1:{free_port()}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    name = f"part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    return header, metadata, sharded.tensor_shapes(metadata), f"{keeper.url}/{name}", f"http://127.0.0.1:{free_port()}/{name}"
+
+
+def test_part_files_fetch_only_the_spans_a_rank_reads_from_the_keepers_that_answer(
+    tmp_path: Path, keeper: SnapshotKeeper
+) -> None:
+    header, metadata, shapes, url, dead = newest_part(tmp_path, keeper, steps=3)
     empty = tmp_path / "restore"
     empty.mkdir()
     # This node holds nothing: every byte comes from the keeper, after a dead one was tried.
@@ -377,15 +382,7 @@ def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp
 def test_a_keeper_that_failed_is_asked_last_and_a_spent_deadline_stops_fetching(
     tmp_path: Path, keeper: SnapshotKeeper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = Job(tmp_path / "ckpt")
-    job.run(2)
-    job.ckpt._memory.wait_previous()
-    job.close()
-    header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
-    metadata = parts.merged_metadata([header])
-    shapes = sharded.tensor_shapes(metadata)
-    url = f"{keeper.url}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
-    dead = f"http://127.0.0.1:{free_port()}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    header, metadata, shapes, url, dead = newest_part(tmp_path, keeper, steps=2)
     asked: list[str] = []
     get_range = memory._get_range
     monkeypatch.setattr(memory, "_get_range", lambda u, *a: (asked.append(u), get_range(u, *a))[1])
