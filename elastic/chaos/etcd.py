@@ -5,6 +5,10 @@ etcd-server): for chaos runs that need etcd to fail and come back, and for tests
     server.start()                                # returns once /health says so
     server.stop(); server.start()                 # a restart on the same data
     server.endpoint                               # "127.0.0.1:PORT" for --rdzv-endpoint
+    server.keys("/torchrevive/job1/")             # what etcdctl would show, through gRPC
+
+No etcdctl is needed: listing and writing keys, leases and turning authentication
+on go through etcd's gRPC API (the stubs the rendezvous itself uses).
 
 Invariants: a member listens only where it is told (loopback by default; add
 a virtual network's gateway to `listen_hosts` to serve its hosts), keeps its data
@@ -13,18 +17,22 @@ across `stop()`/`start()`, and `stop()` leaves no process behind.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
+import grpc
 import requests
+from pyetcd import etcdrpc
 
 from elastic.chaos.netns import free_port
 from elastic.errors import UsageError
+from elastic.rendezvous.etcd_client import prefix_end
 
 
 @dataclass(frozen=True)
@@ -129,14 +137,72 @@ class EtcdServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def etcdctl(self, *args: str, user: str | None = None) -> str:
-        """Run etcdctl (v3 API) against this member; returns stdout, raises on failure."""
-        command = ["etcdctl", f"--endpoints={self.url}"]
+    # -- what an operator would do with etcdctl, through etcd's own gRPC API ---------------
+
+    def keys(self, key: str, *, prefix: bool = True, user: tuple[str, str] | None = None) -> list[str]:
+        """The keys under `key` (or `key` itself, without `prefix`), sorted; `user` is
+        (name, password) once authentication is on."""
+        request = etcdrpc.RangeRequest(key=key.encode(), range_end=prefix_end(key.encode()) if prefix else b"", keys_only=True)
+        reply = self._rpc(lambda s, meta: s.kv.Range(request, timeout=_RPC_SECONDS, metadata=meta), user)
+        return sorted(kv.key.decode() for kv in reply.kvs)
+
+    def value(self, key: str) -> str | None:
+        """The value of `key` (None when it does not exist)."""
+        request = etcdrpc.RangeRequest(key=key.encode())
+        reply = self._rpc(lambda s, meta: s.kv.Range(request, timeout=_RPC_SECONDS, metadata=meta))
+        return reply.kvs[0].value.decode() if reply.kvs else None
+
+    def put(self, key: str, value: str) -> None:
+        request = etcdrpc.PutRequest(key=key.encode(), value=value.encode())
+        self._rpc(lambda s, meta: s.kv.Put(request, timeout=_RPC_SECONDS, metadata=meta))
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """The TTL lease `lease_id` was granted with (-1 once it is gone)."""
+        request = etcdrpc.LeaseTimeToLiveRequest(ID=lease_id)
+        return int(self._rpc(lambda s, meta: s.lease.LeaseTimeToLive(request, timeout=_RPC_SECONDS, metadata=meta)).grantedTTL)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease: every key attached to it goes at once."""
+        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+        self._rpc(lambda s, meta: s.lease.LeaseRevoke(request, timeout=_RPC_SECONDS, metadata=meta))
+
+    def enable_auth(self, root_password: str) -> None:
+        """Add user root (role root) with `root_password` and turn authentication on, as
+        `etcdctl user add root` and `etcdctl auth enable` do."""
+        def admin(stubs: _Stubs, meta: _Metadata) -> None:
+            stubs.auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=root_password), timeout=_RPC_SECONDS)
+            stubs.auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), timeout=_RPC_SECONDS)
+            stubs.auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=_RPC_SECONDS)
+            stubs.auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=_RPC_SECONDS)
+
+        self._rpc(admin)
+
+    def _rpc(self, call: Callable[[_Stubs, _Metadata], T], user: tuple[str, str] | None = None) -> T:
+        """`call` on a channel of its own to this member (TLS and a login as `user` when given)."""
+        target = f"127.0.0.1:{self.port}"
         if self.tls:
-            command += [f"--cacert={self.tls.ca}", f"--cert={self.tls.client_cert}", f"--key={self.tls.client_key}"]
-        if user:
-            command.append(f"--user={user}")
-        done = subprocess.run(command + list(args), env={**os.environ, "ETCDCTL_API": "3"}, capture_output=True, text=True, timeout=30)
-        if done.returncode != 0:
-            raise RuntimeError(f"etcdctl {' '.join(args)} failed: {done.stderr.strip()}")
-        return done.stdout
+            credentials = grpc.ssl_channel_credentials(
+                self.tls.ca.read_bytes(), self.tls.client_key.read_bytes(), self.tls.client_cert.read_bytes()
+            )
+            channel = grpc.secure_channel(target, credentials)
+        else:
+            channel = grpc.insecure_channel(target)
+        with channel:
+            stubs = _Stubs(etcdrpc.KVStub(channel), etcdrpc.LeaseStub(channel), etcdrpc.AuthStub(channel))
+            meta: _Metadata = None
+            if user is not None:
+                login = etcdrpc.AuthenticateRequest(name=user[0], password=user[1])
+                meta = (("token", stubs.auth.Authenticate(login, timeout=_RPC_SECONDS).token),)
+            return call(stubs, meta)
+
+
+_RPC_SECONDS = 30
+_Metadata = tuple[tuple[str, str], ...] | None
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Stubs:
+    kv: Any
+    lease: Any
+    auth: Any

@@ -57,7 +57,7 @@ def params(endpoint: str, run_id: str, **conf: str) -> RendezvousParameters:
 
 
 def run_keys(server: EtcdServer, run_id: str) -> list[str]:
-    return server.etcdctl("get", "--prefix", "--keys-only", f"/torchrevive/{run_id}/").split()
+    return server.keys(f"/torchrevive/{run_id}/")
 
 
 def launch(tmp_path: Path, name: str, agents: int, command: list[str]) -> list[int]:

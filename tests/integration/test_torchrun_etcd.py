@@ -84,7 +84,7 @@ def test_two_agents_meet_on_etcd_with_a_dead_endpoint_listed_first(
     recorded = list(read_events(events))
     assert {e["world_size"] for e in recorded} == {2}
     assert [e["step"] for e in recorded if e["event"] == "step"] == list(range(1, 21))
-    keys = shared_etcd.etcdctl("get", "--prefix", "--keys-only", f"/torchrevive/{run_id}/").split()
+    keys = shared_etcd.keys(f"/torchrevive/{run_id}/")
     assert keys == [], "the last agent out removes the finished run's keys (a relaunch starts afresh)"
 
 
@@ -150,8 +150,7 @@ def test_tls_client_certificates_and_etcd_auth(tmp_path: Path, tiny_corpus: Path
     server = EtcdServer(tmp_path / "etcd-data", tls=tls)
     server.start()
     try:
-        server.etcdctl("user", "add", "root", "--new-user-password=s3cret")
-        server.etcdctl("auth", "enable")
+        server.enable_auth(root_password="s3cret")
         password_file = tmp_path / "etcd-password"
         password_file.write_text("s3cret\n")
         tls_conf = f"protocol=https,ca_cert={tls.ca},ssl_cert={tls.client_cert},ssl_cert_key={tls.client_key}"
@@ -164,8 +163,8 @@ def test_tls_client_certificates_and_etcd_auth(tmp_path: Path, tiny_corpus: Path
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
         assert [e["step"] for e in read_events(events) if e["event"] == "end"] == [5]
-        keys = server.etcdctl("get", "--prefix", "--keys-only", f"/torchrevive/{run_id}/", user="root:s3cret")
-        assert keys.split() == [], "the last agent out removes the finished run's keys, through TLS and auth"
+        keys = server.keys(f"/torchrevive/{run_id}/", user=("root", "s3cret"))
+        assert keys == [], "the last agent out removes the finished run's keys, through TLS and auth"
 
         wrong = etcd_command(server.endpoint, "wrong", "1", recipe_args(tiny_corpus, tmp_path / "w.jsonl", 5),
                              conf=f"read_timeout=5,{tls_conf},user=root,password=wrong")

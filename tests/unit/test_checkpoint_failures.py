@@ -227,6 +227,8 @@ def _manifest(step: int):
 @pytest.fixture
 def small_volume(tmp_path: Path):
     """A 1 MB tmpfs (root only): a real full disk."""
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("mount and umount are not installed (Debian: mount)")
     mount = tmp_path / "volume"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", f"torchrevive-{uuid.uuid4().hex[:6]}", str(mount)],

@@ -97,7 +97,7 @@ def test_concurrent_writers_with_the_same_token_only_one_wins(shared_etcd) -> No
 def test_corrupted_value_raises_state_error(backend, shared_etcd) -> None:
     backend.set_state(b"good")
     key = backend._key.decode()
-    shared_etcd.etcdctl("put", key, "garbage written by hand")
+    shared_etcd.put(key, "garbage written by hand")
     with pytest.raises(RendezvousStateError, match="not a torchrevive state"):
         backend.get_state()
     with pytest.raises(RendezvousStateError):
@@ -117,7 +117,7 @@ def test_keys_live_under_the_run_prefix(shared_etcd) -> None:
     backend, store = create_backend(params(shared_etcd.endpoint, run_id))
     backend.set_state(b"s")
     store.set("k", "v")
-    keys = shared_etcd.etcdctl("get", "--prefix", "--keys-only", f"/torchrevive/{run_id}").split()
+    keys = shared_etcd.keys(f"/torchrevive/{run_id}")
     assert keys == [f"/torchrevive/{run_id}/rdzv/state", f"/torchrevive/{run_id}/store/k"]
 
 
@@ -125,7 +125,7 @@ def test_key_prefix_option_moves_the_keys(shared_etcd) -> None:
     prefix = f"/custom/{uuid.uuid4().hex}"
     backend, _ = create_backend(params(shared_etcd.endpoint, key_prefix=prefix))
     backend.set_state(b"s")
-    assert shared_etcd.etcdctl("get", "--keys-only", f"{prefix}/rdzv/state").split() == [f"{prefix}/rdzv/state"]
+    assert shared_etcd.keys(f"{prefix}/rdzv/state", prefix=False) == [f"{prefix}/rdzv/state"]
 
 
 def test_keys_of_an_abandoned_run_expire_after_ttl(shared_etcd) -> None:
@@ -141,9 +141,9 @@ def test_keys_of_an_abandoned_run_expire_after_ttl(shared_etcd) -> None:
     backend._client.close(revoke=False)  # as if the process died: nobody keeps the lease alive
     prefix = f"/torchrevive/{run_id}/"
     deadline = time.monotonic() + ttl + 30  # etcd expires a lease on its own schedule: a wide margin
-    while shared_etcd.etcdctl("get", "--prefix", "--keys-only", prefix).strip() and time.monotonic() < deadline:
+    while shared_etcd.keys(prefix) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert shared_etcd.etcdctl("get", "--prefix", "--keys-only", prefix).strip() == ""
+    assert shared_etcd.keys(prefix) == []
 
 
 def test_failover_skips_a_dead_endpoint(shared_etcd) -> None:
@@ -196,9 +196,9 @@ def test_closing_a_client_revokes_its_lease_so_its_keys_go_at_once(shared_etcd) 
     client = EtcdClient(EtcdOptions.from_params(params(shared_etcd.endpoint)))
     key = f"/probe/{uuid.uuid4().hex}"
     client.txn([], [client.put_op(key.encode(), b"v")], [], what="write")
-    assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == "v"
+    assert shared_etcd.value(key) == "v"
     client.close()
-    assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == ""  # not ttl (7200 s) later
+    assert shared_etcd.value(key) is None  # not ttl (7200 s) later
     client.close()  # closing twice does nothing
     with pytest.raises(RendezvousConnectionError, match="cannot read: the etcd client is closed"):
         client.get(key.encode())
@@ -209,9 +209,9 @@ def test_closing_without_revoking_leaves_the_keys_to_the_ttl(shared_etcd) -> Non
     key = f"/probe/{uuid.uuid4().hex}"
     client.txn([], [client.put_op(key.encode(), b"v")], [], what="write")
     client.close(revoke=False)
-    assert shared_etcd.etcdctl("get", "--print-value-only", key).strip() == "v"
-    assert "granted with TTL(7200s)" in shared_etcd.etcdctl("lease", "timetolive", f"{client.lease_id:x}")
-    shared_etcd.etcdctl("lease", "revoke", f"{client.lease_id:x}")
+    assert shared_etcd.value(key) == "v"
+    assert shared_etcd.lease_ttl(client.lease_id) == 7200
+    shared_etcd.revoke_lease(client.lease_id)
 
 
 def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd) -> None:
@@ -249,7 +249,7 @@ def test_password_stays_out_of_repr() -> None:
 def test_writes_go_on_after_the_lease_is_lost(shared_etcd) -> None:
     backend, store = create_backend(params(shared_etcd.endpoint))
     _, token, _ = backend.set_state(b"before")
-    shared_etcd.etcdctl("lease", "revoke", f"{backend._client.lease_id:x}")  # its keys go with it
+    shared_etcd.revoke_lease(backend._client.lease_id)  # its keys go with it
     assert backend.get_state() is None
     _, token, written = backend.set_state(b"after")
     store.set("k", "v")
@@ -257,8 +257,7 @@ def test_writes_go_on_after_the_lease_is_lost(shared_etcd) -> None:
 
 
 def test_auth_token_is_renewed_after_etcd_restarts(etcd) -> None:
-    etcd.etcdctl("user", "add", "root", "--new-user-password=pw")
-    etcd.etcdctl("auth", "enable")
+    etcd.enable_auth(root_password="pw")
     backend, store = create_backend(params(etcd.endpoint, user="root", password="pw", read_timeout=20))
     backend.set_state(b"s")
     etcd.stop()

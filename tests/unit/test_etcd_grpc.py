@@ -210,8 +210,7 @@ def test_unusable_tls_files_fail_in_one_line(tmp_path) -> None:
 
 
 def test_a_wrong_password_is_one_line(etcd) -> None:
-    etcd.etcdctl("user", "add", "root", "--new-user-password=pw")
-    etcd.etcdctl("auth", "enable")
+    etcd.enable_auth(root_password="pw")
     with pytest.raises(RendezvousConnectionError) as info:
         create_backend(params(etcd.endpoint, user="root", password="wrong", read_timeout=5))
     assert str(info.value) == (
@@ -220,8 +219,7 @@ def test_a_wrong_password_is_one_line(etcd) -> None:
 
 
 def test_an_expired_token_is_renewed_for_a_waiting_store(etcd) -> None:
-    etcd.etcdctl("user", "add", "root", "--new-user-password=pw")
-    etcd.etcdctl("auth", "enable")
+    etcd.enable_auth(root_password="pw")
     _, store = create_backend(params(etcd.endpoint, user="root", password="pw", read_timeout=20))
     # As after an etcd restart (simple tokens do not survive one), just as the wait starts watching.
     before_the_watch(store, lambda: setattr(store._client, "_token", "stale"))

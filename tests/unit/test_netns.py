@@ -65,7 +65,7 @@ def test_close_kills_what_runs_inside_and_removes_every_namespace(network: Virtu
 
 
 def test_a_network_whose_creator_died_is_swept_by_the_next_one() -> None:
-    dead = subprocess.Popen(["true"])
+    dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()
     leftover = f"trv-{dead.pid}-abcdef-sw"
     if subprocess.run(["ip", "netns", "add", leftover], capture_output=True).returncode != 0:
