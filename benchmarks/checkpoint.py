@@ -135,6 +135,7 @@ from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E
 
 from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.cli import OneLineArgumentParser, non_negative_int, positive_int  # noqa: E402
+from elastic.config import RunConfig  # noqa: E402
 from elastic.rng import get_rng_state, seed_all  # noqa: E402
 from elastic.runtime import WorkerContext, init_worker  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
@@ -320,8 +321,8 @@ def measure(setup: Setup, opts: argparse.Namespace, ctx: WorkerContext, tmp: Pat
     bracket = {"started": 0.0}
     before = trainer.optimizer.register_step_pre_hook(lambda *_: bracket.update(started=time.perf_counter()))
     ckpt = CheckpointManager(
-        ctx, tmp / f"ckpt_{setup.name}", model=trainer.model, optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler, sampler=trainer.sampler, every=0, keep=2, seed=opts.seed,
+        ctx, RunConfig(ckpt_dir=tmp / f"ckpt_{setup.name}", ckpt_every=0, ckpt_keep=2, seed=opts.seed, snapshot_every=0),
+        model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler, sampler=trainer.sampler,
     )
     calls: dict[int, tuple[float, float]] = {}  # save step -> (wall start, seconds in save())
 

@@ -42,11 +42,12 @@ sys.path.insert(0, str(TREE / "recipes"))
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic.checkpoint import CheckpointManager  # noqa: E402
-from elastic.checkpoint.store import checkpoint_name  # noqa: E402
+from elastic.config import RunConfig  # noqa: E402
 from elastic.rng import get_rng_state, seed_all  # noqa: E402
 from elastic.runtime import WorkerContext, init_worker, shutdown_worker  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
+from elastic.storage.manifest import checkpoint_name  # noqa: E402
 
 # The recipe's optimiser settings (recipes/gpt.py defaults), as in checkpoint.py.
 LR, WEIGHT_DECAY, MIN_LR_RATIO, GRAD_CLIP = 1e-3, 0.1, 0.1, 1.0
@@ -246,8 +247,8 @@ class Job:
 
     def manager(self) -> CheckpointManager:
         return CheckpointManager(
-            self.ctx, self.opts.ckpt_dir, model=self.raw, optimizer=self.optimizer, scheduler=self.scheduler,
-            sampler=self.sampler, every=0, keep=2, seed=self.opts.seed,
+            self.ctx, RunConfig(ckpt_dir=self.opts.ckpt_dir, ckpt_every=0, ckpt_keep=2, seed=self.opts.seed, snapshot_every=0),
+            model=self.raw, optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
         )
 
     def fingerprint(self) -> dict[str, list[float]]:

@@ -15,7 +15,7 @@ trained `--settle` seconds after the previous recovery.
 - stock: `torchrun` as installed, its defaults (one worker store shared by
   every round, 30 s last call, 5 s keep-alive); the runtime builds each round's
   process group on a namespace of that store no earlier round used
-  (`elastic.rendezvous.worker_store`), so stale addresses cost no rounds.
+  (`elastic.round_store`), so stale addresses cost no rounds.
 - tuned: plain `torchrun` with what the runtime's hint names,
   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (a store per round: with the shared
   one a node that joins after the first round times the rendezvous out) and
@@ -70,7 +70,8 @@ import time
 from pathlib import Path
 
 from elastic.chaos.harness import ChaosJob, JobSpec, draw_report
-from elastic.launcher.launch import FRESH_STORE_ENV, SNAPSHOTS_ENV, merged_rdzv_conf
+from elastic.launcher.launch import SNAPSHOTS_ENV
+from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]

@@ -20,7 +20,7 @@ model's would be tried first). Per model:
    of the machine's speed hits both alike; the snapshot work still running at
    the end of a block with snapshots is waited for and charged to that
    block's last step. Per snapshot, the loop's blocking seconds are the
-   manager's own `_memory.blocking_seconds` (waiting for the previous
+   manager's own `memory.blocking_seconds` (waiting for the previous
    snapshot, the trainer state, the copy of the buffers; the deferred copy of
    parameters and optimizer state runs on the snapshot thread, and whatever
    of it the next optimizer step still waits for lands in that step's time:
@@ -76,6 +76,7 @@ from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E
 
 from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.cli import OneLineArgumentParser, positive_int  # noqa: E402
+from elastic.config import RunConfig  # noqa: E402
 from elastic.events import EventLog, read_events  # noqa: E402
 from elastic.launcher.keeper import SnapshotKeeper  # noqa: E402
 from elastic.runtime import init_worker  # noqa: E402
@@ -128,8 +129,8 @@ class Trainer:
         self.data = torch.randint(0, BYTE_VOCAB, (256, model.cfg.block_size + 1))
         self.events = EventLog(events, restart=0)
         self.manager = CheckpointManager(
-            ctx, ckpt_dir, model=self.net, optimizer=self.optimizer, sampler=self.sampler,
-            every=0, keep=2, events=self.events, snapshot_every=snapshot_every,
+            ctx, RunConfig(ckpt_dir=ckpt_dir, ckpt_every=0, ckpt_keep=2, snapshot_every=snapshot_every),
+            model=self.net, optimizer=self.optimizer, sampler=self.sampler, events=self.events,
         )
 
     def step(self) -> float:
@@ -185,7 +186,7 @@ def timed_steps(trainer: Trainer, steps: int, block: int, start: int) -> tuple[l
     (a change of machine speed hits both alike). The snapshot thread's work left at the end of a
     block with snapshots is waited for and charged to that block's last step, so the next block
     without snapshots starts clean. Returns (seconds without, seconds with, the last step)."""
-    memory = trainer.manager._memory
+    memory = trainer.manager.memory
     assert memory is not None
     off: list[float] = []
     on: list[float] = []
@@ -209,7 +210,7 @@ def measure(model: Model, opts: argparse.Namespace, ctx: Any, tmp: Path) -> dict
     ckpt_dir = tmp / f"ckpt-{model.name}"
     events = tmp / f"{model.name}.jsonl"
     trainer = Trainer(model, ctx, ckpt_dir, events, snapshot_every=1)
-    memory = trainer.manager._memory
+    memory = trainer.manager.memory
     if memory is None:
         raise RuntimeError("the manager found no snapshot keeper: KeeperAddress.from_env() is None")
     parameters = sum(p.numel() for p in trainer.net.parameters())

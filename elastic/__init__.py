@@ -27,20 +27,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from elastic.version import __version__ as __version__
 __all__ = ["ArgumentParser", "Run", "RunConfig", "add_runtime_arguments", "seeded_samples"]
 
 if TYPE_CHECKING:
-    from elastic.contract import ArgumentParser, add_runtime_arguments
+    from elastic.config import ArgumentParser, RunConfig, add_runtime_arguments
     from elastic.data import seeded_samples
-    from elastic.run import Run, RunConfig
+    from elastic.run import Run
 
 
 _EXPORTS = {
-    "ArgumentParser": "elastic.contract",
+    "ArgumentParser": "elastic.config",
     "Run": "elastic.run",
-    "RunConfig": "elastic.run",
-    "add_runtime_arguments": "elastic.contract",
+    "RunConfig": "elastic.config",
+    "add_runtime_arguments": "elastic.config",
     "seeded_samples": "elastic.data",
 }
 

@@ -67,6 +67,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 meaning off."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535, 0: off)")
+    return value
+
+
 def unit_interval(text: str) -> float:
     """A float in [0, 1)."""
     try:

@@ -25,7 +25,6 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
+from elastic.config import DEFAULT_METRICS_HOST
 from elastic.events import EventLog
 from elastic.runtime import WorkerContext
 
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "torchrevive"
 LABELS = ("rank", "run_id")
-DEFAULT_HOST = "127.0.0.1"
 
 # Step times from a few ms (a small model on a GPU) to a minute (a huge one, or a stall).
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -85,29 +84,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "restored_step": ("gauge", "Step this worker resumed from (0: fresh start)."),
     "watchdog_timeout_seconds": ("gauge", "Hang watchdog limit: a stall this long ends the worker (0: watchdog off)."),
 }
-
-
-def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    """The recipe contract's `--metrics-port` and `--metrics-host` flags."""
-    parser.add_argument(
-        "--metrics-port", type=port_number, default=0,
-        help="serve Prometheus /metrics on this port + LOCAL_RANK (0: off)",
-    )
-    parser.add_argument(
-        "--metrics-host", default=DEFAULT_HOST,
-        help="address the metrics endpoint binds (default loopback; 0.0.0.0 to expose it, e.g. in a pod)",
-    )
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port, 0 meaning off."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535, 0: off)")
-    return value
 
 
 class LabelledProcessCollector:
@@ -269,7 +245,7 @@ def start_metrics(
     events: EventLog,
     *,
     port: int,
-    host: str = DEFAULT_HOST,
+    host: str = DEFAULT_METRICS_HOST,
     samples_per_step: int,
     tokens_per_sample: int = 0,
     watchdog: object | None = None,

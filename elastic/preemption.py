@@ -42,10 +42,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-import torch
-import torch.distributed as dist
-
-from elastic.runtime import WorkerContext, control_group
+from elastic import agreement
+from elastic.runtime import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -189,13 +187,7 @@ class PreemptionHandler:
     def vote(self, *flags: bool) -> tuple[bool, ...]:
         """`requested()`, and for each of this rank's `flags` whether any rank raised it:
         one collective for the step's every stop reason."""
-        mine = [self._flag, *flags]
-        if not self._ctx.distributed:
-            answer = tuple(mine)
-        else:
-            votes = torch.tensor([int(v) for v in mine], dtype=torch.int32)
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=control_group())
-            answer = tuple(bool(v) for v in votes.tolist())
+        answer = agreement.any_set(self._ctx, self._flag, *flags)
         if answer[0]:
             self._reached_boundary.set()  # the checkpoint that follows may take its time
         return answer

@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from elastic import agreement
 from elastic.runtime import WorkerContext
 
 
@@ -38,8 +38,4 @@ def parameter_digest(module: torch.nn.Module) -> str:
 
 def gather_digests(ctx: WorkerContext, digest: str) -> list[str]:
     """Every rank's digest, indexed by rank (a collective: call it on all ranks)."""
-    if not ctx.distributed:
-        return [digest]
-    gathered: list[str | None] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, digest)
-    return [d for d in gathered if d is not None]
+    return [d.text for d in agreement.all_gather(ctx, agreement.Text(digest), agreement.Text)]

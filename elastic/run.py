@@ -66,7 +66,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
@@ -74,10 +74,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic.chaos.faults import FaultInjector
+from elastic import fault_hook
 from elastic.checkpoint import CheckpointManager
-from elastic.checkpoint.manager import Stateful
+from elastic.checkpoint.training_state import Stateful
 from elastic.cli import configure_logging
+from elastic.config import RunConfig
 from elastic.data import (
     StepBatchSampler,
     StepSampler,
@@ -86,7 +87,7 @@ from elastic.data import (
 )
 from elastic.errors import CheckpointStorageError, ElasticError, Preempted, UsageError
 from elastic.events import EventLog
-from elastic.metrics import DEFAULT_HOST, start_metrics
+from elastic.metrics import start_metrics
 from elastic.preemption import PreemptionHandler
 from elastic.progress import Progress
 from elastic.replicas import gather_digests, parameter_digest
@@ -104,66 +105,6 @@ from elastic.watchdog import NoWatchdog, Watchdog, watchdog
 logger = logging.getLogger(__name__)
 
 Batch = TypeVar("Batch")
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """How the runtime behaves; `RunConfig.from_args` reads it from the recipe contract's flags
-    (`elastic.add_runtime_arguments`)."""
-
-    seed: int = 0
-    """Seeds initial weights (same on every rank), each rank's random stream and the data order."""
-    ckpt_dir: str | None = None
-    """Commit checkpoints here and resume from the newest good one (None: no checkpoints)."""
-    ckpt_every: int = 0
-    """Steps between checkpoints (0: only the final one and on SIGTERM)."""
-    ckpt_keep: int = 3
-    """Committed checkpoints to keep; at least 2, so a torn newest one has a fallback."""
-    ckpt_max_failures: int = 3
-    """Periodic saves that may fail in a row (full disk, I/O errors) before the job stops with exit 75."""
-    ckpt_timeout: float = 600.0
-    """Seconds the final or a preemption checkpoint may take to commit before the job stops with exit 75."""
-    ckpt_restore_timeout: float = 600.0
-    """Seconds reading a checkpoint may take on restore before the job stops with exit 75."""
-    snapshot_every: int = 1
-    """Steps between in-memory snapshots (needs `ckpt_dir` and a snapshot keeper: torchrevive-run; 0: off)."""
-    events: str | None = None
-    """Append the JSON-lines event log here (rank 0)."""
-    device: str = "auto"
-    """auto, cpu or cuda: cuda:LOCAL_RANK when the process sees a GPU per local worker,
-    cuda:0 when it sees exactly one (a GPU per task)."""
-    metrics_port: int = 0
-    """Serve Prometheus /metrics on this port + local rank (0: off)."""
-    metrics_host: str = DEFAULT_HOST
-    """Where the metrics endpoint binds (loopback unless told otherwise: it has no authentication)."""
-    collective_timeout: float = 300.0
-    """Seconds before a collective with a dead peer fails."""
-    term_grace: float = 15.0
-    """After SIGTERM, seconds to reach the end of the step and checkpoint, else exit at once."""
-    hang_timeout: float = 300.0
-    """Exit (status 124) when no step completes for this long (0: off)."""
-    log_every: int = 10
-    """Steps between progress lines when stdout is not a terminal."""
-
-    def __post_init__(self) -> None:
-        if self.ckpt_every < 0:
-            raise UsageError(f"ckpt_every={self.ckpt_every} must be 0 or more")
-        if self.snapshot_every < 0:
-            raise UsageError(f"snapshot_every={self.snapshot_every} must be 0 or more")
-        if self.ckpt_keep < 2:
-            raise UsageError(f"ckpt_keep={self.ckpt_keep} must be at least 2 (a fallback needs two)")
-        if self.ckpt_max_failures < 1 or self.ckpt_timeout <= 0 or self.ckpt_restore_timeout <= 0:
-            raise UsageError("ckpt_max_failures must be at least 1, ckpt_timeout and ckpt_restore_timeout above 0")
-        if self.collective_timeout <= 0 or self.term_grace <= 0 or self.hang_timeout < 0:
-            raise UsageError("collective_timeout and term_grace must be above 0, hang_timeout 0 or more")
-        if not 0 <= self.metrics_port <= 65535:
-            raise UsageError(f"metrics_port={self.metrics_port} is not a port number")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RunConfig:
-        """The fields present in `args` (argparse turns --ckpt-dir into ckpt_dir); defaults for the rest."""
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
 
 
 @dataclass
@@ -360,12 +301,8 @@ class Run:
             )
         )
         self.checkpoints = CheckpointManager(
-            ctx, cfg.ckpt_dir, every=cfg.ckpt_every, keep=cfg.ckpt_keep, model=self.model, optimizer=optimizer,
-            scheduler=scheduler, scaler=scaler, sampler=self.sampler, events=self.events, seed=cfg.seed, extra=extra,
-            max_failures=cfg.ckpt_max_failures, timeout=cfg.ckpt_timeout, restore_timeout=cfg.ckpt_restore_timeout,
-            snapshot_every=cfg.snapshot_every,
-            # Waits for storage come in slices far below the collective and hang timeouts.
-            wait_slice=min(5.0, cfg.collective_timeout / 4, (cfg.hang_timeout or math.inf) / 4),
+            ctx, cfg, model=self.model, optimizer=optimizer, sampler=self.sampler, scheduler=scheduler, scaler=scaler,
+            extra=extra, events=self.events,
         )
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
@@ -376,7 +313,7 @@ class Run:
         seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
         self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace)
         self._stack.callback(self._preemption.uninstall)
-        self._faults = FaultInjector(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for the chaos suite
+        self._faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for the chaos suite
         self.step = self._first_step = self.checkpoints.restore()
         self._started = True
         parameters = sum(p.numel() for p in self.model.parameters())

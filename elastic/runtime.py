@@ -19,7 +19,6 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -31,12 +30,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic.config import DEVICE_CHOICES
 from elastic.errors import EnvironmentConfigError, UsageError
-from elastic.rendezvous.worker_store import recovery_hint, round_store
+from elastic.round_store import recovery_hint, round_store
 
 logger = logging.getLogger(__name__)
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 ERROR_TEARDOWN_DEADLINE = timedelta(seconds=5)
 """How long a failed worker gives its process group's teardown before leaving it to process
@@ -213,7 +212,7 @@ def init_worker(
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
             # Under torchrun's shared agent store: a namespace no earlier round used
-            # (elastic.rendezvous.worker_store); otherwise None, torch's env:// as usual.
+            # (elastic.round_store); otherwise None, torch's env:// as usual.
             store=round_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout),
         )
         if backend == "nccl":
@@ -274,8 +273,8 @@ def log_recovery_hint(environ: Mapping[str, str]) -> None:
     """Under plain torchrun with settings that cost recoveries what no worker can win
     back (torch's 30 s last call; a shared agent store, which times out a node that
     joins after the first round), one line leading to the fast path
-    (`worker_store.recovery_hint`); nothing otherwise. A dead round's keys in a
-    shared store need no warning: `worker_store.round_store` keeps rounds apart."""
+    (`round_store.recovery_hint`); nothing otherwise. A dead round's keys in a
+    shared store need no warning: `round_store.round_store` keeps rounds apart."""
     hint = recovery_hint(environ)
     if hint is not None:
         logger.warning(hint)
@@ -403,25 +402,3 @@ def all_reduce_mean(ctx: WorkerContext, value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         out /= ctx.world_size
     return out
-
-
-# Imported lazily by torch the first time an optimizer is built (~3 s on a small
-# CPU): on the critical path of every restart unless it overlaps other work.
-_SLOW_LAZY_IMPORTS = ("torch._dynamo",)
-
-
-def prefetch_slow_imports() -> threading.Thread:
-    """Import what torch would import lazily later, on a daemon thread, so that it
-    overlaps data loading and the process group's rendezvous instead of delaying
-    the first step after a restart by seconds."""
-
-    def load() -> None:
-        for name in _SLOW_LAZY_IMPORTS:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - an optimisation only; the lazy import reports errors
-                logger.debug("prefetching %s failed", name, exc_info=True)
-
-    thread = threading.Thread(target=load, name="elastic-prefetch-imports", daemon=True)
-    thread.start()
-    return thread

@@ -74,7 +74,7 @@ from elastic.cli import (  # noqa: E402
     unit_interval,
 )
 from elastic.data import seeded_samples  # noqa: E402
-from elastic.runtime import prefetch_slow_imports  # noqa: E402
+from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import OneCycle, WarmupCosine  # noqa: E402
 
@@ -93,11 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch-size", type=positive_int, default=128, help="images per rank per step")
     p.add_argument("--lr", type=positive_float, default=0.1, help="peak learning rate (SGD)")
-    p.add_argument("--seed", type=non_negative_int, default=1337)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--data", default=None, help="folder holding cifar-10-batches-py/ (default: ./data)")
     source.add_argument("--fake-data", action="store_true", help="random images of CIFAR-10's shape (smoke runs)")
-    elastic.add_runtime_arguments(p, ckpt_every=200)
+    elastic.add_runtime_arguments(p, ckpt_every=200, seed=1337, log_every=50)  # this recipe's own defaults
     p.add_argument("--model", choices=MODEL_CHOICES, default="resnet18")
     p.add_argument("--cnn-width", type=positive_int, default=32, help="channels of the small CNN's first stage")
     p.add_argument("--schedule", choices=("onecycle", "cosine"), default="onecycle", help="learning-rate schedule")
@@ -110,7 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-smoothing", type=unit_interval, default=0.1)
     p.add_argument("--workers", type=non_negative_int, default=2, help="DataLoader processes per rank (0: load in the trainer)")
     p.add_argument("--eval-batch-size", type=positive_int, default=500, help="test images per rank per forward pass")
-    p.add_argument("--log-every", type=positive_int, default=50, help="steps between log lines off a terminal")
     return p
 
 

@@ -49,7 +49,8 @@ from elastic.cli import (  # noqa: E402
     unit_interval,
 )
 from elastic.errors import CheckpointMismatchError, UsageError  # noqa: E402
-from elastic.runtime import all_reduce_mean, prefetch_slow_imports  # noqa: E402
+from elastic.runtime import all_reduce_mean  # noqa: E402
+from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
 
 logger = logging.getLogger("gpt")
@@ -60,9 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=positive_int, default=300, help="optimizer steps in the whole run")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--seed", type=non_negative_int, default=1337)
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
-    elastic.add_runtime_arguments(p, ckpt_every=50)
+    elastic.add_runtime_arguments(p, seed=1337)  # this recipe's own default
     p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes")
     p.add_argument("--n-layer", type=positive_int, default=4)
     p.add_argument("--n-head", type=positive_int, default=4)
@@ -74,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=positive_float, default=1.0, help="max global gradient norm")
     p.add_argument("--eval-every", type=non_negative_int, default=100, help="steps between validations (0: off)")
     p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches per rank per validation")
-    p.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines off a terminal")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
     p.add_argument("--generate", metavar="PROMPT", default=None, help="sample text from the newest checkpoint and exit")

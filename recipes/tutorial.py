@@ -87,11 +87,10 @@ class Net(nn.Module):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = elastic.ArgumentParser(prog="tutorial.py", description="The DDP tutorial, fault-tolerant.", ckpt_every=50)  # elastic
+    p = elastic.ArgumentParser(prog="tutorial.py", description="The DDP tutorial, fault-tolerant.")  # elastic
     p.add_argument("--max-steps", type=positive_int, default=300, help="optimizer steps in the whole run")
     p.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (AdamW)")
-    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--data", type=npz_data, default=None, help="an .npz file with arrays x and y (default: the synthetic task)")
     p.add_argument("--workers", type=non_negative_int, default=2, help="DataLoader worker processes per rank")
     return p

@@ -29,7 +29,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from elastic.chaos.etcd import EtcdServer
-from elastic.chaos.harness import NEEDS_NETWORK, NEEDS_OWN_ETCD, SCENARIOS, run_scenario
+from elastic.chaos.harness import NEEDS_NETWORK, NEEDS_OWN_ETCD, SCENARIOS, find_recipe, run_scenario
 from elastic.chaos.netns import VirtualNetwork
 from elastic.cli import OneLineArgumentParser, positive_int, run_main
 from elastic.errors import ElasticError, UsageError
@@ -58,6 +58,7 @@ def build_parser() -> OneLineArgumentParser:
         help="train the recipe with --fsdp: parameters, gradients and optimizer state sharded (FSDP2) instead of DDP",
     )
     p.add_argument("--data", default=None, help="text for the recipe (default: this package's own sources)")
+    p.add_argument("--recipe", default=None, help="the GPT recipe to run (default: recipes/gpt.py of this checkout)")
     p.add_argument("--workdir", default=None, help="keep jobs' logs, events and checkpoints here (default: temporary)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--scenario {name} cuts a host's link: it needs --hosts netns")
         if name in NEEDS_OWN_ETCD and not own_etcd:
             raise UsageError(f"--scenario {name} restarts etcd: it needs --backend etcd-v3 without --endpoint")
+    recipe = find_recipe(args.recipe)
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elastic-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     data = Path(args.data) if args.data else root / "corpus.txt"
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_scenario(
                 name, root / name, data, steps=args.steps, backend=args.backend, endpoint=endpoint,
                 launcher=args.launcher, seed=args.seed, network=network, etcd=etcd,
-                recipe_args=["--fsdp"] if args.fsdp else [],
+                recipe_args=["--fsdp"] if args.fsdp else [], recipe=recipe,
             )
             print(result.summary(), flush=True)
             failed += not result.ok

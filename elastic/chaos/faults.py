@@ -21,6 +21,10 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=during_snapshot@15:rank=1 die on rank 1 while it copies step 15's
                                             in-memory snapshot (data written, header not)
 
+The library marks the points (elastic.fault_hook); `FaultInjector` is the
+plugin that fills them, registered under the entry point group
+`torchrevive.faults`, so a worker loads it only when ELASTIC_FAULT is set.
+
 A fault fires only on restart 0 unless `restart=` says otherwise, so a job
 that torchrun restarts after the fault runs on undisturbed. Several faults
 are separated by commas; `@N+` matches step N and every later one. The
@@ -38,13 +42,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastic.errors import UsageError
+from elastic.fault_hook import ENV_VAR
+from elastic.fault_hook import POINTS as FAULT_POINTS
 
-FAULT_POINTS = ("during_write", "before_commit", "after_step", "during_read", "during_snapshot")
 ACTIONS = ("kill", "stop", "hang", "enospc", "slow")
-ENV_VAR = "ELASTIC_FAULT"
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,10 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 class FaultInjector:
-    """The faults meant for this worker; `at(point, step)` kills it when one matches."""
+    """The faults meant for this worker; `at(point, step)` kills it when one matches (an
+    `elastic.fault_hook.FaultHook`)."""
 
-    def __init__(self, rank: int, restart: int, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, rank: int, restart: int, environ: Mapping[str, str] | None = None) -> None:
         text = (os.environ if environ is None else environ).get(ENV_VAR, "")
         self._faults = [
             f for f in parse_faults(text) if f.rank == rank and (f.restart is None or f.restart == restart)

@@ -44,15 +44,32 @@ from elastic.chaos.etcd import EtcdServer
 from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit, audit
-from elastic.checkpoint.store import CheckpointStore
-from elastic.errors import CorruptCheckpoint
+from elastic.errors import CorruptCheckpoint, UsageError
 from elastic.launcher.keeper import BASE_ENV as SNAPSHOT_BASE_ENV
 from elastic.launcher.keeper import DIRECTORY as SNAPSHOT_DIRECTORY
 from elastic.launcher.proctree import descendants, worker_rank
+from elastic.storage.directory import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
+RECIPE = Path("recipes") / "gpt.py"
+
+
+def find_recipe(given: str | os.PathLike[str] | None = None) -> Path:
+    """The GPT recipe the jobs run: `given`, else recipes/gpt.py in the current directory, else beside
+    this package in a source checkout. An installed package has no recipes: one `UsageError` line."""
+    if given is not None:
+        path = Path(given)
+        if not path.is_file():
+            raise UsageError(f"--recipe {path}: no such file")
+        return path.resolve()
+    for candidate in (Path.cwd() / RECIPE, Path(__file__).resolve().parents[2] / RECIPE):
+        if candidate.is_file():
+            return candidate
+    raise UsageError(
+        f"the chaos harness runs the GPT recipe, {RECIPE} of a torchrevive checkout, and finds none in the "
+        "current directory or beside this package: run it from a checkout, or pass --recipe PATH"
+    )
 
 
 @dataclass
@@ -69,7 +86,8 @@ class JobSpec:
     max_restarts: int = 3
     launcher: str = "ours"
     """`ours` (python -m elastic.launcher) or `stock` (torch.distributed.run)."""
-    script: Path = RECIPE
+    script: Path | None = None
+    """The training script; None: the GPT recipe (`find_recipe`)."""
     rdzv_conf: str = "join_timeout=60,close_timeout=10"
     env: dict[str, str] = field(default_factory=dict)
     run_id: str = "chaos"
@@ -122,7 +140,7 @@ class ChaosJob:
         return self.spec.network.wrap(index, command) if self.spec.network else command
 
     def script_command(self) -> list[str]:
-        script = [str(self.spec.script), *self.spec.script_args]
+        script = [str(self.spec.script or find_recipe()), *self.spec.script_args]
         return ["-m", "elastic.chaos.samples", *script] if self.spec.sample_log else script
 
     def environment(self) -> dict[str, str]:
@@ -686,11 +704,13 @@ def run_scenario(
     timeout: float = 300,
     network: VirtualNetwork | None = None,
     etcd: EtcdServer | None = None,
+    recipe: Path | None = None,
 ) -> ScenarioResult:
     """Run one scenario to the end and judge it. With a `network` each agent runs on
     a host of its own; with `etcd` (a started member) an etcd-v3 job uses it, and
     may restart it. The caller owns both and closes them. `recipe_args` go to the
-    recipe after the harness's own flags (e.g. `["--fsdp"]`: the model sharded with FSDP2)."""
+    recipe after the harness's own flags (e.g. `["--fsdp"]`: the model sharded with FSDP2);
+    `recipe` is the GPT recipe (default: `find_recipe()`)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     if name in NEEDS_NETWORK and network is None:
@@ -711,6 +731,7 @@ def run_scenario(
             *SCENARIO_ARGS.get(name, []), *recipe_args,
         ],
         env=scenario_env(name), sample_log=workdir / "samples", network=network, etcd=etcd,
+        script=recipe or find_recipe(),
     )
     with ChaosJob(spec) as job:
         if name not in LAUNCHES_ITSELF:

@@ -1,14 +1,18 @@
-"""Crash-safe, asynchronous checkpoints of a whole training state (see manager.py).
+"""The state manager: crash-safe asynchronous checkpoints and in-memory snapshots of a whole training state.
 
-`python -m elastic.checkpoint inspect DIR` lists and verifies a checkpoint directory;
-`load_newest_model_state(DIR)` reads the newest good model weights in one process,
-`read_checkpoint(DIR/step_N)` a whole checkpoint (every tensor whole, by key).
+`CheckpointManager` (manager.py) is what the front door uses; its module
+docstring maps the pipeline's parts. Tools read checkpoints without a job:
+`python -m elastic.checkpoint inspect DIR` lists and verifies a directory,
+`load_newest_model_state(DIR)` reads the newest good model weights in one
+process, `read_checkpoint(DIR/step_N)` a whole checkpoint (every tensor whole,
+by key). The on-disk format and its commit live in elastic.storage.
 """
 
 from elastic.checkpoint.manager import CheckpointManager
 from elastic.checkpoint.reader import load_newest_model_state, read_checkpoint
-from elastic.checkpoint.store import CheckpointStore, Manifest
 from elastic.errors import CorruptCheckpoint
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.manifest import Manifest
 
 __all__ = [
     "CheckpointManager", "CheckpointStore", "CorruptCheckpoint", "Manifest", "load_newest_model_state", "read_checkpoint",

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from elastic.checkpoint.store import CheckpointStore
 from elastic.cli import OneLineArgumentParser, run_main
 from elastic.errors import CheckpointError, CorruptCheckpoint, UsageError
+from elastic.storage.directory import CheckpointStore
 
 
 def _size(n: int) -> str:

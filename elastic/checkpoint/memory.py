@@ -13,7 +13,7 @@ where both are (`KeeperAddress`, from the environment). Each worker:
   on the same background thread, so losing a whole node still leaves a copy;
 - at restore, reports what its node holds (`inventory`), and reads the parts
   its node lacks from the keepers that hold them, only the rows it needs
-  (`gather_files`, `PartFiles`).
+  (`gather_files`, part_files.PartFiles).
 
 Invariants:
 - At most one snapshot is in flight per worker: the next one waits for the
@@ -22,8 +22,12 @@ Invariants:
 - A snapshot's data file is allocated in full (fallocate) before it is mapped:
   a full /dev/shm is an error at allocation (snapshots turn off with a
   warning), never a SIGBUS in the middle of a copy.
+- The optimizer step waits for the whole previous snapshot (copy, checksums,
+  header, replica: `before_optimizer_step`): a step whose parameters change is
+  finished, and a failure after it finds that step's snapshot whole, so at
+  most one finished step is ever redone.
 - Nothing here is on the restore's trust path: every chunk read is checked
-  against its crc32c (sharded.read_rows), whatever its source.
+  against its crc32c (chunks.read_rows), whatever its source.
 """
 
 from __future__ import annotations
@@ -42,44 +46,54 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from elastic.checkpoint import parts, sharded
-from elastic.checkpoint.parts import PartHeader
-from elastic.checkpoint.snapshot import DeferredCopy
+from elastic import agreement
+from elastic.checkpoint import state as live_state
+from elastic.checkpoint.part_files import PartFiles
+from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
+from elastic.checkpoint.training_state import TrainingState
 from elastic.checkpoint.writer import BackgroundWriter
-from elastic.runtime import WorkerContext, control_group
+from elastic.rng import get_rng_state
+from elastic.runtime import WorkerContext
+from elastic.storage import parts, sharded
+from elastic.storage.chunks import BLOCK, StoredChunk, block_checksums
+from elastic.storage.keeper_address import (
+    HEADER_BYTES,
+    LOCAL,
+    PROGRESS,
+    REPLICA,
+    KeeperAddress,
+    part_url,
+    replica_path,
+)
+from elastic.storage.parts import PartHeader
 
 logger = logging.getLogger(__name__)
 
-ROOT_ENV = "TORCHREVIVE_SNAPSHOT_ROOT"
-URL_ENV = "TORCHREVIVE_SNAPSHOT_URL"
-NODE_ENV = "TORCHREVIVE_SNAPSHOT_NODE"
-LOCAL, REPLICA, PROGRESS = "local", "replica", "progress"
 PUSH_TIMEOUT = 30.0
 PUSH_PAUSE = 30.0
 """Seconds without copies to the peer after one failed (a slow peer must not slow every step)."""
 
 
 @dataclass(frozen=True)
-class KeeperAddress:
-    """Where this node's keeper keeps snapshots (`root`) and serves them to peers (`url`)."""
+class KeeperSeen(agreement.Message):
+    """A rank's node and its keeper, as every rank learns them (`connect`)."""
 
-    root: Path
-    url: str
     node: str
+    url: str
 
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> KeeperAddress | None:
-        env = os.environ if environ is None else environ
-        root, url, node = env.get(ROOT_ENV), env.get(URL_ENV), env.get(NODE_ENV)
-        if not (root and url and node) or not os.path.isdir(root):
-            return None
-        return cls(Path(root), url, node)
 
-    def environ(self) -> dict[str, str]:
-        return {ROOT_ENV: str(self.root), URL_ENV: self.url, NODE_ENV: self.node}
+@dataclass(frozen=True)
+class Inventory(agreement.Message):
+    """What one rank's node holds, gathered to rank 0 at restore."""
+
+    node: str
+    url: str
+    progress: int | None
+    """The newest step this node's workers finished (None: none noted)."""
+    parts: list[list[str]]
+    """[where ("local" | "replica"), the part's header as JSON] of every part of this run."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +167,20 @@ class MemorySnapshots:
         self,
         ctx: WorkerContext,
         keeper: KeeperAddress,
+        state: TrainingState,
         *,
         every: int,
         ckpt_dir: str,
         keep: int,
         fault: Callable[[str, int], None] = lambda point, step: None,
+        copy_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self._ctx = ctx
         self.keeper = keeper
+        self._state = state
+        self._copy_stream = copy_stream
+        self._pool = BufferPool(pin_memory=False)
+        self._copy: DeferredCopy | None = None  # the snapshot whose copy the next optimizer step waits for
         self.every = every
         self._ckpt_dir = ckpt_dir
         self._keep = keep
@@ -233,24 +253,66 @@ class MemorySnapshots:
 
     def connect(self) -> None:
         """A collective: learn every node's keeper and pick this node's peer (the next node, in a ring)."""
-        mine = (self.keeper.node, self.keeper.url)
-        if not self._ctx.distributed:
-            return
-        everyone: list[Any] = [None] * self._ctx.world_size
-        dist.all_gather_object(everyone, mine, group=control_group())
-        nodes: list[tuple[str, str]] = []
-        for node in everyone:
-            if tuple(node) not in nodes:
-                nodes.append(tuple(node))
+        mine = KeeperSeen(self.keeper.node, self.keeper.url)
+        nodes: list[KeeperSeen] = []
+        for seen in agreement.all_gather(self._ctx, mine, KeeperSeen):
+            if seen not in nodes:
+                nodes.append(seen)
         if len(nodes) < 2:
             self._peer = None
-            if self._ctx.is_main:
+            if self._ctx.is_main and self._ctx.distributed:
                 logger.info("snapshots stay on this node: the job runs on one node, so there is no peer to copy them to")
             return
-        index = nodes.index(mine)
-        self._peer = nodes[(index + 1) % len(nodes)][1]
+        self._peer = nodes[(nodes.index(mine) + 1) % len(nodes)].url
 
     # -- writing ---------------------------------------------------------------------
+
+    def take(self, step: int) -> None:
+        """Copy the state of `step` into this node's shared memory. Not a collective: each rank
+        copies its own share; the loop blocks only for the buffers and trainer state, the rest is
+        copied on the snapshot thread before the next optimizer step (`before_optimizer_step`)."""
+        started = time.perf_counter()
+        self.wait_previous()  # at most one in flight: its buffers are reused now
+        if self.disabled is not None:
+            return
+        state, ctx = self._state, self._ctx
+        # What a weights-only load could not read back is refused at the first snapshot and at every
+        # checkpoint (plain_state); checking it at every step would cost the loop for nothing.
+        first = not self.history
+        trainer = state.trainer_state(
+            step, ctx.world_size, [get_rng_state(ctx.device)], state.extra_state(check=first),
+            state.optimizer_settings(check=first), check=first,
+        )
+        layout = state.layout
+        if layout.sharded:
+            # FSDP2 swaps its registered parameters in every forward: the share is taken now.
+            mine = layout.share(layout.tensors(), ctx.rank, ctx.world_size)
+            buffers = {k: v for k, v in mine.items() if k in layout.buffer_keys}
+
+            def build() -> dict[str, torch.Tensor]:
+                return mine
+        else:
+            # Every buffer is copied now (a forward changes them; they are small); which of them
+            # and of the parameters this rank keeps is settled on the snapshot thread.
+            buffers = {live_state.MODEL_PREFIX + name: b for name, b in state.model.named_buffers()}
+
+            def build() -> dict[str, torch.Tensor]:
+                return layout.share(layout.tensors(), ctx.rank, ctx.world_size)
+        now = copy_now({"trainer": trainer, "buffers": buffers}, self._pool, ctx.device, self._copy_stream)
+        self._copy = DeferredCopy(ctx.device, self._copy_stream)
+        self.submit(step, now["trainer"], now["buffers"], build, self._copy)
+        self.blocking_seconds.append(time.perf_counter() - started)
+
+    def before_optimizer_step(self) -> None:
+        """Optimizer step pre-hook: the whole previous snapshot (copy, checksums, header, replica) is
+        done, not only its copy: see the module docstring."""
+        if self._copy is None:
+            return
+        started = time.perf_counter()
+        self._copy.wait_sources_free()
+        self._copy = None
+        self.wait_previous()
+        self.step_wait_seconds.append(time.perf_counter() - started)
 
     def due(self, step: int) -> bool:
         return self.disabled is None and self.every > 0 and step % self.every == 0
@@ -324,10 +386,10 @@ class MemorySnapshots:
         chunks, shapes = [], {}
         for entry in slot.entries:
             piece = data[entry.offset : entry.offset + entry.nbytes]
-            stored = sharded.StoredChunk(
+            stored = StoredChunk(
                 parts.part_stem(self._ctx.rank, self.writer_id, index) + parts.DATA_SUFFIX,
                 entry.offset, entry.nbytes, str(entry.dtype), entry.shape,
-                tuple(sharded.block_checksums(piece, sharded.BLOCK)), sharded.BLOCK,
+                tuple(block_checksums(piece, BLOCK)), BLOCK,
             )
             chunks.append({"fqn": entry.key, "at": list(entry.global_offset), **stored.to_json()})
             shapes[entry.key] = {"dtype": str(entry.dtype), "size": list(entry.global_size)}
@@ -350,9 +412,9 @@ class MemorySnapshots:
         try:
             conn = http.client.HTTPConnection(url.hostname, url.port, timeout=PUSH_TIMEOUT)
             try:
-                conn.putrequest("PUT", f"/replica/{header.stem}")
+                conn.putrequest("PUT", replica_path(header.stem))
                 conn.putheader("Content-Length", str(len(head) + len(data)))
-                conn.putheader("X-Header-Bytes", str(len(head)))
+                conn.putheader(HEADER_BYTES, str(len(head)))
                 conn.endheaders()
                 conn.send(head)
                 conn.send(data)
@@ -374,26 +436,26 @@ class MemorySnapshots:
 
     # -- finding them again ------------------------------------------------------------
 
-    def inventory(self) -> dict[str, Any]:
-        """What this node holds: its keeper, the newest step its workers finished, and every part."""
+    def inventory(self) -> Inventory:
+        """What this node holds: its keeper, the newest step its workers finished, and every part of this run."""
         held = []
         for where in (LOCAL, REPLICA):
             for header in parts.read_headers(self.keeper.root / where):
                 if header.run_id == self._ctx.run_id:
-                    held.append((where, header))
-        return {"node": self.keeper.node, "url": self.keeper.url, "progress": self.last_progress(), "parts": held}
+                    held.append([where, header.to_json().decode()])
+        return Inventory(self.keeper.node, self.keeper.url, self.last_progress(), held)
 
     def gather_files(
-        self, locations: dict[int, list[tuple[str, str, str, str]]], tag: str, *, fetch_deadline: float | None = None
+        self, locations: dict[int, list[list[str]]], tag: str, *, fetch_deadline: float | None = None
     ) -> PartFiles:
         """The parts of a restore, as this rank reads them: a directory where `shard_file(r)` is
         old rank r's part data when this node holds it (a symlink to it), and the keepers to
         ask for the rows of the others (`PartFiles`, read only where this rank's plan reads).
 
-        `locations`: old rank -> [(node, keeper url, where, stem)], this node's first when it has one.
+        `locations`: old rank -> [[node, keeper url, where, stem]], this node's first when it has one.
         `fetch_deadline` (time.monotonic): no request to another keeper starts or waits past it.
         """
-        directory = self.keeper.root / f"restore-{tag}-{self._ctx.rank:05d}"
+        directory = self.restore_directory(tag)
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
         remote: dict[str, list[str]] = {}
@@ -404,9 +466,13 @@ class MemorySnapshots:
                 os.symlink(self.keeper.root / where / (stem + parts.DATA_SUFFIX), directory / sharded.shard_file(old_rank))
             else:
                 remote[sharded.shard_file(old_rank)] = [
-                    f"{url}/part/{where}/{stem}{parts.DATA_SUFFIX}" for _, url, where, stem in places
+                    part_url(url, where, stem + parts.DATA_SUFFIX) for _, url, where, stem in places
                 ]
         return PartFiles(directory, remote, deadline=fetch_deadline)
+
+    def restore_directory(self, tag: str) -> Path:
+        """Where `gather_files` lays out this rank's parts for the restore `tag`."""
+        return self.keeper.root / f"restore-{tag}-{self._ctx.rank:05d}"
 
     def close(self, timeout: float = PUSH_TIMEOUT) -> None:
         try:
@@ -416,133 +482,3 @@ class MemorySnapshots:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
-
-
-READ_GAP = 2**20
-READ_MAX = 2**26
-"""Spans of a remote part at most READ_GAP apart are fetched in one request of up to READ_MAX
-bytes (a larger chunk in one of its own): few round trips, bounded memory."""
-
-
-class PartFetchError(OSError):
-    """No keeper sent a part's bytes (in time): the restore falls back to disk."""
-
-
-class PartFiles:
-    """A restore's parts as one rank reads them (a `sharded.ChunkSource`): this node's through
-    maps, another node's by HTTP range requests to the keepers holding them, for the spans the
-    rank's plan reads only (nearby spans joined, see `READ_GAP`), one request at a time.
-
-    Nothing fetched is trusted: the reader checks every block's crc32c as for a file. A keeper
-    that fails is asked again only after the others holding the part; when all fail, or
-    `deadline` (time.monotonic) has passed, a `PartFetchError`."""
-
-    def __init__(self, directory: Path, remote: dict[str, list[str]], *, deadline: float | None = None) -> None:
-        self.directory = directory
-        self.remote = remote
-        """file name -> URLs of the keepers that hold it, in the order to try them."""
-        self.deadline = deadline
-        self._failed: set[str] = set()
-        # Maps only in memory: on a disk (TORCHREVIVE_SNAPSHOT_BASE may name one) a read
-        # error through a map would be a SIGBUS, not an OSError.
-        self._maps = sharded.MappedFiles(directory) if in_memory(directory) else None
-        self._requests: dict[str, list[tuple[int, int]]] = {}
-        self._held: tuple[str, int, int, bytearray] | None = None
-        self.bytes_fetched = 0
-
-    def expect(self, spans: list[tuple[str, int, int]]) -> None:
-        self._requests = {}
-        for file, start, stop in sorted(s for s in spans if s[0] in self.remote):
-            joined = self._requests.setdefault(file, [])
-            if joined and start - joined[-1][1] <= READ_GAP and stop - joined[-1][0] <= READ_MAX:
-                joined[-1] = (joined[-1][0], max(joined[-1][1], stop))
-            else:
-                joined.append((start, stop))
-
-    def view(self, file: str, start: int, stop: int) -> memoryview | bytearray | None:
-        if file not in self.remote:
-            return self._maps.view(file, start, stop) if self._maps is not None else _read_span(self.directory / file, start, stop)
-        held = self._held
-        if held is None or held[0] != file or not held[1] <= start <= stop <= held[2]:
-            lo, hi = next(((a, b) for a, b in self._requests.get(file, []) if a <= start and stop <= b), (start, stop))
-            data = self._fetch(file, lo, hi)
-            if len(data) < hi - lo:  # the part is shorter than its header says
-                return None
-            held = self._held = (file, lo, hi, data)
-        return memoryview(held[3])[start - held[1] : stop - held[1]]
-
-    def _fetch(self, file: str, start: int, stop: int) -> bytearray:
-        errors = []
-        for url in sorted(self.remote[file], key=lambda u: u in self._failed):  # stable: failed ones last
-            timeout = PUSH_TIMEOUT
-            if self.deadline is not None:
-                timeout = min(timeout, self.deadline - time.monotonic())
-                if timeout <= 0:
-                    errors.append("the restore's time for fetching parts is spent")
-                    break
-            try:
-                data = _get_range(url, start, stop, timeout)
-                self.bytes_fetched += len(data)
-                return data
-            except (OSError, ValueError, http.client.HTTPException) as exc:
-                self._failed.add(url)
-                errors.append(f"{urlsplit(url).netloc}: {exc}")
-        raise PartFetchError(f"no keeper could send {file} ({'; '.join(errors)})")
-
-    def close(self) -> None:
-        self._held = None
-        if self._maps is not None:
-            self._maps.close()
-
-
-def in_memory(path: Path) -> bool:
-    """Whether `path` lies on a tmpfs (the longest mount point above it, from /proc/self/mounts)."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return False
-    resolved, best, kind = str(path.resolve()), "", ""
-    for line in mounts:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        if (resolved == point or resolved.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-            best, kind = point, fields[2]
-    return kind == "tmpfs"
-
-
-def _read_span(path: Path, start: int, stop: int) -> bytearray | None:
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read(stop - start)
-    return bytearray(data) if len(data) == stop - start else None
-
-
-def _get_range(url: str, start: int, stop: int, timeout: float = PUSH_TIMEOUT) -> bytearray:
-    """Bytes [start, stop) of the part at `url` (fewer if it is shorter), by a range request."""
-    parsed = urlsplit(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
-    try:
-        conn.request("GET", parsed.path, headers={"Range": f"bytes={start}-{stop - 1}"})
-        response = conn.getresponse()
-        if response.status == 416:  # starts past the end: a short part
-            response.read()
-            return bytearray()
-        if response.status != 206:
-            response.read()
-            raise OSError(f"HTTP {response.status} {response.reason} for {parsed.path}")
-        declared = (response.headers.get("Content-Length") or "").strip()
-        length = int(declared) if declared.isascii() and declared.isdigit() else -1
-        if not 0 <= length <= stop - start:
-            raise OSError(f"{parsed.path}: {declared or 'no'} bytes for a range of {stop - start}")
-        data = bytearray(length)
-        view, got = memoryview(data), 0
-        while got < len(data):
-            n = response.readinto(view[got:])
-            if not n:
-                raise OSError(f"{parsed.path} ended after {got} of {len(data)} bytes")
-            got += n
-        return data
-    finally:
-        conn.close()

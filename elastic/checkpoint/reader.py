@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from elastic.checkpoint import sharded
-from elastic.checkpoint.manager import MODEL_FILE, TRAINER_FILE
 from elastic.checkpoint.state import MODEL_PREFIX
-from elastic.checkpoint.store import Candidate, CheckpointStore, Manifest
 from elastic.errors import CheckpointError, CorruptCheckpoint
+from elastic.storage import sharded
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.manifest import MODEL_FILE, TRAINER_FILE, Candidate, Manifest
 
 logger = logging.getLogger(__name__)
 

@@ -46,10 +46,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from elastic.checkpoint import parts, sharded
-from elastic.checkpoint.memory import LOCAL, REPLICA, KeeperAddress
-from elastic.checkpoint.parts import PartHeader
 from elastic.errors import CorruptCheckpoint
+from elastic.storage import parts, sharded
+from elastic.storage.commit import commit_checkpoint
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.durable import SaveFailed
+from elastic.storage.keeper_address import HEADER_BYTES, LOCAL, REPLICA, KeeperAddress
+from elastic.storage.parts import PartHeader
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +192,6 @@ class SnapshotKeeper:
     def persist(self) -> list[int]:
         """Write the newest snapshot held here into its job's checkpoint directory (see the module
         docstring); the steps committed by this keeper."""
-        from elastic.checkpoint.store import CheckpointStore
-
         targets: dict[tuple[str, str, int, int, str], dict[int, list[tuple[Path, PartHeader]]]] = {}
         held = self.held()
         # Only where this node's own workers checkpoint: a peer's upload cannot name a directory.
@@ -222,7 +223,7 @@ class SnapshotKeeper:
                         committed.append(step)
                         logger.info("snapshot keeper: persisted the snapshot of step %d to %s", step, root)
                         break
-                except OSError as exc:
+                except (OSError, SaveFailed) as exc:
                     logger.warning("snapshot keeper: cannot persist step %d to %s: %s", step, root, exc)
             _remove_old_stages(root, _newest(store))
         return committed
@@ -250,10 +251,9 @@ class SnapshotKeeper:
         os.replace(tmp_header, done)
         self._staged.setdefault(stage, set()).add(header.rank)
 
-    def _try_commit(self, store: Any, stage: Path, step: int, world_size: int) -> bool:
-        from elastic.checkpoint.manager import TRAINER_FILE
-        from elastic.checkpoint.store import Manifest, versions
-
+    def _try_commit(self, store: CheckpointStore, stage: Path, step: int, world_size: int) -> bool:
+        """Commit `stage` once every rank's part is in it, if this keeper is the one to (an exclusively
+        created `.commit` decides), through the one commit every writer uses (storage.commit)."""
         headers_files = [stage / f"part_{rank:05d}.json" for rank in range(world_size)]
         if not all(path.exists() for path in headers_files):
             return False
@@ -269,30 +269,18 @@ class SnapshotKeeper:
             logger.warning("snapshot keeper: step %d cannot be persisted: %s", step, exc)
             shutil.rmtree(stage, ignore_errors=True)
             return False
-        text = sharded.metadata_to_json(metadata).encode()
-        with open(stage / sharded.TENSORS_FILE, "wb") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        import crc32c
-
-        files: dict[str, dict[str, Any]] = {
-            sharded.shard_file(h.rank): {"bytes": h.data_bytes} for h in headers
-        }
-        files[sharded.TENSORS_FILE] = {"bytes": len(text), "crc32c": crc32c.crc32c(text)}
-        files[TRAINER_FILE] = store.write_state_file(stage, TRAINER_FILE, trainer)
         for path in headers_files:
             path.unlink()
         if step <= _newest(store):
             shutil.rmtree(stage, ignore_errors=True)
             return False  # the workers committed this step or a newer one meanwhile
-        sampler = trainer["sampler"]
-        manifest = Manifest(
-            step=step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]), world_size=world_size,
-            files=files, created=time.time(), reason="breakpoint", run_id=headers[0].run_id, versions=versions(),
-        )
         # `.commit` stays until the stage is published (other keepers leave a stage that has one alone).
-        final = store.finish(stage, manifest)
+        final = commit_checkpoint(
+            store, stage, step=step, world_size=world_size,
+            shard_sizes={sharded.shard_file(h.rank): h.data_bytes for h in headers},
+            tensors_json=sharded.metadata_to_json(metadata).encode(), trainer=trainer, reason="breakpoint",
+            run_id=headers[0].run_id,
+        )
         (final / ".commit").unlink(missing_ok=True)
         return True
 
@@ -417,7 +405,7 @@ class _Handler(BaseHTTPRequestHandler):
         pieces = self.path.strip("/").split("/")
         try:
             total = int(self.headers["Content-Length"])
-            head_bytes = int(self.headers["X-Header-Bytes"])
+            head_bytes = int(self.headers[HEADER_BYTES])
         except (TypeError, ValueError):
             self.send_error(400)
             self.close_connection = True  # the unread body must not be parsed as a request
@@ -452,9 +440,7 @@ def _newest(store: Any) -> int:
     return committed[0].step if committed else -1
 
 
-def _store(root: Path) -> Any:
-    from elastic.checkpoint.store import CheckpointStore
-
+def _store(root: Path) -> CheckpointStore:
     return CheckpointStore(root)
 
 

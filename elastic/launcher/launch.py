@@ -9,7 +9,7 @@ did not set:
   joins after the first round (a scale-up, a replaced node) waits for a store
   address nobody publishes and the rendezvous times out. (The dead round's gloo
   addresses that the shared store also keeps are harmless to our workers:
-  `elastic.rendezvous.worker_store` gives every round a namespace of its own.)
+  `elastic.round_store` gives every round a namespace of its own.)
   A fresh store per round also spares the handshake.
 - `--rdzv-conf` gets `last_call_timeout=2` (torch: 30 s, paid by every round
   once the minimum number of nodes is there), `keep_alive_interval=1` and
@@ -54,22 +54,8 @@ from elastic.errors import CheckpointStorageError, UsageError
 from elastic.launcher import warm_start
 from elastic.launcher.keeper import SnapshotKeeper, keeper_host
 from elastic.launcher.reaper import start_reaper
-from elastic.runtime import prefetch_slow_imports
-
-RECOVERY_RDZV_CONF = {
-    "last_call_timeout": "2",
-    "keep_alive_interval": "1",
-    "keep_alive_max_attempt": "3",
-}
-FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-def merged_rdzv_conf(user_conf: str) -> str:
-    """`user_conf` (torchrun's `k=v,k=v`) with our defaults for the keys it lacks."""
-    given = [item for item in (user_conf or "").split(",") if item.strip()]
-    keys = {item.split("=", 1)[0].strip() for item in given}
-    extra = [f"{k}={v}" for k, v in RECOVERY_RDZV_CONF.items() if k not in keys]
-    return ",".join(given + extra)
+from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
+from elastic.slow_imports import prefetch_slow_imports
 
 
 # Exit statuses the runtime gives its workers, for the failure summary.

@@ -30,7 +30,7 @@ from support import make_text
 from elastic.chaos.harness import run_scenario
 from elastic.chaos.netns import VirtualNetwork
 from elastic.checkpoint import read_checkpoint
-from elastic.checkpoint.sharded import TENSORS_FILE
+from elastic.storage.sharded import TENSORS_FILE
 from elastic.events import read_events
 
 pytestmark = pytest.mark.slow

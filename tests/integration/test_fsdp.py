@@ -28,7 +28,7 @@ from text_data import split_corpus
 
 from elastic.chaos.samples import audit
 from elastic.checkpoint import read_checkpoint
-from elastic.checkpoint.sharded import SHARD_PREFIX
+from elastic.storage.sharded import SHARD_PREFIX
 from elastic.events import read_events
 
 pytestmark = pytest.mark.slow

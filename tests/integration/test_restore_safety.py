@@ -10,7 +10,8 @@ from pathlib import Path
 
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
-from elastic.checkpoint.store import CheckpointStore, WriterIdentity
+from elastic.storage.claim import WriterIdentity
+from elastic.storage.directory import CheckpointStore
 from elastic.events import read_events
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
 from elastic.chaos.harness import verified_final_checkpoint
-from elastic.checkpoint.store import CheckpointStore
+from elastic.storage.directory import CheckpointStore
 from elastic.events import read_events
 
 

@@ -4,7 +4,7 @@ clean rendezvous round, although the dead round's gloo addresses are still in th
 The restarted round is made to meet the stale keys head on: its rank 0 starts late, so
 rank 1 reaches the process group first, when the only address of rank 0 in the store
 is the dead one. Built on torch's keys alone, that round fails (Connection refused)
-and so does every round after it; built on `worker_store.round_store`'s fresh
+and so does every round after it; built on `round_store.round_store`'s fresh
 namespace, rank 1 waits for this round's rank 0.
 """
 

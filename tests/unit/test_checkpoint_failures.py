@@ -18,9 +18,11 @@ import torch
 
 from elastic.chaos.faults import FaultInjector, parse_faults
 from elastic.checkpoint import CheckpointManager
-from elastic.checkpoint import store as store_module
-from elastic.checkpoint.store import CheckpointStore, SaveFailed
+from elastic.config import RunConfig
 from elastic.errors import CheckpointStorageError, UsageError
+from elastic.storage import directory as store_module
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.durable import SaveFailed
 from elastic.events import EventLog, read_events
 from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
@@ -29,15 +31,21 @@ from elastic.sampler import ElasticSampler
 class Job:
     """A tiny model trained step by step, saving every 2 steps."""
 
-    def __init__(self, ckpt_dir: Path, events: Path, **manager: float) -> None:
+    def __init__(
+        self, ckpt_dir: Path, events: Path, *, max_failures: int = 3, timeout: float = 600.0, wait_slice: float = 5.0,
+    ) -> None:
         torch.manual_seed(0)
         self.model = torch.nn.Linear(4, 2)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.sampler = ElasticSampler(40, batch_size=4, seed=3)
         self.events = EventLog(events, restart=0)
+        config = RunConfig(
+            ckpt_dir=ckpt_dir, ckpt_every=2, ckpt_max_failures=max_failures, ckpt_timeout=timeout,
+            collective_timeout=4 * wait_slice,  # waits for storage come in slices of a quarter of it
+        )
         self.ckpt = CheckpointManager(
-            init_worker("cpu", environ={}), ckpt_dir, model=self.model, optimizer=self.optimizer,
-            sampler=self.sampler, every=2, events=self.events, **manager,
+            init_worker("cpu", environ={}), config, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+            events=self.events,
         )
         self.step = 0
 
@@ -51,7 +59,7 @@ class Job:
             self.step += 1
             self.ckpt.maybe_save(self.step)
             if settle and self.ckpt.due(self.step):
-                self.ckpt._collect(block=True)  # the save's outcome, as the next interval would see it
+                self.ckpt.saver.collect(block=True)  # the save's outcome, as the next interval would see it
 
     def close(self) -> None:
         self.ckpt.close()
@@ -140,7 +148,7 @@ def test_a_hung_final_save_stops_within_the_timeout(tmp_path: Path, monkeypatch)
     job.train(1, settle=False)  # step 2's save stalls 4 s in the writer
     with pytest.raises(CheckpointStorageError, match=r"the periodic checkpoint of step 2 did not commit within 0.5 s"):
         job.ckpt.save(3, reason="preemption")  # waits for the one in flight first, within the timeout
-    job.ckpt._collect(block=True)  # let the stalled save end before the directory goes
+    job.ckpt.saver.collect(block=True)  # let the stalled save end before the directory goes
     job.close()
 
 
@@ -149,7 +157,7 @@ def test_a_final_save_at_the_step_of_a_failed_periodic_one_is_written(tmp_path: 
     job = Job(tmp_path / "ckpt", tmp_path / "events.jsonl")
     job.ckpt.restore()
     job.train(4)  # step 4's periodic save fails
-    job.ckpt._faults = FaultInjector(0, 0, environ={})  # the disk has room again
+    job.ckpt.faults = FaultInjector(0, 0, environ={})  # the disk has room again
     job.ckpt.save(4, reason="final")
     job.ckpt.flush()
     job.close()
@@ -216,7 +224,7 @@ def test_a_directory_fsync_the_filesystem_refuses_is_skipped(tmp_path: Path, mon
 
 
 def _manifest(step: int):
-    from elastic.checkpoint.store import Manifest, versions
+    from elastic.storage.manifest import Manifest, versions
 
     return lambda files: Manifest(
         step=step, epoch=0, consumed=0, world_size=1, files=files, created=0.0, reason="test", run_id="t",

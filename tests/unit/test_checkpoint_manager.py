@@ -15,7 +15,8 @@ from elastic.checkpoint import (
     Manifest,
     read_checkpoint,
 )
-from elastic.checkpoint.store import versions
+from elastic.config import RunConfig
+from elastic.storage.manifest import versions
 from elastic.errors import CheckpointError, CheckpointMismatchError
 from elastic.events import EventLog, read_events
 from elastic.runtime import init_worker
@@ -34,8 +35,8 @@ class Job:
         self.sampler = ElasticSampler(samples, batch_size=4, seed=3)
         self.events = EventLog(events, restart=0)
         self.ckpt = CheckpointManager(
-            self.ctx, ckpt_dir, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
-            scheduler=self.scheduler, every=2, events=self.events, seed=3,
+            self.ctx, RunConfig(ckpt_dir=ckpt_dir, ckpt_every=2, seed=3), model=self.model, optimizer=self.optimizer,
+            sampler=self.sampler, scheduler=self.scheduler, events=self.events,
         )
 
     def train_step(self) -> None:

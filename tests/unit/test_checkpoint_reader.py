@@ -17,7 +17,8 @@ from elastic.checkpoint import (
     CheckpointStore,
     load_newest_model_state,
 )
-from elastic.checkpoint.store import Manifest, versions
+from elastic.config import RunConfig
+from elastic.storage.manifest import Manifest, versions
 from elastic.errors import CheckpointError
 from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
@@ -34,8 +35,8 @@ class Trainer:
         self.optimizer = configure_optimizer(self.model, lr=1e-2)
         self.sampler = ElasticSampler(64, batch_size=4, seed=1)
         self.ckpt = CheckpointManager(
-            init_worker("cpu", environ={}), ckpt_dir, model=self.model, optimizer=self.optimizer,
-            sampler=self.sampler, every=2,
+            init_worker("cpu", environ={}), RunConfig(ckpt_dir=ckpt_dir, ckpt_every=2), model=self.model,
+            optimizer=self.optimizer, sampler=self.sampler,
         )
 
     def run(self, steps: int) -> None:

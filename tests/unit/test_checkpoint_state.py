@@ -14,6 +14,7 @@ from torch import nn
 from elastic.checkpoint import CheckpointManager, read_checkpoint
 from elastic.checkpoint import state as live_state
 from elastic.checkpoint.snapshot import BufferPool, plan_copies
+from elastic.config import RunConfig
 from elastic.errors import CheckpointMismatchError
 from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
@@ -46,13 +47,16 @@ def manager(tmp_path: Path, model: nn.Module) -> CheckpointManager:
     ctx = init_worker("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     sampler = ElasticSampler(20, batch_size=2, seed=0)
-    return CheckpointManager(ctx, tmp_path / "ckpt", model=model, optimizer=optimizer, sampler=sampler)
+    return CheckpointManager(
+        ctx, RunConfig(ckpt_dir=tmp_path / "ckpt", ckpt_every=0, snapshot_every=0), model=model, optimizer=optimizer,
+        sampler=sampler,
+    )
 
 
 def step(model: nn.Module, ckpt: CheckpointManager) -> None:
     loss = sum(p.float().sum() for p in model.parameters())
     loss.backward()
-    ckpt._optimizer.step()
+    ckpt.state.optimizer.step()
 
 
 def test_a_tied_weight_is_saved_once_and_comes_back_tied(tmp_path: Path) -> None:

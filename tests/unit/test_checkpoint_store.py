@@ -10,16 +10,11 @@ import crc32c
 import pytest
 import torch
 
-from elastic.checkpoint import read_checkpoint, sharded
-from elastic.checkpoint.store import (
-    MANIFEST,
-    CheckpointStore,
-    CorruptCheckpoint,
-    Manifest,
-    checkpoint_name,
-    versions,
-)
-from elastic.errors import CheckpointError
+from elastic.checkpoint import read_checkpoint
+from elastic.errors import CheckpointError, CorruptCheckpoint
+from elastic.storage import sharded
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.manifest import MANIFEST, Manifest, checkpoint_name, versions
 
 
 def describe_for(step: int):

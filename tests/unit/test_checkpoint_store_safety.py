@@ -15,20 +15,13 @@ import crc32c
 import pytest
 import torch
 
-from elastic.checkpoint import sharded
-from elastic.checkpoint import store as store_module
-from elastic.checkpoint.store import (
-    LATEST,
-    MANIFEST,
-    WRITER,
-    CheckpointStore,
-    Manifest,
-    SaveFailed,
-    WriterIdentity,
-    checkpoint_name,
-    versions,
-)
 from elastic.errors import CheckpointStorageError, CorruptCheckpoint
+from elastic.storage import directory as store_module
+from elastic.storage import sharded
+from elastic.storage.claim import WRITER, WriterIdentity
+from elastic.storage.directory import LATEST, CheckpointStore
+from elastic.storage.durable import SaveFailed, replace_small
+from elastic.storage.manifest import MANIFEST, Manifest, checkpoint_name, versions
 
 
 def manifest_for(step: int, files: dict, *, run_id: str = "run-a") -> Manifest:
@@ -298,7 +291,7 @@ def test_a_claim_from_another_host_lives_until_its_heartbeat_is_stale(tmp_path: 
     assert (tmp_path / ".tmp.step_00000300.other").is_dir()
 
     stale = claim_of("run-far", pid=1, host="elsewhere.invalid", heartbeat=time.time() - 1801)
-    store._write_small(WRITER, stale.to_json())
+    replace_small(tmp_path, WRITER, stale.to_json())
     mine = WriterIdentity.new("run-near")
     store.prepare(mine)
     assert store.writer() == mine

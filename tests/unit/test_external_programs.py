@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 from support import REPO
 from test_readme import quick_start_commands

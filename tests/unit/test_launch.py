@@ -9,7 +9,7 @@ import pytest
 from support import REPO
 
 from elastic.errors import UsageError
-from elastic.launcher.launch import RECOVERY_RDZV_CONF, merged_rdzv_conf
+from elastic.recovery_defaults import RECOVERY_RDZV_CONF, merged_rdzv_conf
 from elastic.launcher.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
 
 
@@ -83,7 +83,7 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
         LocalElasticAgent,
     )
 
-    from elastic.checkpoint.memory import KeeperAddress
+    from elastic.storage.keeper_address import KeeperAddress
     from elastic.launcher import launch
 
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_BASE", str(tmp_path))

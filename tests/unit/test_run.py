@@ -170,8 +170,7 @@ def test_a_process_group_the_script_made_is_adopted_and_left_up(tmp_path: Path) 
 
 def test_config_from_args_takes_the_contract_flags() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, default=5)
-    elastic.add_runtime_arguments(parser, ckpt_every=7)
+    elastic.add_runtime_arguments(parser, ckpt_every=7, seed=5)  # this script's own defaults
     config = RunConfig.from_args(parser.parse_args(["--ckpt-dir", "d", "--metrics-port", "9100", "--hang-timeout", "0"]))
     assert (config.seed, config.ckpt_dir, config.ckpt_every, config.metrics_port, config.hang_timeout) == (5, "d", 7, 9100, 0.0)
 

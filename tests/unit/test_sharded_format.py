@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from elastic.checkpoint import sharded
 from elastic.checkpoint import state as live_state
 from elastic.errors import CheckpointMismatchError, CorruptCheckpoint, UsageError
+from elastic.storage import chunks, sharded
 
 
 def assorted() -> dict[str, torch.Tensor]:
@@ -62,7 +62,7 @@ def flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def chunk_of(metadata: Metadata, fqn: str) -> tuple[Any, sharded.StoredChunk]:
+def chunk_of(metadata: Metadata, fqn: str) -> tuple[Any, chunks.StoredChunk]:
     (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
     return index, metadata.storage_data[index]
 
@@ -115,7 +115,7 @@ def test_a_flipped_byte_is_corrupt_checkpoint_naming_the_file(tmp_path: Path) ->
     flip_byte(shard, stored.offset + 5)
 
     with pytest.raises(CorruptCheckpoint, match=rf"ckpt/{stored.file} fails its crc32c check at model/i64"):
-        sharded.read_chunk(directory, stored, "model/i64")
+        chunks.read_chunk(directory, stored, "model/i64")
     with pytest.raises(CorruptCheckpoint, match=rf"{stored.file}.*model/i64"):
         sharded.verify_tensors(directory, metadata)
     # Through DCP: every rank gets DCP's CheckpointException; first_error digs out ours.
@@ -126,7 +126,7 @@ def test_a_flipped_byte_is_corrupt_checkpoint_naming_the_file(tmp_path: Path) ->
     assert stored.file in str(cause) and "crc32c" in str(cause)
     # Chunks that were not touched still read.
     _, other = chunk_of(metadata, "model/f32")
-    assert torch.equal(sharded.read_chunk(directory, other, "model/f32"), tensors["model/f32"])
+    assert torch.equal(chunks.read_chunk(directory, other, "model/f32"), tensors["model/f32"])
 
 
 def test_every_block_has_its_own_checksum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,10 +135,10 @@ def test_every_block_has_its_own_checksum(tmp_path: Path, monkeypatch: pytest.Mo
     directory, metadata, _ = saved(tmp_path, {"w": tensor})
     _, stored = chunk_of(metadata, "w")
     assert len(stored.crc32c) == 16
-    assert torch.equal(sharded.read_chunk(directory, stored, "w"), tensor)
+    assert torch.equal(chunks.read_chunk(directory, stored, "w"), tensor)
     flip_byte(directory / stored.file, 999)  # in the last, short block
     with pytest.raises(CorruptCheckpoint, match="fails its crc32c check at w"):
-        sharded.read_chunk(directory, stored, "w")
+        chunks.read_chunk(directory, stored, "w")
 
 
 def test_a_truncated_or_missing_shard_is_corrupt(tmp_path: Path) -> None:
@@ -148,7 +148,7 @@ def test_a_truncated_or_missing_shard_is_corrupt(tmp_path: Path) -> None:
     os.truncate(shard, size - 3)
     last_index, last = max(metadata.storage_data.items(), key=lambda item: item[1].offset + item[1].length)
     with pytest.raises(CorruptCheckpoint, match=rf"ckpt/{sharded.shard_file(0)} is truncated: {last_index.fqn}"):
-        sharded.read_chunk(directory, last, last_index.fqn)
+        chunks.read_chunk(directory, last, last_index.fqn)
     with pytest.raises(CorruptCheckpoint, match="is truncated"):
         sharded.verify_tensors(directory, metadata)
     with pytest.raises(CheckpointException) as caught:
@@ -165,14 +165,14 @@ def test_a_mapped_read_gives_the_same_tensors_and_the_same_errors(tmp_path: Path
     # a flipped byte is the same CorruptCheckpoint as through read(), never a SIGBUS.
     directory, metadata, tensors = saved(tmp_path)
     targets = {key: torch.empty_like(t.contiguous()) for key, t in tensors.items()}
-    read = sharded.load_tensors(targets, directory, metadata, group=None, source=sharded.MappedFiles(directory))
+    read = sharded.load_tensors(targets, directory, metadata, group=None, source=chunks.MappedFiles(directory))
     assert read == sum(t.numel() * t.element_size() for t in tensors.values())
     for key, tensor in tensors.items():
         assert targets[key].reshape(-1).view(torch.uint8).tolist() == tensor.reshape(-1).view(torch.uint8).tolist(), key
 
-    maps = sharded.MappedFiles(directory)
+    maps = chunks.MappedFiles(directory)
     _, stored = chunk_of(metadata, "model/f32")
-    chunk, _ = sharded.read_rows(directory, stored, "model/f32", (1, 3), source=maps)
+    chunk, _ = chunks.read_rows(directory, stored, "model/f32", (1, 3), source=maps)
     assert torch.equal(chunk, tensors["model/f32"][1:3])
     del chunk
     maps.close()
@@ -180,21 +180,21 @@ def test_a_mapped_read_gives_the_same_tensors_and_the_same_errors(tmp_path: Path
     _, stored = chunk_of(metadata, "model/i64")
     flip_byte(directory / stored.file, stored.offset + 5)
     with pytest.raises(CorruptCheckpoint, match=rf"{stored.file} fails its crc32c check at model/i64"):
-        sharded.read_rows(directory, stored, "model/i64", None, source=sharded.MappedFiles(directory))
+        chunks.read_rows(directory, stored, "model/i64", None, source=chunks.MappedFiles(directory))
     shard = directory / sharded.shard_file(0)
     os.truncate(shard, shard.stat().st_size - 3)
     last_index, last = max(metadata.storage_data.items(), key=lambda item: item[1].offset + item[1].length)
     with pytest.raises(CorruptCheckpoint, match=rf"{sharded.shard_file(0)} is truncated: {last_index.fqn}"):
-        sharded.read_rows(directory, last, last_index.fqn, None, source=sharded.MappedFiles(directory))
+        chunks.read_rows(directory, last, last_index.fqn, None, source=chunks.MappedFiles(directory))
     with pytest.raises(CheckpointException) as caught:
-        sharded.load_tensors(targets, directory, metadata, group=None, source=sharded.MappedFiles(directory))
+        sharded.load_tensors(targets, directory, metadata, group=None, source=chunks.MappedFiles(directory))
     assert isinstance(sharded.first_error(caught.value), CorruptCheckpoint)
     os.truncate(shard, 0)  # an empty file maps to nothing: truncated too
     with pytest.raises(CorruptCheckpoint, match="is truncated"):
-        sharded.read_rows(directory, last, last_index.fqn, None, source=sharded.MappedFiles(directory))
+        chunks.read_rows(directory, last, last_index.fqn, None, source=chunks.MappedFiles(directory))
     shard.unlink()
     with pytest.raises(CorruptCheckpoint, match=rf"{sharded.shard_file(0)} is missing"):
-        sharded.read_rows(directory, last, last_index.fqn, None, source=sharded.MappedFiles(directory))
+        chunks.read_rows(directory, last, last_index.fqn, None, source=chunks.MappedFiles(directory))
 
 
 def test_tensors_json_is_json_without_pickles_and_round_trips(tmp_path: Path) -> None:

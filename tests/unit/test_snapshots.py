@@ -20,23 +20,13 @@ import torch.multiprocessing as mp
 from support import free_port
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.checkpoint import (
-    CheckpointManager,
-    CheckpointStore,
-    memory,
-    parts,
-    read_checkpoint,
-    sharded,
-)
-from elastic.checkpoint.memory import (
-    LOCAL,
-    REPLICA,
-    KeeperAddress,
-    MemorySnapshots,
-    PartFetchError,
-    PartFiles,
-)
+from elastic.checkpoint import CheckpointManager, CheckpointStore, memory, part_files, read_checkpoint
+from elastic.checkpoint.memory import MemorySnapshots
+from elastic.checkpoint.part_files import PartFetchError, PartFiles
+from elastic.config import RunConfig
 from elastic.errors import CorruptCheckpoint
+from elastic.storage import parts, sharded
+from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
 from elastic.events import EventLog, read_events
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.runtime import init_worker
@@ -67,8 +57,9 @@ class Job:
         self.sampler = ElasticSampler(64, batch_size=4, seed=3)
         self.events = EventLog(events, restart=0)
         self.ckpt = CheckpointManager(
-            self.ctx, ckpt_dir, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
-            scheduler=self.scheduler, every=5, events=self.events, seed=3, snapshot_every=snapshot_every,
+            self.ctx, RunConfig(ckpt_dir=ckpt_dir, ckpt_every=5, seed=3, snapshot_every=snapshot_every),
+            model=self.model, optimizer=self.optimizer, sampler=self.sampler, scheduler=self.scheduler,
+            events=self.events,
         )
 
     def run(self, steps: int, start: int = 0) -> int:
@@ -101,7 +92,7 @@ def assert_same(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
 def test_restore_prefers_the_newer_snapshot_over_disk(tmp_path: Path, keeper: SnapshotKeeper) -> None:
     first = Job(tmp_path / "ckpt")
     first.run(7)  # durable checkpoint at step 5, snapshots up to 7
-    first.ckpt._memory.wait_previous()
+    first.ckpt.memory.wait_previous()
     want, rng = first.state(), torch.get_rng_state()
     first.close()
     second = Job(tmp_path / "ckpt", seed=1, events=tmp_path / "ev.jsonl")
@@ -118,11 +109,11 @@ def test_restore_prefers_the_newer_snapshot_over_disk(tmp_path: Path, keeper: Sn
 def test_a_torn_snapshot_is_never_loaded(tmp_path: Path, keeper: SnapshotKeeper) -> None:
     job = Job(tmp_path / "ckpt")
     job.run(6)
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     steps = sorted(h.step for h in parts.read_headers(keeper.root / LOCAL))
     assert steps == [5, 6]  # two slots: the previous part stays whole while the next is written
     # A worker dies while rewriting the slot of step 5: its header is gone first.
-    index, _ = job.ckpt._memory._slot_for(job.ckpt._layout.share(job.ckpt._layout.tensors(), 0, 1))
+    index, _ = job.ckpt.memory._slot_for(job.ckpt.state.layout.share(job.ckpt.state.layout.tensors(), 0, 1))
     assert sorted(h.step for h in parts.read_headers(keeper.root / LOCAL)) == [6]
     job.close()
     again = Job(tmp_path / "ckpt", seed=1)
@@ -134,7 +125,7 @@ def test_a_corrupt_snapshot_falls_back_to_disk(tmp_path: Path, keeper: SnapshotK
     job = Job(tmp_path / "ckpt")
     job.run(5)  # step 5: on disk and in memory
     job.ckpt.flush()
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     want = job.state()
     job.close()
     headers = [h for h in parts.read_headers(keeper.root / LOCAL) if h.step == 5]
@@ -155,14 +146,14 @@ def test_a_corrupt_snapshot_falls_back_to_disk(tmp_path: Path, keeper: SnapshotK
 def test_a_snapshot_of_another_model_is_not_loaded(tmp_path: Path, keeper: SnapshotKeeper, caplog) -> None:
     job = Job(tmp_path / "ckpt")
     job.run(3)
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     job.close()
     torch.manual_seed(0)
     ctx = init_worker("cpu", environ={})
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters())
-    other = CheckpointManager(ctx, tmp_path / "ckpt", model=model, optimizer=optimizer,
-                              sampler=ElasticSampler(64, batch_size=4, seed=3), snapshot_every=1)
+    other = CheckpointManager(ctx, RunConfig(ckpt_dir=tmp_path / "ckpt", ckpt_every=0, snapshot_every=1), model=model,
+                              optimizer=optimizer, sampler=ElasticSampler(64, batch_size=4, seed=3))
     with caplog.at_level(logging.WARNING):
         assert other.restore() == 0  # nothing on disk yet, and the snapshot is another model's
     assert "another model" in caplog.text
@@ -174,7 +165,7 @@ def test_no_keeper_means_disk_only_with_one_line(tmp_path: Path, monkeypatch: py
         monkeypatch.delenv(key, raising=False)
     with caplog.at_level(logging.INFO):
         job = Job(tmp_path / "ckpt")
-    assert job.ckpt._memory is None
+    assert job.ckpt.memory is None
     assert "no snapshot keeper runs on this node" in caplog.text
     job.close()
 
@@ -183,7 +174,7 @@ def test_keeper_persists_the_newest_complete_snapshot(tmp_path: Path, keeper: Sn
     job = Job(tmp_path / "ckpt")
     job.run(8)  # durable at step 5; snapshots of 7 and 8 in memory
     job.ckpt.flush()
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     want = job.state()
     job.close()
     assert keeper.persist() == [8]
@@ -207,7 +198,7 @@ def test_keeper_persists_the_newest_complete_snapshot(tmp_path: Path, keeper: Sn
 def test_keeper_endpoint_takes_replicas_and_serves_parts(tmp_path: Path, keeper: SnapshotKeeper) -> None:
     job = Job(tmp_path / "ckpt")
     job.run(2)
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     job.close()
     header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
     data = (keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX)).read_bytes()[: header.data_bytes]
@@ -245,7 +236,7 @@ def test_keeper_endpoint_takes_replicas_and_serves_parts(tmp_path: Path, keeper:
 def test_part_data_checks(tmp_path: Path, keeper: SnapshotKeeper) -> None:
     job = Job(tmp_path / "ckpt")
     job.run(1)
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     job.close()
     (header,) = parts.read_headers(keeper.root / LOCAL)
     path = keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX)
@@ -262,7 +253,7 @@ def test_part_data_checks(tmp_path: Path, keeper: SnapshotKeeper) -> None:
 def test_prune_removes_a_dead_writers_parts_once_newer_ones_exist(tmp_path: Path, keeper: SnapshotKeeper) -> None:
     job = Job(tmp_path / "ckpt")
     job.run(2)  # the live writer (this process) holds steps 1 and 2
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     local = keeper.root / LOCAL
     dead_writer = "7ffffffe-abcdef"  # no such pid: a worker that died
 
@@ -289,7 +280,7 @@ def newest_part(tmp_path: Path, keeper: SnapshotKeeper, *, steps: int) -> tuple[
     the keeper's URL for its data, and the same URL on a port nothing listens on."""
     job = Job(tmp_path / "ckpt")
     job.run(steps)
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     job.close()
     header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
     metadata = parts.merged_metadata([header])
@@ -341,7 +332,7 @@ def _rank_on_node(rank: int, world: int, store: str, tmp: Path, keepers: list[di
     job = Job(tmp / "ckpt", seed=0 if phase == "save" else 5, events=tmp / f"{phase}.{rank}.jsonl", environ=environ)
     if phase == "save":
         job.run(3)
-        job.ckpt._memory.wait_previous()  # written here and copied to the next node
+        job.ckpt.memory.wait_previous()  # written here and copied to the next node
         torch.save(job.state(), tmp / f"want.{rank}.pt")
     else:
         assert job.ckpt.restore() == 3
@@ -384,9 +375,9 @@ def test_a_keeper_that_failed_is_asked_last_and_a_spent_deadline_stops_fetching(
 ) -> None:
     header, metadata, shapes, url, dead = newest_part(tmp_path, keeper, steps=2)
     asked: list[str] = []
-    get_range = memory._get_range
-    monkeypatch.setattr(memory, "_get_range", lambda u, *a: (asked.append(u), get_range(u, *a))[1])
-    monkeypatch.setattr(memory, "READ_GAP", -1)  # one request per chunk: several requests
+    get_range = part_files._get_range
+    monkeypatch.setattr(part_files, "_get_range", lambda u, *a: (asked.append(u), get_range(u, *a))[1])
+    monkeypatch.setattr(part_files, "READ_GAP", -1)  # one request per chunk: several requests
     empty = tmp_path / "restore"
     empty.mkdir()
     files = PartFiles(empty, {sharded.shard_file(0): [dead, url]})
@@ -404,7 +395,7 @@ def test_parts_no_keeper_sends_fall_back_to_disk(
     job = Job(tmp_path / "ckpt")
     job.run(7)  # step 5 on disk, 7 in memory
     job.ckpt.flush()
-    job.ckpt._memory.wait_previous()
+    job.ckpt.memory.wait_previous()
     job.close()
     gather = MemorySnapshots.gather_files
 

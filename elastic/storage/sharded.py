@@ -14,9 +14,9 @@ Invariants:
 - Nothing is pickled: chunks are the tensors' raw bytes, the metadata is JSON.
   DCP's own format pickles its `.metadata` and loads byte items with
   `weights_only=False`; neither happens here (byte items are refused).
-- Every chunk carries a crc32c per `BLOCK` bytes, computed while it is written
-  and checked when it is read, so a torn or flipped byte is a
-  `CorruptCheckpoint` naming the file, never a silently wrong weight.
+- Every chunk carries a crc32c per `chunks.BLOCK` bytes, computed while it is
+  written and checked when it is read (chunks.py), so a torn or flipped byte is
+  a `CorruptCheckpoint` naming the file, never a silently wrong weight.
 - A rank reads only the chunks that overlap its own targets, each once, and of
   a chunk split along its first dimension (FSDP2's rows, at another world
   size) only the checksum blocks that hold its rows: a restore that reshards
@@ -24,28 +24,24 @@ Invariants:
   bytes it read (`ShardReader.bytes_read`).
 - Each rank fsyncs its own file; the coordinator fsyncs tensors.json. The
   commit (atomic rename of the directory) is the store's, after all of it.
-- A reader may take its bytes from a `ChunkSource` instead of reading the
-  files: snapshot parts in memory through maps (`MappedFiles`, one copy
-  fewer), or on another node over HTTP (memory.PartFiles). Checked alike.
-  Never maps of files on storage: a read error there would be a SIGBUS
-  instead of an `OSError`.
+- A reader may take its bytes from a `chunks.ChunkSource` instead of reading
+  the files (snapshot parts in memory or on another node); checked alike.
+- The metadata is our own JSON, not DCP's `.metadata`: that one is a pickle,
+  which a checkpoint must never make anyone load.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import mmap
 import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import crc32c
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -79,39 +75,24 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from elastic.errors import CorruptCheckpoint
+from elastic.storage.chunks import (
+    BLOCK,
+    ChunkSource,
+    StoredChunk,
+    block_checksums,
+    chunk_span,
+    dtype_named,
+    read_chunk,
+    read_rows,
+)
 
 TENSORS_FILE = "tensors.json"
 SHARD_PREFIX = "shard_"
 TENSORS_FORMAT = 1
-BLOCK = 2**20
-"""Bytes per checksum when writing (each chunk records its own): large chunks are checked in
-blocks on several threads, and a reader that needs some rows reads only their blocks."""
-
-_checksum_pools: dict[int, ThreadPoolExecutor] = {}
-
-
-def _checksum_pool() -> ThreadPoolExecutor:
-    """This process's checksum threads. One per process: a forked child inherits the parent's
-    executor without its threads, and work submitted to it would wait forever."""
-    pool = _checksum_pools.get(os.getpid())
-    if pool is None:
-        pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="crc32c")
-        _checksum_pools.clear()
-        _checksum_pools[os.getpid()] = pool
-    return pool
 
 
 def shard_file(rank: int) -> str:
     return f"{SHARD_PREFIX}{rank:05d}.bin"
-
-
-def block_checksums(data: memoryview, block: int | None = None) -> list[int]:
-    """crc32c of each `block` bytes (default `BLOCK`) of `data`; in parallel (crc32c releases the GIL)."""
-    block = block or BLOCK
-    blocks = [data[i : i + block] for i in range(0, len(data), block)] or [data]
-    if len(blocks) == 1:
-        return [crc32c.crc32c(blocks[0])]
-    return list(_checksum_pool().map(crc32c.crc32c, blocks))
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -119,43 +100,6 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy())
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpoint(f"{TENSORS_FILE} names an unknown dtype {name!r}")
-    return dtype
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    """Where one saved chunk lies and how to check it."""
-
-    file: str
-    offset: int
-    length: int
-    dtype: str
-    sizes: tuple[int, ...]
-    crc32c: tuple[int, ...]
-    block: int
-    """Bytes each crc32c covers (the last block may be shorter)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file, "offset": self.offset, "length": self.length, "dtype": self.dtype,
-            "sizes": list(self.sizes), "crc32c": list(self.crc32c), "block": self.block,
-        }
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> StoredChunk:
-        block = int(raw.get("block", 16 * 2**20))  # the first format-2 checkpoints used 16 MiB and did not say
-        if block <= 0:
-            raise ValueError(f"block {block}")
-        return cls(
-            file=str(raw["file"]), offset=int(raw["offset"]), length=int(raw["length"]), dtype=str(raw["dtype"]),
-            sizes=tuple(int(s) for s in raw["sizes"]), crc32c=tuple(int(c) for c in raw["crc32c"]), block=block,
-        )
 
 
 # -- metadata as JSON ----------------------------------------------------------------
@@ -187,7 +131,7 @@ def metadata_from_json(text: str) -> Metadata:
         state: dict[str, Any] = {}
         for fqn, md in raw["tensors"].items():
             state[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_dtype(md["dtype"])),
+                properties=TensorProperties(dtype=dtype_named(md["dtype"])),
                 size=torch.Size(md["size"]),
                 chunks=[ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in md["chunks"]],
             )
@@ -223,6 +167,8 @@ class ShardWriter(StorageWriter):
         self.bytes_written = 0
         self.file_sizes: dict[str, int] = {}
         """Coordinator, after `finish`: every rank's file and its size, from what the ranks reported."""
+        self.tensors_json = ""
+        """Coordinator, after `finish`: the text of tensors.json."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -269,8 +215,9 @@ class ShardWriter(StorageWriter):
         self.file_sizes = {shard_file(rank): 0 for rank in range(len(results))}
         for stored in metadata.storage_data.values():
             self.file_sizes[stored.file] = max(self.file_sizes[stored.file], stored.offset + stored.length)
+        self.tensors_json = metadata_to_json(metadata)
         with open(self.directory / TENSORS_FILE, "w", encoding="utf-8") as f:
-            f.write(metadata_to_json(metadata))
+            f.write(self.tensors_json)
             f.flush()
             os.fsync(f.fileno())
 
@@ -416,121 +363,6 @@ def _rows_needed(stored: StoredChunk, items: list[ReadItem]) -> tuple[int, int] 
         first = min(first, item.storage_offsets[0])
         end = max(end, item.storage_offsets[0] + item.lengths[0])
     return (first, end) if (first, end) != (0, stored.sizes[0]) else None
-
-
-def read_chunk(directory: Path, stored: StoredChunk, fqn: str) -> torch.Tensor:
-    """One saved chunk as a CPU tensor, after its checksums pass (`CorruptCheckpoint` if not)."""
-    return read_rows(directory, stored, fqn, None)[0]
-
-
-class ChunkSource(Protocol):
-    """Where a reader takes a chunk's bytes from, instead of reading the file itself."""
-
-    def expect(self, spans: list[tuple[str, int, int]]) -> None:
-        """The (file, start, stop) spans about to be read, in order (a hint: batch, read ahead)."""
-
-    def view(self, file: str, start: int, stop: int) -> memoryview | bytearray | None:
-        """Bytes [start, stop) of `file`; None if the file is shorter. `FileNotFoundError`
-        if it is missing, another `OSError` if it cannot be had."""
-
-    def close(self) -> None:
-        """Once no view is left."""
-
-
-class MappedFiles:
-    """Private read maps of a directory's data files, one per file, made on first use.
-
-    For files in memory only (tmpfs; `memory.in_memory`): a chunk is then checked and
-    copied straight from the page it lies in, with no read into a buffer first. The
-    file's size is checked when it is mapped, so a short file is a `CorruptCheckpoint`;
-    the files must not shrink or change while mapped (snapshot parts at restore never
-    do: their writers are gone, a replica is replaced by rename, pruning unlinks).
-    Close once no view of a chunk is left."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._maps: dict[str, mmap.mmap | None] = {}
-
-    def expect(self, spans: list[tuple[str, int, int]]) -> None:
-        pass  # the pages are already in memory
-
-    def view(self, file: str, start: int, stop: int) -> memoryview | None:
-        """Bytes [start, stop) of `file`, or None if the file is shorter (or empty)."""
-        if file not in self._maps:
-            with open(self.directory / file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                # ACCESS_COPY: writable to Python (torch.frombuffer wants that), never written back.
-                self._maps[file] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-        mapping = self._maps[file]
-        if stop > (len(mapping) if mapping is not None else 0):
-            return None
-        return memoryview(mapping)[start:stop] if mapping is not None else memoryview(b"")
-
-    def close(self) -> None:
-        for mapping in self._maps.values():
-            if mapping is not None:
-                try:
-                    mapping.close()
-                except BufferError:  # a view still alive: the map goes with it
-                    pass
-        self._maps.clear()
-
-
-def _layout(stored: StoredChunk, rows: tuple[int, int] | None) -> tuple[int, int, int, int, int, int]:
-    """(lo, hi): the bytes of the rows within the chunk; (first_block, end_block): the checksum
-    blocks that hold them; (start, stop): those blocks' bytes within the chunk."""
-    row_bytes = stored.length // stored.sizes[0] if stored.sizes and stored.sizes[0] else stored.length
-    first_row, end_row = rows if rows is not None else (0, stored.sizes[0] if stored.sizes else 1)
-    lo, hi = first_row * row_bytes, end_row * row_bytes
-    if rows is None:
-        lo, hi = 0, stored.length
-    first_block, end_block = lo // stored.block, -(-hi // stored.block) if hi else 0
-    start, stop = first_block * stored.block, min(end_block * stored.block, stored.length)
-    return lo, hi, first_block, end_block, start, stop
-
-
-def chunk_span(stored: StoredChunk, rows: tuple[int, int] | None) -> tuple[str, int, int]:
-    """(file, start, stop): the bytes `read_rows` reads for these rows of the chunk."""
-    *_, start, stop = _layout(stored, rows)
-    return stored.file, stored.offset + start, stored.offset + stop
-
-
-def read_rows(
-    directory: Path, stored: StoredChunk, fqn: str, rows: tuple[int, int] | None, *, source: ChunkSource | None = None
-) -> tuple[torch.Tensor, int]:
-    """Rows [first, end) of a saved chunk (None: all of it) as a CPU tensor, and the bytes read.
-
-    Only the checksum blocks that hold those rows are read, and each is checked
-    (`CorruptCheckpoint` if one fails). With a `source` the bytes come from it (the
-    tensor may be a view of them, valid until the source is closed)."""
-    where = f"{directory.name}/{stored.file}"
-    dtype = _dtype(stored.dtype)
-    first_row, end_row = rows if rows is not None else (0, stored.sizes[0] if stored.sizes else 1)
-    lo, hi, first_block, end_block, start, stop = _layout(stored, rows)
-    buffer: bytearray | memoryview
-    try:
-        if source is not None:
-            view = source.view(stored.file, stored.offset + start, stored.offset + stop)
-            buffer, got = (view, len(view)) if view is not None else (bytearray(), -1)
-        else:
-            buffer = bytearray(stop - start)
-            with open(directory / stored.file, "rb") as f:
-                f.seek(stored.offset + start)
-                got = f.readinto(buffer)
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{where} is missing") from None
-    if got != len(buffer):
-        raise CorruptCheckpoint(f"{where} is truncated: {fqn} needs bytes {stored.offset}..{stored.offset + stored.length}")
-    expected = stored.crc32c[first_block:end_block] if stored.length else stored.crc32c
-    if tuple(block_checksums(memoryview(buffer), stored.block)) != tuple(expected):
-        raise CorruptCheckpoint(f"{where} fails its crc32c check at {fqn}")
-    if hi == lo:
-        shape = (0, *stored.sizes[1:]) if rows is not None else stored.sizes
-        return torch.empty(shape, dtype=dtype), len(buffer)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8, offset=lo - start, count=hi - lo)
-    shape = (end_row - first_row, *stored.sizes[1:]) if rows is not None else stored.sizes
-    return raw.view(dtype).reshape(shape), len(buffer)
-
 
 def load_tensors(
     targets: dict[str, torch.Tensor],

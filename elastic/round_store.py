@@ -70,6 +70,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastic.errors import ElasticError
+from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 logger = logging.getLogger(__name__)
 
@@ -255,9 +256,6 @@ def recovery_hint(environ: Mapping[str, str], agent_argv: list[str] | None = Non
     last_call = args is None or (dynamic and _waits_last_call(args))
     if not (late_joins_fail or last_call):
         return None
-    # Imported here: the launcher imports the runtime, which imports this module.
-    from elastic.launcher.launch import merged_rdzv_conf
-
     problems = []
     if late_joins_fail:
         problems.append(
@@ -275,9 +273,6 @@ def recovery_hint(environ: Mapping[str, str], agent_argv: list[str] | None = Non
         f"run {environ.get('TORCHELASTIC_RUN_ID', '?')}: under plain torchrun {' and '.join(problems)}; "
         f"use torchrevive-run (python -m elastic.launcher, same flags), or {torchrun}"
     )
-
-
-FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def _torchrun_args(agent_argv: list[str] | None) -> argparse.Namespace | None:

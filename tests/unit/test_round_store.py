@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.rendezvous.worker_store import (
+from elastic.round_store import (
     HELLOS,
     PREFIX,
     RoundStoreError,

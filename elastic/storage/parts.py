@@ -49,8 +49,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from elastic.checkpoint import sharded
 from elastic.errors import CorruptCheckpoint
+from elastic.storage import sharded
+from elastic.storage.chunks import StoredChunk, block_checksums, dtype_named
 
 PART_FORMAT = 1
 HEADER_SUFFIX = ".json"
@@ -193,17 +194,17 @@ def complete(headers: list[PartHeader]) -> bool:
 def merged_metadata(headers: list[PartHeader]) -> Metadata:
     """The DCP metadata of the checkpoint the parts make up; rank r's chunks lie in `shard_file(r)`."""
     state: dict[str, TensorStorageMetadata] = {}
-    storage: dict[MetadataIndex, sharded.StoredChunk] = {}
+    storage: dict[MetadataIndex, StoredChunk] = {}
     for header in sorted(headers, key=lambda h: h.rank):
         for fqn, md in header.tensors.items():
             if fqn not in state:
                 state[fqn] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=sharded._dtype(md["dtype"])),
+                    properties=TensorProperties(dtype=dtype_named(md["dtype"])),
                     size=torch.Size(md["size"]),
                     chunks=[],
                 )
         for raw in header.chunks:
-            stored = sharded.StoredChunk.from_json({**raw, "file": sharded.shard_file(header.rank)})
+            stored = StoredChunk.from_json({**raw, "file": sharded.shard_file(header.rank)})
             at = torch.Size(raw["at"])
             state[raw["fqn"]].chunks.append(ChunkStorageMetadata(at, torch.Size(stored.sizes)))
             storage[MetadataIndex(raw["fqn"], at)] = stored
@@ -232,6 +233,6 @@ def read_data(path: Path, header: PartHeader) -> bytearray:
     for raw in header.chunks:
         offset, length = int(raw["offset"]), int(raw["length"])
         block = int(raw["block"])
-        if tuple(sharded.block_checksums(view[offset : offset + length], block)) != tuple(raw["crc32c"]):
+        if tuple(block_checksums(view[offset : offset + length], block)) != tuple(raw["crc32c"]):
             raise CorruptCheckpoint(f"snapshot part {header.stem} fails its crc32c check at {raw['fqn']}")
     return buffer

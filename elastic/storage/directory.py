@@ -1,38 +1,39 @@
-"""The on-disk format of a checkpoint directory, and its commit protocol.
+"""The on-disk layout of a checkpoint directory, and its commit protocol.
 
 Layout of `--ckpt-dir`:
 
     step_00000100/            a committed checkpoint: state files + manifest.json
     step_00000150/
     latest                    text file naming the newest committed checkpoint
-    writer.json               which job (run id, host, pid) writes here
+    writer.json               which job (run id, host, pid) writes here (claim.py)
     .tmp.step_00000200.<id>/  a save in progress (or one killed mid-write)
     step_00000150.replaced/   the previous copy of a step being written again
     step_00000050.corrupt/    a checkpoint that failed verification, moved aside
 
-A checkpoint in format 2 (sharded.py) holds one `shard_NNNNN.bin` per rank
-that saved it, `tensors.json` (DCP's metadata, with a crc32c per block of
-every chunk) and `trainer.pt`; format 1 (torchrevive 0.1) holds
-`model.pt`, `optimizer.pt` and `trainer.pt` written by rank 0, with sha256s.
+What the state files are is manifest.py's (format 2: sharded.py's tensors and
+trainer.pt; format 1: rank 0's model.pt, optimizer.pt and trainer.pt).
 
 Invariants:
 - A checkpoint exists only once its directory is renamed from `.tmp.*` to
   `step_XXXXXXXX`: the rename is atomic and happens after every file and the
   manifest are written and fsynced, so a committed directory always holds a
-  manifest naming the sha256 and size of each file. Readers look only at
+  manifest naming the size and checksum of each file. Readers look only at
   `step_XXXXXXXX` directories; a `.tmp.*` directory is never loaded.
-- `latest` is replaced atomically (write a temporary file, fsync, rename) after
-  the commit. `committed()` reads it before listing the directory and adds
-  the checkpoint it names even when the listing misses it (an NFS client's
+- Committing goes through `finish` (commit.py builds what it commits), after
+  the claim is checked: whoever commits a step, rank 0 or a snapshot keeper,
+  commits it the same way.
+- Two writers committing the same step at once (rank 0's final save and a
+  keeper's persist of that step, say) is not a failure: the one whose rename
+  finds the step there verifies that copy and discards its own.
+- Committing a step that is committed already (one writer after another)
+  replaces it: the old copy is renamed to `step_N.replaced` first, so until
+  the new copy is renamed in, the old one is still found (and put back by
+  `prepare` after a crash), and no moment exists where a crash loses both.
+- `latest` is replaced atomically after the commit and never moves back to an
+  older step. `committed()` reads it before listing the directory and adds the
+  checkpoint it names even when the listing misses it (an NFS client's
   directory cache can hide a fresh `step_N` for tens of seconds); it is not
   trusted otherwise: the newest committed directory that verifies wins.
-- Writing a step that is already committed renames the old copy to
-  `step_N.replaced` first; until the new copy is renamed in, the old one is
-  still found (and put back by `prepare` after a crash), so no moment exists
-  where a crash loses both.
-- `writer.json` names the job that writes: `prepare` refuses (one line) a
-  directory another live job writes, and a writer that lost the directory to
-  another refuses to commit. Only temporaries of a job that is gone are removed.
 - At most `keep_corrupt` quarantined `.corrupt` directories stay (the newest).
 - A save that fails (full disk, quota, I/O error) removes its own `.tmp.*`
   directory and raises `SaveFailed` naming the cause in one line; nothing
@@ -49,185 +50,47 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
-import json
 import logging
 import os
 import re
 import shutil
-import socket
-import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import crc32c
 import torch
 
-import elastic
-from elastic.checkpoint import sharded
 from elastic.errors import CheckpointStorageError, CorruptCheckpoint
+from elastic.storage import claim as claims
+from elastic.storage import sharded
+from elastic.storage.claim import WriterIdentity
+from elastic.storage.durable import (
+    TMP_PREFIX,
+    SaveFailed,
+    describe_failure,
+    fsync_dir,
+    replace_small,
+    save_durably,
+    write_bytes_durably,
+)
+from elastic.storage.manifest import MANIFEST, Candidate, Manifest, checkpoint_name
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-"""Format of the checkpoints written now (sharded, crc32c); format 1 (rank 0's files, sha256) still loads."""
-READABLE_FORMATS = (1, 2)
-MANIFEST = "manifest.json"
 LATEST = "latest"
-WRITER = "writer.json"
 _COMMITTED = re.compile(r"^step_(\d{8})$")
 _REPLACED = re.compile(r"^step_(\d{8})\.replaced$")
-_TMP_PREFIX = ".tmp."
 CORRUPT_SUFFIX = ".corrupt"
 _READ_CHUNK = 8 * 2**20
+_RACED = {errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT}
+"""What a rename meets when another writer publishes the same step at the same moment."""
 
 
 def _mb(size: int) -> str:
     return f"{size / 2**20:.1f} MB"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-# fsync on a directory is refused by some filesystems (FUSE, 9p, CIFS, some NFS
-# clients). The files themselves are fsynced; the rename is then as durable as
-# that filesystem can make it, which beats refusing every save on it.
-_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EISDIR}
-_dir_fsync_warned = False
-
-
-def _fsync_dir(path: Path) -> None:
-    global _dir_fsync_warned
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
-            raise
-        if not _dir_fsync_warned:
-            _dir_fsync_warned = True
-            logger.warning("%s: the filesystem refuses fsync on a directory (%s); committing without it", path, exc.strerror)
-    finally:
-        os.close(fd)
-
-
-class SaveFailed(Exception):
-    """A save that could not be written (full disk, quota, I/O error, permissions);
-    its message is one line naming the cause. Nothing committed was touched."""
-
-
-def describe_failure(exc: BaseException) -> str:
-    """One line for what went wrong in a save: the errno's text for OS errors."""
-    if isinstance(exc, OSError):
-        name = errno.errorcode.get(exc.errno or 0, "")
-        text = exc.strerror or str(exc)
-        where = f": {exc.filename}" if exc.filename else ""
-        return f"{text} ({name}){where}" if name else f"{text}{where}"
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first}"
-
-
-class _HashingWriter:
-    """A write-only file object that hashes and counts what passes through it.
-
-    It keeps the first OSError a write raised: torch's zip writer reports a
-    failed write (ENOSPC, EIO, EDQUOT) as a RuntimeError that names no cause.
-    """
-
-    def __init__(self, raw: io.BufferedWriter, *, sha256: bool = True) -> None:
-        self._raw = raw
-        self.sha256 = hashlib.sha256() if sha256 else None
-        self.crc32c = 0
-        self.bytes = 0
-        self.error: OSError | None = None
-
-    def write(self, data: bytes | memoryview) -> int:
-        if self.sha256 is not None:
-            self.sha256.update(data)
-        else:
-            self.crc32c = crc32c.crc32c(data, self.crc32c)
-        self.bytes += len(data)
-        try:
-            return self._raw.write(data)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-
-def _save_durably(path: Path, obj: Any, *, sha256: bool) -> _HashingWriter:
-    """torch.save `obj` to `path` through a hashing writer, fsynced; raises the OS error behind
-    a failed write (torch's zip writer hides it behind a RuntimeError)."""
-    with open(path, "wb") as raw:
-        writer = _HashingWriter(raw, sha256=sha256)
-        try:
-            torch.save(obj, writer)
-            raw.flush()
-        except Exception as exc:
-            if writer.error is not None and writer.error is not exc:
-                raise writer.error from None
-            raise
-        os.fsync(raw.fileno())
-    return writer
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a committed checkpoint holds; stored as manifest.json beside the files."""
-
-    step: int
-    epoch: int
-    consumed: int
-    world_size: int
-    files: dict[str, dict[str, Any]]
-    """file name -> {"bytes": size, and "crc32c": int (format 2) or "sha256": hex digest (format 1)};
-    format 2's shard files have a size only: their chunks' checksums are in tensors.json."""
-    created: float
-    reason: str
-    run_id: str
-    versions: dict[str, str]
-    format: int = FORMAT_VERSION
-    """1: rank 0's model.pt/optimizer.pt/trainer.pt with sha256s; 2: sharded tensors (sharded.py) with crc32c."""
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, indent=1, sort_keys=True) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        raw = json.loads(text)
-        if raw.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"manifest format {raw.get('format')!r}, this runtime reads {READABLE_FORMATS}")
-        return cls(
-            step=int(raw["step"]), epoch=int(raw["epoch"]), consumed=int(raw["consumed"]),
-            world_size=int(raw["world_size"]), files=dict(raw["files"]), created=float(raw["created"]),
-            reason=str(raw["reason"]), run_id=str(raw["run_id"]), versions=dict(raw["versions"]),
-            format=int(raw["format"]),
-        )
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(int(f["bytes"]) for f in self.files.values())
-
-
-def versions() -> dict[str, str]:
-    return {
-        "elastic": elastic.__version__,
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-    }
-
-
-@dataclass(frozen=True)
-class Candidate:
-    name: str
-    step: int
-    path: Path
 
 
 class CheckpointStore:
@@ -255,56 +118,31 @@ class CheckpointStore:
         if identity is not None:
             self.claim(identity)
         self._recover_replaced()
-        for stale in self.root.glob(_TMP_PREFIX + "*"):
+        for stale in self.root.glob(TMP_PREFIX + "*"):
             logger.info("removing %s: a save that never committed", stale.name)
             shutil.rmtree(stale, ignore_errors=True)
         self._probe()
 
     def writer(self) -> WriterIdentity | None:
         """Who claimed the directory last (None: nobody, or an unreadable claim)."""
-        try:
-            return WriterIdentity.from_json((self.root / WRITER).read_text(encoding="utf-8"))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return claims.current(self.root)
 
     def claim(self, identity: WriterIdentity) -> None:
         """Make `identity` the directory's writer; `CheckpointStorageError` if another live job writes here."""
-        current = self.writer()
-        # The same job's earlier rank 0 on another host (a restart moved it, or a partition
-        # cut it off) is taken over: it is refused at its next commit. Anything else alive
-        # is another job, two single-process runs ("local") included; an earlier
-        # writer in this very process (a manager made again) is no other job.
-        if current is not None and current.writer != identity.writer:
-            same_job_elsewhere = current.run_id == identity.run_id and current.host != identity.host
-            this_process = current.host == identity.host and current.pid == identity.pid
-            if not same_job_elsewhere and not this_process and current.alive(identity):
-                raise CheckpointStorageError(
-                    f"{self.root} is written by another job (run {current.run_id} on {current.host}, pid {current.pid}, "
-                    f"seen {time.time() - current.heartbeat:.0f} s ago): give each job its own --ckpt-dir "
-                    f"(or delete {self.root / WRITER} if that job is gone)"
-                )
-            if current.run_id != identity.run_id:
-                logger.warning("taking over %s from run %s on %s, which is gone", self.root, current.run_id, current.host)
-        self._write_small(WRITER, identity.to_json())
+        claims.claim(self.root, identity)
 
     def heartbeat(self, identity: WriterIdentity) -> None:
         """Refresh the claim (a job that saves rarely still looks alive); `SaveFailed` if it was lost."""
-        self.check_owner(identity)
-        self._write_small(WRITER, identity.beat().to_json())
+        claims.refresh(self.root, identity)
 
     def check_owner(self, identity: WriterIdentity) -> None:
         """`SaveFailed` unless the directory is still this writer's (another job or a newer rank 0 took it)."""
-        current = self.writer()
-        if current is not None and current.writer != identity.writer:
-            raise SaveFailed(
-                f"{self.root} is now written by another writer (run {current.run_id} on {current.host}, pid "
-                f"{current.pid}); this one stops writing there"
-            )
+        claims.check_may_commit(self.root, identity.run_id, identity)
 
     def _probe(self) -> None:
         """Write, fsync and remove a small file: a read-only or failing filesystem is
         found before training rather than at the first save."""
-        probe = self.root / f"{_TMP_PREFIX}probe.{uuid.uuid4().hex[:8]}"
+        probe = self.root / f"{TMP_PREFIX}probe.{uuid.uuid4().hex[:8]}"
         try:
             with open(probe, "wb") as f:
                 f.write(b"\0" * 4096)
@@ -333,12 +171,12 @@ class CheckpointStore:
 
     def begin(self, step: int, tag: str) -> Path:
         """The temporary directory of a save of `step` (every rank of the save writes into it)."""
-        return self.root / f"{_TMP_PREFIX}{checkpoint_name(step)}.{tag}"
+        return self.root / f"{TMP_PREFIX}{checkpoint_name(step)}.{tag}"
 
     def write_state_file(self, tmp: Path, file_name: str, obj: Any) -> dict[str, Any]:
         """`obj` saved with torch.save into `tmp/file_name`, fsynced; its size and crc32c."""
         tmp.mkdir(parents=True, exist_ok=True)
-        writer = _save_durably(tmp / file_name, obj, sha256=False)
+        writer = save_durably(tmp / file_name, obj, sha256=False)
         return {"bytes": writer.bytes, "crc32c": writer.crc32c}
 
     def finish(
@@ -352,28 +190,28 @@ class CheckpointStore:
         """Write the manifest into `tmp` and commit it as checkpoint `manifest.step`, atomically.
 
         `before_commit` runs after everything is durable but before the rename
-        (fault injection dies there); with an `owner`, the commit is refused
-        (`SaveFailed`) when another writer has claimed the directory meanwhile.
-        A failure before the rename removes `tmp`; nothing committed is touched.
+        (fault injection dies there). The claim is checked just before the
+        rename (`claim.check_may_commit`): with an `owner` (rank 0), it must
+        still be that writer's; without one (a keeper), its job's
+        (`manifest.run_id`). A refused commit is `SaveFailed`. A failure before
+        the rename removes `tmp`; nothing committed is touched. When another
+        writer commits the same step at the same moment and its copy verifies,
+        `tmp` is discarded and that copy is the commit.
         """
         name = checkpoint_name(manifest.step)
         try:
-            with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-                f.write(manifest.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            write_bytes_durably(tmp / MANIFEST, manifest.to_json().encode("utf-8"))
+            fsync_dir(tmp)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SaveFailed(f"cannot write {name} to {self.root}: {describe_failure(exc)}") from exc
         before_commit()
-        if owner is not None:
-            try:
-                self.check_owner(owner)
-            except SaveFailed:
-                shutil.rmtree(tmp, ignore_errors=True)  # ours; the new writer's temporaries are left alone
-                raise
-        return self._publish(tmp, name, owner)
+        try:
+            claims.check_may_commit(self.root, manifest.run_id, owner)
+        except SaveFailed:
+            shutil.rmtree(tmp, ignore_errors=True)  # ours; the new writer's temporaries are left alone
+            raise
+        return self._publish(tmp, manifest.step, owner)
 
     def abort(self, tmp: Path) -> None:
         """Remove a save that failed before its commit."""
@@ -395,12 +233,12 @@ class CheckpointStore:
         manifest from the written files' digests; `mid_write` runs after the first file.
         """
         name = checkpoint_name(step)
-        tmp = self.root / f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
+        tmp = self.root / f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir()
             digests: dict[str, dict[str, Any]] = {}
             for file_name, obj in files.items():
-                writer = _save_durably(tmp / file_name, obj, sha256=True)
+                writer = save_durably(tmp / file_name, obj, sha256=True)
                 digests[file_name] = {"sha256": writer.sha256.hexdigest(), "bytes": writer.bytes}
                 if len(digests) == 1:
                     mid_write()
@@ -410,47 +248,53 @@ class CheckpointStore:
         manifest = describe(digests)
         return self.finish(tmp, Manifest(**{**manifest.__dict__, "format": 1}), before_commit=before_commit)
 
-    def _publish(self, tmp: Path, name: str, owner: WriterIdentity | None) -> Path:
-        """Rename `tmp` to `name`; an existing `name` stays findable until the new one is in."""
+    def _publish(self, tmp: Path, step: int, owner: WriterIdentity | None) -> Path:
+        """Rename `tmp` to the step's name; a copy already there stays findable until the new one
+        is in. Losing a race to another writer of the same step is no failure when its copy verifies."""
+        name = checkpoint_name(step)
         final = self.root / name
-        if final.exists():
-            # A crash between these renames leaves step_N.replaced, which committed()
-            # still lists and prepare() puts back: there is never a moment without a copy.
-            replaced = self.root / f"{name}.replaced"
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(final, replaced)
-            os.rename(tmp, final)
-            shutil.rmtree(replaced, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        try:
+            if final.exists():
+                # A crash between these renames leaves step_N.replaced, which committed()
+                # still lists and prepare() puts back: there is never a moment without a copy.
+                replaced = self.root / f"{name}.replaced"
+                shutil.rmtree(replaced, ignore_errors=True)
+                os.rename(final, replaced)
+                os.rename(tmp, final)
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+        except OSError as exc:
+            # Another writer (rank 0 or a keeper) published this step between our look and our rename.
+            if exc.errno not in _RACED or not final.is_dir() or not self._verifies(name, step, final):
+                raise
+            logger.info("%s was committed by another writer meanwhile and verifies; this copy goes", name)
+            shutil.rmtree(tmp, ignore_errors=True)
         # Committed. What follows is housekeeping: a failure there is a warning, not a failed save.
         try:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._write_latest(name)
             if owner is not None:
-                current = self.writer()
-                if current is None or current.writer == owner.writer:  # never overwrite a newer claim
-                    self._write_small(WRITER, owner.beat().to_json())
+                claims.refresh_after_commit(self.root, owner)
         except OSError as exc:
             logger.warning("%s committed, but updating %s failed: %s", name, LATEST, describe_failure(exc))
         self._retire_old()
         return final
 
-    def _write_small(self, file_name: str, text: str) -> None:
-        """Replace `file_name` with `text` atomically (temporary file, fsync, rename)."""
-        tmp = self.root / f"{_TMP_PREFIX}{file_name}.{uuid.uuid4().hex[:8]}"
+    def _verifies(self, name: str, step: int, path: Path) -> bool:
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.root / file_name)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(self.root)
+            self.verify(Candidate(name, step, path))
+        except CorruptCheckpoint as exc:
+            logger.warning("%s was committed by another writer but does not verify: %s", name, exc)
+            return False
+        return True
 
     def _write_latest(self, name: str) -> None:
-        self._write_small(LATEST, name + "\n")
+        """Point `latest` at `name`, unless it already names a newer step (it never moves back)."""
+        pointed = self.latest_pointer()
+        if pointed is not None and _COMMITTED.match(pointed) and pointed > name and (self.root / pointed).is_dir():
+            return
+        replace_small(self.root, LATEST, name + "\n")
 
     def _recover_replaced(self) -> None:
         """A crash between the two renames of `_publish`: put the old copy back (or drop it)."""
@@ -599,7 +443,7 @@ class CheckpointStore:
         # A rename keeps the directory's mtime (when it was written): make it say when it was quarantined,
         # or a restore that quarantines the newest step first would delete each older one at once.
         os.utime(target)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         quarantined = sorted(
             (p for p in self.root.iterdir() if CORRUPT_SUFFIX in p.name and p.is_dir()),
             key=lambda p: (p.stat().st_mtime_ns, p == target),
@@ -609,50 +453,6 @@ class CheckpointStore:
             logger.info("deleting %s (keeping the newest %d corrupt checkpoints)", old.name, self.keep_corrupt)
             shutil.rmtree(old, ignore_errors=True)
         return target
-
-
-@dataclass(frozen=True)
-class WriterIdentity:
-    """Who writes a checkpoint directory (writer.json): one per rank 0 of a job's run."""
-
-    writer: str
-    """Unique per writing process (a new rank 0 after a restart is a new writer)."""
-    run_id: str
-    host: str
-    pid: int
-    heartbeat: float
-    stale_after: float = 1800.0
-    """A claim older than this (seconds since its heartbeat) from another host is taken to be dead."""
-
-    @classmethod
-    def new(cls, run_id: str, *, stale_after: float = 1800.0) -> WriterIdentity:
-        return cls(uuid.uuid4().hex[:12], run_id, socket.gethostname(), os.getpid(), time.time(), stale_after)
-
-    def beat(self) -> WriterIdentity:
-        return WriterIdentity(self.writer, self.run_id, self.host, self.pid, time.time(), self.stale_after)
-
-    def alive(self, observer: WriterIdentity) -> bool:
-        """Whether this claim's writer may still be writing, as `observer` can tell."""
-        if self.host == observer.host:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-            return True
-        return time.time() - self.heartbeat < self.stale_after
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> WriterIdentity:
-        raw = json.loads(text)
-        return cls(
-            str(raw["writer"]), str(raw["run_id"]), str(raw["host"]), int(raw["pid"]), float(raw["heartbeat"]),
-            float(raw.get("stale_after", 1800.0)),
-        )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,0 +1,211 @@
+"""Reading a chosen step into host buffers on every rank, then, everything verified, into the live state.
+
+Invariants:
+- Every rank reads only the chunks it needs, each sharded tensor resharded to
+  this world size, each replicated one read by one rank (`state.owners`) and
+  broadcast, checking every chunk's crc32c as it reads: each byte is read and
+  verified once per job.
+- Only when every rank read everything is the live state changed; a chunk
+  that fails its check on any rank is a `CorruptCheckpoint` on every rank (the
+  read is DCP's collective), and nothing live has changed.
+- Reading runs on a thread: a read stuck in the kernel (a hung mount) cannot
+  be interrupted, but the rank stops waiting at the deadline
+  (`RestoreTimedOut`, exit 75). Storage errors are `CheckpointStorageError`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint import compat
+from elastic.checkpoint import state as live_state
+from elastic.checkpoint.part_files import PartFetchError
+from elastic.checkpoint.snapshot import dtensor_like
+from elastic.checkpoint.sources import Offer, Opened
+from elastic.checkpoint.training_state import TrainingState
+from elastic.errors import CheckpointError, CheckpointStorageError, CorruptCheckpoint, RestoreTimedOut
+from elastic.runtime import WorkerContext
+from elastic.storage import sharded
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.durable import describe_failure
+from elastic.storage.manifest import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, Candidate
+
+
+class Loader:
+    """Loads offers into one rank's live state (see the module docstring)."""
+
+    def __init__(
+        self, ctx: WorkerContext, state: TrainingState, store: CheckpointStore, *, group: dist.ProcessGroup | None,
+        restore_timeout: float, fault: Any = lambda point, step: None,
+    ) -> None:
+        self._ctx = ctx
+        self.state = state
+        self.store = store
+        self._group = group
+        self._restore_timeout = restore_timeout
+        self._fault = fault
+
+    def load(self, offer: Offer, opened: Opened, deadline: float) -> int:
+        """Read and apply `offer` (a collective); bytes of tensor data this rank read."""
+        if offer.tensors_json is None:
+            self._load_format1(offer, opened)
+            return 0
+        return self._load_sharded(offer, opened, deadline)
+
+    def _load_sharded(self, offer: Offer, opened: Opened, deadline: float) -> int:
+        ctx, model, optimizer = self._ctx, self.state.model, self.state.optimizer
+        metadata = sharded.metadata_from_json(offer.tensors_json or "")
+        saved = sharded.tensor_shapes(metadata)
+        live = live_state.live_tensors(model, optimizer)
+        params = dict(model.named_parameters())
+        targets: dict[str, torch.Tensor] = {}
+        plain: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        for key, (shape, dtype) in saved.items():
+            like = live.get(key)
+            if like is None:  # optimizer state: none exists yet; its parameter says how it is sharded
+                param = params[key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]]
+                like = param if param.shape == shape else None
+            if like is not None and isinstance(like, sharded.DTensor):
+                targets[key] = live_state.host_buffer_like(like, dtype=dtype)
+            else:
+                plain[key] = (shape, dtype)
+        owner = live_state.owners(
+            {key: _numel(shape) * dtype.itemsize for key, (shape, dtype) in plain.items()}, ctx.world_size
+        )
+        for key, (shape, dtype) in plain.items():
+            if owner[key] == ctx.rank:
+                targets[key] = torch.empty(shape, dtype=dtype)
+        read = self._read(offer, opened, targets, metadata, deadline)
+        # Everything read and verified on every rank: only now does live state change.
+        trainer = offer.trainer
+        self.state.apply_extra(offer.step, trainer)
+        self._apply_tensors(live, targets, plain, owner, trainer["optimizer"])
+        live_state.set_module_extra_state(model, trainer.get("module_extra", {}))
+        self.state.apply_trainer(ctx, offer.step, trainer)
+        return read
+
+    def _read(self, offer: Offer, opened: Opened, targets: dict[str, torch.Tensor], metadata: Any, deadline: float) -> int:
+        timed_out = RestoreTimedOut(
+            f"restoring {offer.name} from {self.store.root} did not finish within "
+            f"{self._restore_timeout:g} s (--ckpt-restore-timeout): the storage is too slow or hung"
+        )
+        outcome: dict[str, Any] = {}
+        step = offer.step
+
+        def read() -> None:
+            try:
+                outcome["bytes"] = sharded.load_tensors(
+                    targets, opened.directory, metadata, group=self._group, deadline=deadline,
+                    after_first_chunk=lambda: self._fault("during_read", step), source=opened.chunks,
+                )
+            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                outcome["error"] = exc
+
+        reader = threading.Thread(target=read, name="checkpoint-restore", daemon=True)
+        reader.start()
+        reader.join(max(0.0, deadline - time.monotonic()) + 5.0)  # peers' own deadlines fire first
+        if reader.is_alive():
+            raise timed_out
+        if "error" not in outcome:
+            return int(outcome["bytes"])
+        error = sharded.first_error(outcome["error"])
+        if isinstance(error, CorruptCheckpoint):
+            raise error
+        if isinstance(error, PartFetchError):  # every rank alike, whatever its clock says
+            raise CheckpointStorageError(f"cannot read {offer.name} from the other nodes: {error}")
+        if isinstance(error, TimeoutError) or (_is_timeout(error) and time.monotonic() >= deadline):
+            raise timed_out
+        if isinstance(error, OSError):
+            raise CheckpointStorageError(f"cannot read {offer.name} in {self.store.root}: {describe_failure(error)}")
+        raise outcome["error"]  # a peer died mid-restore: a failure like any other, which the launcher restarts
+
+    def _apply_tensors(
+        self,
+        live: dict[str, torch.Tensor],
+        targets: dict[str, torch.Tensor],
+        plain: dict[str, tuple[torch.Size, torch.dtype]],
+        owner: dict[str, int],
+        optimizer_settings: dict[str, Any],
+    ) -> None:
+        model, optimizer = self.state.model, self.state.optimizer
+        optimizer_tensors: dict[str, torch.Tensor] = {}
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for key in sorted(set(targets) | set(plain)):
+                is_model = key.startswith(live_state.MODEL_PREFIX)
+                if key not in plain:  # a shard of this rank's, resharded by the load
+                    if is_model:
+                        live[key].to_local().copy_(targets.pop(key).to_local())
+                    else:
+                        param = params[key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]]
+                        host = targets.pop(key).to_local()
+                        optimizer_tensors[key] = dtensor_like(host.to(param.device), param)
+                    continue
+                shape, dtype = plain[key]
+                mine = owner[key] == self._ctx.rank
+                if is_model:
+                    dest = live[key]
+                else:
+                    param = params[key[len(live_state.OPTIM_PREFIX) :].rsplit("/", 1)[0]]
+                    on_device = param.device.type == "cuda" and len(shape) > 0
+                    if mine and not on_device:  # the host buffer read into is the state itself
+                        dest = targets[key]
+                    else:
+                        dest = torch.empty(shape, dtype=dtype, device=param.device if on_device else "cpu")
+                    optimizer_tensors[key] = dest
+                if mine:
+                    source = targets.pop(key)
+                    if source is not dest:
+                        dest.copy_(source)
+                self._broadcast_tensor(dest, owner[key])
+        optimizer.load_state_dict(
+            live_state.optimizer_state_dict(model, optimizer, optimizer_tensors, optimizer_settings)
+        )
+
+    def _broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """`src`'s `tensor` on every rank: on the device (NCCL) for GPU tensors, else on the restore group."""
+        if not self._ctx.distributed:
+            return
+        if tensor.device.type == "cuda":
+            dist.broadcast(tensor, src=src)
+        else:
+            dist.broadcast(tensor, src=src, group=self._group)
+
+    def _load_format1(self, offer: Offer, opened: Opened) -> None:
+        """A checkpoint of torchrevive 0.1 (rank 0's whole files): every rank reads them itself."""
+        model, optimizer = self.state.model, self.state.optimizer
+        candidate = Candidate(offer.checkpoint, offer.step, opened.directory)
+        if any(isinstance(t, sharded.DTensor) for t in model.state_dict().values()):
+            raise CheckpointError(
+                f"checkpoint {candidate.path} is in format 1 (one file per state, written by rank 0); a sharded "
+                "(FSDP2) model cannot load it: resume it once without FSDP, which writes the sharded format"
+            )
+        manifest = offer.parsed_manifest
+        files = {
+            name: self.store.load_state_file(candidate, manifest, name, map_location=self._ctx.device)
+            for name in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+        }
+        compat.check_model(candidate.name, model.state_dict(), files[MODEL_FILE])
+        compat.check_optimizer(candidate.name, optimizer, files[OPTIMIZER_FILE])
+        self.state.apply_extra(offer.step, files[TRAINER_FILE])
+        model.load_state_dict(files[MODEL_FILE])
+        optimizer.load_state_dict(files[OPTIMIZER_FILE])
+        self.state.apply_trainer(self._ctx, offer.step, files[TRAINER_FILE])
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """A collective that timed out waiting for a rank still reading (gloo names it in its message)."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text

@@ -1,0 +1,158 @@
+"""A restore's snapshot parts as one rank reads them: through maps here, by range requests elsewhere.
+
+`memory.MemorySnapshots.gather_files` lays out, for one rank, the part of every
+old rank: a symlink when this node holds it, the keepers to ask when only
+another node does. `PartFiles` is then the `chunks.ChunkSource` the reader
+takes the bytes from.
+
+Invariants:
+- Nothing fetched is trusted: the reader checks every block's crc32c, as for a file.
+- Only the spans this rank's plan reads are fetched (nearby spans joined,
+  `READ_GAP`), one request at a time, each at most `READ_MAX` bytes: few round
+  trips, bounded memory.
+- A keeper that fails is asked again only after the others holding the part;
+  when all fail, or the deadline has passed, `PartFetchError` (an `OSError`):
+  every rank then falls back to disk alike.
+"""
+
+from __future__ import annotations
+
+import http.client
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from elastic.storage.chunks import MappedFiles
+
+FETCH_TIMEOUT = 30.0
+"""Seconds one request to another node's keeper may take."""
+
+
+READ_GAP = 2**20
+READ_MAX = 2**26
+"""Spans of a remote part at most READ_GAP apart are fetched in one request of up to READ_MAX
+bytes (a larger chunk in one of its own): few round trips, bounded memory."""
+
+
+class PartFetchError(OSError):
+    """No keeper sent a part's bytes (in time): the restore falls back to disk."""
+
+
+class PartFiles:
+    """A restore's parts as one rank reads them (a `chunks.ChunkSource`): this node's through
+    maps, another node's by HTTP range requests to the keepers holding them, for the spans the
+    rank's plan reads only (nearby spans joined, see `READ_GAP`), one request at a time.
+
+    Nothing fetched is trusted: the reader checks every block's crc32c as for a file. A keeper
+    that fails is asked again only after the others holding the part; when all fail, or
+    `deadline` (time.monotonic) has passed, a `PartFetchError`."""
+
+    def __init__(self, directory: Path, remote: dict[str, list[str]], *, deadline: float | None = None) -> None:
+        self.directory = directory
+        self.remote = remote
+        """file name -> URLs of the keepers that hold it, in the order to try them."""
+        self.deadline = deadline
+        self._failed: set[str] = set()
+        # Maps only in memory: on a disk (TORCHREVIVE_SNAPSHOT_BASE may name one) a read
+        # error through a map would be a SIGBUS, not an OSError.
+        self._maps = MappedFiles(directory) if in_memory(directory) else None
+        self._requests: dict[str, list[tuple[int, int]]] = {}
+        self._held: tuple[str, int, int, bytearray] | None = None
+        self.bytes_fetched = 0
+
+    def expect(self, spans: list[tuple[str, int, int]]) -> None:
+        self._requests = {}
+        for file, start, stop in sorted(s for s in spans if s[0] in self.remote):
+            joined = self._requests.setdefault(file, [])
+            if joined and start - joined[-1][1] <= READ_GAP and stop - joined[-1][0] <= READ_MAX:
+                joined[-1] = (joined[-1][0], max(joined[-1][1], stop))
+            else:
+                joined.append((start, stop))
+
+    def view(self, file: str, start: int, stop: int) -> memoryview | bytearray | None:
+        if file not in self.remote:
+            return self._maps.view(file, start, stop) if self._maps is not None else _read_span(self.directory / file, start, stop)
+        held = self._held
+        if held is None or held[0] != file or not held[1] <= start <= stop <= held[2]:
+            lo, hi = next(((a, b) for a, b in self._requests.get(file, []) if a <= start and stop <= b), (start, stop))
+            data = self._fetch(file, lo, hi)
+            if len(data) < hi - lo:  # the part is shorter than its header says
+                return None
+            held = self._held = (file, lo, hi, data)
+        return memoryview(held[3])[start - held[1] : stop - held[1]]
+
+    def _fetch(self, file: str, start: int, stop: int) -> bytearray:
+        errors = []
+        for url in sorted(self.remote[file], key=lambda u: u in self._failed):  # stable: failed ones last
+            timeout = FETCH_TIMEOUT
+            if self.deadline is not None:
+                timeout = min(timeout, self.deadline - time.monotonic())
+                if timeout <= 0:
+                    errors.append("the restore's time for fetching parts is spent")
+                    break
+            try:
+                data = _get_range(url, start, stop, timeout)
+                self.bytes_fetched += len(data)
+                return data
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                self._failed.add(url)
+                errors.append(f"{urlsplit(url).netloc}: {exc}")
+        raise PartFetchError(f"no keeper could send {file} ({'; '.join(errors)})")
+
+    def close(self) -> None:
+        self._held = None
+        if self._maps is not None:
+            self._maps.close()
+
+
+def in_memory(path: Path) -> bool:
+    """Whether `path` lies on a tmpfs (the longest mount point above it, from /proc/self/mounts)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    resolved, best, kind = str(path.resolve()), "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (resolved == point or resolved.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind == "tmpfs"
+
+
+def _read_span(path: Path, start: int, stop: int) -> bytearray | None:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(stop - start)
+    return bytearray(data) if len(data) == stop - start else None
+
+
+def _get_range(url: str, start: int, stop: int, timeout: float = FETCH_TIMEOUT) -> bytearray:
+    """Bytes [start, stop) of the part at `url` (fewer if it is shorter), by a range request."""
+    parsed = urlsplit(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    try:
+        conn.request("GET", parsed.path, headers={"Range": f"bytes={start}-{stop - 1}"})
+        response = conn.getresponse()
+        if response.status == 416:  # starts past the end: a short part
+            response.read()
+            return bytearray()
+        if response.status != 206:
+            response.read()
+            raise OSError(f"HTTP {response.status} {response.reason} for {parsed.path}")
+        declared = (response.headers.get("Content-Length") or "").strip()
+        length = int(declared) if declared.isascii() and declared.isdigit() else -1
+        if not 0 <= length <= stop - start:
+            raise OSError(f"{parsed.path}: {declared or 'no'} bytes for a range of {stop - start}")
+        data = bytearray(length)
+        view, got = memoryview(data), 0
+        while got < len(data):
+            n = response.readinto(view[got:])
+            if not n:
+                raise OSError(f"{parsed.path} ended after {got} of {len(data)} bytes")
+            got += n
+        return data
+    finally:
+        conn.close()
