@@ -28,6 +28,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from elastic.version import __version__ as __version__
+
 __all__ = ["ArgumentParser", "Run", "RunConfig", "add_runtime_arguments", "seeded_samples"]
 
 if TYPE_CHECKING:

@@ -36,13 +36,14 @@ import os
 import random
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, Dataset, Sampler
 
+from elastic.errors import UsageError
 from elastic.sampler import ElasticSampler
 
 _SAMPLE_SEED_MASK = 2**63 - 1
@@ -221,3 +222,25 @@ def make_workers_safe(loader: Any) -> None:
     """Put `SafeWorkerInit` in front of `loader`'s worker_init_fn (idempotent; no-op without workers)."""
     if getattr(loader, "num_workers", 0) and not isinstance(loader.worker_init_fn, SafeWorkerInit):
         loader.worker_init_fn = SafeWorkerInit(os.getpid(), loader.worker_init_fn)
+
+
+def open_loader(loader: Iterable[Any] | None, batch_size: int) -> tuple[Iterator[Any] | None, StepBatchSampler | StepSampler | None]:
+    """Start iterating `loader` for the step loop: (its iterator, the step sampler that drives it, if any).
+
+    Its workers are made safe first (`make_workers_safe`); a loader driven by a `StepSampler`
+    must take the run's per-rank `batch_size` (one batch per step). Iterating a DataLoader draws
+    its workers' base seed from torch's global generator: it is drawn from a fork of it, so a
+    resumed run, iterating at another step, leaves that stream where an uninterrupted run does."""
+    if loader is None:
+        return None, None
+    make_workers_safe(loader)
+    issued = step_sampler_of(loader)
+    loader_batch = getattr(loader, "batch_size", None)
+    if isinstance(issued, StepSampler) and loader_batch != batch_size:
+        raise UsageError(
+            f"DataLoader(batch_size={loader_batch}) with run.sampler_for_loader() must take the batch size "
+            f"given to run.start() ({batch_size}): each step is one batch"
+        )
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader), issued
+

@@ -72,22 +72,17 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from elastic import fault_hook
+from elastic import fault_hook, parallel
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.training_state import Stateful
 from elastic.cli import configure_logging
 from elastic.config import RunConfig
-from elastic.data import (
-    StepBatchSampler,
-    StepSampler,
-    make_workers_safe,
-    step_sampler_of,
-)
-from elastic.errors import CheckpointStorageError, ElasticError, Preempted, UsageError
+from elastic.data import StepBatchSampler, StepSampler, open_loader
+from elastic.errors import CheckpointStorageError, ElasticError, Preempted
 from elastic.events import EventLog
 from elastic.metrics import start_metrics
+from elastic.parallel import unwrap
 from elastic.preemption import PreemptionHandler
 from elastic.progress import Progress
 from elastic.replicas import gather_digests, parameter_digest
@@ -228,11 +223,7 @@ class Run:
 
     def ddp(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         """`model` under DistributedDataParallel in a job of several processes, as is alone."""
-        ctx = self._context
-        if not ctx.distributed:
-            return model
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+        return parallel.ddp(self._context, model, **kwargs)
 
     def fsdp(
         self,
@@ -241,30 +232,8 @@ class Run:
         blocks: Iterable[torch.nn.Module] = (),
         mixed_precision: bool | None = None,
     ) -> torch.nn.Module:
-        """`model` sharded with FSDP2 (`fully_shard`) over every rank: each of `blocks`
-        (the transformer layers), then the model itself. Parameters, gradients and
-        optimizer state are split across ranks, and checkpoints save each rank's
-        shards and reshard on restore at another world size. Build the optimizer
-        after this call. `mixed_precision` (default: on CUDA) computes in bf16 and
-        reduces gradients in fp32. Alone, the model is returned as is.
-        """
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        ctx = self._context
-        if not ctx.distributed:
-            return model
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        if mixed_precision is None:
-            mixed_precision = ctx.device.type == "cuda"
-        policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if mixed_precision else MixedPrecisionPolicy()
-        )
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        return model
+        """`model` sharded with FSDP2 over every rank (see `parallel.fsdp`). Build the optimizer after this call."""
+        return parallel.fsdp(self._context, model, blocks=blocks, mixed_precision=mixed_precision)
 
     # -- state ----------------------------------------------------------------------
 
@@ -376,7 +345,7 @@ class Run:
                 total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every, unit=unit
             )
             self._stack.callback(self._progress.close)
-        source, issued = self._open(loader) if self.step < max_steps else (None, None)
+        source, issued = open_loader(loader, self.sampler.batch_size) if self.step < max_steps else (None, None)
         self._loop_started = time.perf_counter()
         self._last_report = time.time()
         try:
@@ -412,22 +381,6 @@ class Run:
                 raise
             self._end_step()
         self._report_pending()
-
-    def _open(self, loader: Iterable[Any] | None) -> tuple[Iterator[Any] | None, StepBatchSampler | StepSampler | None]:
-        if loader is None:
-            return None, None
-        make_workers_safe(loader)
-        issued = step_sampler_of(loader)
-        loader_batch = getattr(loader, "batch_size", None)
-        if isinstance(issued, StepSampler) and loader_batch != self.sampler.batch_size:
-            raise UsageError(
-                f"DataLoader(batch_size={loader_batch}) with run.sampler_for_loader() must take the batch size "
-                f"given to run.start() ({self.sampler.batch_size}): each step is one batch"
-            )
-        # A DataLoader draws its workers' base seed from torch's global generator when it is
-        # iterated: a resumed run, iterating at another step, would leave that stream elsewhere.
-        with torch.random.fork_rng(devices=[]):
-            return iter(loader), issued
 
     def log(self, loss: torch.Tensor | float) -> None:
         """The loss of the step being trained; read out one step later (no device sync now)."""
@@ -531,23 +484,3 @@ class Run:
         steps = self.step - self._first_step
         seconds = self._loop_seconds
         return {"rank": ctx.rank, "step": self.step, "loss": self.last_loss, "steps_per_s": steps / seconds if seconds > 0 else math.inf}
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose state is saved: under DDP and torch.compile wrappers.
-
-    Wrappers whose state the runtime cannot save correctly are refused in one line.
-    """
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-            model = model._orig_mod
-        else:
-            break
-    if type(model).__name__ == "FullyShardedDataParallel":
-        raise UsageError(
-            "FSDP1 (FullyShardedDataParallel) models cannot be checkpointed here: its state dict is a collective; "
-            "use FSDP2 (run.fsdp(model), torch.distributed.fsdp.fully_shard)"
-        )
-    return model

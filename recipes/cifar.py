@@ -74,9 +74,9 @@ from elastic.cli import (  # noqa: E402
     unit_interval,
 )
 from elastic.data import seeded_samples  # noqa: E402
-from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import OneCycle, WarmupCosine  # noqa: E402
+from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
 
 logger = logging.getLogger("cifar")
 

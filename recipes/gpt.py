@@ -50,8 +50,8 @@ from elastic.cli import (  # noqa: E402
 )
 from elastic.errors import CheckpointMismatchError, UsageError  # noqa: E402
 from elastic.runtime import all_reduce_mean  # noqa: E402
-from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
+from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
 
 logger = logging.getLogger("gpt")
 

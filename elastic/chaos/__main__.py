@@ -29,8 +29,14 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from elastic.chaos.etcd import EtcdServer
-from elastic.chaos.harness import NEEDS_NETWORK, NEEDS_OWN_ETCD, SCENARIOS, find_recipe, run_scenario
+from elastic.chaos.harness import find_recipe
 from elastic.chaos.netns import VirtualNetwork
+from elastic.chaos.scenarios import (
+    NEEDS_NETWORK,
+    NEEDS_OWN_ETCD,
+    SCENARIOS,
+    run_scenario,
+)
 from elastic.cli import OneLineArgumentParser, positive_int, run_main
 from elastic.errors import ElasticError, UsageError
 

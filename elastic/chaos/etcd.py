@@ -32,7 +32,7 @@ from pyetcd import etcdrpc
 
 from elastic.chaos.netns import free_port
 from elastic.errors import UsageError
-from elastic.rendezvous.etcd_client import prefix_end
+from elastic.rendezvous.etcd_messages import prefix_end
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,12 @@ from elastic.checkpoint.part_files import PartFetchError
 from elastic.checkpoint.snapshot import dtensor_like
 from elastic.checkpoint.sources import Offer, Opened
 from elastic.checkpoint.training_state import TrainingState
-from elastic.errors import CheckpointError, CheckpointStorageError, CorruptCheckpoint, RestoreTimedOut
+from elastic.errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    CorruptCheckpoint,
+    RestoreTimedOut,
+)
 from elastic.runtime import WorkerContext
 from elastic.storage import sharded
 from elastic.storage.directory import CheckpointStore

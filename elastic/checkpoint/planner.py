@@ -32,9 +32,21 @@ from elastic.checkpoint.disk_source import DiskSource
 from elastic.checkpoint.loader import Loader
 from elastic.checkpoint.memory import MemorySnapshots
 from elastic.checkpoint.memory_source import MemorySource
-from elastic.checkpoint.sources import DISK, Decision, Failure, Offer, Opened, RestoreSource
+from elastic.checkpoint.sources import (
+    DISK,
+    Decision,
+    Failure,
+    Offer,
+    Opened,
+    RestoreSource,
+)
 from elastic.checkpoint.training_state import TrainingState
-from elastic.errors import CheckpointError, CheckpointStorageError, CorruptCheckpoint, RestoreTimedOut
+from elastic.errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    CorruptCheckpoint,
+    RestoreTimedOut,
+)
 from elastic.runtime import WorkerContext, barrier
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import describe_failure

@@ -57,7 +57,6 @@ from elastic.launcher.reaper import start_reaper
 from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 from elastic.slow_imports import prefetch_slow_imports
 
-
 # Exit statuses the runtime gives its workers, for the failure summary.
 STORAGE_EXIT = CheckpointStorageError.exit_code
 _KNOWN_EXITS = {

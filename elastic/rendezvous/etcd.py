@@ -113,15 +113,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic.rendezvous.etcd_client import (
-    EtcdClient,
-    EtcdOptions,
+from elastic.rendezvous.etcd_client import EtcdClient
+from elastic.rendezvous.etcd_messages import (
     KeyValue,
     key_values,
     prefix_end,
     txn_range_results,
     txn_revision,
 )
+from elastic.rendezvous.etcd_options import EtcdOptions
 from elastic.rendezvous.etcd_store import EtcdStore
 
 __all__ = [

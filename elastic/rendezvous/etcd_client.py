@@ -1,4 +1,4 @@
-"""The etcd v3 connection behind the `etcd-v3` rendezvous: options, failover, retries.
+"""The etcd v3 connection behind the `etcd-v3` rendezvous: failover, retries, auth, the lease.
 
 `EtcdClient` speaks etcd's gRPC API, through the messages and stubs that
 `etcd-sdk-python` (import `pyetcd`) generates from etcd's protos, and adds what a
@@ -21,10 +21,9 @@ drops the reason from connection errors, logs in once and only over TLS):
 - errors: what cannot be done becomes one-line `RendezvousConnectionError` naming
   the endpoint(s) and the reason, never a bare gRPC exception.
 
-Requests and replies keep the shape of etcd's v3 JSON API (what the JSON gateway
-took and gave: `{"request_put": {"key": <base64>, ...}}`, replies with
-`header.revision`, `succeeded`, `responses`), so callers written against it read
-the same; `key_values`, `txn_revision` and `txn_range_results` decode replies.
+Its options come from etcd_options.py. Requests and replies keep the shape of
+etcd's v3 JSON API (etcd_messages.py converts them), so callers written against
+it read the same.
 
 Invariant: a retried request may have been applied once already (a reply lost
 in a restart). Every caller either sends idempotent requests or compare-and-set
@@ -33,34 +32,36 @@ transactions whose retry is harmless (see `EtcdStore.add`).
 
 from __future__ import annotations
 
-import base64
 import logging
-import math
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import json_format
 from pyetcd import etcdrpc
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousConnectionError,
-    RendezvousParameters,
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from elastic.rendezvous.etcd_messages import (
+    CURRENT_LEASE,
+    KeyValue,
+    WatchEvent,
+    compare_message,
+    encode,
+    key_value,
+    key_values,
+    prefix_end,
+    range_json,
+    request_op,
+    txn_json,
 )
+from elastic.rendezvous.etcd_options import Endpoint, EtcdOptions
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Marks a put's lease in a request built before sending (see `put_op`).
-_CURRENT_LEASE = object()
-DEFAULT_PORT = 2379
-DEFAULT_TTL = 7200
-DEFAULT_READ_TIMEOUT = 60.0
 # One request never waits longer than this, so a silent endpoint is given up in
 # favour of the next one while the operation's budget still has time left.
 MAX_ATTEMPT_SECONDS = 5.0
@@ -87,147 +88,6 @@ _TRANSIENT = {
 # What gRPC says when TLS itself is wrong (waiting cannot cure it), as opposed to a
 # handshake cut short by a restarting server ("Handshake read failed (Socket closed)").
 _TLS_SIGNS = ("CERTIFICATE_VERIFY_FAILED", "security handshaker", "Unwrap failed", "SSL_ERROR_SSL")
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as etcd holds it. Revisions are etcd's: 0 means 'never'."""
-
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """One change seen by a watch: `kv` as written, or as deleted (then its value is
-    empty and its `mod_revision` is the deletion's revision)."""
-
-    deleted: bool
-    kv: KeyValue
-
-
-def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
-    """`h1:2379,h2,[::1]:2380` -> endpoints, port 2379 where none is given."""
-    endpoints = []
-    for part in (p.strip() for p in (text or "").split(",")):
-        if not part:
-            continue
-        scheme, sep, rest = part.partition("://")
-        if sep:  # http://h:2379 is what etcd's own flags look like: accept it
-            if scheme not in ("http", "https"):
-                raise ValueError(f"etcd endpoint {part!r}: only http:// or https:// (or no scheme)")
-            part = rest.rstrip("/")
-        if part.startswith("["):
-            host, _, rest = part[1:].partition("]")
-            port_text = rest[1:] if rest.startswith(":") else ""
-        elif part.count(":") == 1:
-            host, port_text = part.split(":")
-        else:
-            host, port_text = part, ""
-        try:
-            port = int(port_text) if port_text else DEFAULT_PORT
-        except ValueError:
-            raise ValueError(f"etcd endpoint {part!r} has a port that is not a number") from None
-        if not host or not 0 < port < 65536:
-            raise ValueError(f"etcd endpoint {part!r} is not HOST:PORT")
-        endpoints.append(Endpoint(host, port))
-    if not endpoints:
-        raise ValueError("the etcd-v3 rendezvous needs --rdzv-endpoint=HOST:PORT[,HOST:PORT...]")
-    return tuple(endpoints)
-
-
-@dataclass(frozen=True)
-class EtcdOptions:
-    """What `--rdzv-endpoint`, `--rdzv-id` and `--rdzv-conf` say about etcd.
-
-    The options are documented, as a table, in `elastic.rendezvous.etcd`.
-    """
-
-    endpoints: tuple[Endpoint, ...]
-    key_prefix: str
-    ttl: int
-    read_timeout: float
-    protocol: str = "http"
-    ca_cert: str | None = None
-    ssl_cert: str | None = None
-    ssl_cert_key: str | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-
-    @classmethod
-    def from_params(cls, params: RendezvousParameters) -> EtcdOptions:
-        """Read and check the options; bad values raise ValueError with one clear line."""
-        if not params.run_id:
-            raise ValueError("the etcd-v3 rendezvous needs a non-empty --rdzv-id")
-        prefix = (params.get("key_prefix") or f"/torchrevive/{params.run_id}").rstrip("/")
-        if not prefix:
-            raise ValueError("rdzv-conf key_prefix must not be empty")
-        ttl = _positive(params, "ttl", DEFAULT_TTL, int)
-        read_timeout = _positive(params, "read_timeout", DEFAULT_READ_TIMEOUT, float)
-        protocol = (params.get("protocol") or "http").strip().lower()
-        if protocol not in ("http", "https"):
-            raise ValueError(f"rdzv-conf protocol must be http or https, not {protocol!r}")
-        files = {name: params.get(name) for name in ("ca_cert", "ssl_cert", "ssl_cert_key", "password_file")}
-        for name, path in files.items():
-            if path and not Path(path).is_file():
-                raise ValueError(f"rdzv-conf {name}: no such file {path}")
-        if bool(files["ssl_cert"]) != bool(files["ssl_cert_key"]):
-            raise ValueError("rdzv-conf ssl_cert and ssl_cert_key go together: give both or neither")
-        if (files["ca_cert"] or files["ssl_cert"]) and protocol != "https":
-            raise ValueError("rdzv-conf ca_cert/ssl_cert need protocol=https")
-        user = params.get("user") or None
-        password = params.get("password") or None
-        if files["password_file"]:
-            lines = Path(files["password_file"]).read_text().splitlines()
-            password = lines[0] if lines else ""
-        if password is not None and not user:
-            raise ValueError("rdzv-conf password needs user")
-        if user and password is None:
-            raise ValueError("rdzv-conf user needs password or password_file")
-        endpoints = parse_endpoints(params.endpoint)
-        schemes = {p.strip().partition("://")[0] for p in params.endpoint.split(",") if "://" in p}
-        if schemes - {protocol}:
-            raise ValueError(
-                f"--rdzv-endpoint says {'/'.join(sorted(schemes))}:// but the protocol is {protocol}: "
-                f"add protocol={'/'.join(sorted(schemes))} to --rdzv-conf"
-            )
-        return cls(
-            endpoints=endpoints,
-            key_prefix=prefix,
-            ttl=ttl,
-            read_timeout=read_timeout,
-            protocol=protocol,
-            ca_cert=files["ca_cert"],
-            ssl_cert=files["ssl_cert"],
-            ssl_cert_key=files["ssl_cert_key"],
-            user=user,
-            password=password,
-        )
-
-
-def _positive(params: RendezvousParameters, name: str, default: T, kind: Callable[[str], T]) -> T:
-    text = params.get(name)
-    if text is None or text == "":
-        return default
-    what = "a positive integer" if kind is int else "a positive, finite number"
-    try:
-        value = kind(str(text))
-    except ValueError:
-        raise ValueError(f"rdzv-conf {name} must be {what}, not {text!r}") from None
-    if not 0 < value < math.inf:  # type: ignore[operator]  # also rejects nan
-        raise ValueError(f"rdzv-conf {name} must be {what}, not {text!r}")
-    return value
 
 
 # --- errors -------------------------------------------------------------------------
@@ -296,83 +156,6 @@ def _tls_credentials(options: EtcdOptions) -> grpc.ChannelCredentials | None:
         return Path(path).read_bytes() if path else None
 
     return grpc.ssl_channel_credentials(read(options.ca_cert), read(options.ssl_cert_key), read(options.ssl_cert))
-
-
-# --- the JSON API's shapes, to and from gRPC messages ----------------------------------
-
-
-def encode(data: bytes) -> str:
-    """Bytes as etcd's JSON API writes them (base64)."""
-    return base64.b64encode(data).decode()
-
-
-def decode(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
-_RESULTS = etcdrpc.Compare.CompareResult
-_TARGETS = etcdrpc.Compare.CompareTarget
-_COMPARE_VALUES = {"version": int, "create_revision": int, "mod_revision": int, "lease": int, "value": decode}
-
-
-def _compare(spec: dict[str, Any]) -> etcdrpc.Compare:
-    """`{"key", "result", "target", <target field>}` (JSON API) -> a Compare message."""
-    compare = etcdrpc.Compare(
-        key=decode(spec["key"]),
-        result=_RESULTS.Value(spec.get("result", "EQUAL")),
-        target=_TARGETS.Value(spec.get("target", "VERSION")),
-    )
-    if "range_end" in spec:
-        compare.range_end = decode(spec["range_end"])
-    for name, convert in _COMPARE_VALUES.items():
-        if name in spec:
-            setattr(compare, name, convert(spec[name]))
-    return compare
-
-
-def _request_op(op: dict[str, Any], lease: int) -> etcdrpc.RequestOp:
-    """A transaction operation (JSON API) -> a RequestOp message. Puts and reads of
-    one key, what the rendezvous sends, go the quick way; anything else through
-    protobuf's JSON parser."""
-    put, read = op.get("request_put"), op.get("request_range")
-    if put is not None and put.keys() <= {"key", "value", "lease"}:
-        chosen = lease if put.get("lease") is _CURRENT_LEASE else int(put.get("lease", 0))
-        return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
-            key=decode(put["key"]), value=decode(put.get("value", "")), lease=chosen))
-    if read is not None and read.keys() <= {"key", "range_end", "revision"}:
-        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-            key=decode(read["key"]), range_end=decode(read.get("range_end", "")), revision=int(read.get("revision", 0))))
-    if put is not None and put.get("lease") is _CURRENT_LEASE:
-        op = {**op, "request_put": {**put, "lease": lease}}
-    return json_format.ParseDict(op, etcdrpc.RequestOp())
-
-
-def _kv_json(kv: Any) -> dict[str, Any]:
-    return {"key": encode(kv.key), "value": encode(kv.value), "create_revision": kv.create_revision,
-            "mod_revision": kv.mod_revision, "version": kv.version, "lease": kv.lease}
-
-
-def _range_json(reply: etcdrpc.RangeResponse) -> dict[str, Any]:
-    return {"header": {"revision": reply.header.revision}, "kvs": [_kv_json(kv) for kv in reply.kvs],
-            "count": reply.count, "more": reply.more}
-
-
-def _txn_json(reply: etcdrpc.TxnResponse) -> dict[str, Any]:
-    """A TxnResponse in the JSON API's shape (revisions as ints, keys and values base64)."""
-    responses: list[dict[str, Any]] = []
-    for response in reply.responses:
-        kind = response.WhichOneof("response")
-        if kind == "response_range":
-            responses.append({kind: _range_json(response.response_range)})
-        elif kind == "response_txn":
-            responses.append({kind: _txn_json(response.response_txn)})
-        else:
-            responses.append({kind: json_format.MessageToDict(getattr(response, kind), preserving_proto_field_name=True)})
-    return {"header": {"revision": reply.header.revision}, "succeeded": reply.succeeded, "responses": responses}
-
-
-def _key_value(kv: Any) -> KeyValue:
-    return KeyValue(key=kv.key, value=kv.value, create_revision=kv.create_revision, mod_revision=kv.mod_revision)
 
 
 # --- the client ------------------------------------------------------------------------
@@ -550,25 +333,25 @@ class EtcdClient:
         """One etcd transaction (operations as `put_op`/`range_op` build them, compares
         in the JSON API's shape); returns the reply in the JSON API's shape. `timeout`
         caps the budget (retries included) below `read_timeout`."""
-        compares = [_compare(c) for c in compare]
+        compares = [compare_message(c) for c in compare]
 
         def send(connection: _Connection, attempt_timeout: float) -> etcdrpc.TxnResponse:
             lease = self.lease_id  # read per attempt: a lost lease is replaced between attempts
             request = etcdrpc.TxnRequest(
                 compare=compares,
-                success=[_request_op(op, lease) for op in success],
-                failure=[_request_op(op, lease) for op in failure],
+                success=[request_op(op, lease) for op in success],
+                failure=[request_op(op, lease) for op in failure],
             )
             return connection.kv.Txn(request, timeout=attempt_timeout, metadata=self._metadata())
 
-        return _txn_json(self._call(what, send, budget=timeout))
+        return txn_json(self._call(what, send, budget=timeout))
 
     def range(self, key: bytes, *, prefix: bool = False, count_only: bool = False, what: str = "read",
               timeout: float | None = None) -> dict[str, Any]:
         """The keys at `key` (or under it, with `prefix`), in the JSON API's shape."""
         request = etcdrpc.RangeRequest(key=key, range_end=prefix_end(key) if prefix else b"", count_only=count_only)
         reply = self._call(what, lambda c, t: c.kv.Range(request, timeout=t, metadata=self._metadata()), budget=timeout)
-        return _range_json(reply)
+        return range_json(reply)
 
     def get(self, key: bytes, what: str = "read") -> KeyValue | None:
         kvs = key_values(self.range(key, what=what))
@@ -603,7 +386,7 @@ class EtcdClient:
                     reason = reply.cancel_reason or f"revision {start_revision} was compacted"
                     raise RendezvousConnectionError(f"etcd at {connection.endpoint} ended a watch to {what}: {reason}")
                 if reply.events:
-                    yield [WatchEvent(deleted=e.type == e.DELETE, kv=_key_value(e.kv)) for e in reply.events]
+                    yield [WatchEvent(deleted=e.type == e.DELETE, kv=key_value(e.kv)) for e in reply.events]
         except grpc.RpcError as exc:
             if _deadline_passed(exc):
                 return  # the caller's time is up: nothing changed
@@ -618,7 +401,7 @@ class EtcdClient:
     def put_op(self, key: bytes, value: bytes) -> dict[str, Any]:
         """A put for a transaction, attached to this client's lease (the lease's id
         is filled in when the request is sent: it changes if the lease is lost)."""
-        return {"request_put": {"key": encode(key), "value": encode(value), "lease": _CURRENT_LEASE}}
+        return {"request_put": {"key": encode(key), "value": encode(value), "lease": CURRENT_LEASE}}
 
     @staticmethod
     def range_op(key: bytes, *, revision: int = 0) -> dict[str, Any]:
@@ -673,34 +456,3 @@ class EtcdClient:
 def _token_expired(exc: grpc.RpcError) -> bool:
     """etcd refused the token: expired, from before a restart, or older than a change to its users."""
     return exc.code() == grpc.StatusCode.UNAUTHENTICATED or "auth" in (exc.details() or "")
-
-
-def prefix_end(key: bytes) -> bytes:
-    """The smallest key greater than every key that starts with `key` (etcd's range_end)."""
-    stripped = key.rstrip(b"\xff")
-    if not stripped:
-        return b"\0"
-    return stripped[:-1] + bytes([stripped[-1] + 1])
-
-
-def key_values(range_reply: dict[str, Any]) -> list[KeyValue]:
-    """The keys of a range reply, decoded (zero fields may be absent, as from the gateway)."""
-    return [
-        KeyValue(
-            key=decode(kv["key"]),
-            value=decode(kv.get("value", "")),
-            create_revision=int(kv.get("create_revision", 0)),
-            mod_revision=int(kv.get("mod_revision", 0)),
-        )
-        for kv in range_reply.get("kvs", [])
-    ]
-
-
-def txn_revision(reply: dict[str, Any]) -> int:
-    """The store revision a transaction produced (the mod revision of what it put)."""
-    return int(reply["header"]["revision"])
-
-
-def txn_range_results(reply: dict[str, Any]) -> Sequence[list[KeyValue]]:
-    """The keys returned by each range request of a transaction's taken branch."""
-    return [key_values(r["response_range"]) for r in reply.get("responses", []) if "response_range" in r]

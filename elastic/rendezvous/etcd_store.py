@@ -33,8 +33,8 @@ from datetime import timedelta
 from torch.distributed import DistStoreError, Store
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elastic.rendezvous.etcd_client import (
-    EtcdClient,
+from elastic.rendezvous.etcd_client import EtcdClient
+from elastic.rendezvous.etcd_messages import (
     KeyValue,
     encode,
     txn_range_results,

@@ -27,11 +27,11 @@ import torch
 from etcd_server import EtcdServer
 from support import make_text
 
-from elastic.chaos.harness import run_scenario
 from elastic.chaos.netns import VirtualNetwork
+from elastic.chaos.scenarios import run_scenario
 from elastic.checkpoint import read_checkpoint
-from elastic.storage.sharded import TENSORS_FILE
 from elastic.events import read_events
+from elastic.storage.sharded import TENSORS_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -28,8 +28,8 @@ from text_data import split_corpus
 
 from elastic.chaos.samples import audit
 from elastic.checkpoint import read_checkpoint
-from elastic.storage.sharded import SHARD_PREFIX
 from elastic.events import read_events
+from elastic.storage.sharded import SHARD_PREFIX
 
 pytestmark = pytest.mark.slow
 

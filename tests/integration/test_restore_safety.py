@@ -10,9 +10,9 @@ from pathlib import Path
 
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
+from elastic.events import read_events
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.directory import CheckpointStore
-from elastic.events import read_events
 
 
 def recipe_args(corpus: Path, ckpt: Path, steps: int, *extra: str) -> list[str]:

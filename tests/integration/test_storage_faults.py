@@ -10,8 +10,8 @@ from pathlib import Path
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
 from elastic.chaos.harness import verified_final_checkpoint
-from elastic.storage.directory import CheckpointStore
 from elastic.events import read_events
+from elastic.storage.directory import CheckpointStore
 
 
 def recipe_args(corpus: Path, tmp_path: Path, steps: int, *extra: str) -> list[str]:

@@ -20,12 +20,12 @@ from elastic.chaos.faults import FaultInjector, parse_faults
 from elastic.checkpoint import CheckpointManager
 from elastic.config import RunConfig
 from elastic.errors import CheckpointStorageError, UsageError
-from elastic.storage import directory as store_module
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.durable import SaveFailed
 from elastic.events import EventLog, read_events
 from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
+from elastic.storage import directory as store_module
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.durable import SaveFailed
 
 
 class Job:

@@ -16,11 +16,11 @@ from elastic.checkpoint import (
     read_checkpoint,
 )
 from elastic.config import RunConfig
-from elastic.storage.manifest import versions
 from elastic.errors import CheckpointError, CheckpointMismatchError
 from elastic.events import EventLog, read_events
 from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
+from elastic.storage.manifest import versions
 
 
 class Job:

@@ -18,10 +18,10 @@ from elastic.checkpoint import (
     load_newest_model_state,
 )
 from elastic.config import RunConfig
-from elastic.storage.manifest import Manifest, versions
 from elastic.errors import CheckpointError
 from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
+from elastic.storage.manifest import Manifest, versions
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 

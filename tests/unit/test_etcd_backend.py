@@ -18,7 +18,8 @@ from elastic.rendezvous.etcd import (
     decode_state,
     encode_state,
 )
-from elastic.rendezvous.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.rendezvous.etcd_client import EtcdClient
+from elastic.rendezvous.etcd_options import EtcdOptions, parse_endpoints
 
 
 def params(endpoint: str, run_id: str | None = None, **conf: object) -> RendezvousParameters:

@@ -20,14 +20,14 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic.rendezvous.etcd import create_backend
-from elastic.rendezvous.etcd_client import (
-    EtcdClient,
-    EtcdOptions,
+from elastic.rendezvous.etcd_client import EtcdClient
+from elastic.rendezvous.etcd_messages import (
     encode,
     key_values,
     prefix_end,
     txn_range_results,
 )
+from elastic.rendezvous.etcd_options import EtcdOptions
 from elastic.rendezvous.etcd_store import EtcdStore
 
 

@@ -9,8 +9,8 @@ import pytest
 from support import REPO
 
 from elastic.errors import UsageError
-from elastic.recovery_defaults import RECOVERY_RDZV_CONF, merged_rdzv_conf
 from elastic.launcher.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
+from elastic.recovery_defaults import RECOVERY_RDZV_CONF, merged_rdzv_conf
 
 
 def test_defaults_fill_an_empty_conf() -> None:
@@ -83,8 +83,8 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
         LocalElasticAgent,
     )
 
-    from elastic.storage.keeper_address import KeeperAddress
     from elastic.launcher import launch
+    from elastic.storage.keeper_address import KeeperAddress
 
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_BASE", str(tmp_path))
     monkeypatch.setattr(LocalElasticAgent, "_stop_workers", lambda self, group: "stopped")

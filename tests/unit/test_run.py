@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastic
+from elastic.config import RunConfig
 from elastic.data import StepBatchSampler
 from elastic.errors import CheckpointMismatchError, ElasticError, Preempted, UsageError
 from elastic.events import read_events
-from elastic.run import RunConfig, unwrap
+from elastic.parallel import unwrap
 from elastic.sampler import ElasticSampler
 
 

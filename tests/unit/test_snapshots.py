@@ -20,17 +20,22 @@ import torch.multiprocessing as mp
 from support import free_port
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.checkpoint import CheckpointManager, CheckpointStore, memory, part_files, read_checkpoint
+from elastic.checkpoint import (
+    CheckpointManager,
+    CheckpointStore,
+    part_files,
+    read_checkpoint,
+)
 from elastic.checkpoint.memory import MemorySnapshots
 from elastic.checkpoint.part_files import PartFetchError, PartFiles
 from elastic.config import RunConfig
 from elastic.errors import CorruptCheckpoint
-from elastic.storage import parts, sharded
-from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
 from elastic.events import EventLog, read_events
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
+from elastic.storage import parts, sharded
+from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
 
 
 @pytest.fixture

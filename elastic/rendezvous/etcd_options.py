@@ -1,0 +1,143 @@
+"""What `--rdzv-endpoint`, `--rdzv-id` and `--rdzv-conf` say about etcd, read and checked.
+
+The options are documented, as a table, in `elastic.rendezvous.etcd`. Bad
+values are one `ValueError` line each, raised before anything connects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+T = TypeVar("T")
+
+DEFAULT_PORT = 2379
+DEFAULT_TTL = 7200
+DEFAULT_READ_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
+    """`h1:2379,h2,[::1]:2380` -> endpoints, port 2379 where none is given."""
+    endpoints = []
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        scheme, sep, rest = part.partition("://")
+        if sep:  # http://h:2379 is what etcd's own flags look like: accept it
+            if scheme not in ("http", "https"):
+                raise ValueError(f"etcd endpoint {part!r}: only http:// or https:// (or no scheme)")
+            part = rest.rstrip("/")
+        if part.startswith("["):
+            host, _, rest = part[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        elif part.count(":") == 1:
+            host, port_text = part.split(":")
+        else:
+            host, port_text = part, ""
+        try:
+            port = int(port_text) if port_text else DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"etcd endpoint {part!r} has a port that is not a number") from None
+        if not host or not 0 < port < 65536:
+            raise ValueError(f"etcd endpoint {part!r} is not HOST:PORT")
+        endpoints.append(Endpoint(host, port))
+    if not endpoints:
+        raise ValueError("the etcd-v3 rendezvous needs --rdzv-endpoint=HOST:PORT[,HOST:PORT...]")
+    return tuple(endpoints)
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """What `--rdzv-endpoint`, `--rdzv-id` and `--rdzv-conf` say about etcd.
+
+    The options are documented, as a table, in `elastic.rendezvous.etcd`.
+    """
+
+    endpoints: tuple[Endpoint, ...]
+    key_prefix: str
+    ttl: int
+    read_timeout: float
+    protocol: str = "http"
+    ca_cert: str | None = None
+    ssl_cert: str | None = None
+    ssl_cert_key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> EtcdOptions:
+        """Read and check the options; bad values raise ValueError with one clear line."""
+        if not params.run_id:
+            raise ValueError("the etcd-v3 rendezvous needs a non-empty --rdzv-id")
+        prefix = (params.get("key_prefix") or f"/torchrevive/{params.run_id}").rstrip("/")
+        if not prefix:
+            raise ValueError("rdzv-conf key_prefix must not be empty")
+        ttl = _positive(params, "ttl", DEFAULT_TTL, int)
+        read_timeout = _positive(params, "read_timeout", DEFAULT_READ_TIMEOUT, float)
+        protocol = (params.get("protocol") or "http").strip().lower()
+        if protocol not in ("http", "https"):
+            raise ValueError(f"rdzv-conf protocol must be http or https, not {protocol!r}")
+        files = {name: params.get(name) for name in ("ca_cert", "ssl_cert", "ssl_cert_key", "password_file")}
+        for name, path in files.items():
+            if path and not Path(path).is_file():
+                raise ValueError(f"rdzv-conf {name}: no such file {path}")
+        if bool(files["ssl_cert"]) != bool(files["ssl_cert_key"]):
+            raise ValueError("rdzv-conf ssl_cert and ssl_cert_key go together: give both or neither")
+        if (files["ca_cert"] or files["ssl_cert"]) and protocol != "https":
+            raise ValueError("rdzv-conf ca_cert/ssl_cert need protocol=https")
+        user = params.get("user") or None
+        password = params.get("password") or None
+        if files["password_file"]:
+            lines = Path(files["password_file"]).read_text().splitlines()
+            password = lines[0] if lines else ""
+        if password is not None and not user:
+            raise ValueError("rdzv-conf password needs user")
+        if user and password is None:
+            raise ValueError("rdzv-conf user needs password or password_file")
+        endpoints = parse_endpoints(params.endpoint)
+        schemes = {p.strip().partition("://")[0] for p in params.endpoint.split(",") if "://" in p}
+        if schemes - {protocol}:
+            raise ValueError(
+                f"--rdzv-endpoint says {'/'.join(sorted(schemes))}:// but the protocol is {protocol}: "
+                f"add protocol={'/'.join(sorted(schemes))} to --rdzv-conf"
+            )
+        return cls(
+            endpoints=endpoints,
+            key_prefix=prefix,
+            ttl=ttl,
+            read_timeout=read_timeout,
+            protocol=protocol,
+            ca_cert=files["ca_cert"],
+            ssl_cert=files["ssl_cert"],
+            ssl_cert_key=files["ssl_cert_key"],
+            user=user,
+            password=password,
+        )
+
+
+def _positive(params: RendezvousParameters, name: str, default: T, kind: Callable[[str], T]) -> T:
+    text = params.get(name)
+    if text is None or text == "":
+        return default
+    what = "a positive integer" if kind is int else "a positive, finite number"
+    try:
+        value = kind(str(text))
+    except ValueError:
+        raise ValueError(f"rdzv-conf {name} must be {what}, not {text!r}") from None
+    if not 0 < value < math.inf:  # type: ignore[operator]  # also rejects nan
+        raise ValueError(f"rdzv-conf {name} must be {what}, not {text!r}")
+    return value
