@@ -553,7 +553,7 @@ def measure_dist(row: DistRow, tree: Path, scratch: Path, opts: argparse.Namespa
     row.sync_seconds = statistics.median(main["sync_seconds"])
     row.restore_seconds = max(r["seconds"] for r in restore)
     row.checkpoint_bytes = restore[0]["checkpoint_bytes"]
-    inside = f"step_{restore[0]['step']:08d}{os.sep}"  # elastic.checkpoint.store.checkpoint_name, both trees
+    inside = f"step_{restore[0]['step']:08d}{os.sep}"  # elastic.storage.manifest.checkpoint_name, both trees
     for r in restore:
         for name, n in r["bytes_read"].items():
             if name.startswith(inside):

@@ -1,4 +1,4 @@
-"""The checkpoint directory's safety rules (elastic/checkpoint/store.py): the writer claim,
+"""The checkpoint directory's safety rules (elastic/storage/directory.py, claim.py): the writer claim,
 `latest` read before the listing, replacing a step without a gap, bounded quarantine,
 and format-2 checkpoints written with begin/write_state_file/finish."""
 

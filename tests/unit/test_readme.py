@@ -133,3 +133,23 @@ def test_readme_links_every_docs_page_and_each_page_links_back() -> None:
         title, summary = page.read_text().split("\n\n", 2)[:2]
         assert title.startswith("# ") and "\n" not in title, f"{page.name} starts with its title"
         assert "](../README.md)" in summary, f"{page.name}'s opening summary links back to the README"
+
+
+def test_the_flag_table_is_runconfigs() -> None:
+    """docs/recipes.md's table of the runtime flags is the one `RunConfig` makes, and the
+    parser's flags are exactly `RunConfig`'s fields with its defaults."""
+    import argparse
+    from dataclasses import fields
+
+    from elastic.config import RunConfig, add_runtime_arguments, flag_table
+
+    page = (DOCS / "recipes.md").read_text()
+    assert flag_table() in page, "regenerate the table: python -c 'import elastic.config as c; print(c.flag_table())'"
+    parser = argparse.ArgumentParser()
+    add_runtime_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    assert defaults == {f.name: f.default for f in fields(RunConfig)}
+    assert RunConfig.from_args(parser.parse_args([])) == RunConfig()
+    import elastic
+
+    assert vars(elastic.ArgumentParser().parse_args([])) == defaults

@@ -1,4 +1,4 @@
-"""The sharded tensor format (elastic/checkpoint/sharded.py) and the flat live state (state.py).
+"""The sharded tensor format (elastic/storage/sharded.py) and the flat live state (state.py).
 
 Single-process round trips, corruption found by the per-block crc32c, no pickles,
 and a real FSDP2 job on gloo: saved by 2 ranks, loaded by 1, 2 and 3 ranks.
