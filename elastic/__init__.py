@@ -5,19 +5,20 @@ The front door is one object:
     import elastic
     with elastic.Run.from_args(args) as run: ...      # see elastic/run.py
 
-Underneath, its parts stay usable alone, in layers (each imports only the ones
-below it):
+Underneath, its parts stay usable alone, in layers (docs/architecture.md draws
+them; import-linter contracts in pyproject.toml keep them):
 
-- `elastic.run`: the front door (`Run`, `RunConfig`) and `elastic.contract`,
-  the recipe flags that configure it.
-- `elastic.data` (the sampler in a DataLoader), `elastic.sampler`,
-  `elastic.preemption`, `elastic.watchdog`, `elastic.events`, `elastic.metrics`,
-  `elastic.progress`, `elastic.replicas`, `elastic.rng`: one concern each.
-- `elastic.checkpoint`: the state manager (commit, verify, fall back, inspect).
-- `elastic.runtime`: who this worker is, its device and process group.
-- `elastic.launcher` (torchrevive-run, warm starts, the reaper) and
-  `elastic.rendezvous` (the etcd-v3 plugin) run beside the workers, in the
-  agent; `elastic.chaos` is the fault-injection tooling and audits.
+- the worker side, top to bottom: `run` (the front door), `checkpoint` (the
+  state manager), the worker services (`data`, `metrics`, `parallel`,
+  `preemption`, `replicas`, `watchdog`, `progress`, `schedules`, `events`,
+  `sampler`, `rng`, `agreement`), `runtime` and `round_store`;
+- the agent side, beside the workers in torchrun's agent: `launcher`
+  (torchrevive-run, the snapshot keeper, warm starts) and `rendezvous` (etcd-v3);
+- below both: `storage` (checkpoint formats and the one commit), `config`
+  (`RunConfig`, the flags), `cli`, `errors`, `version`, `recovery_defaults`,
+  `slow_imports`, `fault_hook`;
+- on top, imported by nothing in the library: `chaos` (fault injection, audits),
+  `report`, `run_history`.
 
 It never imports a recipe: dependencies point recipes -> elastic -> torch.
 """

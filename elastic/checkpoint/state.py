@@ -17,6 +17,17 @@ Invariants:
   state this module cannot save correctly is one `UsageError` line up front.
 - The optimizer's non-tensor state (hyperparameters per group, and any
   non-tensor per-parameter value) travels as plain values, by parameter name.
+
+Why not torch.distributed.checkpoint.state_dict (`get_state_dict`,
+`set_optimizer_state_dict`), which names tensors the same way: measured with
+benchmarks/state_walk.py on 2 CPU cores, its walk costs 13.6x ours at the GPT
+recipe's size (2.9 ms against 0.21 ms) and 13.7x at ~100M parameters (9.4 ms
+against 0.68 ms), and an in-memory snapshot takes this walk at every step on
+a thread that shares the GIL with the loop. And on a fresh optimizer (every
+restore, and a save before the first step) it runs `optimizer.step()` with
+zero gradients and the learning rate at 0 (its `_init_optim_state`), which
+fires the script's optimizer hooks and ours. DCP still does what it is best
+at here: planning who writes and reads which chunk, and resharding (storage/sharded.py).
 """
 
 from __future__ import annotations

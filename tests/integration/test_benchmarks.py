@@ -112,3 +112,13 @@ def test_recovery_benchmark_rejects_unknown_settings() -> None:
     result = subprocess.run([sys.executable, "benchmarks/recovery.py", "--settings", "fast"], capture_output=True,
                             text=True, timeout=60, cwd=REPO)
     assert result.returncode == 2 and "--settings takes stock, ours" in result.stderr
+
+
+def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/state_walk.py", "--models", "recipe", "--repeats", "3"],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^recipe +(save|restore) +([\d.]+) +([\d.]+) +([\d.]+)$", result.stdout, re.M)
+    assert [side for side, *_ in rows] == ["save", "restore"], result.stdout
