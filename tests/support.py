@@ -1,4 +1,4 @@
-"""Helpers for tests that start real processes: ports, text, torchrun agents."""
+"""Helpers shared by the tests: ports, text, torchrun agents, checkpoints, metrics."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
 from elastic.checkpoint import read_checkpoint
 from elastic.launcher.proctree import children as children_of  # noqa: F401 - re-exported
 from elastic.launcher.proctree import worker_rank  # noqa: F401 - re-exported
+from elastic.metrics import PREFIX, TrainingMetrics
+from elastic.runtime import WorkerContext
+from elastic.sampler import ElasticSampler
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
@@ -266,3 +270,50 @@ def seeded_rng(what: str) -> random.Random:
     seed = int(given) if given else random.SystemRandom().randrange(2**32)
     print(f"{what}: seed {seed} ({'from' if given else 'reproduce with'} {SEED_ENV}={seed})", flush=True)
     return random.Random(seed)
+
+
+# -- metrics -------------------------------------------------------------------------
+
+
+def context(rank: int = 1, local_rank: int = 0, restarts: int = 2) -> WorkerContext:
+    return WorkerContext(
+        rank=rank, local_rank=local_rank, world_size=4, local_world_size=2, restart_count=restarts,
+        run_id="job7", device=torch.device("cpu"), backend="gloo",
+    )
+
+
+def samples(metrics: TrainingMetrics) -> dict[str, float]:
+    """name{labels} -> value, for this worker's torchrevive_* series."""
+    found = {}
+    for family in metrics.registry.collect():
+        for s in family.samples:
+            if s.name.startswith(PREFIX):
+                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id"))
+                found[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return found
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+class Jittered(Dataset):
+    """Sample i is i plus noise from all three global generators: what an augmentation does."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        noise = torch.rand(()).item() + random.random() + float(np.random.rand())
+        return torch.tensor([float(index), noise], dtype=torch.float64)
+
+
+def replay(sampler: ElasticSampler, rank: int, world_size: int, steps: int) -> list[list[tuple[int, int]]]:
+    """What the loop sees: local_batch, then advance; keys carry the epoch of their stream position."""
+    out = []
+    for _ in range(steps):
+        epoch, consumed = sampler.state.epoch, sampler.state.consumed
+        local = sampler.local_batch(rank, world_size).tolist()
+        first = consumed + rank * sampler.batch_size
+        out.append([(epoch + (first + j) // sampler.num_samples, i) for j, i in enumerate(local)])
+        sampler.advance(world_size)
+    return out

@@ -122,3 +122,15 @@ def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^recipe +(save|restore) +([\d.]+) +([\d.]+) +([\d.]+)$", result.stdout, re.M)
     assert [side for side, *_ in rows] == ["save", "restore"], result.stdout
+
+
+def test_the_script_prints_the_tables_and_refuses_without_a_traceback(tmp_path):
+    ok = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr
+    for text in ("recovery_stock_s", "measured", "assumption", "Llama 3 Herd", "Kokolis", "Ant Group",
+                 "MTBF", "Young/Daly", "torchrevive + in-memory snapshots", "10,000"):
+        assert text in ok.stdout
+    bad = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py", "--restart-at-scale-s", "-3"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

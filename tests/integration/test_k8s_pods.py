@@ -18,9 +18,19 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
-from kube import K8S, PodProcess, find, local_executables, render
+from kube import (
+    K8S,
+    KUSTOMIZATIONS,
+    PodProcess,
+    build,
+    find,
+    kubectl,
+    local_executables,
+    render,
+)
 from support import free_port, wait_for
 
 from elastic.events import read_events
@@ -121,3 +131,12 @@ def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tm
     assert len(set(end["param_digests"])) == 1, "the replicas ended different"
     final = tmp_path / "ckpt" / SETTINGS["JOB_ID"] / f"step_{STEPS:08d}"
     assert json.loads((final / "manifest.json").read_text())["step"] == STEPS, "the final checkpoint is on the shared volume"
+
+
+@pytest.mark.skipif(kubectl() is None, reason="kubectl is not installed: nothing to compare the fallback with")
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)) or "base")
+def test_the_fallback_renders_what_kubectl_renders(directory: Path) -> None:
+    def keyed(objects: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+        return {(o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o for o in objects}
+
+    assert keyed(build(directory)) == keyed(render(directory, use_kubectl=True))

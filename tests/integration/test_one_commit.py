@@ -28,15 +28,6 @@ from elastic.storage.directory import CheckpointStore
 from elastic.storage.manifest import checkpoint_name
 
 
-@pytest.fixture
-def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    keeper = SnapshotKeeper("127.0.0.1", base=tmp_path / "shm")
-    for key, value in keeper.address.environ().items():
-        monkeypatch.setenv(key, value)
-    yield keeper
-    keeper.close(timeout=30)
-
-
 def train(tmp_path: Path, steps: int) -> tuple[CheckpointManager, EventLog]:
     """A one-process job with a snapshot at every step and no periodic checkpoint."""
     torch.manual_seed(0)

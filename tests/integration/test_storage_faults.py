@@ -4,14 +4,20 @@ the collective timeout."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import uuid
 from pathlib import Path
 
+import pytest
+import torch
+from store_helpers import describe, temporaries
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
 from elastic.chaos.harness import verified_final_checkpoint
 from elastic.events import read_events
 from elastic.storage.directory import CheckpointStore
+from elastic.storage.durable import SaveFailed
 
 
 def recipe_args(corpus: Path, tmp_path: Path, steps: int, *extra: str) -> list[str]:
@@ -76,3 +82,30 @@ def test_saves_slower_than_every_timeout_trip_none(tmp_path: Path, tiny_corpus: 
     assert [e["step"] for e in kinds(events, "end")] == [30]
     name, error = verified_final_checkpoint(tmp_path / "ckpt", 30)
     assert name, error
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path):
+    """A 1 MB tmpfs (root only): a real full disk."""
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("mount and umount are not installed (Debian: mount)")
+    mount = tmp_path / "volume"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", f"torchrevive-{uuid.uuid4().hex[:6]}", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_real_full_disk_names_enospc_and_leaves_nothing_behind(small_volume: Path) -> None:
+    store = CheckpointStore(small_volume / "ckpt")
+    store.prepare()
+    store.commit(1, {"model.pt": {"w": torch.ones(1000)}}, describe=describe(1))
+    with pytest.raises(SaveFailed) as caught:  # 2 MB into a 1 MB volume
+        store.commit(2, {"model.pt": {"w": torch.ones(512 * 1024)}}, describe=describe(2))
+    assert str(caught.value).startswith(f"cannot write step_00000002 to {small_volume / 'ckpt'}: No space left on device (ENOSPC)")
+    assert temporaries(small_volume / "ckpt") == []
+    assert [c.step for c in store.committed()] == [1]
+    store.verify(store.committed()[0])

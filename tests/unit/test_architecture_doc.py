@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import importlib
 import re
-import tomllib
 
+import tomllib
 from support import REPO
 
 PAGE = REPO / "docs" / "architecture.md"

@@ -9,12 +9,11 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from store_helpers import describe, temporaries
 
 from elastic.chaos.faults import FaultInjector, parse_faults
 from elastic.checkpoint import CheckpointManager
@@ -25,7 +24,6 @@ from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
 from elastic.storage import directory as store_module
 from elastic.storage.directory import CheckpointStore
-from elastic.storage.durable import SaveFailed
 
 
 class Job:
@@ -70,10 +68,6 @@ def recorded(events: Path, kind: str) -> list[dict]:
     return [e for e in read_events(events) if e["event"] == kind]
 
 
-def leftovers(ckpt: Path) -> list[str]:
-    return sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".tmp."))
-
-
 def test_a_failed_save_is_a_warning_and_training_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("ELASTIC_FAULT", "during_write@4:do=enospc")
     job = Job(tmp_path / "ckpt", tmp_path / "events.jsonl")
@@ -89,7 +83,7 @@ def test_a_failed_save_is_a_warning_and_training_goes_on(tmp_path: Path, monkeyp
     (failed,) = recorded(tmp_path / "events.jsonl", "checkpoint_failed")
     assert failed["step"] == 4 and failed["failures_in_a_row"] == 1 and "ENOSPC" in failed["error"]
     assert [e["step"] for e in recorded(tmp_path / "events.jsonl", "checkpoint")] == [2, 6]
-    assert leftovers(tmp_path / "ckpt") == [], "the failed save's temporary directory is removed"
+    assert temporaries(tmp_path / "ckpt") == [], "the failed save's temporary directory is removed"
     again = Job(tmp_path / "ckpt", tmp_path / "events.jsonl")
     assert again.ckpt.restore() == 6
     again.close()
@@ -110,7 +104,7 @@ def test_failures_in_a_row_stop_the_job_and_keep_the_last_good_checkpoint(tmp_pa
     store = CheckpointStore(tmp_path / "ckpt")
     assert [c.step for c in store.committed()] == [2]
     store.verify(store.committed()[0])
-    assert leftovers(tmp_path / "ckpt") == []
+    assert temporaries(tmp_path / "ckpt") == []
 
 
 def test_a_commit_resets_the_count_of_failures_in_a_row(tmp_path: Path, monkeypatch) -> None:
@@ -204,7 +198,7 @@ def test_restore_stops_on_storage_that_refuses_writes(tmp_path: Path, monkeypatc
     with pytest.raises(CheckpointStorageError, match=r"refuses writes: Input/output error \(EIO\)"):
         job.ckpt.restore()
     job.close()
-    assert leftovers(tmp_path / "ckpt") == []
+    assert temporaries(tmp_path / "ckpt") == []
 
 
 def test_a_directory_fsync_the_filesystem_refuses_is_skipped(tmp_path: Path, monkeypatch, caplog) -> None:
@@ -219,44 +213,14 @@ def test_a_directory_fsync_the_filesystem_refuses_is_skipped(tmp_path: Path, mon
     store = CheckpointStore(tmp_path / "ckpt")
     store.prepare()
     with caplog.at_level(logging.WARNING):
-        store.commit(1, {"model.pt": {"w": torch.ones(3)}}, describe=_manifest(1))
+        store.commit(1, {"model.pt": {"w": torch.ones(3)}}, describe=describe(1))
     assert store.verify(store.committed()[0]).step == 1
 
 
-def _manifest(step: int):
-    from elastic.storage.manifest import Manifest, versions
-
-    return lambda files: Manifest(
-        step=step, epoch=0, consumed=0, world_size=1, files=files, created=0.0, reason="test", run_id="t",
-        versions=versions(),
-    )
 
 
-@pytest.fixture
-def small_volume(tmp_path: Path):
-    """A 1 MB tmpfs (root only): a real full disk."""
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("mount and umount are not installed (Debian: mount)")
-    mount = tmp_path / "volume"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", f"torchrevive-{uuid.uuid4().hex[:6]}", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_real_full_disk_names_enospc_and_leaves_nothing_behind(small_volume: Path) -> None:
-    store = CheckpointStore(small_volume / "ckpt")
-    store.prepare()
-    store.commit(1, {"model.pt": {"w": torch.ones(1000)}}, describe=_manifest(1))
-    with pytest.raises(SaveFailed) as caught:  # 2 MB into a 1 MB volume
-        store.commit(2, {"model.pt": {"w": torch.ones(512 * 1024)}}, describe=_manifest(2))
-    assert str(caught.value).startswith(f"cannot write step_00000002 to {small_volume / 'ckpt'}: No space left on device (ENOSPC)")
-    assert leftovers(small_volume / "ckpt") == []
-    assert [c.step for c in store.committed()] == [1]
-    store.verify(store.committed()[0])
 
 
 def test_an_event_log_that_cannot_be_created_or_written_is_one_line_or_a_warning(tmp_path: Path, caplog) -> None:

@@ -5,15 +5,13 @@ and format-2 checkpoints written with begin/write_state_file/finish."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import crc32c
 import pytest
 import torch
+from store_helpers import claim_of, leftovers, save, weights
 
 from elastic.errors import CheckpointStorageError, CorruptCheckpoint
 from elastic.storage import directory as store_module
@@ -21,51 +19,7 @@ from elastic.storage import sharded
 from elastic.storage.claim import WRITER, WriterIdentity
 from elastic.storage.directory import LATEST, CheckpointStore
 from elastic.storage.durable import SaveFailed, replace_small
-from elastic.storage.manifest import MANIFEST, Manifest, checkpoint_name, versions
-
-
-def manifest_for(step: int, files: dict, *, run_id: str = "run-a") -> Manifest:
-    return Manifest(
-        step=step, epoch=0, consumed=step * 8, world_size=1, files=files, created=time.time(),
-        reason="periodic", run_id=run_id, versions=versions(),
-    )
-
-
-def save(store: CheckpointStore, step: int, *, owner: WriterIdentity | None = None, value: float | None = None, **kwargs) -> Path:
-    """A format-2 checkpoint of one rank: shard file, tensors.json, trainer.pt, manifest."""
-    tmp = store.begin(step, "t" + os.urandom(4).hex())
-    fill = float(step) if value is None else value
-    sharded.save_tensors({"model/w": torch.full((8, 4), fill), "model/n": torch.tensor(step)}, tmp, group=None)
-    files = {name: {"bytes": (tmp / name).stat().st_size} for name in (sharded.shard_file(0),)}
-    text = (tmp / sharded.TENSORS_FILE).read_bytes()
-    files[sharded.TENSORS_FILE] = {"bytes": len(text), "crc32c": crc32c.crc32c(text)}
-    files["trainer.pt"] = store.write_state_file(tmp, "trainer.pt", {"step": step, "fill": fill})
-    return store.finish(tmp, manifest_for(step, files), owner=owner, **kwargs)
-
-
-def weights(store: CheckpointStore, step: int) -> torch.Tensor:
-    (candidate,) = [c for c in store.committed() if c.step == step]
-    manifest = store.verify(candidate)
-    metadata = store.tensor_metadata(candidate, manifest)
-    return sharded.full_tensors(candidate.path, metadata, ["model/w"])["model/w"]
-
-
-def live_pid() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-
-
-def dead_pid() -> int:
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
-
-
-def claim_of(run_id: str, *, pid: int, host: str | None = None, heartbeat: float | None = None) -> WriterIdentity:
-    return WriterIdentity(
-        writer=f"w-{run_id}-{pid}", run_id=run_id, host=host or socket.gethostname(), pid=pid,
-        heartbeat=time.time() if heartbeat is None else heartbeat,
-    )
-
+from elastic.storage.manifest import MANIFEST, Manifest, checkpoint_name
 
 # -- format-2 checkpoints through the store --------------------------------------------------
 
@@ -233,53 +187,10 @@ def test_replacing_a_step_leaves_only_the_new_copy(tmp_path: Path) -> None:
 # -- the writer claim -------------------------------------------------------------------------
 
 
-def leftovers(root: Path) -> dict[str, bytes]:
-    tmp = root / ".tmp.step_00000300.other"
-    tmp.mkdir()
-    (tmp / "shard_00000.bin").write_bytes(b"half written")
-    return {"dir": tmp.name.encode(), "content": (tmp / "shard_00000.bin").read_bytes()}
 
 
-def test_a_second_job_is_refused_while_the_first_one_lives(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
-    other = live_pid()
-    try:
-        first = claim_of("run-other", pid=other.pid)
-        store.prepare(first)
-        save(store, 100, owner=first)
-        leftovers(tmp_path)
-        before = (tmp_path / WRITER).read_text()
-
-        with pytest.raises(CheckpointStorageError) as caught:
-            CheckpointStore(tmp_path).prepare(WriterIdentity.new("run-mine"))
-        message = str(caught.value)
-        assert "\n" not in message
-        assert "written by another job" in message and "run-other" in message and str(other.pid) in message
-        assert "--ckpt-dir" in message
-        # Nothing of the other job's was touched: its claim, its save in progress, its checkpoints.
-        assert (tmp_path / WRITER).read_text() == before
-        assert (tmp_path / ".tmp.step_00000300.other" / "shard_00000.bin").read_bytes() == b"half written"
-        assert [c.step for c in store.committed()] == [100]
-    finally:
-        other.kill()
-        other.wait()
-
-    # Once that process is gone, the directory is taken over and its leftovers removed.
-    mine = WriterIdentity.new("run-mine")
-    CheckpointStore(tmp_path).prepare(mine)
-    assert CheckpointStore(tmp_path).writer() == mine
-    assert not list(tmp_path.glob(".tmp.*"))
-    assert [c.step for c in store.committed()] == [100]
 
 
-def test_a_claim_by_a_dead_process_is_taken_over(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
-    store.prepare(claim_of("run-old", pid=dead_pid()))
-    leftovers(tmp_path)
-    mine = WriterIdentity.new("run-new")
-    store.prepare(mine)
-    assert store.writer() == mine
-    assert not list(tmp_path.glob(".tmp.*"))
 
 
 def test_a_claim_from_another_host_lives_until_its_heartbeat_is_stale(tmp_path: Path) -> None:
@@ -321,47 +232,8 @@ def test_the_same_run_s_old_rank_0_on_another_host_is_taken_over(tmp_path: Path)
         store.check_owner(elsewhere)  # it is refused at its next commit
 
 
-def test_another_live_process_of_the_same_run_id_on_this_host_is_refused(tmp_path: Path) -> None:
-    # Two single-process runs share the run id "local": the directory is still one job's.
-    store = CheckpointStore(tmp_path)
-    other = live_pid()
-    try:
-        store.prepare(claim_of("local", pid=other.pid))
-        with pytest.raises(CheckpointStorageError, match="written by another job"):
-            store.prepare(WriterIdentity.new("local"))
-    finally:
-        other.kill()
-        other.wait()
 
 
-def test_a_writer_that_lost_the_directory_does_not_commit(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
-    old = claim_of("run-old", pid=dead_pid())
-    store.prepare(old)
-    save(store, 100, owner=old)
-    store.check_owner(old)
-    store.heartbeat(old)
-    assert store.writer().heartbeat >= old.heartbeat
-
-    new = WriterIdentity.new("run-new")
-    CheckpointStore(tmp_path).prepare(new)
-    theirs = leftovers(tmp_path)
-    with pytest.raises(SaveFailed) as caught:
-        store.check_owner(old)
-    assert "\n" not in str(caught.value) and "run-new" in str(caught.value)
-    with pytest.raises(SaveFailed):
-        store.heartbeat(old)
-    assert store.writer() == new
-
-    # A save the old writer finishes now is refused; its own temporary goes, the new writer's stays.
-    with pytest.raises(SaveFailed, match="another writer"):
-        save(store, 200, owner=old)
-    assert [c.step for c in store.committed()] == [100]
-    assert [p.name.encode() for p in tmp_path.glob(".tmp.*")] == [theirs["dir"]]
-    assert store.latest_pointer() == checkpoint_name(100)
-    # The new writer commits, and its commit refreshes its claim.
-    save(store, 200, owner=new)
-    assert store.writer().writer == new.writer and store.writer().heartbeat >= new.heartbeat
 
 
 def test_an_unreadable_claim_is_taken_over(tmp_path: Path) -> None:

@@ -2,51 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
-import signal
-import time
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from support import Jittered, replay
+from torch.utils.data import DataLoader
 
 from elastic.data import (
-    SafeWorkerInit,
     SampleKey,
     StepBatchSampler,
     StepSampler,
-    _die_with,
     seeded_samples,
     step_sampler_of,
 )
-from elastic.launcher.proctree import status
 from elastic.sampler import ElasticSampler
-
-
-class Jittered(Dataset):
-    """Sample i is i plus noise from all three global generators: what an augmentation does."""
-
-    def __len__(self) -> int:
-        return 10
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        noise = torch.rand(()).item() + random.random() + float(np.random.rand())
-        return torch.tensor([float(index), noise], dtype=torch.float64)
-
-
-def replay(sampler: ElasticSampler, rank: int, world_size: int, steps: int) -> list[list[tuple[int, int]]]:
-    """What the loop sees: local_batch, then advance; keys carry the epoch of their stream position."""
-    out = []
-    for _ in range(steps):
-        epoch, consumed = sampler.state.epoch, sampler.state.consumed
-        local = sampler.local_batch(rank, world_size).tolist()
-        first = consumed + rank * sampler.batch_size
-        out.append([(epoch + (first + j) // sampler.num_samples, i) for j, i in enumerate(local)])
-        sampler.advance(world_size)
-    return out
 
 
 def keys(batches: list[list[SampleKey]]) -> list[list[tuple[int, int]]]:
@@ -124,72 +96,3 @@ def test_seeded_samples_depend_only_on_seed_epoch_and_index() -> None:
     assert torch.equal(first[2], data[2]), "a plain int is epoch 0"
     assert all(not torch.equal(a, data[SampleKey(i, 1)]) for i, a in enumerate(first)), "each epoch draws anew"
     assert first[2][0].item() == 2.0
-
-
-def test_loader_output_does_not_depend_on_its_worker_count() -> None:
-    runs = []
-    for workers in (0, 2):
-        sampler = ElasticSampler(10, batch_size=4, seed=1)
-        loader = DataLoader(
-            seeded_samples(Jittered(), seed=1), batch_sampler=StepBatchSampler(sampler, 1, 2, steps=6),
-            num_workers=workers, worker_init_fn=SafeWorkerInit(os.getpid()) if workers else None,
-        )
-        runs.append(list(loader))
-    for a, b in zip(*runs, strict=True):
-        assert torch.equal(a, b)
-    assert runs[0][0].shape == (4, 2)
-
-
-def test_stateful_dataloader_takes_the_step_sampler() -> None:
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    sampler = ElasticSampler(10, batch_size=3, seed=7)
-    expected = replay(ElasticSampler(10, batch_size=3, seed=7), 0, 2, 9)
-    loader = stateful.StatefulDataLoader(range(10), batch_sampler=StepBatchSampler(sampler, 0, 2, steps=9), num_workers=2)
-    assert [b.tolist() for b in loader] == [[i for _, i in batch] for batch in expected]
-
-
-def test_a_loader_worker_dies_with_its_parent() -> None:
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:  # the training process, to be killed
-        try:
-            if os.fork() == 0:  # its loader worker
-                _die_with(os.getppid())
-                os.write(writer, f"{os.getpid()}\n".encode())
-                time.sleep(60)
-            time.sleep(60)
-        finally:
-            os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader) as lines:
-        worker = int(lines.readline())
-    os.kill(child, signal.SIGKILL)
-    os.waitpid(child, 0)
-
-    def alive() -> bool:
-        return status(worker).get("State", "Z").startswith(("S", "R"))  # gone or a zombie: dead
-
-    deadline = time.monotonic() + 5
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if alive():
-        os.kill(worker, signal.SIGKILL)
-        pytest.fail("the orphaned worker lived on")
-
-
-def test_a_safe_worker_ignores_sigterm_and_runs_the_users_init() -> None:
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            SafeWorkerInit(os.getppid(), then=lambda worker_id: os.write(writer, f"init {worker_id}\n".encode()))(3)
-            os.write(writer, b"ready\n")
-            time.sleep(2)  # a SIGTERM here is ignored: it lives to exit 0
-        finally:
-            os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader) as lines:
-        assert lines.readline() == "init 3\n" and lines.readline() == "ready\n"
-        os.kill(child, signal.SIGTERM)
-    _, code = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(code) == 0

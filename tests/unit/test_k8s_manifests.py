@@ -1,4 +1,7 @@
-"""deploy/k8s renders, every object validates strictly, and the objects agree with each other."""
+"""deploy/k8s renders, every object validates strictly, and the objects agree with each other.
+
+Rendered by kube.build, the kustomize subset in this process; tests/integration/test_k8s_pods.py
+checks it renders what `kubectl kustomize` does, where kubectl is installed."""
 
 from __future__ import annotations
 
@@ -18,9 +21,7 @@ from kube import (
     dockerfile_instructions,
     find,
     image_entrypoint,
-    kubectl,
     pod_spec,
-    render,
 )
 from support import REPO
 from torch.distributed.run import get_args_parser
@@ -33,7 +34,7 @@ CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "en
 
 @pytest.fixture(scope="module", params=KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)) or "base")
 def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return render(request.param)
+    return build(request.param)
 
 
 def workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -52,20 +53,13 @@ def test_every_object_validates_strictly_against_the_kubernetes_schemas(rendered
 
 
 def test_a_misspelt_field_is_caught() -> None:
-    objects = render(K8S)
+    objects = build(K8S)
     trainer = find(objects, "StatefulSet", "trainer")
     pod_spec(trainer)["containers"][0]["comand"] = ["oops"]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(trainer, KUBERNETES_VERSION, strict=True)
 
 
-@pytest.mark.skipif(kubectl() is None, reason="kubectl is not installed: nothing to compare the fallback with")
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)) or "base")
-def test_the_fallback_renders_what_kubectl_renders(directory: Path) -> None:
-    def keyed(objects: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
-        return {(o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o for o in objects}
-
-    assert keyed(build(directory)) == keyed(render(directory, use_kubectl=True))
 
 
 def test_the_fallback_refuses_what_it_cannot_render(tmp_path: Path) -> None:
@@ -221,13 +215,13 @@ def test_pods_run_as_non_root_without_privileges(rendered: list[dict[str, Any]])
 
 def test_gpus_are_requested_in_the_base_and_not_in_the_cpu_overlay() -> None:
     def gpu_and_device(directory: Path) -> tuple[dict[str, Any], str]:
-        objects = render(directory)
+        objects = build(directory)
         resources = trainer(objects).container["resources"]
         return resources, find(objects, "ConfigMap", "trainer-config")["data"]["DEVICE"]
 
     base, device = gpu_and_device(K8S)
     assert base["limits"]["nvidia.com/gpu"] == base["requests"]["nvidia.com/gpu"] == 1 and device == "cuda"
-    nproc = int(find(render(K8S), "ConfigMap", "trainer-config")["data"]["NPROC_PER_NODE"])
+    nproc = int(find(build(K8S), "ConfigMap", "trainer-config")["data"]["NPROC_PER_NODE"])
     assert nproc == base["limits"]["nvidia.com/gpu"], "one worker per GPU"
     cpu, device = gpu_and_device(K8S / "overlays" / "cpu")
     assert "nvidia.com/gpu" not in str(cpu) and device == "cpu"
@@ -243,7 +237,7 @@ def test_the_dockerfile_builds_what_the_manifests_run() -> None:
             for source in sources:
                 assert (REPO / source).exists(), f"COPY {source}: not in the repository"
     users = [rest for word, rest in instructions if word == "USER"]
-    assert users and users[-1].split(":")[0] == str(pod_spec(find(render(K8S), "StatefulSet", "trainer"))["securityContext"]["runAsUser"])
+    assert users and users[-1].split(":")[0] == str(pod_spec(find(build(K8S), "StatefulSet", "trainer"))["securityContext"]["runAsUser"])
     installs = " ".join(rest for word, rest in instructions if word == "RUN")
     assert "pip install" in installs and "vision" in installs, "the package and its vision extra"
     assert DOCKERFILE.parent == K8S

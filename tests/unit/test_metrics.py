@@ -3,45 +3,12 @@
 from __future__ import annotations
 
 import logging
-import socket
-import urllib.request
 
 import pytest
-import torch
-from prometheus_client.parser import text_string_to_metric_families
+from support import context, free_port, samples
 
 from elastic.events import EventLog
 from elastic.metrics import METRICS, PREFIX, TrainingMetrics, start_metrics
-from elastic.runtime import WorkerContext
-
-
-def context(rank: int = 1, local_rank: int = 0, restarts: int = 2) -> WorkerContext:
-    return WorkerContext(
-        rank=rank, local_rank=local_rank, world_size=4, local_world_size=2, restart_count=restarts,
-        run_id="job7", device=torch.device("cpu"), backend="gloo",
-    )
-
-
-def samples(metrics: TrainingMetrics) -> dict[str, float]:
-    """name{labels} -> value, for this worker's torchrevive_* series."""
-    found = {}
-    for family in metrics.registry.collect():
-        for s in family.samples:
-            if s.name.startswith(PREFIX):
-                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("rank", "run_id"))
-                found[s.name + (f"{{{extra}}}" if extra else "")] = s.value
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return response.read().decode()
 
 
 def test_steps_checkpoints_restores_and_evals_update_the_metrics() -> None:
@@ -87,36 +54,8 @@ def test_every_listed_metric_is_exported_with_rank_and_run_id(rank: int) -> None
         assert all(s.labels["rank"] == str(rank) and s.labels["run_id"] == "job7" for s in family.samples), name
 
 
-def test_a_worker_serves_its_metrics_on_base_port_plus_local_rank(caplog: pytest.LogCaptureFixture) -> None:
-    base = free_port()
-    log = EventLog(None, restart=2)
-    with start_metrics(context(local_rank=0), log, port=base, samples_per_step=4) as metrics:
-        assert metrics.address == ("127.0.0.1", base)
-        log.emit("step", step=7, world_size=4, loss=1.5)
-        families = {f.name: f for f in text_string_to_metric_families(scrape(base))}
-    (step,) = families["torchrevive_step"].samples
-    assert step.value == 7 and step.labels == {"rank": "1", "run_id": "job7"}
-    assert "process_resident_memory_bytes" in families, "process metrics come along"
-    for family in families.values():
-        for s in family.samples:
-            assert s.labels.get("rank") == "1" and s.labels.get("run_id") == "job7", s.name
-    with pytest.raises(OSError):
-        scrape(base)  # closed with the context
 
 
-def test_a_taken_port_is_one_warning_naming_it_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        log = EventLog(None, restart=0)
-        with caplog.at_level(logging.WARNING, logger="elastic.metrics"):
-            with start_metrics(context(), log, port=port, samples_per_step=4) as metrics:
-                log.emit("step", step=1, world_size=4, loss=1.0)  # the stream still flows
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert f"127.0.0.1:{port}" in warning.getMessage() and "without a metrics endpoint" in warning.getMessage()
-    assert metrics.address is None
-    assert samples(metrics)["torchrevive_step"] == 1
 
 
 def test_an_address_that_cannot_be_bound_is_a_warning_too(caplog: pytest.LogCaptureFixture) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import REPO
 
+from elastic.cli import run_main
+from elastic.report import main as report_main
 from elastic.run_history import recoveries, rounds
 
 
@@ -80,11 +81,29 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])  # the IHDR chunk comes first
 
 
-def report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastic.report", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_the_cli_draws_a_png_of_the_asked_size_and_prints_each_recovery(tmp_path: Path) -> None:
+@pytest.fixture
+def report(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
+    """`python -m elastic.report ARGS`, run in this process: its exit status and output."""
+
+    def run(*args: str) -> Done:
+        try:
+            code = run_main(report_main, list(args))
+        except SystemExit as exc:  # argparse's one-line refusals
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return Done(code, out, err)
+
+    return run
+
+
+def test_the_cli_draws_a_png_of_the_asked_size_and_prints_each_recovery(tmp_path: Path, report: Callable[..., Done]) -> None:
     log = write_log(tmp_path / "job.jsonl", job_with_a_failure_a_resize_and_a_relaunch())
     result = report(str(log), "-o", str(tmp_path / "out" / "job.png"), "--width", "800", "--height", "600")
     assert result.returncode == 0, result.stderr
@@ -102,13 +121,13 @@ def test_the_cli_draws_a_png_of_the_asked_size_and_prints_each_recovery(tmp_path
         (lambda d: binary_file(d / "b.jsonl"), "not a JSON-lines event log"),
     ],
 )
-def test_a_bad_log_is_one_line_and_exit_2(tmp_path: Path, setup, message: str) -> None:
+def test_a_bad_log_is_one_line_and_exit_2(tmp_path: Path, setup, message: str, report: Callable[..., Done]) -> None:
     result = report(str(setup(tmp_path)), "-o", str(tmp_path / "x.png"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "x.png").exists()
 
 
-def test_an_output_that_is_not_a_png_is_refused(tmp_path: Path) -> None:
+def test_an_output_that_is_not_a_png_is_refused(tmp_path: Path, report: Callable[..., Done]) -> None:
     log = write_log(tmp_path / "job.jsonl", job_with_a_failure_a_resize_and_a_relaunch())
     result = report(str(log), "-o", str(tmp_path / "job.jpg"))
     assert result.returncode == 2 and "name the output *.png" in result.stderr

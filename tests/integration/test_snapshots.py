@@ -38,15 +38,6 @@ from elastic.storage import parts, sharded
 from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
 
 
-@pytest.fixture
-def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    keeper = SnapshotKeeper("127.0.0.1", base=tmp_path / "shm")
-    for key, value in keeper.address.environ().items():
-        monkeypatch.setenv(key, value)
-    yield keeper
-    keeper.close(timeout=30)
-
-
 class Job:
     """A tiny model with a buffer (batch norm), AdamW, a schedule and a sampler."""
 

@@ -1,0 +1,54 @@
+"""The unit tier is one process with no servers, and this makes it so.
+
+Every unit test runs with the ways to start a process (subprocess, fork,
+spawn) and to serve (a listening socket, a TCPStore server) turned into an
+error that names the tier to move the test to: tests/integration for anything
+that starts etcd, a keeper, a store or a job, tests/chaos for faults on jobs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+
+def _refuse(what: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(
+            f"a unit test {what}: tests/unit is one process with no servers; move the test to tests/integration"
+        )
+
+    return refuse
+
+
+SERVER_FIXTURES = {"shared_etcd", "etcd", "network", "keeper"}
+"""Fixtures that start a server or hosts (tests/conftest.py): a unit test may not ask for them."""
+
+
+@pytest.fixture(autouse=True)
+def one_process_no_servers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    servers = SERVER_FIXTURES.intersection(request.fixturenames)
+    if servers:
+        _refuse(f"uses {', '.join(sorted(servers))}")()
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("starts a process"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _refuse("forks or spawns a process"))
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", _refuse("spawns a process"))
+    monkeypatch.setattr(socket.socket, "listen", _refuse("listens on a socket (a server)"))
+    store = dist.TCPStore
+
+    def tcp_store(*args: Any, **kwargs: Any) -> dist.TCPStore:
+        if kwargs.get("is_master") or (len(args) > 2 and args[2]):
+            _refuse("serves a TCPStore")()
+        return store(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", tcp_store)
+    yield
