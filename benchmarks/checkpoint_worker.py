@@ -42,12 +42,20 @@ sys.path.insert(0, str(TREE / "recipes"))
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic.checkpoint import CheckpointManager  # noqa: E402
-from elastic.config import RunConfig  # noqa: E402
 from elastic.rng import get_rng_state, seed_all  # noqa: E402
 from elastic.runtime import WorkerContext, init_worker, shutdown_worker  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 from elastic.schedules import WarmupCosine  # noqa: E402
-from elastic.storage.manifest import checkpoint_name  # noqa: E402
+
+# The two trees take the manager's settings differently: this checkout as a RunConfig
+# (elastic/config.py), 6ec689c's as keywords. Decided by the tree, never by trying an import
+# (an editable install could hand this checkout's module to the old tree).
+SETTINGS_AS_CONFIG = (TREE / "elastic" / "config.py").is_file()
+
+
+def checkpoint_name(step: int) -> str:
+    """A committed checkpoint's directory name, the same in both trees."""
+    return f"step_{step:08d}"
 
 # The recipe's optimiser settings (recipes/gpt.py defaults), as in checkpoint.py.
 LR, WEIGHT_DECAY, MIN_LR_RATIO, GRAD_CLIP = 1e-3, 0.1, 0.1, 1.0
@@ -246,10 +254,13 @@ class Job:
         })
 
     def manager(self) -> CheckpointManager:
-        return CheckpointManager(
-            self.ctx, RunConfig(ckpt_dir=self.opts.ckpt_dir, ckpt_every=0, ckpt_keep=2, seed=self.opts.seed, snapshot_every=0),
-            model=self.raw, optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
-        )
+        state = {"model": self.raw, "optimizer": self.optimizer, "scheduler": self.scheduler, "sampler": self.sampler}
+        if SETTINGS_AS_CONFIG:
+            from elastic.config import RunConfig
+
+            config = RunConfig(ckpt_dir=self.opts.ckpt_dir, ckpt_every=0, ckpt_keep=2, seed=self.opts.seed, snapshot_every=0)
+            return CheckpointManager(self.ctx, config, **state)
+        return CheckpointManager(self.ctx, self.opts.ckpt_dir, every=0, keep=2, seed=self.opts.seed, **state)
 
     def fingerprint(self) -> dict[str, list[float]]:
         """(sum, sum of squares) in float64 of every model and optimizer tensor, whole (shards summed)."""

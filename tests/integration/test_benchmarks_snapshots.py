@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from support import REPO, worker_env
@@ -43,24 +42,3 @@ def test_snapshot_restore_benchmark_rejects_a_bad_flag_in_one_line() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "error: argument --models" in result.stderr
-
-
-def test_recovery_benchmark_compares_snapshots_with_disk_only(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "benchmarks/recovery.py", "--settings", "ours,ours-disk", "--kills", "1", "--settle", "1",
-         "--goodput-seconds", "0", "--recovery-limit", "120", "--ckpt-every", "5", "--pictures", str(tmp_path)],
-        capture_output=True, text=True, timeout=400, cwd=REPO, env=worker_env(),
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    for setting in ("ours", "ours-disk"):
-        row = re.search(rf"^{setting} +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$", result.stdout, flags=re.M)
-        assert row and float(row.group(1)) < 120, result.stdout
-    assert re.search(r"^checkpoint every 5 steps; steps redone per kill", result.stdout, re.M), result.stdout
-    ours = re.search(r"^ours +(\d+\.\d)\*? +(\d+)\*? +- +(.+)$", result.stdout, re.M)
-    disk = re.search(r"^ours-disk +(\d+\.\d)\* +(\d+)\* +- +(.+)$", result.stdout, re.M)
-    assert ours and disk, result.stdout
-    # Without a keeper the restore comes from disk (or from nothing, before the first checkpoint).
-    assert re.fullmatch(r"(disk|none) 1", disk.group(3)), result.stdout
-    # With a keeper the worker's state of (nearly) the step it was killed at is in memory.
-    assert re.fullmatch(r"(memory|peer) 1", ours.group(3)), result.stdout
-    assert re.search(r"^median recovery, ours-disk / ours: [\d.]+x$", result.stdout, re.M), result.stdout

@@ -36,51 +36,6 @@ def test_a_taken_metrics_port_is_one_warning_and_training_finishes(tmp_path: Pat
     assert [e["event"] for e in read_events(events_path)][-1] == "end"
 
 
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--data", "/no/such/corpus.txt"], "--data /no/such/corpus.txt: no such file or folder"),
-        (["--batch-size", "0"], "argument --batch-size: 0 must be at least 1"),
-        (["--ckpt-keep", "1"], "argument --ckpt-keep: 1 must be at least 2"),
-        (["--ckpt-every", "-5"], "argument --ckpt-every: -5 must be at least 0"),
-        (["--max-steps", "ten"], "argument --max-steps: 'ten' is not an integer"),
-        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
-        (["--metrics-port", "70000"], "argument --metrics-port: 70000 is not a port number"),
-        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(args: list[str], expected: str) -> None:
-    result = run_recipe(*args, "--max-steps", "1") if "--max-steps" not in args else run_recipe(*args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert expected in lines[0]
-
-
-def test_corpus_shorter_than_one_sequence_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    short = tmp_path / "short.txt"
-    short.write_text("too short to hold a sequence")
-    result = run_recipe("--data", str(short), "--block-size", "64")
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
-    assert f"{short} has 28 bytes, fewer than two sequences of 65 bytes" in line
-
-
-def test_empty_data_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    result = run_recipe("--data", str(tmp_path))
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
-    assert "the folder holds no files" in line
-
-
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
-def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(tiny_corpus: Path) -> None:
-    result = run_recipe("--data", str(tiny_corpus), "--device", "cuda")
-    assert result.returncode == 2
-    (line,) = [l for l in result.stderr.strip().splitlines() if "error" in l]
-    assert "no CUDA device is visible" in line
-
-
 @pytest.mark.slow
 def test_compile_flag_trains_a_compiled_model(tmp_path: Path, tiny_corpus: Path) -> None:
     events_path = tmp_path / "events.jsonl"
