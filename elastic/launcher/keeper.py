@@ -23,12 +23,14 @@ Invariants:
   by every node's keeper: each copies in the parts it holds (its own workers'
   and its peer's replicas), each part checked against its crc32c on the way;
   whichever keeper finds every rank's part there commits it (one wins, by an
-  exclusively created file), by the store's own atomic rename. Only steps
-  newer than the newest committed checkpoint are written.
+  exclusively created file) through the one commit rank 0 uses too
+  (storage.commit), which honours the directory's claim: a keeper commits only
+  where its job writes. Only steps newer than the newest committed checkpoint
+  are written.
 - A part's files are never removed while a persist runs, nor while no newer
   snapshot exists (a restore may still read them).
-- The endpoint serves part files by name only (no paths); what it receives is
-  data and JSON, and nothing it serves or stores is ever executed.
+- Its endpoint (keeper_endpoint.py) serves part files by name only (no paths);
+  what it receives is data and JSON, and nothing it serves or stores is ever executed.
 """
 
 from __future__ import annotations
@@ -36,28 +38,26 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from elastic.errors import CorruptCheckpoint
+from elastic.launcher.keeper_endpoint import serve
 from elastic.storage import parts, sharded
 from elastic.storage.commit import commit_checkpoint
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed
-from elastic.storage.keeper_address import HEADER_BYTES, LOCAL, REPLICA, KeeperAddress
+from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
 from elastic.storage.parts import PartHeader
 
 logger = logging.getLogger(__name__)
 
 BASE_ENV = "TORCHREVIVE_SNAPSHOT_BASE"
-HOST_ENV = "TORCHREVIVE_SNAPSHOT_HOST"
 DIRECTORY = "torchrevive-snapshots"
 OWNER_FILE = "owner.json"
 STAGE_PREFIX = ".snapshot."
@@ -102,9 +102,7 @@ class SnapshotKeeper:
         for name in (LOCAL, REPLICA):
             (self.root / name).mkdir(parents=True, exist_ok=True)
         (self.root / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        self._server = ThreadingHTTPServer((host, 0), _Handler)
-        self._server.daemon_threads = True
-        self._server.keeper = self  # type: ignore[attr-defined]
+        self._server = serve(self, host)
         port = self._server.server_address[1]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self._lock = threading.Lock()  # persist and prune never overlap
@@ -352,86 +350,6 @@ class SnapshotKeeper:
         parts.write_header(replica, header)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """GET /part/<local|replica>/<part file> (whole, or one `Range: bytes=a-b`); PUT /replica/<part stem>
-    (header, then data)."""
-
-    protocol_version = "HTTP/1.1"
-    timeout = 120  # seconds a stalled peer may hold a connection (and its temporary file)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        keeper: SnapshotKeeper = self.server.keeper  # type: ignore[attr-defined]
-        pieces = self.path.strip("/").split("/")
-        if len(pieces) != 3 or pieces[0] != "part" or pieces[1] not in (LOCAL, REPLICA) or parts.parse_part_name(pieces[2]) is None:
-            self.send_error(404)
-            return
-        path = keeper.root / pieces[1] / pieces[2]
-        try:
-            f = open(path, "rb")
-        except OSError:
-            self.send_error(404)
-            return
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            start, stop = 0, size
-            wanted = self.headers.get("Range")
-            if wanted is not None:  # "bytes=first-last", the only form peers send
-                match = re.fullmatch(r"bytes=(\d+)-(\d+)", wanted.strip())
-                if match is None or int(match[1]) > int(match[2]) or int(match[1]) >= size:
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{size}")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                start, stop = int(match[1]), min(int(match[2]) + 1, size)
-                self.send_response(206)
-                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
-            else:
-                self.send_response(200)
-            self.send_header("Content-Length", str(stop - start))
-            self.end_headers()
-            f.seek(start)
-            remaining = stop - start
-            while remaining:
-                block = f.read(min(remaining, 2**20))
-                if not block:  # the file shrank: the peer sees a short body and tries elsewhere
-                    self.close_connection = True
-                    break
-                self.wfile.write(block)
-                remaining -= len(block)
-
-    def do_PUT(self) -> None:  # noqa: N802
-        keeper: SnapshotKeeper = self.server.keeper  # type: ignore[attr-defined]
-        pieces = self.path.strip("/").split("/")
-        try:
-            total = int(self.headers["Content-Length"])
-            head_bytes = int(self.headers[HEADER_BYTES])
-        except (TypeError, ValueError):
-            self.send_error(400)
-            self.close_connection = True  # the unread body must not be parsed as a request
-            return
-        if len(pieces) != 2 or pieces[0] != REPLICA or parts.parse_part_name(pieces[1] + parts.HEADER_SUFFIX) is None \
-                or not 0 < head_bytes <= min(total, 2**26):
-            self.send_error(400)
-            self.close_connection = True
-            return
-        try:
-            keeper.receive(pieces[1], self.rfile.read(head_bytes), self.rfile, total - head_bytes)
-        except (ValueError, CorruptCheckpoint) as exc:
-            self.send_error(400, str(exc)[:200])
-            self.close_connection = True
-            return
-        except OSError as exc:
-            self.send_error(507, str(exc)[:200])
-            self.close_connection = True
-            return
-        self.send_response(204)
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-        logger.debug("snapshot keeper: " + format, *args)
-
-
 def _newest(store: Any) -> int:
     try:
         committed = store.committed()
@@ -475,26 +393,3 @@ def _remove_orphans(base: Path) -> None:
             continue
         if owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
             shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def keeper_host(local_addr: str | None, rdzv_endpoint: str | None = None, environ: dict[str, str] | None = None) -> str:
-    """Where the keeper binds: TORCHREVIVE_SNAPSHOT_HOST, else the agent's `--local-addr`, else the
-    address this host reaches the rendezvous endpoint from (the one its peers reach it by; a
-    host name that resolves to loopback, as Debian's 127.0.1.1 does, would cut replicas off)."""
-    env = os.environ if environ is None else environ
-    if env.get(HOST_ENV):
-        return env[HOST_ENV]
-    if local_addr:
-        return local_addr
-    host = (rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]") if rdzv_endpoint else ""
-    if host:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((host, 9))  # no packet is sent: only the route is looked up
-                return probe.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.getfqdn())
-    except OSError:
-        return "127.0.0.1"
