@@ -125,9 +125,11 @@ class ChaosJob:
         """Agent `index`'s command line (on its own host when the job has a network)."""
         launcher = ["-m", "elastic.launcher"] if self.spec.launcher == "ours" else ["-m", "torch.distributed.run"]
         rdzv_conf = self.spec.rdzv_conf
-        if self.spec.network and self.spec.backend == "c10d":
-            # torch guesses which agent hosts the c10d store from the hostname, which every
-            # namespace shares: say it outright.
+        if self.spec.backend == "c10d":
+            # The agent that hosts c10d's rendezvous store is the one node a c10d job cannot
+            # lose: make it host 0's, always. Said outright (torch would guess from the
+            # hostname, which every agent here shares, and take whichever binds first), so
+            # every agent can start at once: the others connect as clients and wait for it.
             rdzv_conf = ",".join(filter(None, [rdzv_conf, f"is_host={str(index == 0).lower()}"]))
         command = [
             sys.executable, *launcher,
@@ -182,12 +184,7 @@ class ChaosJob:
         return agent
 
     def start(self) -> ChaosJob:
-        self.add_agent()
-        if self.spec.backend == "c10d":
-            # The agent that binds the endpoint first hosts c10d's rendezvous store,
-            # the one node a c10d job cannot lose: make that agent 0, always.
-            self._wait_until_listening(self.endpoint, self.agents[0])
-        for _ in range(self.spec.agents - 1):
+        for _ in range(self.spec.agents):
             self.add_agent()
         return self
 
@@ -200,25 +197,8 @@ class ChaosJob:
             raise RuntimeError("a relaunch needs every agent of the previous launch to have exited")
         if script_args is not None:
             self.spec.script_args = list(script_args)
-        first = len(self.agents)
-        self.add_agent(host=0)
-        if self.spec.backend == "c10d":
-            self._wait_until_listening(self.endpoint, self.agents[first])
-        for host in range(1, self.spec.agents):
+        for host in range(self.spec.agents):
             self.add_agent(host=host)
-
-    def _wait_until_listening(self, endpoint: str, agent: subprocess.Popen, timeout: float = 60) -> None:
-        import socket
-
-        host, port = endpoint.rsplit(":", 1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and agent.poll() is None:
-            try:
-                with socket.create_connection((host, int(port)), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"the first agent never served {endpoint}:\n{self.logs()}")
 
     # --- observing -------------------------------------------------------------
 

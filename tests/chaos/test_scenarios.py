@@ -18,7 +18,9 @@ parameters and optimizer state sharded, checkpoints saved in shards).
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,44 +38,65 @@ from elastic.storage.sharded import TENSORS_FILE
 pytestmark = pytest.mark.slow
 
 STEPS = 40
+SOAK_STEPS = 100
+"""Three faults, each 5 to 10 steps after the last recovery, land by step 30 or so."""
 CONSTANT_WORLD = {"kill-worker", "kill-during-save", "kill-during-snapshot", "hang", "preemption", "etcd-restart", "soak", "slow-storage"}
 FSDP = ["--fsdp"]
 
 Reference = Callable[..., dict[str, torch.Tensor]]
 
 
-@pytest.fixture(scope="module")
+def session_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A temporary directory of this test session that every pytest-xdist worker shares (each
+    worker's own base directory sits in it; without xdist, the base directory itself)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("chaos-data") / "corpus.txt"
-    path.write_text(make_text(random.Random(7), 40_000))
+    """The same text for every test and every xdist worker (the reference runs are shared)."""
+    path = session_directory(tmp_path_factory) / "chaos-corpus.txt"
+    text = make_text(random.Random(7), 40_000)
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(f".{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Reference:
     """Every tensor (model and optimizer, by checkpoint key) of the final checkpoint of an
-    uninterrupted two-agent run of N steps with these recipe args (each run once)."""
+    uninterrupted two-agent run of N steps with these recipe args. Each such run happens once
+    per session, also under pytest-xdist: the first worker to need it runs it under a file lock
+    in the workers' common temporary directory, and the others read its checkpoint."""
+    from filelock import FileLock
+
     from elastic.chaos.harness import ChaosJob, JobSpec, verified_final_checkpoint
 
-    runs: dict[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] = {}
+    shared = session_directory(tmp_path_factory)
 
     def tensors(steps: int, recipe_args: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-        if (steps, recipe_args) not in runs:
-            workdir = tmp_path_factory.mktemp(f"reference-{steps}")
-            spec = JobSpec(
-                workdir=workdir, nnodes="2:2", run_id="reference",
-                script_args=["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir",
-                             str(workdir / "ckpt"), "--ckpt-every", "5", "--dropout", "0.1", "--n-layer", "2",
-                             "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
-                             *recipe_args],
-            )
-            with ChaosJob(spec) as job:
-                job.start()
-                assert job.wait(240) == [0, 0], job.logs()
-            name, error = verified_final_checkpoint(workdir / "ckpt", steps)
+        workdir = shared / f"reference-{steps}{''.join(recipe_args)}"
+        with FileLock(f"{workdir}.lock"):
+            name, error = verified_final_checkpoint(workdir / "ckpt", steps) if workdir.exists() else (None, None)
+            if name is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+                workdir.mkdir()
+                spec = JobSpec(
+                    workdir=workdir, nnodes="2:2", run_id="reference",
+                    script_args=["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir",
+                                 str(workdir / "ckpt"), "--ckpt-every", "5", "--dropout", "0.1", "--n-layer", "2",
+                                 "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
+                                 *recipe_args],
+                )
+                with ChaosJob(spec) as job:
+                    job.start()
+                    assert job.wait(240) == [0, 0], job.logs()
+                name, error = verified_final_checkpoint(workdir / "ckpt", steps)
             assert name, error
-            runs[steps, recipe_args] = read_checkpoint(workdir / "ckpt" / name)[1]
-        return runs[steps, recipe_args]
+            return read_checkpoint(workdir / "ckpt" / name)[1]
 
     return tensors
 
@@ -103,7 +126,8 @@ def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, .
      "disk-full", "slow-storage", "relaunch"],
 )
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
-    steps = STEPS if scenario in CONSTANT_WORLD - {"soak"} else None  # the others train longer (SCENARIO_STEPS)
+    # The others train longer (SCENARIO_STEPS): they resize, and must outlast a new round.
+    steps = SOAK_STEPS if scenario == "soak" else STEPS if scenario in CONSTANT_WORLD else None
     check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
     sources = [e["source"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "restore" and e["restart"] > 0]
     if scenario in ("kill-worker", "kill-during-snapshot"):
