@@ -70,6 +70,7 @@ def node_loss(job: ChaosJob, rng: random.Random) -> list[int | None]:
 
 
 def scale_up(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    """A node joins the running job (paced so that it outlasts the join: SCENARIO_FAULTS)."""
     job.wait_for_step(rng.randint(12, 18))
     job.mark("scale-up")
     job.add_agent()
@@ -204,6 +205,10 @@ SCENARIO_FAULTS = {
     "kill-during-snapshot": "during_snapshot@15:rank=1",
     "disk-full": "during_write@20+:do=enospc:restart=any",
     "slow-storage": "during_write@10:do=slow:for=8,during_write@40:do=slow:for=8",
+    # The job must outlast the new node's cold start (Python, torch, its agent's fork server),
+    # however loaded the machine: rank 0 paces every step to at least 0.1 s (a sleep: load does
+    # not speed the job up), so 400 steps take 40 s or more.
+    "scale-up": "after_step@1+:do=slow:for=0.1",
 }
 # Recipe flags a scenario adds to the common ones.
 SCENARIO_ARGS = {"slow-storage": ["--collective-timeout", "4"]}
