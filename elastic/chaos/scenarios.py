@@ -193,7 +193,7 @@ LAUNCHES_ITSELF = {"relaunch"}
 
 # Scenarios that change the world size need the job to outlast a new round
 # (a joining agent first imports torch): they train longer.
-SCENARIO_STEPS = {"scale-up": 400, "node-loss": 400, "partition": 800, "soak": 300}
+SCENARIO_STEPS = {"scale-up": 250, "node-loss": 400, "partition": 800, "soak": 300}
 # Jobs whose world size must stay 2 wait for both agents before the first round
 # (with a minimum of 1, the first agent could train alone until the second joins).
 SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3", "partition": "1:3"}
@@ -207,7 +207,7 @@ SCENARIO_FAULTS = {
     "slow-storage": "during_write@10:do=slow:for=8,during_write@40:do=slow:for=8",
     # The job must outlast the new node's cold start (Python, torch, its agent's fork server),
     # however loaded the machine: rank 0 paces every step to at least 0.1 s (a sleep: load does
-    # not speed the job up), so 400 steps take 40 s or more.
+    # not speed the job up), so its 250 steps take 25 s or more (a join took 11 s on a loaded 2 cores).
     "scale-up": "after_step@1+:do=slow:for=0.1",
 }
 # Recipe flags a scenario adds to the common ones.

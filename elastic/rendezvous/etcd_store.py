@@ -2,7 +2,7 @@
 
 The agent uses its store for the master address and port of each round, the
 assignment of ranks, and the exit barrier. `EtcdStore` behaves as `TCPStore`
-does for every method the agents call (tests/unit/test_etcd_store.py runs the
+does for every method the agents call (tests/integration/test_etcd_store.py runs the
 same checks against both):
 
 - `get`, `wait` and `multi_get` block until every key exists, up to the store's
