@@ -7,7 +7,7 @@ from pathlib import Path
 
 from elastic.chaos.etcd import EtcdServer, Tls
 
-__all__ = ["EtcdServer", "Tls", "make_tls"]
+__all__ = ["EtcdServer", "Tls", "login_conf", "make_tls"]
 
 
 def make_tls(directory: Path) -> Tls:
@@ -39,3 +39,13 @@ def make_tls(directory: Path) -> Tls:
         client_cert=directory / "client.crt",
         client_key=directory / "client.key",
     )
+
+
+def login_conf(tls: Tls, password: str, directory: Path, user: str = "root") -> dict[str, str]:
+    """rdzv-conf options that log `user` in over TLS with a client certificate, the password
+    in a file (the only way the rendezvous takes one)."""
+    password_file = directory / f"{user}-etcd-password"
+    password_file.write_text(password + "\n")
+    password_file.chmod(0o600)
+    return {"protocol": "https", "ca_cert": str(tls.ca), "ssl_cert": str(tls.client_cert),
+            "ssl_cert_key": str(tls.client_key), "user": user, "password_file": str(password_file)}

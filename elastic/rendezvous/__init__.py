@@ -9,6 +9,7 @@ torchrun asks for a handler.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,13 @@ def etcd_v3_handler_creator() -> Callable[[RendezvousParameters], RendezvousHand
 
 
 def _create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's handler on etcd v3; a bad option ends torchrun with one line and exit 2
+    (a traceback would bury it, and torchrun would show it once per agent)."""
     from elastic.rendezvous.etcd import create_handler_v3
+    from elastic.rendezvous.etcd_options import EtcdOptionsError
 
-    return create_handler_v3(params)
+    try:
+        return create_handler_v3(params)
+    except EtcdOptionsError as exc:
+        print(f"torchrun: error: --rdzv-backend=etcd-v3: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

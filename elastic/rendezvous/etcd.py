@@ -20,7 +20,7 @@ ttl            seconds the run's keys outlive its last agent; default 7200.
 read_timeout   seconds one etcd operation may take, retries and failover
                included; default 60. Also how long torchrun tries an
                unreachable etcd at start before it gives up.
-protocol       `http` (default) or `https`
+protocol       `http` (default) or `https` (needed by any credential)
 liveness_ttl   seconds an agent's key outlives it when it dies without a clean
                exit; default 10 (see "Relaunching with the same id" below)
 ca_cert        CA that signed etcd's server certificate (https). Only the
@@ -28,10 +28,14 @@ ca_cert        CA that signed etcd's server certificate (https). Only the
                environment are ignored.
 ssl_cert       client certificate, for etcd's `--client-cert-auth`
 ssl_cert_key   the client certificate's private key
-user           etcd user, when etcd has auth enabled
-password_file  file whose first line is the user's password (stays out of `ps`)
-password       the password itself
+user           etcd user, when etcd has auth enabled (https only)
+password_file  file whose first line is the user's password. `password=`
+               itself is refused: torchrun logs its options at INFO
 ============== ==============================================================
+
+A run id is 1-128 of `[A-Za-z0-9._-]` and none of the layout's names below
+(`rdzv`, `store`, `store.ops`, `agents`), nor may any '/'-part of a key_prefix
+be one: so no run's keys ever fall in another run's ranges (etcd_options.py).
 
 With `--client-cert-auth` and auth both on, a client certificate and a
 `user`/`password` login work together (the login's token names the user).
@@ -121,7 +125,7 @@ from elastic.rendezvous.etcd_messages import (
     txn_range_results,
     txn_revision,
 )
-from elastic.rendezvous.etcd_options import EtcdOptions
+from elastic.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 from elastic.rendezvous.etcd_store import EtcdStore
 
 __all__ = [
@@ -265,7 +269,7 @@ def _positive_int(params: RendezvousParameters, name: str, default: int) -> int:
     except ValueError:
         value = 0
     if value <= 0:
-        raise ValueError(f"rdzv-conf {name} must be a positive integer, not {text!r}")
+        raise EtcdOptionsError(f"rdzv-conf {name} must be a positive integer, not {text!r}")
     return value
 
 

@@ -6,6 +6,7 @@ import time
 import uuid
 
 import pytest
+from etcd_server import EtcdServer, login_conf, make_tls
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousParameters,
@@ -19,7 +20,7 @@ from elastic.rendezvous.etcd import (
     encode_state,
 )
 from elastic.rendezvous.etcd_client import EtcdClient
-from elastic.rendezvous.etcd_options import EtcdOptions, parse_endpoints
+from elastic.rendezvous.etcd_options import EtcdOptions
 
 
 def params(endpoint: str, run_id: str | None = None, **conf: object) -> RendezvousParameters:
@@ -166,33 +167,6 @@ def test_unreachable_etcd_raises_connection_error_naming_the_endpoint() -> None:
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize(
-    ("conf", "message"),
-    [
-        ({"ttl": "soon"}, "ttl must be a positive integer"),
-        ({"read_timeout": "0"}, "read_timeout must be a positive, finite number"),
-        ({"read_timeout": "inf"}, "read_timeout must be a positive, finite number"),
-        ({"read_timeout": "nan"}, "read_timeout must be a positive, finite number"),
-        ({"ttl": "1.5"}, "ttl must be a positive integer"),
-        ({"protocol": "ftp"}, "protocol must be http or https"),
-        ({"protocol": "https", "ca_cert": "/no/such/ca.pem"}, "ca_cert: no such file"),
-        ({"password": "x"}, "password needs user"),
-        ({"user": "alice"}, "user needs password"),
-    ],
-)
-def test_bad_options_are_one_clear_line(conf, message) -> None:
-    with pytest.raises(ValueError, match=message):
-        EtcdOptions.from_params(params("127.0.0.1:2379", **conf))
-
-
-def test_endpoints_parse_with_default_port_and_ipv6() -> None:
-    assert [str(e) for e in parse_endpoints("a:1, b ,[::1]:3,[fe80::2]")] == ["a:1", "b:2379", "[::1]:3", "[fe80::2]:2379"]
-    with pytest.raises(ValueError, match="not a number"):
-        parse_endpoints("host:port")
-    with pytest.raises(ValueError, match="needs --rdzv-endpoint"):
-        parse_endpoints("")
-
-
 def test_closing_a_client_revokes_its_lease_so_its_keys_go_at_once(shared_etcd) -> None:
     client = EtcdClient(EtcdOptions.from_params(params(shared_etcd.endpoint)))
     key = f"/probe/{uuid.uuid4().hex}"
@@ -235,18 +209,6 @@ def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd) -> None:
     assert "Exception while registering" not in done.stderr
 
 
-def test_endpoints_may_be_urls_whose_scheme_matches_the_protocol() -> None:
-    options = EtcdOptions.from_params(params("http://a:1,http://b:2/"))
-    assert [str(e) for e in options.endpoints] == ["a:1", "b:2"]
-    with pytest.raises(ValueError, match="add protocol=https"):
-        EtcdOptions.from_params(params("https://a:1"))
-
-
-def test_password_stays_out_of_repr() -> None:
-    options = EtcdOptions.from_params(params("a:1", user="root", password="hunter2"))
-    assert "hunter2" not in repr(options)
-
-
 def test_writes_go_on_after_the_lease_is_lost(shared_etcd) -> None:
     backend, store = create_backend(params(shared_etcd.endpoint))
     _, token, _ = backend.set_state(b"before")
@@ -257,12 +219,58 @@ def test_writes_go_on_after_the_lease_is_lost(shared_etcd) -> None:
     assert written and backend.get_state() == (b"after", token)
 
 
-def test_auth_token_is_renewed_after_etcd_restarts(etcd) -> None:
-    etcd.enable_auth(root_password="pw")
-    backend, store = create_backend(params(etcd.endpoint, user="root", password="pw", read_timeout=20))
-    backend.set_state(b"s")
-    etcd.stop()
-    etcd.start()  # simple tokens do not survive a restart
-    assert backend.get_state()[0] == b"s"
-    store.set("k", "v")
-    assert store.get("k") == b"v"
+def test_auth_token_is_renewed_after_etcd_restarts(tmp_path) -> None:
+    etcd = EtcdServer(tmp_path / "etcd-data", tls=make_tls(tmp_path / "pki"))
+    etcd.start()
+    try:
+        etcd.enable_auth(root_password="pw")
+        backend, store = create_backend(params(etcd.endpoint, read_timeout=20, **login_conf(etcd.tls, "pw", tmp_path)))
+        backend.set_state(b"s")
+        etcd.stop()
+        etcd.start()  # simple tokens do not survive a restart
+        assert backend.get_state()[0] == b"s"
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        etcd.stop()
+
+
+def test_runs_with_nested_prefixes_never_see_each_others_keys(shared_etcd) -> None:
+    """Before run ids were checked, run `a/agents/x` wrote under run `a`'s agents/ range (a live
+    agent to `a` for ever) and `a/store` into `a`'s store. Such ids are refused now, and nested
+    prefixes that are accepted keep apart: counts, agent lists and a reopen see one run only."""
+    from elastic.rendezvous.etcd import AgentPresence, RunKeys, _live_agents, _remove_closed_run
+    from elastic.rendezvous.etcd_options import EtcdOptionsError
+
+    outer_id = uuid.uuid4().hex
+    for nested in (f"{outer_id}/agents/x", f"{outer_id}/store"):
+        with pytest.raises(EtcdOptionsError, match="rdzv-id"):
+            create_backend(params(shared_etcd.endpoint, nested))
+    with pytest.raises(EtcdOptionsError, match="has a part named 'agents'"):
+        create_backend(params(shared_etcd.endpoint, key_prefix=f"/torchrevive/{outer_id}/agents/x"))
+
+    outer = create_backend(params(shared_etcd.endpoint, outer_id))
+    inner = create_backend(params(shared_etcd.endpoint, "inner", key_prefix=f"/torchrevive/{outer_id}/inner"))
+    presences = []
+    for backend, store in (outer, inner):
+        backend.set_state(b"state")
+        store.set("k", "v")
+        store.add("counter", 1)
+        options = backend.client.options
+        presence = AgentPresence(options, RunKeys(options.key_prefix.encode()).agents, 10)
+        presence.enter()
+        presences.append(presence)
+    try:
+        for backend, store in (outer, inner):
+            keys = RunKeys(backend.client.options.key_prefix.encode())
+            assert store.num_keys() == 2
+            assert len(_live_agents(backend.client, keys)) == 1
+        presences[0].leave()  # the outer run's agent is gone: it may reopen, the inner run must stay
+        _, token = outer[0].get_state()
+        assert _remove_closed_run(outer[0].client, RunKeys(outer[0].client.options.key_prefix.encode()), token)
+        assert outer[0].get_state() is None and outer[1].num_keys() == 0
+        assert inner[0].get_state()[0] == b"state" and inner[1].get("k") == b"v" and inner[1].num_keys() == 2
+    finally:
+        presences[1].leave()
+        for backend, _ in (outer, inner):
+            backend.client.close()

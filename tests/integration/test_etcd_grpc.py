@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from etcd_server import make_tls
+from etcd_server import EtcdServer, login_conf, make_tls
 from support import REPO, free_port, worker_env
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
@@ -209,18 +209,27 @@ def test_unusable_tls_files_fail_in_one_line(tmp_path) -> None:
         assert "\n" not in str(info.value)
 
 
-def test_a_wrong_password_is_one_line(etcd) -> None:
-    etcd.enable_auth(root_password="pw")
+@pytest.fixture
+def tls_etcd(tmp_path):
+    """An etcd of this test's own on TLS with client certificates: credentials need https."""
+    server = EtcdServer(tmp_path / "etcd-data", tls=make_tls(tmp_path / "pki"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_wrong_password_is_one_line(tls_etcd, tmp_path) -> None:
+    tls_etcd.enable_auth(root_password="pw")
     with pytest.raises(RendezvousConnectionError) as info:
-        create_backend(params(etcd.endpoint, user="root", password="wrong", read_timeout=5))
+        create_backend(params(tls_etcd.endpoint, read_timeout=5, **login_conf(tls_etcd.tls, "wrong", tmp_path)))
     assert str(info.value) == (
-        f"etcd at {etcd.endpoint} rejected user 'root': etcdserver: authentication failed, invalid user ID or password"
+        f"etcd at {tls_etcd.endpoint} rejected user 'root': etcdserver: authentication failed, invalid user ID or password"
     )
 
 
-def test_an_expired_token_is_renewed_for_a_waiting_store(etcd) -> None:
-    etcd.enable_auth(root_password="pw")
-    _, store = create_backend(params(etcd.endpoint, user="root", password="pw", read_timeout=20))
+def test_an_expired_token_is_renewed_for_a_waiting_store(tls_etcd, tmp_path) -> None:
+    tls_etcd.enable_auth(root_password="pw")
+    _, store = create_backend(params(tls_etcd.endpoint, read_timeout=20, **login_conf(tls_etcd.tls, "pw", tmp_path)))
     # As after an etcd restart (simple tokens do not survive one), just as the wait starts watching.
     before_the_watch(store, lambda: setattr(store._client, "_token", "stale"))
     timer = threading.Timer(0.3, store.clone().set, ("k", "v"))

@@ -166,18 +166,27 @@ def test_tls_client_certificates_and_etcd_auth(tmp_path: Path, tiny_corpus: Path
         keys = server.keys(f"/torchrevive/{run_id}/", user=("root", "s3cret"))
         assert keys == [], "the last agent out removes the finished run's keys, through TLS and auth"
 
+        wrong_file = tmp_path / "wrong-password"
+        wrong_file.write_text("wrong\n")
         wrong = etcd_command(server.endpoint, "wrong", "1", recipe_args(tiny_corpus, tmp_path / "w.jsonl", 5),
-                             conf=f"read_timeout=5,{tls_conf},user=root,password=wrong")
+                             conf=f"read_timeout=5,{tls_conf},user=root,password_file={wrong_file}")
         done = subprocess.run(wrong, capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO)
         assert done.returncode != 0
         assert "rejected user 'root'" in done.stderr, done.stderr[-3000:]
 
-        no_client_cert = _params(server.endpoint, protocol="https", ca_cert=str(tls.ca), user="root", password="s3cret")
+        inline = etcd_command(server.endpoint, "inline", "1", recipe_args(tiny_corpus, tmp_path / "i.jsonl", 5),
+                              conf=f"read_timeout=5,{tls_conf},user=root,password=s3cret")
+        done = subprocess.run(inline, capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "give password_file=PATH instead" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+        login = {"user": "root", "password_file": str(password_file)}
+        no_client_cert = _params(server.endpoint, protocol="https", ca_cert=str(tls.ca), **login)
         with pytest.raises(RendezvousConnectionError, match="TLS failed"):
             create_backend(no_client_cert)
         other_ca = make_tls(tmp_path / "other-pki")
         wrong_ca = _params(server.endpoint, protocol="https", ca_cert=str(other_ca.ca), ssl_cert=str(tls.client_cert),
-                           ssl_cert_key=str(tls.client_key), user="root", password="s3cret")
+                           ssl_cert_key=str(tls.client_key), **login)
         with pytest.raises(RendezvousConnectionError, match="TLS failed.*(CERTIFICATE_VERIFY_FAILED|verify failed)"):
             create_backend(wrong_ca)
     finally:
