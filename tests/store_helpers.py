@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import crc32c
 import torch
 
+from elastic.storage import claim as claims
 from elastic.storage import sharded
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.directory import CheckpointStore
@@ -44,10 +45,11 @@ def weights(store: CheckpointStore, step: int) -> torch.Tensor:
 
 
 def claim_of(run_id: str, *, pid: int, host: str | None = None, heartbeat: float | None = None) -> WriterIdentity:
-    return WriterIdentity(
-        writer=f"w-{run_id}-{pid}", run_id=run_id, host=host or socket.gethostname(), pid=pid,
-        heartbeat=time.time() if heartbeat is None else heartbeat,
-    )
+    """The claim process `pid` would write (a pid that is gone gets a start time no process has)."""
+    identity = WriterIdentity.of_process(run_id, pid, writer=f"w-{run_id}-{pid}", host=host, heartbeat=heartbeat)
+    if identity.start_time < 0:
+        identity = replace(identity, start_time=1, pid_ns=claims.pid_namespace())
+    return identity
 
 
 def leftovers(root: Path) -> dict[str, bytes]:

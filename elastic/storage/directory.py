@@ -5,7 +5,7 @@ Layout of `--ckpt-dir`:
     step_00000100/            a committed checkpoint: state files + manifest.json
     step_00000150/
     latest                    text file naming the newest committed checkpoint
-    writer.json               which job (run id, host, pid) writes here (claim.py)
+    writer.json               which job (run id, host, process) writes here (claim.py)
     .tmp.step_00000200.<id>/  a save in progress (or one killed mid-write)
     step_00000150.replaced/   the previous copy of a step being written again
     step_00000050.corrupt/    a checkpoint that failed verification, moved aside
@@ -39,8 +39,11 @@ Invariants:
   directory and raises `SaveFailed` naming the cause in one line; nothing
   committed is touched. A failure after the rename (updating `latest`) is a
   warning: the checkpoint is committed.
-- Older checkpoints are deleted only after a newer one is committed, and the
-  newest `keep` committed ones always remain.
+- Older checkpoints are deleted only after a newer one is committed, only
+  while the claim is still the committer's (or its job's, for a keeper), and
+  only behind the newest `keep` that verify and belong to the committing run
+  (retention.py): a directory that does not verify, or another run's, never
+  counts towards `keep`, and one that has no readable manifest is never deleted.
 - Nothing loads pickled code: tensors are raw bytes (format 2), other state files
   load with `torch.load(weights_only=True)`.
 """
@@ -65,7 +68,7 @@ import torch
 
 from elastic.errors import CheckpointStorageError, CorruptCheckpoint
 from elastic.storage import claim as claims
-from elastic.storage import sharded
+from elastic.storage import retention, sharded
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.durable import (
     TMP_PREFIX,
@@ -211,7 +214,7 @@ class CheckpointStore:
         except SaveFailed:
             shutil.rmtree(tmp, ignore_errors=True)  # ours; the new writer's temporaries are left alone
             raise
-        return self._publish(tmp, manifest.step, owner)
+        return self._publish(tmp, manifest.step, owner, manifest.run_id)
 
     def abort(self, tmp: Path) -> None:
         """Remove a save that failed before its commit."""
@@ -248,7 +251,7 @@ class CheckpointStore:
         manifest = describe(digests)
         return self.finish(tmp, Manifest(**{**manifest.__dict__, "format": 1}), before_commit=before_commit)
 
-    def _publish(self, tmp: Path, step: int, owner: WriterIdentity | None) -> Path:
+    def _publish(self, tmp: Path, step: int, owner: WriterIdentity | None, run_id: str) -> Path:
         """Rename `tmp` to the step's name; a copy already there stays findable until the new one
         is in. Losing a race to another writer of the same step is no failure when its copy verifies."""
         name = checkpoint_name(step)
@@ -278,7 +281,8 @@ class CheckpointStore:
                 claims.refresh_after_commit(self.root, owner)
         except OSError as exc:
             logger.warning("%s committed, but updating %s failed: %s", name, LATEST, describe_failure(exc))
-        self._retire_old()
+        retention.mark_verified(final)  # this writer's own commit, or another's that `_verifies` checked
+        retention.retire_old(self, run_id, owner)
         return final
 
     def _verifies(self, name: str, step: int, path: Path) -> bool:
@@ -308,11 +312,6 @@ class CheckpointStore:
             else:
                 logger.warning("putting back %s: a save that replaced it died before its commit", final.name)
                 os.rename(entry, final)
-
-    def _retire_old(self) -> None:
-        for old in self.committed()[self.keep :]:
-            shutil.rmtree(old.path, ignore_errors=True)
-            logger.debug("deleted %s (keeping the newest %d)", old.name, self.keep)
 
     # -- reading -------------------------------------------------------------
 

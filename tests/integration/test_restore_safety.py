@@ -3,7 +3,6 @@ on the same --ckpt-dir each end in one line, and nothing saved is touched."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +52,8 @@ def test_a_second_job_on_the_same_directory_is_refused_and_its_files_left_alone(
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         # Another job, alive on this host, claimed the directory and is writing a save.
-        claim = WriterIdentity("0123456789ab", "other-job", os.uname().nodename, other.pid, 0.0)
+        # An old heartbeat: the process itself, alive, is what counts.
+        claim = WriterIdentity.of_process("other-job", other.pid, writer="0123456789ab", heartbeat=0.0)
         (ckpt / "writer.json").write_text(claim.to_json())
         in_progress = ckpt / ".tmp.step_00000040.0123abcd"
         in_progress.mkdir()
