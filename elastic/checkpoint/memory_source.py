@@ -30,7 +30,7 @@ from elastic.checkpoint.training_state import TrainingState
 from elastic.errors import CheckpointMismatchError, CorruptCheckpoint
 from elastic.runtime import WorkerContext
 from elastic.storage import parts, sharded
-from elastic.storage.keeper_address import LOCAL
+from elastic.storage.keeper_address import LOCAL, REPLICA
 from elastic.storage.manifest import Manifest, checkpoint_name, versions
 from elastic.storage.parts import PartHeader
 
@@ -70,11 +70,13 @@ class MemorySource:
         places: dict[tuple[int, int, str], dict[int, list[list[str]]]] = {}
         headers: dict[tuple[int, int, str], dict[int, PartHeader]] = {}
         for node in gathered:
-            for where, raw in node.parts:
+            for entry in node.parts:
                 try:
+                    where, raw = _inventory_entry(entry)
                     header = PartHeader.from_json(raw)
-                except CorruptCheckpoint:
-                    continue  # rewritten meanwhile, or not a part: never planned on
+                except CorruptCheckpoint as exc:
+                    logger.warning("skipping a snapshot part that node %s reports: %s", node.node, exc)
+                    continue  # never planned on
                 if header.ckpt_dir != self._ckpt_dir:
                     continue  # another job's (one keeper may serve several in one process)
                 key = (header.step, header.world_size, str(header.extra.get("generation", "")))
@@ -93,14 +95,17 @@ class MemorySource:
                 metadata = parts.merged_metadata(chosen_headers)
                 trainer = parts.merged_trainer(chosen_headers)
                 fit.check_fits(name, metadata, trainer, self.state)
-            except (CorruptCheckpoint, CheckpointMismatchError, KeyError) as exc:
-                logger.warning("%s cannot be restored (%s); trying an older one", name, exc)
+                sampler = trainer["sampler"]
+                manifest = Manifest(
+                    step=step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]), world_size=world_size,
+                    files={}, created=time.time(), reason="snapshot", run_id=self._ctx.run_id, versions=versions(),
+                )
+            # The trainer state came from peers (checked against its crc32c, loaded weights-only):
+            # one not shaped as this runtime writes it is a part to skip, like a corrupt one.
+            except (CorruptCheckpoint, CheckpointMismatchError, KeyError, TypeError, ValueError, IndexError,
+                    AttributeError) as exc:
+                logger.warning("%s cannot be restored (%s); trying an older one", name, _one_line(exc))
                 continue
-            sampler = trainer["sampler"]
-            manifest = Manifest(
-                step=step, epoch=int(sampler["epoch"]), consumed=int(sampler["consumed"]), world_size=world_size,
-                files={}, created=time.time(), reason="snapshot", run_id=self._ctx.run_id, versions=versions(),
-            )
             local = all(any(place[2] == LOCAL for place in found[rank]) for rank in found)
             return Offer(
                 source=MEMORY if local else PEER, name=name, checkpoint=checkpoint_name(step),
@@ -132,3 +137,17 @@ class MemorySource:
 
 def _remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def _inventory_entry(entry: object) -> tuple[str, str]:
+    """(where, header JSON) of one entry of a node's inventory; `CorruptCheckpoint` if it is not one."""
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+        raise CorruptCheckpoint(f"an inventory entry {str(entry)[:80]!r} is not [where, header]")
+    if entry[0] not in (LOCAL, REPLICA):  # a place in the keeper's directory, never a path
+        raise CorruptCheckpoint(f"an inventory entry places a part in {entry[0][:80]!r}")
+    return entry[0], entry[1]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__

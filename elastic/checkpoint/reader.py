@@ -101,6 +101,9 @@ def read_tensors(
 ) -> dict[str, Any]:
     """A format-2 checkpoint's state whose keys start with `prefix`, whole, on CPU (one process):
     every tensor, a tied one under each of its names, and modules' extra state."""
+    # trainer.pt verifies, but need not be what this runtime writes (a crafted one loads weights-only too).
+    if not isinstance(trainer, dict) or not all(isinstance(trainer.get(k, {}), dict) for k in ("aliases", "module_extra")):
+        raise CorruptCheckpoint(f"{candidate.name}/{TRAINER_FILE} is not a trainer state of this runtime")
     metadata = store.tensor_metadata(candidate, manifest)
     keys = [key for key in sharded.tensor_shapes(metadata) if key.startswith(prefix)]
     state: dict[str, Any] = dict(sharded.full_tensors(candidate.path, metadata, keys))

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ import crc32c
 import torch
 
 from elastic.errors import CorruptCheckpoint
+from elastic.storage import validate
 
 BLOCK = 2**20
 """Bytes per checksum when writing (each chunk records its own): large chunks are checked in
@@ -59,10 +61,11 @@ def block_checksums(data: memoryview, block: int | None = None) -> list[int]:
     return list(_checksum_pool().map(crc32c.crc32c, blocks))
 
 
-def dtype_named(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
+def dtype_named(name: Any) -> torch.dtype:
+    """The torch dtype called `name` ("torch.float32" or "float32"); `CorruptCheckpoint` for anything else."""
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpoint(f"an unknown dtype {name!r}")
+        raise CorruptCheckpoint(f"an unknown dtype {str(name)[:80]!r}")
     return dtype
 
 
@@ -86,14 +89,61 @@ class StoredChunk:
         }
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> StoredChunk:
-        block = int(raw.get("block", 16 * 2**20))  # the first format-2 checkpoints used 16 MiB and did not say
-        if block <= 0:
-            raise ValueError(f"block {block}")
+    def from_json(cls, raw: Any, what: str = "a chunk") -> StoredChunk:
+        """The chunk `raw` describes, checked (`CorruptCheckpoint` naming `what` if it is not one):
+        a bare file name, a known dtype, `length` the bytes of `sizes` of that dtype, and one
+        uint32 crc32c per `block` bytes (one for an empty chunk)."""
+        raw = validate.need_dict(raw, what)
+        # The first format-2 checkpoints used 16 MiB blocks and did not say.
+        block = validate.need_int(raw.get("block", 16 * 2**20), f"{what}'s block", lo=1)
+        dtype_name = validate.need_str(validate.need_key(raw, "dtype", what), f"{what}'s dtype", max_len=64)
+        dtype = dtype_named(dtype_name)
+        sizes = validate.need_ints(validate.need_key(raw, "sizes", what), f"{what}'s sizes")
+        length = validate.need_int(validate.need_key(raw, "length", what), f"{what}'s length")
+        if length != math.prod(sizes) * dtype.itemsize:
+            raise CorruptCheckpoint(f"{what} is {length} bytes long, its sizes {list(sizes)} of {dtype_name} make "
+                                    f"{math.prod(sizes) * dtype.itemsize}")
+        checksums = validate.need_list(validate.need_key(raw, "crc32c", what), f"{what}'s crc32c")
+        if len(checksums) != max(1, -(-length // block)):
+            raise CorruptCheckpoint(f"{what} has {len(checksums)} checksums for {length} bytes in blocks of {block}")
         return cls(
-            file=str(raw["file"]), offset=int(raw["offset"]), length=int(raw["length"]), dtype=str(raw["dtype"]),
-            sizes=tuple(int(s) for s in raw["sizes"]), crc32c=tuple(int(c) for c in raw["crc32c"]), block=block,
+            file=validate.need_name(validate.need_key(raw, "file", what), f"{what}'s file"),
+            offset=validate.need_int(validate.need_key(raw, "offset", what), f"{what}'s offset"),
+            length=length, dtype=dtype_name, sizes=sizes,
+            crc32c=validate.need_ints(checksums, f"{what}'s crc32c", hi=validate.UINT32 - 1), block=block,
         )
+
+
+def tensor_declaration(raw: Any, what: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, global size) of a tensor's `{"dtype", "size"}` record, checked."""
+    raw = validate.need_dict(raw, what)
+    dtype = dtype_named(validate.need_key(raw, "dtype", what))
+    size = validate.need_ints(validate.need_key(raw, "size", what), f"{what}'s size")
+    if math.prod(size) > validate.MAX_INT:
+        raise CorruptCheckpoint(f"{what} has size {list(size)}, more elements than any tensor holds")
+    return dtype, size
+
+
+def placed_chunk(
+    raw: Any, what: str, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> tuple[str, tuple[int, ...], StoredChunk]:
+    """(fqn, global offset `at`, chunk) of a chunk record `{"fqn", "at", ...StoredChunk}`, checked
+    against the tensor it belongs to (`tensors`: fqn -> dtype, global size): same dtype, same
+    number of dimensions, and lying within the tensor."""
+    raw = validate.need_dict(raw, what)
+    fqn = validate.need_str(validate.need_key(raw, "fqn", what), f"{what}'s fqn")
+    if fqn not in tensors:
+        raise CorruptCheckpoint(f"{what} belongs to {fqn[:80]!r}, which is not declared")
+    dtype, size = tensors[fqn]
+    at = validate.need_ints(validate.need_key(raw, "at", what), f"{what}'s at")
+    stored = StoredChunk.from_json(raw, what)
+    if dtype_named(stored.dtype) != dtype:
+        raise CorruptCheckpoint(f"{what} holds {stored.dtype}, its tensor {fqn[:80]!r} is {dtype}")
+    if len(at) != len(size) or len(stored.sizes) != len(size):
+        raise CorruptCheckpoint(f"{what} at {list(at)} of sizes {list(stored.sizes)} does not fit {fqn[:80]!r} of size {list(size)}")
+    if any(a + n > s for a, n, s in zip(at, stored.sizes, size)):
+        raise CorruptCheckpoint(f"{what} at {list(at)} of sizes {list(stored.sizes)} lies outside {fqn[:80]!r} of size {list(size)}")
+    return fqn, at, stored
 
 
 def read_chunk(directory: Path, stored: StoredChunk, fqn: str) -> torch.Tensor:
@@ -135,8 +185,8 @@ class MappedFiles:
     def view(self, file: str, start: int, stop: int) -> memoryview | None:
         """Bytes [start, stop) of `file`, or None if the file is shorter (or empty)."""
         if file not in self._maps:
-            with open(self.directory / file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            with validate.open_regular(self.directory / file, file) as f:
+                size = validate.file_size(f)
                 # ACCESS_COPY: writable to Python (torch.frombuffer wants that), never written back.
                 self._maps[file] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
         mapping = self._maps[file]
@@ -191,10 +241,14 @@ def read_rows(
             view = source.view(stored.file, stored.offset + start, stored.offset + stop)
             buffer, got = (view, len(view)) if view is not None else (bytearray(), -1)
         else:
-            buffer = bytearray(stop - start)
-            with open(directory / stored.file, "rb") as f:
-                f.seek(stored.offset + start)
-                got = f.readinto(buffer)
+            with validate.open_regular(directory / stored.file, where) as f:
+                # Never allocate more than the file holds: a declared length is not trusted.
+                if validate.file_size(f) < stored.offset + stop:
+                    buffer, got = bytearray(), -1
+                else:
+                    buffer = bytearray(stop - start)
+                    f.seek(stored.offset + start)
+                    got = f.readinto(buffer)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{where} is missing") from None
     if got != len(buffer):

@@ -44,6 +44,11 @@ Invariants:
   only behind the newest `keep` that verify and belong to the committing run
   (retention.py): a directory that does not verify, or another run's, never
   counts towards `keep`, and one that has no readable manifest is never deleted.
+- A manifest, tensors.json and `latest` are untrusted input (validate.py): a
+  file they name is a bare name in the checkpoint's directory and a regular
+  file, its size is checked by stat before it is read, and nothing is read or
+  allocated past it; anything else is a `CorruptCheckpoint`, so the restore
+  falls back to an older checkpoint.
 - Nothing loads pickled code: tensors are raw bytes (format 2), other state files
   load with `torch.load(weights_only=True)`.
 """
@@ -68,7 +73,7 @@ import torch
 
 from elastic.errors import CheckpointStorageError, CorruptCheckpoint
 from elastic.storage import claim as claims
-from elastic.storage import retention, sharded
+from elastic.storage import retention, sharded, validate
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.durable import (
     TMP_PREFIX,
@@ -79,7 +84,13 @@ from elastic.storage.durable import (
     save_durably,
     write_bytes_durably,
 )
-from elastic.storage.manifest import MANIFEST, Candidate, Manifest, checkpoint_name
+from elastic.storage.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Candidate,
+    Manifest,
+    checkpoint_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -340,18 +351,20 @@ class CheckpointStore:
         return sorted(found.values(), key=lambda c: c.step, reverse=True)
 
     def latest_pointer(self) -> str | None:
+        """The name `latest` holds (None: no such file, or not a small regular file; it is only a hint)."""
         try:
-            return (self.root / LATEST).read_text(encoding="utf-8").strip() or None
-        except (FileNotFoundError, NotADirectoryError):
+            raw = validate.read_bounded(self.root / LATEST, LATEST, 256)
+        except (FileNotFoundError, NotADirectoryError, CorruptCheckpoint):
             return None
+        return raw.decode("utf-8", errors="replace").strip() or None
 
     def read_manifest(self, candidate: Candidate) -> Manifest:
         try:
-            return Manifest.from_json((candidate.path / MANIFEST).read_text(encoding="utf-8"))
+            return Manifest.from_json(validate.read_bounded(candidate.path / MANIFEST, MANIFEST, MAX_MANIFEST_BYTES))
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{candidate.name} has no {MANIFEST}") from None
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} is unreadable: {exc}") from None
+        except CorruptCheckpoint as exc:
+            raise CorruptCheckpoint(f"{candidate.name}: {exc}") from None
 
     def read_checked_manifest(self, candidate: Candidate) -> Manifest:
         """The manifest, checked to name the candidate's step (`CorruptCheckpoint` if not)."""
@@ -369,15 +382,24 @@ class CheckpointStore:
         """
         digest = hashlib.sha256() if "sha256" in expected else None
         crc, size, data = 0, 0, b""
+        where = f"{candidate.name}/{file_name}"
         try:
-            with open(candidate.path / file_name, "rb") as f:
+            with validate.open_regular(candidate.path / validate.need_name(file_name, where), where) as f:
+                # Stat before reading: a declared size is never an allocation, nor a read past the file.
+                if validate.file_size(f) != int(expected["bytes"]):
+                    raise CorruptCheckpoint(
+                        f"{where} has {validate.file_size(f)} bytes, the manifest says {expected['bytes']}"
+                    )
+                limit = int(expected["bytes"]) + 1  # one more: a file grown meanwhile is found
                 if keep:
-                    data = f.read()
+                    data = f.read(limit)
                     chunks = [data]
                 else:
                     chunks = iter(lambda: f.read(_READ_CHUNK), b"")
                 for chunk in chunks:
                     size += len(chunk)
+                    if size > limit:
+                        break
                     if digest is not None:
                         digest.update(chunk)
                     elif "crc32c" in expected:
@@ -396,7 +418,7 @@ class CheckpointStore:
         """Every file the manifest names exists with its size (cheap: a stat each)."""
         for file_name, expected in manifest.files.items():
             try:
-                size = (candidate.path / file_name).stat().st_size
+                size = validate.regular_size(candidate.path / file_name, f"{candidate.name}/{file_name}")
             except FileNotFoundError:
                 raise CorruptCheckpoint(f"{candidate.name}/{file_name} is missing") from None
             if size != int(expected["bytes"]):
@@ -430,7 +452,8 @@ class CheckpointStore:
         if sharded.TENSORS_FILE not in manifest.files:
             raise CorruptCheckpoint(f"{candidate.name} holds no {sharded.TENSORS_FILE}")
         text = self.read_file(candidate, sharded.TENSORS_FILE, manifest.files[sharded.TENSORS_FILE])
-        return sharded.metadata_from_json(text.decode("utf-8", errors="replace"))
+        # Chunks must lie within the files as the manifest sizes them (checked by stat).
+        return sharded.metadata_from_json(text, {name: entry["bytes"] for name, entry in manifest.files.items()})
 
     def quarantine(self, candidate: Candidate) -> Path:
         """Move a checkpoint that failed verification aside for a post-mortem; only the

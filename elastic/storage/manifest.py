@@ -13,6 +13,7 @@ formats live here, so the workers, the keeper and the tools agree on them:
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,18 @@ from typing import Any
 
 import torch
 
+from elastic.errors import CorruptCheckpoint
+from elastic.storage import validate
 from elastic.version import __version__
 
 FORMAT_VERSION = 2
 """Format of the checkpoints written now (sharded, crc32c); format 1 (rank 0's files, sha256) still loads."""
 READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 * 2**20
+"""The largest manifest read: it names one file per rank (about 100 bytes each), so this is room
+for over 100,000 ranks, and bounds what a crafted one costs."""
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 TRAINER_FILE = "trainer.pt"
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -58,20 +65,53 @@ class Manifest:
         return json.dumps(self.__dict__, indent=1, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        raw = json.loads(text)
-        if raw.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"manifest format {raw.get('format')!r}, this runtime reads {READABLE_FORMATS}")
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """The manifest in `text`, checked; `CorruptCheckpoint` naming what is wrong if it is not one.
+
+        Every file it names is a bare name (`validate.BARE_NAME`), so it lies in the
+        checkpoint's own directory, with a size and at most a crc32c and a sha256."""
+        raw = validate.parse_json(text, MANIFEST, MAX_MANIFEST_BYTES)
+        fmt = raw.get("format")
+        if type(fmt) is not int or fmt not in READABLE_FORMATS:
+            raise CorruptCheckpoint(f"{MANIFEST} has format {fmt!r}, this runtime reads {READABLE_FORMATS}")
+
+        def need(key: str) -> Any:
+            return validate.need_key(raw, key, MANIFEST)
+
+        files = validate.need_dict(need("files"), f"{MANIFEST}'s files")
+        stamped = validate.need_dict(need("versions"), f"{MANIFEST}'s versions")
         return cls(
-            step=int(raw["step"]), epoch=int(raw["epoch"]), consumed=int(raw["consumed"]),
-            world_size=int(raw["world_size"]), files=dict(raw["files"]), created=float(raw["created"]),
-            reason=str(raw["reason"]), run_id=str(raw["run_id"]), versions=dict(raw["versions"]),
-            format=int(raw["format"]),
+            step=validate.need_int(need("step"), f"{MANIFEST}'s step"),
+            epoch=validate.need_int(need("epoch"), f"{MANIFEST}'s epoch"),
+            consumed=validate.need_int(need("consumed"), f"{MANIFEST}'s consumed"),
+            world_size=validate.need_int(need("world_size"), f"{MANIFEST}'s world_size", lo=1),
+            files={validate.need_name(name, f"{MANIFEST} file"): _file_entry(name, entry) for name, entry in files.items()},
+            created=validate.need_float(need("created"), f"{MANIFEST}'s created"),
+            reason=validate.need_str(need("reason"), f"{MANIFEST}'s reason", max_len=256),
+            run_id=validate.need_str(need("run_id"), f"{MANIFEST}'s run_id", max_len=1024),
+            versions={
+                validate.need_str(k, f"{MANIFEST} version name", max_len=64):
+                    validate.need_str(v, f"{MANIFEST} version of {k[:64]!r}", max_len=256)
+                for k, v in stamped.items()
+            },
+            format=fmt,
         )
 
     @property
     def total_bytes(self) -> int:
         return sum(int(f["bytes"]) for f in self.files.values())
+
+
+def _file_entry(name: str, raw: Any) -> dict[str, Any]:
+    """One file's record: its size, and its crc32c (format 2) or sha256 (format 1) if it has one."""
+    what = f"{MANIFEST}'s entry for {name}"
+    raw = validate.need_dict(raw, what)
+    entry: dict[str, Any] = {"bytes": validate.need_int(validate.need_key(raw, "bytes", what), f"{what}: bytes")}
+    if "crc32c" in raw:
+        entry["crc32c"] = validate.need_int(raw["crc32c"], f"{what}: crc32c", hi=validate.UINT32 - 1)
+    if "sha256" in raw:
+        entry["sha256"] = validate.need_str(raw["sha256"], f"{what}: sha256", max_len=64, pattern=_SHA256)
+    return entry
 
 
 def versions() -> dict[str, str]:

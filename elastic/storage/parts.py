@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
 import re
 import uuid
@@ -50,13 +51,29 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from elastic.errors import CorruptCheckpoint
-from elastic.storage import sharded
-from elastic.storage.chunks import StoredChunk, block_checksums, dtype_named
+from elastic.storage import sharded, validate
+from elastic.storage.chunks import (
+    StoredChunk,
+    block_checksums,
+    dtype_named,
+    placed_chunk,
+    tensor_declaration,
+)
+
+logger = logging.getLogger(__name__)
 
 PART_FORMAT = 1
 HEADER_SUFFIX = ".json"
 DATA_SUFFIX = ".bin"
-_PART_NAME = re.compile(r"^rank_(\d{5})\.([0-9a-f]+-[0-9a-f]+)\.s([01])\.(json|bin)$")
+_PART_NAME = re.compile(r"^rank_(\d{5})\.([0-9a-f]{1,16}-[0-9a-f]{1,32})\.s([01])\.(json|bin)$")
+_WRITER = re.compile(r"^[0-9a-f]{1,16}-[0-9a-f]{1,32}$")
+"""`new_writer_id`'s form: a part's file names are built from it, and its pid read back."""
+MAX_WORLD_SIZE = 100_000
+"""Part names hold the rank in five digits."""
+MAX_HEADER_BYTES = 16 * 2**20
+"""The largest part header read (from /dev/shm or a peer). A header lists every chunk its rank
+holds (a few hundred bytes each, plus a checksum per MiB) and the rank's trainer state: this is
+room for tens of thousands of tensors, and bounds what a crafted one costs."""
 ALIGN = 64
 """Each tensor starts at a multiple of this in the data file (any dtype's view is aligned)."""
 
@@ -117,16 +134,53 @@ class PartHeader:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> PartHeader:
-        """The header in `raw`; `CorruptCheckpoint` if it is not one of this format."""
-        try:
-            data = json.loads(raw)
-            if data.get("format") != PART_FORMAT:
-                raise CorruptCheckpoint(f"snapshot part has format {data.get('format')!r}, this runtime reads {PART_FORMAT}")
-            return cls(**data)
-        except CorruptCheckpoint:
-            raise
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpoint(f"snapshot part header is unreadable: {type(exc).__name__}: {exc}") from None
+        """The header in `raw`, checked whole; `CorruptCheckpoint` naming what is wrong if it is not one.
+
+        Checked: every field's type and range (`0 <= rank < world_size`, slot 0 or 1,
+        `writer` as `new_writer_id` makes it), every tensor's dtype and size, every chunk
+        within its tensor and within the first `data_bytes` of the data file."""
+        data = validate.parse_json(raw, "snapshot part header", MAX_HEADER_BYTES)
+        fmt = data.get("format")
+        if type(fmt) is not int or fmt != PART_FORMAT:
+            raise CorruptCheckpoint(f"snapshot part has format {fmt!r}, this runtime reads {PART_FORMAT}")
+        unknown = data.keys() - _FIELDS
+        if unknown:
+            raise CorruptCheckpoint(f"snapshot part header has unknown fields {sorted(unknown)[:5]}")
+        what = "snapshot part header"
+
+        def need(key: str) -> Any:
+            return validate.need_key(data, key, what)
+
+        world_size = validate.need_int(need("world_size"), f"{what}'s world_size", lo=1, hi=MAX_WORLD_SIZE)
+        rank = validate.need_int(need("rank"), f"{what}'s rank", hi=world_size - 1)
+        writer = validate.need_str(need("writer"), f"{what}'s writer", max_len=64, pattern=_WRITER)
+        slot = validate.need_int(need("slot"), f"{what}'s slot", hi=1)
+        what = f"snapshot part {part_stem(rank, writer, slot)}"
+        data_bytes = validate.need_int(need("data_bytes"), f"{what}: data_bytes")
+        tensors: dict[str, dict[str, Any]] = validate.need_dict(need("tensors"), f"{what}: tensors")
+        shapes = {fqn: tensor_declaration(md, f"{what}: tensor {fqn[:80]!r}") for fqn, md in tensors.items()}
+        chunks = validate.need_list(need("chunks"), f"{what}: chunks")
+        for i, chunk in enumerate(chunks):
+            _, _, stored = placed_chunk(chunk, f"{what}: chunk {i}", shapes)
+            if stored.offset + stored.length > data_bytes:
+                raise CorruptCheckpoint(f"{what}: chunk {i} ends at byte {stored.offset + stored.length}, "
+                                        f"beyond its data's {data_bytes}")
+        return cls(
+            run_id=validate.need_str(need("run_id"), f"{what}: run_id", max_len=1024),
+            step=validate.need_int(need("step"), f"{what}: step"),
+            rank=rank, world_size=world_size, writer=writer, slot=slot, data_bytes=data_bytes,
+            chunks=chunks, tensors=tensors,
+            trainer=validate.need_str(need("trainer"), f"{what}: trainer", max_len=MAX_HEADER_BYTES),
+            trainer_crc32c=validate.need_int(need("trainer_crc32c"), f"{what}: trainer_crc32c", hi=validate.UINT32 - 1),
+            ckpt_dir=validate.need_str(need("ckpt_dir"), f"{what}: ckpt_dir"),
+            keep=validate.need_int(need("keep"), f"{what}: keep", lo=1, hi=2**20),
+            created=validate.need_float(need("created"), f"{what}: created"),
+            format=fmt,
+            extra=validate.need_dict(data.get("extra", {}), f"{what}: extra"),
+        )
+
+
+_FIELDS = frozenset(f.name for f in fields(PartHeader))
 
 
 def encode_trainer(trainer: dict[str, Any]) -> tuple[str, int]:
@@ -159,7 +213,10 @@ def write_header(directory: Path, header: PartHeader) -> None:
 
 
 def read_headers(directory: Path) -> list[PartHeader]:
-    """Every readable part header in `directory` whose data file is there and long enough."""
+    """Every valid part header in `directory` whose data file is there and long enough.
+
+    A header that does not parse, or whose name does not match its contents, is
+    skipped with one warning (once per file version); one removed meanwhile silently."""
     found: list[PartHeader] = []
     try:
         entries = list(os.scandir(directory))
@@ -169,14 +226,41 @@ def read_headers(directory: Path) -> list[PartHeader]:
         parsed = parse_part_name(entry.name)
         if parsed is None or parsed[3] != "json":
             continue
+        path = Path(entry.path)
         try:
-            header = PartHeader.from_json(Path(entry.path).read_bytes())
-            size = os.stat(directory / (header.stem + DATA_SUFFIX)).st_size
-        except (OSError, CorruptCheckpoint):
+            header = PartHeader.from_json(validate.read_bounded(path, entry.name, MAX_HEADER_BYTES))
+            if (header.rank, header.writer, header.slot) != parsed[:3]:
+                raise CorruptCheckpoint(f"snapshot part header {entry.name} describes {header.stem}")
+            size = validate.regular_size(directory / (header.stem + DATA_SUFFIX), header.stem + DATA_SUFFIX)
+        except FileNotFoundError:
             continue  # overwritten or removed meanwhile: not a part
-        if size >= header.data_bytes and (header.rank, header.writer, header.slot) == parsed[:3]:
+        except OSError as exc:
+            logger.debug("snapshot part %s: %s", entry.name, exc)
+            continue
+        except CorruptCheckpoint as exc:
+            _warn_once(path, str(exc))
+            continue
+        if size >= header.data_bytes:
             found.append(header)
     return found
+
+
+_warned: dict[str, tuple[int, int]] = {}
+
+
+def _warn_once(path: Path, reason: str) -> None:
+    """One warning per version (mtime, size) of a bad header: maintenance reads them every few seconds."""
+    try:
+        info = path.stat()
+    except OSError:
+        return
+    version = (info.st_mtime_ns, info.st_size)
+    if _warned.get(str(path)) == version:
+        return
+    if len(_warned) > 1024:
+        _warned.clear()
+    _warned[str(path)] = version
+    logger.warning("skipping snapshot part header %s: %s", path, reason)
 
 
 # -- a step's parts as one checkpoint ----------------------------------------------
@@ -203,17 +287,28 @@ def merged_metadata(headers: list[PartHeader]) -> Metadata:
                     size=torch.Size(md["size"]),
                     chunks=[],
                 )
+            elif (dtype_named(md["dtype"]), torch.Size(md["size"])) != (state[fqn].properties.dtype, state[fqn].size):
+                raise CorruptCheckpoint(f"snapshot part {header.stem} declares {fqn[:80]!r} unlike another rank's part")
         for raw in header.chunks:
             stored = StoredChunk.from_json({**raw, "file": sharded.shard_file(header.rank)})
             at = torch.Size(raw["at"])
             state[raw["fqn"]].chunks.append(ChunkStorageMetadata(at, torch.Size(stored.sizes)))
+            if MetadataIndex(raw["fqn"], at) in storage:
+                raise CorruptCheckpoint(f"snapshot part {header.stem} holds {raw['fqn'][:80]!r} at {list(at)} twice")
             storage[MetadataIndex(raw["fqn"], at)] = stored
-    return Metadata(state_dict_metadata=state, storage_data=storage)
+    metadata = Metadata(state_dict_metadata=state, storage_data=storage)
+    # The same checks as a checkpoint's tensors.json: together the parts make up every tensor.
+    return sharded.metadata_from_json(sharded.metadata_to_json(metadata))
 
 
 def merged_trainer(headers: list[PartHeader]) -> dict[str, Any]:
     """trainer.pt of the checkpoint the parts make up: rank 0's state with every rank's RNG."""
     by_rank = {h.rank: decode_trainer(h) for h in headers}
+    if set(by_rank) != set(range(len(by_rank))):
+        raise CorruptCheckpoint(f"snapshot parts of ranks {sorted(by_rank)[:8]} are not one of each rank from 0")
+    for rank, state in by_rank.items():
+        if not isinstance(state, dict) or not isinstance(state.get("rng"), list) or not state["rng"]:
+            raise CorruptCheckpoint(f"snapshot part of rank {rank}: its trainer state holds no RNG states")
     trainer = dict(by_rank[0])
     trainer["rng"] = [by_rank[r]["rng"][0] for r in range(len(by_rank))]
     return trainer
@@ -221,9 +316,11 @@ def merged_trainer(headers: list[PartHeader]) -> dict[str, Any]:
 
 def read_data(path: Path, header: PartHeader) -> bytearray:
     """A part's data file, every chunk checked against its crc32c (`CorruptCheckpoint` if one fails)."""
-    buffer = bytearray(header.data_bytes)
     try:
-        with open(path, "rb") as f:
+        with validate.open_regular(path, f"snapshot part {header.stem}") as f:
+            if validate.file_size(f) < header.data_bytes:  # never allocate what the file does not hold
+                raise CorruptCheckpoint(f"snapshot part {header.stem} is truncated")
+            buffer = bytearray(header.data_bytes)
             got = f.readinto(buffer)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"snapshot part {header.stem} is gone") from None

@@ -229,8 +229,8 @@ def test_tensors_json_is_json_without_pickles_and_round_trips(tmp_path: Path) ->
         (lambda raw: raw.update(format=99), "has format 99"),
         (lambda raw: raw["tensors"]["w"].update(dtype="torch.Size"), "unknown dtype 'torch.Size'"),
         (lambda raw: raw["tensors"]["w"].update(dtype="os.system"), "unknown dtype"),
-        (lambda raw: raw["chunks"][0].pop("crc32c"), "is unreadable: KeyError"),
-        (lambda raw: raw.update(tensors=[1, 2]), "is unreadable"),
+        (lambda raw: raw["chunks"][0].pop("crc32c"), "chunk 0 has no 'crc32c'"),
+        (lambda raw: raw.update(tensors=[1, 2]), "tensors is a list, not an object"),
     ],
 )
 def test_metadata_that_is_not_ours_is_corrupt(tmp_path: Path, mutate: Callable[[dict], Any], message: str) -> None:
@@ -251,7 +251,7 @@ def test_first_error_is_the_failing_rank_s_own_exception() -> None:
 
 
 def test_not_json_is_corrupt() -> None:
-    with pytest.raises(CorruptCheckpoint, match="is unreadable"):
+    with pytest.raises(CorruptCheckpoint, match="is not JSON"):
         sharded.metadata_from_json("\x80\x04garbage")
 
 
