@@ -10,8 +10,9 @@ kubectl exists).
 `PodProcess` turns a rendered pod template into what the kubelet would run:
 the image's entrypoint (from the Dockerfile) and the container's command and
 args, `$(VAR)` expanded from its env and ConfigMaps as the kubelet does, the
-downward API's pod name, volume mounts mapped to local folders, service
-host names and ports mapped to loopback ones.
+downward API's pod name, volume mounts (Secrets included) mapped to local
+folders in the arguments and the environment, service host names and ports
+mapped to loopback ones.
 """
 
 from __future__ import annotations
@@ -249,8 +250,7 @@ class PodProcess:
             return str(K8S / "entrypoint.sh")
         if word in self.executables:
             return self.executables[word]
-        for path, local in sorted(self.mounts.items(), key=lambda kv: -len(kv[0])):
-            word = re.sub(rf"(?<![\w/]){re.escape(path)}(?=/|$|\b)", str(local), word)
+        word = self.localize_paths(word)
         for host, local in self.hosts.items():
             for port, local_port in self.ports.items():
                 word = re.sub(rf"\b{re.escape(host)}:{port}\b", f"{local}:{local_port}", word)
@@ -259,13 +259,26 @@ class PodProcess:
             word = re.sub(rf"(?<=0\.0\.0\.0:){port}\b", str(local_port), word)
         return word.replace("0.0.0.0", "127.0.0.1")
 
+    def localize_paths(self, word: str) -> str:
+        """Mount paths in `word` mapped to their local folders, in one pass (a local folder
+        that itself starts like a mount path, /tmp/..., is not mapped again)."""
+        if not self.mounts:
+            return word
+        paths = sorted(self.mounts, key=len, reverse=True)
+        pattern = "|".join(re.escape(p) for p in paths)
+        return re.sub(rf"(?<![\w/])({pattern})(?=/|$|\b)", lambda m: str(self.mounts[m.group(1)]), word)
+
+    def local_environment(self) -> dict[str, str]:
+        """`environment()` with mount paths mapped to local folders (files the env names)."""
+        return {name: self.localize_paths(value) for name, value in self.environment().items()}
+
     def working_dir(self) -> Path:
         where = self.container.get("workingDir") or image_workdir()
         assert where == "/app", f"the recipes are in /app in the image, the container runs in {where}"
         return REPO
 
     def start(self, log: Path, extra_env: Mapping[str, str]) -> subprocess.Popen:
-        env = {**os.environ, **self.environment(), **extra_env}
+        env = {**os.environ, **self.local_environment(), **extra_env}
         with open(log, "ab") as out:
             out.write(f"$ {shlex.join(self.local_argv())}\n".encode())
             return subprocess.Popen(

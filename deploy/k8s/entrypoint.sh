@@ -12,6 +12,16 @@
 # job's state is in its checkpoints and event log, and `kubectl delete -k`
 # releases the pods. Failures exit with their status, so Kubernetes restarts
 # the pod and the job resumes from its newest checkpoint.
+#
+# Except the final ones: a status listed in FINAL_EXIT_CODES (the trainer
+# manifest sets "2 75": bad input, checkpoint storage refuses writes) is one
+# that every restart would meet again at the same check. The pod then says so
+# in one line, writes that line to STOPPED_MARK (its readiness probe turns the
+# pod not ready when the file exists) and idles until it is deleted or
+# restarted: `kubectl rollout restart statefulset/trainer` once it is fixed.
+if [ -n "${STOPPED_MARK:-}" ]; then
+    rm -f "$STOPPED_MARK"  # a mark from before this container's restart is stale
+fi
 "$@" &
 child=$!
 trap 'kill -TERM "$child" 2>/dev/null' TERM
@@ -24,9 +34,27 @@ while :; do
     kill -0 "$child" 2>/dev/null || break
 done
 trap - TERM INT
-if [ "$status" -eq 0 ] && [ "${IDLE_AFTER_SUCCESS:-0}" = "1" ]; then
-    echo "entrypoint: the job finished; idling so the StatefulSet does not start it again" >&2
+idle() {
     trap 'exit 0' TERM INT
     while :; do sleep 3600 & wait $!; done
+}
+if [ "$status" -eq 0 ] && [ "${IDLE_AFTER_SUCCESS:-0}" = "1" ]; then
+    echo "entrypoint: the job finished; idling so the StatefulSet does not start it again" >&2
+    idle
 fi
+for final in ${FINAL_EXIT_CODES:-}; do
+    if [ "$status" = "$final" ]; then
+        case $status in
+            2) why="bad input (its first error line above says which)" ;;
+            75) why="checkpoint storage refuses writes" ;;
+            *) why="listed in FINAL_EXIT_CODES" ;;
+        esac
+        line="entrypoint: the job stopped with exit status $status, $why; a restart would stop the same way, so this pod idles, not ready: fix the cause, then kubectl rollout restart statefulset/trainer"
+        echo "$line" >&2
+        if [ -n "${STOPPED_MARK:-}" ]; then
+            echo "$line" > "$STOPPED_MARK" || echo "entrypoint: cannot write $STOPPED_MARK; the pod stays ready" >&2
+        fi
+        idle
+    fi
+done
 exit "$status"

@@ -105,3 +105,40 @@ def test_a_failed_job_exits_with_its_status(idle: str) -> None:
 
 def test_without_idle_a_finished_job_exits_0() -> None:
     assert start([sys.executable, "-c", "pass"]).wait(20) == 0
+
+
+def readiness(mark: Path) -> int:
+    """The trainer manifest's readiness probe, run as the kubelet would in the container: 0 is ready."""
+    from kube import build, find, pod_spec
+
+    probe = pod_spec(find(build(K8S), "StatefulSet", "trainer"))["containers"][0]["readinessProbe"]["exec"]["command"]
+    return subprocess.run(probe, env={**os.environ, "STOPPED_MARK": str(mark)}, timeout=20).returncode
+
+
+@pytest.mark.parametrize(("status", "why"), [(2, "bad input"), (75, "checkpoint storage refuses writes")])
+def test_a_final_exit_idles_the_pod_not_ready_and_says_why_in_one_line(tmp_path: Path, status: int, why: str) -> None:
+    mark = tmp_path / "stopped"
+    mark.write_text("left by the container before this one's restart")
+    env = {"IDLE_AFTER_SUCCESS": "1", "FINAL_EXIT_CODES": "2 75", "STOPPED_MARK": str(mark)}
+    ready_file = tmp_path / "ran"
+    job = f"import pathlib, sys; pathlib.Path({str(ready_file)!r}).write_text('x'); sys.exit({status})"
+    process = start([sys.executable, "-c", job], env)
+    shell = entrypoint_pid(process)
+    wait_for_file(ready_file)
+    line = process.stderr.readline()
+    assert line.startswith(f"entrypoint: the job stopped with exit status {status}, {why}") and "a restart would stop" in line
+    assert line.rstrip().endswith("kubectl rollout restart statefulset/trainer")
+    wait_for_file(mark)
+    assert mark.read_text() == line, "the stale mark was removed at start; the new one says why"
+    assert readiness(mark) != 0, "a stopped pod is not ready"
+    time.sleep(0.3)
+    assert process.poll() is None, "a stopped pod idles: a restart would stop again at the same check"
+    os.kill(shell, signal.SIGTERM)
+    assert process.wait(20) == 0
+
+
+def test_other_failures_still_exit_so_the_pod_restarts(tmp_path: Path) -> None:
+    mark = tmp_path / "stopped"
+    env = {"FINAL_EXIT_CODES": "2 75", "STOPPED_MARK": str(mark)}
+    assert start([sys.executable, "-c", "raise SystemExit(1)"], env).wait(20) == 1
+    assert not mark.exists() and readiness(mark) == 0

@@ -1,7 +1,8 @@
 """Pods as processes: the rendered manifests' own commands run an elastic job that survives a deleted pod.
 
 The cpu overlay is rendered; etcd starts from its StatefulSet's command (etcd
-from Debian's package standing in for the image's), and two trainer "pods"
+from Debian's package standing in for the image's) on TLS, with certificates
+made by deploy/k8s/make-etcd-certs.sh as the Secrets' folders, and two trainer "pods"
 start from the trainer StatefulSet's entrypoint, args, env and ConfigMap,
 with service names mapped to loopback and /ckpt to a shared folder. One pod is
 deleted (its whole process tree SIGKILLed) and, as the StatefulSet controller
@@ -64,14 +65,18 @@ def http_ok(url: str) -> bool:
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian package etcd-server)")
 def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tmp_path: Path) -> None:
     objects = render(K8S / "overlays" / "cpu")
-    client, peer = free_port(), free_port()
+    ports = {2379: free_port(), 2380: free_port(), 2381: free_port()}
     network = {
         "hosts": {"etcd-client": "127.0.0.1", "etcd-0.etcd": "127.0.0.1"},
-        "ports": {2379: client, 2380: peer},
+        "ports": ports,
         "executables": local_executables(),
     }
+    pki = tmp_path / "pki"  # the Secrets' contents, made as docs/kubernetes.md says
+    subprocess.run(["sh", str(K8S / "make-etcd-certs.sh"), str(pki)], check=True, capture_output=True, timeout=120)
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "secret").write_bytes(os.urandom(32))
     etcd = PodProcess(objects, find(objects, "StatefulSet", "etcd"), "etcd-0",
-                      mounts={"/var/lib/etcd": tmp_path / "etcd"}, **network)
+                      mounts={"/var/lib/etcd": tmp_path / "etcd", "/etc/etcd/tls": pki / "etcd-server"}, **network)
     (tmp_path / "etcd").mkdir()
     pods: dict[str, subprocess.Popen] = {}
     events = tmp_path / "ckpt" / f"{SETTINGS['JOB_ID']}-events.jsonl"
@@ -80,7 +85,10 @@ def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tm
     def trainer(name: str) -> PodProcess:
         # Two pods on one machine share its address: each gets its own metrics port.
         settings = {**SETTINGS, "METRICS_PORT": str(metrics_ports[name])}
-        return PodProcess(objects, find(objects, "StatefulSet", "trainer"), name, mounts={"/ckpt": tmp_path / "ckpt"},
+        (tmp_path / f"{name}-tmp").mkdir(exist_ok=True)  # the pod's /tmp: a new pod, the same emptyDir
+        mounts = {"/ckpt": tmp_path / "ckpt", "/etc/torchrevive/etcd-tls": pki / "etcd-client",
+                  "/etc/torchrevive/snapshot": tmp_path / "snapshot", "/tmp": tmp_path / f"{name}-tmp"}
+        return PodProcess(objects, find(objects, "StatefulSet", "trainer"), name, mounts=mounts,
                           config_overrides={"trainer-config": settings}, **network)
 
     def start(name: str) -> None:
@@ -96,7 +104,8 @@ def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tm
     etcd_process = etcd.start(tmp_path / "etcd.log", {})
     try:
         probe = etcd.container["readinessProbe"]["httpGet"]
-        wait_for(lambda: http_ok(f"http://127.0.0.1:{client}{probe['path']}"), 30, "etcd's readiness probe")
+        probe_port = ports[{p["name"]: p["containerPort"] for p in etcd.container["ports"]}[probe["port"]]]
+        wait_for(lambda: http_ok(f"http://127.0.0.1:{probe_port}{probe['path']}"), 30, "etcd's readiness probe")
         for name in ("trainer-0", "trainer-1"):
             start(name)
         wait_for(lambda: any(r["event"] == "step" and r["world_size"] == 2 and r["step"] >= 8 for r in records()),

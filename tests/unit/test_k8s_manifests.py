@@ -169,7 +169,7 @@ def test_the_etcd_endpoint_is_the_etcd_client_service(rendered: list[dict[str, A
     etcd = find(rendered, "StatefulSet", "etcd")
     assert service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
     etcd_pod = PodProcess(rendered, etcd, "etcd-0", mounts={}, use_entrypoint=False)
-    flags = dict(a.removeprefix("--").split("=", 1) for a in etcd_pod.argv()[1:])
+    flags = etcd_flags(etcd_pod)
     assert f":{port}" in flags["listen-client-urls"]
     assert "enable-v2" not in flags, "v3 API only"
     members = dict(m.split("=", 1) for m in flags["initial-cluster"].split(","))
@@ -195,13 +195,24 @@ def test_network_policies_select_real_pods_and_name_real_ports(rendered: list[di
         (target,) = selected(policy["spec"]["podSelector"])
         ports = {p["name"] for c in pod_spec(pods[target])["containers"] for p in c.get("ports", [])}
         for rule in policy["spec"]["ingress"]:
-            for peer in rule.get("from", []):
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule admits every source"
+            for peer in rule["from"]:
+                if "namespaceSelector" in peer:  # pods of another namespace: not ours to check here
+                    continue
                 assert selected(peer["podSelector"]), f"{policy['metadata']['name']}: a rule admits no pod"
             for port in rule.get("ports", []):
                 assert port["port"] in ports, f"{policy['metadata']['name']}: no port {port['port']} on {target}"
     trainer_rules = next(p for p in policies if selected(p["spec"]["podSelector"]) == ["trainer"])["spec"]["ingress"]
     assert any(selected(peer["podSelector"]) == ["trainer"] and "ports" not in rule
                for rule in trainer_rules for peer in rule.get("from", [])), "trainers must reach each other on any port"
+    # The metrics port: only from the Prometheus pods of the monitoring namespace (both
+    # selectors in one peer, which Kubernetes ANDs), and no other outside source at all.
+    outside = [(peer, rule) for rule in trainer_rules for peer in rule["from"] if "namespaceSelector" in peer]
+    assert outside, "nothing outside the job may scrape the metrics"
+    for peer, rule in outside:
+        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+        assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+        assert [p["port"] for p in rule["ports"]] == ["metrics"], "Prometheus reaches the metrics port only"
 
 
 def test_pods_run_as_non_root_without_privileges(rendered: list[dict[str, Any]]) -> None:
@@ -241,3 +252,107 @@ def test_the_dockerfile_builds_what_the_manifests_run() -> None:
     installs = " ".join(rest for word, rest in instructions if word == "RUN")
     assert "pip install" in installs and "vision" in installs, "the package and its vision extra"
     assert DOCKERFILE.parent == K8S
+
+
+# --- etcd on TLS, Secrets as files, final exits --------------------------------------------------
+
+MAKE_CERTS = K8S / "make-etcd-certs.sh"
+TLS_FILES = {"ca.crt", "tls.crt", "tls.key"}
+"""The files make-etcd-certs.sh puts in each Secret's folder (the Secret's keys)."""
+
+
+def etcd_flags(pod: PodProcess) -> dict[str, str]:
+    return dict(a.removeprefix("--").split("=", 1) for a in pod.argv()[1:])
+
+
+def secret_mounts(workload: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """mountPath -> (Secret name, the mount) for the workload's container."""
+    spec = pod_spec(workload)
+    secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+    return {m["mountPath"]: (secrets[m["name"]]["secretName"], m)
+            for m in spec["containers"][0]["volumeMounts"] if m["name"] in secrets}
+
+
+def secret_file(workload: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the Secret file at `path` in the workload's container."""
+    for mount_path, (secret, _) in secret_mounts(workload).items():
+        if path.startswith(mount_path + "/"):
+            return secret, path[len(mount_path) + 1:]
+    raise AssertionError(f"{path} is not in a Secret mounted by {workload['metadata']['name']}")
+
+
+def created_secrets() -> dict[str, set[str]]:
+    """Secret name -> its keys, as the kubectl commands make-etcd-certs.sh prints create them."""
+    made = {}
+    for name, source in re.findall(r"create secret generic (\S+) --from-file=(\S+)", MAKE_CERTS.read_text()):
+        made[name] = {source.split("=")[0]} if "=" in source else TLS_FILES  # a folder: one key per file
+    return made
+
+
+def test_etcd_serves_only_tls_clients_with_a_certificate(rendered: list[dict[str, Any]]) -> None:
+    etcd = find(rendered, "StatefulSet", "etcd")
+    pod = PodProcess(rendered, etcd, "etcd-0", mounts={}, use_entrypoint=False)
+    flags = etcd_flags(pod)
+    for urls in ("listen-client-urls", "advertise-client-urls", "listen-peer-urls", "initial-advertise-peer-urls"):
+        assert all(u.startswith("https://") for u in flags[urls].split(",")), f"{urls}: {flags[urls]}"
+    assert flags["client-cert-auth"] == flags["peer-client-cert-auth"] == "true"
+    files = {flags[f] for f in ("cert-file", "key-file", "trusted-ca-file")}
+    assert files == {flags[f"peer-{f}"] for f in ("cert-file", "key-file", "trusted-ca-file")}
+    assert {secret_file(etcd, f) for f in files} == {("etcd-server-tls", f) for f in TLS_FILES}
+    # The kubelet has no client certificate: the probes ask a plain-http port serving only /health and /metrics.
+    health = {p["name"]: p["containerPort"] for p in pod.container["ports"]}[pod.container["readinessProbe"]["httpGet"]["port"]]
+    assert flags["listen-metrics-urls"] == f"http://0.0.0.0:{health}"
+    assert pod.container["livenessProbe"]["httpGet"]["port"] == pod.container["readinessProbe"]["httpGet"]["port"]
+
+
+def test_the_trainer_reaches_etcd_with_its_client_certificate(rendered: list[dict[str, Any]]) -> None:
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    pod = trainer(rendered)
+    conf = _parse_rendezvous_config(get_args_parser().parse_args(pod.argv()[1:]).rdzv_conf)
+    assert conf["protocol"] == "https"
+    files = {secret_file(pod.workload, conf[option]) for option in ("ca_cert", "ssl_cert", "ssl_cert_key")}
+    assert files == {("etcd-client-tls", "ca.crt"), ("etcd-client-tls", "tls.crt"), ("etcd-client-tls", "tls.key")}
+
+
+def test_secrets_are_read_only_files_that_the_documented_commands_create(rendered: list[dict[str, Any]]) -> None:
+    made = created_secrets()
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    assert "deploy/k8s/make-etcd-certs.sh" in docs
+    assert not [o for o in rendered if o["kind"] == "Secret"], "no Secret (nor a placeholder) ships in the manifests"
+    for workload in workloads(rendered):
+        spec = pod_spec(workload)
+        for volume in (v for v in spec.get("volumes", []) if "secret" in v):
+            assert volume["secret"]["secretName"] in made, f"nothing documented creates {volume['secret']['secretName']}"
+            assert volume["secret"]["defaultMode"] & 0o007 == 0, "a Secret's files are not for every user"
+        for _, (secret, mount) in secret_mounts(workload).items():
+            assert mount.get("readOnly") is True, f"{secret} is mounted writable"
+        for item in spec["containers"][0].get("env", []):
+            assert "secretKeyRef" not in item.get("valueFrom", {}), "secrets reach the job as files, not env values"
+    pod = trainer(rendered)
+    secret, key = secret_file(pod.workload, pod.environment()["TORCHREVIVE_SNAPSHOT_SECRET_FILE"])
+    assert secret == "torchrevive-snapshot-secret" and key in made[secret]
+    assert f"create secret generic {secret} --from-file={key}=<(head -c 32 /dev/urandom)" in docs
+
+
+def test_no_password_in_any_manifest() -> None:
+    for path in [*K8S.rglob("*.yaml"), K8S / "entrypoint.sh"]:
+        assert "password" not in path.read_text().lower(), f"{path.relative_to(REPO)} mentions a password"
+    for directory in KUSTOMIZATIONS:
+        for obj in build(directory):
+            assert "password" not in str(obj).lower()
+
+
+def test_a_final_exit_idles_the_pod_not_ready_instead_of_restarting_it(rendered: list[dict[str, Any]]) -> None:
+    from elastic.errors import CheckpointStorageError, UsageError
+
+    pod = trainer(rendered)
+    env = pod.environment()
+    assert {str(UsageError.exit_code), str(CheckpointStorageError.exit_code)} <= set(env["FINAL_EXIT_CODES"].split())
+    mark = env["STOPPED_MARK"]
+    assert any(mark.startswith(m["mountPath"] + "/") for m in pod.container["volumeMounts"]), "the mark is on a volume"
+    assert pod.container["readinessProbe"]["exec"]["command"] == ["sh", "-c", 'test ! -e "$STOPPED_MARK"']
+    assert "livenessProbe" not in pod.container, "a hung worker is the watchdog's: no liveness probe"
+    # Readiness says only "stopped": the pods' names resolve from their start, and a drain is never blocked.
+    assert find(rendered, "Service", "trainer")["spec"]["publishNotReadyAddresses"] is True
+    assert find(rendered, "PodDisruptionBudget", "trainer")["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
