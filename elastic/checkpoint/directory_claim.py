@@ -5,6 +5,8 @@ Invariants:
   directory, claims it (storage.claim: another live job's directory is one
   `CheckpointStorageError` line), puts back a copy a crash left replaced,
   removes saves that died before their commit and checks a write gets through.
+  Any storage error on the way (writing the claim on a full disk, say) is one
+  `CheckpointStorageError` line, which the restore raises on every rank.
 - The heartbeat thread refreshes the claim between rare commits, so another
   host never takes this job for gone; it stops once the claim is lost (the
   next commit then says so), and is stopped and joined by `stop` or at exit: a
@@ -18,9 +20,10 @@ import atexit
 import logging
 import threading
 
+from elastic.errors import CheckpointStorageError
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.directory import CheckpointStore
-from elastic.storage.durable import SaveFailed
+from elastic.storage.durable import SaveFailed, describe_failure
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,12 @@ class DirectoryClaim:
     def prepare(self) -> None:
         if self._prepared:
             return
-        self.store.prepare(self.identity)
+        try:
+            self.store.prepare(self.identity)
+        except OSError as exc:  # writing the claim, putting back a replaced copy, listing
+            raise CheckpointStorageError(
+                f"cannot claim checkpoint directory {self.store.root}: {describe_failure(exc)}"
+            ) from None
         self._prepared = True
         self._heartbeat.start()
         atexit.register(self.stop)  # if stop() is never reached

@@ -11,17 +11,26 @@ Invariants:
 - Reading runs on a thread: a read stuck in the kernel (a hung mount) cannot
   be interrupted, but the rank stops waiting at the deadline
   (`RestoreTimedOut`, exit 75). Storage errors are `CheckpointStorageError`.
+- Every rank takes the same outcome (`Loader._agree`): after reading, the
+  ranks gather what each met (read, corrupt, storage error, timed out, ...) on
+  the control group, and every rank raises the worst of them in the words of
+  the lowest rank that met it. A rank whose clock passed the deadline and one
+  whose read just finished, or one that met EIO and one that read fine, never
+  part ways (one stopping while another goes on to the next offer).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic import agreement
 from elastic.checkpoint import compat
 from elastic.checkpoint import state as live_state
 from elastic.checkpoint.part_files import PartFetchError
@@ -30,6 +39,7 @@ from elastic.checkpoint.sources import Offer, Opened
 from elastic.checkpoint.training_state import TrainingState
 from elastic.errors import (
     CheckpointError,
+    CheckpointMismatchError,
     CheckpointStorageError,
     CorruptCheckpoint,
     RestoreTimedOut,
@@ -56,13 +66,32 @@ class Loader:
         self._fault = fault
 
     def load(self, offer: Offer, opened: Opened, deadline: float) -> int:
-        """Read and apply `offer` (a collective); bytes of tensor data this rank read."""
-        if offer.tensors_json is None:
-            self._load_format1(offer, opened)
-            return 0
-        return self._load_sharded(offer, opened, deadline)
+        """Read and apply `offer` (a collective); bytes of tensor data this rank read. A failure
+        is the same one on every rank (see the module docstring)."""
+        error: Exception | None = None
+        apply: Callable[[], int] | None = None
+        try:
+            if offer.tensors_json is None:
+                apply = self._read_format1(offer, opened)
+            else:
+                apply = self._read_sharded(offer, opened, deadline)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+            error = exc
+        self._agree(offer, error)
+        assert apply is not None
+        return apply()
 
-    def _load_sharded(self, offer: Offer, opened: Opened, deadline: float) -> int:
+    def _agree(self, offer: Offer, error: Exception | None) -> None:
+        """Raise, on every rank, the worst outcome any rank met reading `offer` (none: return)."""
+        mine = _Outcome.of(error, f"cannot read {offer.name} in {self.store.root}")
+        worst = max(agreement.all_gather(self._ctx, mine, _Outcome), key=lambda o: o.code)
+        if worst.code == _READ:
+            return
+        if worst.code == _FAILED and error is not None and mine.code == _FAILED:
+            raise error  # this rank's own failure, as it was (the launcher restarts the job)
+        raise worst.error()
+
+    def _read_sharded(self, offer: Offer, opened: Opened, deadline: float) -> Callable[[], int]:
         ctx, model, optimizer = self._ctx, self.state.model, self.state.optimizer
         metadata = sharded.metadata_from_json(offer.tensors_json or "")
         saved = sharded.tensor_shapes(metadata)
@@ -86,13 +115,17 @@ class Loader:
             if owner[key] == ctx.rank:
                 targets[key] = torch.empty(shape, dtype=dtype)
         read = self._read(offer, opened, targets, metadata, deadline)
-        # Everything read and verified on every rank: only now does live state change.
-        trainer = offer.trainer
-        self.state.apply_extra(offer.step, trainer)
-        self._apply_tensors(live, targets, plain, owner, trainer["optimizer"])
-        live_state.set_module_extra_state(model, trainer.get("module_extra", {}))
-        self.state.apply_trainer(ctx, offer.step, trainer)
-        return read
+
+        def apply() -> int:
+            # Everything read and verified on every rank: only now does live state change.
+            trainer = offer.trainer
+            self.state.apply_extra(offer.step, trainer)
+            self._apply_tensors(live, targets, plain, owner, trainer["optimizer"])
+            live_state.set_module_extra_state(model, trainer.get("module_extra", {}))
+            self.state.apply_trainer(ctx, offer.step, trainer)
+            return read
+
+        return apply
 
     def _read(self, offer: Offer, opened: Opened, targets: dict[str, torch.Tensor], metadata: Any, deadline: float) -> int:
         timed_out = RestoreTimedOut(
@@ -181,7 +214,7 @@ class Loader:
         else:
             dist.broadcast(tensor, src=src, group=self._group)
 
-    def _load_format1(self, offer: Offer, opened: Opened) -> None:
+    def _read_format1(self, offer: Offer, opened: Opened) -> Callable[[], int]:
         """A checkpoint of torchrevive 0.1 (rank 0's whole files): every rank reads them itself."""
         model, optimizer = self.state.model, self.state.optimizer
         candidate = Candidate(offer.checkpoint, offer.step, opened.directory)
@@ -197,10 +230,54 @@ class Loader:
         }
         compat.check_model(candidate.name, model.state_dict(), files[MODEL_FILE])
         compat.check_optimizer(candidate.name, optimizer, files[OPTIMIZER_FILE])
-        self.state.apply_extra(offer.step, files[TRAINER_FILE])
-        model.load_state_dict(files[MODEL_FILE])
-        optimizer.load_state_dict(files[OPTIMIZER_FILE])
-        self.state.apply_trainer(self._ctx, offer.step, files[TRAINER_FILE])
+
+        def apply() -> int:
+            self.state.apply_extra(offer.step, files[TRAINER_FILE])
+            model.load_state_dict(files[MODEL_FILE])
+            optimizer.load_state_dict(files[OPTIMIZER_FILE])
+            self.state.apply_trainer(self._ctx, offer.step, files[TRAINER_FILE])
+            return 0
+
+        return apply
+
+
+_READ, _CORRUPT, _STORAGE, _REFUSED, _FAILED, _TIMED_OUT = range(6)
+"""What a rank met reading an offer, mildest first: the ranks take the worst any of them met."""
+
+
+@dataclass(frozen=True)
+class _Outcome(agreement.Message):
+    """One rank's outcome of reading an offer: a code (above), the error's class and its one line."""
+
+    code: int
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, error: Exception | None, cannot_read: str) -> _Outcome:
+        if error is None:
+            return cls(_READ, "", "")
+        line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if isinstance(error, RestoreTimedOut):
+            return cls(_TIMED_OUT, "RestoreTimedOut", line)
+        if isinstance(error, CorruptCheckpoint):
+            return cls(_CORRUPT, "CorruptCheckpoint", line)
+        if isinstance(error, CheckpointStorageError):
+            return cls(_STORAGE, "CheckpointStorageError", line)
+        if isinstance(error, CheckpointError):
+            return cls(_REFUSED, type(error).__name__, line)
+        if isinstance(error, OSError):  # a format-1 file, which every rank reads whole
+            return cls(_STORAGE, "CheckpointStorageError", f"{cannot_read}: {describe_failure(error)}")
+        return cls(_FAILED, type(error).__name__, line)
+
+    def error(self) -> Exception:
+        """The error every rank raises for this outcome."""
+        if self.code == _CORRUPT:
+            return CorruptCheckpoint(self.message)
+        if self.code == _FAILED:
+            return CheckpointError(f"another rank failed reading the checkpoint: {self.kind}: {self.message}")
+        known = {cls.__name__: cls for cls in (CheckpointStorageError, RestoreTimedOut, CheckpointMismatchError)}
+        return known.get(self.kind, CheckpointError)(self.message)
 
 
 def _numel(shape: torch.Size) -> int:

@@ -15,6 +15,11 @@ Invariants:
   storage fails (a peer that stops answering) falls to the next source where
   it may (`storage_errors_fall_back`); a restore that runs past its deadline
   stops the job (`RestoreTimedOut`).
+- A storage error at any step (claiming, listing, verifying on rank 0;
+  reading on any rank) is one `CheckpointStorageError` line raised on every
+  rank together (exit 75): rank 0's through its `_Start` or `Decision`, a
+  read's through the loader's agreement; never an OSError on one rank while
+  the others wait.
 - Nothing live changes until an offer is read and verified on every rank (loader.py).
 """
 
@@ -112,8 +117,8 @@ class RestorePlanner:
             try:
                 claim.prepare()  # a storage that refuses writes stops a restart here, before any training
                 candidates = self.store.committed()
-            except CheckpointError as exc:
-                start = _Start(start.tag, Failure.of(exc))
+            except (CheckpointError, OSError) as exc:
+                start = _Start(start.tag, Failure.of(_checkpoint_error(exc, f"cannot list {self.store.root}")))
         start = agreement.from_main(ctx, start if ctx.is_main else None, _Start)
         assert start is not None
         if start.failure is not None:
@@ -162,8 +167,9 @@ class RestorePlanner:
         if offers is not None:
             try:
                 decision = Decision(offer=next(offers, None))
-            except CheckpointError as exc:
-                decision = Decision(failure=Failure.of(exc))
+            except (CheckpointError, OSError) as exc:
+                failure = _checkpoint_error(exc, f"cannot read checkpoints in {self.store.root}")
+                decision = Decision(failure=Failure.of(failure))
         shared = agreement.from_main(self._ctx, decision if self._ctx.is_main else None, Decision)
         assert shared is not None
         if shared.failure is not None:
@@ -200,6 +206,13 @@ class RestorePlanner:
         finally:
             opened.cleanup()
         return read, opened.bytes_fetched()
+
+
+def _checkpoint_error(exc: CheckpointError | OSError, what: str) -> CheckpointError:
+    """`exc` as the error every rank raises: an OSError is the storage's (`CheckpointStorageError`)."""
+    if isinstance(exc, OSError):
+        return CheckpointStorageError(f"{what}: {describe_failure(exc)}")
+    return exc
 
 
 def _chain(sources: list[RestoreSource]) -> Iterator[Offer]:
