@@ -27,6 +27,8 @@ Invariants:
   copies of the socketpair are closed, never shut down. So a SIGTERM that
   reaches only a child ends that child (status -15) and is never read as the
   parent's preemption.
+- The watcher is an `elastic.threads` one: `uninstall` (or the exit) ends it
+  and joins it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from elastic import agreement
+from elastic import agreement, threads
 from elastic.runtime import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class PreemptionHandler:
         self._previous = None
         self._reached_boundary = threading.Event()
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._watcher: threading.Thread | None = None
         self._previous_wakeup_fd = -1
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signum, self._on_signal)
@@ -89,7 +92,14 @@ class PreemptionHandler:
         writer.setblocking(False)
         self._previous_wakeup_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         self._wakeup = (reader, writer)
-        threading.Thread(target=self._watch, args=(reader,), name="elastic-sigterm-grace", daemon=True).start()
+        self._watcher = threads.start(self._watch, args=(reader,), name="elastic-sigterm-grace", stop=self._stop_watcher)
+
+    def _stop_watcher(self) -> None:
+        """At exit: uninstall from the main thread; elsewhere only wake the watcher, which then returns."""
+        if threading.current_thread() is threading.main_thread():
+            self.uninstall()
+        elif self._wakeup is not None:
+            self._wakeup[0].shutdown(socket.SHUT_RDWR)
 
     def _release_in_child(self) -> None:
         """In a forked child: drop everything shared with the parent, leave the parent's untouched.
@@ -100,6 +110,7 @@ class PreemptionHandler:
         act on the socket itself and stop the parent's watcher.
         """
         self._flag = False  # the parent's signal is not the child's
+        self._watcher = None  # not forked with the child
         self._reached_boundary = threading.Event()  # the parent's may have been mid-use by another thread
         wakeup, self._wakeup = self._wakeup, None
         previous, self._previous = self._previous, None
@@ -213,6 +224,9 @@ class PreemptionHandler:
             signal.set_wakeup_fd(self._previous_wakeup_fd)
             reader, writer = self._wakeup
             reader.shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv with b""
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None and watcher is not threading.current_thread():
+                watcher.join(timeout=5)  # it returns at once; the bound is for a watcher mid-exit
             reader.close()
             writer.close()
             self._wakeup = None

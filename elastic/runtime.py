@@ -13,6 +13,9 @@ Invariants:
   torn down without collectives (NCCL communicators aborted, not flushed), on a
   thread given `ERROR_TEARDOWN_DEADLINE`, past which it is left to process exit.
   Only a normal exit, after a barrier, destroys the group the collective way.
+- That thread is an `elastic.threads` one: the exit joins it (it may be inside
+  `destroy_process_group`, C++ that a finalizing interpreter would unwind into
+  an abort), or past the exit's bound ends the process without finalizing.
 - A worker's GPU is cuda:LOCAL_RANK when it sees a GPU per local worker, and
   cuda:0 when it sees exactly one (CUDA_VISIBLE_DEVICES narrowed per task).
 """
@@ -30,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic import threads
 from elastic.config import DEVICE_CHOICES
 from elastic.errors import EnvironmentConfigError, UsageError
 from elastic.round_store import recovery_hint, round_store
@@ -286,8 +290,9 @@ def shutdown_worker(*, failed: bool = False, deadline: timedelta = ERROR_TEARDOW
     `failed=False`, every rank leaving together after a barrier: destroy it (on
     NCCL a flush of each communicator, which waits for the peers' kernels).
     `failed=True`, peers perhaps dead: nothing that waits on a peer (see
-    `error_teardown`), run on a daemon thread given `deadline`; past it the
-    worker goes on and process exit reclaims the group, with one warning line.
+    `error_teardown`), run on a thread given `deadline`; past it the worker goes
+    on with one warning line, and its exit waits a bounded time for the thread
+    (`elastic.threads`), then ends without finalizing.
     """
     global _control_group
     _control_group = None
@@ -330,9 +335,10 @@ def _leave_to_process_exit() -> None:
 
 
 def _run_with_deadline(action: Callable[[], None], deadline: timedelta, what: str) -> bool:
-    """Run `action` on a daemon thread and wait at most `deadline`; True if it ended in time.
+    """Run `action` on a library thread and wait at most `deadline`; True if it ended in time.
 
     A failure or an overrun is one warning line: the worker is already leaving with an error of its own.
+    An overrun thread is left running; the exit joins it (`elastic.threads`).
     """
     done = threading.Event()
     errors: list[BaseException] = []
@@ -345,7 +351,7 @@ def _run_with_deadline(action: Callable[[], None], deadline: timedelta, what: st
         finally:
             done.set()
 
-    threading.Thread(target=run, name="elastic-group-teardown", daemon=True).start()
+    threads.start(run, name="elastic-group-teardown")
     if not done.wait(deadline.total_seconds()):
         logger.warning("%s took over %g s; leaving it to process exit", what, deadline.total_seconds())
         return False

@@ -13,14 +13,18 @@ import importlib
 import logging
 import threading
 
+from elastic import threads
+
 logger = logging.getLogger(__name__)
 
 SLOW_LAZY_IMPORTS = ("torch._dynamo",)
 
 
 def prefetch_slow_imports() -> threading.Thread:
-    """Import `SLOW_LAZY_IMPORTS` on a daemon thread (an optimisation only: a failure is
-    left for the lazy import to report). The thread holds no resource; join it to wait."""
+    """Import `SLOW_LAZY_IMPORTS` on a library thread (an optimisation only: a failure is
+    left for the lazy import to report). The thread holds no resource; join it to wait.
+    An import cannot be interrupted: the exit waits for it (`elastic.threads`), since
+    torch's import code unwound mid-call at finalization aborts the process."""
 
     def load() -> None:
         for name in SLOW_LAZY_IMPORTS:
@@ -29,6 +33,4 @@ def prefetch_slow_imports() -> threading.Thread:
             except Exception:  # noqa: BLE001 - an optimisation only; the lazy import reports errors
                 logger.debug("prefetching %s failed", name, exc_info=True)
 
-    thread = threading.Thread(target=load, name="elastic-prefetch-imports", daemon=True)
-    thread.start()
-    return thread
+    return threads.start(load, name="elastic-prefetch-imports")

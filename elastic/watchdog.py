@@ -7,7 +7,8 @@ watchdog is a daemon thread that the training loop feeds once per step. When no
 step completes for `timeout` seconds it prints one line naming the last step and
 the time waited, dumps every thread's Python stack to stderr (where the worker
 was stuck), and ends the process with `EXIT_CODE` through `os._exit`, the only
-exit that works while the main thread is blocked inside C++.
+exit that works while the main thread is blocked inside C++. Its thread is an
+`elastic.threads` one: `close` (or the exit) stops and joins it.
 
 Invariants: the watchdog is disarmed until the first `beat()` (restore and the
 first step may be slow: compilation, data loading), and `paused()` suspends it
@@ -25,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from elastic import threads
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,7 @@ class Watchdog:
         self._pauses = 0
         self._stop = threading.Event()
         self.tripped = False
-        self._thread = threading.Thread(target=self._watch, name="elastic-watchdog", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._watch, name="elastic-watchdog", stop=self._stop.set)
 
     def beat(self, step: int) -> None:
         """The loop completed `step`; cheap enough to call every step."""

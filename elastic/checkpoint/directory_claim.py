@@ -20,6 +20,7 @@ import atexit
 import logging
 import threading
 
+from elastic import threads
 from elastic.errors import CheckpointStorageError
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.directory import CheckpointStore
@@ -36,7 +37,7 @@ class DirectoryClaim:
         self.identity = WriterIdentity.new(run_id)
         self._prepared = False
         self._closing = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="checkpoint-heartbeat", daemon=True)
+        self._heartbeat: threading.Thread | None = None
 
     def prepare(self) -> None:
         if self._prepared:
@@ -48,13 +49,13 @@ class DirectoryClaim:
                 f"cannot claim checkpoint directory {self.store.root}: {describe_failure(exc)}"
             ) from None
         self._prepared = True
-        self._heartbeat.start()
+        self._heartbeat = threads.start(self._beat, name="checkpoint-heartbeat", stop=self._closing.set)
         atexit.register(self.stop)  # if stop() is never reached
 
     def stop(self) -> None:
         """Stop and join the heartbeat thread (see the module docstring)."""
         self._closing.set()
-        if self._heartbeat.is_alive():
+        if self._heartbeat is not None and self._heartbeat.is_alive():
             self._heartbeat.join(timeout=5.0)
         atexit.unregister(self.stop)
 

@@ -17,11 +17,12 @@ Invariants:
   the lowest rank that met it. A rank whose clock passed the deadline and one
   whose read just finished, or one that met EIO and one that read fine, never
   part ways (one stopping while another goes on to the next offer).
+  The reader is an `elastic.threads` one: the exit joins it, or ends the
+  process with that 75 without finalizing (see there).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic import agreement
+from elastic import agreement, threads
 from elastic.checkpoint import compat
 from elastic.checkpoint import state as live_state
 from elastic.checkpoint.part_files import PartFetchError
@@ -144,10 +145,10 @@ class Loader:
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
                 outcome["error"] = exc
 
-        reader = threading.Thread(target=read, name="checkpoint-restore", daemon=True)
-        reader.start()
+        reader = threads.start(read, name="checkpoint-restore")
         reader.join(max(0.0, deadline - time.monotonic()) + 5.0)  # peers' own deadlines fire first
         if reader.is_alive():
+            threads.note_exit_status(timed_out.exit_code)  # if the read outlives the exit's wait
             raise timed_out
         if "error" not in outcome:
             return int(outcome["bytes"])

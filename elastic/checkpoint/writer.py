@@ -4,11 +4,15 @@ Invariants:
 - At most one job is in flight: `submit` first waits for the previous one.
 - A job's exception is never lost: it is raised by the next `submit` or
   `wait`, in the caller's thread.
-- The process does not exit with a job half done: the thread is a daemon (so a
-  forgotten `close` cannot hang the interpreter), and an atexit hook waits for
+- The process does not exit with a job half done: an atexit hook waits for
   the job in flight, on a normal exit and after an uncaught exception alike,
   for at most `drain_timeout` seconds (a hung filesystem must not hang the exit).
   (SIGKILL cannot be helped; the commit protocol makes it harmless.)
+- Nor does the interpreter finalize while the thread runs (a save is torch C++:
+  DCP writes, gloo collectives, which a finalizing interpreter unwinds into an
+  abort): the thread is an `elastic.threads` one, stopped after its job and
+  joined at exit within that module's bound, past which the process ends
+  without finalizing. `close` joins it unless a job overran its `timeout`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from elastic import threads
 
 
 class _Job:
@@ -53,8 +59,7 @@ class BackgroundWriter:
         """Start `work` on the writer thread; returns the previous job's result."""
         previous = self.wait()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
-            self._thread.start()
+            self._thread = threads.start(self._serve, name=self._name, stop=lambda: self._jobs.put(None))
         self._job = _Job(work)
         self._jobs.put(self._job)
         return previous
@@ -77,8 +82,8 @@ class BackgroundWriter:
     def close(self, timeout: float | None = None) -> None:
         """Finish the job in flight and stop the thread (raises that job's error).
 
-        With a `timeout`, a job still running then is left to the daemon thread
-        (`TimeoutError`); the thread stops after it.
+        With a `timeout`, a job still running then is left to the thread
+        (`TimeoutError`); the thread stops after it, and the exit joins it.
         """
         try:
             self.wait(timeout)

@@ -3,7 +3,7 @@
 When torchrun's agent stops a worker group (a peer failed, a node joined), it
 sends SIGTERM and waits 30 s before SIGKILL. A worker that is stopped (SIGSTOP,
 a job-control stop) cannot act on the SIGTERM, so every such restart costs the
-whole 30 s. The reaper is a daemon thread in the agent that looks at the
+whole 30 s. The reaper is a library thread (`elastic.threads`) in the agent that looks at the
 agent's workers a few times a second and SIGKILLs any that is stopped with
 SIGTERM pending: what torch would do 30 s later anyway.
 
@@ -21,9 +21,9 @@ import logging
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
+from elastic import threads
 from elastic.launcher.proctree import descendants, status, worker_rank
 
 logger = logging.getLogger(__name__)
@@ -71,16 +71,16 @@ class Reaper:
 
 
 def start_reaper(interval: float = 0.25) -> threading.Thread | None:
-    """Watch this process's workers from a daemon thread (None off Linux)."""
+    """Watch this process's workers from a library thread (None off Linux); the exit stops it
+    between scans (`elastic.threads`)."""
     if not Path(f"/proc/{os.getpid()}/task").is_dir():
         return None
     reaper = Reaper(os.getpid())
+    stop = threading.Event()
 
     def watch() -> None:
-        while True:
+        while not stop.is_set():
             reaper.scan()
-            time.sleep(interval)
+            stop.wait(interval)
 
-    thread = threading.Thread(target=watch, name="elastic-stopped-worker-reaper", daemon=True)
-    thread.start()
-    return thread
+    return threads.start(watch, name="elastic-stopped-worker-reaper", stop=stop.set)

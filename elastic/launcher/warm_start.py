@@ -39,7 +39,8 @@ Invariants:
   killer, node drain), holding their peers in collectives until a timeout.
   Warm ones would too: the fork server outlives the agent while its workers
   live. A thread of each warm worker waits on the agent (a pidfd, no polling)
-  and ends the worker with one line when the agent is gone.
+  and ends the worker with one line when the agent is gone; it is an
+  `elastic.threads` one, which the worker's exit wakes (a pipe) and joins.
 - Each worker's process name (`/proc/PID/comm`, what `top` and `ps -o comm`
   show) is `python-rank<RANK>`: forked workers share the fork server's command
   line and initial environment, so this is how to tell them apart.
@@ -63,6 +64,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from elastic import threads
 from elastic.errors import UsageError
 from elastic.launcher.proctree import WARM_WORKER_NAME
 
@@ -290,17 +292,22 @@ def exit_with_agent(agent_pid: int) -> threading.Thread | None:
     except (AttributeError, OSError):
         return None  # no pidfd support, or the agent is already gone (then torch stops us)
 
+    wake_read, wake_write = os.pipe()
+
+    def stop() -> None:
+        os.write(wake_write, b"x")
+
     def watch() -> None:
-        select.select([pidfd], [], [])  # readable once the agent has exited
+        readable, _, _ = select.select([pidfd, wake_read], [], [])  # pidfd: readable once the agent has exited
+        if pidfd not in readable:
+            return  # this worker is exiting
         print(
             f"warm worker {os.getpid()}: its torchrun agent (pid {agent_pid}) is gone; exiting",
             file=sys.stderr, flush=True,
         )
         os._exit(ORPHAN_EXIT_CODE)
 
-    thread = threading.Thread(target=watch, name="elastic-agent-watch", daemon=True)
-    thread.start()
-    return thread
+    return threads.start(watch, name="elastic-agent-watch", stop=stop)
 
 
 def name_process(rank: str | None) -> None:

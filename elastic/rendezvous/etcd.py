@@ -117,6 +117,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from elastic import threads
 from elastic.rendezvous.etcd_client import EtcdClient
 from elastic.rendezvous.etcd_messages import (
     KeyValue,
@@ -396,7 +397,7 @@ class AgentPresence:
         self._period = max(ttl / 2.0, 0.5)
         self._lock = threading.Lock()
         self._left = threading.Event()
-        self._keeper = threading.Thread(target=self._keep, name="etcd-rdzv-presence", daemon=True)
+        self._keeper: threading.Thread | None = None
 
     def enter(self) -> None:
         try:
@@ -405,7 +406,8 @@ class AgentPresence:
             self._left.set()
             self._client.close(revoke=True)
             raise
-        self._keeper.start()
+        # Stopped and joined at exit (elastic.threads): after SIGTERM it may be inside gRPC's C++.
+        self._keeper = threads.start(self._keep, name="etcd-rdzv-presence", stop=self._left.set)
 
     def _put(self) -> None:
         self._client.txn([], [self._client.put_op(self.key, self._value)], [], what="announce this agent")

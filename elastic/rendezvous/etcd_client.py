@@ -44,6 +44,7 @@ import grpc
 from pyetcd import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic import threads
 from elastic.rendezvous.etcd_messages import (
     CURRENT_LEASE,
     KeyValue,
@@ -200,8 +201,8 @@ class EtcdClient:
         except BaseException:
             self._close_channels()
             raise
-        self._keepalive = threading.Thread(target=self._keep_lease_alive, name="etcd-lease-keepalive", daemon=True)
-        self._keepalive.start()
+        # Stopped and joined at exit (elastic.threads): after SIGTERM it may be inside gRPC's C++.
+        self._keepalive = threads.start(self._keep_lease_alive, name="etcd-lease-keepalive", stop=self._closed.set)
 
     @property
     def endpoints_text(self) -> str:

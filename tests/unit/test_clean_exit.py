@@ -1,0 +1,132 @@
+"""Clean exits: once `elastic.Run` closes, no library thread is left running (elastic.threads),
+and the registry's exit stops, joins, or ends the process without finalizing."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from support import free_port
+from torch.utils.data import TensorDataset
+
+import elastic
+from elastic import runtime, threads
+from elastic.preemption import PreemptionHandler
+from elastic.runtime import WorkerContext
+
+# Names of the threads the library starts (prefixes), whether or not through elastic.threads.
+LIBRARY_THREADS = (
+    "elastic-", "checkpoint-", "snapshot-", "crc32c", "etcd-", "metrics",
+)
+
+
+def idle(thread: threading.Thread) -> bool:
+    """A pool worker waiting for work on its queue: Python code, no torch call on its stack.
+    (concurrent.futures joins these itself, before atexit.)"""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return frame is not None and frame.f_code.co_name == "_worker" and frame.f_code.co_filename.endswith(
+        "concurrent/futures/thread.py"
+    )
+
+
+def left_running(before: set[threading.Thread]) -> list[str]:
+    return sorted(
+        t.name for t in threading.enumerate()
+        if t not in before and t.is_alive() and t.name.startswith(LIBRARY_THREADS) and not idle(t)
+    )
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-process torchrun-like environment: Run makes (and destroys) a gloo group."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    yield
+    runtime.shutdown_worker()  # whatever a failing test left up
+
+
+def train(tmp_path: Path, steps: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(40, 3, generator=generator), torch.randn(40, 1, generator=generator))
+    with elastic.Run(seed=1, ckpt_dir=str(tmp_path / "ckpt"), ckpt_every=2, hang_timeout=60, device="cpu") as run:
+        model = run.ddp(torch.nn.Linear(3, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.start(model=model, optimizer=optimizer, data=dataset, batch_size=4)
+        for batch in run.batches(max_steps=steps):
+            x, y = dataset[batch]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            run.log(loss)
+
+
+def test_no_library_thread_runs_once_a_finished_run_closes(tmp_path: Path, launched: None) -> None:
+    before = set(threading.enumerate())
+    train(tmp_path, 5)
+    assert not dist.is_initialized()
+    assert [t.name for t in threads.alive() if t not in before] == []
+    assert left_running(before) == []
+
+
+def test_no_library_thread_runs_once_a_failed_run_closes(tmp_path: Path, launched: None) -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="the step failed"), elastic.Run(
+        seed=1, ckpt_dir=str(tmp_path / "ckpt"), hang_timeout=60, device="cpu"
+    ) as run:
+        model = run.ddp(torch.nn.Linear(3, 1))
+        run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=range(40), batch_size=4)
+        raise ValueError("the step failed")
+    # The group's teardown after a failure runs on a thread given a deadline; in one process it ends at once.
+    teardown = [t for t in threads.alive() if t not in before and t.name == "elastic-group-teardown"]
+    for thread in teardown:
+        thread.join(timeout=30)
+    assert left_running(before) == []
+
+
+def test_the_preemption_watcher_is_joined_when_the_handler_is_uninstalled() -> None:
+    ctx = WorkerContext(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="t",
+                        device=torch.device("cpu"), backend=None)
+    handler = PreemptionHandler(ctx)
+    assert "elastic-sigterm-grace" in [t.name for t in threads.alive()]
+    handler.uninstall()
+    assert "elastic-sigterm-grace" not in [t.name for t in threads.alive()]
+
+
+def test_stop_all_stops_each_thread_and_reports_those_that_outlive_the_bound() -> None:
+    stopping = threading.Event()
+    stuck = threading.Event()
+    polite = threads.start(stopping.wait, name="elastic-test-polite", stop=stopping.set)
+    deaf = threads.start(stuck.wait, name="elastic-test-deaf")  # no way to stop it: what a hung read is
+    try:
+        left = threads.stop_all(timeout=0.2)
+        assert not polite.is_alive()
+        assert left == [deaf]
+    finally:
+        stuck.set()
+        deaf.join()
+
+
+def test_the_exit_ends_the_process_with_the_noted_status_when_a_thread_outlives_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stuck = threading.Event()
+    deaf = threads.start(stuck.wait, name="elastic-test-hung-read")
+    exits: list[int] = []
+    monkeypatch.setattr(threads, "EXIT_JOIN_SECONDS", 0.1)
+    monkeypatch.setattr(threads.os, "_exit", exits.append)
+    monkeypatch.setattr(threads, "_exit_status", None)
+    try:
+        threads.note_exit_status(75)
+        threads._at_exit()
+        assert exits == [75]
+        stuck.set()
+        deaf.join()
+        threads._at_exit()  # nothing left: the interpreter finalizes as usual
+        assert exits == [75]
+    finally:
+        stuck.set()
