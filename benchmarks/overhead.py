@@ -550,12 +550,13 @@ def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
     """A snapshot keeper per recipe loop with snapshots, in this process (see the module docstring)."""
     if not opts.snapshot_every:
         return {}
-    from elastic.launcher.keeper import SnapshotKeeper
+    from elastic.launcher.keeper import SnapshotKeeper, job_key
 
     keepers: dict[str, Any] = {}
     try:
         for name in SNAPSHOTTING:
-            keepers[name] = SnapshotKeeper("127.0.0.1")
+            key, secret_file = job_key(f"overhead-{name}")
+            keepers[name] = SnapshotKeeper("127.0.0.1", key=key, run_id=f"overhead-{name}", secret_file=secret_file)
     except BaseException:
         for keeper in keepers.values():
             keeper.close()

@@ -78,7 +78,7 @@ from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.cli import OneLineArgumentParser, positive_int  # noqa: E402
 from elastic.config import RunConfig  # noqa: E402
 from elastic.events import EventLog, read_events  # noqa: E402
-from elastic.launcher.keeper import SnapshotKeeper  # noqa: E402
+from elastic.launcher.keeper import SnapshotKeeper, job_key  # noqa: E402
 from elastic.runtime import init_worker  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 
@@ -270,7 +270,8 @@ def measure(model: Model, opts: argparse.Namespace, ctx: Any, tmp: Path) -> dict
 def with_keeper(base: Path, run: Any) -> Any:
     """`run()` with a snapshot keeper of its own in this process, its address in the environment
     (as torchrevive-run gives its workers); the keeper and the environment go afterwards."""
-    keeper = SnapshotKeeper("127.0.0.1", base=base)
+    key, secret_file = job_key("snapshot-restore", base)
+    keeper = SnapshotKeeper("127.0.0.1", key=key, run_id="snapshot-restore", base=base, secret_file=secret_file)
     saved = {k: os.environ.get(k) for k in keeper.address.environ()}
     os.environ.update(keeper.address.environ())
     try:

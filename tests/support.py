@@ -317,3 +317,61 @@ def replay(sampler: ElasticSampler, rank: int, world_size: int, steps: int) -> l
         out.append([(epoch + (first + j) // sampler.num_samples, i) for j, i in enumerate(local)])
         sampler.advance(world_size)
     return out
+
+
+def start_keeper(base: Path, *, run_id: str = "local", host: str = "127.0.0.1") -> Any:
+    """A snapshot keeper for run `run_id` on `host`, as torchrevive-run starts one: its secret in a
+    file (mode 0600) that its `address.environ()` names, for the workers to sign with."""
+    from elastic.launcher.keeper import SnapshotKeeper
+    from elastic.storage.peer_auth import PeerKey
+
+    base.mkdir(parents=True, exist_ok=True)
+    secret_file = base / "secret"
+    if not secret_file.exists():
+        secret_file.touch(mode=0o600)
+        secret_file.write_text(os.urandom(32).hex())
+    return SnapshotKeeper(host, key=PeerKey.from_file(secret_file), run_id=run_id, base=base, secret_file=secret_file)
+
+
+def keeper_request(
+    url: str, key: Any, method: str, path: str, *, head: bytes = b"", data: bytes = b"",
+    headers: dict[str, str] | None = None, sign: bool = True,
+) -> tuple[int, bytes]:
+    """One request to a snapshot keeper as a worker makes it (signed with `key`, its body
+    `head + data` and their tag; a GET answer's tag checked and removed): (status, body).
+    `sign=False` sends it unsigned, as a stranger would."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from elastic.storage import peer_auth
+
+    parsed = urlsplit(url)
+    body = head + data
+    extra = dict(headers or {})
+    if method == "PUT":
+        body += b"\0" * peer_auth.TAG_BYTES
+        extra.setdefault("X-Header-Bytes", str(len(head)))
+    if sign:
+        signed = key.sign(method, path, content_length=len(body) if method == "PUT" else 0,
+                          header_bytes=int(extra["X-Header-Bytes"]) if "X-Header-Bytes" in extra else None)
+        extra.update(signed)
+        if method == "PUT":
+            tag = key.body_tag(signed[peer_auth.NONCE], peer_auth.put_what(path))
+            tag.update(head + data)
+            body = head + data + tag.finalize()
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=10)
+    try:
+        conn.request(method, path, body=body if method == "PUT" else None, headers=extra)
+        response = conn.getresponse()
+        status, answer = response.status, response.read()
+        if sign and method == "GET" and status in (200, 206):
+            got, tag_bytes = answer[: -peer_auth.TAG_BYTES], answer[-peer_auth.TAG_BYTES :]
+            size = int(response.headers["Content-Range"].rsplit("/", 1)[1]) if status == 206 else len(got)
+            start = int(response.headers["Content-Range"].split()[1].split("-")[0]) if status == 206 else 0
+            tag = key.body_tag(extra[peer_auth.NONCE], peer_auth.response_what(path, status, start, start + len(got), size))
+            tag.update(got)
+            assert peer_auth.check_tag(tag, tag_bytes), "the keeper's answer fails its tag"
+            answer = got
+        return status, answer
+    finally:
+        conn.close()

@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -46,6 +47,7 @@ from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit
 from elastic.errors import CorruptCheckpoint, UsageError
 from elastic.launcher.keeper import BASE_ENV as SNAPSHOT_BASE_ENV
+from elastic.storage.peer_auth import SECRET_FILE_ENV
 from elastic.launcher.keeper import DIRECTORY as SNAPSHOT_DIRECTORY
 from elastic.launcher.proctree import descendants, worker_rank
 from elastic.storage.directory import CheckpointStore
@@ -157,8 +159,18 @@ class ChaosJob:
         # The agents' snapshot keepers keep their shared memory here (in /dev/shm), so that a node
         # loss can wipe the lost node's, as a real one would.
         env[SNAPSHOT_BASE_ENV] = str(self.snapshot_base)
+        # As on several hosts: the job's secret in a file every agent is given (docs/security.md).
+        env.setdefault(SECRET_FILE_ENV, str(self.secret_file()))
         env.update(self.spec.env)
         return env
+
+    def secret_file(self) -> Path:
+        """The job's snapshot secret (made once, mode 0600), as an operator hands it to every node."""
+        path = self.spec.workdir / "snapshot-secret"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(secrets.token_hex(32))
+        return path
 
     @property
     def snapshot_base(self) -> Path:

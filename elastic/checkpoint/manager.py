@@ -56,6 +56,7 @@ from elastic.runtime import WorkerContext, barrier
 from elastic.sampler import ElasticSampler
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.keeper_address import KeeperAddress
+from elastic.storage.peer_auth import SECRET_FILE_ENV, PeerKey, SecretError
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,18 @@ class CheckpointManager:
                     "torchrevive-run for them); a failure resumes from the last checkpoint on disk"
                 )
             return None
+        try:
+            key = PeerKey.from_env()
+        except SecretError as exc:
+            key, why = None, str(exc)
+        else:
+            why = f"no snapshot secret ({SECRET_FILE_ENV} is not set)"
+        if key is None:
+            if self._ctx.is_main:
+                logger.warning("in-memory snapshots are off: %s; a failure resumes from the last checkpoint on disk", why)
+            return None
         return MemorySnapshots(
-            self._ctx, keeper, self.state, every=self.config.snapshot_every, ckpt_dir=str(self.store.root.resolve()),
+            self._ctx, keeper, self.state, key=key, every=self.config.snapshot_every, ckpt_dir=str(self.store.root.resolve()),
             keep=self.config.ckpt_keep, fault=self._fault, copy_stream=copy_stream,
         )
 

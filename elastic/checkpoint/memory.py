@@ -26,8 +26,10 @@ Invariants:
   header, replica: `before_optimizer_step`): a step whose parameters change is
   finished, and a failure after it finds that step's snapshot whole, so at
   most one finished step is ever redone.
-- Nothing here is on the restore's trust path: every chunk read is checked
-  against its crc32c (chunks.read_rows), whatever its source.
+- Nothing here is on the restore's trust path: every request to a keeper is
+  signed with the job's secret and every range read back carries the keeper's
+  tag (keeper_client.py), and every chunk read is checked against its crc32c
+  (chunks.read_rows), whatever its source.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from elastic import agreement
 from elastic.checkpoint import state as live_state
+from elastic.checkpoint.keeper_client import push_part
 from elastic.checkpoint.part_files import PartFiles
 from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic.checkpoint.training_state import TrainingState
@@ -58,16 +60,9 @@ from elastic.rng import get_rng_state
 from elastic.runtime import WorkerContext
 from elastic.storage import parts, sharded
 from elastic.storage.chunks import BLOCK, StoredChunk, block_checksums
-from elastic.storage.keeper_address import (
-    HEADER_BYTES,
-    LOCAL,
-    PROGRESS,
-    REPLICA,
-    KeeperAddress,
-    part_url,
-    replica_path,
-)
+from elastic.storage.keeper_address import LOCAL, PROGRESS, REPLICA, KeeperAddress, part_url
 from elastic.storage.parts import PartHeader
+from elastic.storage.peer_auth import PeerKey
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +164,7 @@ class MemorySnapshots:
         keeper: KeeperAddress,
         state: TrainingState,
         *,
+        key: PeerKey,
         every: int,
         ckpt_dir: str,
         keep: int,
@@ -177,6 +173,7 @@ class MemorySnapshots:
     ) -> None:
         self._ctx = ctx
         self.keeper = keeper
+        self._key = key
         self._state = state
         self._copy_stream = copy_stream
         self._pool = BufferPool(pin_memory=False)
@@ -201,10 +198,26 @@ class MemorySnapshots:
         """Per snapshot: seconds the loop was blocked taking it (the optimizer step's wait not included)."""
         self.step_wait_seconds: list[float] = []
         """Per snapshot: seconds the next optimizer step waited for it to be written and replicated."""
-        self.generation = ""
-        """The restore this worker resumed from (shared by every rank): a plan takes parts of one."""
+        self._generation = ""
         self._push_paused_until = 0.0
         self._progress = self._open_progress()
+
+    @property
+    def generation(self) -> str:
+        """The restore this worker resumed from (shared by every rank): a plan takes parts of one."""
+        return self._generation
+
+    @generation.setter
+    def generation(self, tag: str) -> None:
+        """Set at the start of each restore, before any rank of the new generation snapshots; local
+        rank 0 tells the keeper, which from then on keeps replicas of this generation only."""
+        self._generation = tag
+        if self._ctx.local_rank == 0:
+            try:
+                self.keeper.note_job(self._ctx.run_id, tag, self._ctx.world_size)
+            except OSError as exc:
+                logger.warning("cannot tell the snapshot keeper this job's generation (%s): "
+                               "its peer's copies will be refused", exc.strerror or exc)
 
     # -- progress ------------------------------------------------------------------
 
@@ -407,23 +420,9 @@ class MemorySnapshots:
 
     def _push(self, header: PartHeader, data: memoryview) -> None:
         """Send the part to the peer's keeper; a failure is one warning (the local copy stands)."""
-        head = header.to_json()
-        url = urlsplit(self._peer)
+        assert self._peer is not None
         try:
-            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=PUSH_TIMEOUT)
-            try:
-                conn.putrequest("PUT", replica_path(header.stem))
-                conn.putheader("Content-Length", str(len(head) + len(data)))
-                conn.putheader(HEADER_BYTES, str(len(head)))
-                conn.endheaders()
-                conn.send(head)
-                conn.send(data)
-                response = conn.getresponse()
-                response.read()
-                if response.status != 204:
-                    raise OSError(f"HTTP {response.status} {response.reason}")
-            finally:
-                conn.close()
+            push_part(self._peer, self._key, header.stem, header.to_json(), data, PUSH_TIMEOUT)
         except (OSError, http.client.HTTPException) as exc:
             # A peer that does not answer must not hold every step: no copies for a while.
             self._push_paused_until = time.monotonic() + PUSH_PAUSE
@@ -468,7 +467,7 @@ class MemorySnapshots:
                 remote[sharded.shard_file(old_rank)] = [
                     part_url(url, where, stem + parts.DATA_SUFFIX) for _, url, where, stem in places
                 ]
-        return PartFiles(directory, remote, deadline=fetch_deadline)
+        return PartFiles(directory, remote, key=self._key, deadline=fetch_deadline)
 
     def restore_directory(self, tag: str) -> Path:
         """Where `gather_files` lays out this rank's parts for the restore `tag`."""

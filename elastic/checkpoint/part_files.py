@@ -6,7 +6,8 @@ another node does. `PartFiles` is then the `chunks.ChunkSource` the reader
 takes the bytes from.
 
 Invariants:
-- Nothing fetched is trusted: the reader checks every block's crc32c, as for a file.
+- Nothing fetched is trusted: every range comes back only with the keeper's tag
+  verified (keeper_client.py), and the reader checks every block's crc32c, as for a file.
 - Only the spans this rank's plan reads are fetched (nearby spans joined,
   `READ_GAP`), one request at a time, each at most `READ_MAX` bytes: few round
   trips, bounded memory.
@@ -22,7 +23,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from elastic.checkpoint.keeper_client import get_range
 from elastic.storage.chunks import MappedFiles
+from elastic.storage.peer_auth import PeerKey
 
 FETCH_TIMEOUT = 30.0
 """Seconds one request to another node's keeper may take."""
@@ -47,8 +50,12 @@ class PartFiles:
     that fails is asked again only after the others holding the part; when all fail, or
     `deadline` (time.monotonic) has passed, a `PartFetchError`."""
 
-    def __init__(self, directory: Path, remote: dict[str, list[str]], *, deadline: float | None = None) -> None:
+    def __init__(
+        self, directory: Path, remote: dict[str, list[str]], *, key: PeerKey | None, deadline: float | None = None
+    ) -> None:
         self.directory = directory
+        self._key = key
+        """The job's secret: signs the range requests (None: only this node's parts can be read)."""
         self.remote = remote
         """file name -> URLs of the keepers that hold it, in the order to try them."""
         self.deadline = deadline
@@ -90,8 +97,11 @@ class PartFiles:
                 if timeout <= 0:
                     errors.append("the restore's time for fetching parts is spent")
                     break
+            if self._key is None:
+                errors.append("no snapshot secret to sign requests with")
+                break
             try:
-                data = _get_range(url, start, stop, timeout)
+                data = get_range(url, self._key, start, stop, timeout)
                 self.bytes_fetched += len(data)
                 return data
             except (OSError, ValueError, http.client.HTTPException) as exc:
@@ -127,32 +137,3 @@ def _read_span(path: Path, start: int, stop: int) -> bytearray | None:
         f.seek(start)
         data = f.read(stop - start)
     return bytearray(data) if len(data) == stop - start else None
-
-
-def _get_range(url: str, start: int, stop: int, timeout: float = FETCH_TIMEOUT) -> bytearray:
-    """Bytes [start, stop) of the part at `url` (fewer if it is shorter), by a range request."""
-    parsed = urlsplit(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
-    try:
-        conn.request("GET", parsed.path, headers={"Range": f"bytes={start}-{stop - 1}"})
-        response = conn.getresponse()
-        if response.status == 416:  # starts past the end: a short part
-            response.read()
-            return bytearray()
-        if response.status != 206:
-            response.read()
-            raise OSError(f"HTTP {response.status} {response.reason} for {parsed.path}")
-        declared = (response.headers.get("Content-Length") or "").strip()
-        length = int(declared) if declared.isascii() and declared.isdigit() else -1
-        if not 0 <= length <= stop - start:
-            raise OSError(f"{parsed.path}: {declared or 'no'} bytes for a range of {stop - start}")
-        data = bytearray(length)
-        view, got = memoryview(data), 0
-        while got < len(data):
-            n = response.readinto(view[got:])
-            if not n:
-                raise OSError(f"{parsed.path} ended after {got} of {len(data)} bytes")
-            got += n
-        return data
-    finally:
-        conn.close()

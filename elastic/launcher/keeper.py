@@ -29,8 +29,13 @@ Invariants:
   are written.
 - A part's files are never removed while a persist runs, nor while no newer
   snapshot exists (a restore may still read them).
-- Its endpoint (keeper_endpoint.py) serves part files by name only (no paths);
-  what it receives is data and JSON, and nothing it serves or stores is ever executed.
+- Its endpoint (keeper_endpoint.py) answers only requests signed with the job's
+  secret and serves part files by name only (no paths). A replica is kept only
+  when its tag verified, it belongs to this run, to the generation and world size
+  this node's workers run (`job.json`, which they write at each restore) and it
+  leaves `free_reserve` of the file system free; what it receives is data and
+  JSON, and nothing it serves or stores is ever executed.
+- No failure of one persist or prune stops the keeper's thread.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import logging
 import os
 import shutil
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -47,13 +53,14 @@ from pathlib import Path
 from typing import Any
 
 from elastic.errors import CorruptCheckpoint
-from elastic.launcher.keeper_endpoint import serve
-from elastic.storage import parts, sharded
+from elastic.launcher.keeper_endpoint import Conflict, serve
+from elastic.storage import parts, peer_auth, sharded
 from elastic.storage.commit import commit_checkpoint
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed
-from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
+from elastic.storage.keeper_address import JOB_FILE, LOCAL, REPLICA, KeeperAddress
 from elastic.storage.parts import PartHeader
+from elastic.storage.peer_auth import PeerKey
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,9 @@ OWNER_FILE = "owner.json"
 STAGE_PREFIX = ".snapshot."
 PRUNE_EVERY = 2.0
 STALE_UPLOAD = 60.0
+RESERVE_FRACTION = 0.10
+"""A replica is refused (507) when storing it would leave less than this share of the keeper's file
+system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""
 
 
 def snapshot_base(environ: dict[str, str] | None = None) -> Path:
@@ -79,6 +89,18 @@ def snapshot_base(environ: dict[str, str] | None = None) -> Path:
     return Path(tempfile.gettempdir())
 
 
+def job_key(run_id: str, base: Path | None = None) -> tuple[PeerKey, Path | None]:
+    """The secret run `run_id`'s keepers and workers sign snapshot traffic with, and the file the
+    workers read it from: TORCHREVIVE_SNAPSHOT_SECRET_FILE or TORCHREVIVE_SNAPSHOT_SECRET when set
+    (None: the workers inherit it), else one made for the run on this host, which agents on other
+    hosts lack (`peer_auth.host_secret_file`). `SecretError` (a ValueError) when it cannot be had."""
+    key = PeerKey.from_env()
+    if key is not None:
+        return key, None
+    secret_file = peer_auth.host_secret_file((base or snapshot_base()) / DIRECTORY, run_id)
+    return PeerKey.from_file(secret_file), secret_file
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -92,8 +114,14 @@ def _pid_alive(pid: int) -> bool:
 class SnapshotKeeper:
     """One node's keeper (see the module docstring). `close()` removes its directory."""
 
-    def __init__(self, host: str, *, base: Path | None = None) -> None:
+    def __init__(
+        self, host: str, *, key: PeerKey, run_id: str, base: Path | None = None, tls: ssl.SSLContext | None = None,
+        secret_file: Path | None = None,
+    ) -> None:
         self.host = host
+        self.run_id = run_id
+        self.secret_file = secret_file
+        """Where the workers read the job's secret (None: they have it from the environment)."""
         base = (base or snapshot_base()) / DIRECTORY
         base.mkdir(parents=True, exist_ok=True)
         _remove_orphans(base)
@@ -102,9 +130,10 @@ class SnapshotKeeper:
         for name in (LOCAL, REPLICA):
             (self.root / name).mkdir(parents=True, exist_ok=True)
         (self.root / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        self._server = serve(self, host)
+        self._server = serve(self, host, key, tls)
         port = self._server.server_address[1]
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         self._lock = threading.Lock()  # persist and prune never overlap
         self._closing = threading.Event()
         self._persist_wanted = threading.Event()
@@ -122,7 +151,7 @@ class SnapshotKeeper:
 
     @property
     def address(self) -> KeeperAddress:
-        return KeeperAddress(self.root, self.url, self.node)
+        return KeeperAddress(self.root, self.url, self.node, self.secret_file)
 
     # -- the agent's events --------------------------------------------------------
 
@@ -171,8 +200,8 @@ class SnapshotKeeper:
                         logger.exception("snapshot keeper: persisting the newest snapshot failed")
                 try:
                     self.prune()
-                except OSError as exc:
-                    logger.debug("snapshot keeper: prune: %s", exc)
+                except Exception as exc:  # noqa: BLE001 - as above: a bad file is skipped, the keeper goes on
+                    logger.warning("snapshot keeper: removing old parts failed: %s: %s", type(exc).__name__, exc)
 
     # -- persist -------------------------------------------------------------------
 
@@ -327,12 +356,18 @@ class SnapshotKeeper:
 
     # -- receiving a peer's part ---------------------------------------------------
 
-    def receive(self, stem: str, head: bytes, body: Any, length: int) -> None:
-        """Store a peer's part: data first, then its header (the old header of the slot goes first)."""
+    def receive(self, stem: str, head: bytes, body: Any, length: int, tag: Any) -> None:
+        """Store a peer's part (see keeper_endpoint.PartHolder): its header is checked first, its data
+        is written to a temporary file, and both are published (data, then header; the old header of
+        the slot goes first) only once the body's tag verified."""
         header = PartHeader.from_json(head)
         if header.stem != stem or header.data_bytes != length:
             raise ValueError("the part's header does not match its name or length")
+        self._check_job(header)
         replica = self.root / REPLICA
+        usage = shutil.disk_usage(replica)
+        if usage.free - length < RESERVE_FRACTION * usage.total:
+            raise OSError(f"storing {length} bytes would leave too little room in {replica}")
         tmp = replica / f".{stem}.{uuid.uuid4().hex[:6]}"
         try:
             with open(tmp, "wb") as f:
@@ -341,13 +376,30 @@ class SnapshotKeeper:
                     block = body.read(min(remaining, 2**20))
                     if not block:
                         raise ValueError("the part ended early")
+                    tag.update(block)
                     f.write(block)
                     remaining -= len(block)
+            if not peer_auth.check_tag(tag, body.read(peer_auth.TAG_BYTES)):
+                raise ValueError("the part's tag does not verify")
             (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
             os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
         finally:
             tmp.unlink(missing_ok=True)
         parts.write_header(replica, header)
+
+    def _check_job(self, header: PartHeader) -> None:
+        """`Conflict` unless `header` is of this run, and of the generation and world size this node's
+        workers run (job.json, written at each restore): a part of an old timeline, or of another
+        job sharing the secret, is never kept."""
+        if header.run_id != self.run_id:
+            raise Conflict(f"a part of run {header.run_id[:64]!r}; this keeper serves run {self.run_id!r}")
+        try:
+            job = json.loads((self.root / JOB_FILE).read_bytes())
+        except (OSError, ValueError):
+            raise Conflict("this node's workers have not started a generation yet") from None
+        generation = str(header.extra.get("generation", ""))
+        if not isinstance(job, dict) or (job.get("generation"), job.get("world_size")) != (generation, header.world_size):
+            raise Conflict("a part of another generation or world size than this node's workers run")
 
 
 def _newest(store: Any) -> int:

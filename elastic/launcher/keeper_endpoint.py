@@ -1,14 +1,23 @@
-"""The snapshot keeper's HTTP endpoint: what peers may ask of a node's keeper, and where it binds.
+"""The snapshot keeper's HTTP endpoint: what peers of the job may ask of a node's keeper, and where it binds.
 
-    GET /part/<local|replica>/<part file>   a part's data or header, whole or one `Range: bytes=a-b`
-    PUT /replica/<part stem>                a peer's part: `X-Header-Bytes` of JSON header, then the data
+    GET /part/<local|replica>/<part file>   a part's data, whole or one `Range: bytes=a-b`,
+                                            then a 16-byte tag
+    PUT /replica/<part stem>                a peer's part: `X-Header-Bytes` of JSON header, then
+                                            the data, then a 16-byte tag
 
 Invariants:
+- Every request is signed with the job's secret (storage.peer_auth) and judged
+  before any of its body is read: unsigned is 401; a wrong signature, a stale
+  time or a replayed nonce is 403. Every body carries a tag, checked in full
+  before a byte of it is used; every answer carries one bound to its request.
 - Only part files are served, by name (no paths): a name that is not a part's is 404.
-- A PUT's header is read within its declared length (at most 64 MiB) and checked
-  against its name and data length before any data is stored; a malformed
-  request is 400 and its connection closed (the unread body is never parsed
-  as a request); a full store is 507.
+- A PUT's header is at most `MAX_HEADER` bytes, its body exactly the declared
+  part (the keeper checks the header's run, generation, world size and length
+  before storing any data); a malformed request is 400 and its connection
+  closed (the unread body is never parsed as a request); a store that would
+  leave too little room is 507; a part for another run or generation is 409.
+- At most `MAX_CONNECTIONS` connections are served at once; more are answered
+  503 and closed. A stalled peer holds one for at most `_Handler.timeout` seconds.
 - Nothing it serves or stores is ever executed: data and JSON only.
 """
 
@@ -18,18 +27,28 @@ import logging
 import os
 import re
 import socket
+import ssl
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from elastic.errors import CorruptCheckpoint
-from elastic.storage import parts
+from elastic.storage import parts, peer_auth
 from elastic.storage.keeper_address import HEADER_BYTES, LOCAL, REPLICA
+from elastic.storage.peer_auth import PeerKey, Refused, RequestVerifier
 
 logger = logging.getLogger(__name__)
 
 HOST_ENV = "TORCHREVIVE_SNAPSHOT_HOST"
 """Where keepers bind, when set (else the agent's --local-addr, else the address that reaches the rendezvous)."""
+MAX_HEADER = 2**20
+"""Bytes a part's JSON header may take."""
+MAX_CONNECTIONS = 32
+
+
+class Conflict(Exception):
+    """A well-formed, signed part this keeper must not keep (another run, generation or world size): 409."""
 
 
 class PartHolder(Protocol):
@@ -38,34 +57,88 @@ class PartHolder(Protocol):
     root: Path
     """Its directory: parts under root/local and root/replica."""
 
-    def receive(self, stem: str, head: bytes, body: BinaryIO, length: int) -> None:
-        """Store a peer's part (`ValueError` or `CorruptCheckpoint`: malformed; `OSError`: no room)."""
+    def receive(self, stem: str, head: bytes, body: BinaryIO, length: int, tag: Any) -> None:
+        """Store a peer's part, fed through `tag` (a Poly1305) as it is read, and kept only if the body's
+        last 16 bytes are its tag (`ValueError` or `CorruptCheckpoint`: malformed or forged; `Conflict`: not
+        this job's; `OSError`: no room)."""
         ...
 
 
-def serve(keeper: PartHolder, host: str) -> ThreadingHTTPServer:
-    """An HTTP server for `keeper` on `host`, on a port the system picks (not yet serving:
-    run its `serve_forever`)."""
-    server = ThreadingHTTPServer((host, 0), _Handler)
-    server.daemon_threads = True
-    server.keeper = keeper  # type: ignore[attr-defined]
-    return server
+class _Server(ThreadingHTTPServer):
+    """A ThreadingHTTPServer that serves at most MAX_CONNECTIONS connections at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], keeper: PartHolder, key: PeerKey, tls: ssl.SSLContext | None) -> None:
+        self.keeper = keeper
+        self.key = key
+        self.verifier = RequestVerifier(key)
+        self.tls = tls
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            if self.tls is not None:
+                request = self.tls.wrap_socket(request, server_side=True)
+            super().process_request_thread(request, client_address)
+        except (OSError, ssl.SSLError) as exc:
+            logger.debug("snapshot keeper: a connection from %s failed: %s", client_address, exc)
+        finally:
+            self._slots.release()
+
+
+def serve(keeper: PartHolder, host: str, key: PeerKey, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """An HTTP server for `keeper` on `host`, on a port the system picks, answering only requests
+    signed with `key` (over TLS when `tls` is given), not yet serving: run its `serve_forever`."""
+    return _Server((host, 0), keeper, key, tls)
 
 
 class _Handler(BaseHTTPRequestHandler):
     """GET /part/<local|replica>/<part file> (whole, or one `Range: bytes=a-b`); PUT /replica/<part stem>
-    (header, then data)."""
+    (header, data, tag). See the module docstring."""
 
     protocol_version = "HTTP/1.1"
-    timeout = 120  # seconds a stalled peer may hold a connection (and its temporary file)
+    timeout = 60  # seconds a stalled peer may hold a connection (and its temporary file)
+    server: _Server
+
+    def _refuse(self, status: int, why: str = "") -> None:
+        self.send_error(status, why[:200] or None)
+        self.close_connection = True  # an unread body must not be parsed as a request
+
+    def _authenticated(self, method: str) -> str | None:
+        """The request's nonce when it is signed by the job; else it is answered 401/403 here."""
+        try:
+            return self.server.verifier.check(method, self.path, self.headers)
+        except Refused as refused:
+            logger.debug("snapshot keeper: refused %s %s from %s: %s", method, self.path, self.client_address[0], refused)
+            self._refuse(refused.status)
+            return None
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        keeper: PartHolder = self.server.keeper  # type: ignore[attr-defined]
+        nonce = self._authenticated("GET")
+        if nonce is None:
+            return
         pieces = self.path.strip("/").split("/")
         if len(pieces) != 3 or pieces[0] != "part" or pieces[1] not in (LOCAL, REPLICA) or parts.parse_part_name(pieces[2]) is None:
             self.send_error(404)
             return
-        path = keeper.root / pieces[1] / pieces[2]
+        path = self.server.keeper.root / pieces[1] / pieces[2]
         try:
             f = open(path, "rb")
         except OSError:
@@ -73,57 +146,63 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with f:
             size = os.fstat(f.fileno()).st_size
-            start, stop = 0, size
+            start, stop, status = 0, size, 200
             wanted = self.headers.get("Range")
             if wanted is not None:  # "bytes=first-last", the only form peers send
-                match = re.fullmatch(r"bytes=(\d+)-(\d+)", wanted.strip())
+                match = re.fullmatch(r"bytes=(\d{1,19})-(\d{1,19})", wanted.strip())
                 if match is None or int(match[1]) > int(match[2]) or int(match[1]) >= size:
                     self.send_response(416)
                     self.send_header("Content-Range", f"bytes */{size}")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                start, stop = int(match[1]), min(int(match[2]) + 1, size)
-                self.send_response(206)
+                start, stop, status = int(match[1]), min(int(match[2]) + 1, size), 206
+            self.send_response(status)
+            if status == 206:
                 self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{size}")
-            else:
-                self.send_response(200)
-            self.send_header("Content-Length", str(stop - start))
+            self.send_header("Content-Length", str(stop - start + peer_auth.TAG_BYTES))
             self.end_headers()
+            tag = self.server.key.body_tag(nonce, peer_auth.response_what(self.path, status, start, stop, size))
             f.seek(start)
             remaining = stop - start
             while remaining:
                 block = f.read(min(remaining, 2**20))
                 if not block:  # the file shrank: the peer sees a short body and tries elsewhere
                     self.close_connection = True
-                    break
+                    return
+                tag.update(block)
                 self.wfile.write(block)
                 remaining -= len(block)
+            self.wfile.write(tag.finalize())
 
     def do_PUT(self) -> None:  # noqa: N802
-        keeper: PartHolder = self.server.keeper  # type: ignore[attr-defined]
+        nonce = self._authenticated("PUT")
+        if nonce is None:
+            return
         pieces = self.path.strip("/").split("/")
         try:
             total = int(self.headers["Content-Length"])
             head_bytes = int(self.headers[HEADER_BYTES])
         except (TypeError, ValueError):
-            self.send_error(400)
-            self.close_connection = True  # the unread body must not be parsed as a request
+            self._refuse(400)
             return
         if len(pieces) != 2 or pieces[0] != REPLICA or parts.parse_part_name(pieces[1] + parts.HEADER_SUFFIX) is None \
-                or not 0 < head_bytes <= min(total, 2**26):
-            self.send_error(400)
-            self.close_connection = True
+                or not 0 < head_bytes <= min(total - peer_auth.TAG_BYTES, MAX_HEADER):
+            self._refuse(400)
             return
+        tag = self.server.key.body_tag(nonce, peer_auth.put_what(self.path))
+        head = self.rfile.read(head_bytes)
+        tag.update(head)
         try:
-            keeper.receive(pieces[1], self.rfile.read(head_bytes), self.rfile, total - head_bytes)
+            self.server.keeper.receive(pieces[1], head, self.rfile, total - head_bytes - peer_auth.TAG_BYTES, tag)
+        except Conflict as exc:
+            self._refuse(409, str(exc))
+            return
         except (ValueError, CorruptCheckpoint) as exc:
-            self.send_error(400, str(exc)[:200])
-            self.close_connection = True
+            self._refuse(400, str(exc))
             return
         except OSError as exc:
-            self.send_error(507, str(exc)[:200])
-            self.close_connection = True
+            self._refuse(507, str(exc))
             return
         self.send_response(204)
         self.end_headers()

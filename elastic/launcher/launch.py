@@ -52,11 +52,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import CheckpointStorageError, UsageError
 from elastic.launcher import warm_start
-from elastic.launcher.keeper import SnapshotKeeper
+from elastic.launcher.keeper import SnapshotKeeper, job_key
 from elastic.launcher.keeper_endpoint import keeper_host
 from elastic.launcher.reaper import start_reaper
 from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 from elastic.slow_imports import prefetch_slow_imports
+from elastic.storage import peer_auth
 
 # Exit statuses the runtime gives its workers, for the failure summary.
 STORAGE_EXIT = CheckpointStorageError.exit_code
@@ -158,18 +159,41 @@ SNAPSHOTS_ENV = "TORCHREVIVE_SNAPSHOTS"
 def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
     """This node's snapshot keeper, its address in the environment the workers inherit, and the
     agent told to call it whenever it stops its workers; None when TORCHREVIVE_SNAPSHOTS=0 or it
-    cannot start (one warning line: the job then checkpoints to disk only)."""
+    cannot start (one warning line: the job then checkpoints to disk only).
+
+    Its traffic is signed with the job's secret: TORCHREVIVE_SNAPSHOT_SECRET_FILE or
+    TORCHREVIVE_SNAPSHOT_SECRET when set, else one made for the run on this host
+    (peer_auth.host_secret_file), which agents on other hosts lack: they then need one of the two."""
     if os.environ.get(SNAPSHOTS_ENV, "1") == "0":
         return None
+    run_id = getattr(args, "rdzv_id", None) or "none"
     try:
-        keeper = SnapshotKeeper(keeper_host(getattr(args, "local_addr", None), getattr(args, "rdzv_endpoint", None)))
+        key, secret_file = job_key(run_id)
+        if secret_file is not None and _max_nodes(args) > 1:
+            print(f"torchrevive-run: snapshot traffic is signed with a secret made for run {run_id} on this host; "
+                  f"agents on other hosts need {peer_auth.SECRET_FILE_ENV} naming the same secret "
+                  "(docs/security.md)", file=sys.stderr, flush=True)
+        keeper = SnapshotKeeper(
+            keeper_host(getattr(args, "local_addr", None), getattr(args, "rdzv_endpoint", None)),
+            key=key, run_id=run_id, tls=peer_auth.server_tls(), secret_file=secret_file,
+        )
     except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"torchrevive-run: warning: no in-memory snapshots on this node: the snapshot keeper cannot start "
-              f"({exc.strerror or exc}); checkpoints go to disk only", file=sys.stderr, flush=True)
+              f"({why}); checkpoints go to disk only", file=sys.stderr, flush=True)
         return None
     os.environ.update(keeper.address.environ())
     notify_on_stop(keeper)
     return keeper
+
+
+def _max_nodes(args: argparse.Namespace) -> int:
+    """The most nodes `--nnodes` allows (1 when it cannot be read: torch reports that itself)."""
+    text = str(getattr(args, "nnodes", "1"))
+    try:
+        return int(text.split(":")[-1])
+    except ValueError:
+        return 1
 
 
 def notify_on_stop(keeper: SnapshotKeeper) -> None:

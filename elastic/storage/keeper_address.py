@@ -9,21 +9,29 @@ The keeper (elastic.launcher.keeper, in the agent) and the workers
       <root>/local/      parts this node's workers wrote (parts.py names them)
       <root>/replica/    parts a peer node's workers copied here
       <root>/progress/   rank_NNNNN: the newest step each worker finished (8 bytes)
+      <root>/job.json    the run, generation and world size its workers run now (local
+                         rank 0 writes it at each restore; the keeper keeps replicas of it only)
 
 - the routes of its HTTP endpoint: `GET /part/<local|replica>/<part file>` (whole,
-  or one `Range: bytes=a-b`) and `PUT /replica/<part stem>` (header, then data).
+  or one `Range: bytes=a-b`) and `PUT /replica/<part stem>` (header, then data),
+  every request signed and every body tagged (peer_auth.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from elastic.storage.durable import replace_small
+from elastic.storage.peer_auth import SECRET_FILE_ENV
 
 ROOT_ENV = "TORCHREVIVE_SNAPSHOT_ROOT"
 URL_ENV = "TORCHREVIVE_SNAPSHOT_URL"
 NODE_ENV = "TORCHREVIVE_SNAPSHOT_NODE"
 LOCAL, REPLICA, PROGRESS = "local", "replica", "progress"
+JOB_FILE = "job.json"
 HEADER_BYTES = "X-Header-Bytes"
 """PUT: how many bytes of the body are the part's JSON header (the data follows)."""
 
@@ -35,6 +43,8 @@ class KeeperAddress:
     root: Path
     url: str
     node: str
+    secret_file: Path | None = None
+    """The job's secret for signing keeper traffic (None: the environment holds it already)."""
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> KeeperAddress | None:
@@ -45,7 +55,14 @@ class KeeperAddress:
         return cls(Path(root), url, node)
 
     def environ(self) -> dict[str, str]:
-        return {ROOT_ENV: str(self.root), URL_ENV: self.url, NODE_ENV: self.node}
+        env = {ROOT_ENV: str(self.root), URL_ENV: self.url, NODE_ENV: self.node}
+        if self.secret_file is not None:
+            env[SECRET_FILE_ENV] = str(self.secret_file)
+        return env
+
+    def note_job(self, run_id: str, generation: str, world_size: int) -> None:
+        """Tell the keeper which replicas to accept from now on (see the module docstring)."""
+        replace_small(self.root, JOB_FILE, json.dumps({"run_id": run_id, "generation": generation, "world_size": world_size}))
 
 
 def part_url(keeper_url: str, where: str, file_name: str) -> str:

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from elastic.launcher.keeper import SnapshotKeeper
+from support import start_keeper
 
 
 @pytest.fixture
 def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SnapshotKeeper]:
     """A snapshot keeper serving on loopback, its directory under the test's tmp_path, and this
     process's environment pointing workers at it (as torchrevive-run's would)."""
-    keeper = SnapshotKeeper("127.0.0.1", base=tmp_path / "shm")
+    keeper = start_keeper(tmp_path / "shm")
     for key, value in keeper.address.environ().items():
         monkeypatch.setenv(key, value)
     yield keeper

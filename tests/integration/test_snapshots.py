@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from support import free_port
+from support import free_port, keeper_request
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.checkpoint import (
@@ -36,6 +36,7 @@ from elastic.runtime import init_worker
 from elastic.sampler import ElasticSampler
 from elastic.storage import parts, sharded
 from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
+from elastic.storage.peer_auth import PeerKey
 
 
 class Job:
@@ -78,6 +79,19 @@ class Job:
         self.ckpt.close()
         self.events.close()
 
+
+
+
+def keeper_job(keeper: SnapshotKeeper, header: parts.PartHeader) -> None:
+    """Tell `keeper` that its node's workers run `header`'s run, generation and world size (as a
+    restore does), so that it keeps replicas of them."""
+    keeper.address.note_job(header.run_id, str(header.extra.get("generation", "")), header.world_size)
+
+def keeper_key() -> PeerKey:
+    """The job's secret, as the `keeper` fixture put it in this process's environment."""
+    key = PeerKey.from_env()
+    assert key is not None
+    return key
 
 def assert_same(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
     assert want.keys() == got.keys()
@@ -198,15 +212,13 @@ def test_keeper_endpoint_takes_replicas_and_serves_parts(tmp_path: Path, keeper:
     job.close()
     header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
     data = (keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX)).read_bytes()[: header.data_bytes]
-    host, port = keeper.url.removeprefix("http://").split(":")
+    key = keeper_key()
+    keeper_job(keeper, header)
 
     def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(host, int(port), timeout=10)
-        conn.request(method, path, body=body, headers=headers or {})
-        response = conn.getresponse()
-        result = response.status, response.read()
-        conn.close()
-        return result
+        head_bytes = int((headers or {}).pop("X-Header-Bytes", "0"))
+        return keeper_request(keeper.url, key, method, path, head=body[:head_bytes], data=body[head_bytes:],
+                              headers={"X-Header-Bytes": str(head_bytes), **(headers or {})} if method == "PUT" else headers)
 
     head = header.to_json()
     status, _ = request("PUT", f"/replica/{header.stem}", head + data, {"X-Header-Bytes": str(len(head))})
@@ -291,7 +303,7 @@ def test_part_files_fetch_only_the_spans_a_rank_reads_from_the_keepers_that_answ
     empty = tmp_path / "restore"
     empty.mkdir()
     # This node holds nothing: every byte comes from the keeper, after a dead one was tried.
-    files = PartFiles(empty, {sharded.shard_file(0): [dead, url]})
+    files = PartFiles(empty, {sharded.shard_file(0): [dead, url]}, key=keeper_key())
     targets = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
     read = sharded.load_tensors(targets, empty, metadata, group=None, source=files)
     here = tmp_path / "here"  # the same part read from this node's memory, as a restore on its node would
@@ -304,14 +316,14 @@ def test_part_files_fetch_only_the_spans_a_rank_reads_from_the_keepers_that_answ
     assert read <= files.bytes_fetched <= header.data_bytes
     # One tensor of the part: only its bytes travel, not the whole part.
     key = max(shapes, key=lambda k: shapes[k][0].numel())
-    files = PartFiles(empty, {sharded.shard_file(0): [url]})
+    files = PartFiles(empty, {sharded.shard_file(0): [url]}, key=keeper_key())
     one = {key: torch.empty(shapes[key][0], dtype=shapes[key][1])}
     assert sharded.load_tensors(one, empty, metadata, group=None, source=files) == files.bytes_fetched
     assert files.bytes_fetched == one[key].numel() * one[key].element_size() < header.data_bytes
     assert torch.equal(one[key], local[key])
     # No keeper answers: an OSError naming the part (the restore falls back to disk).
     with pytest.raises(CheckpointException) as caught:
-        sharded.load_tensors(one, empty, metadata, group=None, source=PartFiles(empty, {sharded.shard_file(0): [dead]}))
+        sharded.load_tensors(one, empty, metadata, group=None, source=PartFiles(empty, {sharded.shard_file(0): [dead]}, key=keeper_key()))
     error = sharded.first_error(caught.value)
     assert isinstance(error, OSError) and "no keeper could send" in str(error), repr(caught.value)
 
@@ -340,7 +352,11 @@ def _rank_on_node(rank: int, world: int, store: str, tmp: Path, keepers: list[di
 def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp_path: Path) -> None:
     # In /dev/shm where there is one: the parts on a rank's own node are then read through maps.
     shm = Path(tempfile.mkdtemp(prefix="three-nodes-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
-    keepers = [SnapshotKeeper("127.0.0.1", base=shm / f"node{n}") for n in range(3)]
+    secret = shm / "secret"
+    secret.touch(mode=0o600)
+    secret.write_text(os.urandom(32).hex())
+    keepers = [SnapshotKeeper("127.0.0.1", key=PeerKey.from_file(secret), run_id="three-nodes", base=shm / f"node{n}", secret_file=secret)
+               for n in range(3)]
     try:
         envs = [k.address.environ() for k in keepers]
         for phase in ("save", "restore"):
@@ -371,16 +387,16 @@ def test_a_keeper_that_failed_is_asked_last_and_a_spent_deadline_stops_fetching(
 ) -> None:
     header, metadata, shapes, url, dead = newest_part(tmp_path, keeper, steps=2)
     asked: list[str] = []
-    get_range = part_files._get_range
-    monkeypatch.setattr(part_files, "_get_range", lambda u, *a: (asked.append(u), get_range(u, *a))[1])
+    get_range = part_files.get_range
+    monkeypatch.setattr(part_files, "get_range", lambda u, *a: (asked.append(u), get_range(u, *a))[1])
     monkeypatch.setattr(part_files, "READ_GAP", -1)  # one request per chunk: several requests
     empty = tmp_path / "restore"
     empty.mkdir()
-    files = PartFiles(empty, {sharded.shard_file(0): [dead, url]})
+    files = PartFiles(empty, {sharded.shard_file(0): [dead, url]}, key=keeper_key())
     targets = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
     sharded.load_tensors(targets, empty, metadata, group=None, source=files)
     assert len(asked) == len(shapes) + 1 and asked.count(dead) == 1, asked
-    late = PartFiles(empty, {sharded.shard_file(0): [url]}, deadline=time.monotonic() - 1)
+    late = PartFiles(empty, {sharded.shard_file(0): [url]}, key=keeper_key(), deadline=time.monotonic() - 1)
     with pytest.raises(PartFetchError, match="time for fetching parts is spent"):
         late.view(sharded.shard_file(0), 0, 8)
 
@@ -398,7 +414,7 @@ def test_parts_no_keeper_sends_fall_back_to_disk(
     def only_on_a_dead_node(self, locations, tag, **kwargs):
         files = gather(self, locations, tag, **kwargs)
         dead = f"http://127.0.0.1:{free_port()}/part/{LOCAL}/gone.bin"
-        return PartFiles(files.directory, {p.name: [dead] for p in files.directory.iterdir()}, deadline=files.deadline)
+        return PartFiles(files.directory, {p.name: [dead] for p in files.directory.iterdir()}, key=keeper_key(), deadline=files.deadline)
 
     monkeypatch.setattr(MemorySnapshots, "gather_files", only_on_a_dead_node)
     again = Job(tmp_path / "ckpt", seed=1, events=tmp_path / "ev.jsonl")

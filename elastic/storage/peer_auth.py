@@ -1,0 +1,252 @@
+"""Signed snapshot traffic: what proves that a keeper request, and the bytes it carries, come from this job.
+
+Every node of a job holds the same secret (`PeerKey`, at least 16 bytes), from:
+- TORCHREVIVE_SNAPSHOT_SECRET_FILE, a file holding it (a k8s Secret mounts one), or
+- TORCHREVIVE_SNAPSHOT_SECRET, the secret itself, or
+- for a job on one host, a file torchrevive-run makes for the run (`host_secret_file`).
+
+A request to a keeper carries three headers:
+
+    X-Torchrevive-Time        unix seconds when it was signed
+    X-Torchrevive-Nonce       32 hex digits, never used twice
+    X-Torchrevive-Signature   HMAC-SHA256(secret, method, path, time, nonce, Content-Length,
+                              X-Header-Bytes), hex
+
+and every body (a PUT's header and data, a GET's range) ends in a 16-byte tag:
+Poly1305 under a one-time key, HMAC-SHA256(secret, what, nonce, and the response's
+status and range for a GET), over every byte before it. Poly1305 runs at several
+GB/s, so a restore's bytes are authenticated in full for little more than their crc32c
+(benchmarks/snapshot_auth.py measures it).
+
+Invariants:
+- A request is judged before any of its body is read: unsigned is 401; a wrong
+  signature, a time outside +-`WINDOW` seconds of the keeper's clock, or a nonce
+  already seen within the window is 403 (`RequestVerifier`).
+- Nothing in a body is used before its tag verified: the keeper publishes a
+  replica only after, and a reader returns a fetched range only after.
+- A response's tag is bound to the request's nonce, its status and its range: a
+  recorded answer cannot be replayed to another request.
+- The secret never reaches a log, an exception, a command line or a repr.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+SECRET_FILE_ENV = "TORCHREVIVE_SNAPSHOT_SECRET_FILE"
+SECRET_ENV = "TORCHREVIVE_SNAPSHOT_SECRET"
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
+TIME, NONCE, SIGNATURE = "X-Torchrevive-Time", "X-Torchrevive-Nonce", "X-Torchrevive-Signature"
+TAG_BYTES = 16
+WINDOW = 120.0
+"""Seconds a signed request stays valid either side of the receiver's clock (nodes' clocks may differ this much)."""
+MAX_NONCES = 1 << 16
+"""Nonces a verifier remembers at most; past it, it refuses new requests until old ones expire."""
+
+
+class SecretError(ValueError):
+    """The snapshot secret cannot be read or is unusable (one line; never contains the secret)."""
+
+
+class PeerKey:
+    """The job's secret, and the signatures and tags made with it."""
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: bytes) -> None:
+        if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
+            raise SecretError(f"a snapshot secret holds {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes, not {len(secret)}")
+        self._secret = bytes(secret)
+
+    def __repr__(self) -> str:
+        return "PeerKey(<secret>)"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PeerKey | None:
+        """The secret the environment names (its file first); None when it names none."""
+        env = os.environ if environ is None else environ
+        path = env.get(SECRET_FILE_ENV)
+        if path:
+            return cls.from_file(Path(path))
+        value = env.get(SECRET_ENV)
+        return cls(value.encode()) if value else None
+
+    @classmethod
+    def from_file(cls, path: Path) -> PeerKey:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_SECRET_BYTES + 1)
+        except OSError as exc:
+            raise SecretError(f"cannot read the snapshot secret file {path}: {exc.strerror or exc}") from None
+        return cls(raw.strip(b"\r\n"))
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _request_mac(self, method: str, path: str, when: str, nonce: str, length: str, head: str) -> str:
+        message = "\n".join(("torchrevive-request-1", method, path, when, nonce, length, head)).encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def sign(
+        self, method: str, path: str, *, content_length: int = 0, header_bytes: int | None = None, now: float | None = None
+    ) -> dict[str, str]:
+        """The headers that sign a request (see the module docstring), at `now` (default: the clock)."""
+        when, nonce = str(int(time.time() if now is None else now)), secrets.token_hex(16)
+        head = "" if header_bytes is None else str(header_bytes)
+        return {
+            TIME: when, NONCE: nonce,
+            SIGNATURE: self._request_mac(method, path, when, nonce, str(content_length), head),
+        }
+
+    # -- bodies ------------------------------------------------------------------------
+
+    def body_tag(self, nonce: str, what: str) -> Poly1305:
+        """A Poly1305 for one body: `what` says which (a PUT's body, a GET's response with its status and
+        range); its one-time key is derived from the secret, the request's nonce and `what`."""
+        key = hmac.new(self._secret, f"torchrevive-body-1\n{nonce}\n{what}".encode(), hashlib.sha256).digest()
+        return Poly1305(key)
+
+
+def check_tag(mac: Poly1305, tag: bytes) -> bool:
+    """Whether `tag` is the one `mac` computed (compared in constant time)."""
+    try:
+        mac.verify(tag)
+    except InvalidSignature:
+        return False
+    return True
+
+
+def put_what(path: str) -> str:
+    return f"PUT {path}"
+
+
+def response_what(path: str, status: int, start: int, stop: int, size: int) -> str:
+    return f"GET {path} {status} {start}-{stop}/{size}"
+
+
+class Refused(Exception):
+    """A request a keeper must not serve: `status` (401 or 403) and why, for its debug log."""
+
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+
+
+class RequestVerifier:
+    """A keeper's check of signed requests, with the nonces it has seen (thread-safe)."""
+
+    def __init__(self, key: PeerKey, *, window: float = WINDOW) -> None:
+        self._key = key
+        self._window = window
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def check(self, method: str, path: str, headers: Mapping[str, str]) -> str:
+        """The request's nonce, once its signature, time and nonce pass; else `Refused`."""
+        when, nonce, signature = headers.get(TIME), headers.get(NONCE), headers.get(SIGNATURE)
+        if not (when and nonce and signature):
+            raise Refused(401, "unsigned request")
+        if not (when.isascii() and when.isdigit() and len(when) <= 12 and len(nonce) == 32 and _is_hex(nonce)
+                and len(signature) == 64 and _is_hex(signature)):
+            raise Refused(403, "malformed signature headers")
+        length = (headers.get("Content-Length") or "0").strip()
+        head = (headers.get("X-Header-Bytes") or "").strip()
+        expected = self._key._request_mac(method, path, when, nonce, length, head)
+        if not hmac.compare_digest(expected, signature):
+            raise Refused(403, "bad signature")
+        now = time.time()
+        if abs(now - int(when)) > self._window:
+            raise Refused(403, f"signed {now - int(when):+.0f} s from now, outside +-{self._window:g} s")
+        with self._lock:
+            if len(self._seen) >= MAX_NONCES // 2:
+                self._seen = {n: t for n, t in self._seen.items() if t > now}
+            if nonce in self._seen:
+                raise Refused(403, "replayed request")
+            if len(self._seen) >= MAX_NONCES:
+                raise Refused(403, "too many requests in the window")
+            self._seen[nonce] = now + 2 * self._window
+        return nonce
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
+def host_secret_file(base: Path, run_id: str) -> Path:
+    """The secret of run `run_id` on this host, made once (32 random bytes, mode 0600, in a 0700
+    directory of this user's under `base`) and shared by the run's agents here.
+
+    `SecretError` when the directory belongs to another user or is open to others."""
+    directory = base / ".secrets"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.stat()
+    except OSError as exc:
+        raise SecretError(f"cannot keep the snapshot secret in {directory}: {exc.strerror or exc}") from None
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise SecretError(f"{directory} belongs to another user or is open to others: "
+                          f"set {SECRET_FILE_ENV} to a file only this user can read")
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)[:48]
+    path = directory / f"{name}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
+    if not path.exists():
+        tmp = directory / f".{path.name}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_hex(32).encode())
+            try:
+                os.link(tmp, path)  # whole or not at all; another agent of the run may have won
+            except FileExistsError:
+                pass
+        except OSError as exc:
+            raise SecretError(f"cannot write the snapshot secret in {directory}: {exc.strerror or exc}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+# -- optional TLS ----------------------------------------------------------------------
+
+TLS_CERT_ENV = "TORCHREVIVE_SNAPSHOT_TLS_CERT"
+TLS_KEY_ENV = "TORCHREVIVE_SNAPSHOT_TLS_KEY"
+TLS_CA_ENV = "TORCHREVIVE_SNAPSHOT_TLS_CA"
+
+
+def server_tls(environ: Mapping[str, str] | None = None) -> ssl.SSLContext | None:
+    """A keeper's TLS context when TORCHREVIVE_SNAPSHOT_TLS_CERT and _KEY name its certificate and key
+    (signing authenticates peers either way; TLS also hides the weights on the wire)."""
+    env = os.environ if environ is None else environ
+    cert, key = env.get(TLS_CERT_ENV), env.get(TLS_KEY_ENV)
+    if not (cert or key):
+        return None
+    if not (cert and key):
+        raise SecretError(f"snapshot TLS needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SecretError(f"cannot load the snapshot TLS certificate {cert}: {exc}") from None
+    return context
+
+
+def client_tls(environ: Mapping[str, str] | None = None) -> ssl.SSLContext:
+    """How a worker checks a keeper's certificate: against TORCHREVIVE_SNAPSHOT_TLS_CA when set
+    (keepers are reached by address, so the CA, the job's own, is what is checked, not a host name)."""
+    env = os.environ if environ is None else environ
+    ca = env.get(TLS_CA_ENV)
+    context = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+    if ca:
+        context.check_hostname = False
+    return context

@@ -1,0 +1,222 @@
+"""The snapshot keeper answers only its job: signed requests, tagged bodies, this run's parts, bounded use.
+
+What an operator tried: an unauthenticated GET of the weights, a forged replica
+with `step=99999999` and the recipe's shapes (valid crc32c, since they travel in
+the same header), a signed part of another run, a tampered body, a recorded
+answer replayed, a flood of connections, a replica that would fill /dev/shm.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from support import keeper_request
+from test_snapshots import Job, assert_same, keeper_job, keeper_key
+
+from elastic.checkpoint import keeper_client
+from elastic.launcher import keeper as keeper_module
+from elastic.launcher.keeper import SnapshotKeeper
+from elastic.launcher.keeper_endpoint import MAX_CONNECTIONS
+from elastic.storage import parts, peer_auth
+from elastic.storage.chunks import block_checksums
+from elastic.storage.directory import CheckpointStore
+from elastic.storage.keeper_address import LOCAL, REPLICA
+from elastic.storage.parts import PartHeader
+from elastic.storage.peer_auth import PeerKey
+
+STRANGER = PeerKey(b"not-the-jobs-secret-at-all-0123")
+
+
+def newest_part(tmp_path: Path, keeper: SnapshotKeeper, steps: int = 2) -> tuple[PartHeader, bytes, dict]:
+    """A job's newest snapshot part on this node (its header and data), the keeper told the job's
+    generation, and the job's state at that step."""
+    job = Job(tmp_path / "ckpt")
+    job.run(steps)
+    job.ckpt.flush()
+    job.ckpt.memory.wait_previous()
+    want = job.state()
+    job.close()
+    header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
+    data = (keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX)).read_bytes()[: header.data_bytes]
+    keeper_job(keeper, header)
+    return header, data, want
+
+
+def forged(header: PartHeader, data: bytes, **changes: object) -> tuple[PartHeader, bytes]:
+    """The part with every weight set to 7.0 and `changes` to its header, its crc32c recomputed:
+    what anyone who can read one part can make."""
+    raw = bytearray(data)
+    chunks = []
+    for chunk in header.chunks:
+        offset, length = int(chunk["offset"]), int(chunk["length"])
+        if chunk["dtype"] == "torch.float32":
+            raw[offset : offset + length] = torch.full((length // 4,), 7.0).numpy().tobytes()
+        checksums = block_checksums(memoryview(raw)[offset : offset + length], int(chunk["block"]))
+        chunks.append({**chunk, "crc32c": list(checksums)})
+    fields = {**json.loads(header.to_json()), "chunks": chunks, "writer": "1-abcdef", **changes}
+    fake = PartHeader.from_json(json.dumps(fields))
+    return fake, bytes(raw)
+
+
+def answer_to_headers(keeper: SnapshotKeeper, path: str, headers: dict[str, str]) -> int:
+    """The status a keeper answers a PUT of `headers` alone, its body never sent."""
+    host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        lines = [f"PUT {path} HTTP/1.1", f"Host: {host}", *(f"{k}: {v}" for k, v in headers.items())]
+        raw.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        answer = raw.recv(200).decode()
+    return int(answer.split()[1])
+
+
+def test_unsigned_bad_stale_and_replayed_requests_are_refused_before_any_body(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    header, data, _ = newest_part(tmp_path, keeper)
+    path = f"/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    key = keeper_key()
+    assert keeper_request(keeper.url, key, "GET", path) == (200, data)  # the job itself reads it
+    assert keeper_request(keeper.url, key, "GET", path, sign=False)[0] == 401
+    assert keeper_request(keeper.url, STRANGER, "GET", path)[0] == 403
+    stale = key.sign("GET", path, now=0)
+    assert keeper_request(keeper.url, key, "GET", path, headers=stale, sign=False)[0] == 403
+    fresh = key.sign("GET", path)
+    assert keeper_request(keeper.url, key, "GET", path, headers=dict(fresh), sign=False)[0] == 200
+    assert keeper_request(keeper.url, key, "GET", path, headers=dict(fresh), sign=False)[0] == 403  # replayed
+    # A PUT that announces a gigabyte and sends none of it is answered at once: no body is read.
+    path = f"/replica/{header.stem}"
+    announced = {"Content-Length": str(2**30), "X-Header-Bytes": "100"}
+    assert answer_to_headers(keeper, path, announced) == 401
+    assert answer_to_headers(keeper, path, {**announced, **STRANGER.sign("PUT", path, content_length=2**30, header_bytes=100)}) == 403
+    assert not list((keeper.root / REPLICA).iterdir())
+
+
+def test_a_forged_replica_is_refused_never_restored_and_never_persisted(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    header, data, want = newest_part(tmp_path, keeper, steps=7)  # durable at 5, 6 and 7 in memory
+    fake, fake_data = forged(header, data, step=99_999_999)
+    head = fake.to_json()
+    for key, status in ((None, 401), (STRANGER, 403)):
+        got, _ = keeper_request(keeper.url, key or STRANGER, "PUT", f"/replica/{fake.stem}", head=head, data=fake_data,
+                                sign=key is not None)
+        assert got == status
+    assert parts.read_headers(keeper.root / REPLICA) == []
+    assert keeper.persist() == [header.step]  # the job's own newest step, not the forgery's
+    assert CheckpointStore(tmp_path / "ckpt").committed()[0].step == header.step
+    again = Job(tmp_path / "ckpt", seed=5)
+    assert again.ckpt.restore() == header.step
+    assert_same(want, again.state())
+    again.close()
+
+
+def test_signed_parts_of_another_run_generation_or_size_and_tampered_bodies_are_not_kept(
+    tmp_path: Path, keeper: SnapshotKeeper
+) -> None:
+    header, data, _ = newest_part(tmp_path, keeper)
+    key = keeper_key()
+    generation = str(header.extra.get("generation", ""))
+    for changes in ({"run_id": "another-run"}, {"extra": {"generation": "old-timeline"}}, {"world_size": 2, "rank": 1}):
+        fake, fake_data = forged(header, data, **changes)
+        status, _ = keeper_request(keeper.url, key, "PUT", f"/replica/{fake.stem}", head=fake.to_json(), data=fake_data)
+        assert status == 409, changes
+    # The job's own part, changed on the wire after it was tagged: its tag fails, nothing is kept.
+    fake, _ = forged(header, data, extra={"generation": generation})
+    path = f"/replica/{fake.stem}"
+    head = fake.to_json()
+    signed = key.sign("PUT", path, content_length=len(head) + len(data) + peer_auth.TAG_BYTES, header_bytes=len(head))
+    tag = key.body_tag(signed[peer_auth.NONCE], peer_auth.put_what(path))
+    tag.update(head + data)
+    tampered = bytearray(data)
+    tampered[-1] ^= 1
+    host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("PUT", path, body=head + bytes(tampered) + tag.finalize(), headers={"X-Header-Bytes": str(len(head)), **signed})
+    assert conn.getresponse().status == 400
+    conn.close()
+    # A header past 1 MiB is refused by its declared size, before any of it is read.
+    length, head_bytes = 2**20 + 1 + len(data) + peer_auth.TAG_BYTES, 2**20 + 1
+    huge = key.sign("PUT", path, content_length=length, header_bytes=head_bytes)
+    assert answer_to_headers(keeper, path, {"Content-Length": str(length), "X-Header-Bytes": str(head_bytes), **huge}) == 400
+    assert [p.name for p in (keeper.root / REPLICA).iterdir()] == []
+    # The same part, untouched, is kept.
+    assert keeper_request(keeper.url, key, "PUT", path, head=head, data=data)[0] == 204
+    assert [h.stem for h in parts.read_headers(keeper.root / REPLICA)] == [fake.stem]
+
+
+class _Replayer(BaseHTTPRequestHandler):
+    """A man in the middle: answers every GET with an answer it recorded from the real keeper."""
+
+    protocol_version = "HTTP/1.1"
+    recorded: tuple[int, dict[str, str], bytes] = (0, {}, b"")
+
+    def do_GET(self) -> None:  # noqa: N802
+        status, headers, body = self.recorded
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_recorded_or_altered_answer_is_never_data(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    header, data, _ = newest_part(tmp_path, keeper)
+    key = keeper_key()
+    url = f"{keeper.url}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    assert keeper_client.get_range(url, key, 0, 64, 10) == data[:64]
+    # Record one genuine answer, then serve it (as is, and with one byte changed) to new requests.
+    path = url.split(keeper.url, 1)[1]
+    host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", path, headers={"Range": "bytes=0-63", **key.sign("GET", path)})
+    response = conn.getresponse()
+    body = response.read()
+    headers = {k: v for k, v in response.getheaders() if k in ("Content-Range", "Content-Length")}
+    conn.close()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Replayer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        fake_url = f"http://127.0.0.1:{server.server_address[1]}{path}"
+        for answer in (body, bytes([body[0] ^ 1]) + body[1:]):
+            _Replayer.recorded = (206, headers, answer)
+            with pytest.raises(OSError, match="fails its tag"):
+                keeper_client.get_range(fake_url, key, 0, 64, 10)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_connections_are_bounded_and_a_full_memory_refuses_replicas(
+    tmp_path: Path, keeper: SnapshotKeeper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header, data, _ = newest_part(tmp_path, keeper)
+    key = keeper_key()
+    path = f"/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        assert keeper_request(keeper.url, key, "GET", path)[0] == 503
+    finally:
+        for connection in idle:
+            connection.close()
+    served = False
+    for _ in range(200):  # the idle connections' handlers see them closed and leave
+        if keeper_request(keeper.url, key, "GET", path)[0] == 200:
+            served = True
+            break
+        threading.Event().wait(0.05)
+    assert served
+    # A replica that would leave less than the reserve free in the keeper's memory: 507, nothing kept.
+    real = keeper_module.shutil.disk_usage
+    monkeypatch.setattr(keeper_module.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=len(data) + int(0.05 * real(p).total)))
+    status, _ = keeper_request(keeper.url, key, "PUT", f"/replica/{header.stem}", head=header.to_json(), data=data)
+    assert status == 507
+    assert list((keeper.root / REPLICA).iterdir()) == []
