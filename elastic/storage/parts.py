@@ -157,14 +157,16 @@ class PartHeader:
         slot = validate.need_int(need("slot"), f"{what}'s slot", hi=1)
         what = f"snapshot part {part_stem(rank, writer, slot)}"
         data_bytes = validate.need_int(need("data_bytes"), f"{what}: data_bytes")
-        tensors: dict[str, dict[str, Any]] = validate.need_dict(need("tensors"), f"{what}: tensors")
-        shapes = {fqn: tensor_declaration(md, f"{what}: tensor {fqn[:80]!r}") for fqn, md in tensors.items()}
-        chunks = validate.need_list(need("chunks"), f"{what}: chunks")
-        for i, chunk in enumerate(chunks):
-            _, _, stored = placed_chunk(chunk, f"{what}: chunk {i}", shapes)
+        declared = validate.need_dict(need("tensors"), f"{what}: tensors")
+        shapes = {fqn: tensor_declaration(md, f"{what}: tensor {fqn[:80]!r}") for fqn, md in declared.items()}
+        tensors = {fqn: {"dtype": declared[fqn]["dtype"], "size": list(size)} for fqn, (_, size) in shapes.items()}
+        chunks = []
+        for i, chunk in enumerate(validate.need_list(need("chunks"), f"{what}: chunks")):
+            fqn, at, stored = placed_chunk(chunk, f"{what}: chunk {i}", shapes)
             if stored.offset + stored.length > data_bytes:
                 raise CorruptCheckpoint(f"{what}: chunk {i} ends at byte {stored.offset + stored.length}, "
                                         f"beyond its data's {data_bytes}")
+            chunks.append({"fqn": fqn, "at": list(at), **stored.to_json()})  # as checked, every field there
         return cls(
             run_id=validate.need_str(need("run_id"), f"{what}: run_id", max_len=1024),
             step=validate.need_int(need("step"), f"{what}: step"),
