@@ -39,7 +39,7 @@ from elastic.launcher.proctree import descendants
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = 60  # enough that a recreated pod, cold-starting on a loaded machine, rejoins before the end
 # What a user would set in trainer-config for a small CPU run.
 SETTINGS = {"MAX_STEPS": str(STEPS), "CKPT_EVERY": "5", "BATCH_SIZE": "4", "JOB_ID": "k8s-test"}
 
