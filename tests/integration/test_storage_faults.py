@@ -109,3 +109,25 @@ def test_a_real_full_disk_names_enospc_and_leaves_nothing_behind(small_volume: P
     assert temporaries(small_volume / "ckpt") == []
     assert [c.step for c in store.committed()] == [1]
     store.verify(store.committed()[0])
+
+
+def test_a_claim_that_cannot_be_written_stops_every_rank_with_one_line(small_volume: Path, tiny_corpus: Path) -> None:
+    ckpt = small_volume / "ckpt"
+    ckpt.mkdir()
+    with open(small_volume / "filler", "wb") as filler:  # the volume full: writing writer.json fails (ENOSPC)
+        try:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        except OSError:
+            pass
+    args = ["--data", str(tiny_corpus), "--max-steps", "4", "--eval-every", "0", "--ckpt-dir", str(ckpt), *TINY_MODEL]
+    done = subprocess.run(standalone_command(2, args), capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=worker_env(TORCHREVIVE_SNAPSHOTS="0"))
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert "OSError" not in output, output[-4000:]  # (the only traceback is stock torchrun's own ChildFailedError)
+    lines = [line for line in output.splitlines() if line.startswith("gpt.py: error:")]
+    # Every rank leaves with the same one line and exit 75 (torchrun may stop the second before it reports).
+    assert lines == [f"gpt.py: error: cannot claim checkpoint directory {ckpt}: No space left on device (ENOSPC)"] * 2
+    assert "(exitcode: 75)" in output, output[-4000:]
