@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -129,7 +130,7 @@ class SnapshotKeeper:
         self.root = base / self.node
         for name in (LOCAL, REPLICA):
             (self.root / name).mkdir(parents=True, exist_ok=True)
-        (self.root / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        (self.root / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id}))
         self._server = serve(self, host, key, tls)
         port = self._server.server_address[1]
         scheme = "https" if tls is not None else "http"
@@ -185,6 +186,11 @@ class SnapshotKeeper:
             shutil.rmtree(self.root, ignore_errors=True)
             for root in self._checkpoint_dirs:
                 _remove_old_stages(root, _newest(_store(root)))
+            if self.secret_file is not None and not _live_keepers_of(self.root.parent, self.run_id):
+                # The secret made for this run on this host: no keeper of the run is left to use it.
+                self.secret_file.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    self.secret_file.parent.rmdir()  # when no other run's secret is left in it
 
     def _maintain(self) -> None:
         while not self._closing.is_set():
@@ -288,8 +294,8 @@ class SnapshotKeeper:
             os.close(os.open(stage / ".commit", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False  # another keeper commits it
-        headers = [PartHeader.from_json(path.read_bytes()) for path in headers_files]
         try:
+            headers = [PartHeader.from_json(path.read_bytes()) for path in headers_files]
             metadata = parts.merged_metadata(headers)
             trainer = parts.merged_trainer(headers)
         except CorruptCheckpoint as exc:
@@ -435,6 +441,20 @@ def _remove_old_stages(root: Path, newest: int) -> None:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
+def _live_keepers_of(base: Path, run_id: str) -> bool:
+    """Whether a keeper of run `run_id` on this host is still running (its directory is under `base`)."""
+    host = socket.gethostname()
+    for entry in os.scandir(base):
+        try:
+            owner = json.loads((Path(entry.path) / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and owner.get("host") == host and owner.get("run_id") == run_id \
+                and isinstance(owner.get("pid"), int) and _pid_alive(owner["pid"]):
+            return True
+    return False
+
+
 def _remove_orphans(base: Path) -> None:
     """Directories of keepers on this host whose process is gone (killed before it could clean up)."""
     host = socket.gethostname()
@@ -443,5 +463,5 @@ def _remove_orphans(base: Path) -> None:
             owner = json.loads((Path(entry.path) / OWNER_FILE).read_text())
         except (OSError, ValueError):
             continue
-        if owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
+        if isinstance(owner, dict) and owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
             shutil.rmtree(entry.path, ignore_errors=True)

@@ -52,7 +52,8 @@ class KeeperAddress:
         root, url, node = env.get(ROOT_ENV), env.get(URL_ENV), env.get(NODE_ENV)
         if not (root and url and node) or not os.path.isdir(root):
             return None
-        return cls(Path(root), url, node)
+        secret_file = env.get(SECRET_FILE_ENV)
+        return cls(Path(root), url, node, Path(secret_file) if secret_file else None)
 
     def environ(self) -> dict[str, str]:
         env = {ROOT_ENV: str(self.root), URL_ENV: self.url, NODE_ENV: self.node}

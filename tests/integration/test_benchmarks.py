@@ -147,3 +147,18 @@ def test_the_script_prints_the_tables_and_refuses_without_a_traceback(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_snapshot_auth_benchmark_prints_signed_against_unsigned() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/snapshot_auth.py", "--restore-mb", "8", "--part-mb", "2", "--pairs", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    for what in ("restore, 8 MB from a peer keeper", "snapshot copy to the peer, 2 MB part"):
+        (line,) = [x for x in lines if what in x]
+        assert "signed" in line and "unsigned / signed" in line and float(line.rsplit(" ", 1)[1]) > 0
+    bad = subprocess.run([sys.executable, "benchmarks/snapshot_auth.py", "--pairs", "0"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

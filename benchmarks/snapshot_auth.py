@@ -1,0 +1,159 @@
+"""What signing snapshot traffic costs: a restore's reads from a peer keeper, and a snapshot's copy to one.
+
+Measured side by side in one run, signing on and off in alternation (pairs), against a real
+snapshot keeper in a process of its own:
+
+- restore: `--restore-mb` (default 1024) of one part read the way a restoring rank reads another
+  node's part (`keeper_client.get_range`, `part_files.READ_MAX` bytes a request), each range's
+  tag checked; and, for scale, the same bytes copied from a local memory buffer;
+- snapshot: one part of `--part-mb` (default: the GPT recipe's, 18 MB) PUT to the keeper, as the
+  snapshot thread copies a part to the peer node after each snapshot (the loop waits for it
+  only if it takes longer than a step; the README's overhead figures measure the loop).
+
+"Off" is this protocol with the signature check and the tags replaced by no-ops (patched here
+only), so the difference is the cryptography alone. Prints medians and ratios (off / on).
+
+    python benchmarks/snapshot_auth.py [--restore-mb 1024] [--part-mb 18] [--pairs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elastic.checkpoint import keeper_client  # noqa: E402
+from elastic.checkpoint.part_files import READ_MAX  # noqa: E402
+from elastic.launcher.keeper import SnapshotKeeper  # noqa: E402
+from elastic.storage import parts, peer_auth  # noqa: E402
+from elastic.storage.keeper_address import LOCAL  # noqa: E402
+from elastic.storage.chunks import BLOCK, StoredChunk, block_checksums  # noqa: E402
+from elastic.storage.parts import PartHeader  # noqa: E402
+from elastic.storage.peer_auth import PeerKey  # noqa: E402
+
+RUN = "auth-bench"
+
+
+class _NoTag:
+    """A Poly1305 that does nothing: the protocol without its cryptography."""
+
+    def update(self, data: Any) -> None:
+        pass
+
+    def finalize(self) -> bytes:
+        return b"\0" * peer_auth.TAG_BYTES
+
+
+def unsigned() -> None:
+    """Turn signing off in this process (the benchmark's "off" side)."""
+    peer_auth.PeerKey.body_tag = lambda self, nonce, what: _NoTag()  # type: ignore[method-assign]
+    peer_auth.RequestVerifier.check = lambda self, method, path, headers: headers.get(peer_auth.NONCE) or "0" * 32  # type: ignore[method-assign]
+    peer_auth.check_tag = lambda mac, tag: True  # type: ignore[assignment]
+
+
+def part_header(data: bytes) -> PartHeader:
+    """A header for `data` as one uint8 tensor of rank 0 of a 1-rank job (what the keeper checks)."""
+    stem = parts.part_stem(0, "2-abcdef", 0)
+    chunk = StoredChunk(stem + parts.DATA_SUFFIX, 0, len(data), "torch.uint8", (len(data),),
+                        tuple(block_checksums(memoryview(data), BLOCK)), BLOCK)
+    trainer, trainer_crc = parts.encode_trainer({"step": 1})
+    return PartHeader(
+        run_id=RUN, step=1, rank=0, world_size=1, writer="2-abcdef", slot=0, data_bytes=len(data),
+        chunks=[{"fqn": "w", "at": [0], **chunk.to_json()}], tensors={"w": {"dtype": "torch.uint8", "size": [len(data)]}},
+        trainer=trainer, trainer_crc32c=trainer_crc, ckpt_dir="/nonexistent", keep=1, created=time.time(),
+        extra={"generation": ""},
+    )
+
+
+def keeper_process(secret: bytes, base: str, signed: bool, size: int, ready: Any, stop: Any) -> None:
+    if not signed:
+        unsigned()
+    keeper = SnapshotKeeper("127.0.0.1", key=PeerKey(secret), run_id=RUN, base=Path(base))
+    name = parts.part_stem(0, "1-abcdef", 0) + parts.DATA_SUFFIX
+    with open(keeper.root / LOCAL / name, "wb") as f:
+        block = os.urandom(2**20)
+        for _ in range(size // 2**20):
+            f.write(block)
+    keeper.address.note_job(RUN, "", 1)
+    ready.put((keeper.url, name))
+    stop.wait()
+    keeper.close(timeout=5)
+
+
+def one_side(signed: bool, secret: bytes, restore: int, part: bytes, base: str) -> dict[str, float]:
+    context = mp.get_context("fork")  # the keeper needs nothing of this process but its imports
+    ready, stop = context.Queue(), context.Event()
+    server = context.Process(target=keeper_process, args=(secret, base, signed, restore, ready, stop))
+    server.start()
+    try:
+        url, name = ready.get(timeout=300)
+        key = PeerKey(secret)
+        part_url = f"{url}/part/{LOCAL}/{name}"
+        started = time.perf_counter()
+        for start in range(0, restore, READ_MAX):
+            got = keeper_client.get_range(part_url, key, start, min(start + READ_MAX, restore), 60)
+            assert len(got) == min(READ_MAX, restore - start)
+        restore_s = time.perf_counter() - started
+        header = part_header(part)
+        started = time.perf_counter()
+        keeper_client.push_part(url, key, header.stem, header.to_json(), memoryview(part), 60)
+        push_s = time.perf_counter() - started
+        return {"restore_s": restore_s, "push_s": push_s}
+    finally:
+        stop.set()
+        server.join(30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--restore-mb", type=int, default=1024)
+    parser.add_argument("--part-mb", type=int, default=18)
+    parser.add_argument("--pairs", type=int, default=5)
+    opts = parser.parse_args(argv)
+    if opts.restore_mb < 1 or opts.part_mb < 1 or opts.pairs < 1:
+        parser.error("--restore-mb, --part-mb and --pairs must be at least 1")
+    secret, restore = os.urandom(32), opts.restore_mb * 2**20
+    part = os.urandom(opts.part_mb * 2**20)
+    results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory(prefix="auth-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None) as base:
+        for pair in range(opts.pairs):
+            for signed in ((True, False) if pair % 2 == 0 else (False, True)):
+                if not signed:
+                    saved = (peer_auth.PeerKey.body_tag, peer_auth.RequestVerifier.check, peer_auth.check_tag)
+                    unsigned()
+                try:
+                    results[signed].append(one_side(signed, secret, restore, part, base))
+                finally:
+                    if not signed:
+                        peer_auth.PeerKey.body_tag, peer_auth.RequestVerifier.check, peer_auth.check_tag = saved  # type: ignore[method-assign]
+    buffer = bytearray(restore)
+    source = memoryview(bytes(restore))
+    copies = []
+    for _ in range(3):
+        started = time.perf_counter()
+        buffer[:] = source
+        copies.append(time.perf_counter() - started)
+
+    def median(signed: bool, what: str) -> float:
+        return statistics.median(r[what] for r in results[signed])
+
+    print(f"snapshot traffic, signed vs not ({opts.pairs} pairs, medians):")
+    for what, label, size in (("restore_s", f"restore, {opts.restore_mb} MB from a peer keeper", restore),
+                              ("push_s", f"snapshot copy to the peer, {opts.part_mb} MB part", len(part))):
+        on, off = median(True, what), median(False, what)
+        print(f"  {label:<44} signed {on:.3f} s ({size / on / 1e9:.2f} GB/s)   unsigned {off:.3f} s "
+              f"({size / off / 1e9:.2f} GB/s)   unsigned / signed {off / on:.3f}")
+    print(f"  for scale: a local memory copy of {opts.restore_mb} MB takes {statistics.median(copies):.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
