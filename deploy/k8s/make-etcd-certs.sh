@@ -77,5 +77,5 @@ $0: made $dir (keep $dir/ca.key off the cluster). Create the Secrets (once, befo
   kubectl create namespace $namespace
   kubectl -n $namespace create secret generic etcd-server-tls --from-file=$dir/etcd-server
   kubectl -n $namespace create secret generic etcd-client-tls --from-file=$dir/etcd-client
-  kubectl -n $namespace create secret generic torchrevive-snapshot-secret --from-file=secret=<(head -c 32 /dev/urandom)   # bash
+  kubectl -n $namespace create secret generic torchrevive-snapshot-secret --from-file=secret=<(openssl rand -hex 32)   # bash
 EOF

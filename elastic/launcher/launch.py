@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_rdzv_conf(args)
         preload = warm_start.preload_modules()
         check_script(args)
     except UsageError as error:
@@ -213,6 +214,15 @@ def notify_on_stop(keeper: SnapshotKeeper) -> None:
 
     stop_workers.without_keeper = original  # type: ignore[attr-defined]
     LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
+def check_rdzv_conf(args: argparse.Namespace) -> None:
+    """A password inside --rdzv-conf is refused here, before torch's agent logs its rendezvous
+    options (it logs them verbatim at INFO); the rendezvous refuses it too, for plain torchrun."""
+    for item in (getattr(args, "rdzv_conf", None) or "").split(","):
+        if item.split("=", 1)[0].strip().lower() == "password":
+            raise UsageError("--rdzv-conf password=... would be in torchrun's log and in `ps`: write the password "
+                             "to a file readable only by you and give password_file=PATH instead")
 
 
 def check_script(args: argparse.Namespace) -> None:

@@ -332,7 +332,7 @@ def test_secrets_are_read_only_files_that_the_documented_commands_create(rendere
     pod = trainer(rendered)
     secret, key = secret_file(pod.workload, pod.environment()["TORCHREVIVE_SNAPSHOT_SECRET_FILE"])
     assert secret == "torchrevive-snapshot-secret" and key in made[secret]
-    assert f"create secret generic {secret} --from-file={key}=<(head -c 32 /dev/urandom)" in docs
+    assert f"create secret generic {secret} --from-file={key}=<(openssl rand -hex 32)" in docs
 
 
 def test_no_password_in_any_manifest() -> None:
