@@ -6,14 +6,14 @@ snapshot keeper in a process of its own:
 - restore: `--restore-mb` (default 1024) of one part read the way a restoring rank reads another
   node's part (`keeper_client.get_range`, `part_files.READ_MAX` bytes a request), each range's
   tag checked; and, for scale, the same bytes copied from a local memory buffer;
-- snapshot: one part of `--part-mb` (default: the GPT recipe's, 18 MB) PUT to the keeper, as the
+- snapshot: one part of `--part-mb` (default: the GPT recipe's whole state, 10 MB) PUT to the keeper, as the
   snapshot thread copies a part to the peer node after each snapshot (the loop waits for it
   only if it takes longer than a step; the README's overhead figures measure the loop).
 
 "Off" is this protocol with the signature check and the tags replaced by no-ops (patched here
 only), so the difference is the cryptography alone. Prints medians and ratios (off / on).
 
-    python benchmarks/snapshot_auth.py [--restore-mb 1024] [--part-mb 18] [--pairs 5]
+    python benchmarks/snapshot_auth.py [--restore-mb 1024] [--part-mb 10] [--pairs 5]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def one_side(signed: bool, secret: bytes, restore: int, part: bytes, base: str) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--restore-mb", type=int, default=1024)
-    parser.add_argument("--part-mb", type=int, default=18)
+    parser.add_argument("--part-mb", type=int, default=10)
     parser.add_argument("--pairs", type=int, default=5)
     opts = parser.parse_args(argv)
     if opts.restore_mb < 1 or opts.part_mb < 1 or opts.pairs < 1:

@@ -95,6 +95,7 @@ class _Server(ThreadingHTTPServer):
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             if self.tls is not None:
+                request.settimeout(_Handler.timeout)  # a peer that never completes its handshake is dropped too
                 request = self.tls.wrap_socket(request, server_side=True)
             super().process_request_thread(request, client_address)
         except (OSError, ssl.SSLError) as exc:

@@ -220,3 +220,57 @@ def test_connections_are_bounded_and_a_full_memory_refuses_replicas(
     status, _ = keeper_request(keeper.url, key, "PUT", f"/replica/{header.stem}", head=header.to_json(), data=data)
     assert status == 507
     assert list((keeper.root / REPLICA).iterdir()) == []
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by itself (its own CA) and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "keeper")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "keeper.crt", directory / "keeper.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_keepers_can_serve_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cert, key_file = self_signed(tmp_path)
+    tls = peer_auth.server_tls({peer_auth.TLS_CERT_ENV: str(cert), peer_auth.TLS_KEY_ENV: str(key_file)})
+    key = PeerKey(b"a secret for this test only, 32b")
+    keeper = SnapshotKeeper("127.0.0.1", key=key, run_id="tls", base=tmp_path / "shm", tls=tls)
+    try:
+        assert keeper.url.startswith("https://")
+        name = parts.part_stem(0, "1-abcdef", 0) + parts.DATA_SUFFIX
+        (keeper.root / LOCAL / name).write_bytes(b"weights" * 100)
+        monkeypatch.setenv(peer_auth.TLS_CA_ENV, str(cert))
+        monkeypatch.setattr(keeper_client, "_tls", None)
+        assert keeper_client.get_range(f"{keeper.url}/part/{LOCAL}/{name}", key, 0, 700, 10) == b"weights" * 100
+        # Without the job's CA the keeper's certificate is not trusted; in clear text there is no answer.
+        monkeypatch.delenv(peer_auth.TLS_CA_ENV)
+        monkeypatch.setattr(keeper_client, "_tls", None)
+        with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+            keeper_client.get_range(f"{keeper.url}/part/{LOCAL}/{name}", key, 0, 700, 10)
+        with pytest.raises((OSError, http.client.HTTPException)):
+            keeper_client.get_range(f"{keeper.url.replace('https', 'http')}/part/{LOCAL}/{name}", key, 0, 700, 10)
+    finally:
+        monkeypatch.setattr(keeper_client, "_tls", None)
+        keeper.close(timeout=10)
+    with pytest.raises(peer_auth.SecretError, match="needs both"):
+        peer_auth.server_tls({peer_auth.TLS_CERT_ENV: str(cert)})
