@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -274,3 +275,17 @@ def test_keepers_can_serve_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         keeper.close(timeout=10)
     with pytest.raises(peer_auth.SecretError, match="needs both"):
         peer_auth.server_tls({peer_auth.TLS_CERT_ENV: str(cert)})
+
+
+def test_malformed_headers_in_memory_never_stop_the_keeper(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    header, data, _ = newest_part(tmp_path, keeper, steps=7)
+    bad = json.loads(header.to_json())
+    for where, changes in ((LOCAL, {"step": []}), (REPLICA, {"rank": 5, "world_size": 2}), (LOCAL, {"chunks": "x"})):
+        stem = parts.part_stem(header.rank, f"{os.getpid():x}-bad{len(changes)}{where[0]}", 0)
+        (keeper.root / where / (stem + parts.DATA_SUFFIX)).write_bytes(data)
+        (keeper.root / where / (stem + parts.HEADER_SUFFIX)).write_text(json.dumps({**bad, **changes}))
+    keeper.prune()
+    assert keeper.persist() == [header.step]  # the good part is persisted, the bad ones skipped
+    maintenance = [t for t in keeper._threads if t.name == "snapshot-keeper"]
+    keeper.workers_stopped()  # one more persist and prune on its own thread
+    assert keeper.wait_idle(30) and all(t.is_alive() for t in maintenance)
