@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from elastic import threads
 from elastic.errors import ElasticError
 
 
@@ -108,7 +109,9 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
     if spec is not None and spec.name:  # started with -m: name it as the user typed it
         prog = f"python -m {spec.parent if prog == '__main__.py' else spec.name}"
     try:
-        return main(argv) or 0
+        status = main(argv) or 0
     except ElasticError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
-        return exc.exit_code
+        status = exc.exit_code
+    threads.note_exit_status(status)  # the status to end with should a library thread outlive the exit's bound
+    return status

@@ -53,9 +53,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from elastic import threads
 from elastic.errors import CorruptCheckpoint
 from elastic.launcher.keeper_endpoint import Conflict, serve
 from elastic.storage import parts, peer_auth, sharded
+from elastic.storage.claim import check_may_commit
 from elastic.storage.commit import commit_checkpoint
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed
@@ -144,11 +146,9 @@ class SnapshotKeeper:
         self.persisted: list[int] = []
         """Steps this keeper committed to a checkpoint directory."""
         self._threads = [
-            threading.Thread(target=self._server.serve_forever, name="snapshot-keeper-http", daemon=True),
-            threading.Thread(target=self._maintain, name="snapshot-keeper", daemon=True),
+            threads.start(self._server.serve_forever, name="snapshot-keeper-http", stop=self._server.shutdown),
+            threads.start(self._maintain, name="snapshot-keeper", stop=self._closing.set),
         ]
-        for thread in self._threads:
-            thread.start()
 
     @property
     def address(self) -> KeeperAddress:
@@ -185,7 +185,7 @@ class SnapshotKeeper:
                     shutil.rmtree(stage, ignore_errors=True)
             shutil.rmtree(self.root, ignore_errors=True)
             for root in self._checkpoint_dirs:
-                _remove_old_stages(root, _newest(_store(root)))
+                _remove_old_stages(root, _newest(_store(root)), self.run_id)
             if self.secret_file is not None and not _live_keepers_of(self.root.parent, self.run_id):
                 # The secret made for this run on this host: no keeper of the run is left to use it.
                 self.secret_file.unlink(missing_ok=True)
@@ -238,7 +238,12 @@ class SnapshotKeeper:
         committed: list[int] = []
         for (ckpt_dir, run_id, world_size, keep, generation), steps in targets.items():
             root = Path(ckpt_dir)
-            if not root.is_dir():
+            if not root.is_dir() or run_id != self.run_id:
+                continue
+            try:
+                check_may_commit(root, self.run_id)  # nothing is staged, committed or pruned where another job writes
+            except SaveFailed as exc:
+                logger.warning("snapshot keeper: not persisting to %s: %s", root, exc)
                 continue
             store = CheckpointStore(root, keep=keep)
             self._checkpoint_dirs.add(root)
@@ -258,7 +263,7 @@ class SnapshotKeeper:
                         break
                 except (OSError, SaveFailed) as exc:
                     logger.warning("snapshot keeper: cannot persist step %d to %s: %s", step, root, exc)
-            _remove_old_stages(root, _newest(store))
+            _remove_old_stages(root, _newest(store), self.run_id)
         return committed
 
     def _stage_part(self, stage: Path, path: Path, header: PartHeader) -> None:
@@ -424,8 +429,13 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:64]
 
 
-def _remove_old_stages(root: Path, newest: int) -> None:
-    """Staging directories of steps no newer than the newest committed checkpoint: never needed again."""
+def _remove_old_stages(root: Path, newest: int, run_id: str) -> None:
+    """Staging directories of steps no newer than the newest committed checkpoint: never needed again
+    (nothing is removed where another job writes now)."""
+    try:
+        check_may_commit(root, run_id)
+    except (SaveFailed, OSError):
+        return
     try:
         entries = list(os.scandir(root))
     except OSError:

@@ -25,7 +25,7 @@ from elastic.checkpoint import keeper_client
 from elastic.launcher import keeper as keeper_module
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.launcher.keeper_endpoint import MAX_CONNECTIONS
-from elastic.storage import parts, peer_auth
+from elastic.storage import claim, parts, peer_auth
 from elastic.storage.chunks import block_checksums
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.keeper_address import LOCAL, REPLICA
@@ -289,3 +289,15 @@ def test_malformed_headers_in_memory_never_stop_the_keeper(tmp_path: Path, keepe
     maintenance = [t for t in keeper._threads if t.name == "snapshot-keeper"]
     keeper.workers_stopped()  # one more persist and prune on its own thread
     assert keeper.wait_idle(30) and all(t.is_alive() for t in maintenance)
+
+
+def test_a_keeper_commits_stages_and_prunes_nothing_where_another_job_writes(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    newest_part(tmp_path, keeper, steps=7)  # durable at 5; 6 and 7 in memory
+    root = tmp_path / "ckpt"
+    (root / f"{keeper_module.STAGE_PREFIX}step_00000003.x").mkdir()  # a stage the other job may still use
+    before = sorted(p.name for p in root.iterdir())
+    claim.claim(root, claim.WriterIdentity.of_process("another-job", os.getpid()))
+    assert keeper.persist() == []
+    assert sorted(p.name for p in root.iterdir()) == before
+    keeper.close(timeout=10)
+    assert sorted(p.name for p in root.iterdir()) == before
