@@ -66,7 +66,13 @@ class DiskSource:
         self.store.check_sizes(candidate, manifest)
         trainer = self.store.load_state_file(candidate, manifest, TRAINER_FILE)
         metadata = self.store.tensor_metadata(candidate, manifest) if manifest.format >= 2 else None
-        fit.check_fits(candidate.name, metadata, trainer, self.state)
+        try:
+            fit.check_fits(candidate.name, metadata, trainer, self.state)
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+            # trainer.pt verified against its manifest, yet is not a trainer state of this runtime: crafted.
+            raise CorruptCheckpoint(
+                f"{candidate.name}/{TRAINER_FILE} is not a trainer state ({type(exc).__name__}: {str(exc)[:80]})"
+            ) from None
         self.store.check_room(manifest.total_bytes)  # the next save would not fit
         return Offer(
             source=DISK, name=candidate.name, checkpoint=candidate.name, manifest=manifest.to_json(), trainer=trainer,

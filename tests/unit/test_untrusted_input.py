@@ -10,6 +10,7 @@ value changed. Property tests run a modest, fixed set of examples
 from __future__ import annotations
 
 import copy
+import io
 import json
 import logging
 import math
@@ -480,3 +481,19 @@ def test_a_manifest_of_another_shape_is_one_corrupt_line(two_checkpoints: Path) 
     rewrite_manifest(step_dir, lambda raw: raw.update(step=[], world_size=True))
     with pytest.raises(CorruptCheckpoint, match="step_00000004: manifest.json's step is \\[\\], not an integer"):
         CheckpointStore(two_checkpoints).verify(Candidate(step_dir.name, 4, step_dir))
+
+
+@pytest.mark.parametrize("trainer", [[1, 2], {"step": 4}, {"step": 4, "sampler": [], "scaler": None, "optimizer": 3}])
+def test_a_trainer_state_of_another_shape_falls_back_to_the_older_checkpoint(
+    two_checkpoints: Path, trainer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    step_dir = two_checkpoints / "step_00000004"
+    buffer = io.BytesIO()
+    torch.save(trainer, buffer)  # loads with weights_only=True, and its checksum is made to pass
+    (step_dir / TRAINER_FILE).write_bytes(buffer.getvalue())
+    rewrite_manifest(step_dir, lambda raw: recheck(step_dir, raw, TRAINER_FILE))
+    again = Job(two_checkpoints)
+    with caplog.at_level(logging.WARNING):
+        assert again.ckpt.restore() == 2
+    again.ckpt.close()
+    assert "step_00000004 is corrupt" in caplog.text
