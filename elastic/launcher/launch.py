@@ -46,6 +46,7 @@ import argparse
 import os
 import signal
 import sys
+import uuid
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
+    settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
     try:
         record(launch)(args, preload)  # torch's own report of the failure comes first
@@ -214,6 +216,14 @@ def notify_on_stop(keeper: SnapshotKeeper) -> None:
 
     stop_workers.without_keeper = original  # type: ignore[attr-defined]
     LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
+def settle_standalone(args: argparse.Namespace) -> None:
+    """`--standalone` as torch's `run` would expand it (a c10d store on localhost, a fresh run id),
+    done here so that the snapshot keeper, started first, knows the run id its workers get."""
+    if getattr(args, "standalone", False):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        args.standalone = False
 
 
 def check_rdzv_conf(args: argparse.Namespace) -> None:

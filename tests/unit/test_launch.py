@@ -35,3 +35,15 @@ def test_preload_of_a_module_that_does_not_exist_is_a_usage_error() -> None:
         preload_modules({PRELOAD_ENV: "torch,no_such_module_xyz"})
     with pytest.raises(UsageError, match="'no_such_package_xyz.sub'"):
         preload_modules({PRELOAD_ENV: "no_such_package_xyz.sub"})
+
+
+def test_standalone_is_settled_before_the_keeper_starts_so_it_knows_the_workers_run_id() -> None:
+    from elastic.launcher.launch import parse_args, settle_standalone
+
+    args = parse_args(["--standalone", "--nproc-per-node=2", "train.py"])
+    settle_standalone(args)
+    assert (args.standalone, args.rdzv_backend, args.rdzv_endpoint) == (False, "c10d", "localhost:0")
+    assert len(args.rdzv_id) == 36 and args.rdzv_id != parse_args(["--standalone", "train.py"]).rdzv_id
+    given = parse_args(["--rdzv-id=mine", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "train.py"])
+    settle_standalone(given)
+    assert given.rdzv_id == "mine"
