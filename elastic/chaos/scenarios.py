@@ -206,9 +206,11 @@ SCENARIO_FAULTS = {
     "disk-full": "during_write@20+:do=enospc:restart=any",
     "slow-storage": "during_write@10:do=slow:for=8,during_write@40:do=slow:for=8",
     # The job must outlast the new node's cold start (Python, torch, its agent's fork server),
-    # however loaded the machine: rank 0 paces every step to at least 0.1 s (a sleep: load does
-    # not speed the job up), so its 250 steps take 25 s or more (a join took 11 s on a loaded 2 cores).
-    "scale-up": "after_step@1+:do=slow:for=0.1",
+    # however loaded the machine: rank 0 paces every step to at least 0.3 s (a sleep: load does
+    # not speed the job up), so its 250 steps take 75 s or more (a join took 11 s at load 5 and
+    # over 25 s at load 16, on 2 cores). Only the first launch is paced (restart 0): once the
+    # node has joined, the job runs at full speed, so the headroom costs nothing when it is unused.
+    "scale-up": "after_step@1+:do=slow:for=0.3",
 }
 # Recipe flags a scenario adds to the common ones.
 SCENARIO_ARGS = {"slow-storage": ["--collective-timeout", "4"]}
