@@ -3,26 +3,65 @@
 A checkpoint of another model, optimizer, data set or set of extra objects is
 one `CheckpointMismatchError` line naming the first difference, raised before
 the live state is touched (compat.py does the same for format 1's whole files).
+A trainer state not of the shape this runtime writes (a crafted one that passes
+its checksum) is a `CorruptCheckpoint`: the restore falls back to an older one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from elastic.checkpoint import state as live_state
 from elastic.checkpoint.training_state import TrainingState
-from elastic.errors import CheckpointMismatchError
+from elastic.errors import CheckpointMismatchError, CorruptCheckpoint
+from elastic.rng import get_rng_state, set_rng_state
 from elastic.storage import sharded
 
 
 def check_fits(name: str, metadata: Metadata | None, trainer: dict[str, Any], state: TrainingState) -> None:
     """`CheckpointMismatchError` unless the checkpoint `name` fits `state` (its tensors, when
     `metadata` is given: format 2; its trainer state always)."""
+    check_trainer_shape(name, trainer)
     if metadata is not None:
         check_tensors(name, metadata, trainer, state)
     check_trainer(name, trainer, state)
+
+
+def check_trainer_shape(name: str, trainer: Any) -> None:
+    """`CorruptCheckpoint` unless `trainer` has the shape this runtime writes: checked before anything
+    live changes, since applying it (`TrainingState.apply_trainer`) comes after the weights are loaded,
+    and only on some ranks (rank k sets `rng[k]`). Every rank's RNG state is tried on this process's
+    generators (and theirs put back), so no rank can fail on its own later."""
+
+    def bad(why: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"checkpoint {name}: its trainer state {why}")
+
+    if not isinstance(trainer, dict):
+        raise bad(f"is a {type(trainer).__name__}, not a dict")
+    for key, kinds in (("sampler", (dict,)), ("scheduler", (dict, type(None))), ("scaler", (dict, type(None))),
+                       ("rng", (list,)), ("extra", (dict,)), ("optimizer", (list, dict, type(None)))):
+        if key == "extra" and key not in trainer:
+            continue  # checkpoints from before extra state
+        if not isinstance(trainer.get(key), kinds):
+            raise bad(f"has {key} of type {type(trainer.get(key)).__name__}")
+    sampler = trainer["sampler"]
+    for key in ("num_samples", "seed", "epoch", "consumed"):
+        if not isinstance(sampler.get(key), int) or isinstance(sampler.get(key), bool) or sampler[key] < 0:
+            raise bad(f"has sampler {key} {sampler.get(key)!r}, not a non-negative integer")
+    if not trainer["rng"]:
+        raise bad("holds no RNG state")
+    saved = get_rng_state(torch.device("cpu"))
+    try:
+        for rank, state in enumerate(trainer["rng"]):
+            try:
+                set_rng_state(state, torch.device("cpu"))
+            except Exception as exc:  # noqa: BLE001 - any way it fails, rank `rank` would fail on it
+                raise bad(f"has an RNG state for rank {rank} that does not load ({type(exc).__name__})") from None
+    finally:
+        set_rng_state(saved, torch.device("cpu"))
 
 
 def check_tensors(name: str, metadata: Metadata, trainer: dict[str, Any], state: TrainingState) -> None:

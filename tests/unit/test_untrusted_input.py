@@ -483,13 +483,22 @@ def test_a_manifest_of_another_shape_is_one_corrupt_line(two_checkpoints: Path) 
         CheckpointStore(two_checkpoints).verify(Candidate(step_dir.name, 4, step_dir))
 
 
-@pytest.mark.parametrize("trainer", [[1, 2], {"step": 4}, {"step": 4, "sampler": [], "scaler": None, "optimizer": 3}])
+def _trainer_of(step_dir: Path) -> dict[str, Any]:
+    return torch.load(step_dir / TRAINER_FILE, weights_only=True)
+
+
+@pytest.mark.parametrize("change", [
+    lambda t: [1, 2], lambda t: {"step": 4}, lambda t: {**t, "sampler": []}, lambda t: {**t, "optimizer": 3},
+    lambda t: {**t, "rng": "x"}, lambda t: {k: v for k, v in t.items() if k != "rng"}, lambda t: {**t, "rng": []},
+    lambda t: {**t, "rng": [{**t["rng"][0], "python": {}}]}, lambda t: {**t, "rng": [t["rng"][0], 5]},
+    lambda t: {**t, "sampler": {**t["sampler"], "consumed": -1}}, lambda t: {**t, "scheduler": [1]},
+])
 def test_a_trainer_state_of_another_shape_falls_back_to_the_older_checkpoint(
-    two_checkpoints: Path, trainer: Any, caplog: pytest.LogCaptureFixture
+    two_checkpoints: Path, change: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     step_dir = two_checkpoints / "step_00000004"
     buffer = io.BytesIO()
-    torch.save(trainer, buffer)  # loads with weights_only=True, and its checksum is made to pass
+    torch.save(change(_trainer_of(step_dir)), buffer)  # loads with weights_only=True, its checksum made to pass
     (step_dir / TRAINER_FILE).write_bytes(buffer.getvalue())
     rewrite_manifest(step_dir, lambda raw: recheck(step_dir, raw, TRAINER_FILE))
     again = Job(two_checkpoints)
