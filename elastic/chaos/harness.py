@@ -48,7 +48,7 @@ from elastic.chaos.samples import SampleAudit
 from elastic.errors import CorruptCheckpoint, UsageError
 from elastic.launcher.keeper import BASE_ENV as SNAPSHOT_BASE_ENV
 from elastic.storage.peer_auth import SECRET_FILE_ENV
-from elastic.launcher.keeper import DIRECTORY as SNAPSHOT_DIRECTORY
+from elastic.launcher.keeper import private_directory
 from elastic.launcher.proctree import descendants, worker_rank
 from elastic.storage.directory import CheckpointStore
 
@@ -180,7 +180,7 @@ class ChaosJob:
 
     def wipe_node_memory(self, pid: int) -> None:
         """What a node loss takes with it: the shared memory of the agent `pid`'s snapshot keeper."""
-        for directory in (self.snapshot_base / SNAPSHOT_DIRECTORY).glob(f"*-{pid}-*"):
+        for directory in private_directory(self.snapshot_base).glob(f"*-{pid}-*"):
             shutil.rmtree(directory, ignore_errors=True)
 
     def add_agent(self, host: int | None = None) -> subprocess.Popen:

@@ -3,8 +3,9 @@
 It lives in the torchrun agent's process (`torchrevive-run`), which outlives
 every worker it starts, and:
 
-- owns a directory in shared memory (`/dev/shm/torchrevive-snapshots/<node>/`,
-  or `TORCHREVIVE_SNAPSHOT_BASE`) where this node's workers write their
+- owns a directory in shared memory (`/dev/shm/torchrevive-snapshots-<uid>/<node>/`,
+  or under `TORCHREVIVE_SNAPSHOT_BASE`; `private_directory`: mode 0700, this
+  user's, so no other local user can read or replace the parts or the secret) where this node's workers write their
   snapshot parts (`elastic.checkpoint.memory`), and tells the workers where it
   is through the environment;
 - serves those parts to the other nodes' workers, and takes the parts a peer
@@ -46,6 +47,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import ssl
 import threading
 import time
@@ -63,16 +65,20 @@ from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed
 from elastic.storage.keeper_address import JOB_FILE, LOCAL, REPLICA, KeeperAddress
 from elastic.storage.parts import PartHeader
+from elastic.storage.validate import read_bounded
 from elastic.storage.peer_auth import PeerKey
 
 logger = logging.getLogger(__name__)
 
 BASE_ENV = "TORCHREVIVE_SNAPSHOT_BASE"
 DIRECTORY = "torchrevive-snapshots"
+"""Keepers' directories lie in `<base>/torchrevive-snapshots-<uid>` (`private_directory`)."""
 OWNER_FILE = "owner.json"
 STAGE_PREFIX = ".snapshot."
 PRUNE_EVERY = 2.0
 STALE_UPLOAD = 60.0
+PID_MAX = 2**22
+"""The largest pid Linux hands out (pid_max's ceiling)."""
 RESERVE_FRACTION = 0.10
 """A replica is refused (507) when storing it would leave less than this share of the keeper's file
 system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""
@@ -92,6 +98,23 @@ def snapshot_base(environ: dict[str, str] | None = None) -> Path:
     return Path(tempfile.gettempdir())
 
 
+def private_directory(base: Path) -> Path:
+    """This user's directory for keepers under `base` (a shared /dev/shm): made with mode 0700, and
+    refused (`SecretError`, a ValueError) unless it is a real directory of this user's, open to no one
+    else, so no other local user can read the weights or the secret, or swap them."""
+    directory = base / f"{DIRECTORY}-{os.geteuid()}"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise peer_auth.SecretError(f"cannot make the snapshot directory {directory}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise peer_auth.SecretError(f"{directory} is not a directory of this user's that only this user can open: "
+                                    "remove it, or set TORCHREVIVE_SNAPSHOT_BASE to a directory of your own")
+    return directory
+
+
 def job_key(run_id: str, base: Path | None = None) -> tuple[PeerKey, Path | None]:
     """The secret run `run_id`'s keepers and workers sign snapshot traffic with, and the file the
     workers read it from: TORCHREVIVE_SNAPSHOT_SECRET_FILE or TORCHREVIVE_SNAPSHOT_SECRET when set
@@ -100,11 +123,14 @@ def job_key(run_id: str, base: Path | None = None) -> tuple[PeerKey, Path | None
     key = PeerKey.from_env()
     if key is not None:
         return key, None
-    secret_file = peer_auth.host_secret_file((base or snapshot_base()) / DIRECTORY, run_id)
+    secret_file = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
     return PeerKey.from_file(secret_file), secret_file
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a pid no kernel hands out, read from a crafted file, does not)."""
+    if not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -125,8 +151,7 @@ class SnapshotKeeper:
         self.run_id = run_id
         self.secret_file = secret_file
         """Where the workers read the job's secret (None: they have it from the environment)."""
-        base = (base or snapshot_base()) / DIRECTORY
-        base.mkdir(parents=True, exist_ok=True)
+        base = private_directory(base or snapshot_base())
         _remove_orphans(base)
         self.node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.root = base / self.node
@@ -186,11 +211,12 @@ class SnapshotKeeper:
             shutil.rmtree(self.root, ignore_errors=True)
             for root in self._checkpoint_dirs:
                 _remove_old_stages(root, _newest(_store(root)), self.run_id)
-            if self.secret_file is not None and not _live_keepers_of(self.root.parent, self.run_id):
-                # The secret made for this run on this host: no keeper of the run is left to use it.
-                self.secret_file.unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    self.secret_file.parent.rmdir()  # when no other run's secret is left in it
+            with contextlib.suppress(OSError):
+                if self.secret_file is not None and not _live_keepers_of(self.root.parent, self.run_id):
+                    # The secret made for this run on this host: no keeper of the run is left to use it.
+                    self.secret_file.unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        self.secret_file.parent.rmdir()  # when no other run's secret is left in it
 
     def _maintain(self) -> None:
         while not self._closing.is_set():
@@ -455,23 +481,26 @@ def _live_keepers_of(base: Path, run_id: str) -> bool:
     """Whether a keeper of run `run_id` on this host is still running (its directory is under `base`)."""
     host = socket.gethostname()
     for entry in os.scandir(base):
-        try:
-            owner = json.loads((Path(entry.path) / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue
+        owner = _owner(Path(entry.path))
         if isinstance(owner, dict) and owner.get("host") == host and owner.get("run_id") == run_id \
                 and isinstance(owner.get("pid"), int) and _pid_alive(owner["pid"]):
             return True
     return False
 
 
+def _owner(directory: Path) -> dict[str, Any]:
+    """A keeper directory's owner.json ({} when it is unreadable, not a small regular file, or not an object)."""
+    try:
+        owner = json.loads(read_bounded(directory / OWNER_FILE, OWNER_FILE, 4096))
+    except (OSError, ValueError, CorruptCheckpoint):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
 def _remove_orphans(base: Path) -> None:
     """Directories of keepers on this host whose process is gone (killed before it could clean up)."""
     host = socket.gethostname()
     for entry in os.scandir(base):
-        try:
-            owner = json.loads((Path(entry.path) / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue
+        owner = _owner(Path(entry.path))
         if isinstance(owner, dict) and owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
             shutil.rmtree(entry.path, ignore_errors=True)
