@@ -30,14 +30,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.checkpoint import keeper_client  # noqa: E402
-from elastic.checkpoint.part_files import READ_MAX  # noqa: E402
-from elastic.launcher.keeper import SnapshotKeeper  # noqa: E402
-from elastic.storage import parts, peer_auth  # noqa: E402
-from elastic.storage.keeper_address import LOCAL  # noqa: E402
-from elastic.storage.chunks import BLOCK, StoredChunk, block_checksums  # noqa: E402
-from elastic.storage.parts import PartHeader  # noqa: E402
-from elastic.storage.peer_auth import PeerKey  # noqa: E402
+from elastic.checkpoint import keeper_client
+from elastic.checkpoint.part_files import READ_MAX
+from elastic.launcher.keeper import SnapshotKeeper
+from elastic.storage import parts, peer_auth
+from elastic.storage.chunks import BLOCK, StoredChunk, block_checksums
+from elastic.storage.keeper_address import LOCAL
+from elastic.storage.parts import PartHeader
+from elastic.storage.peer_auth import PeerKey
 
 RUN = "auth-bench"
 
@@ -80,8 +80,7 @@ def keeper_process(secret: bytes, base: str, signed: bool, size: int, ready: Any
     name = parts.part_stem(0, "1-abcdef", 0) + parts.DATA_SUFFIX
     with open(keeper.root / LOCAL / name, "wb") as f:
         block = os.urandom(2**20)
-        for _ in range(size // 2**20):
-            f.write(block)
+        f.writelines(block for _ in range(size // 2**20))
     keeper.address.note_job(RUN, "", 1)
     ready.put((keeper.url, name))
     stop.wait()

@@ -47,7 +47,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import ssl
 import threading
 import time
@@ -58,6 +57,14 @@ from typing import Any
 from elastic import threads
 from elastic.errors import CorruptCheckpoint
 from elastic.launcher.keeper_endpoint import Conflict, serve
+from elastic.launcher.keeper_files import (
+    OWNER_FILE,
+    live_keepers_of,
+    pid_alive,
+    private_directory,
+    remove_orphans,
+    snapshot_base,
+)
 from elastic.storage import parts, peer_auth, sharded
 from elastic.storage.claim import check_may_commit
 from elastic.storage.commit import commit_checkpoint
@@ -65,79 +72,16 @@ from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed
 from elastic.storage.keeper_address import JOB_FILE, LOCAL, REPLICA, KeeperAddress
 from elastic.storage.parts import PartHeader
-from elastic.storage.validate import read_bounded
 from elastic.storage.peer_auth import PeerKey
 
 logger = logging.getLogger(__name__)
 
-BASE_ENV = "TORCHREVIVE_SNAPSHOT_BASE"
-DIRECTORY = "torchrevive-snapshots"
-"""Keepers' directories lie in `<base>/torchrevive-snapshots-<uid>` (`private_directory`)."""
-OWNER_FILE = "owner.json"
 STAGE_PREFIX = ".snapshot."
 PRUNE_EVERY = 2.0
 STALE_UPLOAD = 60.0
-PID_MAX = 2**22
-"""The largest pid Linux hands out (pid_max's ceiling)."""
 RESERVE_FRACTION = 0.10
 """A replica is refused (507) when storing it would leave less than this share of the keeper's file
 system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""
-
-
-def snapshot_base(environ: dict[str, str] | None = None) -> Path:
-    """Where keepers put their directories: TORCHREVIVE_SNAPSHOT_BASE, else /dev/shm (memory)."""
-    env = os.environ if environ is None else environ
-    given = env.get(BASE_ENV)
-    if given:
-        return Path(given)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
-        return shm
-    import tempfile
-
-    return Path(tempfile.gettempdir())
-
-
-def private_directory(base: Path) -> Path:
-    """This user's directory for keepers under `base` (a shared /dev/shm): made with mode 0700, and
-    refused (`SecretError`, a ValueError) unless it is a real directory of this user's, open to no one
-    else, so no other local user can read the weights or the secret, or swap them."""
-    directory = base / f"{DIRECTORY}-{os.geteuid()}"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        directory.mkdir(mode=0o700, exist_ok=True)
-        info = os.lstat(directory)
-    except OSError as exc:
-        raise peer_auth.SecretError(f"cannot make the snapshot directory {directory}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise peer_auth.SecretError(f"{directory} is not a directory of this user's that only this user can open: "
-                                    "remove it, or set TORCHREVIVE_SNAPSHOT_BASE to a directory of your own")
-    return directory
-
-
-def job_key(run_id: str, base: Path | None = None) -> tuple[PeerKey, Path | None]:
-    """The secret run `run_id`'s keepers and workers sign snapshot traffic with, and the file the
-    workers read it from: TORCHREVIVE_SNAPSHOT_SECRET_FILE or TORCHREVIVE_SNAPSHOT_SECRET when set
-    (None: the workers inherit it), else one made for the run on this host, which agents on other
-    hosts lack (`peer_auth.host_secret_file`). `SecretError` (a ValueError) when it cannot be had."""
-    key = PeerKey.from_env()
-    if key is not None:
-        return key, None
-    secret_file = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
-    return PeerKey.from_file(secret_file), secret_file
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (a pid no kernel hands out, read from a crafted file, does not)."""
-    if not 0 < pid <= PID_MAX:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SnapshotKeeper:
@@ -152,7 +96,7 @@ class SnapshotKeeper:
         self.secret_file = secret_file
         """Where the workers read the job's secret (None: they have it from the environment)."""
         base = private_directory(base or snapshot_base())
-        _remove_orphans(base)
+        remove_orphans(base)
         self.node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.root = base / self.node
         for name in (LOCAL, REPLICA):
@@ -173,6 +117,7 @@ class SnapshotKeeper:
         self._threads = [
             threads.start(self._server.serve_forever, name="snapshot-keeper-http", stop=self._server.shutdown),
             threads.start(self._maintain, name="snapshot-keeper", stop=self._closing.set),
+            threads.start(self._watch_connections, name="snapshot-keeper-deadlines", stop=self._closing.set),
         ]
 
     @property
@@ -212,11 +157,16 @@ class SnapshotKeeper:
             for root in self._checkpoint_dirs:
                 _remove_old_stages(root, _newest(_store(root)), self.run_id)
             with contextlib.suppress(OSError):
-                if self.secret_file is not None and not _live_keepers_of(self.root.parent, self.run_id):
+                if self.secret_file is not None and not live_keepers_of(self.root.parent, self.run_id):
                     # The secret made for this run on this host: no keeper of the run is left to use it.
                     self.secret_file.unlink(missing_ok=True)
                     with contextlib.suppress(OSError):
                         self.secret_file.parent.rmdir()  # when no other run's secret is left in it
+
+    def _watch_connections(self) -> None:
+        """Shut connections whose headers are late (keeper_endpoint.HEADER_SECONDS), once a second."""
+        while not self._closing.wait(1.0):
+            self._server.shut_late_connections()  # type: ignore[attr-defined]
 
     def _maintain(self) -> None:
         while not self._closing.is_set():
@@ -228,7 +178,7 @@ class SnapshotKeeper:
                     self._persist_wanted.clear()
                     try:
                         self.persisted += self.persist()
-                    except Exception:  # noqa: BLE001 - the keeper must outlive any one failure
+                    except Exception:
                         logger.exception("snapshot keeper: persisting the newest snapshot failed")
                 try:
                     self.prune()
@@ -354,14 +304,14 @@ class SnapshotKeeper:
         """Remove parts nobody needs any more (see the module docstring)."""
         local = self.root / LOCAL
         headers = parts.read_headers(local)
-        live = [h for h in headers if _pid_alive(parts.writer_pid(h.writer))]
+        live = [h for h in headers if pid_alive(parts.writer_pid(h.writer))]
         newest_live = max((h.step for h in live), default=None)
         for entry in os.scandir(local):
             parsed = parts.parse_part_name(entry.name)
             if parsed is None:
                 continue
             _, writer, _, _ = parsed
-            if _pid_alive(parts.writer_pid(writer)):
+            if pid_alive(parts.writer_pid(writer)):
                 continue
             own = [h.step for h in headers if h.writer == writer]
             # A dead writer's parts go once a live one has written a newer snapshot (its restore is over).
@@ -474,33 +424,4 @@ def _remove_old_stages(root: Path, newest: int, run_id: str) -> None:
         except ValueError:
             continue
         if step <= newest:
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _live_keepers_of(base: Path, run_id: str) -> bool:
-    """Whether a keeper of run `run_id` on this host is still running (its directory is under `base`)."""
-    host = socket.gethostname()
-    for entry in os.scandir(base):
-        owner = _owner(Path(entry.path))
-        if isinstance(owner, dict) and owner.get("host") == host and owner.get("run_id") == run_id \
-                and isinstance(owner.get("pid"), int) and _pid_alive(owner["pid"]):
-            return True
-    return False
-
-
-def _owner(directory: Path) -> dict[str, Any]:
-    """A keeper directory's owner.json ({} when it is unreadable, not a small regular file, or not an object)."""
-    try:
-        owner = json.loads(read_bounded(directory / OWNER_FILE, OWNER_FILE, 4096))
-    except (OSError, ValueError, CorruptCheckpoint):
-        return {}
-    return owner if isinstance(owner, dict) else {}
-
-
-def _remove_orphans(base: Path) -> None:
-    """Directories of keepers on this host whose process is gone (killed before it could clean up)."""
-    host = socket.gethostname()
-    for entry in os.scandir(base):
-        owner = _owner(Path(entry.path))
-        if isinstance(owner, dict) and owner.get("host") == host and isinstance(owner.get("pid"), int) and not _pid_alive(owner["pid"]):
             shutil.rmtree(entry.path, ignore_errors=True)

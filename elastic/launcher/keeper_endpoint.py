@@ -17,18 +17,23 @@ Invariants:
   closed (the unread body is never parsed as a request); a store that would
   leave too little room is 507; a part for another run or generation is 409.
 - At most `MAX_CONNECTIONS` connections are served at once; more are answered
-  503 and closed. A stalled peer holds one for at most `_Handler.timeout` seconds.
+  503 and closed. A connection's TLS handshake, request line and headers must
+  arrive within `HEADER_SECONDS` of its start (or of the end of its previous
+  request), however slowly they trickle, or it is shut down: only a signed
+  request's body may take longer, and no read may stall `_Handler.timeout` seconds.
 - Nothing it serves or stores is ever executed: data and JSON only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -45,6 +50,7 @@ HOST_ENV = "TORCHREVIVE_SNAPSHOT_HOST"
 MAX_HEADER = 2**20
 """Bytes a part's JSON header may take."""
 MAX_CONNECTIONS = 32
+HEADER_SECONDS = 20.0
 
 
 class Conflict(Exception):
@@ -75,7 +81,32 @@ class _Server(ThreadingHTTPServer):
         self.verifier = RequestVerifier(key)
         self.tls = tls
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._deadlines: dict[socket.socket, float] = {}  # connection -> when its headers must be in
+        self._deadline_lock = threading.Lock()
+        self._raw = threading.local()  # the plain socket under this handler thread's connection
         super().__init__(address, _Handler)
+
+    def expect_headers(self, by: float | None) -> None:
+        """This thread's connection must have sent its headers by `by` (time.monotonic); None: it has."""
+        raw = getattr(self._raw, "socket", None)
+        if raw is None:
+            return
+        with self._deadline_lock:
+            if by is None:
+                self._deadlines.pop(raw, None)
+            else:
+                self._deadlines[raw] = by
+
+    def shut_late_connections(self) -> None:
+        """Shut down every connection whose headers are late (run every second by `serve`'s caller)."""
+        now = time.monotonic()
+        with self._deadline_lock:
+            late = [raw for raw, by in self._deadlines.items() if by < now]
+            for raw in late:
+                del self._deadlines[raw]
+        for raw in late:
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)  # its blocked read returns at once; the handler ends
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -93,14 +124,18 @@ class _Server(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        self._raw.socket = request
         try:
+            self.expect_headers(time.monotonic() + HEADER_SECONDS)
             if self.tls is not None:
-                request.settimeout(_Handler.timeout)  # a peer that never completes its handshake is dropped too
+                request.settimeout(_Handler.timeout)
                 request = self.tls.wrap_socket(request, server_side=True)
             super().process_request_thread(request, client_address)
         except (OSError, ssl.SSLError) as exc:
             logger.debug("snapshot keeper: a connection from %s failed: %s", client_address, exc)
         finally:
+            self.expect_headers(None)
+            self._raw.socket = None
             self._slots.release()
 
 
@@ -118,12 +153,17 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 60  # seconds a stalled peer may hold a connection (and its temporary file)
     server: _Server
 
+    def handle_one_request(self) -> None:
+        self.server.expect_headers(time.monotonic() + HEADER_SECONDS)  # the next request's, on a kept connection
+        super().handle_one_request()
+
     def _refuse(self, status: int, why: str = "") -> None:
         self.send_error(status, why[:200] or None)
         self.close_connection = True  # an unread body must not be parsed as a request
 
     def _authenticated(self, method: str) -> str | None:
         """The request's nonce when it is signed by the job; else it is answered 401/403 here."""
+        self.server.expect_headers(None)  # its headers are in
         try:
             return self.server.verifier.check(method, self.path, self.headers)
         except Refused as refused:
@@ -131,7 +171,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._refuse(refused.status)
             return None
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         nonce = self._authenticated("GET")
         if nonce is None:
             return
@@ -176,7 +216,7 @@ class _Handler(BaseHTTPRequestHandler):
                 remaining -= len(block)
             self.wfile.write(tag.finalize())
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def do_PUT(self) -> None:
         nonce = self._authenticated("PUT")
         if nonce is None:
             return
@@ -208,7 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(204)
         self.end_headers()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+    def log_message(self, format: str, *args: Any) -> None:
         logger.debug("snapshot keeper: " + format, *args)
 
 

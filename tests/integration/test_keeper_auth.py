@@ -153,7 +153,7 @@ class _Replayer(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     recorded: tuple[int, dict[str, str], bytes] = (0, {}, b"")
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         status, headers, body = self.recorded
         self.send_response(status)
         for name, value in headers.items():
@@ -336,3 +336,26 @@ def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_cl
         keeper.prune()
     finally:
         keeper.close(timeout=10)
+
+
+def test_headers_that_trickle_in_are_cut_off(tmp_path: Path, keeper: SnapshotKeeper, monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.launcher import keeper_endpoint
+
+    monkeypatch.setattr(keeper_endpoint, "HEADER_SECONDS", 2.0)
+    host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        raw.sendall(b"GET /part/local/x HTTP/1.1\r\n")
+        cut = False
+        for _ in range(40):  # a header byte every 0.25 s: each read is quick, the whole is not
+            try:
+                raw.sendall(b"X")
+                if raw.recv(1, socket.MSG_DONTWAIT) == b"":
+                    cut = True
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                cut = True
+                break
+            threading.Event().wait(0.25)
+        assert cut, "a connection sending its headers byte by byte for 10 s was not cut off"
