@@ -62,17 +62,14 @@ def push_part(keeper_url: str, key: PeerKey, stem: str, head: bytes, data: memor
 
 def get_range(part_url: str, key: PeerKey, start: int, stop: int, timeout: float) -> bytearray:
     """Bytes [start, stop) of the part at `part_url` (fewer if it is shorter), by a signed range request,
-    returned only once their tag verified."""
+    returned only once their tag verified; `OSError` for any other answer."""
     url = urlsplit(part_url)
     conn = _connection(url, timeout)
     try:
         signed = key.sign("GET", url.path)
         conn.request("GET", url.path, headers={"Range": f"bytes={start}-{stop - 1}", **signed})
         response = conn.getresponse()
-        if response.status == 416:  # starts past the end: a short part
-            response.read()
-            return bytearray()
-        if response.status != 206:
+        if response.status != 206:  # a 416 (past the end) too: it carries no tag, so the next keeper is asked
             response.read()
             raise OSError(f"HTTP {response.status} {response.reason} for {url.path}")
         declared = (response.headers.get("Content-Length") or "").strip()

@@ -275,7 +275,7 @@ def claim(root: Path, identity: WriterIdentity) -> None:
                 f"seen {max(0.0, time.time() - holder.heartbeat):.0f} s ago): give each job its own --ckpt-dir "
                 f"(or delete {root / WRITER} if that job is gone)"
             )
-        if not same_job:
+        if not same_job and not holder.same_process(identity):
             logger.warning("taking over %s from %s, which is gone", root, holder.describe())
     replace_small(root, WRITER, identity.to_json())
 
