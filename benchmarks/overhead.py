@@ -550,7 +550,8 @@ def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
     """A snapshot keeper per recipe loop with snapshots, in this process (see the module docstring)."""
     if not opts.snapshot_every:
         return {}
-    from elastic.launcher.keeper import SnapshotKeeper, job_key
+    from elastic.launcher.keeper import SnapshotKeeper
+    from elastic.launcher.keeper_files import job_key
 
     keepers: dict[str, Any] = {}
     try:

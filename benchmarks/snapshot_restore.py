@@ -78,7 +78,8 @@ from elastic.checkpoint import CheckpointManager  # noqa: E402
 from elastic.cli import OneLineArgumentParser, positive_int  # noqa: E402
 from elastic.config import RunConfig  # noqa: E402
 from elastic.events import EventLog, read_events  # noqa: E402
-from elastic.launcher.keeper import SnapshotKeeper, job_key  # noqa: E402
+from elastic.launcher.keeper import SnapshotKeeper  # noqa: E402
+from elastic.launcher.keeper_files import job_key  # noqa: E402
 from elastic.runtime import init_worker  # noqa: E402
 from elastic.sampler import ElasticSampler  # noqa: E402
 

@@ -46,9 +46,9 @@ from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.chaos.samples import SampleAudit
 from elastic.errors import CorruptCheckpoint, UsageError
-from elastic.launcher.keeper import BASE_ENV as SNAPSHOT_BASE_ENV
+from elastic.launcher.keeper_files import BASE_ENV as SNAPSHOT_BASE_ENV
 from elastic.storage.peer_auth import SECRET_FILE_ENV
-from elastic.launcher.keeper import private_directory
+from elastic.launcher.keeper_files import private_directory
 from elastic.launcher.proctree import descendants, worker_rank
 from elastic.storage.directory import CheckpointStore
 

@@ -305,7 +305,6 @@ class SnapshotKeeper:
         local = self.root / LOCAL
         headers = parts.read_headers(local)
         live = [h for h in headers if pid_alive(parts.writer_pid(h.writer))]
-        newest_live = max((h.step for h in live), default=None)
         for entry in os.scandir(local):
             parsed = parts.parse_part_name(entry.name)
             if parsed is None:
@@ -313,9 +312,14 @@ class SnapshotKeeper:
             _, writer, _, _ = parsed
             if pid_alive(parts.writer_pid(writer)):
                 continue
-            own = [h.step for h in headers if h.writer == writer]
-            # A dead writer's parts go once a live one has written a newer snapshot (its restore is over).
-            if newest_live is not None and (not own or max(own) <= newest_live):
+            own = [h for h in headers if h.writer == writer]
+            # A dead writer's parts go once a live writer of a later generation (a restore since) has
+            # written a newer snapshot: that restore is over. A live writer of the dead one's own
+            # generation (a peer rank, not yet stopped by its agent) does not count: the agent is
+            # about to persist that generation's newest step, which needs the dead writer's part.
+            newer = [h.step for h in live
+                     if not own or (_generation(h) != _generation(own[0]) and h.step >= max(o.step for o in own))]
+            if newer:
                 Path(entry.path).unlink(missing_ok=True)
         self._prune_replicas()
 
@@ -387,6 +391,10 @@ class SnapshotKeeper:
         generation = str(header.extra.get("generation", ""))
         if not isinstance(job, dict) or (job.get("generation"), job.get("world_size")) != (generation, header.world_size):
             raise Conflict("a part of another generation or world size than this node's workers run")
+
+
+def _generation(header: PartHeader) -> str:
+    return str(header.extra.get("generation", ""))
 
 
 def _newest(store: Any) -> int:

@@ -53,7 +53,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import CheckpointStorageError, UsageError
 from elastic.launcher import warm_start
-from elastic.launcher.keeper import SnapshotKeeper, job_key
+from elastic.launcher.keeper import SnapshotKeeper
+from elastic.launcher.keeper_files import job_key
 from elastic.launcher.keeper_endpoint import keeper_host
 from elastic.launcher.reaper import start_reaper
 from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf

@@ -23,6 +23,7 @@ from test_snapshots import Job, assert_same, keeper_job, keeper_key
 
 from elastic.checkpoint import keeper_client
 from elastic.launcher import keeper as keeper_module
+from elastic.launcher import keeper_files
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.launcher.keeper_endpoint import MAX_CONNECTIONS
 from elastic.storage import claim, parts, peer_auth
@@ -304,11 +305,11 @@ def test_a_keeper_commits_stages_and_prunes_nothing_where_another_job_writes(tmp
 
 
 def test_keepers_live_in_a_directory_only_their_user_can_open(tmp_path: Path) -> None:
-    directory = keeper_module.private_directory(tmp_path)
+    directory = keeper_files.private_directory(tmp_path)
     assert directory.name == f"torchrevive-snapshots-{os.geteuid()}" and (directory.stat().st_mode & 0o777) == 0o700
     os.chmod(directory, 0o755)  # someone opened it up: nothing of the job's goes there
     with pytest.raises(peer_auth.SecretError, match="only this user can open"):
-        keeper_module.private_directory(tmp_path)
+        keeper_files.private_directory(tmp_path)
     os.chmod(directory, 0o700)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -316,17 +317,17 @@ def test_keepers_live_in_a_directory_only_their_user_can_open(tmp_path: Path) ->
     link_base.mkdir()
     (link_base / directory.name).symlink_to(elsewhere)  # a directory swapped for a link
     with pytest.raises(peer_auth.SecretError, match="not a directory of this user's"):
-        keeper_module.private_directory(link_base)
+        keeper_files.private_directory(link_base)
 
 
 def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_closing(tmp_path: Path) -> None:
-    base = keeper_module.private_directory(tmp_path / "shm")
+    base = keeper_files.private_directory(tmp_path / "shm")
     for name, owner in (("huge-pid", {"host": socket.gethostname(), "pid": 2**40}), ("a-list", [1]),
                         ("not-json", None)):
         (base / name).mkdir()
-        (base / name / keeper_module.OWNER_FILE).write_text("{" if owner is None else json.dumps(owner))
+        (base / name / keeper_files.OWNER_FILE).write_text("{" if owner is None else json.dumps(owner))
     (base / "a-fifo").mkdir()
-    os.mkfifo(base / "a-fifo" / keeper_module.OWNER_FILE)  # reading it would wait for a writer forever
+    os.mkfifo(base / "a-fifo" / keeper_files.OWNER_FILE)  # reading it would wait for a writer forever
     keeper = SnapshotKeeper("127.0.0.1", key=STRANGER, run_id="r", base=tmp_path / "shm")
     try:
         assert not (base / "huge-pid").exists()  # no process has that pid: an orphan, removed

@@ -55,7 +55,9 @@ def test_a_failure_that_ends_the_job_leaves_the_newest_snapshot_on_disk(tmp_path
                  ckpt_every=50)
     assert failed.returncode != 0
     store = CheckpointStore(tmp_path / "ckpt")
-    (newest,) = store.committed()
+    committed = store.committed()
+    assert len(committed) == 1, failed.stderr[-6000:]
+    (newest,) = committed
     manifest = store.verify(newest)
     assert manifest.reason == "breakpoint" and manifest.step in (11, 12), manifest
     assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]

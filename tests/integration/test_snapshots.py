@@ -4,7 +4,6 @@ persist at the breakpoint."""
 
 from __future__ import annotations
 
-import http.client
 import logging
 import os
 import shutil
@@ -265,18 +264,25 @@ def test_prune_removes_a_dead_writers_parts_once_newer_ones_exist(tmp_path: Path
     local = keeper.root / LOCAL
     dead_writer = "7ffffffe-abcdef"  # no such pid: a worker that died
 
-    def dead_parts(step: int) -> None:
+    def dead_parts(step: int, generation: str) -> None:
         for header in parts.read_headers(local):
             if header.writer == dead_writer:
                 continue
-            dead = parts.PartHeader(**{**header.__dict__, "writer": dead_writer, "step": step})
+            dead = parts.PartHeader(**{**header.__dict__, "writer": dead_writer, "step": step,
+                                       "extra": {"generation": generation}})
             (local / (dead.stem + parts.DATA_SUFFIX)).write_bytes((local / (header.stem + parts.DATA_SUFFIX)).read_bytes())
             parts.write_header(local, dead)
 
-    dead_parts(50)  # newer than anything the live writer has: a restore may still need them
+    live_generation = str(parts.read_headers(local)[0].extra.get("generation", ""))
+    dead_parts(50, "before")  # newer than anything the live writer has: a restore may still need them
     keeper.prune()
     assert {h.step for h in parts.read_headers(local) if h.writer == dead_writer} == {50}
-    dead_parts(1)  # the live writer has moved past them
+    # A peer rank that died in the live writer's own generation, before its agent stopped the rest:
+    # the persist about to come needs its part, however far the live one got.
+    dead_parts(1, live_generation)
+    keeper.prune()
+    assert {h.step for h in parts.read_headers(local) if h.writer == dead_writer} == {1}
+    dead_parts(1, "before")  # a writer of an earlier generation the live writer has moved past
     keeper.prune()
     assert not [p.name for p in local.iterdir() if dead_writer in p.name]
     assert {h.step for h in parts.read_headers(local)} == {1, 2}  # the live writer's own stay
