@@ -159,7 +159,8 @@ def count_reads_under(root: Path) -> tuple[dict[str, int], Any]:
     by path relative to it.
 
     Both code paths read checkpoint files only through Python's `open` (whole files into
-    bytes, then `torch.load` from memory; DCP chunks through `open` + `readinto`). Returns
+    bytes, then `torch.load` from memory; DCP chunks through `open` + `readinto`; today's
+    checked reads open a descriptor and then `os.fdopen`, which is `io.open` too). Returns
     the counts and a function that puts `open` back.
     """
     counts: dict[str, int] = {}
@@ -168,8 +169,16 @@ def count_reads_under(root: Path) -> tuple[dict[str, int], Any]:
 
     def counting_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         f = original(file, mode, *args, **kwargs)
-        if isinstance(file, (str, os.PathLike)) and "r" in mode and "+" not in mode:
-            path = os.path.abspath(os.fspath(file))
+        if "r" in mode and "+" not in mode:
+            if isinstance(file, int):  # os.fdopen (the checked reads open regular files by descriptor)
+                try:
+                    path = os.readlink(f"/proc/self/fd/{file}")
+                except OSError:
+                    return f
+            elif isinstance(file, (str, os.PathLike)):
+                path = os.path.abspath(os.fspath(file))
+            else:
+                return f
             if path.startswith(prefix):
                 return _CountingFile(f, counts, path[len(prefix):])
         return f

@@ -18,8 +18,9 @@ whose peer is gone) can neither be joined nor be left to the unwind: the
 process then says so in one stderr line, flushes stdout and stderr and ends
 with `os._exit(status)`, which skips finalization, so no thread is unwound.
 `status` is the one the process meant to exit with, as far as this module can
-know it: the last `note_exit_status` (the library calls it where it abandons a
-thread on its way to a known exit, e.g. 75 after a restore timed out), else 1
+know it: the last `note_exit_status` (`sys.exit` notes its status: this module
+wraps it, since an atexit hook cannot read it; the library notes one where it
+abandons a thread on its way to a known exit, e.g. 75 after a restore timed out), else 1
 after an uncaught exception (130 for KeyboardInterrupt), else 1: an exit with a
 library thread hung is not a success.
 
@@ -36,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_JOIN_SECONDS = 10.0
 """How long the exit waits for every library thread together: longer than any
@@ -138,5 +139,25 @@ def _forget_in_child() -> None:
     _exit_status = None
 
 
+def _status_of(code: object) -> int:
+    """The process status `sys.exit(code)` gives."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return int(code) & 0xFF
+    return 1  # a message: printed, status 1
+
+
+_system_exit = sys.exit
+
+
+def _exit_noting_status(code: object = None) -> NoReturn:
+    """`sys.exit`, with its status noted first: an atexit hook cannot read it, and an exit that must
+    end past a stuck library thread (`_at_exit`) should still end with the status the script chose."""
+    note_exit_status(_status_of(code))
+    _system_exit(code)
+
+
+sys.exit = _exit_noting_status
 atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_forget_in_child)

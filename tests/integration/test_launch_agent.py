@@ -58,10 +58,11 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
 
     from elastic.launcher import launch
     from elastic.storage.keeper_address import KeeperAddress
+    from elastic.storage.peer_auth import SECRET_ENV
 
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_BASE", str(tmp_path))
     monkeypatch.setattr(LocalElasticAgent, "_stop_workers", lambda self, group: "stopped")
-    for key in KeeperAddress(tmp_path, "", "").environ():
+    for key in [*KeeperAddress(tmp_path, "", "", tmp_path / "secret").environ(), SECRET_ENV]:
         monkeypatch.setenv(key, "")  # so that what start_keeper sets is undone after the test
     keeper = launch.start_keeper(argparse.Namespace(local_addr="127.0.0.1"))
     try:
