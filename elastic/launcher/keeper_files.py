@@ -16,12 +16,14 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,9 @@ BASE_ENV = "TORCHREVIVE_SNAPSHOT_BASE"
 DIRECTORY = "torchrevive-snapshots"
 """Keepers' directories lie in `<base>/torchrevive-snapshots-<uid>` (`private_directory`)."""
 OWNER_FILE = "owner.json"
+SECRETS = peer_auth.SECRETS_DIRECTORY
+STALE_SECRET = 3600.0
+"""Seconds after which a secret made on this host for a run with no live keeper here is removed."""
 PID_MAX = 2**22
 """The largest pid Linux hands out (pid_max's ceiling)."""
 
@@ -113,9 +118,25 @@ def _owner(directory: Path) -> dict[str, Any]:
 
 
 def remove_orphans(base: Path) -> None:
-    """Directories of keepers on this host whose process is gone (killed before it could clean up)."""
+    """Directories of keepers on this host whose process is gone (killed before it could clean up),
+    and the secrets made here for runs no live keeper serves that are older than `STALE_SECRET`
+    (a run's first agent makes its secret a moment before its keeper's directory exists)."""
     host = socket.gethostname()
+    live_runs = set()
     for entry in os.scandir(base):
         owner = _owner(Path(entry.path))
-        if isinstance(owner, dict) and owner.get("host") == host and isinstance(owner.get("pid"), int) and not pid_alive(owner["pid"]):
+        if owner.get("host") != host or not isinstance(owner.get("pid"), int):
+            continue
+        if pid_alive(owner["pid"]):
+            live_runs.add(str(owner.get("run_id")))
+        else:
             shutil.rmtree(entry.path, ignore_errors=True)
+    wanted = {peer_auth.host_secret_name(run) for run in live_runs}
+    try:
+        secrets = list(os.scandir(base / SECRETS))
+    except OSError:
+        return
+    for entry in secrets:
+        with contextlib.suppress(OSError):
+            if entry.name not in wanted and time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_SECRET:
+                os.unlink(entry.path)

@@ -48,6 +48,8 @@ SECRET_FILE_ENV = "TORCHREVIVE_SNAPSHOT_SECRET_FILE"
 SECRET_ENV = "TORCHREVIVE_SNAPSHOT_SECRET"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
+SECRETS_DIRECTORY = ".secrets"
+"""Where `host_secret_file` keeps the secrets made on a host, under the keepers' private directory."""
 TIME, NONCE, SIGNATURE = "X-Torchrevive-Time", "X-Torchrevive-Nonce", "X-Torchrevive-Signature"
 TAG_BYTES = 16
 WINDOW = 120.0
@@ -183,12 +185,18 @@ def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
+def host_secret_name(run_id: str) -> str:
+    """The file name of run `run_id`'s secret made on a host (distinct for distinct run ids)."""
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)[:48]
+    return f"{name}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
+
+
 def host_secret_file(base: Path, run_id: str) -> Path:
     """The secret of run `run_id` on this host, made once (32 random bytes, mode 0600, in a 0700
     directory of this user's under `base`) and shared by the run's agents here.
 
     `SecretError` when the directory belongs to another user or is open to others."""
-    directory = base / ".secrets"
+    directory = base / SECRETS_DIRECTORY
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = directory.stat()
@@ -197,8 +205,7 @@ def host_secret_file(base: Path, run_id: str) -> Path:
     if info.st_uid != os.geteuid() or info.st_mode & 0o077:
         raise SecretError(f"{directory} belongs to another user or is open to others: "
                           f"set {SECRET_FILE_ENV} to a file only this user can read")
-    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id)[:48]
-    path = directory / f"{name}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
+    path = directory / host_secret_name(run_id)
     if not path.exists():
         tmp = directory / f".{path.name}.{secrets.token_hex(4)}"
         try:

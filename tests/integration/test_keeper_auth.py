@@ -328,8 +328,12 @@ def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_cl
         (base / name / keeper_files.OWNER_FILE).write_text("{" if owner is None else json.dumps(owner))
     (base / "a-fifo").mkdir()
     os.mkfifo(base / "a-fifo" / keeper_files.OWNER_FILE)  # reading it would wait for a writer forever
+    stale = peer_auth.host_secret_file(base, "a-run-killed-long-ago")
+    os.utime(stale, (0, 0))
+    fresh = peer_auth.host_secret_file(base, "a-run-starting-now")  # its keeper's directory is not made yet
     keeper = SnapshotKeeper("127.0.0.1", key=STRANGER, run_id="r", base=tmp_path / "shm")
     try:
+        assert not stale.exists() and fresh.exists()
         assert not (base / "huge-pid").exists()  # no process has that pid: an orphan, removed
         huge = parts.part_stem(0, "ffffffffffffffff-abcdef", 0) + parts.DATA_SUFFIX  # a pid os.kill cannot take
         assert parts.parse_part_name(huge) is not None
