@@ -32,6 +32,7 @@ import os
 import re
 import socket
 import ssl
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -122,6 +123,11 @@ class _Server(ThreadingHTTPServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that hangs up mid-answer (a refused stranger, a reader that gave up) is one debug
+        line, not socketserver's traceback in the agent's log."""
+        logger.debug("snapshot keeper: a connection from %s ended: %s", client_address, sys.exc_info()[1])
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         self._raw.socket = request

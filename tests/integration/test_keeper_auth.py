@@ -364,3 +364,15 @@ def test_headers_that_trickle_in_are_cut_off(tmp_path: Path, keeper: SnapshotKee
                 break
             threading.Event().wait(0.25)
         assert cut, "a connection sending its headers byte by byte for 10 s was not cut off"
+
+
+def test_a_peer_that_hangs_up_before_its_answer_leaves_no_traceback(
+    tmp_path: Path, keeper: SnapshotKeeper, capfd: pytest.CaptureFixture[str]
+) -> None:
+    host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
+    for _ in range(20):  # some of these lose the race and hang up before the 401 is written
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST at close
+            raw.sendall(b"GET /part/local/x HTTP/1.1\r\nHost: h\r\n\r\n")
+    assert keeper_request(keeper.url, keeper_key(), "GET", "/part/local/x")[0] == 404  # still serving
+    assert "Traceback" not in capfd.readouterr().err
