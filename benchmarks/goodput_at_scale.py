@@ -15,13 +15,22 @@ keeps. Three systems side by side:
 - today: torchrevive as it is: our launcher's recovery time, asynchronous
   durable checkpoints every C minutes (the loop blocks for a fraction of a
   synchronous save); a failure loses on average half an interval.
-- snapshots: torchrevive + in-memory snapshots (not measured yet: targets): the
-  state is copied into host memory every step, at a fractional cost per
-  step; a failure redoes on average half a step (at most one) and restores
-  from memory. Durable checkpoints still every C minutes, as today; a failure
-  loses no work since them. The snapshot is assumed to survive the failure
-  (a copy on another host); a failure that takes out both copies falls back
-  to the durable checkpoint and is not modelled.
+- snapshots: torchrevive + in-memory snapshots at their default interval
+  (`--snapshot-every auto`): the state is copied into host memory every S
+  seconds, S being Young/Daly's for the copy's cost (the state over PCIe:
+  state_gb_per_gpu / pcie_gbps_per_gpu) and the job's MTBF, at least a step
+  and at most C, as the runtime picks it; a failure redoes on average half of
+  S and restores from memory. Durable checkpoints still every C minutes. The
+  snapshot is assumed to survive the failure (a copy on another host); a
+  failure that takes out both copies falls back to the durable checkpoint
+  and is not modelled.
+
+Both torchrevive rows also pay loop_overhead on every step: the end-to-end
+cost of the runtime on the loop, 1 - the ratio `benchmarks/overhead.py`
+measures against a plain DDP loop with default settings (`--json` there
+writes it in the form `--measured` reads). That figure already holds the
+benchmark's own CPU snapshots, so the snapshots row counts them twice: a
+bound, not an estimate.
 
 The model (first order, as Young and Daly's; every time in seconds):
 
@@ -35,22 +44,23 @@ The model (first order, as Young and Daly's; every time in seconds):
     E[lost per failure] = recovery + restore + lost work, where
       stock:      (recovery_stock_s + restart_at_scale_s) + restore_disk      + C / 2
       today:      (recovery_ours_s + rendezvous_at_scale_s) + restore_disk    + C / 2
-      snapshots:  (recovery_ours_s + rendezvous_at_scale_s) + restore_memory_s + step_s / 2
+      snapshots:  (recovery_ours_s + rendezvous_at_scale_s) + restore_memory_s + S / 2
     (the measured recovery times run from the kill to the first step of the
     restarted group: they include detection and rendezvous at 2 agents)
 
+    snapshot_s  = state_gb_per_gpu / pcie_gbps_per_gpu      one snapshot's copy, charged whole to the loop
+    S           = min(C, max(step_s, Daly(snapshot_s, MTBF)))
+
     steady overhead:
       stock:      sync_stall_s / C
-      today:      async_stall / C
-      snapshots:  async_stall / C + snapshot_overhead
+      today:      loop_overhead + async_stall / C
+      snapshots:  loop_overhead + async_stall / C + snapshot_s / S
 
     goodput = max(0, (1 - steady overhead) × (1 - λ × E[lost per failure]))
 
     Young/Daly (stock): C* = max(step_s, sqrt(2 × sync_stall_s × MTBF)), then the
     stock formulas with C* for C.
 
-    break-even snapshot overhead: the largest snapshot_overhead at which
-    snapshots still match today, o* = (1 - async_stall / C) - goodput_today / (1 - λ × E[lost]_snapshots).
 
 Failure rates per GPU (r), each scaled linearly to N:
 
@@ -71,10 +81,9 @@ the papers here.
 Two defaults deserve a warning. sync_stall_s (60 s) is an assumption:
 writing state_gb_per_gpu at storage_gbps_per_gpu alone takes 4 s, and stock's
 steady overhead (stall / C: 10 % at 60 s, 0.7 % at 4 s) follows it directly;
-try `--sync-stall-s 4`. snapshot_overhead (2 %, the target; measured well
-below it) is paid on every step, so
-where failures are rare (MTBF of days) snapshots lose to today's async
-checkpoints: the break-even row says where.
+try `--sync-stall-s 4`. pcie_gbps_per_gpu (25 GB/s) is an assumption too:
+PCIe 4.0 x16 carries 31.5 GB/s each way by its specification (PCI-SIG), and
+pinned device-to-host copies reach about 80 % of that; no GPU measured it here.
 
 Where λ × E[lost per failure] > 0.2 (failures less than five times as far
 apart as each costs) the first-order model is outside its range (it ignores
@@ -137,12 +146,15 @@ PARAMS: dict[str, Param] = {
         0.063, "", "measured",
         "benchmarks/checkpoint.py: loop blocked per async save / synchronous torch.save, recipe model "
         "(README; 0.0047 for the ~100M GPT)"),
-    "snapshot_overhead": Param(
-        0.02, "", "target",
-        "fraction of each step a snapshot every step costs; measured below it: loop blocked 0.75 ms per "
-        "snapshot against a 330 ms recipe step (0.0023), 0.0007 for the ~100M model, and snapshots on/off "
-        "1.01 [0.95-1.07] steps/s (benchmarks/overhead.py, README): the target stands as the bound",
+    "loop_overhead": Param(
+        0.0, "", "measured",
+        "benchmarks/overhead.py: 1 - (recipe with default settings / seed-style DDP loop), 1/median step, 2 ranks "
+        "on CPU (README; its --json writes it for --measured; a ratio above 1 counts as 0)",
         fraction=True),
+    "pcie_gbps_per_gpu": Param(
+        25.0, "GB/s", "assumption",
+        "device-to-pinned-host copy bandwidth per GPU: PCIe 4.0 x16, 31.5 GB/s each way (PCI-SIG), ~80 % achieved",
+        positive=True),
     "step_s": Param(1.0, "s", "assumption", "seconds per training step at scale", positive=True),
     "state_gb_per_gpu": Param(2.0, "GB", "assumption", "model and optimizer state per GPU (sharded)"),
     "storage_gbps_per_gpu": Param(
@@ -206,7 +218,22 @@ def young_daly_interval_s(p: dict[str, float], mtbf: float) -> float:
     return max(p["step_s"], math.sqrt(2 * p["sync_stall_s"] * mtbf))
 
 
-def per_failure(system: str, p: dict[str, float], interval_s: float) -> dict[str, float]:
+def snapshot_cost_s(p: dict[str, float]) -> float:
+    return p["state_gb_per_gpu"] / p["pcie_gbps_per_gpu"]
+
+
+def snapshot_interval_s(p: dict[str, float], interval_s: float, mtbf: float) -> float:
+    """The runtime's auto interval: Daly's for the snapshot's cost, at least a step, at most C."""
+    cost = snapshot_cost_s(p)
+    if cost >= 2 * mtbf:
+        daly = mtbf
+    else:
+        ratio = cost / (2 * mtbf)
+        daly = math.sqrt(2 * cost * mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - cost
+    return min(interval_s, max(p["step_s"], daly))
+
+
+def per_failure(system: str, p: dict[str, float], interval_s: float, mtbf: float = math.inf) -> dict[str, float]:
     """Seconds one failure costs, split into recovery (detection, restart, rendezvous), restore and redone work."""
     if system in ("stock", "stock_daly"):
         recovery, restore = p["recovery_stock_s"] + p["restart_at_scale_s"], restore_disk_at_scale_s(p)
@@ -216,40 +243,32 @@ def per_failure(system: str, p: dict[str, float], interval_s: float) -> dict[str
         lost_work = interval_s / 2
     elif system == "snapshots":
         recovery, restore = p["recovery_ours_s"] + p["rendezvous_at_scale_s"], p["restore_memory_s"]
-        lost_work = p["step_s"] / 2
+        lost_work = snapshot_interval_s(p, interval_s, mtbf) / 2
     else:
         raise ValueError(system)
     return {"recovery_s": recovery, "restore_s": restore, "lost_work_s": lost_work,
             "total_s": recovery + restore + lost_work}
 
 
-def steady_overhead(system: str, p: dict[str, float], interval_s: float) -> float:
-    """Fraction of fault-free time the loop spends blocked: checkpoint stall per interval (+ snapshots)."""
+def steady_overhead(system: str, p: dict[str, float], interval_s: float, mtbf: float = math.inf) -> float:
+    """Fraction of fault-free time lost: checkpoint stall per interval (+ the runtime's loop cost, + snapshots)."""
     if system in ("stock", "stock_daly"):
         return p["sync_stall_s"] / interval_s
     async_stall = p["async_stall_ratio"] * p["sync_stall_s"] / interval_s
-    return async_stall + (p["snapshot_overhead"] if system == "snapshots" else 0.0)
+    snapshots = snapshot_cost_s(p) / snapshot_interval_s(p, interval_s, mtbf) if system == "snapshots" else 0.0
+    return p["loop_overhead"] + async_stall + snapshots
 
 
 def evaluate(system: str, p: dict[str, float], mtbf: float) -> dict[str, Any]:
     """Goodput = max(0, (1 - steady overhead) × (1 - λ × E[lost per failure]))."""
     interval = young_daly_interval_s(p, mtbf) if system == "stock_daly" else 60 * p["checkpoint_interval_min"]
-    loss = per_failure(system, p, interval)
-    overhead = steady_overhead(system, p, interval)
+    loss = per_failure(system, p, interval, mtbf)
+    overhead = steady_overhead(system, p, interval, mtbf)
     exposure = loss["total_s"] / mtbf  # λ × E[lost per failure]
     goodput = max(0.0, (1 - overhead) * (1 - exposure))
     return {"goodput": goodput, "steady_overhead": overhead, "lost_per_failure": loss,
             "failures_per_hour": 3600 / mtbf, "lambda_x_lost": exposure, "interval_s": interval,
             "first_order_valid": exposure <= FIRST_ORDER_LIMIT}
-
-
-def break_even_overhead(p: dict[str, float], mtbf: float, today: float) -> float | None:
-    """The snapshot overhead at which snapshots' goodput equals today's (None: snapshots collapse too)."""
-    interval = 60 * p["checkpoint_interval_min"]
-    margin = 1 - per_failure("snapshots", p, interval)["total_s"] / mtbf
-    if margin <= 0:
-        return None
-    return 1 - p["async_stall_ratio"] * p["sync_stall_s"] / interval - today / margin
 
 
 def model(p: dict[str, float], gpus: tuple[int, ...]) -> dict[str, Any]:
@@ -261,7 +280,7 @@ def model(p: dict[str, float], gpus: tuple[int, ...]) -> dict[str, Any]:
             mtbf = mtbf_s(source, n)
             systems = {name: evaluate(name, p, mtbf) for name in SYSTEMS}
             rows.append({"gpus": n, "mtbf_h": mtbf / 3600, "systems": systems,
-                         "break_even_snapshot_overhead": break_even_overhead(p, mtbf, systems["today"]["goodput"])})
+                         "snapshot_interval_s": snapshot_interval_s(p, 60 * p["checkpoint_interval_min"], mtbf)})
         sources[source.key] = {
             "label": source.label, "citation": source.citation, "failures_per_gpu_hour": source.per_gpu_hour,
             "anchor": {"gpus": source.anchor_gpus, "published_mtbf_h": source.anchor_mtbf_h,
@@ -274,7 +293,8 @@ def model(p: dict[str, float], gpus: tuple[int, ...]) -> dict[str, Any]:
         "derived": {"checkpoint_interval_s": 60 * p["checkpoint_interval_min"],
                     "bandwidth_write_s": p["state_gb_per_gpu"] / p["storage_gbps_per_gpu"],
                     "restore_disk_at_scale_s": restore_disk_at_scale_s(p),
-                    "async_stall_s": p["async_stall_ratio"] * p["sync_stall_s"]},
+                    "async_stall_s": p["async_stall_ratio"] * p["sync_stall_s"],
+                    "snapshot_s": snapshot_cost_s(p)},
         "systems": SYSTEMS,
         "sources": sources,
         "first_order_limit": FIRST_ORDER_LIMIT,
@@ -303,6 +323,9 @@ def inputs_text(p: dict[str, float], results: dict[str, Any]) -> list[str]:
         f"  restore from disk at scale = max(restore_disk_s, state_gb_per_gpu / storage_gbps_per_gpu) "
         f"= {d['restore_disk_at_scale_s']:.3g} s (assumption: per-GPU bandwidth holds at every scale)",
         f"  async stall per save = async_stall_ratio x sync_stall_s = {d['async_stall_s']:.3g} s",
+        f"  one snapshot = state_gb_per_gpu / pcie_gbps_per_gpu = {d['snapshot_s']:.3g} s, charged whole to the loop",
+        f"  loop_overhead = {p['loop_overhead']:.4g}: "
+        + (f"from --measured {results['measured_from']}" if results.get("measured_from") else "the README's figure"),
         "Failure rates (job rate = per-GPU rate x N: failures assumed independent per GPU; figures as the issue "
         "quotes them)",
     ]
@@ -335,26 +358,26 @@ def report(p: dict[str, float], results: dict[str, Any]) -> str:
         (s.key, [fmt_hours(r["mtbf_h"]) for r in results["sources"][s.key]["by_gpus"]]) for s in SOURCES])]
     interval = 60 * p["checkpoint_interval_min"]
     loss_rows = []
-    for name in ("stock", "today", "snapshots"):
+    for name in ("stock", "today"):
         loss = per_failure(name, p, interval)
         loss_rows.append((SYSTEMS[name], [f"{loss[k]:.1f}" for k in ("recovery_s", "restore_s", "lost_work_s",
                                                                       "total_s")]))
     lines += ["", *table("Per failure, seconds", ["recovery", "restore", "lost work", "total"], loss_rows)]
-    lines.append(f"  ({SYSTEMS['stock_daly']}: lost work = Young/Daly interval / 2, per scale below)")
+    lines.append(f"  ({SYSTEMS['stock_daly']}: lost work = Young/Daly interval / 2; {SYSTEMS['snapshots']}: "
+                 "restore from memory, lost work = snapshot interval / 2; both per scale below)")
     minutes = p["checkpoint_interval_min"]
     for source in SOURCES:
         rows_by_gpus = results["sources"][source.key]["by_gpus"]
         cells = {name: [goodput_cell(r["systems"][name]) for r in rows_by_gpus] for name in SYSTEMS}
         daly = [f"{r['systems']['stock_daly']['interval_s'] / 60:.1f}" for r in rows_by_gpus]
-        even = [("n/a" if r["break_even_snapshot_overhead"] is None else f"{r['break_even_snapshot_overhead']:.4f}")
-                for r in rows_by_gpus]
+        every = [f"{r['snapshot_interval_s'] / 60:.2f}" for r in rows_by_gpus]
         rows = [
             (f"{SYSTEMS['stock']} ({minutes:g} min)", cells["stock"]),
             (SYSTEMS["stock_daly"], cells["stock_daly"]),
             ("  Young/Daly interval, min", daly),
             (f"{SYSTEMS['today']} ({minutes:g} min)", cells["today"]),
             (SYSTEMS["snapshots"], cells["snapshots"]),
-            (f"  break-even snapshot overhead (now {p['snapshot_overhead']:g})", even),
+            ("  snapshot interval (auto), min", every),
         ]
         lines += ["", f"{source.key}: {source.citation}", *table(f"Goodput, {source.key}", cols, rows)]
     lines += ["", f"*: lambda x E[lost per failure] > {FIRST_ORDER_LIMIT}: the first-order model is outside its range "
@@ -482,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             fail("--plot needs matplotlib, which is not installed")
     results = model(p, args.gpus)
+    if args.measured is not None:
+        results["measured_from"] = str(args.measured)
     print(report(p, results))
     try:
         if args.json is not None:

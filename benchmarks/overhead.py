@@ -3,18 +3,23 @@
     python benchmarks/overhead.py      # 2 ranks on CPU: the loops' steps/s, their ratios and 95% CIs
 
 Four loops share one `torchrun --standalone` job: the recipe's own `train()`
-as `torchrevive-run` runs it, with metrics on and in-memory snapshots every
-`--snapshot-every` steps (elastic sampler, event log, progress, deferred loss
-read-out, preemption vote, a snapshot of the whole state into shared memory
-every step, async checkpoints every `--ckpt-every` steps, /metrics served and
-scraped), the same recipe with metrics off (snapshots on), the same recipe
+as `torchrevive-run` runs it, with metrics on and in-memory snapshots at
+`--snapshot-every` (default auto, the runtime's default: every step until the
+first is measured, then Young/Daly's interval, at most `--ckpt-every`)
+(elastic sampler, event log, progress, deferred loss read-out, the step vote,
+the snapshots into shared memory, async checkpoints every `--ckpt-every`
+steps, /metrics served and scraped), the same recipe with metrics off (snapshots on), the same recipe
 with snapshots off (metrics on), and the loop of the PyTorch DDP tutorial
 (DistributedSampler + DataLoader, forward, backward, step). Model, data,
 per-rank batch and optimizer update (AdamW, warmup-cosine LR, gradient
 clipping at 1.0) are the same, so the ratio isolates what the runtime adds.
-Target: recipe (snapshots every step) / DDP loop >= 0.98; the ratio with
-snapshots off is printed beside it. `--snapshot-every 0` drops the loop
-without snapshots (every recipe loop then runs without them).
+Target: recipe (default settings) / DDP loop >= 0.99 with the 95 % interval
+above 0.98; the ratio with snapshots off is printed beside it, and the
+runtime's own account of its per-step time (`Run.step_costs`, phase by
+phase) beside the end-to-end gap. `--snapshot-every 1` measures snapshots at
+every step; `--snapshot-every 0` drops the loop without snapshots (every
+recipe loop then runs without them). `--json FILE` writes the end-to-end
+figure for `goodput_at_scale.py --measured FILE`.
 
 Snapshots need a snapshot keeper on the node, which `torchrevive-run` starts
 in its agent. This benchmark launches stock torchrun (`python -m
@@ -107,7 +112,8 @@ REPO = Path(__file__).resolve().parent.parent
 LOOPS = ("recipe", "recipe_no_metrics", "recipe_no_snapshots", "baseline")
 SNAPSHOTTING = ("recipe", "recipe_no_metrics")
 SCRAPED = ("recipe", "recipe_no_snapshots")  # metrics on: their /metrics are scraped in their timed turns
-TARGET = 0.98
+TARGET = 0.99  # the ratio ...
+FLOOR = 0.98  # ... with its whole 95 % interval above this
 
 
 def loops(opts: argparse.Namespace) -> tuple[str, ...]:
@@ -142,6 +148,18 @@ def recipe_api() -> SimpleNamespace:
     )
 
 
+def snapshot_setting(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto or a number of steps") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="worker processes (one torchrun agent)")
@@ -153,8 +171,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps a loop keeps the CPU after its checkpoint save starts (its writer's time is its own)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=10, help="recipe checkpoint interval (0: no checkpoints)")
-    p.add_argument("--snapshot-every", type=int, default=1,
-                   help="steps between in-memory snapshots of the recipe loops that take them (0: none)")
+    p.add_argument("--snapshot-every", type=snapshot_setting, default="auto",
+                   help="in-memory snapshots of the recipe loops that take them: auto (the runtime's default), "
+                        "N steps, or 0 (none)")
+    p.add_argument("--json", default=None,
+                   help="write {loop_overhead: 1 - the end-to-end ratio} here, for goodput_at_scale.py --measured")
     p.add_argument("--metrics-port", type=int, default=None, help="base port of the workers' /metrics (default: a free one)")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of each worker")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -162,8 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scrape-flag", default=None, help=argparse.SUPPRESS)
     p.add_argument("--keepers", default="{}", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
-    if opts.snapshot_every < 0 or opts.ckpt_every < 0:
-        p.error("--snapshot-every and --ckpt-every must be 0 or more")
+    if opts.ckpt_every < 0:
+        p.error("--ckpt-every must be 0 or more")
     if opts.block_steps is None:
         opts.block_steps = opts.ckpt_every or 10
     if opts.blocks < 2:
@@ -178,7 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def recipe_args(
-    opts: argparse.Namespace, max_steps: int, events: str, ckpt_dir: str, metrics_port: int, snapshot_every: int = 0
+    opts: argparse.Namespace, max_steps: int, events: str, ckpt_dir: str, metrics_port: int,
+    snapshot_every: int | str = 0,
 ) -> list[str]:
     # Snapshots need a checkpoint directory (the keeper persists them there); with --ckpt-every 0 it
     # gets only the final checkpoint.
@@ -420,6 +442,7 @@ def worker(opts: argparse.Namespace) -> None:
 
             return scrape
 
+        summaries: dict[str, dict[str, Any]] = {}
         ends = turn_ends(opts)
         turns = Turns([*names, *turn_order(len(ends) - 1, names=names), *names])  # warmup turns, rounds, the runs' ends
         gates = {
@@ -449,6 +472,7 @@ def worker(opts: argparse.Namespace) -> None:
             summary = api.train(args, GatedWindows(train_set, gates[name]), val_set)
             if summary["step"] != max_steps:
                 raise RuntimeError(f"{name}: the recipe ended at step {summary['step']}, not {max_steps}")
+            summaries[name] = summary
 
         def baseline() -> None:
             args = args_for("baseline", 0)
@@ -480,6 +504,12 @@ def worker(opts: argparse.Namespace) -> None:
             results = {
                 "timed": {name: gates[name].timed for name in names}, "turns": turns.walls, "commits": commits,
                 "snapshots": taken, "drained": {name: gates[name].drained for name in names},
+                "costs": {name: summary["step_costs"] for name, summary in summaries.items()},
+                "votes_hidden": {name: summary["votes_hidden"] for name, summary in summaries.items()},
+                "intervals": {
+                    gate.name: [m.every for m in snapshots.get(gate._thread, [])]
+                    for gate in gates.values() if gate.name in SNAPSHOTTING
+                },
             }
             Path(opts.out).write_text(json.dumps(results))
 
@@ -533,11 +563,11 @@ def ratio_text(ratio: tuple[float, float, float]) -> str:
 
 
 def verdict(ratio: tuple[float, float, float]) -> str:
-    if ratio[1] >= TARGET:
-        return "met (the whole interval is above it)"
-    if ratio[2] < TARGET:
-        return "MISSED (the whole interval is below it)"
-    return "not resolved (the interval straddles it)"
+    if ratio[0] >= TARGET and ratio[1] >= FLOOR:
+        return "met"
+    if ratio[0] < TARGET:
+        return f"MISSED (the ratio is below {TARGET})"
+    return f"not resolved (the interval reaches below {FLOOR}: more --blocks)"
 
 
 def spilled_saves(saves: list[tuple[float, float]], turns: list[tuple[str, float, float]], name: str) -> int:
@@ -620,7 +650,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print("no checkpoints")
-    snapshots_label = f"snapshots every {opts.snapshot_every} step{'s' if opts.snapshot_every != 1 else ''}"
+    if opts.snapshot_every == "auto":
+        chosen = sorted({e for name in SNAPSHOTTING for e in results["intervals"].get(name, [])})
+        snapshots_label = f"snapshots auto (every {'/'.join(map(str, chosen)) or '?'} steps at the end)"
+    else:
+        snapshots_label = f"snapshots every {opts.snapshot_every} step{'s' if opts.snapshot_every != 1 else ''}"
     if opts.snapshot_every:
         taken, waits = [], []
         for name in SNAPSHOTTING:
@@ -664,17 +698,46 @@ def main(argv: list[str] | None = None) -> int:
         snap = paired_ratio(median_rate["recipe"], median_rate["recipe_no_snapshots"])
         snap_mean = paired_ratio(mean_rate["recipe"], mean_rate["recipe_no_snapshots"])
         print(f"snapshots on / off: {ratio_text(snap)} (1/median step), {ratio_text(snap_mean)} (steps/seconds)")
-    print(f"target ratio >= {TARGET}: {verdict(paired_ratio(median_rate['recipe'], median_rate['baseline']))}"
-          + (f" ({snapshots_label})" if opts.snapshot_every else ""))
+    default_ratio = paired_ratio(median_rate["recipe"], median_rate["baseline"])
+    print(f"target ratio >= {TARGET}, 95% interval above {FLOOR}: {verdict(default_ratio)} "
+          f"({ratio_text(default_ratio)} over {opts.blocks} blocks"
+          + (f"; {snapshots_label})" if opts.snapshot_every else ")"))
     if "recipe_no_snapshots" in names:
-        print(f"target ratio >= {TARGET} with snapshots off: "
+        print(f"target ratio >= {TARGET}, 95% interval above {FLOOR}, with snapshots off: "
               f"{verdict(paired_ratio(median_rate['recipe_no_snapshots'], median_rate['baseline']))}")
+    print_breakdown(results, median_rate, names)
+    ratio = paired_ratio(median_rate["recipe"], median_rate["baseline"])
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"loop_overhead": max(0.0, 1 - ratio[0])}) + "\n")
+        print(f"loop_overhead = 1 - {ratio[0]:.4f} (1/median step, default settings) written to {opts.json} "
+              "for goodput_at_scale.py --measured")
     needed = blocks_to_resolve(median_rate["recipe"], median_rate["baseline"])
     print(
         f"took {seconds:.0f} s; at this run's spread, an interval of +-1 % needs --blocks {needed} "
         f"(about {seconds * needed / opts.blocks / 60:.0f} min)"
     )
     return 0
+
+
+def print_breakdown(results: dict[str, Any], median_rate: dict[str, list[float]], names: tuple[str, ...]) -> None:
+    """Where the runtime's time on the loop goes (rank 0's Run.step_costs), as shares of the median step,
+    beside the end-to-end gap to the seed-style loop; what the phases do not hold is printed as such."""
+    from elastic.step_costs import PHASES
+
+    loops = [name for name in names if name in results["costs"]]
+    step = {name: 1 / geometric_mean(median_rate[name]) for name in loops}
+    print("per-step cost of the runtime on the loop (rank 0, whole run, ms per step and share of the loop's median step):")
+    print(f"  {'phase':14}" + "".join(f"{name:>28}" for name in loops))
+    for phase in PHASES:
+        cells = [results["costs"][name][phase] for name in loops]
+        print(f"  {phase:14}" + "".join(f"{c * 1e3:>15.3f} ms {c / step[n]:>8.3%}" for c, n in zip(cells, loops)))
+    totals = [sum(results["costs"][name].values()) for name in loops]
+    print(f"  {'total':14}" + "".join(f"{t * 1e3:>15.3f} ms {t / step[n]:>8.3%}" for t, n in zip(totals, loops)))
+    gaps = [1 - paired_ratio(median_rate[name], median_rate["baseline"])[0] for name in loops]
+    print(f"  {'end-to-end':14}" + "".join(f"{g * step[n] * 1e3:>15.3f} ms {g:>8.3%}" for g, n in zip(gaps, loops))
+          + "   (1 - ratio to the seed-style loop; noise included)")
+    hidden = ", ".join(f"{name} {results['votes_hidden'][name]:.0%}" for name in loops)
+    print(f"  step votes started in the optimizer step (their round trip off the loop): {hidden}")
 
 
 def free_port_block(count: int) -> int:

@@ -23,7 +23,8 @@ trained `--settle` seconds after the previous recovery.
   torchrun gets; it still starts every worker cold.
 - ours: `python -m elastic.launcher` (fresh store per round, 2 s last call, 1 s
   keep-alive, warm worker starts, a snapshot keeper per agent and the recipe's
-  in-memory snapshots every step: `--snapshot-every 1`, its default), the same
+  in-memory snapshots every step: `--snapshot-every 1`, not the default auto
+  interval, so a kill redoes at most one step), the same
   flags otherwise.
 - ours-disk: ours without the memory tier (`TORCHREVIVE_SNAPSHOTS=0`, so no
   keeper, and `--snapshot-every 0`): a kill resumes from the newest checkpoint
@@ -105,7 +106,7 @@ def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: i
     `tuned` plain torchrun with a store per round and our launcher's `--rdzv-conf`,
     `ours-disk` our launcher without its snapshot keeper."""
     env = {FRESH_STORE_ENV: "1"} if setting == "tuned" else {}
-    snapshots = []
+    snapshots = ["--snapshot-every", "1"]  # what "ours" measures: snapshots every step, not the auto interval
     if setting == "ours-disk":
         env[SNAPSHOTS_ENV] = "0"
         snapshots = ["--snapshot-every", "0"]

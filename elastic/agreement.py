@@ -70,6 +70,32 @@ def any_set(ctx: WorkerContext, *flags: bool, group: Any = _UNSET) -> tuple[bool
     return tuple(bool(v) for v in votes.tolist())
 
 
+class PendingMax:
+    """An element-wise MAX of small ints over the ranks, started and not yet read (`start_max`)."""
+
+    def __init__(self, values: torch.Tensor, work: Any) -> None:
+        self._values, self._work = values, work
+
+    def result(self) -> list[int]:
+        """Waits for the collective (a peer that died raises, as a blocking one would)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return [int(v) for v in self._values.tolist()]
+
+
+def start_max(ctx: WorkerContext, values: list[int], group: Any = _UNSET) -> PendingMax:
+    """Start the element-wise MAX of `values` over the ranks and return at once; `result()` reads it.
+
+    Still a collective: every rank starts it at the same point of the sequence of
+    collectives on the group, and reads it before it starts the next one it depends on.
+    """
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if not ctx.distributed:
+        return PendingMax(tensor, None)
+    return PendingMax(tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_group(group), async_op=True))
+
+
 def main_flag(ctx: WorkerContext, flag: bool, group: Any = _UNSET) -> bool:
     """Rank 0's `flag`, on every rank."""
     if not ctx.distributed:

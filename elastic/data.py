@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, Dataset, Sampler
 
-from elastic.errors import UsageError
+from elastic.errors import ElasticError, UsageError
 from elastic.sampler import ElasticSampler
 
 _SAMPLE_SEED_MASK = 2**63 - 1
@@ -244,3 +244,20 @@ def open_loader(loader: Iterable[Any] | None, batch_size: int) -> tuple[Iterator
     with torch.random.fork_rng(devices=[]):
         return iter(loader), issued
 
+
+
+def next_batch(source: Iterator[Any], issued: StepBatchSampler | StepSampler | None, expected: torch.Tensor, *,
+               step: int, max_steps: int, rank: int) -> Any:
+    """The loader's batch of step `step + 1`, checked to be the samples the sampler assigns (`expected`)."""
+    try:
+        batch = next(source)
+    except StopIteration:
+        raise ElasticError(
+            f"the data loader ended at step {step} of {max_steps}; drive it with run.batch_sampler(), which never runs dry"
+        ) from None
+    if issued is not None and issued.take_issued() != expected.tolist():
+        raise ElasticError(
+            f"step {step + 1}: the data loader produced other samples than the sampler assigns "
+            f"to rank {rank} (was it iterated elsewhere?)"
+        )
+    return batch

@@ -8,9 +8,10 @@ nothing.
 Invariants:
 - The handler only sets a flag; the loop acts on it at a step boundary, where
   the state is consistent.
-- `requested()` is a collective: every rank calls it after every step and all
-  get the same answer, so when any one rank is signalled (one pod deleted),
-  the whole job checkpoints at the same step.
+- The job learns of a signal through a collective: `requested()` here, or,
+  in `elastic.Run`, the step vote (elastic.step_vote) that carries
+  `signalled`; every rank gets the same answer, so when any one rank is
+  signalled (one pod deleted), the whole job checkpoints at the same step.
 - A second SIGTERM restores the default action and kills the worker at once,
   for an operator (or agent) who does not want to wait.
 - The step boundary must come within `grace` seconds of the signal. A worker
@@ -202,6 +203,10 @@ class PreemptionHandler:
         if answer[0]:
             self._reached_boundary.set()  # the checkpoint that follows may take its time
         return answer
+
+    def at_boundary(self) -> None:
+        """The job agreed to stop at this step (the step vote): the checkpoint that follows may take its time."""
+        self._reached_boundary.set()
 
     @contextmanager
     def hold(self) -> Iterator[None]:

@@ -29,11 +29,12 @@ Invariants (the ordering rules a recipe used to keep by hand):
   loses nothing.
 - A step's bookkeeping runs when the loop asks for the next batch, i.e. after
   the body's `optimizer.step()` and `scheduler.step()`: the sampler advances,
-  the previous step's loss is read (one step late, so the host never waits on
-  the device), the preemption vote is taken (SIGTERM on any rank: every rank
-  commits this step and leaves with `Preempted`, exit status 143), a periodic
-  save starts, and only then the watchdog is fed, so a slow save never looks
-  like a hang and a hang inside a save is still caught.
+  the previous step's loss is read (one step late: the host never waits on
+  the device), the step vote's verdict is read (elastic.step_vote, started in
+  the optimizer step; SIGTERM on any rank: every rank commits this step and
+  leaves with `Preempted`, status 143), a save or snapshot starts, and only
+  then the watchdog is fed: a slow save never looks like a hang, a hang inside
+  a save is still caught. Every rank steps its optimizer in the same steps.
 - Saves block the loop only to copy the state; writing runs behind the next
   steps, and a save due while the previous one is still being written is
   skipped. `finish` and a preemption block until the checkpoint is committed
@@ -66,7 +67,6 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
@@ -78,13 +78,12 @@ from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.training_state import Stateful
 from elastic.cli import configure_logging
 from elastic.config import RunConfig
-from elastic.data import StepBatchSampler, StepSampler, open_loader
+from elastic.data import StepBatchSampler, StepSampler, next_batch, open_loader
 from elastic.errors import CheckpointStorageError, ElasticError, Preempted
 from elastic.events import EventLog
 from elastic.metrics import start_metrics
 from elastic.parallel import unwrap
 from elastic.preemption import PreemptionHandler
-from elastic.progress import Progress
 from elastic.replicas import gather_digests, parameter_digest
 from elastic.rng import seed_all
 from elastic.runtime import (
@@ -95,20 +94,14 @@ from elastic.runtime import (
     shutdown_worker,
 )
 from elastic.sampler import ElasticSampler
+from elastic.step_costs import StepCosts
+from elastic.step_report import StepReport
+from elastic.step_vote import StepVote, Verdict
 from elastic.watchdog import NoWatchdog, Watchdog, watchdog
 
 logger = logging.getLogger(__name__)
 
 Batch = TypeVar("Batch")
-
-
-@dataclass
-class _StepRecord:
-    """A finished step whose loss is read later, so the host never waits on the device mid-loop."""
-
-    step: int
-    loss: torch.Tensor | None
-    time: float
 
 
 class Run:
@@ -121,17 +114,17 @@ class Run:
         self.ctx: WorkerContext | None = None
         self.step = 0
         """Steps completed by the whole job (restored ones included)."""
-        self.last_loss = math.nan
         self._stack = ExitStack()
         self._owns_group = False
         self._started = self._finished = False
-        self._pending: _StepRecord | None = None
         self._loss: torch.Tensor | None = None
-        self._progress: Progress | None = None
         self._loop_started: float | None = None
         self._loop_seconds = 0.0
         self._first_step = 0
         self._leaving_failed = False
+        self.step_costs = StepCosts()
+        """Seconds per phase of the runtime's per-step work (elastic.step_costs)."""
+        self._report: StepReport | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Run:
@@ -269,6 +262,11 @@ class Run:
                 tokens_per_sample=tokens_per_sample, watchdog=self.watchdog,
             )
         )
+        # The step vote starts in the optimizer step, before the checkpoint manager's pre-hook
+        # (registered next) waits for copies: the round trip hides under both.
+        self._vote = StepVote(ctx, self._ballot)
+        vote_hook = optimizer.register_step_pre_hook(lambda *_: self._start_vote())
+        self._stack.callback(vote_hook.remove)
         self.checkpoints = CheckpointManager(
             ctx, cfg, model=self.model, optimizer=optimizer, sampler=self.sampler, scheduler=scheduler, scaler=scaler,
             extra=extra, events=self.events,
@@ -300,6 +298,13 @@ class Run:
 
     def _count_optimizer_step(self) -> None:
         self._optimizer_steps += 1
+
+    def _ballot(self) -> tuple[bool, bool, int]:
+        return self._preemption.signalled, self.checkpoints.must_stop, self.checkpoints.snapshot_proposal()
+
+    def _start_vote(self) -> None:
+        with self.step_costs.timing("vote"):
+            self._vote.start()
 
     @property
     def epoch(self) -> int:
@@ -339,39 +344,28 @@ class Run:
         """
         ctx = self._context
         self._sampler_checked()
-        if self._progress is None:
-            unit = "tokens" if self._tokens_per_sample else "samples"
-            self._progress = Progress(
-                total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every, unit=unit
+        if self._reporter().progress is None:
+            self._reporter().start_loop(
+                total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every,
+                per_step=self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1),
+                unit="tokens" if self._tokens_per_sample else "samples",
             )
-            self._stack.callback(self._progress.close)
         source, issued = open_loader(loader, self.sampler.batch_size) if self.step < max_steps else (None, None)
         self._loop_started = time.perf_counter()
-        self._last_report = time.time()
         try:
             yield from self._steps(source, issued, max_steps)
         finally:
             self._loop_seconds += time.perf_counter() - self._loop_started
 
     def _steps(self, source: Iterator[Any] | None, issued: Any, max_steps: int) -> Iterator[Any]:
-        ctx, sampler = self._context, self.sampler
+        ctx, sampler, costs = self._context, self.sampler, self.step_costs
         while self.step < max_steps:
-            expected = sampler.local_batch(ctx.rank, ctx.world_size)
-            if source is None:
-                batch: Any = expected
-            else:
-                try:
-                    batch = next(source)
-                except StopIteration:
-                    raise ElasticError(
-                        f"the data loader ended at step {self.step} of {max_steps}; drive it with "
-                        "run.batch_sampler(), which never runs dry"
-                    ) from None
-                if issued is not None and issued.take_issued() != expected.tolist():
-                    raise ElasticError(
-                        f"step {self.step + 1}: the data loader produced other samples than the sampler assigns "
-                        f"to rank {ctx.rank} (was it iterated elsewhere?)"
-                    )
+            with costs.timing("sampler"):  # the loader's own time is the script's (it is in the check)
+                expected = sampler.local_batch(ctx.rank, ctx.world_size)
+                batch: Any = expected if source is None else next_batch(
+                    source, issued, expected, step=self.step, max_steps=max_steps, rank=ctx.rank
+                )
+            self._vote.open_step()
             stepped_before = self._optimizer_steps
             try:
                 yield batch
@@ -388,41 +382,51 @@ class Run:
 
     def _count_step(self) -> None:
         """This rank's part of a step's end: data position, step count, the loss read-outs."""
-        self.sampler.advance(self._context.world_size)
+        costs = self.step_costs
+        with costs.timing("sampler"):
+            self.sampler.advance(self._context.world_size)
         self.step += 1
-        self._report_pending()
-        self._pending = _StepRecord(self.step, self._loss, time.time())
+        costs.steps += 1
+        self._reporter().record(self.step, self._loss)
         self._loss = None
 
     def _end_step(self) -> None:
         self._count_step()
-        preempted, storage_failing = self._preemption.vote(self.checkpoints.must_stop)
-        if preempted:  # SIGTERM on any rank: commit this step, then leave
+        costs = self.step_costs
+        with costs.timing("vote"):
+            verdict = self._vote.result()
+        self._act_on(verdict)
+        with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
+            self.checkpoints.maybe_save(self.step)
+        with costs.timing("watchdog"):
+            self._faults.at("after_step", self.step)
+            self.watchdog.beat(self.step)
+
+    def _act_on(self, verdict: Verdict) -> None:
+        """What every rank does with the step vote's verdict, at the same step."""
+        self.checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
+        if verdict.preempted:  # SIGTERM on any rank: commit this step, then leave
+            self._preemption.at_boundary()  # the checkpoint that follows may take its time
             self._report_pending()
             self._commit_and_stop()
-        if storage_failing:  # rank 0's saves keep failing: stop before more work is lost
+        if verdict.storage_failing:  # rank 0's saves keep failing: stop before more work is lost
             self._report_pending()
             raise CheckpointStorageError(self.checkpoints.share_stop_reason())
-        self.checkpoints.maybe_save(self.step)
-        self._faults.at("after_step", self.step)
-        self.watchdog.beat(self.step)
 
-    def _report(self, record: _StepRecord) -> None:
-        ctx = self._context
-        fields: dict[str, Any] = {}
-        if record.loss is not None:
-            self.last_loss = fields["loss"] = record.loss.item()
-        elapsed, self._last_report = record.time - self._last_report, record.time
-        self.events.emit("step", step=record.step, world_size=ctx.world_size, time=record.time, **fields)
-        per_sample = self._tokens_per_sample or 1
-        rate = self.sampler.batch_size * ctx.world_size * per_sample / max(elapsed, 1e-9)
-        if self._progress is not None:
-            self._progress.update(record.step, loss=fields.get("loss", math.nan), tokens_per_s=rate)
+    def _reporter(self) -> StepReport:
+        if self._report is None:
+            self._report = StepReport(self.events, self.step_costs, world_size=self._context.world_size)
+            self._stack.callback(self._report.close)
+        return self._report
 
     def _report_pending(self) -> None:
-        if self._pending is not None:
-            self._report(self._pending)
-            self._pending = None
+        if self._report is not None:
+            self._report.flush()
+
+    @property
+    def last_loss(self) -> float:
+        """The newest loss read (one step late; nan before any)."""
+        return self._report.last_loss if self._report is not None else math.nan
 
     def _commit_and_stop(self) -> NoReturn:
         with self.watchdog.paused():  # a slow filesystem is not a hang
@@ -442,7 +446,10 @@ class Run:
         self._report_pending()
         with self.watchdog.paused(), self._preemption.hold():
             yield
-        if self._preemption.requested():  # SIGTERM arrived meanwhile: commit this step, then leave
+        verdict = self._vote.fresh()
+        self.checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
+        if verdict.preempted:  # SIGTERM arrived meanwhile: commit this step, then leave
+            self._preemption.at_boundary()
             self._commit_and_stop()
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -451,8 +458,8 @@ class Run:
 
     def print(self, message: str) -> None:
         """A line on rank 0's console that does not tear the progress bar."""
-        if self._progress is not None:
-            self._progress.write(message)
+        if self._report is not None and self._report.progress is not None:
+            self._report.progress.write(message)
         elif self.is_main:
             logger.info("%s", message)
 
@@ -469,6 +476,7 @@ class Run:
             raise RuntimeError("Run.finish() was already called")
         self._finished = True
         self._report_pending()
+        self._vote.settle()  # a `break` after the optimizer step left its vote: read it, the final save follows
         self.watchdog.close()  # what follows is not a training step
         with self._preemption.hold():  # a SIGTERM now waits for the final checkpoint
             self.checkpoints.save(self.step, reason="final")
@@ -477,10 +485,16 @@ class Run:
         self.events.emit(
             "end", step=self.step, world_size=ctx.world_size, loss=self.last_loss, param_digests=digests, **end_fields
         )
-        if self._progress is not None:
-            self._progress.close()
+        if self._report is not None:
+            self._report.close()
         if len(set(digests)) != 1:
             raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
         steps = self.step - self._first_step
         seconds = self._loop_seconds
-        return {"rank": ctx.rank, "step": self.step, "loss": self.last_loss, "steps_per_s": steps / seconds if seconds > 0 else math.inf}
+        for phase, spent in self.checkpoints.loop_seconds().items():  # the snapshot's parts of "checkpoint"
+            self.step_costs.add(phase, spent)
+        return {
+            "rank": ctx.rank, "step": self.step, "loss": self.last_loss,
+            "steps_per_s": steps / seconds if seconds > 0 else math.inf, "step_costs": self.step_costs.per_step(),
+            "votes_hidden": self._vote.early / max(1, self._vote.early + self._vote.late),
+        }

@@ -48,6 +48,7 @@ from elastic.checkpoint.memory import MemorySnapshots
 from elastic.checkpoint.planner import Restored, RestorePlanner
 from elastic.checkpoint.policy import FailurePolicy
 from elastic.checkpoint.saver import Saver
+from elastic.checkpoint.snapshot_interval import SnapshotInterval
 from elastic.checkpoint.sources import DISK
 from elastic.checkpoint.training_state import Stateful, TrainingState
 from elastic.config import RunConfig
@@ -106,7 +107,14 @@ class CheckpointManager:
             ctx, self.state, self.store, group=restore_group, restore_timeout=config.ckpt_restore_timeout,
             fault=self._fault,
         )
-        self.memory = self._memory_tier(copy_stream) if self.enabled and config.snapshot_every > 0 else None
+        self.snapshot_interval = SnapshotInterval(
+            config.snapshot_every, world_size=ctx.world_size, mtbf_hours=config.mtbf_hours,
+            ckpt_every=config.ckpt_every, announce=ctx.is_main,
+        )
+        self.memory = self._memory_tier(copy_stream) if self.enabled and config.snapshot_every != 0 else None
+        self._costs_noted = 0  # snapshots whose cost the interval has seen
+        self.hook_seconds = 0.0
+        """Seconds the optimizer steps waited in this manager's pre-hook (saves' and snapshots' copies)."""
         self.restored_bytes = 0
         """Bytes of tensor data this rank read on restore (each chunk it needed, once)."""
         self.fetched_bytes = 0
@@ -140,7 +148,7 @@ class CheckpointManager:
                 logger.warning("in-memory snapshots are off: %s; a failure resumes from the last checkpoint on disk", why)
             return None
         return MemorySnapshots(
-            self._ctx, keeper, self.state, key=key, every=self.config.snapshot_every, ckpt_dir=str(self.store.root.resolve()),
+            self._ctx, keeper, self.state, key=key, every=self.snapshot_interval.every, ckpt_dir=str(self.store.root.resolve()),
             keep=self.config.ckpt_keep, fault=self._fault, copy_stream=copy_stream,
         )
 
@@ -231,11 +239,25 @@ class CheckpointManager:
 
     # -- save ------------------------------------------------------------------------------
 
+    def snapshot_proposal(self) -> int:
+        """This rank's ballot for the snapshot interval (the step vote carries it); 0: no snapshots here."""
+        return self.snapshot_interval.proposal() if self.memory is not None else 0
+
+    def agree_snapshot_interval(self, every: int, step: int) -> None:
+        """The interval every rank agreed on (the step vote's verdict), from this step on."""
+        if self.memory is not None:
+            self.snapshot_interval.agree(every, step)
+            self.memory.every = self.snapshot_interval.every
+
     def maybe_save(self, step: int) -> None:
         """Save when `step` is a multiple of `every`; report saves that finished meanwhile; take
         the in-memory snapshot when one is due."""
         if self.memory is not None:
             self.memory.note_step(step)
+            self.snapshot_interval.note_step_end()
+            for cost in self.memory.costs(self._costs_noted):
+                self.snapshot_interval.note_cost(cost)
+                self._costs_noted += 1
         if self.due(step):
             self.save(step)
         elif self.enabled:
@@ -259,10 +281,22 @@ class CheckpointManager:
         if self.enabled:
             self.saver.flush()
 
+    def loop_seconds(self) -> dict[str, float]:
+        """Seconds the loop spent in snapshots, and in this manager's optimizer pre-hook otherwise, for
+        the step costs: what to add to each phase when `maybe_save` was charged to "checkpoint"."""
+        memory = self.memory
+        taken = sum(memory.blocking_seconds) if memory is not None else 0.0
+        copied = sum(memory.copy_seconds) if memory is not None else 0.0
+        step_waits = sum(memory.step_wait_seconds) if memory is not None else 0.0
+        return {"snapshot_copy": copied, "snapshot_wait": taken - copied + step_waits,
+                "checkpoint": self.hook_seconds - step_waits - taken}
+
     def _before_optimizer_step(self) -> None:
+        started = time.perf_counter()
         if self.memory is not None:
             self.memory.before_optimizer_step()
         self.saver.before_optimizer_step()
+        self.hook_seconds += time.perf_counter() - started
 
     def close(self, wait: float | None = None) -> None:
         """Commit what is in flight (waiting at most `wait`, default `ckpt_timeout`) and detach from

@@ -198,6 +198,10 @@ class MemorySnapshots:
         """Per snapshot: seconds the loop was blocked taking it (the optimizer step's wait not included)."""
         self.step_wait_seconds: list[float] = []
         """Per snapshot: seconds the next optimizer step waited for it to be written and replicated."""
+        self.take_wait_seconds: list[float] = []
+        """Per snapshot taken: seconds it waited for the previous one first (part of `blocking_seconds`)."""
+        self.copy_seconds: list[float] = []
+        """Per snapshot: `blocking_seconds` less that wait: the loop's own part of the copy."""
         self._generation = ""
         self._push_paused_until = 0.0
         self._progress = self._open_progress()
@@ -286,6 +290,8 @@ class MemorySnapshots:
         copied on the snapshot thread before the next optimizer step (`before_optimizer_step`)."""
         started = time.perf_counter()
         self.wait_previous()  # at most one in flight: its buffers are reused now
+        waited = time.perf_counter() - started
+        self.take_wait_seconds.append(waited)
         if self.disabled is not None:
             return
         state, ctx = self._state, self._ctx
@@ -315,6 +321,7 @@ class MemorySnapshots:
         self._copy = DeferredCopy(ctx.device, self._copy_stream)
         self.submit(step, now["trainer"], now["buffers"], build, self._copy)
         self.blocking_seconds.append(time.perf_counter() - started)
+        self.copy_seconds.append(self.blocking_seconds[-1] - waited)
 
     def before_optimizer_step(self) -> None:
         """Optimizer step pre-hook: the whole previous snapshot (copy, checksums, header, replica) is
@@ -329,6 +336,12 @@ class MemorySnapshots:
 
     def due(self, step: int) -> bool:
         return self.disabled is None and self.every > 0 and step % self.every == 0
+
+    def costs(self, first: int = 0) -> list[float]:
+        """Each finished snapshot's cost to the loop from the `first`-th on: its copy on the loop plus
+        its writer's time (on a busy host the writer competes with the step for the cores)."""
+        done = len(self.history)  # appended last by the writer: the copy of the same index exists
+        return [self.copy_seconds[i] + self.history[i]["seconds"] for i in range(first, done)]
 
     def wait_previous(self) -> None:
         """Loop thread: the previous snapshot is written and replicated (at most one in flight)."""

@@ -37,6 +37,7 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
         "--data", str(tiny_corpus), "--max-steps", "30", "--eval-every", "0", "--events", str(events),
         "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5", "--hang-timeout", "3",
         "--collective-timeout", "600",  # far away: only the watchdog can end the hang
+        "--snapshot-every", "1",  # not the auto interval: at most one step redone is what this checks
         *TINY_MODEL,
     ]
     done = subprocess.run(

@@ -25,10 +25,11 @@ def corpus(tmp_path: Path) -> Path:
 
 def job(
     tmp_path: Path, corpus: Path, *, launcher: str, steps: int, max_restarts: int, fault: str, ckpt_every: int = 5,
-    **env: str,
+    snapshot_every: str = "1", **env: str,
 ) -> subprocess.CompletedProcess[str]:
     args = ["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(tmp_path / "ckpt"),
-            "--ckpt-every", str(ckpt_every), "--events", str(tmp_path / "ev.jsonl"), *TINY_MODEL]
+            "--ckpt-every", str(ckpt_every), "--events", str(tmp_path / "ev.jsonl"), "--snapshot-every", snapshot_every,
+            *TINY_MODEL]
     return subprocess.run(
         standalone_command(2, args, launcher=launcher, max_restarts=max_restarts),
         env=worker_env(ELASTIC_FAULT=fault, TORCHREVIVE_SNAPSHOT_BASE=str(tmp_path / "shm"), **env),
@@ -76,3 +77,16 @@ def test_snapshots_off_under_our_launcher(tmp_path: Path, corpus: Path) -> None:
     # (Step 10's checkpoint may still be in flight at the kill: then step 5's is the newest.)
     assert [(r["source"], r["step"] in (5, 10)) for r in restores(tmp_path)] == [("disk", True)]
     assert not (tmp_path / "shm").exists()
+
+
+def test_auto_snapshots_agree_on_an_interval_and_a_failure_resumes_from_memory(tmp_path: Path, corpus: Path) -> None:
+    """The default: every step until measured, then Young/Daly's interval, here capped at --ckpt-every 6;
+    every rank snapshots the same steps, so a kill after step 14 resumes from step 12's snapshot."""
+    done = job(tmp_path, corpus, launcher="elastic.launcher", steps=20, max_restarts=1, fault="after_step@14:rank=1",
+               ckpt_every=6, snapshot_every="auto")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "in-memory snapshots every 6 steps (--snapshot-every auto: a snapshot costs the loop" in done.stderr, (
+        done.stderr[-3000:]
+    )
+    assert "capped at --ckpt-every 6" in done.stderr
+    assert [(r["source"], r["step"]) for r in restores(tmp_path)] == [("memory", 12)]

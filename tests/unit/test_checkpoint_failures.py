@@ -229,8 +229,10 @@ def test_an_event_log_that_cannot_be_created_or_written_is_one_line_or_a_warning
         EventLog(tmp_path / "file" / "events.jsonl", restart=0)
     log = EventLog("/dev/full", restart=0)  # every write: ENOSPC
     with caplog.at_level(logging.WARNING):
-        log.emit("step", step=1, world_size=1)
+        log.emit("step", step=1, world_size=1)  # buffered (events.FLUSH_SECONDS) ...
+        log.emit("eval", step=1, world_size=1)  # ... written with this one: the first failed write
         log.emit("step", step=2, world_size=1)
+        log.close()
     assert caplog.text.count("no more events are written") == 1
     assert not log.enabled
 

@@ -53,3 +53,39 @@ def test_lines_are_compact_json(tmp_path: Path) -> None:
         log.emit("end", step=5, world_size=1)
     (line,) = path.read_text().splitlines()
     assert json.loads(line)["event"] == "end" and " " not in line
+
+
+def test_a_fast_loops_step_lines_are_written_together_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic import events
+
+    now = [100.0]
+    monkeypatch.setattr(events, "monotonic", lambda: now[0])
+    writes: list[bytes] = []
+    real_write = events.os.write
+    monkeypatch.setattr(events.os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, restart=0)
+    log.emit("step", step=1, world_size=1)  # the first line after a pause: written at once
+    for step in (2, 3, 4):  # a fast loop: 10 ms apart, held back ...
+        now[0] += 0.01
+        log.emit("step", step=step, world_size=1)
+    assert len(writes) == 1 and [e["step"] for e in read_events(path)] == [1]
+    log.emit("checkpoint", step=4, world_size=1)  # ... until any other event: written after them
+    assert len(writes) == 2
+    for step in (5, 6, 7):  # ... or until the first held line is FLUSH_SECONDS old
+        now[0] += 0.02
+        log.emit("step", step=step, world_size=1)
+    assert len(writes) == 2
+    now[0] += 0.02
+    log.emit("step", step=8, world_size=1)
+    assert len(writes) == 3
+    now[0] += 1.0  # a slow loop's line is written at once
+    log.emit("step", step=9, world_size=1)
+    assert len(writes) == 4
+    now[0] += 0.01
+    log.emit("step", step=10, world_size=1)
+    log.close()  # ... and close writes what is held
+    assert len(writes) == 5
+    assert [(e["event"], e["step"]) for e in read_events(path)] == [
+        ("step", 1), ("step", 2), ("step", 3), ("step", 4), ("checkpoint", 4), *(("step", s) for s in range(5, 11)),
+    ]

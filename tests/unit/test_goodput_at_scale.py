@@ -92,21 +92,40 @@ def test_today_beats_stock_and_young_daly_does_not_lose_to_the_fixed_interval(de
             assert daly[i] >= stock[i] - 1e-3, (source, i)
 
 
-def test_snapshots_beat_today_exactly_where_their_overhead_is_below_break_even(defaults):
-    overhead = defaults["params"]["snapshot_overhead"]["value"]
+def test_snapshots_take_the_runtimes_auto_interval_and_pay_for_it(defaults):
+    """Lost work is half the snapshot interval, which is Daly's for a copy over PCIe, between a step and C;
+    the steady overhead holds the measured loop overhead and the snapshots' share."""
+    p = {k: v["value"] for k, v in defaults["params"].items()}
+    cost = p["state_gb_per_gpu"] / p["pcie_gbps_per_gpu"]
     for source in defaults["sources"].values():
         for row in source["by_gpus"]:
-            even = row["break_even_snapshot_overhead"]
-            snap, today = row["systems"]["snapshots"]["goodput"], row["systems"]["today"]["goodput"]
-            assert even is not None
-            assert (snap >= today) == (overhead <= even), (source["label"], row["gpus"], even)
-    # at 100,000 GPUs every published rate makes snapshots worth their 2 %
+            every = row["snapshot_interval_s"]
+            assert p["step_s"] <= every <= 60 * p["checkpoint_interval_min"]
+            snapshots = row["systems"]["snapshots"]
+            assert snapshots["lost_per_failure"]["lost_work_s"] == pytest.approx(every / 2)
+            today = row["systems"]["today"]
+            assert snapshots["steady_overhead"] == pytest.approx(today["steady_overhead"] + cost / every)
+        intervals = [row["snapshot_interval_s"] for row in source["by_gpus"]]
+        assert intervals == sorted(intervals, reverse=True)  # failures come oftener: snapshots too
+    # at 100,000 GPUs every published rate makes snapshots worth their cost
     for source in defaults["sources"]:
         assert goodputs(defaults, source, "snapshots")[-1] > goodputs(defaults, source, "today")[-1]
 
 
+def test_the_measured_loop_overhead_is_paid_by_both_torchrevive_rows(tmp_path):
+    measured = tmp_path / "overhead.json"
+    measured.write_text('{"loop_overhead": 0.05}')
+    base, slow = run(tmp_path), run(tmp_path, "--measured", str(measured))
+    for source in base["sources"]:
+        for system in ("today", "snapshots"):
+            for fast_row, slow_row in zip(base["sources"][source]["by_gpus"], slow["sources"][source]["by_gpus"]):
+                fast, costly = fast_row["systems"][system], slow_row["systems"][system]
+                assert costly["steady_overhead"] == pytest.approx(fast["steady_overhead"] + 0.05 - base["params"]["loop_overhead"]["value"])
+        assert goodputs(slow, source, "stock") == goodputs(base, source, "stock")
+
+
 def test_free_snapshots_beat_today_everywhere(tmp_path):
-    results = run(tmp_path, "--snapshot-overhead", "0")
+    results = run(tmp_path, "--pcie-gbps-per-gpu", "1e9")
     for source in results["sources"]:
         stock, today = goodputs(results, source, "stock"), goodputs(results, source, "today")
         snapshots = goodputs(results, source, "snapshots")
@@ -128,8 +147,8 @@ def test_each_rate_reproduces_its_own_published_anchor(defaults):
         assert mtbf[0] == pytest.approx(10 * mtbf[1]) and mtbf[1] == pytest.approx(10 * mtbf[2])
 
 
-def test_a_snapshot_failure_redoes_half_a_step(tmp_path):
-    results = run(tmp_path, "--snapshot-overhead", "0", "--restore-memory-s", "0", "--step-s", "2.5")
+def test_free_snapshots_every_step_redo_half_a_step(tmp_path):
+    results = run(tmp_path, "--pcie-gbps-per-gpu", "1e12", "--restore-memory-s", "0", "--step-s", "2.5")
     for source in results["sources"].values():
         for row in source["by_gpus"]:
             loss = row["systems"]["snapshots"]["lost_per_failure"]
@@ -154,7 +173,8 @@ def test_measured_file_then_flags(tmp_path):
     ["--step-s", "-1"],
     ["--sync-stall-s", "abc"],
     ["--checkpoint-interval-min", "0"],
-    ["--snapshot-overhead", "1.5"],
+    ["--loop-overhead", "1.5"],
+    ["--pcie-gbps-per-gpu", "0"],
     ["--recovery-ours-s", "nan"],
     ["--gpus", "1000,-5"],
     ["--no-such-flag"],
