@@ -505,7 +505,6 @@ def worker(opts: argparse.Namespace) -> None:
                 "timed": {name: gates[name].timed for name in names}, "turns": turns.walls, "commits": commits,
                 "snapshots": taken, "drained": {name: gates[name].drained for name in names},
                 "costs": {name: summary["step_costs"] for name, summary in summaries.items()},
-                "votes_hidden": {name: summary["votes_hidden"] for name, summary in summaries.items()},
                 "intervals": {
                     gate.name: [m.every for m in snapshots.get(gate._thread, [])]
                     for gate in gates.values() if gate.name in SNAPSHOTTING
@@ -736,8 +735,6 @@ def print_breakdown(results: dict[str, Any], median_rate: dict[str, list[float]]
     gaps = [1 - paired_ratio(median_rate[name], median_rate["baseline"])[0] for name in loops]
     print(f"  {'end-to-end':14}" + "".join(f"{g * step[n] * 1e3:>15.3f} ms {g:>8.3%}" for g, n in zip(gaps, loops))
           + "   (1 - ratio to the seed-style loop; noise included)")
-    hidden = ", ".join(f"{name} {results['votes_hidden'][name]:.0%}" for name in loops)
-    print(f"  step votes started in the optimizer step (their round trip off the loop): {hidden}")
 
 
 def free_port_block(count: int) -> int:

@@ -78,7 +78,8 @@ class RunConfig:
     collective_timeout: float = 300.0
     """Seconds before a collective with a dead peer fails instead of hanging."""
     term_grace: float = 15.0
-    """After SIGTERM, seconds to reach the end of the step and checkpoint; a worker blocked past it exits at once."""
+    """After SIGTERM, seconds to reach the step where every rank has learned of it (the next vote but one, within
+    a quarter of this) and checkpoint; a worker blocked past it exits at once."""
     hang_timeout: float = 300.0
     """Exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)."""
     log_every: int = 10

@@ -14,7 +14,9 @@ Invariants:
   signalled (one pod deleted), the whole job checkpoints at the same step.
 - A second SIGTERM restores the default action and kills the worker at once,
   for an operator (or agent) who does not want to wait.
-- The step boundary must come within `grace` seconds of the signal. A worker
+- The step boundary where the job agrees to stop (`at_boundary`; in
+  `elastic.Run`, the end of the step after the signal's, see step_vote.py)
+  must come within `grace` seconds of the signal. A worker
   blocked in a collective whose peer died never gets there (and its Python
   handler does not even run, the main thread being inside C++): a watcher
   thread, woken through `signal.set_wakeup_fd`, then ends the process with

@@ -30,11 +30,12 @@ Invariants (the ordering rules a recipe used to keep by hand):
 - A step's bookkeeping runs when the loop asks for the next batch, i.e. after
   the body's `optimizer.step()` and `scheduler.step()`: the sampler advances,
   the previous step's loss is read (one step late: the host never waits on
-  the device), the step vote's verdict is read (elastic.step_vote, started in
-  the optimizer step; SIGTERM on any rank: every rank commits this step and
-  leaves with `Preempted`, status 143), a save or snapshot starts, and only
-  then the watchdog is fed: a slow save never looks like a hang, a hang inside
-  a save is still caught. Every rank steps its optimizer in the same steps.
+  the device), on a vote step (about once a second) the vote's verdict is
+  read (elastic.step_vote: the vote the vote step before started; SIGTERM on
+  any rank: every rank commits this step and leaves with `Preempted`, status
+  143), a save or snapshot starts, and
+  only then the watchdog is fed: a slow save never looks like a hang, a hang
+  inside a save is still caught.
 - Saves block the loop only to copy the state; writing runs behind the next
   steps, and a save due while the previous one is still being written is
   skipped. `finish` and a preemption block until the checkpoint is committed
@@ -262,11 +263,7 @@ class Run:
                 tokens_per_sample=tokens_per_sample, watchdog=self.watchdog,
             )
         )
-        # The step vote starts in the optimizer step, before the checkpoint manager's pre-hook
-        # (registered next) waits for copies: the round trip hides under both.
-        self._vote = StepVote(ctx, self._ballot)
-        vote_hook = optimizer.register_step_pre_hook(lambda *_: self._start_vote())
-        self._stack.callback(vote_hook.remove)
+        self._vote = StepVote(ctx, self._ballot, grace=cfg.term_grace)
         self.checkpoints = CheckpointManager(
             ctx, cfg, model=self.model, optimizer=optimizer, sampler=self.sampler, scheduler=scheduler, scaler=scaler,
             extra=extra, events=self.events,
@@ -301,10 +298,6 @@ class Run:
 
     def _ballot(self) -> tuple[bool, bool, int]:
         return self._preemption.signalled, self.checkpoints.must_stop, self.checkpoints.snapshot_proposal()
-
-    def _start_vote(self) -> None:
-        with self.step_costs.timing("vote"):
-            self._vote.start()
 
     @property
     def epoch(self) -> int:
@@ -365,7 +358,6 @@ class Run:
                 batch: Any = expected if source is None else next_batch(
                     source, issued, expected, step=self.step, max_steps=max_steps, rank=ctx.rank
                 )
-            self._vote.open_step()
             stepped_before = self._optimizer_steps
             try:
                 yield batch
@@ -394,7 +386,7 @@ class Run:
         self._count_step()
         costs = self.step_costs
         with costs.timing("vote"):
-            verdict = self._vote.result()
+            verdict = self._vote.step_ended(self.step)
         self._act_on(verdict)
         with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
             self.checkpoints.maybe_save(self.step)
@@ -476,7 +468,7 @@ class Run:
             raise RuntimeError("Run.finish() was already called")
         self._finished = True
         self._report_pending()
-        self._vote.settle()  # a `break` after the optimizer step left its vote: read it, the final save follows
+        self._vote.settle()  # the last step's vote: read it (the final save follows whatever it says)
         self.watchdog.close()  # what follows is not a training step
         with self._preemption.hold():  # a SIGTERM now waits for the final checkpoint
             self.checkpoints.save(self.step, reason="final")
@@ -496,5 +488,4 @@ class Run:
         return {
             "rank": ctx.rank, "step": self.step, "loss": self.last_loss,
             "steps_per_s": steps / seconds if seconds > 0 else math.inf, "step_costs": self.step_costs.per_step(),
-            "votes_hidden": self._vote.early / max(1, self._vote.early + self._vote.late),
         }

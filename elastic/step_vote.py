@@ -1,39 +1,46 @@
-"""The vote every step ends with, started before the step ends so the loop does not wait for it.
+"""The vote steps end with: about once a second, and read one vote later, so the loop never waits for it.
 
-At the end of every step the ranks must agree on three things: whether any
-rank was preempted (SIGTERM: commit this step and leave), whether rank 0's
-checkpoint saves keep failing (stop with exit 75), and how many steps apart
-the in-memory snapshots are from now on. That is one collective, an
-element-wise MAX of three ints on the gloo control group; taken blocking at
-the step's end it puts a host round trip on every step's critical path.
+At the end of a step the ranks must agree on what to do: stop because some
+rank was preempted (SIGTERM: commit and leave), stop because rank 0's
+checkpoint saves keep failing (exit 75), change the in-memory snapshot
+interval. That is one collective, an element-wise MAX of a few ints on the
+gloo control group. Taken blocking at every step it costs every step a round
+trip through gloo's threads: on a busy 2-core host 0.3 ms at the median and
+1.3 ms on average, waiting for cores (benchmarks/control_cost.py), 0.4 % of
+the GPT recipe's step.
 
-So it is started when the step's optimizer step begins (an optimizer
-pre-hook, `start`) and read when the step ends (`result`): the round trip
-runs under the optimizer and scheduler steps.
+So a vote is started at the end of a step and read at the end of the next
+vote step, and vote steps are `every` steps apart: the number of steps in
+about `VOTE_SECONDS` (at most `MAX_EVERY`, and few enough that a signal's
+two votes fit in a quarter of `--term-grace`). The ranks agree on `every`
+through the vote itself.
 
-    vote = StepVote(ctx, ballot=lambda: (signalled, storage_failing, snapshot_every_proposal))
-    optimizer.register_step_pre_hook(lambda *_: vote.start())
+    vote = StepVote(ctx, ballot=lambda: (signalled, storage_failing, snapshot_every_proposal), grace=15.0)
     for each step:
-        vote.open_step(); ...forward, backward, optimizer.step()...
-        verdict = vote.result()      # every rank: the same Verdict, acted on at this step
+        ...forward, backward, optimizer.step()...
+        verdict = vote.step_ended(step)     # every rank: the same Verdict at the same step
 
 Invariants:
-- Every rank issues exactly one vote per step, before that step's end: at its
-  optimizer step, or, when none ran in the step (gradient accumulation, a
-  step the grad scaler skipped), at the step's end, blocking. Either way it is
-  the same single collective in the same place of every rank's sequence on
-  the control group, so every rank reads the same verdict at the same step.
-- A flag raised after this step's vote started (a SIGTERM during the optimizer
-  step) is carried by the next step's vote: one step later, which is why the
-  SIGTERM grace must hold two steps, not one.
-- `fresh` (between steps: `Run.pause`) reads any vote in flight and takes a
+- Every rank reads the same verdict at the same step: the vote steps follow
+  from the loop's first step end and the agreed `every` alone, the same on
+  every rank; each starts one vote per vote step, in the same place of its
+  sequence of collectives on the control group, and reads it at the next vote
+  step (or at `fresh`, `settle`).
+- A flag raised during step N is acted on by every rank within two vote
+  intervals: at most 2 x `MAX_EVERY` steps and about 2 x `VOTE_SECONDS`
+  later, always within a quarter of `--term-grace` at the measured step time
+  (at once when the job has one process: no peer to wait for).
+- The first step end of a loop, and the first after `fresh`, is a vote step
+  that reads no vote: none was in flight, on any rank alike.
+- `fresh` (between steps: `Run.pause`) reads the vote in flight and takes a
   new, blocking one, and merges them: a flag raised during the pause counts.
-- No vote is started outside an open step (an optimizer step before the loop
-  or after a `break`): there would be no step end to read it.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,75 +50,96 @@ from elastic.runtime import WorkerContext
 Ballot = Callable[[], tuple[bool, bool, int]]
 """This rank's (preempted, storage failing, proposed snapshot interval; 0: no opinion)."""
 
+VOTE_SECONDS = 1.0
+MAX_EVERY = 10
+_WINDOW = 16  # recent steps the step time is measured on
+
 
 @dataclass(frozen=True)
 class Verdict:
     """What every rank acts on at the end of a step."""
 
-    preempted: bool
+    preempted: bool = False
     """Some rank received SIGTERM."""
-    storage_failing: bool
+    storage_failing: bool = False
     """Rank 0's periodic saves failed `ckpt_max_failures` times in a row."""
-    snapshot_every: int
-    """The largest interval any rank proposed (0: no rank takes snapshots)."""
+    snapshot_every: int = 0
+    """The largest snapshot interval any rank proposed (0: no change)."""
+    vote_every: int = 0
+    """Steps between votes from now on (0: no change)."""
 
     @classmethod
     def of(cls, values: list[int]) -> Verdict:
-        preempted, storage_failing, snapshot_every = values
-        return cls(bool(preempted), bool(storage_failing), int(snapshot_every))
+        preempted, storage_failing, snapshot_every, vote_every = values
+        return cls(bool(preempted), bool(storage_failing), int(snapshot_every), int(vote_every))
+
+
+NOTHING = Verdict()
 
 
 class StepVote:
-    """One rank's side of the per-step vote (see the module docstring)."""
+    """One rank's side of the vote (see the module docstring)."""
 
-    def __init__(self, ctx: WorkerContext, ballot: Ballot) -> None:
+    def __init__(self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic) -> None:
         self._ctx = ctx
         self._ballot = ballot
+        self._grace = grace
+        self._clock = clock
         self._pending: agreement.PendingMax | None = None
-        self._open = False
-        self.early = self.late = 0
-        """Votes started at an optimizer step / at a step's end (blocking): how often the round trip hid."""
+        self.every = 1
+        """Steps between vote steps, as agreed."""
+        self._next: int | None = None  # the next vote step; None: the next step end
+        self._last_end: float | None = None
+        self._step_seconds: deque[float] = deque(maxlen=_WINDOW)
+        self.votes = 0
+
+    def proposal(self) -> int:
+        """This rank's ballot for `every`: about VOTE_SECONDS of steps, within the bounds."""
+        if not self._step_seconds:
+            return 1
+        step = statistics.median(self._step_seconds)
+        if step <= 0:
+            return MAX_EVERY
+        within_grace = int(self._grace / 4 / (2 * step))  # a signal's two votes in a quarter of the grace
+        return max(1, min(round(VOTE_SECONDS / step), MAX_EVERY, within_grace))
 
     def _cast(self) -> agreement.PendingMax:
         preempted, storage_failing, snapshot_every = self._ballot()
-        return agreement.start_max(self._ctx, [int(preempted), int(storage_failing), int(snapshot_every)])
+        self.votes += 1
+        return agreement.start_max(
+            self._ctx, [int(preempted), int(storage_failing), int(snapshot_every), self.proposal()]
+        )
 
-    def open_step(self) -> None:
-        """A step begins: an optimizer step from now until `result` may start its vote."""
-        self._open = True
-
-    def start(self) -> None:
-        """Optimizer pre-hook: start this step's vote (once a step, inside an open step only)."""
-        if self._open and self._pending is None:
-            self._pending = self._cast()
-            self.early += 1
-
-    def result(self) -> Verdict:
-        """The step ends: this step's verdict (the vote started at its optimizer step, else one now)."""
-        self._open = False
-        pending, self._pending = self._pending, None
-        if pending is None:
-            pending = self._cast()
-            self.late += 1
-        return Verdict.of(pending.result())
+    def step_ended(self, step: int) -> Verdict:
+        """Step `step` ended: on a vote step, the verdict of the vote before, and a new vote starts."""
+        now = self._clock()
+        if self._last_end is not None:
+            self._step_seconds.append(now - self._last_end)
+        self._last_end = now
+        if not self._ctx.distributed:
+            return Verdict.of(self._cast().result())  # alone: the answer is this process's own, at once
+        if self._next is not None and step < self._next:
+            return NOTHING
+        earlier = self.settle() or NOTHING
+        if earlier.vote_every:
+            self.every = earlier.vote_every
+        self._pending = self._cast()
+        self._next = step + self.every
+        return earlier
 
     def fresh(self) -> Verdict:
-        """Between steps: a vote taken now, merged with any still in flight (read first)."""
-        earlier = self.settle()
+        """Between steps: a vote taken now, merged with the one in flight (read first); the next
+        step end is a vote step."""
+        earlier = self.settle() or NOTHING
         now = Verdict.of(self._cast().result())
-        if earlier is None:
-            return now
+        self._next = None
+        self.every = now.vote_every
         return Verdict(
-            earlier.preempted or now.preempted, earlier.storage_failing or now.storage_failing, now.snapshot_every
+            earlier.preempted or now.preempted, earlier.storage_failing or now.storage_failing,
+            now.snapshot_every or earlier.snapshot_every, now.vote_every,
         )
 
     def settle(self) -> Verdict | None:
-        """Read a vote still in flight (a `break` after the optimizer step left one); None if there is none."""
-        self._open = False
+        """Read the vote in flight (None if there is none): at `finish`, before the final save."""
         pending, self._pending = self._pending, None
         return None if pending is None else Verdict.of(pending.result())
-
-    def drop(self) -> None:
-        """Leaving on an error: forget a vote in flight without waiting on peers that may be gone."""
-        self._open = False
-        self._pending = None

@@ -1,10 +1,11 @@
-"""The step vote on a real two-process gloo group: started at the optimizer step on one rank and
-at the step's end on another, it is still one collective with one verdict; a SIGTERM during the
-optimizer step stops every rank one step later, at the same step, with that step committed."""
+"""The step vote on a real two-process gloo group: each vote is read at the next vote step, the same
+verdict on every rank, and the ranks agree on how far apart votes are; a SIGTERM to one rank stops
+every rank at the same step, within two votes, with that step committed."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from support import REPO, free_port, worker_env
+
+from elastic.step_vote import MAX_EVERY
 
 pytestmark = pytest.mark.slow
 
@@ -21,34 +24,44 @@ VOTES = textwrap.dedent("""
     from elastic.step_vote import StepVote
 
     rank = int(os.environ["RANK"])
-    ballot = {"preempted": False, "storage": False, "every": 0}
+    ballot = {"preempted": False, "storage": False, "every": 3 if rank == 0 else 5}
+    now = [0.0]
+
+    def cast():
+        return ballot["preempted"], ballot["storage"], ballot["every"]
+
+    def plain(verdict):
+        return None if verdict is None else [verdict.preempted, verdict.storage_failing, verdict.snapshot_every,
+                                             verdict.vote_every]
+
     with worker_context("cpu") as ctx:
-        vote = StepVote(ctx, lambda: (ballot["preempted"], ballot["storage"], ballot["every"]))
+        vote = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0])
         seen = []
-        # Step 1: rank 0 votes at its optimizer step, rank 1 (no optimizer step) at the step's end.
-        vote.open_step()
-        ballot["every"] = 3 if rank == 0 else 5
+
+        def end(step, seconds):
+            now[0] += seconds
+            seen.append(plain(vote.step_ended(step)))
+
+        end(1, 1.0)  # no vote in flight: nothing; step 1's vote starts
         if rank == 0:
-            vote.start()
-            ballot["preempted"] = True  # after its vote started: carried by the next one
-        seen.append(vote.result())
-        # Step 2: both vote at the optimizer step; a second start in the same step is no second vote.
-        vote.open_step()
-        vote.start()
-        vote.start()
-        seen.append(vote.result())
-        # Between steps: a vote in flight and a fresh one, merged.
+            ballot["preempted"] = True  # during step 2
+        end(2, 1.0)  # step 1's verdict
         ballot["preempted"] = False
-        vote.open_step()
+        end(3, 1.0)  # step 2's verdict carries rank 0's flag
         ballot["storage"] = rank == 1
-        vote.start()
+        seen.append(plain(vote.fresh()))  # between steps: step 3's vote and a fresh one, merged
         ballot["storage"] = False
-        seen.append(vote.fresh())
-        # No step open (an optimizer step outside the loop): no vote starts.
-        vote.start()
-        seen.append(vote.settle())
-        print(json.dumps([None if v is None else [v.preempted, v.storage_failing, v.snapshot_every] for v in seen]
-                         + [vote.early, vote.late]))
+        seen.append(plain(vote.settle()))  # nothing in flight after fresh
+        # Steps of 0.25 s: about VOTE_SECONDS of steps is 4 steps between votes, once agreed.
+        quick, voted = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0]), []
+        for step in range(1, 16):
+            now[0] += 0.25
+            before = quick.votes
+            quick.step_ended(step)
+            if quick.votes > before:
+                voted.append(step)
+        quick.settle()
+        print(json.dumps({"seen": seen, "voted": voted, "every": quick.every}))
 """)
 
 
@@ -73,17 +86,20 @@ def run_pair(tmp_path: Path, script: str, *args: str, timeout: float = 120) -> l
     return done
 
 
-def test_ranks_voting_at_different_points_read_one_verdict(tmp_path: Path) -> None:
+def test_every_rank_reads_each_vote_at_the_next_vote_step(tmp_path: Path) -> None:
     rank0, rank1 = run_pair(tmp_path, VOTES)
     assert rank0.returncode == rank1.returncode == 0, rank0.stderr[-3000:] + rank1.stderr[-3000:]
-    verdicts0, verdicts1 = json.loads(rank0.stdout), json.loads(rank1.stdout)
-    assert verdicts0[:4] == verdicts1[:4] == [
-        [False, False, 5],  # the flag rank 0 raised after its vote started is not in this one
-        [True, False, 5],  # ... but in the next
-        [False, True, 5],  # fresh: the storage flag of the vote in flight counts
-        None,
-    ]
-    assert verdicts0[4:] == [3, 0] and verdicts1[4:] == [2, 1]  # (at an optimizer step, at a step's end)
+    assert json.loads(rank0.stdout) == json.loads(rank1.stdout) == {
+        "seen": [
+            [False, False, 0, 0],  # the first step end of a loop reads no vote
+            [False, False, 5, 1],  # step 1's: the largest snapshot interval proposed; 1-second steps: vote every step
+            [True, False, 5, 1],  # step 2's: rank 0's SIGTERM flag of step 2
+            [False, True, 5, 1],  # fresh: rank 1's storage flag raised just before counts
+            None,
+        ],
+        "voted": [1, 2, 3, 7, 11, 15],  # every 4 steps once the 0.25 s steps are measured and agreed
+        "every": 4,
+    }
 
 
 PREEMPTED = textwrap.dedent("""
@@ -104,7 +120,7 @@ PREEMPTED = textwrap.dedent("""
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                if rank == 1 and run.step == 4:  # in step 5, after its optimizer step started the vote
+                if rank == 1 and run.step == 4:  # in step 5: the next vote carries it
                     os.kill(os.getpid(), signal.SIGTERM)
     except Preempted as stop:
         print(f"rank {rank}: {stop}", flush=True)
@@ -112,13 +128,16 @@ PREEMPTED = textwrap.dedent("""
 """)
 
 
-def test_a_sigterm_during_the_optimizer_step_stops_every_rank_one_step_later(tmp_path: Path) -> None:
+def test_a_sigterm_to_one_rank_stops_every_rank_at_one_step_within_two_votes(tmp_path: Path) -> None:
     from elastic.events import read_events
 
     ckpt = tmp_path / "ckpt"
     rank0, rank1 = run_pair(tmp_path, PREEMPTED, str(ckpt))
     assert rank0.returncode == rank1.returncode == 143, rank0.stderr[-3000:] + rank1.stderr[-3000:]
-    for rank, done in enumerate((rank0, rank1)):
-        assert f"rank {rank}: stopped by SIGTERM after step 6; checkpoint committed" in done.stdout, done.stdout
+    stopped = [re.search(r"stopped by SIGTERM after step (\d+); checkpoint committed", done.stdout) for done in (rank0, rank1)]
+    assert all(stopped), rank0.stdout + rank1.stdout
+    step = int(stopped[0].group(1))
+    assert int(stopped[1].group(1)) == step, "the ranks stopped at different steps"
+    assert 5 <= step <= 5 + 2 * MAX_EVERY, step  # within two vote intervals of the signal (in step 5)
     saved = [(e["step"], e["reason"]) for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "checkpoint"]
-    assert saved == [(6, "preemption")]
+    assert saved == [(step, "preemption")]

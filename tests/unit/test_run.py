@@ -288,27 +288,11 @@ def test_sigterm_during_a_pause_waits_for_it_then_commits_the_step(tmp_path: Pat
     assert [(e["step"], e["reason"]) for e in saved] == [(3, "preemption")]
 
 
-def test_the_summary_breaks_the_runtime_cost_down_and_every_vote_hid_under_an_optimizer_step(tmp_path: Path) -> None:
+def test_the_summary_breaks_the_runtime_cost_down(tmp_path: Path) -> None:
     from elastic.step_costs import PHASES
 
     _, summary = train(tmp_path, 9)
     costs = summary["step_costs"]
     assert set(costs) == set(PHASES) and all(seconds >= 0 for seconds in costs.values()), costs
     assert costs["sampler"] > 0 and costs["report"] > 0 and costs["vote"] > 0 and costs["checkpoint"] > 0, costs
-    assert summary["votes_hidden"] == 1.0  # the loop steps its optimizer every step
 
-
-def test_sigterm_in_the_optimizer_step_commits_the_next_step(tmp_path: Path) -> None:
-    """The vote of step 4 started in its optimizer step, before the signal: step 5's carries it."""
-    with pytest.raises(Preempted, match="stopped by SIGTERM after step 5; checkpoint committed"):
-        with elastic.Run(device="cpu", ckpt_dir=str(tmp_path / "ckpt"), events=str(tmp_path / "ev.jsonl")) as run:
-            model = torch.nn.Linear(2, 1)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            run.start(model=model, optimizer=optimizer, data=16, batch_size=2)
-            for _ in run.batches(max_steps=100):
-                model(torch.ones(1, 2)).sum().backward()
-                optimizer.step()
-                if run.step == 3:
-                    os.kill(os.getpid(), signal.SIGTERM)
-    saved = [e for e in read_events(tmp_path / "ev.jsonl") if e["event"] == "checkpoint"]
-    assert [(e["step"], e["reason"]) for e in saved] == [(5, "preemption")]
