@@ -3,8 +3,9 @@
 Invariants (rank 0 judges; the others learn its verdict at the next vote):
 - A save that fails (full disk, quota, I/O error) is a warning, a
   `checkpoint_failed` event and a metric; training goes on. `max_failures`
-  periodic failures in a row set `stop_reason`: `elastic.Run` turns it into
-  `CheckpointStorageError` (exit 75) on every rank at the next step.
+  periodic failures in a row set `stop_reason` (once: later failures, until
+  the ranks' vote carries it, do not change it): `elastic.Run` turns it into
+  `CheckpointStorageError` (exit 75) on every rank at the step the vote is read.
 - A final or preemption save that fails, or does not commit within the
   timeout, sets `fatal`: `Saver.flush` raises it on every rank.
 - Every message names the newest committed checkpoint, which a failure never touches.
@@ -66,10 +67,12 @@ class FailurePolicy:
             self.fatal = f"the {reason} checkpoint of step {step} failed: {error}; {newest}"
             return
         if self.failures_in_a_row >= self.max_failures:
-            self.stop_reason = (
-                f"{self.failures_in_a_row} checkpoints in a row failed (--ckpt-max-failures), the last: {error}; {newest}"
-            )
-            return  # the next step's vote stops every rank; its error is the one line
+            if self.stop_reason is None:  # the reason is the failure that crossed the line, not those until the vote
+                self.stop_reason = (
+                    f"{self.failures_in_a_row} checkpoints in a row failed (--ckpt-max-failures), the last: {error}; "
+                    f"{newest}"
+                )
+            return  # the next vote stops every rank; its error is the one line
         logger.warning(
             "checkpoint of step %d failed (%d of %d in a row before the job stops): %s; training goes on",
             step, self.failures_in_a_row, self.max_failures, error,
