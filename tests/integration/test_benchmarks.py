@@ -42,7 +42,8 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tm
     assert on_off, result.stdout
     for ratio, low, high in [*ratios, on_off.groups()]:
         assert float(low) <= float(ratio) <= float(high), result.stdout
-    assert re.search(r"^target ratio >= 0.99, 95% interval above 0.98: (met|MISSED|not resolved)", result.stdout, re.M), result.stdout
+    assert re.search(r"^target ratio >= 0.99, 95% interval above 0.98, default settings: (met|MISSED|not resolved)",
+                     result.stdout, re.M), result.stdout
     assert re.search(r"an interval of \+-1 % needs --blocks \d+ \(about \d+ min\)$", result.stdout, re.M), result.stdout
     saves = re.search(r"^checkpoint every 3 steps: (\d+) saves", result.stdout, re.M)
     assert saves and int(saves.group(1)) > 0, result.stdout
