@@ -73,8 +73,9 @@ in a timed turn (the worker raises that loop's flag file, which the scraper
 reads), so the scraping is charged to that recipe alone.
 
 Statistics: steps are grouped in blocks of `--block-steps` steps per loop
-(`--ckpt-every` by default, so each block of a recipe holds one save); the
-loops' blocks are interleaved over the same few seconds. Per block and
+(10; the timed steps hold whole `--ckpt-every` intervals, the runtime's 50 by
+default, so one block in five of a recipe holds a save); the loops' blocks are
+interleaved over the same few seconds. Per block and
 loop, steps/s as 1 / median step time (robust to the odd step slowed by another
 process) and as steps / seconds (every step counts, checkpoint steps too). The
 block's ratio recipe / baseline is a paired measurement. The ratio printed is
@@ -166,13 +167,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="worker processes (one torchrun agent)")
     p.add_argument("--blocks", type=int, default=30, help="timed blocks per loop (paired ratios)")
-    p.add_argument("--block-steps", type=int, default=None, help="steps per block (default: --ckpt-every, else 10)")
+    p.add_argument("--block-steps", type=int, default=None,
+                   help="steps per block (default: 10, or --ckpt-every when that is smaller)")
     p.add_argument("--warmup", type=int, default=19,
                    help="untimed steps at the start of each run (rounded up to end one step before a checkpoint)")
     p.add_argument("--save-hold", type=int, default=3,
                    help="steps a loop keeps the CPU after its checkpoint save starts (its writer's time is its own)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--ckpt-every", type=int, default=10, help="recipe checkpoint interval (0: no checkpoints)")
+    p.add_argument("--ckpt-every", type=int, default=50,
+                   help="recipe checkpoint interval (0: no checkpoints; default: the runtime's own)")
     p.add_argument("--snapshot-every", type=snapshot_setting, default="auto",
                    help="in-memory snapshots of the recipe loops that take them: auto (the runtime's default), "
                         "N steps, or 0 (none)")
@@ -188,14 +191,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if opts.ckpt_every < 0:
         p.error("--ckpt-every must be 0 or more")
     if opts.block_steps is None:
-        opts.block_steps = opts.ckpt_every or 10
+        opts.block_steps = min(10, opts.ckpt_every) if opts.ckpt_every else 10
     if opts.blocks < 2:
         p.error("--blocks must be at least 2 (a confidence interval needs two paired ratios)")
     if opts.warmup < 1 or opts.block_steps < 2 or opts.save_hold < 0:
         p.error("--warmup must be at least 1 (the first step is never timed), --block-steps at least 2, --save-hold >= 0")
-    if opts.ckpt_every and opts.block_steps % opts.ckpt_every:
-        p.error("--block-steps must be a multiple of --ckpt-every (every recipe block holds the same saves)")
-    if opts.ckpt_every:  # a block starts one step before a save: the save's turn opens every block
+    if opts.ckpt_every and (opts.block_steps * opts.blocks) % opts.ckpt_every:
+        p.error("--blocks x --block-steps must be a multiple of --ckpt-every (the timed steps hold whole checkpoint "
+                "intervals, so every loop sees the same saves)")
+    if opts.ckpt_every:  # the timed steps start one step before a save: the save's turn opens each interval
         opts.warmup += -(opts.warmup + 1) % opts.ckpt_every
     return opts
 
@@ -215,19 +219,21 @@ def recipe_args(
 
 
 def turn_lengths(opts: argparse.Namespace) -> list[int]:
-    """Steps per turn within one block, the same for every loop: one step each, except that the turn
-    in which a checkpoint save starts runs `--save-hold` steps more, so its writer runs on its own loop's time."""
+    """Steps per turn within one checkpoint interval (or one block without checkpoints), the same for every
+    loop: one step each, except that the turn in which a checkpoint save starts runs `--save-hold` steps
+    more, so its writer runs on its own loop's time."""
     if not opts.ckpt_every:
         return [1] * opts.block_steps
     hold = min(opts.save_hold, opts.ckpt_every - 1)
-    # A block starts one step before a save (see parse_args): the save's turn comes first.
-    return ([1 + hold] + [1] * (opts.ckpt_every - 1 - hold)) * (opts.block_steps // opts.ckpt_every)
+    # The timed steps start one step before a save (see parse_args): the save's turn comes first.
+    return [1 + hold] + [1] * (opts.ckpt_every - 1 - hold)
 
 
 def turn_ends(opts: argparse.Namespace) -> list[int]:
     """The step counts at which a loop hands the baton on: after the warmup, then after every turn."""
     ends = [opts.warmup]
-    for _ in range(opts.blocks):
+    period = opts.ckpt_every or opts.block_steps
+    for _ in range(opts.blocks * opts.block_steps // period):
         for length in turn_lengths(opts):
             ends.append(ends[-1] + length)
     return ends
