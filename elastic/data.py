@@ -246,18 +246,20 @@ def open_loader(loader: Iterable[Any] | None, batch_size: int) -> tuple[Iterator
 
 
 
-def next_batch(source: Iterator[Any], issued: StepBatchSampler | StepSampler | None, expected: torch.Tensor, *,
-               step: int, max_steps: int, rank: int) -> Any:
-    """The loader's batch of step `step + 1`, checked to be the samples the sampler assigns (`expected`)."""
+def next_batch(source: Iterator[Any], *, step: int, max_steps: int) -> Any:
+    """The loader's batch of step `step + 1`; a loader that ran dry is one clear error."""
     try:
-        batch = next(source)
+        return next(source)
     except StopIteration:
         raise ElasticError(
             f"the data loader ended at step {step} of {max_steps}; drive it with run.batch_sampler(), which never runs dry"
         ) from None
+
+
+def check_batch(issued: StepBatchSampler | StepSampler | None, expected: torch.Tensor, *, step: int, rank: int) -> None:
+    """The loader's batch of step `step + 1` is the samples the sampler assigns this rank (`expected`)."""
     if issued is not None and issued.take_issued() != expected.tolist():
         raise ElasticError(
             f"step {step + 1}: the data loader produced other samples than the sampler assigns "
             f"to rank {rank} (was it iterated elsewhere?)"
         )
-    return batch

@@ -79,7 +79,7 @@ from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.training_state import Stateful
 from elastic.cli import configure_logging
 from elastic.config import RunConfig
-from elastic.data import StepBatchSampler, StepSampler, next_batch, open_loader
+from elastic.data import StepBatchSampler, StepSampler, check_batch, next_batch, open_loader
 from elastic.errors import CheckpointStorageError, ElasticError, Preempted
 from elastic.events import EventLog
 from elastic.metrics import start_metrics
@@ -337,12 +337,11 @@ class Run:
         """
         ctx = self._context
         self._sampler_checked()
-        if self._reporter().progress is None:
-            self._reporter().start_loop(
-                total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every,
-                per_step=self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1),
-                unit="tokens" if self._tokens_per_sample else "samples",
-            )
+        self._reporter().start_loop(
+            total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every,
+            per_step=self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1),
+            unit="tokens" if self._tokens_per_sample else "samples",
+        )
         source, issued = open_loader(loader, self.sampler.batch_size) if self.step < max_steps else (None, None)
         self._loop_started = time.perf_counter()
         try:
@@ -353,11 +352,13 @@ class Run:
     def _steps(self, source: Iterator[Any] | None, issued: Any, max_steps: int) -> Iterator[Any]:
         ctx, sampler, costs = self._context, self.sampler, self.step_costs
         while self.step < max_steps:
-            with costs.timing("sampler"):  # the loader's own time is the script's (it is in the check)
+            with costs.timing("sampler"):
                 expected = sampler.local_batch(ctx.rank, ctx.world_size)
-                batch: Any = expected if source is None else next_batch(
-                    source, issued, expected, step=self.step, max_steps=max_steps, rank=ctx.rank
-                )
+            batch: Any = expected  # the loader's own time is the script's, its check the runtime's
+            if source is not None:
+                batch = next_batch(source, step=self.step, max_steps=max_steps)
+                with costs.timing("sampler"):
+                    check_batch(issued, expected, step=self.step, rank=ctx.rank)
             stepped_before = self._optimizer_steps
             try:
                 yield batch

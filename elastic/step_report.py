@@ -41,8 +41,10 @@ class StepReport:
         self._per_step = 0  # samples (or tokens) the whole job takes per step
 
     def start_loop(self, *, total: int, initial: int, enabled: bool, log_every: int, per_step: int, unit: str) -> None:
-        """The loop starts now: progress up to step `total`, throughput (`per_step` `unit` a step) from here."""
-        self.progress = Progress(total=total, initial=initial, enabled=enabled, log_every=log_every, unit=unit)
+        """A loop starts now: throughput (`per_step` `unit` a step) counts from here; the progress of the
+        first loop (up to step `total`) is kept for the later ones."""
+        if self.progress is None:
+            self.progress = Progress(total=total, initial=initial, enabled=enabled, log_every=log_every, unit=unit)
         self._per_step = per_step
         self._last_time = time.time()
 
