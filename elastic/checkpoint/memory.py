@@ -198,10 +198,8 @@ class MemorySnapshots:
         """Per snapshot: seconds the loop was blocked taking it (the optimizer step's wait not included)."""
         self.step_wait_seconds: list[float] = []
         """Per snapshot: seconds the next optimizer step waited for it to be written and replicated."""
-        self.take_wait_seconds: list[float] = []
-        """Per snapshot taken: seconds it waited for the previous one first (part of `blocking_seconds`)."""
         self.copy_seconds: list[float] = []
-        """Per snapshot: `blocking_seconds` less that wait: the loop's own part of the copy."""
+        """Per snapshot: `blocking_seconds` less its wait for the previous one: the loop's own part of the copy."""
         self._generation = ""
         self._push_paused_until = 0.0
         self._progress = self._open_progress()
@@ -291,7 +289,6 @@ class MemorySnapshots:
         started = time.perf_counter()
         self.wait_previous()  # at most one in flight: its buffers are reused now
         waited = time.perf_counter() - started
-        self.take_wait_seconds.append(waited)
         if self.disabled is not None:
             return
         state, ctx = self._state, self._ctx

@@ -209,3 +209,14 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "goodput.png"
     assert goodput_at_scale.main(["--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_models_snapshot_interval_is_the_runtimes(defaults):
+    """goodput_at_scale.py runs without torch, so it writes Daly's formula again: it must be the runtime's."""
+    from elastic.checkpoint.snapshot_interval import daly_interval_s
+
+    p = {k: v["value"] for k, v in defaults["params"].items()}
+    cost = p["state_gb_per_gpu"] / p["pcie_gbps_per_gpu"]
+    for mtbf in (60.0, 3600.0, 1e6, cost / 3):
+        runtime = min(600.0, max(p["step_s"], daly_interval_s(cost, mtbf)))
+        assert goodput_at_scale.snapshot_interval_s(p, 600.0, mtbf) == pytest.approx(runtime)
