@@ -1,0 +1,98 @@
+"""Train a byte-level causal LM with the Hugging Face `Trainer`, elastically, under torchrun or alone.
+
+One process, on the default data (the Python stdlib's sources):
+
+    python recipes/hf_trainer.py --max-steps 200
+
+An elastic job of 1 to 4 nodes (the same line on every node), as for the GPT recipe:
+
+    torchrevive-run --nnodes=1:4 --nproc-per-node=1 --rdzv-endpoint=HOST:29400 --rdzv-id=job1 \\
+        recipes/hf_trainer.py --ckpt-dir ckpt --events runs/job1.jsonl
+
+The script is a stock `Trainer` script with one changed import: `elastic.hf.Trainer`
+restores the newest good checkpoint by itself, takes each step's samples from
+the elastic sampler, saves asynchronously every `save_steps` (--ckpt-every) and
+commits on SIGTERM (docs/huggingface.md). At the end `save_model` writes a
+normal Hugging Face model folder to --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # models beside the recipe
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch.utils.data import Subset  # noqa: E402
+from hf_model import ByteWindows, byte_lm  # noqa: E402
+from text_data import load_corpus, split_corpus  # noqa: E402
+
+import elastic  # noqa: E402
+from elastic.cli import OneLineArgumentParser, configure_logging, non_negative_int, positive_float, positive_int, run_main, unit_interval  # noqa: E402
+from elastic.hf import Trainer  # noqa: E402
+
+logger = logging.getLogger("hf_trainer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(prog="hf_trainer.py", description="Train a byte-level causal LM with the Hugging Face Trainer.")
+    p.add_argument("--max-steps", type=positive_int, default=300, help="optimizer steps in the whole run")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per rank per step")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches each step's batch is split into")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
+    p.add_argument("--output-dir", default="hf_trainer_output", help="where save_model writes the final model")
+    elastic.add_runtime_arguments(p, seed=1337)
+    p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes")
+    p.add_argument("--n-layer", type=positive_int, default=2)
+    p.add_argument("--n-head", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=128)
+    p.add_argument("--dropout", type=unit_interval, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=non_negative_int, default=None, help="default: 5%% of --max-steps")
+    p.add_argument("--grad-clip", type=positive_float, default=1.0, help="max global gradient norm")
+    p.add_argument("--eval-every", type=non_negative_int, default=100, help="steps between validations (0: off)")
+    p.add_argument("--eval-samples", type=positive_int, default=256, help="held-out windows per validation")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
+    train_windows, val_windows = split_corpus(
+        load_corpus(args.data), block_size=args.block_size, source=args.data or "the default corpus"
+    )
+    transformers.set_seed(args.seed)  # the same initial weights on every rank
+    model = byte_lm(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+                    dropout=args.dropout)
+    training_args = transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
+        per_device_train_batch_size=args.batch_size // args.grad_accum, gradient_accumulation_steps=args.grad_accum,
+        per_device_eval_batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        lr_scheduler_type="cosine", warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20),
+        max_grad_norm=args.grad_clip, bf16=args.bf16, use_cpu=args.device == "cpu",
+        save_strategy="steps" if args.ckpt_every else "no", save_steps=args.ckpt_every or 1,
+        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
+        logging_steps=args.log_every, report_to="none", dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=ByteWindows(train_windows),
+        eval_dataset=Subset(ByteWindows(val_windows), range(min(args.eval_samples, len(val_windows)))),
+        run_config=elastic.RunConfig.from_args(args),
+    )
+    result = trainer.train()
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        logger.info("done: %d steps, mean loss %.4f; model in %s", result.global_step, result.training_loss, args.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
