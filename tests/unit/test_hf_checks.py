@@ -139,3 +139,14 @@ def test_accelerator_settings_whose_steps_are_not_the_runs_are_refused() -> None
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_the_ported_stock_trainer_script_differs_in_at_most_5_lines() -> None:
+    import difflib
+
+    stock = (REPO / "benchmarks" / "hf_resume_stock.py").read_text().splitlines()
+    ported = (REPO / "benchmarks" / "hf_resume_elastic.py").read_text().splitlines()
+    diff = [line for line in difflib.unified_diff(stock, ported, lineterm="", n=0) if not line.startswith(("---", "+++", "@@"))]
+    removed, added = sum(line.startswith("-") for line in diff), sum(line.startswith("+") for line in diff)
+    assert max(removed, added) <= 5, diff
+    assert "+from elastic.hf import Trainer" in diff and "from transformers import Trainer" in "\n".join(stock)

@@ -1,0 +1,15 @@
+"""A stock Hugging Face Trainer script: checkpoints every save_steps, resumes from the newest one."""
+
+import os
+
+from hf_resume_common import logged, model_and_data, parse, training_arguments
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+args = parse()
+model, train_set = model_and_data(args)
+training_args = training_arguments(args)
+last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+trainer = logged(Trainer)(model=model, args=training_args, train_dataset=train_set)
+trainer.train(resume_from_checkpoint=last)
+trainer.save_model()

@@ -1,0 +1,101 @@
+"""The Hugging Face recipes on real two-agent jobs under torchrevive-run: a worker SIGKILLed at a
+random step ends with weights and optimizer state bit-identical to an uninterrupted run's, and a job
+that loses a node and gains one back (2 -> 1 -> 2) trains every sample of each epoch exactly once
+(the sample audit of elastic.chaos.samples, which both recipes pass through `Run`)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from support import REPO, make_text  # noqa: E402
+
+from elastic.chaos.harness import ChaosJob, JobSpec, verified_final_checkpoint  # noqa: E402
+from elastic.chaos.samples import audit  # noqa: E402
+from elastic.chaos.scenarios import run_scenario  # noqa: E402
+from elastic.checkpoint import read_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RECIPES = {"trainer": REPO / "recipes" / "hf_trainer.py", "accelerate": REPO / "recipes" / "hf_accelerate.py"}
+MODEL = ("--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8")
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hf") / "corpus.txt"
+    path.write_text(make_text(random.Random(7), 40_000))
+    return path
+
+
+def common_args(corpus: Path, ckpt: Path, steps: int) -> list[str]:
+    return ["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
+            "--ckpt-every", "5", "--dropout", "0.1", "--output-dir", str(ckpt.parent / "model"), *MODEL]
+
+
+def uninterrupted(recipe: Path, workdir: Path, corpus: Path) -> dict[str, torch.Tensor]:
+    spec = JobSpec(workdir=workdir, nnodes="2:2", run_id="reference", script=recipe,
+                   script_args=common_args(corpus, workdir / "ckpt", STEPS))
+    with ChaosJob(spec) as job:
+        job.start()
+        assert job.wait(240) == [0, 0], job.logs()
+    name, error = verified_final_checkpoint(workdir / "ckpt", STEPS)
+    assert name, error
+    return read_checkpoint(workdir / "ckpt" / name)[1]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_worker_killed_at_a_random_step_ends_bit_identical(recipe: str, tmp_path: Path, corpus: Path) -> None:
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    result = run_scenario(
+        "kill-worker", tmp_path / "killed", corpus, steps=STEPS, seed=seed, recipe=RECIPES[recipe],
+        model_args=MODEL, recipe_args=("--output-dir", str(tmp_path / "killed" / "model")),
+    )
+    print(result.summary())
+    assert result.ok, result.summary() + "\n" + result.logs
+    want = uninterrupted(RECIPES[recipe], tmp_path / "reference", corpus)
+    got = read_checkpoint(tmp_path / "killed" / "ckpt" / result.final_checkpoint)[1]
+    assert want.keys() == got.keys() and any(k.startswith("optim/") for k in want)
+    different = [k for k in sorted(want) if not torch.equal(want[k], got[k])]
+    assert not different, f"{len(different)} tensors differ from the uninterrupted run, e.g. {different[:3]}"
+    assert (tmp_path / "killed" / "model" / "config.json").is_file(), "no Hugging Face model folder at the end"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_resize_2_1_2_trains_every_sample_exactly_once(recipe: str, tmp_path: Path, corpus: Path) -> None:
+    steps = 200
+    spec = JobSpec(
+        workdir=tmp_path, nnodes="1:3", run_id=f"hf-resize-{recipe}", script=RECIPES[recipe],
+        script_args=[*common_args(corpus, tmp_path / "ckpt", steps), "--hang-timeout", "10"],
+        sample_log=tmp_path / "samples",
+        # Rank 0 paces every step (>= 0.3 s, in every round) so the job outlasts the node
+        # that joins back (it imports torch and transformers first).
+        env={"ELASTIC_FAULT": "after_step@1+:do=slow:for=0.3:restart=any"},
+    )
+    with ChaosJob(spec) as job:
+        job.start()
+        job.wait_for_world_size(2, after=0.0)
+        job.wait_for_step(random.randint(8, 14))
+        job.kill_agent(1)  # not agent 0: it hosts c10d's rendezvous store
+        job.wait_for_world_size(1, after=job.faults[-1][1])
+        rejoined = time.time()
+        job.add_agent(host=1)
+        job.wait_for_world_size(2, after=rejoined)
+        codes = job.wait(240)
+        assert codes[0] == 0 and codes[1] == -signal.SIGKILL and codes[2] == 0, job.logs()
+    name, error = verified_final_checkpoint(tmp_path / "ckpt", steps)
+    assert name, error
+    samples = audit(tmp_path / "samples")
+    print(samples.summary())
+    assert samples.ok, samples.summary()
+    assert samples.last_step == steps
+    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
