@@ -7,19 +7,19 @@ The same model, data and TrainingArguments (benchmarks/hf_resume_common.py:
 the recipes' byte-level GPT-2, 2 layers, batch 8 per rank, save_steps 10,
 40 steps), in two scripts that differ in one line, the import of `Trainer`:
 
-- stock: `transformers.Trainer`, resuming with `resume_from_checkpoint=
+- stock/torchrun: `transformers.Trainer`, resuming with `resume_from_checkpoint=
   get_last_checkpoint(output_dir)` (Hugging Face's documented way), under
-  `torchrun --standalone --nproc-per-node=2 --max-restarts=1`;
-- ours, torchrun: `elastic.hf.Trainer` under the same torchrun (checkpoints on
+  `torchrun --nnodes=1 --nproc-per-node=2` (c10d rendezvous on loopback);
+- ours/torchrun: `elastic.hf.Trainer` under the same torchrun (checkpoints on
   disk only);
-- ours, torchrevive-run: the same script under torchrevive-run (in-memory
+- ours/torchrevive-run: the same script under torchrevive-run (in-memory
   snapshots at their auto interval as well).
 
 Each script logs the sample ids every rank trains on at every step. Per system:
 
 1. an uninterrupted run: the reference weights;
 2. one worker SIGKILLed at step `--kill-at` (the same for every system), the
-   group restarted by the launcher: steps redone (steps started before the kill
+   group restarted by the launcher (`--max-restarts=3`): steps redone (steps started before the kill
    and trained again after it), recovery time (kill -> the restarted group's
    first step starts), whether the final weights equal the reference's
    bit for bit;
@@ -52,11 +52,13 @@ from elastic.launcher.proctree import descendants, worker_rank
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"stock": HERE / "hf_resume_stock.py", "ours": HERE / "hf_resume_elastic.py"}
 SYSTEMS = {  # name: (script, launcher module)
-    "stock Trainer, torchrun": ("stock", "torch.distributed.run"),
-    "elastic.hf.Trainer, torchrun": ("ours", "torch.distributed.run"),
-    "elastic.hf.Trainer, torchrevive-run": ("ours", "elastic.launcher"),
+    "stock/torchrun": ("stock", "torch.distributed.run"),
+    "ours/torchrun": ("ours", "torch.distributed.run"),
+    "ours/torchrevive-run": ("ours", "elastic.launcher"),
 }
 LOG_ENV = "HF_RESUME_SAMPLE_LOG"
+RESTARTS = 3
+"""--max-restarts after a SIGKILL: room for a restart that fails on its own (stock torchrun's shared store)."""
 WORDS = "the quick brown fox jumps over a lazy dog while every worker keeps its step".split()
 
 
@@ -83,9 +85,11 @@ def corpus(directory: Path) -> Path:
 class Launch:
     """One launch of a script under a launcher, its sample log and its output folder."""
 
-    def __init__(self, system: str, workdir: Path, data: Path, args: argparse.Namespace, nproc: int, restarts: int) -> None:
+    def __init__(
+        self, system: str, workdir: Path, data: Path, args: argparse.Namespace, nproc: int, restarts: int, name: str
+    ) -> None:
         script, launcher = SYSTEMS[system]
-        self.log_prefix = workdir / "samples"
+        self.log_prefix = workdir / f"samples-{name}"
         env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(HERE), **{LOG_ENV: str(self.log_prefix)})
         command = [
@@ -94,7 +98,7 @@ class Launch:
             str(SCRIPTS[script]), "--data", str(data), "--output-dir", str(workdir / "out"),
             "--max-steps", str(args.steps), "--save-steps", str(args.save_steps),
         ]
-        self.output = open(workdir / f"launch-{time.time_ns()}.log", "wb")
+        self.output = open(workdir / f"launch-{name}.log", "wb")
         self.process = subprocess.Popen(command, stdout=self.output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait(self, timeout: float = 300) -> int:
@@ -141,21 +145,26 @@ def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def after_kill(prefix: Path, killed_at: float) -> tuple[int, int, float]:
-    """(the newest step started before the kill, the first step started after it, its start time)."""
+def after_kill(prefix: Path) -> tuple[int, int, float] | None:
+    """(the newest step the first group started, the first step a restarted group started, its start time);
+    None when no restarted group started a step (the job never resumed)."""
     rows = records(prefix)
-    before = max(r["step"] for r in rows if r["time"] < killed_at)
-    first = min((r for r in rows if r["time"] > killed_at), key=lambda r: r["time"])
+    before = max(r["step"] for r in rows if r["restart"] == 0)
+    later = [r for r in rows if r["restart"] > 0]
+    if not later:
+        return None
+    first = min(later, key=lambda r: r["time"])
     return before, first["step"], first["time"]
 
 
-def exactly_once(prefix: Path, killed_at: float, num_samples: int) -> dict:
-    """Samples trained twice or never in each complete pass over the data, along the surviving history."""
-    rows = records(prefix)
-    second = [r for r in rows if r["time"] > killed_at]
-    resumed_from = min(r["step"] for r in second) - 1
-    history = [r for r in rows if r["time"] < killed_at and r["step"] <= resumed_from] + second
-    stream = [s for r in sorted(history, key=lambda r: (r["time"] > killed_at, r["step"], r["rank"])) for s in r["samples"]]
+def exactly_once(first: Path, second: Path, num_samples: int) -> dict:
+    """Samples trained twice or never in each complete pass over the data, along the surviving history:
+    the first launch's steps up to the one the second launch resumed from, then the second launch's."""
+    later = records(second)
+    resumed_from = min(r["step"] for r in later) - 1
+    kept = [r for r in records(first) if r["step"] <= resumed_from]
+    order = sorted(kept, key=lambda r: (r["step"], r["rank"])) + sorted(later, key=lambda r: (r["step"], r["rank"]))
+    stream = [s for r in order for s in r["samples"]]
     passes = len(stream) // num_samples
     wrong = 0
     for p in range(passes):
@@ -165,35 +174,34 @@ def exactly_once(prefix: Path, killed_at: float, num_samples: int) -> dict:
 
 
 def measure(system: str, root: Path, data: Path, args: argparse.Namespace, num_samples: int) -> dict:
-    base = root / system.replace(" ", "").replace(",", "-").replace(".", "")
+    base = root / system.replace("/", "-")
     reference_dir, kill_dir, resize_dir = base / "reference", base / "kill", base / "resize"
     for d in (reference_dir, kill_dir, resize_dir):
         d.mkdir(parents=True)
     start = time.monotonic()
-    launch = Launch(system, reference_dir, data, args, nproc=2, restarts=0)
+    launch = Launch(system, reference_dir, data, args, nproc=2, restarts=0, name="reference")
     if launch.wait() != 0:
         raise RuntimeError(f"{system}: the uninterrupted run failed; see {launch.output.name}")
     reference = weights(reference_dir)
 
-    launch = Launch(system, kill_dir, data, args, nproc=2, restarts=1)
+    launch = Launch(system, kill_dir, data, args, nproc=2, restarts=RESTARTS, name="kill")
     wait_for_step(launch.log_prefix, launch, args.kill_at)
     killed_at = time.time()
     launch.kill_worker(1)
     code = launch.wait()
-    before, first_after, first_time = after_kill(launch.log_prefix, killed_at)
+    resumed = after_kill(launch.log_prefix)
     identical = code == 0 and same_weights(reference, weights(kill_dir))
 
-    first = Launch(system, resize_dir, data, args, nproc=2, restarts=0)
+    first = Launch(system, resize_dir, data, args, nproc=2, restarts=0, name="before-resize")
     wait_for_step(first.log_prefix, first, args.kill_at)
-    resized_at = time.time()
     first.kill_all()
     first.wait()
-    second = Launch(system, resize_dir, data, args, nproc=1, restarts=0)
+    second = Launch(system, resize_dir, data, args, nproc=1, restarts=0, name="after-resize")
     resize_code = second.wait()
-    audit = exactly_once(second.log_prefix, resized_at, num_samples) if resize_code == 0 else None
+    audit = exactly_once(first.log_prefix, second.log_prefix, num_samples) if resize_code == 0 else None
     return {
-        "system": system, "exit_after_kill": code, "steps_redone": before - first_after + 1,
-        "recovery_s": first_time - killed_at, "final_weights_identical": identical,
+        "system": system, "exit_after_kill": code, "steps_redone": resumed[0] - resumed[1] + 1 if resumed else None,
+        "recovery_s": resumed[2] - killed_at if resumed else None, "final_weights_identical": identical,
         "resize_exit": resize_code, "resize_audit": audit, "seconds": time.monotonic() - start,
     }
 
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf_resume.py: error: unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
     root = args.workdir or Path(tempfile.mkdtemp(prefix="hf-resume-"))
+    root.mkdir(parents=True, exist_ok=True)
     data = corpus(root)
     sys.path.insert(0, str(HERE))
     from hf_resume_common import NumberedWindows  # noqa: F401 - the same windows the scripts train on
@@ -215,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(system, root, data, args, num_samples) for system in chosen]
     print(f"\n{args.steps} steps, save_steps {args.save_steps}, 2 workers, a SIGKILL at step {args.kill_at}; "
           f"{num_samples} samples")
-    print(f"{'system':38} {'redone':>7} {'recovery':>9} {'final = uninterrupted':>22} {'2->1: wrong samples':>20}")
+    print(f"{'script/launcher':22} {'redone':>7} {'recovery':>9} {'final = uninterrupted':>22} {'2->1: wrong samples':>20}")
     for r in results:
         audit = r["resize_audit"]
         wrong = f"{audit['samples_wrong']} in {audit['passes']} pass(es)" if audit else f"exit {r['resize_exit']}"
-        print(f"{r['system']:38} {r['steps_redone']:>7} {r['recovery_s']:>8.1f}s "
+        if r["recovery_s"] is None:
+            redone, recovery = "-", f"never (exit {r['exit_after_kill']})"
+        else:
+            redone, recovery = str(r["steps_redone"]), f"{r['recovery_s']:.1f}s"
+        print(f"{r['system']:22} {redone:>7} {recovery:>9} "
               f"{'yes' if r['final_weights_identical'] else 'no':>22} {wrong:>20}")
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "kill_at": args.kill_at, "results": results}, indent=1))

@@ -59,13 +59,15 @@ def training_arguments(args: argparse.Namespace) -> transformers.TrainingArgumen
 
 
 def logged(trainer_class: type) -> type:
-    """`trainer_class` whose training_step appends (time, rank, world size, step, sample ids) to $HF_RESUME_SAMPLE_LOG.rankR."""
+    """`trainer_class` whose training_step appends (time, rank, world size, the launcher's restart count, step,
+    sample ids) to $HF_RESUME_SAMPLE_LOG.rankR."""
 
     class Logged(trainer_class):  # type: ignore[misc, valid-type]
         def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *rest: Any, **kwargs: Any) -> torch.Tensor:
             ids = inputs.pop("sample_id")
             rank = int(os.environ.get("RANK", "0"))
             record = {"time": time.time(), "rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")),
+                      "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                       "step": self.state.global_step + 1, "samples": ids.tolist()}
             with open(f"{os.environ[LOG_ENV]}.rank{rank}", "a") as log:
                 log.write(json.dumps(record) + "\n")

@@ -49,9 +49,14 @@ from transformers.trainer_utils import TrainOutput
 from elastic.config import RunConfig
 from elastic.hf.checks import check_dataset, check_train_call, check_training_arguments
 from elastic.hf.exits import exit_on_elastic_error
+from elastic.hf.group import join_before_accelerate
 from elastic.run import Run
 
 logger = logging.getLogger(__name__)
+
+# Importing the Trainer joins the job's group, before the script's TrainingArguments make accelerate do
+# it over torchrun's shared store (elastic.hf.group says why).
+join_before_accelerate()
 
 CHECKPOINT_FOLDER = "elastic-checkpoints"
 """Where checkpoints go inside `output_dir` when the `RunConfig` names no `ckpt_dir`."""

@@ -189,3 +189,21 @@ def test_snapshot_auth_benchmark_prints_signed_against_unsigned() -> None:
     bad = subprocess.run([sys.executable, "benchmarks/snapshot_auth.py", "--pairs", "0"], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp_path: Path) -> None:
+    """Plain torchrun restarts the group in the same shared store: the ported script must resume (its
+    group is made through the runtime's fresh namespace), end identical and keep the samples exactly once."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/hf_resume.py", "--systems", "ours/torchrun", "--steps", "24", "--save-steps", "5",
+         "--kill-at", "12", "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert row["final_weights_identical"] and row["resize_audit"]["samples_wrong"] == 0
+    assert row["resize_audit"]["passes"] >= 1 and 0 <= row["steps_redone"] <= 6
+    assert "ours/torchrun" in result.stdout
+    bad = subprocess.run([sys.executable, "benchmarks/hf_resume.py", "--systems", "fast"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown system" in bad.stderr

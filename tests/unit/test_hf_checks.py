@@ -150,3 +150,10 @@ def test_the_ported_stock_trainer_script_differs_in_at_most_5_lines() -> None:
     removed, added = sum(line.startswith("-") for line in diff), sum(line.startswith("+") for line in diff)
     assert max(removed, added) <= 5, diff
     assert "+from elastic.hf import Trainer" in diff and "from transformers import Trainer" in "\n".join(stock)
+
+
+def test_a_process_outside_a_launched_job_joins_no_group() -> None:
+    from elastic.hf.group import join_before_accelerate
+
+    assert join_before_accelerate({}) is False
+    assert join_before_accelerate({"RANK": "0", "WORLD_SIZE": "2"}) is False  # no rendezvous address: not launched

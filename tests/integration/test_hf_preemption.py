@@ -1,0 +1,53 @@
+"""A SIGTERM reaches a Hugging Face recipe (the Trainer's, the accelerate one's) in the middle of training:
+it commits the step it is at and exits 143 with one line; the next start resumes from that step."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+from support import REPO, make_text, worker_env  # noqa: E402
+
+from elastic.chaos.harness import verified_final_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize("recipe", ["hf_trainer.py", "hf_accelerate.py"])
+def test_sigterm_commits_the_step_and_exits_143(recipe: str, tmp_path: Path) -> None:
+    data = tmp_path / "text.txt"
+    data.write_text(make_text(random.Random(2), 20_000))
+    events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
+    command = [sys.executable, str(REPO / "recipes" / recipe), "--data", str(data), "--max-steps", "100000",
+               "--ckpt-dir", str(ckpt), "--ckpt-every", "1000", "--eval-every", "0", "--events", str(events),
+               "--output-dir", str(tmp_path / "model"), *MODEL]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
+    deadline = time.monotonic() + 120
+    while not (events.exists() and '"event": "step"' in events.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out + err
+    lines = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert len(lines) == 1 and "checkpoint committed" in lines[0], err
+    assert "Traceback" not in err
+    stopped = [json.loads(line) for line in events.read_text().splitlines()]
+    step = max(r["step"] for r in stopped if r["event"] == "checkpoint")
+    name, error = verified_final_checkpoint(ckpt, step)
+    assert name, error
+    again = subprocess.run([*command[:5], str(step + 2), *command[6:]], capture_output=True, text=True, timeout=180,
+                           env=worker_env())
+    assert again.returncode == 0, again.stderr
+    starts = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [r["step"] for r in starts if r["event"] == "start"] == [0, step]
