@@ -10,6 +10,11 @@ the recipes' byte-level GPT-2, 2 layers, batch 8 per rank, save_steps 10,
 - stock/torchrun: `transformers.Trainer`, resuming with `resume_from_checkpoint=
   get_last_checkpoint(output_dir)` (Hugging Face's documented way), under
   `torchrun --nnodes=1 --nproc-per-node=2` (c10d rendezvous on loopback);
+- stock/torchrun-store-per-round: the same, with torch's
+  `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (a worker store per rendezvous round:
+  under the shared one, a restarted group can read a dead round's gloo
+  addresses and hang in `init_process_group`, which accelerate calls as
+  `TrainingArguments` is built);
 - ours/torchrun: `elastic.hf.Trainer` under the same torchrun (checkpoints on
   disk only);
 - ours/torchrevive-run: the same script under torchrevive-run (in-memory
@@ -51,10 +56,12 @@ from elastic.launcher.proctree import descendants, worker_rank
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"stock": HERE / "hf_resume_stock.py", "ours": HERE / "hf_resume_elastic.py"}
-SYSTEMS = {  # name: (script, launcher module)
-    "stock/torchrun": ("stock", "torch.distributed.run"),
-    "ours/torchrun": ("ours", "torch.distributed.run"),
-    "ours/torchrevive-run": ("ours", "elastic.launcher"),
+SYSTEMS = {  # name: (script, launcher module, extra environment)
+    "stock/torchrun": ("stock", "torch.distributed.run", {}),
+    # torch's own switch for a worker store per round: the stock script without the shared store's stale addresses.
+    "stock/torchrun-store-per-round": ("stock", "torch.distributed.run", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+    "ours/torchrun": ("ours", "torch.distributed.run", {}),
+    "ours/torchrevive-run": ("ours", "elastic.launcher", {}),
 }
 LOG_ENV = "HF_RESUME_SAMPLE_LOG"
 RESTARTS = 3
@@ -67,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--kill-at", type=int, default=17, help="the step at which a worker (or the job) is killed")
+    p.add_argument("--resume-timeout", type=float, default=150,
+                   help="seconds a job may take to finish after the SIGKILL before it counts as hung (and is killed)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--workdir", type=Path, default=None)
@@ -88,10 +97,11 @@ class Launch:
     def __init__(
         self, system: str, workdir: Path, data: Path, args: argparse.Namespace, nproc: int, restarts: int, name: str
     ) -> None:
-        script, launcher = SYSTEMS[system]
+        script, launcher, extra_env = SYSTEMS[system]
         self.log_prefix = workdir / f"samples-{name}"
         env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(HERE), **{LOG_ENV: str(self.log_prefix)})
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(HERE), **{LOG_ENV: str(self.log_prefix)}, **extra_env)
         command = [
             sys.executable, "-m", launcher, "--nnodes=1", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={workdir.name}",
@@ -101,9 +111,14 @@ class Launch:
         self.output = open(workdir / f"launch-{name}.log", "wb")
         self.process = subprocess.Popen(command, stdout=self.output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    def wait(self, timeout: float = 300) -> int:
+    def wait(self, timeout: float = 300) -> int | None:
+        """The launcher's exit status; None if it ran past `timeout` (then the whole launch is killed)."""
         try:
             return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            self.process.wait()
+            return None
         finally:
             self.output.close()
 
@@ -115,7 +130,12 @@ class Launch:
         raise RuntimeError(f"no worker of rank {rank}")
 
     def kill_all(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
+        """SIGKILL the launcher and every worker (torchrun starts each worker in a session of its own)."""
+        for pid in [self.process.pid, *descendants(self.process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def records(prefix: Path) -> list[dict]:
@@ -161,6 +181,8 @@ def exactly_once(first: Path, second: Path, num_samples: int) -> dict:
     """Samples trained twice or never in each complete pass over the data, along the surviving history:
     the first launch's steps up to the one the second launch resumed from, then the second launch's."""
     later = records(second)
+    if not later:
+        raise RuntimeError(f"the launch after the resize trained no step: the one before it ran to the end ({second})")
     resumed_from = min(r["step"] for r in later) - 1
     kept = [r for r in records(first) if r["step"] <= resumed_from]
     order = sorted(kept, key=lambda r: (r["step"], r["rank"])) + sorted(later, key=lambda r: (r["step"], r["rank"]))
@@ -188,7 +210,7 @@ def measure(system: str, root: Path, data: Path, args: argparse.Namespace, num_s
     wait_for_step(launch.log_prefix, launch, args.kill_at)
     killed_at = time.time()
     launch.kill_worker(1)
-    code = launch.wait()
+    code = launch.wait(args.resume_timeout)
     resumed = after_kill(launch.log_prefix)
     identical = code == 0 and same_weights(reference, weights(kill_dir))
 
@@ -224,15 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(system, root, data, args, num_samples) for system in chosen]
     print(f"\n{args.steps} steps, save_steps {args.save_steps}, 2 workers, a SIGKILL at step {args.kill_at}; "
           f"{num_samples} samples")
-    print(f"{'script/launcher':22} {'redone':>7} {'recovery':>9} {'final = uninterrupted':>22} {'2->1: wrong samples':>20}")
+    print(f"{'script/launcher':31} {'redone':>7} {'recovery':>9} {'final = uninterrupted':>22} {'2->1: wrong samples':>20}")
     for r in results:
         audit = r["resize_audit"]
         wrong = f"{audit['samples_wrong']} in {audit['passes']} pass(es)" if audit else f"exit {r['resize_exit']}"
         if r["recovery_s"] is None:
-            redone, recovery = "-", f"never (exit {r['exit_after_kill']})"
+            how = "hung" if r["exit_after_kill"] is None else f"exit {r['exit_after_kill']}"
+            redone, recovery = "-", f"never ({how})"
         else:
             redone, recovery = str(r["steps_redone"]), f"{r['recovery_s']:.1f}s"
-        print(f"{r['system']:22} {redone:>7} {recovery:>9} "
+        print(f"{r['system']:31} {redone:>7} {recovery:>9} "
               f"{'yes' if r['final_weights_identical'] else 'no':>22} {wrong:>20}")
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "kill_at": args.kill_at, "results": results}, indent=1))
