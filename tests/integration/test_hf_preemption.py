@@ -33,8 +33,10 @@ def test_sigterm_commits_the_step_and_exits_143(recipe: str, tmp_path: Path) -> 
                "--output-dir", str(tmp_path / "model"), *MODEL]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
     deadline = time.monotonic() + 120
-    while not (events.exists() and '"event": "step"' in events.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+    while not (events.exists() and any(json.loads(line)["event"] == "step" for line in events.read_text().splitlines()[:-1])):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no step in 120 s: {proc.communicate()}")
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
