@@ -76,6 +76,11 @@ def check_training_arguments(args: Any) -> None:
             "epoch's seeded random order for the whole job, the one order that resumes exactly at any world size; "
             "use the default, 'random'"
         )
+    if getattr(args, "torch_compile", False):
+        raise UsageError(
+            f"{TRAINER}: torch_compile=True is not applied by the elastic Trainer (accelerate compiles in a prepare "
+            "step it does not take); pass a model you compiled yourself: the run saves the module underneath"
+        )
     if args.auto_find_batch_size:
         raise UsageError(
             f"{TRAINER}: auto_find_batch_size=True changes the batch size after an out-of-memory error, which moves "

@@ -101,6 +101,28 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     return pieces
 
 
+class _LossTally:
+    """The steps' losses on the device, read (one host sync) only when the Trainer logs."""
+
+    def __init__(self, device: torch.device, step: int) -> None:
+        self.pending = torch.zeros((), device=device)
+        self.last_read = step
+        self.total = 0.0
+        """Sum of the losses read so far (for the mean loss of this train() call)."""
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.pending += loss
+
+    def read(self, step: int) -> float:
+        """The mean loss of the steps since the last read, up to `step`."""
+        steps = max(1, step - self.last_read)
+        value = self.pending.item()
+        self.total += value
+        self.pending.zero_()
+        self.last_read = step
+        return value / steps
+
+
 class _RunLogLines(TrainerCallback):
     """The Trainer's log dicts as lines on rank 0's console that do not tear the run's progress line."""
 
@@ -165,64 +187,21 @@ class Trainer(transformers.Trainer):
     def _train_on(self, run: Run, ignore_keys_for_eval: list[str] | None) -> TrainOutput:
         args = self.args
         self.is_in_train = True
-        if next(self.model.parameters()).device != run.device:
-            self.model.to(run.device)
-        ddp_options = {"find_unused_parameters": bool(args.ddp_find_unused_parameters)} if run.distributed else {}
-        model = run.ddp(self.model, **ddp_options)
-        self.model_wrapped = model
-        self.optimizer = self.lr_scheduler = None
-        self.create_optimizer()
-        self.create_scheduler(num_training_steps=args.max_steps, optimizer=self.optimizer)
-        accumulate = args.gradient_accumulation_steps
-        step_batch = args.per_device_train_batch_size * accumulate
-        run.start(model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler, data=self.train_dataset,
-                  batch_size=step_batch)
-        self._start_state(run)
-        loader = self._step_loader(run)
-        for attr in ("model", "optimizer", "lr_scheduler"):
-            setattr(self.callback_handler, attr, getattr(self, attr))
-        self.callback_handler.train_dataloader = loader
-
-        started = time.time()
-        first_step = run.step
-        logged_loss = torch.zeros((), device=run.device)
-        total_loss, last_logged = 0.0, run.step
-        grad_norm: float | None = None
+        model, loader = self._prepare(run)
+        started, first_step = time.time(), run.step
+        tally = _LossTally(run.device, run.step)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         for batch in run.batches(loader, max_steps=args.max_steps):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            micro_batches = split_batch(batch, accumulate)
-            self.current_gradient_accumulation_steps = len(micro_batches)
-            step_loss = torch.zeros((), device=run.device)
-            for i, inputs in enumerate(micro_batches):
-                last = i == len(micro_batches) - 1
-                with (nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()):
-                    with self.accelerator.autocast():
-                        step_loss += self.training_step(model, inputs).detach()
-            if args.max_grad_norm and args.max_grad_norm > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-            self.optimizer.step()
-            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-            learning_rate = self._get_learning_rate()
-            self.lr_scheduler.step()
-            model.zero_grad(set_to_none=True)
+            step_loss, grad_norm, learning_rate = self._optimizer_step(model, batch, run.device)
             run.log(step_loss)
-            logged_loss += step_loss
-
+            tally.add(step_loss)
             self.state.global_step = run.step + 1  # the run counts the step when the next batch is asked for
-            self.state.epoch = run.epochs_done + step_batch * run.world_size / len(self.train_dataset)
+            self.state.epoch = run.epochs_done + self._step_samples * run.world_size / len(self.train_dataset)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.control.should_log:
-                steps = self.state.global_step - last_logged
-                loss = logged_loss.item() / steps
-                total_loss += loss * steps
-                logs = {"loss": loss, "learning_rate": learning_rate}
-                if grad_norm is not None:
-                    logs["grad_norm"] = grad_norm
-                self.log(logs)
-                logged_loss.zero_()
-                last_logged = self.state.global_step
+                logs = {"loss": tally.read(self.state.global_step), "learning_rate": learning_rate}
+                self.log(logs if grad_norm is None else {**logs, "grad_norm": grad_norm})
                 self.control.should_log = False
             if self.control.should_evaluate:
                 with run.pause():  # not a training step: the watchdog does not count it
@@ -231,17 +210,60 @@ class Trainer(transformers.Trainer):
             self.control.should_save = False  # the run checkpoints every save_steps by itself
             if self.control.should_training_stop and run.step + 1 < args.max_steps:
                 break  # a callback stops the run: this step counts (its optimizer step is done)
-        total_loss += logged_loss.item()
+        tally.read(run.step)
         summary = run.finish()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         steps = run.step - first_step
         metrics = {
             "train_runtime": round(time.time() - started, 4),
             "train_steps_per_second": round(summary["steps_per_s"], 3) if steps else 0.0,
-            "train_loss": total_loss / steps if steps else math.nan,
+            "train_loss": tally.total / steps if steps else math.nan,
         }
         self.log(dict(metrics))
         return TrainOutput(run.step, metrics["train_loss"], metrics)
+
+    def _prepare(self, run: Run) -> tuple[torch.nn.Module, DataLoader]:
+        """DDP, the Trainer's optimizer and scheduler, the restore, the TrainerState and the step loader."""
+        args = self.args
+        if next(self.model.parameters()).device != run.device:
+            self.model.to(run.device)
+        ddp_options = {"find_unused_parameters": bool(args.ddp_find_unused_parameters)} if run.distributed else {}
+        model = self.model_wrapped = run.ddp(self.model, **ddp_options)
+        self.optimizer = self.lr_scheduler = None
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=args.max_steps, optimizer=self.optimizer)
+        self._step_samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        run.start(model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler, data=self.train_dataset,
+                  batch_size=self._step_samples)
+        self._start_state(run)
+        loader = self._step_loader(run)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = loader
+        return model, loader
+
+    def _optimizer_step(self, model: torch.nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, float | None, float]:
+        """One step: its micro-batches through `training_step` (gradients reduced on the last), clipping,
+        the optimizer and the scheduler. Returns (the step's loss, the gradient norm, the learning rate used)."""
+        args = self.args
+        micro_batches = split_batch(batch, args.gradient_accumulation_steps)
+        self.current_gradient_accumulation_steps = len(micro_batches)  # training_step divides the loss by it
+        step_loss = torch.zeros((), device=device)
+        for i, inputs in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+                with self.accelerator.autocast():
+                    step_loss += self.training_step(model, inputs).detach()
+        grad_norm = None
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+        self.optimizer.step()
+        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+        learning_rate = self._get_learning_rate()
+        self.lr_scheduler.step()
+        model.zero_grad(set_to_none=True)
+        return step_loss, grad_norm, learning_rate
 
     def _start_state(self, run: Run) -> None:
         """The TrainerState of a run at `run.step` (restored steps included)."""

@@ -53,6 +53,7 @@ class Stream(IterableDataset):
         ({"train_sampling_strategy": "group_by_length"}, "group_by_length"),
         ({"train_sampling_strategy": "sequential"}, "sequential"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+        ({"torch_compile": True}, "torch_compile"),
         ({"fp16": True}, "fp16"),
         ({"save_strategy": "epoch"}, "save_strategy='epoch'"),
         ({"eval_strategy": "epoch"}, "eval_strategy='epoch'"),
