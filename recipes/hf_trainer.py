@@ -34,6 +34,7 @@ from text_data import load_corpus, split_corpus  # noqa: E402
 
 import elastic  # noqa: E402
 from elastic.cli import OneLineArgumentParser, configure_logging, non_negative_int, positive_float, positive_int, run_main, unit_interval  # noqa: E402
+from elastic.errors import UsageError  # noqa: E402
 from elastic.hf import Trainer  # noqa: E402
 
 logger = logging.getLogger("hf_trainer")
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.batch_size % args.grad_accum:
+        raise UsageError(f"--batch-size {args.batch_size} does not split into --grad-accum {args.grad_accum} equal micro-batches")
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
     train_windows, val_windows = split_corpus(
         load_corpus(args.data), block_size=args.block_size, source=args.data or "the default corpus"

@@ -81,6 +81,28 @@ def check_training_arguments(args: Any) -> None:
             f"{TRAINER}: torch_compile=True is not applied by the elastic Trainer (accelerate compiles in a prepare "
             "step it does not take); pass a model you compiled yourself: the run saves the module underneath"
         )
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise UsageError(
+            f"{TRAINER}: activation checkpointing is not switched on by the elastic Trainer; call "
+            "model.gradient_checkpointing_enable() before making the Trainer, and leave the argument unset"
+        )
+    unapplied = {  # setting -> (is it set, why it is refused)
+        "neftune_noise_alpha": (getattr(args, "neftune_noise_alpha", None) is not None, "its noise hooks are not applied"),
+        "use_liger_kernel": (bool(getattr(args, "use_liger_kernel", False)), "its kernels are not patched in"),
+        "eval_on_start": (bool(getattr(args, "eval_on_start", False)), "evaluate before train() yourself"),
+        "include_num_input_tokens_seen": (
+            _value(getattr(args, "include_num_input_tokens_seen", "no")) not in ("no", False),
+            "tokens are not counted (the run's events count samples)",
+        ),
+        "data_seed": (getattr(args, "data_seed", None) is not None, "the data order comes from seed alone"),
+        "parallelism_config": (getattr(args, "parallelism_config", None) is not None, "the integration trains DDP"),
+        "enable_jit_checkpoint": (
+            bool(getattr(args, "enable_jit_checkpoint", False)), "SIGTERM already commits a checkpoint through the run"
+        ),
+    }
+    for name, (is_set, why) in unapplied.items():
+        if is_set:
+            raise UsageError(f"{TRAINER}: {name} is not supported: {why}; leave it unset")
     if args.auto_find_batch_size:
         raise UsageError(
             f"{TRAINER}: auto_find_batch_size=True changes the batch size after an out-of-memory error, which moves "

@@ -9,6 +9,11 @@ So a script that imports `elastic.hf.Trainer` joins the group here first,
 through `elastic.runtime.init_worker` (a fresh namespace of the store each
 round, the collective timeout of `RunConfig`); accelerate then adopts it,
 as does the `Run` of `Trainer.train`.
+
+The device is picked as `--device auto` does (a GPU per local worker when
+there are GPUs), before the script's `use_cpu` can be read. The group is
+left for the process's end: the script's `evaluate()` and `save_model()`
+after `train()` still use it.
 """
 
 from __future__ import annotations

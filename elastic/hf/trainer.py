@@ -47,16 +47,26 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback, Tra
 from transformers.trainer_utils import TrainOutput
 
 from elastic.config import RunConfig
+from elastic.errors import UsageError
 from elastic.hf.checks import check_dataset, check_train_call, check_training_arguments
 from elastic.hf.exits import exit_on_elastic_error
 from elastic.hf.group import join_before_accelerate
 from elastic.run import Run
+from elastic.runtime import all_reduce_mean
 
 logger = logging.getLogger(__name__)
 
 # Importing the Trainer joins the job's group, before the script's TrainingArguments make accelerate do
 # it over torchrun's shared store (elastic.hf.group says why).
-join_before_accelerate()
+with exit_on_elastic_error():  # a bad launch environment: one line, not a traceback from an import
+    join_before_accelerate()
+
+try:  # transformers >= 5
+    from transformers.optimization import GreedyLR
+
+    METRIC_SCHEDULERS: tuple[type, ...] = (torch.optim.lr_scheduler.ReduceLROnPlateau, GreedyLR)
+except ImportError:
+    METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau,)
 
 CHECKPOINT_FOLDER = "elastic-checkpoints"
 """Where checkpoints go inside `output_dir` when the `RunConfig` names no `ckpt_dir`."""
@@ -86,7 +96,10 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
     if parts == 1:
         return [batch]
     if not hasattr(batch, "items"):
-        raise TypeError(f"gradient accumulation splits a dict-like batch; the collator gave a {type(batch).__name__}")
+        raise UsageError(
+            f"elastic.hf.Trainer: gradient_accumulation_steps > 1 splits each step's batch into micro-batches, "
+            f"which needs a dict-like batch; the data collator gave a {type(batch).__name__}"
+        )
     pieces: list[dict[str, Any]] = [{} for _ in range(parts)]
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
@@ -102,25 +115,29 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
 
 
 class _LossTally:
-    """The steps' losses on the device, read (one host sync) only when the Trainer logs."""
+    """The steps' losses (and the last gradient norm) on the device, read only when the Trainer logs: one host
+    sync per log, the loss averaged over ranks as the stock Trainer logs it (a collective: every rank logs at
+    the same steps)."""
 
     def __init__(self, device: torch.device, step: int) -> None:
         self.pending = torch.zeros((), device=device)
+        self.grad_norm: torch.Tensor | None = None
         self.last_read = step
         self.total = 0.0
         """Sum of the losses read so far (for the mean loss of this train() call)."""
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         self.pending += loss
+        self.grad_norm = grad_norm
 
-    def read(self, step: int) -> float:
-        """The mean loss of the steps since the last read, up to `step`."""
+    def read(self, step: int, run: Run) -> tuple[float, float | None]:
+        """(The mean loss over ranks of the steps since the last read, up to `step`; the last gradient norm.)"""
         steps = max(1, step - self.last_read)
-        value = self.pending.item()
+        value = all_reduce_mean(run.ctx, self.pending.clone()).item() if run.distributed else self.pending.item()
         self.total += value
         self.pending.zero_()
         self.last_read = step
-        return value / steps
+        return value / steps, None if self.grad_norm is None else self.grad_norm.item()
 
 
 class _RunLogLines(TrainerCallback):
@@ -151,17 +168,17 @@ class Trainer(transformers.Trainer):
                 check_training_arguments(given["args"])
             check_dataset(given.get("train_dataset"), "elastic.hf.Trainer")
             if given.get("model_init") is not None:
-                from elastic.errors import UsageError
-
                 raise UsageError("elastic.hf.Trainer: model_init is not supported; pass the model")
         super().__init__(*args, **kwargs)
         with exit_on_elastic_error():
             check_training_arguments(self.args)  # the defaults the Trainer filled in
+            if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # e.g. from `accelerate launch`'s environment
+                raise UsageError(
+                    "elastic.hf.Trainer: accelerate is set up for DeepSpeed or FSDP (ACCELERATE_USE_DEEPSPEED / "
+                    "ACCELERATE_USE_FSDP); the Trainer integration trains with DDP: launch without them"
+                )
             self.run_config = run_config_for(self.args, run_config)
         self._log_lines = _RunLogLines()
-        for replaced in (ProgressCallback, PrinterCallback):
-            self.remove_callback(replaced)
-        self.add_callback(self._log_lines)
         self.run: Run | None = None
 
     def train(
@@ -174,13 +191,21 @@ class Trainer(transformers.Trainer):
         """Train `max_steps` steps from the newest good checkpoint (or from the start); see the module docstring."""
         with exit_on_elastic_error():
             check_train_call(resume_from_checkpoint, trial)
-            with Run(self.run_config) as run:
-                self.run = self._log_lines.run = run
-                try:
+            # While training, the run's progress line replaces the Trainer's bar (its logs print beside it).
+            consoles = [cb for cb in self.callback_handler.callbacks if isinstance(cb, (ProgressCallback, PrinterCallback))]
+            for callback in consoles:
+                self.remove_callback(callback)
+            self.add_callback(self._log_lines)
+            try:
+                with Run(self.run_config) as run:
+                    self.run = self._log_lines.run = run
                     return self._train_on(run, ignore_keys_for_eval)
-                finally:
-                    self.run = self._log_lines.run = None
-                    self.is_in_train = False
+            finally:
+                self.run = self._log_lines.run = None
+                self.is_in_train = False
+                self.remove_callback(self._log_lines)
+                for callback in consoles:
+                    self.add_callback(callback)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -191,26 +216,31 @@ class Trainer(transformers.Trainer):
         started, first_step = time.time(), run.step
         tally = _LossTally(run.device, run.step)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        evaluate_now = False
         for batch in run.batches(loader, max_steps=args.max_steps):
+            if evaluate_now:  # at the step boundary: the run's step, data position and state agree here
+                self._evaluate_paused(run, ignore_keys_for_eval)
+                evaluate_now = False
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             step_loss, grad_norm, learning_rate = self._optimizer_step(model, batch, run.device)
             run.log(step_loss)
-            tally.add(step_loss)
+            tally.add(step_loss, grad_norm)
             self.state.global_step = run.step + 1  # the run counts the step when the next batch is asked for
             self.state.epoch = run.epochs_done + self._step_samples * run.world_size / len(self.train_dataset)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.control.should_log:
-                logs = {"loss": tally.read(self.state.global_step), "learning_rate": learning_rate}
-                self.log(logs if grad_norm is None else {**logs, "grad_norm": grad_norm})
+                loss, norm = tally.read(self.state.global_step, run)
+                logs = {"loss": loss, "learning_rate": learning_rate}
+                self.log(logs if norm is None else {**logs, "grad_norm": norm})
                 self.control.should_log = False
-            if self.control.should_evaluate:
-                with run.pause():  # not a training step: the watchdog does not count it
-                    self.evaluate(ignore_keys=ignore_keys_for_eval)
-                self.control.should_evaluate = False
+            evaluate_now = evaluate_now or self.control.should_evaluate
+            self.control.should_evaluate = False
             self.control.should_save = False  # the run checkpoints every save_steps by itself
             if self.control.should_training_stop and run.step + 1 < args.max_steps:
                 break  # a callback stops the run: this step counts (its optimizer step is done)
-        tally.read(run.step)
+        if evaluate_now:
+            self._evaluate_paused(run, ignore_keys_for_eval)
+        tally.read(run.step, run)
         summary = run.finish()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         steps = run.step - first_step
@@ -222,6 +252,14 @@ class Trainer(transformers.Trainer):
         self.log(dict(metrics))
         return TrainOutput(run.step, metrics["train_loss"], metrics)
 
+    def _evaluate_paused(self, run: Run, ignore_keys: list[str] | None) -> None:
+        """The Trainer's evaluation between steps: the watchdog does not count it, a SIGTERM waits for its end
+        and then commits the step; a plateau scheduler steps on its metric, and the best metric is kept."""
+        with run.pause():
+            metrics = self._evaluate(None, ignore_keys)
+        if self.args.metric_for_best_model:
+            self._determine_best_metric(metrics, None)
+
     def _prepare(self, run: Run) -> tuple[torch.nn.Module, DataLoader]:
         """DDP, the Trainer's optimizer and scheduler, the restore, the TrainerState and the step loader."""
         args = self.args
@@ -229,8 +267,7 @@ class Trainer(transformers.Trainer):
             self.model.to(run.device)
         ddp_options = {"find_unused_parameters": bool(args.ddp_find_unused_parameters)} if run.distributed else {}
         model = self.model_wrapped = run.ddp(self.model, **ddp_options)
-        self.optimizer = self.lr_scheduler = None
-        self.create_optimizer()
+        self.create_optimizer()  # each keeps what Trainer(optimizers=(...)) was given
         self.create_scheduler(num_training_steps=args.max_steps, optimizer=self.optimizer)
         self._step_samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
         run.start(model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler, data=self.train_dataset,
@@ -242,26 +279,33 @@ class Trainer(transformers.Trainer):
         self.callback_handler.train_dataloader = loader
         return model, loader
 
-    def _optimizer_step(self, model: torch.nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, float | None, float]:
+    def _optimizer_step(
+        self, model: torch.nn.Module, batch: Any, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """One step: its micro-batches through `training_step` (gradients reduced on the last), clipping,
-        the optimizer and the scheduler. Returns (the step's loss, the gradient norm, the learning rate used)."""
+        the optimizer and the scheduler. Returns (the step's loss, the gradient norm, the learning rate used);
+        the tensors stay on the device."""
         args = self.args
         micro_batches = split_batch(batch, args.gradient_accumulation_steps)
-        self.current_gradient_accumulation_steps = len(micro_batches)  # training_step divides the loss by it
+        # As the stock loop: the loss is normalised by the label tokens of the whole step (on every rank, when
+        # average_tokens_across_devices), else divided by the micro-batches.
+        num_items = self._get_num_items_in_batch(micro_batches, device)
+        self.current_gradient_accumulation_steps = len(micro_batches)
         step_loss = torch.zeros((), device=device)
         for i, inputs in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
                 with self.accelerator.autocast():
-                    step_loss += self.training_step(model, inputs).detach()
+                    step_loss += self.training_step(model, inputs, num_items).detach()
         grad_norm = None
         if args.max_grad_norm and args.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).detach()
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
         self.optimizer.step()
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         learning_rate = self._get_learning_rate()
-        self.lr_scheduler.step()
+        if not isinstance(self.lr_scheduler, METRIC_SCHEDULERS):  # those step on the evaluation's metric (_evaluate)
+            self.lr_scheduler.step()
         model.zero_grad(set_to_none=True)
         return step_loss, grad_norm, learning_rate
 

@@ -25,6 +25,8 @@ from elastic.checkpoint import read_checkpoint  # noqa: E402
 pytestmark = pytest.mark.slow
 
 RECIPES = {"trainer": REPO / "recipes" / "hf_trainer.py", "accelerate": REPO / "recipes" / "hf_accelerate.py"}
+# bf16 autocast on both; the Trainer's steps split into two micro-batches (DDP's no_sync on the first).
+RECIPE_ARGS = {"trainer": ("--bf16", "--grad-accum", "2"), "accelerate": ("--bf16",)}
 MODEL = ("--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8")
 STEPS = 30
 
@@ -41,9 +43,9 @@ def common_args(corpus: Path, ckpt: Path, steps: int) -> list[str]:
             "--ckpt-every", "5", "--dropout", "0.1", "--output-dir", str(ckpt.parent / "model"), *MODEL]
 
 
-def uninterrupted(recipe: Path, workdir: Path, corpus: Path) -> dict[str, torch.Tensor]:
-    spec = JobSpec(workdir=workdir, nnodes="2:2", run_id="reference", script=recipe,
-                   script_args=common_args(corpus, workdir / "ckpt", STEPS))
+def uninterrupted(recipe: str, workdir: Path, corpus: Path) -> dict[str, torch.Tensor]:
+    spec = JobSpec(workdir=workdir, nnodes="2:2", run_id="reference", script=RECIPES[recipe],
+                   script_args=[*common_args(corpus, workdir / "ckpt", STEPS), *RECIPE_ARGS[recipe]])
     with ChaosJob(spec) as job:
         job.start()
         assert job.wait(240) == [0, 0], job.logs()
@@ -58,11 +60,11 @@ def test_a_worker_killed_at_a_random_step_ends_bit_identical(recipe: str, tmp_pa
     print(f"seed {seed}")
     result = run_scenario(
         "kill-worker", tmp_path / "killed", corpus, steps=STEPS, seed=seed, recipe=RECIPES[recipe],
-        model_args=MODEL, recipe_args=("--output-dir", str(tmp_path / "killed" / "model")),
+        model_args=MODEL, recipe_args=("--output-dir", str(tmp_path / "killed" / "model"), *RECIPE_ARGS[recipe]),
     )
     print(result.summary())
     assert result.ok, result.summary() + "\n" + result.logs
-    want = uninterrupted(RECIPES[recipe], tmp_path / "reference", corpus)
+    want = uninterrupted(recipe, tmp_path / "reference", corpus)
     got = read_checkpoint(tmp_path / "killed" / "ckpt" / result.final_checkpoint)[1]
     assert want.keys() == got.keys() and any(k.startswith("optim/") for k in want)
     different = [k for k in sorted(want) if not torch.equal(want[k], got[k])]

@@ -203,7 +203,9 @@ def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp
     assert result.returncode == 0, result.stdout + result.stderr
     (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
     assert row["final_weights_identical"] and row["resize_audit"]["samples_wrong"] == 0
-    assert row["resize_audit"]["passes"] >= 1 and row["steps_redone"] >= 0
+    # Killed at step 12 or a little later, with saves every 5 steps (one may still be in flight): what the
+    # restarted group trains again lies between 1 step and every step since the save before the last.
+    assert row["resize_audit"]["passes"] >= 1 and 1 <= row["steps_redone"] <= 16
     assert "ours/torchrun" in result.stdout
     bad = subprocess.run([sys.executable, "benchmarks/hf_resume.py", "--systems", "fast"], capture_output=True, text=True,
                          timeout=60, cwd=REPO)

@@ -38,17 +38,21 @@ class StopAt(TrainerCallback):
         return control
 
 
-def train(workdir: Path, *, stop_at: int | None = None) -> Trainer:
-    train_windows, _ = split_corpus(make_text(random.Random(5), 8_000).encode(), block_size=16)
+def train(workdir: Path, *, stop_at: int | None = None, **settings) -> Trainer:
+    train_windows, val_windows = split_corpus(make_text(random.Random(5), 8_000).encode(), block_size=16)
     transformers.set_seed(11)
     model = byte_lm(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.2)
+    settings = {
+        "learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 2, "eval_strategy": "steps",
+        "eval_steps": 3, **settings,
+    }
     args = transformers.TrainingArguments(
         output_dir=str(workdir / "out"), max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=2, save_steps=3, logging_steps=2, seed=11,
-        report_to="none", use_cpu=True,
+        save_steps=3, logging_steps=2, seed=11, report_to="none", use_cpu=True, per_device_eval_batch_size=8,
+        **settings,
     )
     trainer = Trainer(
-        model=model, args=args, train_dataset=ByteWindows(train_windows),
+        model=model, args=args, train_dataset=ByteWindows(train_windows), eval_dataset=ByteWindows(val_windows),
         callbacks=[StopAt(stop_at)] if stop_at else None,
         run_config=RunConfig(events=str(workdir / "events.jsonl"), hang_timeout=0),
     )
@@ -79,9 +83,32 @@ def test_the_trainers_logs_callbacks_and_save_model_still_work(tmp_path: Path) -
     trainer = train(tmp_path)
     losses = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in losses] == [2, 4, 6, 8, 10]
-    assert all(entry["loss"] > 0 and "learning_rate" in entry for entry in losses)
+    assert all(entry["loss"] > 0 and "learning_rate" in entry and "grad_norm" in entry for entry in losses)
+    # Evaluated between steps, after the step it was due at: 3, 6, 9 and the last.
+    assert [entry["step"] for entry in trainer.state.log_history if "eval_loss" in entry] == [3, 6, 9, 10]
     trainer.save_model()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), trainer.model.state_dict().values()))
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert events.count("step") == STEPS and events[-1] == "end"
+
+
+def test_a_plateau_schedule_steps_on_the_evaluation_and_the_best_metric_is_kept(tmp_path: Path) -> None:
+    trainer = train(tmp_path, lr_scheduler_type="reduce_lr_on_plateau", metric_for_best_model="loss",
+                    greater_is_better=False)
+    assert isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert trainer.state.best_metric == min(evals)
+
+
+def test_an_optimizer_given_to_the_trainer_is_the_one_trained_and_saved(tmp_path: Path) -> None:
+    train_windows, _ = split_corpus(make_text(random.Random(5), 4_000).encode(), block_size=16)
+    model = byte_lm(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.0)
+    mine = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+                                          report_to="none", use_cpu=True, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(train_windows), optimizers=(mine, None))
+    trainer.train()
+    assert trainer.optimizer is mine
+    state = final_tensors(tmp_path)
+    assert any(k.startswith("optim/") and "momentum_buffer" in k for k in state), sorted(state)[:5]
