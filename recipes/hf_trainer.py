@@ -63,6 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def training_arguments(args: argparse.Namespace) -> transformers.TrainingArguments:
+    """The recipe's flags as TrainingArguments (save_steps is --ckpt-every: the run saves at those steps)."""
+    return transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
+        per_device_train_batch_size=args.batch_size // args.grad_accum, gradient_accumulation_steps=args.grad_accum,
+        per_device_eval_batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20),
+        max_grad_norm=args.grad_clip, bf16=args.bf16,
+        use_cpu=args.device == "cpu" or not torch.cuda.is_available(),  # bf16 on a CPU needs it said
+        save_strategy="steps" if args.ckpt_every else "no", save_steps=args.ckpt_every or 1,
+        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
+        logging_steps=args.log_every, report_to="none", dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size % args.grad_accum:
@@ -74,17 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     transformers.set_seed(args.seed)  # the same initial weights on every rank
     model = byte_lm(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
                     dropout=args.dropout)
-    training_args = transformers.TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed,
-        per_device_train_batch_size=args.batch_size // args.grad_accum, gradient_accumulation_steps=args.grad_accum,
-        per_device_eval_batch_size=args.batch_size, learning_rate=args.lr, weight_decay=args.weight_decay,
-        lr_scheduler_type="cosine", warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.max_steps // 20),
-        max_grad_norm=args.grad_clip, bf16=args.bf16, use_cpu=args.device == "cpu",
-        save_strategy="steps" if args.ckpt_every else "no", save_steps=args.ckpt_every or 1,
-        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
-        logging_steps=args.log_every, report_to="none", dataloader_num_workers=0,
-        dataloader_pin_memory=torch.cuda.is_available(),
-    )
+    try:
+        training_args = training_arguments(args)
+    except ValueError as exc:  # transformers' own checks of the combination (one line, exit 2)
+        raise UsageError(f"TrainingArguments: {' '.join(str(exc).split())}") from None
     trainer = Trainer(
         model=model, args=training_args, train_dataset=ByteWindows(train_windows),
         eval_dataset=Subset(ByteWindows(val_windows), range(min(args.eval_samples, len(val_windows)))),
