@@ -29,12 +29,12 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from accelerate import Accelerator, FullyShardedDataParallelPlugin  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
-from hf_model import ByteWindows, byte_lm  # noqa: E402
+from hf_model import ByteWindows, add_model_arguments, byte_lm  # noqa: E402
 from text_data import load_corpus, split_corpus  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic.cli import OneLineArgumentParser, configure_logging, non_negative_int, positive_float, positive_int, run_main, unit_interval  # noqa: E402
+from elastic.cli import OneLineArgumentParser, configure_logging, positive_float, positive_int, run_main  # noqa: E402
 from elastic.errors import UsageError  # noqa: E402
 from elastic.hf import start_accelerated  # noqa: E402
 from elastic.runtime import all_reduce_mean  # noqa: E402
@@ -50,17 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--output-dir", default="hf_accelerate_output", help="where the final model is saved")
     elastic.add_runtime_arguments(p, seed=1337)
-    p.add_argument("--block-size", type=positive_int, default=128, help="context length in bytes")
-    p.add_argument("--n-layer", type=positive_int, default=2)
-    p.add_argument("--n-head", type=positive_int, default=4)
-    p.add_argument("--n-embd", type=positive_int, default=128)
-    p.add_argument("--dropout", type=unit_interval, default=0.1)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--warmup-steps", type=non_negative_int, default=None, help="default: 5%% of --max-steps")
-    p.add_argument("--grad-clip", type=positive_float, default=1.0, help="max global gradient norm")
-    p.add_argument("--eval-every", type=non_negative_int, default=100, help="steps between validations (0: off)")
-    p.add_argument("--eval-samples", type=positive_int, default=256, help="held-out windows per validation")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    add_model_arguments(p)
     p.add_argument("--fsdp", action="store_true", help="shard the model with accelerate's FSDP2 plugin instead of DDP")
     return p
 
