@@ -238,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="hf-resume-"))
     root.mkdir(parents=True, exist_ok=True)
     data = corpus(root)
-    sys.path.insert(0, str(HERE))
-    from hf_resume_common import NumberedWindows  # noqa: F401 - the same windows the scripts train on
+    sys.path.insert(0, str(HERE.parent / "recipes"))  # the windows the scripts train on (hf_resume_common)
     from text_data import split_corpus
 
     num_samples = len(split_corpus(data.read_bytes(), block_size=32, val_fraction=0.01)[0])
