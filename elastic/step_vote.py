@@ -13,7 +13,10 @@ So a vote is started at the end of a step and read at the end of the next
 vote step, and vote steps are `every` steps apart: the number of steps in
 about `VOTE_SECONDS` (at most `MAX_EVERY`, and few enough that a signal's
 two votes fit in a quarter of `--term-grace`). The ranks agree on `every`
-through the vote itself.
+through the vote itself. `every` at most doubles per vote (1, 2, 4, 8, 10):
+what a loop measures in its first steps (the first snapshot's cost, which
+sets the snapshot interval) is agreed a few steps later, not a second's
+worth of steps later.
 
     vote = StepVote(ctx, ballot=lambda: (signalled, storage_failing, snapshot_every_proposal), grace=15.0)
     for each step:
@@ -94,14 +97,15 @@ class StepVote:
         self.votes = 0
 
     def proposal(self) -> int:
-        """This rank's ballot for `every`: about VOTE_SECONDS of steps, within the bounds."""
+        """This rank's ballot for `every`: about VOTE_SECONDS of steps, within the bounds, at most twice
+        the agreed `every`."""
         if not self._step_seconds:
             return 1
         step = statistics.median(self._step_seconds)
         if step <= 0:
             return MAX_EVERY
         within_grace = int(self._grace / 4 / (2 * step))  # a signal's two votes in a quarter of the grace
-        return max(1, min(round(VOTE_SECONDS / step), MAX_EVERY, within_grace))
+        return max(1, min(round(VOTE_SECONDS / step), MAX_EVERY, within_grace, 2 * self.every))
 
     def _cast(self) -> agreement.PendingMax:
         preempted, storage_failing, snapshot_every = self._ballot()

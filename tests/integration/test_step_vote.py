@@ -97,7 +97,7 @@ def test_every_rank_reads_each_vote_at_the_next_vote_step(tmp_path: Path) -> Non
             [False, True, 5, 1],  # fresh: rank 1's storage flag raised just before counts
             None,
         ],
-        "voted": [1, 2, 3, 7, 11, 15],  # every 4 steps once the 0.25 s steps are measured and agreed
+        "voted": [1, 2, 3, 5, 9, 13],  # every 4 steps (1, 2, then 4: at most doubling) once the 0.25 s steps are measured
         "every": 4,
     }
 
