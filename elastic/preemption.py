@@ -13,7 +13,11 @@ Invariants:
   `signalled`; every rank gets the same answer, so when any one rank is
   signalled (one pod deleted), the whole job checkpoints at the same step.
 - A second SIGTERM restores the default action and kills the worker at once,
-  for an operator (or agent) who does not want to wait.
+  for an operator (or agent) who does not want to wait. Inside a Slurm job the
+  requeue signal (USR1 by default, elastic.slurm.requeue) stops the job the
+  same way and marks it for requeueing; it never kills at once (Slurm may send
+  it to a process twice: to the steps, and through the batch shell), and one
+  SIGTERM after it (the agent stopping its workers) changes nothing.
 - The step boundary where the job agrees to stop (`at_boundary`; in
   `elastic.Run`, the end of the step after the signal's, see step_vote.py)
   must come within `grace` seconds of the signal. A worker
@@ -27,7 +31,8 @@ Invariants:
   never affected: in them the flag is clear, the SIGTERM disposition and the
   wakeup fd are those from before the install (a child whose Python refuses
   to change them gets its wakeup fd pointed at /dev/null instead), and their
-  copies of the socketpair are closed, never shut down. So a SIGTERM that
+  copies of the socketpair are closed, never shut down. The Slurm requeue
+  signal is ignored in them: Slurm sends it to every process of the step. So a SIGTERM that
   reaches only a child ends that child (status -15) and is never read as the
   parent's preemption.
 - The watcher is an `elastic.threads` one: `uninstall` (or the exit) ends it
@@ -75,18 +80,30 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class PreemptionHandler:
-    def __init__(self, ctx: WorkerContext, signum: int = signal.SIGTERM, grace: float = DEFAULT_GRACE_SECONDS) -> None:
+    """SIGTERM, and inside a Slurm job the requeue signal (elastic.slurm.requeue), mean "stop at the
+    next step boundary". The first such signal counts; a second SIGTERM ends the process at once; the
+    requeue signal again, or one SIGTERM after it (the agent stopping its workers), changes nothing."""
+
+    def __init__(
+        self, ctx: WorkerContext, signum: int = signal.SIGTERM, grace: float = DEFAULT_GRACE_SECONDS,
+        *, requeue_signum: int | None = None,
+    ) -> None:
         self._ctx = ctx
         self._signum = signum
+        self._requeue_signum = requeue_signum
+        self._signals = tuple(s for s in (signum, requeue_signum) if s is not None)
         self._grace = grace
         self._flag = False
-        self._previous = None
+        self._received: int | None = None
+        self._terms = 0  # SIGTERMs seen: the second ends the process at once
+        self._previous: dict[int, object] = {}
         self._reached_boundary = threading.Event()
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._watcher: threading.Thread | None = None
         self._previous_wakeup_fd = -1
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signum, self._on_signal)
+            for each in self._signals:
+                self._previous[each] = signal.signal(each, self._on_signal)
             self._watch_for_blocked_signal()
             _installed.append(self)
 
@@ -115,19 +132,23 @@ class PreemptionHandler:
         self._flag = False  # the parent's signal is not the child's
         self._watcher = None  # not forked with the child
         self._reached_boundary = threading.Event()  # the parent's may have been mid-use by another thread
+        self._received = None
+        self._terms = 0
         wakeup, self._wakeup = self._wakeup, None
-        previous, self._previous = self._previous, None
+        previous, self._previous = self._previous, {}
         wakeup_cleared = True
         if wakeup is not None:
             try:
                 signal.set_wakeup_fd(self._previous_wakeup_fd)
             except ValueError:  # Python does not see this thread as the main one (a fork from another thread)
                 wakeup_cleared = False
-        if previous is not None:
+        for each, disposition in previous.items():
+            if each == self._requeue_signum:
+                disposition = signal.SIG_IGN  # Slurm signals the child too: the parent acts for it
             try:
-                signal.signal(self._signum, previous)
+                signal.signal(each, disposition)
             except ValueError:  # same cause; then Python never runs the handler in this child anyway
-                logger.debug("forked child could not restore the %s disposition", signal.Signals(self._signum).name)
+                logger.debug("forked child could not restore the %s disposition", signal.Signals(each).name)
         if wakeup is None:
             return
         reader, writer = wakeup
@@ -152,19 +173,20 @@ class PreemptionHandler:
         boundary, so a second signal ends the process at once even when the main
         thread is blocked in C++ (where the Python handler cannot run).
         """
-        seen = 0
+        seen: dict[int, int] = {}
         deadline: float | None = None
         while True:
             timeout = None
             if deadline is not None and not self._reached_boundary.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    first = self._received or self._signum
                     print(
-                        f"preemption: {signal.Signals(self._signum).name} arrived but no step ended within "
+                        f"preemption: {signal.Signals(first).name} arrived but no step ended within "
                         f"{self._grace:g} s (blocked in a collective?); exiting without a checkpoint",
                         file=sys.stderr, flush=True,
                     )
-                    os._exit(128 + self._signum)
+                    os._exit(128 + first)
                 timeout = min(remaining, 0.05)  # look at the boundary between reads
             try:
                 reader.settimeout(timeout)
@@ -175,24 +197,37 @@ class PreemptionHandler:
                 return
             if not data:  # uninstalled
                 return
-            seen += data.count(self._signum)
-            if seen >= 2:
-                os._exit(128 + self._signum)  # the second signal: no more waiting
-            if seen == 1 and deadline is None:
+            for each in self._signals:
+                seen[each] = seen.get(each, 0) + data.count(each)
+            if seen[self._signum] >= 2:
+                os._exit(128 + self._signum)  # SIGTERM again: no more waiting
+            if deadline is None and any(seen.values()):
                 deadline = time.monotonic() + self._grace
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == self._signum:
+            self._terms += 1
+            if self._terms >= 2:  # SIGTERM again: the default action, now
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+                return
         if self._flag:
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-            return
+            return  # the requeue signal again (Slurm may deliver it more than once), or SIGTERM after it
         self._flag = True
-        logger.warning("received %s: finishing this step, then checkpointing and exiting", signal.Signals(signum).name)
+        self._received = signum
+        then = ", then requeueing the Slurm job" if signum == self._requeue_signum else ""
+        logger.warning("received %s: finishing this step, then checkpointing and exiting%s",
+                       signal.Signals(signum).name, then)
 
     @property
     def signalled(self) -> bool:
         """Whether this process received the signal (no communication)."""
         return self._flag
+
+    @property
+    def requeue_signalled(self) -> bool:
+        """Whether the signal this process received first was the Slurm requeue signal."""
+        return self._flag and self._received == self._requeue_signum
 
     def requested(self) -> bool:
         """Whether any rank was signalled (a collective: call it on every rank at every step)."""
@@ -224,9 +259,9 @@ class PreemptionHandler:
     def uninstall(self) -> None:
         if self in _installed:
             _installed.remove(self)
-        if self._previous is not None:
-            signal.signal(self._signum, self._previous)
-            self._previous = None
+        for each, disposition in self._previous.items():
+            signal.signal(each, disposition)
+        self._previous = {}
         if self._wakeup is not None:
             signal.set_wakeup_fd(self._previous_wakeup_fd)
             reader, writer = self._wakeup

@@ -5,6 +5,10 @@ Invariants:
   the rest of the library takes the typed `WorkerContext`.
 - A worker started by plain `python` (neither RANK nor WORLD_SIZE set) is a job
   of one: rank 0, world size 1, no process group, same code path otherwise.
+- A task of an srun step without torchrun's variables (`srun python script.py`)
+  takes its place from Slurm's (`elastic.slurm.step`); its group meets at the
+  step's first node, on a port derived from the job id (MASTER_ADDR and
+  MASTER_PORT, when set, win).
 - Under torchrun a process group is always created (at world size 1 too, so an
   elastic job that grows or shrinks runs the same code), always with a finite
   timeout so a dead peer becomes an error rather than a hang, and it is
@@ -37,6 +41,8 @@ from elastic import threads
 from elastic.config import DEVICE_CHOICES
 from elastic.errors import EnvironmentConfigError, UsageError
 from elastic.round_store import recovery_hint, round_store
+from elastic.slurm import step as slurm_step
+from elastic.slurm.control import SlurmControlError, node_address
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +73,9 @@ class LaunchEnv:
     run_id: str
     """The job's rendezvous id (TORCHELASTIC_RUN_ID); "local" for a single process."""
     launched: bool
-    """True when started by a launcher that set RANK/WORLD_SIZE, False for plain `python`."""
+    """True when started by a launcher (torchrun, or srun without one), False for plain `python`."""
+    slurm_task: slurm_step.SlurmTask | None = None
+    """Set for a task of an srun step with no agent: it meets its peers at the step's first node."""
 
 
 SINGLE_PROCESS = LaunchEnv(
@@ -94,13 +102,13 @@ def _read_int(environ: Mapping[str, str], name: str, default: int | None = None)
 
 
 def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
-    """Parse the torchrun environment; a plain `python` start gives `SINGLE_PROCESS`.
+    """Parse the torchrun environment (else an srun step's); a plain `python` start gives `SINGLE_PROCESS`.
 
     Raises `EnvironmentConfigError` (one line) for values that are missing,
     not integers, negative, or inconsistent (rank outside the world).
     """
     if "RANK" not in environ and "WORLD_SIZE" not in environ:
-        return SINGLE_PROCESS
+        return _slurm_launch_env(environ) if slurm_step.in_step(environ) else SINGLE_PROCESS
     rank = _read_int(environ, "RANK")
     world_size = _read_int(environ, "WORLD_SIZE")
     # LOCAL_* default to a one-worker node: launchers other than torchrun often omit them.
@@ -127,6 +135,41 @@ def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
         run_id=run_id,
         launched=True,
     )
+
+
+def _slurm_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
+    """A task of `srun python script.py`: its place from Slurm's variables."""
+    try:
+        task = slurm_step.read_task(environ)
+    except ValueError as exc:
+        raise EnvironmentConfigError(f"Slurm step: {exc}") from None
+    return LaunchEnv(
+        rank=task.rank, local_rank=task.local_rank, world_size=task.world_size,
+        local_world_size=task.local_world_size, restart_count=task.restart_count,
+        run_id=f"slurm-{task.job_id}", launched=True, slurm_task=task,
+    )
+
+
+def _slurm_store(
+    task: slurm_step.SlurmTask, environ: Mapping[str, str], timeout: timedelta
+) -> dist.Store:
+    """The step's rendezvous: rank 0 hosts a TCP store on the step's first node, the others connect."""
+    try:
+        host = environ.get("MASTER_ADDR") or node_address(task.nodes[0])
+    except SlurmControlError as exc:
+        raise EnvironmentConfigError(f"Slurm step: {exc}; set MASTER_ADDR to the first node's address") from None
+    try:
+        return dist.TCPStore(
+            host, task.master_port, task.world_size, is_master=task.rank == 0, timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+        first_line = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+        where = "listen" if task.rank == 0 else "reach rank 0"
+        raise EnvironmentConfigError(
+            f"Slurm step: rank {task.rank} cannot {where} at {host}:{task.master_port} ({first_line}); "
+            "set MASTER_PORT to a free port"
+        ) from None
 
 
 def select_device(
@@ -178,6 +221,8 @@ class WorkerContext:
     device: torch.device
     backend: str | None
     """Process group backend, or None when running as a single process without one."""
+    slurm_job_id: int | None = None
+    """The Slurm job of a task started by srun with no agent (it requeues the job itself)."""
 
     @property
     def is_main(self) -> bool:
@@ -216,8 +261,9 @@ def init_worker(
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
             # Under torchrun's shared agent store: a namespace no earlier round used
-            # (elastic.round_store); otherwise None, torch's env:// as usual.
-            store=round_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout),
+            # (elastic.round_store); a Slurm step's own store; otherwise None, torch's env:// as usual.
+            store=(_slurm_store(env.slurm_task, environ, timeout) if env.slurm_task is not None
+                   else round_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout)),
         )
         if backend == "nccl":
             global _control_group
@@ -231,6 +277,7 @@ def init_worker(
         run_id=env.run_id,
         device=dev,
         backend=backend,
+        slurm_job_id=env.slurm_task.job_id if env.slurm_task is not None else None,
     )
     logger.info(
         "worker ready: run=%s rank=%d/%d local_rank=%d device=%s backend=%s restart=%d",

@@ -50,9 +50,14 @@ from dataclasses import dataclass
 from elastic import agreement
 from elastic.runtime import WorkerContext
 
-Ballot = Callable[[], tuple[bool, bool, int]]
-"""This rank's (preempted, storage failing, proposed snapshot interval; 0: no opinion)."""
+Ballot = Callable[[], tuple[int, bool, int]]
+"""This rank's (preemption: 0, STOP_BALLOT or REQUEUE_BALLOT; storage failing; proposed snapshot interval,
+0: no opinion)."""
 
+STOP_BALLOT = 1
+"""A rank's preemption ballot after SIGTERM: commit and leave."""
+REQUEUE_BALLOT = 2
+"""After the Slurm requeue signal: commit, leave and requeue (the vote's MAX: one rank's is enough)."""
 VOTE_SECONDS = 1.0
 MAX_EVERY = 10
 _WINDOW = 16  # recent steps the step time is measured on
@@ -63,7 +68,9 @@ class Verdict:
     """What every rank acts on at the end of a step."""
 
     preempted: bool = False
-    """Some rank received SIGTERM."""
+    """Some rank received SIGTERM (or the Slurm requeue signal)."""
+    requeue: bool = False
+    """Some rank received the Slurm requeue signal: after the commit, the job requeues itself."""
     storage_failing: bool = False
     """Rank 0's periodic saves failed `ckpt_max_failures` times in a row."""
     snapshot_every: int = 0
@@ -74,7 +81,9 @@ class Verdict:
     @classmethod
     def of(cls, values: list[int]) -> Verdict:
         preempted, storage_failing, snapshot_every, vote_every = values
-        return cls(bool(preempted), bool(storage_failing), int(snapshot_every), int(vote_every))
+        return cls(preempted=bool(preempted), requeue=preempted >= REQUEUE_BALLOT,
+                   storage_failing=bool(storage_failing), snapshot_every=int(snapshot_every),
+                   vote_every=int(vote_every))
 
 
 NOTHING = Verdict()
@@ -139,8 +148,9 @@ class StepVote:
         self._next = None
         self.every = now.vote_every
         return Verdict(
-            earlier.preempted or now.preempted, earlier.storage_failing or now.storage_failing,
-            now.snapshot_every or earlier.snapshot_every, now.vote_every,
+            preempted=earlier.preempted or now.preempted, requeue=earlier.requeue or now.requeue,
+            storage_failing=earlier.storage_failing or now.storage_failing,
+            snapshot_every=now.snapshot_every or earlier.snapshot_every, vote_every=now.vote_every,
         )
 
     def settle(self) -> Verdict | None:

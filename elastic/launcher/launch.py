@@ -49,10 +49,11 @@ import sys
 import uuid
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import CheckpointStorageError, UsageError
-from elastic.launcher import warm_start
+from elastic.launcher import slurm_launch, warm_start
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.launcher.keeper_files import job_key
 from elastic.launcher.keeper_endpoint import keeper_host
@@ -132,8 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_rdzv_conf(args)
+        slurm_launch.expand_endpoint(args, os.environ, nnodes_given=args.nnodes is not None)
+        if args.nnodes is None:
+            args.nnodes = "1:1"  # torchrun's default
         preload = warm_start.preload_modules()
         check_script(args)
+        requeue = slurm_launch.RequeueSignal(os.environ)
+    except ValueError as error:  # a bad TORCHREVIVE_REQUEUE_SIGNAL
+        print(f"torchrevive-run: error: {error}", file=sys.stderr)
+        sys.exit(2)
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
@@ -146,15 +154,30 @@ def main(argv: list[str] | None = None) -> None:
     stop_restarts_on(FINAL_EXITS)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
+    stopped_by: signal.Signals | None = None
     try:
         record(launch)(args, preload)  # torch's own report of the failure comes first
     except ChildFailedError as error:
         print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
         _, failure = error.get_first_failure()
         sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
+    except SignalException as stop:  # SIGTERM, SIGINT... or the requeue signal: the workers were stopped
+        stopped_by = stop.sigval
+        # Leaving now: another SIGTERM (Slurm ending the step) must not raise into the exit's handlers.
+        for each in (signal.SIGTERM, signal.SIGINT, requeue.signum):
+            if each is not None:
+                signal.signal(each, signal.SIG_IGN)
     finally:
         if keeper is not None:
-            keeper.close()  # the newest snapshot is persisted before the agent leaves
+            keeper.close()  # the newest snapshot is persisted before the agent leaves (and before a requeue)
+    if stopped_by is not None:
+        name = "the Slurm requeue signal" if requeue.received else stopped_by.name
+        print(f"torchrevive-run: stopped by {name}; the workers were told to commit this step and leave",
+              file=sys.stderr, flush=True)
+        line = requeue.requeue_if_first_node()
+        if line is not None:
+            print(f"torchrevive-run: {line}", file=sys.stderr, flush=True)
+        sys.exit(128 + int(stopped_by))
 
 
 SNAPSHOTS_ENV = "TORCHREVIVE_SNAPSHOTS"
@@ -245,11 +268,12 @@ def check_script(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """torchrun's own parser; `start_method` is None when neither the command line
-    nor PET_START_METHOD chose one (torch would take spawn)."""
+    nor PET_START_METHOD chose one (torch would take spawn), `nnodes` None when
+    neither `--nnodes` nor PET_NNODES did (torch would take 1:1)."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
-    parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"))
+    parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"), nnodes=os.environ.get("PET_NNODES"))
     return parser.parse_args(argv)
 
 

@@ -67,6 +67,7 @@ from typing import Any
 from elastic import threads
 from elastic.errors import UsageError
 from elastic.launcher.proctree import WARM_WORKER_NAME
+from elastic.slurm.requeue import ignore_in_helper
 
 PRELOAD_ENV = "TORCHREVIVE_PRELOAD"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
@@ -377,6 +378,7 @@ def main() -> None:
 _fork_server_report: PreloadReport | None = None
 _fork_server_plan = os.environ.pop(FORK_SERVER_PRELOAD_ENV, None)
 if _fork_server_plan is not None and __name__ != "__main__":
+    ignore_in_helper(os.environ)  # Slurm's requeue signal reaches this process too; its workers inherit this
     _fork_server_report = import_preload([name for name in _fork_server_plan.split(",") if name])
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""`srun torchrevive-run --rdzv-endpoint=slurm ...`: one agent per node of a Slurm step, and the
+Slurm way of being preempted (commit on the requeue signal, then requeue the job).
+
+`--rdzv-endpoint=slurm` is spelled out from the step (elastic.slurm.step):
+
+- the endpoint: the step's first node (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST, expanded as
+  `scontrol show hostnames` does; its NodeAddr when the name does not resolve), on port
+  20000 + job id mod 5000, the same for every agent without talking and for every run of a
+  requeued job;
+- `--rdzv-backend c10d` (torchrun's default, static, has no endpoint to meet at) hosted by the
+  first node's agent (`is_host`, unless `--rdzv-conf` says otherwise);
+- `--rdzv-id slurm-JOBID` unless given: a requeued job's agents are the same run;
+- `--nnodes 1:N` for an N-node step unless given (`--nnodes`, PET_NNODES): the job goes on with
+  what is left of the allocation; give `--nnodes MIN:N` to ask for more.
+
+Invariants:
+- Outside a Slurm job `--rdzv-endpoint=slurm` is one line and exit 2, as is a backend other
+  than c10d with it.
+- The requeue signal (elastic.slurm.requeue) makes this agent stop its workers the way SIGTERM
+  does (they commit this step and exit); then the agent of the step's first node, and only it,
+  requeues the job. SIGTERM alone (scancel, the time limit) never requeues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from types import FrameType
+
+from elastic.errors import UsageError
+from elastic.slurm import step as slurm_step
+from elastic.slurm.control import SlurmControlError, node_address
+from elastic.slurm.requeue import requeue_after_preemption, requeue_signal
+
+SLURM_ENDPOINT = "slurm"
+
+
+def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nnodes_given: bool) -> None:
+    """Replace `--rdzv-endpoint=slurm` by the step's (see the module docstring); other endpoints stay."""
+    if args.rdzv_endpoint != SLURM_ENDPOINT:
+        return
+    if not slurm_step.in_job(environ):
+        raise UsageError("--rdzv-endpoint=slurm needs a Slurm job (SLURM_JOB_ID is not set): start the agents "
+                         "with srun inside an allocation, or give --rdzv-endpoint HOST:PORT")
+    if args.rdzv_backend not in ("static", "c10d"):
+        raise UsageError(f"--rdzv-endpoint=slurm meets at the first node's c10d store; --rdzv-backend "
+                         f"{args.rdzv_backend} needs an endpoint of its own (HOST:PORT)")
+    try:
+        nodes = slurm_step.job_nodes(environ)
+        job_id = slurm_step.job_id(environ)
+        host = node_address(nodes[0])
+        port = slurm_step.job_port(environ, slurm_step.RENDEZVOUS_PORT_BASE)
+    except (ValueError, SlurmControlError) as exc:
+        raise UsageError(f"--rdzv-endpoint=slurm: {exc}") from None
+    args.rdzv_endpoint = f"{host}:{port}"
+    args.rdzv_backend = "c10d"
+    if args.rdzv_id in (None, "", "none"):
+        args.rdzv_id = f"slurm-{job_id}"
+    if not nnodes_given:
+        args.nnodes = f"1:{len(nodes)}"
+    conf = args.rdzv_conf or ""
+    if "is_host" not in {item.split("=", 1)[0].strip() for item in conf.split(",")}:
+        hosts = environ.get("SLURMD_NODENAME", "") == nodes[0]
+        args.rdzv_conf = ",".join(filter(None, [conf, f"is_host={str(hosts).lower()}"]))
+
+
+class RequeueSignal:
+    """The agent's side of the requeue signal: stop the workers as SIGTERM would, remember why."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.received = False
+        self._environ = environ
+        self.signum = requeue_signal(environ)  # ValueError for a bad TORCHREVIVE_REQUEUE_SIGNAL
+        if self.signum is not None:
+            signal.signal(self.signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if self.received:
+            return  # Slurm may send it to every process of the step; one stop is enough
+        self.received = True
+        print(f"torchrevive-run: received {signal.Signals(signum).name}: stopping the workers (they commit this "
+              "step), then requeueing the Slurm job", file=sys.stderr, flush=True)
+        # torch's agent handles SIGTERM by raising this from its handler; its workers get SIGTERM, which
+        # after the requeue signal they take as the same stop (elastic.preemption).
+        raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}",
+                              sigval=signal.SIGTERM)
+
+    def requeue_if_first_node(self) -> str | None:
+        """After the workers stopped: the one line of the first node's requeue; None on other nodes."""
+        if not self.received or not slurm_step.in_job(self._environ):
+            return None
+        try:
+            first = slurm_step.job_nodes(self._environ)[0]
+            job_id = slurm_step.job_id(self._environ)
+        except ValueError as exc:
+            return f"Slurm job not requeued: {exc}"
+        if self._environ.get("SLURMD_NODENAME", first) != first:
+            return None
+        return requeue_after_preemption(job_id)
