@@ -13,9 +13,12 @@ Slurm way of being preempted (commit on the requeue signal, then requeue the job
 - `--nnodes 1:N` for an N-node step unless given (`--nnodes`, PET_NNODES): the job goes on with
   what is left of the allocation; give `--nnodes MIN:N` to ask for more.
 
+`--rdzv-endpoint=slurm:JOBID` is the same rendezvous seen from another allocation: agents started
+there (a replacement node) join running job JOBID's training, within its --nnodes.
+
 Invariants:
-- Outside a Slurm job `--rdzv-endpoint=slurm` is one line and exit 2, as is a backend other
-  than c10d with it.
+- Outside a Slurm job `--rdzv-endpoint=slurm` is one line and exit 2, as are a backend other
+  than c10d with it, and `slurm:JOBID` for a job that is not running.
 - The requeue signal (elastic.slurm.requeue) makes this agent stop its workers the way SIGTERM
   does (they commit this step and exit); then the agent of the step's first node, and only it,
   requeues the job. SIGTERM alone (scancel, the time limit) never requeues.
@@ -32,30 +35,39 @@ from types import FrameType
 
 from elastic.errors import UsageError
 from elastic.slurm import step as slurm_step
-from elastic.slurm.control import SlurmControlError, node_address
+from elastic.slurm.control import SlurmControlError, node_address, nodes_of_job
 from elastic.slurm.requeue import requeue_after_preemption, requeue_signal
 
 SLURM_ENDPOINT = "slurm"
 
 
 def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nnodes_given: bool) -> None:
-    """Replace `--rdzv-endpoint=slurm` by the step's (see the module docstring); other endpoints stay."""
-    if args.rdzv_endpoint != SLURM_ENDPOINT:
+    """Replace `--rdzv-endpoint=slurm` (this job's rendezvous) or `slurm:JOBID` (running job JOBID's, for
+    agents of another allocation joining it) by the host and port (see the module docstring); other
+    endpoints stay."""
+    endpoint = args.rdzv_endpoint or ""
+    if endpoint != SLURM_ENDPOINT and not endpoint.startswith(f"{SLURM_ENDPOINT}:"):
         return
-    if not slurm_step.in_job(environ):
-        raise UsageError("--rdzv-endpoint=slurm needs a Slurm job (SLURM_JOB_ID is not set): start the agents "
-                         "with srun inside an allocation, or give --rdzv-endpoint HOST:PORT")
     if args.rdzv_backend not in ("static", "c10d"):
-        raise UsageError(f"--rdzv-endpoint=slurm meets at the first node's c10d store; --rdzv-backend "
+        raise UsageError(f"--rdzv-endpoint={endpoint} meets at a job's first node's c10d store; --rdzv-backend "
                          f"{args.rdzv_backend} needs an endpoint of its own (HOST:PORT)")
     try:
-        nodes = slurm_step.job_nodes(environ)
-        job_id = slurm_step.job_id(environ)
+        if endpoint == SLURM_ENDPOINT:
+            if not slurm_step.in_job(environ):
+                raise UsageError("--rdzv-endpoint=slurm needs a Slurm job (SLURM_JOB_ID is not set): start the "
+                                 "agents with srun inside an allocation, or give --rdzv-endpoint HOST:PORT")
+            job_id, nodes = slurm_step.job_id(environ), slurm_step.job_nodes(environ)
+            hosts = environ.get("SLURMD_NODENAME", "") == nodes[0]
+        else:
+            text = endpoint.removeprefix(f"{SLURM_ENDPOINT}:")
+            if not text.isdigit() or int(text) < 1:
+                raise UsageError(f"--rdzv-endpoint={endpoint}: {text!r} is not a Slurm job id")
+            job_id = int(text)
+            nodes, hosts = nodes_of_job(job_id), False  # that job's first node hosts its rendezvous
         host = node_address(nodes[0])
-        port = slurm_step.job_port(environ, slurm_step.RENDEZVOUS_PORT_BASE)
     except (ValueError, SlurmControlError) as exc:
-        raise UsageError(f"--rdzv-endpoint=slurm: {exc}") from None
-    args.rdzv_endpoint = f"{host}:{port}"
+        raise UsageError(f"--rdzv-endpoint={endpoint}: {exc}") from None
+    args.rdzv_endpoint = f"{host}:{slurm_step.port_of(job_id, slurm_step.RENDEZVOUS_PORT_BASE)}"
     args.rdzv_backend = "c10d"
     if args.rdzv_id in (None, "", "none"):
         args.rdzv_id = f"slurm-{job_id}"
@@ -63,8 +75,9 @@ def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nno
         args.nnodes = f"1:{len(nodes)}"
     conf = args.rdzv_conf or ""
     if "is_host" not in {item.split("=", 1)[0].strip() for item in conf.split(",")}:
-        hosts = environ.get("SLURMD_NODENAME", "") == nodes[0]
         args.rdzv_conf = ",".join(filter(None, [conf, f"is_host={str(hosts).lower()}"]))
+    print(f"torchrevive-run: Slurm job {job_id}'s rendezvous at {args.rdzv_endpoint}, run id {args.rdzv_id}, "
+          f"--nnodes {args.nnodes}", file=sys.stderr, flush=True)
 
 
 class RequeueSignal:

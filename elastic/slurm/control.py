@@ -16,6 +16,8 @@ import shutil
 import socket
 import subprocess
 
+from elastic.slurm.hostlist import expand_hostlist
+
 SCONTROL_TIMEOUT = 20.0
 """Seconds a `scontrol` call may take (the controller answers in milliseconds; a busy one in seconds)."""
 
@@ -63,6 +65,18 @@ def node_address(node: str) -> str:
         raise SlurmControlError(f"node {node} is not a host name this machine resolves, and Slurm has no NodeAddr "
                                 "for it")
     return address
+
+
+def nodes_of_job(job_id: int) -> list[str]:
+    """The nodes of running job `job_id`, in Slurm's order (for agents of another allocation joining it)."""
+    record = scontrol("show", "job", "-o", str(job_id))
+    node_list, state = _field(record, "NodeList"), _field(record, "JobState")
+    if state != "RUNNING" or not node_list or node_list == "(null)":
+        raise SlurmControlError(f"Slurm job {job_id} is not running (JobState={state}): there is no rendezvous to join")
+    try:
+        return expand_hostlist(node_list)
+    except ValueError as exc:
+        raise SlurmControlError(f"Slurm job {job_id}: NodeList {exc}") from None
 
 
 def requeue_allowed(job_id: int) -> bool:

@@ -97,7 +97,12 @@ def job_nodes(environ: Mapping[str, str]) -> list[str]:
 
 def job_port(environ: Mapping[str, str], base: int) -> int:
     """A port the job's tasks agree on without talking: `base` + job id mod PORT_SPAN."""
-    return base + job_id(environ) % PORT_SPAN
+    return port_of(job_id(environ), base)
+
+
+def port_of(job: int, base: int) -> int:
+    """Job `job`'s port in the range starting at `base`."""
+    return base + job % PORT_SPAN
 
 
 def read_task(environ: Mapping[str, str]) -> SlurmTask:

@@ -221,13 +221,16 @@ def processes_of(job: str, node: str) -> list[int]:
     return found
 
 
-def test_a_lost_node_shrinks_the_job_and_training_goes_on(
+def test_a_lost_node_shrinks_the_job_and_a_replacement_allocation_joins_it(
     slurm: SlurmCluster, corpus: Path, tmp_path: Path,
 ) -> None:
-    """SIGKILL to node n2's agent and its workers (as a node loss looks from n1): under
-    `srun --kill-on-bad-exit=0` the step goes on, and n1's agent finishes the run at world size 1."""
+    """SIGKILL to every process of the job on node n2 (a node loss, as n1 sees it): under
+    `srun --kill-on-bad-exit=0` the step goes on and n1's agent trains on at world size 1. Then an
+    agent of another allocation on n2 joins with `--rdzv-endpoint=slurm:JOBID`: world size 2 again,
+    to the end."""
+    steps = 80
     ckpt, log = tmp_path / "ckpt", tmp_path / "job.out"
-    job = sbatch(slurm, "gpt.sbatch", *data_args(corpus, 40),
+    job = sbatch(slurm, "gpt.sbatch", *data_args(corpus, steps),
                  sbatch_args=("-N2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={log}"),
                  CKPT_DIR=str(ckpt), **PACED)
     events = ckpt / "events.jsonl"
@@ -237,10 +240,26 @@ def test_a_lost_node_shrinks_the_job_and_training_goes_on(
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    wait_job(slurm, job, 240)
+
+    def worlds() -> list[int]:
+        return [e["world_size"] for e in read_events(events) if e["event"] == "start"]
+
+    wait_for(lambda: worlds()[-1] == 1, 120, f"job {job} going on alone ({log})")
+    replacement = subprocess.Popen(
+        ["srun", "-w", "n2", "-N1", "-n1", "-c1", sys.executable, "-m", "elastic.launcher",
+         f"--rdzv-endpoint=slurm:{job}", "--nproc-per-node=1", "recipes/gpt.py", *data_args(corpus, steps),
+         "--ckpt-dir", str(ckpt), "--events", str(events)],
+        cwd=REPO, env=slurm.env(**PACED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        joined, _ = replacement.communicate(timeout=240)
+    finally:
+        replacement.kill()
+    wait_job(slurm, job, 120)
     output = log.read_text()
     seen = list(read_events(events))
-    worlds = [e["world_size"] for e in seen if e["event"] == "start"]
+    sizes = [e["world_size"] for e in seen if e["event"] == "start"]
     ends = [e for e in seen if e["event"] == "end"]
-    assert worlds[0] == 2 and worlds[-1] == 1, (worlds, output[-3000:])
-    assert ends and ends[-1]["step"] == 40 and ends[-1]["world_size"] == 1, output[-3000:]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, (sizes, output[-2000:], joined[-2000:])
+    assert replacement.returncode == 0, joined[-3000:]
+    assert ends and ends[-1]["step"] == steps and ends[-1]["world_size"] == 2, output[-3000:]

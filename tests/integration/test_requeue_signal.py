@@ -1,0 +1,65 @@
+"""The Slurm requeue signal in a worker (elastic.preemption): it stops the job like SIGTERM and marks
+it for requeueing; it never kills at once (Slurm may send it twice), one SIGTERM after it (the agent
+stopping its workers) changes nothing, a second SIGTERM ends the process; children forked after the
+install ignore it (Slurm signals every process of a step, data loader workers too).
+
+The handler runs in a script of its own, so pytest's signal handlers are untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from support import REPO
+
+SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import torch
+    from elastic.preemption import PreemptionHandler
+    from elastic.runtime import WorkerContext
+    from elastic.slurm.requeue import requeue_signal
+
+    ctx = WorkerContext(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="t",
+                        device=torch.device("cpu"), backend=None)
+    handler = PreemptionHandler(ctx, grace=60, requeue_signum=requeue_signal(os.environ))
+    report = {}
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)  # again: Slurm's --signal and the batch shell's scancel
+    os.kill(os.getpid(), signal.SIGTERM)  # the agent stopping its workers
+    time.sleep(0.3)
+    report["alive"] = True
+    report["signalled"], report["requeue"] = handler.signalled, handler.requeue_signalled
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(write, str(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN).encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    report["child_ignores"] = os.read(read, 16).decode() == "True"
+    print(json.dumps(report), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM: the default action, now
+    time.sleep(5)
+    print("still alive", flush=True)
+""")
+
+
+def test_the_requeue_signal_stops_once_never_kills_and_a_second_sigterm_does() -> None:
+    env = {**os.environ, "SLURM_JOB_ID": "42", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    lines = done.stdout.strip().splitlines()
+    # The handler (killed by SIGTERM) or the watcher thread (exit 143), whichever acts first.
+    assert done.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), (done.returncode, done.stdout, done.stderr)
+    assert json.loads(lines[0]) == {"alive": True, "signalled": True, "requeue": True, "child_ignores": True}
+    assert "still alive" not in done.stdout
+    assert done.stderr.count("received SIGUSR1: finishing this step") == 1, done.stderr
+
+
+def test_outside_a_slurm_job_usr1_keeps_its_default_action() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGUSR1 and not done.stdout, (done.returncode, done.stdout, done.stderr)

@@ -1,0 +1,161 @@
+"""Slurm's variables, in the formats Slurm writes them, read into a task's place in its step
+(elastic.slurm.step, elastic.slurm.hostlist) and into an agent's rendezvous
+(`--rdzv-endpoint=slurm`); bad values are one line naming the variable."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastic.errors import EnvironmentConfigError, UsageError
+from elastic.launcher.launch import parse_args
+from elastic.launcher.slurm_launch import expand_endpoint
+from elastic.runtime import SINGLE_PROCESS, parse_launch_env
+from elastic.slurm.hostlist import MAX_EXPANDED, expand_hostlist, expand_tasks_per_node
+from elastic.slurm.requeue import requeue_signal
+from elastic.slurm.step import MASTER_PORT_BASE, in_step
+
+# Task 3 of `srun -N2 --ntasks-per-node=2` in job 2, as Slurm 22.05 set it (trimmed).
+SRUN_TASK = {
+    "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "2", "SLURM_JOBID": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_JOB_NUM_NODES": "2", "SLURM_LOCALID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+    "SLURM_NODELIST": "n[1-2]", "SLURM_NPROCS": "4", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_PROCID": "3", "SLURM_STEPID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n[1-2]",
+    "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_TASK_PID": "23278",
+}
+# The batch shell of the same job: Slurm's variables, but no step.
+BATCH_SHELL = {k: v for k, v in SRUN_TASK.items() if not k.startswith(("SLURM_STEP", "SLURM_STEPID"))}
+
+
+@pytest.mark.parametrize(("text", "hosts"), [
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("n[1-2]", ["n1", "n2"]),
+    ("n[08-10]", ["n08", "n09", "n10"]),
+    ("gpu-a[8-9],login1", ["gpu-a8", "gpu-a9", "login1"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("solo", ["solo"]),
+    ("n[1-2]-ib", ["n1-ib", "n2-ib"]),
+])
+def test_host_lists_expand_as_scontrol_show_hostnames(text: str, hosts: list[str]) -> None:
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("n[1-2", "leaves a bracket open"), ("n1-2]", "closes a bracket"), ("n[[1]]", "nests"),
+    ("n[2-1]", "runs backwards"), ("n[a-b]", "not N or N-M"), ("n1,,n2", "empty entry"), ("", "empty entry"),
+    ("n[0-99999999]", "more than"), ("n$(reboot)", "not a host name"), ("n[1-300]m[1-300]", "more than"),
+])
+def test_a_bad_host_list_is_refused_naming_it(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why.replace("(", r"\(")):
+        expand_hostlist(text)
+
+
+@given(st.text(max_size=40))
+def test_any_text_is_a_host_list_or_a_value_error(text: str) -> None:
+    try:
+        hosts = expand_hostlist(text)
+    except ValueError:
+        return
+    assert 1 <= len(hosts) <= MAX_EXPANDED and all(isinstance(h, str) for h in hosts)
+
+
+@given(st.from_regex(r"[a-z]{1,4}", fullmatch=True), st.lists(st.integers(0, 300), min_size=1, max_size=12),
+       st.integers(1, 3))
+def test_a_compressed_list_expands_to_its_hosts(prefix: str, numbers: list[int], width: int) -> None:
+    numbers = sorted(set(numbers))
+    ranges = ",".join(str(n).zfill(width) for n in numbers)
+    assert expand_hostlist(f"{prefix}[{ranges}]") == [prefix + str(n).zfill(width) for n in numbers]
+
+
+@pytest.mark.parametrize(("text", "counts"), [("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("1,2,3", [1, 2, 3])])
+def test_tasks_per_node_expand(text: str, counts: list[int]) -> None:
+    assert expand_tasks_per_node(text) == counts
+
+
+@pytest.mark.parametrize("text", ["2(x0)", "x", "2(3)", "", "2(x99999999)"])
+def test_bad_tasks_per_node_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="tasks per node"):
+        expand_tasks_per_node(text)
+
+
+def test_an_srun_task_reads_its_place_from_slurm() -> None:
+    env = parse_launch_env(SRUN_TASK)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert (env.run_id, env.launched, env.restart_count) == ("slurm-2", True, 0)
+    task = env.slurm_task
+    assert task is not None and task.nodes == ("n1", "n2") and task.node_index == 1
+    assert task.master_port == MASTER_PORT_BASE + 2
+
+
+def test_master_port_and_restart_count_come_from_the_environment_when_set() -> None:
+    env = parse_launch_env({**SRUN_TASK, "MASTER_PORT": "29999", "SLURM_RESTART_COUNT": "3"})
+    assert env.slurm_task is not None and env.slurm_task.master_port == 29999 and env.restart_count == 3
+
+
+def test_a_batch_shell_is_not_a_task_and_torchruns_variables_win() -> None:
+    assert not in_step(BATCH_SHELL) and parse_launch_env(BATCH_SHELL) == SINGLE_PROCESS
+    torchrun = parse_launch_env({**SRUN_TASK, "RANK": "0", "WORLD_SIZE": "1"})
+    assert torchrun.slurm_task is None and (torchrun.rank, torchrun.world_size) == (0, 1)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"SLURM_PROCID": "4"}, "SLURM_PROCID=4 is outside the step's 4 tasks"),
+    ({"SLURM_PROCID": "three"}, "SLURM_PROCID='three' is not an integer"),
+    ({"SLURM_NODEID": "2"}, "SLURM_NODEID=2 is outside the step's 2 nodes"),
+    ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID=2 is outside the 2 tasks on this node"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3)"}, "names 3 nodes, the step has 2"),
+    ({"SLURM_STEP_NODELIST": "n[1-"}, "SLURM_STEP_NODELIST: host list"),
+    ({"SLURM_STEP_NUM_TASKS": "0"}, "SLURM_STEP_NUM_TASKS=0 must be at least 1"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
+])
+def test_a_bad_slurm_variable_is_one_line_naming_it(override: dict[str, str], message: str) -> None:
+    with pytest.raises(EnvironmentConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        parse_launch_env({**SRUN_TASK, **override})
+
+
+def test_the_requeue_signal_is_usr1_inside_a_job_only_and_can_be_changed_or_off() -> None:
+    assert requeue_signal({}) is None
+    assert requeue_signal({"SLURM_JOB_ID": "7"}) == signal.SIGUSR1
+    assert requeue_signal({"SLURM_JOB_ID": "7", "TORCHREVIVE_REQUEUE_SIGNAL": "sigusr2"}) == signal.SIGUSR2
+    assert requeue_signal({"SLURM_JOB_ID": "7", "TORCHREVIVE_REQUEUE_SIGNAL": "none"}) is None
+    with pytest.raises(ValueError, match="TORCHREVIVE_REQUEUE_SIGNAL='TERM' is not USR1, USR2 or none"):
+        requeue_signal({"SLURM_JOB_ID": "7", "TORCHREVIVE_REQUEUE_SIGNAL": "TERM"})
+
+
+# An agent's step: one task per node on two nodes whose names resolve here.
+AGENT = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost,otherhost",
+         "SLURMD_NODENAME": "localhost"}
+
+
+def test_rdzv_endpoint_slurm_is_the_first_node_a_job_port_and_the_allocation() -> None:
+    args = parse_args(["--rdzv-endpoint=slurm", "--nproc-per-node=1", "train.py"])
+    expand_endpoint(args, AGENT, nnodes_given=args.nnodes is not None)
+    assert (args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id, args.nnodes) == (
+        "localhost:21234", "c10d", "slurm-1234", "1:2")
+    assert args.rdzv_conf == "is_host=true"  # the first node's agent hosts the store
+    other = parse_args(["--rdzv-endpoint=slurm", "--nnodes=2:2", "--rdzv-id=mine", "--rdzv-conf=join_timeout=9",
+                        "train.py"])
+    expand_endpoint(other, {**AGENT, "SLURMD_NODENAME": "otherhost"}, nnodes_given=True)
+    assert (other.nnodes, other.rdzv_id, other.rdzv_conf) == ("2:2", "mine", "join_timeout=9,is_host=false")
+
+
+@pytest.mark.parametrize(("argv", "environ", "message"), [
+    (["--rdzv-endpoint=slurm", "t.py"], {}, "needs a Slurm job"),
+    (["--rdzv-endpoint=slurm", "--rdzv-backend=etcd-v3", "t.py"], AGENT, "needs an endpoint of its own"),
+    (["--rdzv-endpoint=slurm:abc", "t.py"], AGENT, "'abc' is not a Slurm job id"),
+    (["--rdzv-endpoint=slurm", "t.py"], {**AGENT, "SLURM_STEP_NODELIST": "n[1"}, "leaves a bracket open"),
+])
+def test_rdzv_endpoint_slurm_refuses_in_one_line(argv: list[str], environ: dict[str, str], message: str) -> None:
+    args = parse_args(argv)
+    with pytest.raises(UsageError, match=message):
+        expand_endpoint(args, environ, nnodes_given=False)
+
+
+def test_other_endpoints_are_left_alone() -> None:
+    args = parse_args(["--rdzv-endpoint=h:1", "--rdzv-backend=c10d", "t.py"])
+    expand_endpoint(args, AGENT, nnodes_given=False)
+    assert (args.rdzv_endpoint, args.nnodes) == ("h:1", None)
