@@ -39,8 +39,9 @@ class SlurmCluster:
         """The environment for the Slurm commands (and what sbatch passes to the job)."""
         return {**os.environ, "SLURM_CONF": str(self.conf), **extra}
 
-    def run(self, *argv: str, timeout: float = 60, check: bool = True, **extra_env: str) -> str:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env(**extra_env))
+    def run(self, argv: list[str], timeout: float = 60, check: bool = True, **extra_env: str) -> str:
+        """A Slurm command's stdout (`RuntimeError` with its stderr when it fails and `check`)."""
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(**extra_env))
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
@@ -75,7 +76,7 @@ class SlurmCluster:
                                                   stdout=subprocess.DEVNULL, stderr=(logs / f"{node}.err").open("w")))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            states = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False, timeout=10).split()
+            states = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout=10).split()
             if states.count("idle") == len(NODES):
                 return self
             if any(proc.poll() is not None for proc in self._daemons):

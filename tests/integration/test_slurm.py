@@ -91,7 +91,7 @@ def assert_same(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> 
 
 
 def job_info(slurm: SlurmCluster, job: str) -> dict[str, str]:
-    record = slurm.run("scontrol", "show", "job", "-o", job)
+    record = slurm.run(["scontrol", "show", "job", "-o", job])
     return dict(re.findall(r"(\w+)=(\S*)", record))
 
 
@@ -112,14 +112,14 @@ def wait_job(slurm: SlurmCluster, job: str, timeout: float) -> dict[str, str]:
         if info["JobState"] in DONE_STATES:
             return info
         if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
-            slurm.run("scontrol", "update", f"jobid={job}", "starttime=now")  # Slurm holds a requeued job ~2 min
+            slurm.run(["scontrol", "update", f"jobid={job}", "starttime=now"])  # Slurm holds a requeued job ~2 min
         time.sleep(0.5)
     raise AssertionError(f"job {job} did not end in {timeout:g} s: {job_info(slurm, job)}\n{slurm.log_tail()}")
 
 
 def test_our_host_lists_expand_as_scontrol_does(slurm: SlurmCluster) -> None:
     for text in ("n[1-2]", "node[01-04,07]", "gpu-a[8-11],login1", "r[1-2]n[09-10]", "n[1,3-4]", "x007"):
-        want = slurm.run("scontrol", "show", "hostnames", text).split()
+        want = slurm.run(["scontrol", "show", "hostnames", text]).split()
         assert expand_hostlist(text) == want, text
 
 
@@ -155,7 +155,7 @@ def test_the_requeue_signal_commits_requeues_once_and_resumes_bit_exact(
                  CKPT_DIR=str(ckpt), **PACED)
     events = ckpt / "events.jsonl"
     wait_for(lambda: steps_seen(events) >= 6, 120, f"job {job} training ({log})")
-    slurm.run("scancel", "--signal=USR1", how, job)
+    slurm.run(["scancel", "--signal=USR1", how, job])
     info = wait_job(slurm, job, 240)
     output = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, output[-3000:])
@@ -182,8 +182,8 @@ def test_a_job_without_requeue_commits_on_the_signal_and_says_it_is_not_requeued
     )
     try:
         wait_for(lambda: steps_seen(ckpt / "events.jsonl") >= 4, 120, "the srun job training")
-        job = slurm.run("squeue", "-h", "-n", "no-requeue", "-o", "%i").strip()
-        slurm.run("scancel", "--signal=USR1", job)
+        job = slurm.run(["squeue", "-h", "-n", "no-requeue", "-o", "%i"]).strip()
+        slurm.run(["scancel", "--signal=USR1", job])
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()

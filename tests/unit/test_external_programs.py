@@ -10,7 +10,8 @@ A program that the tests (or `elastic/chaos`, which they drive) start must be:
 - part of every POSIX system (`sh`).
 
 The programs are found by reading the source: the first literal word of an argv
-list handed to `subprocess`, and every name given to `shutil.which`.
+list handed to `subprocess` (or to a helper method of the same name, such as
+`SlurmCluster.run`), and every name given to `shutil.which`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def programs(source: str, where: str) -> tuple[dict[str, list[str]], set[str]]:
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call):
             continue
-        if _is_call_to(node, "subprocess", SUBPROCESS_CALLS):
+        # subprocess's calls, and helpers' methods of the same names that take the argv first
+        # (tests/slurm_cluster.py's `SlurmCluster.run`)
+        if isinstance(node.func, ast.Attribute) and node.func.attr in SUBPROCESS_CALLS:
             argv = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "args"), None)
             name = _first_word(argv) if argv is not None else None
             if name is not None:
