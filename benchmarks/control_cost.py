@@ -75,7 +75,7 @@ def worker(opts: argparse.Namespace) -> None:
             torch.nn.Linear(opts.width, opts.width), torch.nn.ReLU(), torch.nn.Linear(opts.width, opts.width)
         ))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the recipes' optimizer
-        vote = StepVote(ctx, lambda: (False, False, 0), grace=15.0)  # the default --term-grace
+        vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0)  # the default --term-grace
         mode, steps = ["none"], [0]
         x = torch.randn(16, opts.width)
 

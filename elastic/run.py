@@ -80,7 +80,7 @@ from elastic.checkpoint.training_state import Stateful
 from elastic.cli import configure_logging
 from elastic.config import RunConfig
 from elastic.data import StepBatchSampler, StepSampler, check_batch, next_batch, open_loader
-from elastic.errors import CheckpointStorageError, ElasticError, Preempted, UsageError
+from elastic.errors import CheckpointStorageError, ElasticError, Preempted
 from elastic.events import EventLog
 from elastic.metrics import start_metrics
 from elastic.parallel import unwrap
@@ -95,10 +95,10 @@ from elastic.runtime import (
     shutdown_worker,
 )
 from elastic.sampler import ElasticSampler
-from elastic.slurm.requeue import requeue_after_preemption, requeue_signal
+from elastic.slurm.requeue import requeue_from_rank0, requeue_signal
 from elastic.step_costs import StepCosts
 from elastic.step_report import StepReport
-from elastic.step_vote import REQUEUE_BALLOT, STOP_BALLOT, StepVote, Verdict
+from elastic.step_vote import StepVote, Verdict
 from elastic.watchdog import NoWatchdog, Watchdog, watchdog
 
 logger = logging.getLogger(__name__)
@@ -276,11 +276,7 @@ class Run:
         hook = optimizer.register_step_post_hook(lambda *_: self._count_optimizer_step())
         self._stack.callback(hook.remove)
         seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
-        try:
-            requeue_signum = requeue_signal(os.environ)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace, requeue_signum=requeue_signum)
+        self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace, requeue_signum=requeue_signal(os.environ))
         self._stack.callback(self._preemption.uninstall)
         self._faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for the chaos suite
         self.step = self._first_step = self.checkpoints.restore()
@@ -301,10 +297,9 @@ class Run:
     def _count_optimizer_step(self) -> None:
         self._optimizer_steps += 1
 
-    def _ballot(self) -> tuple[int, bool, int]:
-        preemption = self._preemption
-        ballot = REQUEUE_BALLOT if preemption.requeue_signalled else STOP_BALLOT if preemption.signalled else 0
-        return ballot, self.checkpoints.must_stop, self.checkpoints.snapshot_proposal()
+    def _ballot(self) -> tuple[bool, bool, bool, int]:
+        preemption, checkpoints = self._preemption, self.checkpoints
+        return preemption.signalled, preemption.requeue_signalled, checkpoints.must_stop, checkpoints.snapshot_proposal()
 
     @property
     def epoch(self) -> int:
@@ -430,21 +425,16 @@ class Run:
 
     def _commit_and_stop(self, *, requeue: bool = False) -> NoReturn:
         """Commit this step on every rank (a storage failure raises here: no requeue follows), then leave;
-        after the Slurm requeue signal, rank 0 of a job without an agent requeues it (an agent requeues
-        its own: elastic.launcher.slurm_launch)."""
+        after the Slurm requeue signal, rank 0 of a job without an agent requeues it."""
         with self.watchdog.paused():  # a slow filesystem is not a hang
             self.checkpoints.save(self.step, reason="preemption")
             self.checkpoints.flush()
         where = self.checkpoints.store.root
         saved = f"checkpoint committed in {where}" if self.checkpoints.enabled else "no --ckpt-dir, nothing saved"
-        signal_name = "the Slurm requeue signal" if requeue else "SIGTERM"
-        then = ""
-        if requeue and self._context.slurm_job_id is not None and self.is_main:
-            then = "; " + requeue_after_preemption(self._context.slurm_job_id)
-            # Said now: the requeue's SIGTERM may end this process before its exit line (the handler
-            # ignores it only while the run is open).
-            logger.warning("stopped after step %d; %s%s", self.step, saved, then)
-        raise Preempted(f"stopped by {signal_name} after step {self.step}; {saved}{then}")
+        said = f"after step {self.step}; {saved}"
+        if requeue and self.is_main:
+            said += requeue_from_rank0(self._context.slurm_job_id, said)
+        raise Preempted(f"stopped by {'the Slurm requeue signal' if requeue else 'SIGTERM'} {said}")
 
     def due(self, every: int) -> bool:
         """Whether the step just done by this run is a multiple of `every` (0: never)."""

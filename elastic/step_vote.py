@@ -18,7 +18,7 @@ what a loop measures in its first steps (the first snapshot's cost, which
 sets the snapshot interval) is agreed a few steps later, not a second's
 worth of steps later.
 
-    vote = StepVote(ctx, ballot=lambda: (signalled, storage_failing, snapshot_every_proposal), grace=15.0)
+    vote = StepVote(ctx, ballot=lambda: (signalled, requeue, storage_failing, snapshot_every_proposal), grace=15.0)
     for each step:
         ...forward, backward, optimizer.step()...
         verdict = vote.step_ended(step)     # every rank: the same Verdict at the same step
@@ -50,14 +50,14 @@ from dataclasses import dataclass
 from elastic import agreement
 from elastic.runtime import WorkerContext
 
-Ballot = Callable[[], tuple[int, bool, int]]
-"""This rank's (preemption: 0, STOP_BALLOT or REQUEUE_BALLOT; storage failing; proposed snapshot interval,
-0: no opinion)."""
+Ballot = Callable[[], tuple[bool, bool, bool, int]]
+"""This rank's (preempted, by the Slurm requeue signal, storage failing, proposed snapshot interval; 0: no
+opinion)."""
 
 STOP_BALLOT = 1
-"""A rank's preemption ballot after SIGTERM: commit and leave."""
+"""A preempted rank's vote: commit and leave."""
 REQUEUE_BALLOT = 2
-"""After the Slurm requeue signal: commit, leave and requeue (the vote's MAX: one rank's is enough)."""
+"""One preempted by the Slurm requeue signal: commit, leave and requeue (the vote's MAX: one rank is enough)."""
 VOTE_SECONDS = 1.0
 MAX_EVERY = 10
 _WINDOW = 16  # recent steps the step time is measured on
@@ -117,11 +117,10 @@ class StepVote:
         return max(1, min(round(VOTE_SECONDS / step), MAX_EVERY, within_grace, 2 * self.every))
 
     def _cast(self) -> agreement.PendingMax:
-        preempted, storage_failing, snapshot_every = self._ballot()
+        preempted, requeue, storage_failing, snapshot_every = self._ballot()
+        preemption = (REQUEUE_BALLOT if requeue else STOP_BALLOT) if preempted else 0
         self.votes += 1
-        return agreement.start_max(
-            self._ctx, [int(preempted), int(storage_failing), int(snapshot_every), self.proposal()]
-        )
+        return agreement.start_max(self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal()])
 
     def step_ended(self, step: int) -> Verdict:
         """Step `step` ended: on a vote step, the verdict of the vote before, and a new vote starts."""

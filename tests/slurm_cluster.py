@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from support import free_port
+from support import free_port, worker_env
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "scontrol", "sinfo")
 NODES = ("n1", "n2")
@@ -36,8 +36,10 @@ class SlurmCluster:
         self.first_job_id = random.randrange(1, 4000)
 
     def env(self, **extra: str) -> dict[str, str]:
-        """The environment for the Slurm commands (and what sbatch passes to the job)."""
-        return {**os.environ, "SLURM_CONF": str(self.conf), **extra}
+        """The environment for the Slurm commands (and what sbatch and srun pass to the job): a user's
+        shell, without the torchrun variables another test left in this process."""
+        clean = {k: v for k, v in worker_env().items() if not k.startswith(("TORCHELASTIC_", "LOCAL_WORLD"))}
+        return {**clean, "SLURM_CONF": str(self.conf), **extra}
 
     def run(self, argv: list[str], timeout: float = 60, check: bool = True, **extra_env: str) -> str:
         """A Slurm command's stdout (`RuntimeError` with its stderr when it fails and `check`)."""

@@ -139,9 +139,6 @@ def main(argv: list[str] | None = None) -> None:
         preload = warm_start.preload_modules()
         check_script(args)
         requeue = slurm_launch.RequeueSignal(os.environ)
-    except ValueError as error:  # a bad TORCHREVIVE_REQUEUE_SIGNAL
-        print(f"torchrevive-run: error: {error}", file=sys.stderr)
-        sys.exit(2)
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)

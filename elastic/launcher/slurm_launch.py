@@ -86,7 +86,7 @@ class RequeueSignal:
     def __init__(self, environ: Mapping[str, str]) -> None:
         self.received = False
         self._environ = environ
-        self.signum = requeue_signal(environ)  # ValueError for a bad TORCHREVIVE_REQUEUE_SIGNAL
+        self.signum = requeue_signal(environ)  # UsageError for a bad TORCHREVIVE_REQUEUE_SIGNAL
         if self.signum is not None:
             signal.signal(self.signum, self._on_signal)
 

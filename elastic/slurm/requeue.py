@@ -18,10 +18,14 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Mapping
 
+from elastic.errors import UsageError
 from elastic.slurm.control import SlurmControlError, requeue, requeue_allowed
+
+logger = logging.getLogger(__name__)
 
 REQUEUE_SIGNAL_ENV = "TORCHREVIVE_REQUEUE_SIGNAL"
 ALLOWED = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2}
@@ -30,7 +34,7 @@ ALLOWED = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2}
 def requeue_signal(environ: Mapping[str, str]) -> signal.Signals | None:
     """The requeue signal inside a Slurm job (None outside one, or when set to `none`).
 
-    Raises `ValueError` (one line) for a name other than USR1, USR2 or none."""
+    Raises `UsageError` (one line, exit 2) for a name other than USR1, USR2 or none."""
     if not environ.get("SLURM_JOB_ID"):
         return None
     raw = environ.get(REQUEUE_SIGNAL_ENV, "USR1").strip().upper()
@@ -38,7 +42,7 @@ def requeue_signal(environ: Mapping[str, str]) -> signal.Signals | None:
     if name == "NONE":
         return None
     if name not in ALLOWED:
-        raise ValueError(f"{REQUEUE_SIGNAL_ENV}={raw!r} is not USR1, USR2 or none")
+        raise UsageError(f"{REQUEUE_SIGNAL_ENV}={raw!r} is not USR1, USR2 or none")
     return ALLOWED[name]
 
 
@@ -49,10 +53,21 @@ def ignore_in_helper(environ: Mapping[str, str]) -> None:
     `elastic.preemption.PreemptionHandler` takes it over."""
     try:
         signum = requeue_signal(environ)
-    except ValueError:
+    except UsageError:
         return  # the agent and the worker refuse it with one line; a helper has no say
     if signum is not None:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def requeue_from_rank0(job_id: int | None, stopped: str) -> str:
+    """On rank 0 after a preemption's commit (`stopped` says which step): in a Slurm job with no
+    agent (`job_id` set) requeue it, log the line at once (the requeue's SIGTERM may end this
+    process before its exit line) and return it as `; <line>`; '' under an agent, which requeues."""
+    if job_id is None:
+        return ""
+    line = requeue_after_preemption(job_id)
+    logger.warning("stopped %s; %s", stopped, line)
+    return f"; {line}"
 
 
 def requeue_after_preemption(job_id: int) -> str:

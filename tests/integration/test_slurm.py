@@ -160,7 +160,7 @@ def test_the_requeue_signal_commits_requeues_once_and_resumes_bit_exact(
     output = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, output[-3000:])
     # One process requeued: worker rank 0 without an agent, the first node's agent with them.
-    requeues = re.findall(r"^(?:\S+ WARNING elastic\.run: stopped|torchrevive-run: Slurm job).*requeued \(scontrol",
+    requeues = re.findall(r"^(?:\S+ WARNING elastic\.slurm\.requeue: stopped|torchrevive-run: Slurm job).*requeued \(scontrol",
                           output, re.M)
     assert len(requeues) == 1, output[-3000:]
     seen = list(read_events(events))

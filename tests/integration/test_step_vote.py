@@ -28,7 +28,7 @@ VOTES = textwrap.dedent("""
     now = [0.0]
 
     def cast():
-        return ballot["preempted"], ballot["storage"], ballot["every"]
+        return ballot["preempted"], False, ballot["storage"], ballot["every"]
 
     def plain(verdict):
         return None if verdict is None else [verdict.preempted, verdict.storage_failing, verdict.snapshot_every,

@@ -122,7 +122,7 @@ def test_the_requeue_signal_is_usr1_inside_a_job_only_and_can_be_changed_or_off(
     assert requeue_signal({"SLURM_JOB_ID": "7"}) == signal.SIGUSR1
     assert requeue_signal({"SLURM_JOB_ID": "7", "TORCHREVIVE_REQUEUE_SIGNAL": "sigusr2"}) == signal.SIGUSR2
     assert requeue_signal({"SLURM_JOB_ID": "7", "TORCHREVIVE_REQUEUE_SIGNAL": "none"}) is None
-    with pytest.raises(ValueError, match="TORCHREVIVE_REQUEUE_SIGNAL='TERM' is not USR1, USR2 or none"):
+    with pytest.raises(UsageError, match="TORCHREVIVE_REQUEUE_SIGNAL='TERM' is not USR1, USR2 or none"):
         requeue_signal({"SLURM_JOB_ID": "7", "TORCHREVIVE_REQUEUE_SIGNAL": "TERM"})
 
 
