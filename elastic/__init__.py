@@ -16,7 +16,7 @@ them; import-linter contracts in pyproject.toml keep them):
   (torchrevive-run, the snapshot keeper, warm starts) and `rendezvous` (etcd-v3);
 - below both: `storage` (checkpoint formats and the one commit), `config`
   (`RunConfig`, the flags), `cli`, `errors`, `version`, `recovery_defaults`,
-  `slow_imports`, `fault_hook`;
+  `slow_imports`, `fault_hook`, `slurm` (Slurm's variables, scontrol, the requeue signal);
 - on top, imported by nothing in the library: `chaos` (fault injection, audits),
   `report`, `run_history`.
 
@@ -26,9 +26,15 @@ It never imports a recipe: dependencies point recipes -> elastic -> torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
+from elastic.slurm.requeue import catch_early
 from elastic.version import __version__ as __version__
+
+# In a Slurm job, the requeue signal (USR1) reaches every process of a step, and its default action
+# ends a process: from here on it is remembered until the run's handler acts on it (elastic.slurm.requeue).
+catch_early(os.environ)
 
 __all__ = ["ArgumentParser", "Run", "RunConfig", "add_runtime_arguments", "seeded_samples"]
 

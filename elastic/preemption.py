@@ -13,7 +13,9 @@ Invariants:
   `signalled`; every rank gets the same answer, so when any one rank is
   signalled (one pod deleted), the whole job checkpoints at the same step.
 - A second SIGTERM restores the default action and kills the worker at once,
-  for an operator (or agent) who does not want to wait. Inside a Slurm job the
+  for an operator (or agent) who does not want to wait (in a Slurm job, only
+  one that comes 2 s after the first: Slurm signals every process of a step,
+  and the agent stopping its workers sends them another at once). Inside a Slurm job the
   requeue signal (USR1 by default, elastic.slurm.requeue) stops the job the
   same way and marks it for requeueing; it never kills at once (Slurm may send
   it to a process twice: to the steps, and through the batch shell), and one
@@ -54,6 +56,7 @@ from types import FrameType
 
 from elastic import agreement, threads
 from elastic.runtime import WorkerContext
+from elastic.slurm.requeue import arrived_early
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +85,15 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class PreemptionHandler:
     """SIGTERM, and inside a Slurm job the requeue signal (elastic.slurm.requeue), mean "stop at the
     next step boundary". The first such signal counts; a second SIGTERM ends the process at once; the
-    requeue signal again, or one SIGTERM after it (the agent stopping its workers), changes nothing."""
+    requeue signal again, or one SIGTERM after it (the agent stopping its workers), changes nothing.
+
+    `duplicate_window`: a SIGTERM within this many seconds of the first is the same one delivered
+    twice (in a Slurm job, slurmstepd signals every process of the step and the agent passes its own
+    on), not an operator's second."""
 
     def __init__(
         self, ctx: WorkerContext, signum: int = signal.SIGTERM, grace: float = DEFAULT_GRACE_SECONDS,
-        *, requeue_signum: int | None = None,
+        *, requeue_signum: int | None = None, duplicate_window: float = 0.0,
     ) -> None:
         self._ctx = ctx
         self._signum = signum
@@ -95,7 +102,8 @@ class PreemptionHandler:
         self._grace = grace
         self._flag = False
         self._received: int | None = None
-        self._terms = 0  # SIGTERMs seen: the second ends the process at once
+        self._duplicate_window = duplicate_window
+        self._first_term: float | None = None  # when the first SIGTERM came: a later one ends the process
         self._previous: dict[int, object] = {}
         self._reached_boundary = threading.Event()
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
@@ -106,6 +114,8 @@ class PreemptionHandler:
                 self._previous[each] = signal.signal(each, self._on_signal)
             self._watch_for_blocked_signal()
             _installed.append(self)
+            if requeue_signum is not None and arrived_early():  # before this handler took over
+                self._on_signal(requeue_signum, None)
 
     def _watch_for_blocked_signal(self) -> None:
         reader, writer = socket.socketpair()
@@ -133,7 +143,7 @@ class PreemptionHandler:
         self._watcher = None  # not forked with the child
         self._reached_boundary = threading.Event()  # the parent's may have been mid-use by another thread
         self._received = None
-        self._terms = 0
+        self._first_term = None
         wakeup, self._wakeup = self._wakeup, None
         previous, self._previous = self._previous, {}
         wakeup_cleared = True
@@ -174,6 +184,7 @@ class PreemptionHandler:
         thread is blocked in C++ (where the Python handler cannot run).
         """
         seen: dict[int, int] = {}
+        first_term: float | None = None
         deadline: float | None = None
         while True:
             timeout = None
@@ -199,15 +210,20 @@ class PreemptionHandler:
                 return
             for each in self._signals:
                 seen[each] = seen.get(each, 0) + data.count(each)
-            if seen[self._signum] >= 2:
-                os._exit(128 + self._signum)  # SIGTERM again: no more waiting
+            if self._signum in data:
+                if first_term is None:
+                    first_term = time.monotonic()
+                elif time.monotonic() - first_term >= self._duplicate_window:
+                    os._exit(128 + self._signum)  # SIGTERM again: no more waiting
             if deadline is None and any(seen.values()):
                 deadline = time.monotonic() + self._grace
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum == self._signum:
-            self._terms += 1
-            if self._terms >= 2:  # SIGTERM again: the default action, now
+            now = time.monotonic()
+            if self._first_term is None:
+                self._first_term = now
+            elif now - self._first_term >= self._duplicate_window:  # SIGTERM again: the default action, now
                 signal.signal(signum, signal.SIG_DFL)
                 signal.raise_signal(signum)
                 return
@@ -260,6 +276,8 @@ class PreemptionHandler:
         if self in _installed:
             _installed.remove(self)
         for each, disposition in self._previous.items():
+            if each == self._requeue_signum and disposition in (signal.SIG_DFL, None):
+                disposition = signal.SIG_IGN  # a late repeat of Slurm's signal must not kill a finished run
             signal.signal(each, disposition)
         self._previous = {}
         if self._wakeup is not None:

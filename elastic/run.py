@@ -95,7 +95,7 @@ from elastic.runtime import (
     shutdown_worker,
 )
 from elastic.sampler import ElasticSampler
-from elastic.slurm.requeue import requeue_from_rank0, requeue_signal
+from elastic.slurm.requeue import after_preemption_commit, preemption_settings
 from elastic.step_costs import StepCosts
 from elastic.step_report import StepReport
 from elastic.step_vote import StepVote, Verdict
@@ -276,7 +276,7 @@ class Run:
         hook = optimizer.register_step_post_hook(lambda *_: self._count_optimizer_step())
         self._stack.callback(hook.remove)
         seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
-        self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace, requeue_signum=requeue_signal(os.environ))
+        self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace, **preemption_settings(os.environ))
         self._stack.callback(self._preemption.uninstall)
         self._faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for the chaos suite
         self.step = self._first_step = self.checkpoints.restore()
@@ -432,8 +432,9 @@ class Run:
         where = self.checkpoints.store.root
         saved = f"checkpoint committed in {where}" if self.checkpoints.enabled else "no --ckpt-dir, nothing saved"
         said = f"after step {self.step}; {saved}"
-        if requeue and self.is_main:
-            said += requeue_from_rank0(self._context.slurm_job_id, said)
+        if requeue:
+            said += after_preemption_commit(os.environ, rank=self.rank, step=self.step, said=said,
+                                            job_id=self._context.slurm_job_id, committed=self.checkpoints.enabled)
         raise Preempted(f"stopped by {'the Slurm requeue signal' if requeue else 'SIGTERM'} {said}")
 
     def due(self, every: int) -> bool:

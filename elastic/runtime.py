@@ -153,7 +153,10 @@ def _slurm_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
 def _slurm_store(
     task: slurm_step.SlurmTask, environ: Mapping[str, str], timeout: timedelta
 ) -> dist.Store:
-    """The step's rendezvous: rank 0 hosts a TCP store on the step's first node, the others connect."""
+    """The step's rendezvous: rank 0 hosts a TCP store on the step's first node, the others connect;
+    a step of one task needs no port (`srun -n1 python script.py` beside other steps)."""
+    if task.world_size == 1:
+        return dist.HashStore()
     try:
         host = environ.get("MASTER_ADDR") or node_address(task.nodes[0])
     except SlurmControlError as exc:

@@ -1,39 +1,64 @@
 # Sourced by the batch scripts of deploy/slurm (not run on its own). It sets up what every
 # variant shares, then `run_step` starts the job step and waits for it:
 #
+# - The requeue signal (TORCHREVIVE_REQUEUE_SIGNAL, USR1 by default; it must be the one the
+#   script's `#SBATCH --signal` names): `--signal=B:USR1@90` sends it to this batch shell only,
+#   and the trap passes it to every process of the job's steps (`scancel --signal` without
+#   --batch signals the steps, not this shell). With `--signal=USR1@90` (no B:) Slurm signals
+#   the steps itself and the trap never fires. USR1 and USR2 are ignored from the first line
+#   on, so a warning signal never ends this shell (and with it the job) before the trap is set.
 # - CKPT_DIR: the job's checkpoints and event log; per job id, so a requeued run (same id)
 #   resumes from its own checkpoints and a new submission starts afresh. Give CKPT_DIR to
 #   continue an earlier job's run.
 # - A secret for the snapshot keepers' traffic between nodes (docs/security.md), made once per
-#   CKPT_DIR with mode 600 on the shared file system: never on a command line or in the log.
-# - The requeue signal: `#SBATCH --signal=B:USR1@90` sends USR1 to this batch shell only;
-#   the trap passes it to every process of the job's steps (`scancel --signal` without --batch
-#   signals the steps, not this shell). With `--signal=USR1@90` (no B:) Slurm signals the
-#   steps itself and the trap never fires.
+#   CKPT_DIR with mode 600 on the shared file system; one that exists must be yours, mode 600,
+#   and not empty. Never on a command line or in the log.
+# - TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long an agent that stops its workers waits for their
+#   preemption commit before SIGKILL (torch's default, 30 s, is shorter than the warning the
+#   scripts ask Slurm for).
+#
 # The scripts give srun `--kill-on-bad-exit=0` under torchrevive-run (a task that dies, a lost
-# node, does not end the step: the other nodes' agents go on within --nnodes MIN:MAX), and
-# `--kill-on-bad-exit=1` with a task per worker (a lost worker leaves no group to go on with).
+# node other than the first, does not end the step: the other agents go on within --nnodes
+# MIN:MAX), and `--kill-on-bad-exit=1` with a task per worker (a lost worker leaves no group to
+# go on with).
+
+trap '' USR1 USR2
+REQUEUE_SIGNAL=${TORCHREVIVE_REQUEUE_SIGNAL:-USR1}
+REQUEUE_SIGNAL=${REQUEUE_SIGNAL#SIG}
+REQUEUE_SIGNAL=${REQUEUE_SIGNAL^^}
+case "$REQUEUE_SIGNAL" in
+  USR1|USR2) trap 'scancel --signal="$REQUEUE_SIGNAL" "$SLURM_JOB_ID"' "$REQUEUE_SIGNAL" ;;
+  NONE) ;;
+  *) echo "torchrevive: TORCHREVIVE_REQUEUE_SIGNAL=$TORCHREVIVE_REQUEUE_SIGNAL is not USR1, USR2 or none" >&2
+     exit 2 ;;
+esac
+export TORCHREVIVE_REQUEUE_SIGNAL=$REQUEUE_SIGNAL
 
 REPO=${TORCHREVIVE_REPO:-${SLURM_SUBMIT_DIR:?run this through sbatch}}
 cd "$REPO" || exit 2
 VENV=${TORCHREVIVE_VENV:-$REPO/.venv}
 export PATH="$VENV/bin:$PATH"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-75}
 CKPT_DIR=${CKPT_DIR:-$REPO/runs/gpt-$SLURM_JOB_ID}
-mkdir -p "$CKPT_DIR"
-if [ ! -s "$CKPT_DIR/.snapshot-secret" ]; then
-  (umask 077 && head -c 32 /dev/urandom > "$CKPT_DIR/.snapshot-secret")
+mkdir -p "$CKPT_DIR" || exit 2
+
+secret="$CKPT_DIR/.snapshot-secret"
+if [ ! -e "$secret" ]; then  # made aside (mktemp: mode 600) and moved in without overwriting
+  made=$(mktemp "$CKPT_DIR/.snapshot-secret.XXXXXX") && head -c 32 /dev/urandom > "$made" && mv -n "$made" "$secret"
+  rm -f "$made"
 fi
-export TORCHREVIVE_SNAPSHOT_SECRET_FILE="$CKPT_DIR/.snapshot-secret"
-export TORCHREVIVE_REQUEUE_SIGNAL=${TORCHREVIVE_REQUEUE_SIGNAL:-USR1}
+if [ ! -O "$secret" ] || [ ! -s "$secret" ] || [ "$(stat -c %a "$secret")" != 600 ]; then
+  echo "torchrevive: $secret must be a non-empty file of yours with mode 600 (it signs snapshot traffic)" >&2
+  exit 2
+fi
+export TORCHREVIVE_SNAPSHOT_SECRET_FILE="$secret"
 echo "torchrevive: job $SLURM_JOB_ID run ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, checkpoints in $CKPT_DIR"
 
 run_step() {  # run_step SRUN_ARGS... COMMAND...: srun it in the background and wait, passing the signal on
-  trap 'scancel --signal="$TORCHREVIVE_REQUEUE_SIGNAL" "$SLURM_JOB_ID"' "$TORCHREVIVE_REQUEUE_SIGNAL"
   srun "$@" &
-  local step=$! status=0
-  while true; do
-    wait "$step" && status=0 || status=$?
-    kill -0 "$step" 2>/dev/null || break  # wait returned for the trap, not for srun: wait again
+  local step=$!
+  while kill -0 "$step" 2>/dev/null; do
+    wait "$step"  # returns early when the trap runs: then wait again
   done
-  return "$status"
+  wait "$step"  # srun's own exit status
 }

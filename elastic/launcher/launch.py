@@ -32,7 +32,8 @@ It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
 recovery's path), ends the job instead of restarting it when a worker exits
 with status 75 (checkpoint storage refuses writes: a restart would meet the
-same storage), runs the stopped-worker reaper (`elastic.launcher.reaper`: a stopped
+same storage) or 2 (bad input: a restart would meet the same input), runs
+the stopped-worker reaper (`elastic.launcher.reaper`: a stopped
 worker cannot act on the SIGTERM that stops its group, and torch would wait
 30 s before SIGKILL), and a script path that does not exist fails at once with
 one line instead of in every worker of every restart.
@@ -53,7 +54,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import CheckpointStorageError, UsageError
-from elastic.launcher import slurm_launch, warm_start
+from elastic.launcher import slurm_launch, stop_signals, warm_start
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.launcher.keeper_files import job_key
 from elastic.launcher.keeper_endpoint import keeper_host
@@ -64,13 +65,16 @@ from elastic.storage import peer_auth
 
 # Exit statuses the runtime gives its workers, for the failure summary.
 STORAGE_EXIT = CheckpointStorageError.exit_code
+USAGE_EXIT = UsageError.exit_code
 _KNOWN_EXITS = {
+    USAGE_EXIT: "bad input (a flag, a variable, a file)",
     124: "the hang watchdog (no step completed in --hang-timeout)",
     143: "SIGTERM (preemption)",
     STORAGE_EXIT: "checkpoint storage refuses writes",
 }
 # Exits a restart cannot fix: the agent stops instead of training into the same failure.
-FINAL_EXITS = frozenset({STORAGE_EXIT})
+FINAL_EXITS = frozenset({USAGE_EXIT, STORAGE_EXIT})
+_WHAT_TO_FIX = {USAGE_EXIT: "input", STORAGE_EXIT: "storage"}
 
 
 def stop_restarts_on(exit_codes: frozenset[int]) -> None:
@@ -115,10 +119,11 @@ def failure_summary(error: ChildFailedError, max_restarts: int) -> str:
     restarts are used up (the checkpoints already committed stay as they are)."""
     rank, failure = error.get_first_failure()
     if failure.exitcode in FINAL_EXITS:
+        what = _WHAT_TO_FIX[failure.exitcode]
         return (
             f"torchrevive-run: job stopped: worker rank {rank} {describe_exit(failure.exitcode)} (its log says why); "
-            "not restarted, since a restart would meet the same storage; committed checkpoints are intact, "
-            "fix the storage and run the job again to resume from the newest one"
+            f"not restarted, since a restart would meet the same {what}; committed checkpoints are intact, "
+            f"fix the {what} and run the job again to resume from the newest one"
         )
     return (
         f"torchrevive-run: job failed: worker rank {rank} {describe_exit(failure.exitcode)}, "
@@ -132,13 +137,13 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        requeue = slurm_launch.RequeueSignal(os.environ)  # first: Slurm may send it any time from now
         check_rdzv_conf(args)
         slurm_launch.expand_endpoint(args, os.environ, nnodes_given=args.nnodes is not None)
         if args.nnodes is None:
             args.nnodes = "1:1"  # torchrun's default
         preload = warm_start.preload_modules()
         check_script(args)
-        requeue = slurm_launch.RequeueSignal(os.environ)
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
@@ -149,14 +154,18 @@ def main(argv: list[str] | None = None) -> None:
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
+    stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
-    stopped_by: signal.Signals | None = None
+    stopped_by: signal.Signals | None = signal.SIGTERM if requeue.received else None
     try:
-        record(launch)(args, preload)  # torch's own report of the failure comes first
+        requeue.launching()
+        if stopped_by is None:  # the requeue signal before any worker started: none is started
+            record(launch)(args, preload)  # torch's own report of the failure comes first
     except ChildFailedError as error:
         print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
         _, failure = error.get_first_failure()
+        requeue.close()
         sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
     except SignalException as stop:  # SIGTERM, SIGINT... or the requeue signal: the workers were stopped
         stopped_by = stop.sigval
@@ -167,13 +176,17 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if keeper is not None:
             keeper.close()  # the newest snapshot is persisted before the agent leaves (and before a requeue)
+    try:
+        if stopped_by is not None:
+            name = "the Slurm requeue signal" if requeue.received else stopped_by.name
+            print(f"torchrevive-run: stopped by {name}; the workers were told to commit this step and leave",
+                  file=sys.stderr, flush=True)
+            line = requeue.requeue_if_first()
+            if line is not None:
+                print(f"torchrevive-run: {line}", file=sys.stderr, flush=True)
+    finally:
+        requeue.close()
     if stopped_by is not None:
-        name = "the Slurm requeue signal" if requeue.received else stopped_by.name
-        print(f"torchrevive-run: stopped by {name}; the workers were told to commit this step and leave",
-              file=sys.stderr, flush=True)
-        line = requeue.requeue_if_first_node()
-        if line is not None:
-            print(f"torchrevive-run: {line}", file=sys.stderr, flush=True)
         sys.exit(128 + int(stopped_by))
 
 

@@ -19,24 +19,30 @@ there (a replacement node) join running job JOBID's training, within its --nnode
 Invariants:
 - Outside a Slurm job `--rdzv-endpoint=slurm` is one line and exit 2, as are a backend other
   than c10d with it, and `slurm:JOBID` for a job that is not running.
+- One agent per node: `--rdzv-endpoint=slurm` in a step with more tasks on a node is refused.
 - The requeue signal (elastic.slurm.requeue) makes this agent stop its workers the way SIGTERM
-  does (they commit this step and exit); then the agent of the step's first node, and only it,
-  requeues the job. SIGTERM alone (scancel, the time limit) never requeues.
+  does (they commit this step and exit); then the step's first agent (SLURM_PROCID 0), and only
+  it, requeues the job, and only when a worker of its node noted the commit. Before the workers
+  start, the signal is remembered and the agent leaves without starting them. SIGTERM alone
+  (scancel, the time limit) never requeues.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Mapping
 from types import FrameType
 
 from elastic.errors import UsageError
+from elastic.launcher.stop_signals import raise_safely
 from elastic.slurm import step as slurm_step
 from elastic.slurm.control import SlurmControlError, node_address, nodes_of_job
-from elastic.slurm.requeue import requeue_after_preemption, requeue_signal
+from elastic.slurm.requeue import NOTES_ENV, arrived_early, noted_commits, requeue_after_preemption, requeue_signal
 
 SLURM_ENDPOINT = "slurm"
 
@@ -57,6 +63,11 @@ def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nno
                 raise UsageError("--rdzv-endpoint=slurm needs a Slurm job (SLURM_JOB_ID is not set): start the "
                                  "agents with srun inside an allocation, or give --rdzv-endpoint HOST:PORT")
             job_id, nodes = slurm_step.job_id(environ), slurm_step.job_nodes(environ)
+            if slurm_step.in_step(environ):
+                node = slurm_step.read_int(environ, "SLURM_NODEID")
+                if node < len(nodes) and slurm_step.tasks_on_node(environ, node, len(nodes)) > 1:
+                    raise UsageError("--rdzv-endpoint=slurm runs one agent per node (srun --ntasks-per-node=1); "
+                                     "give --nproc-per-node for the workers of each node")
             hosts = environ.get("SLURMD_NODENAME", "") == nodes[0]
         else:
             text = endpoint.removeprefix(f"{SLURM_ENDPOINT}:")
@@ -81,37 +92,54 @@ def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nno
 
 
 class RequeueSignal:
-    """The agent's side of the requeue signal: stop the workers as SIGTERM would, remember why."""
+    """The agent's side of the requeue signal: stop the workers as SIGTERM would, then (the step's first
+    agent only) requeue the job once a worker of this node noted the preemption's commit."""
 
     def __init__(self, environ: Mapping[str, str]) -> None:
-        self.received = False
+        self.received = arrived_early()
         self._environ = environ
+        self._launched = False
+        self.notes: str | None = None
         self.signum = requeue_signal(environ)  # UsageError for a bad TORCHREVIVE_REQUEUE_SIGNAL
         if self.signum is not None:
-            signal.signal(self.signum, self._on_signal)
+            signal.signal(self.signum, raise_safely(self._on_signal))
+
+    def launching(self) -> None:
+        """The workers are about to start: from now on the signal stops them. They note their commit in a
+        folder of this agent's (`elastic.slurm.requeue.note_commit`)."""
+        if self.signum is not None:
+            self.notes = tempfile.mkdtemp(prefix="torchrevive-preemption-")
+            os.environ[NOTES_ENV] = self.notes
+        self._launched = True
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         if self.received:
-            return  # Slurm may send it to every process of the step; one stop is enough
+            return  # Slurm may send it to every process of the step, and twice; one stop is enough
         self.received = True
         print(f"torchrevive-run: received {signal.Signals(signum).name}: stopping the workers (they commit this "
               "step), then requeueing the Slurm job", file=sys.stderr, flush=True)
-        # torch's agent handles SIGTERM by raising this from its handler; its workers get SIGTERM, which
-        # after the requeue signal they take as the same stop (elastic.preemption).
-        raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}",
-                              sigval=signal.SIGTERM)
+        if self._launched:
+            # torch's agent handles SIGTERM by raising this from its handler; its workers get SIGTERM,
+            # which after the requeue signal they take as the same stop (elastic.preemption).
+            raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}",
+                                  sigval=signal.SIGTERM)
 
-    def requeue_if_first_node(self) -> str | None:
-        """After the workers stopped: the one line of the first node's requeue; None on other nodes."""
-        if not self.received or not slurm_step.in_job(self._environ):
+    def requeue_if_first(self) -> str | None:
+        """After the workers stopped: the one line of the step's first agent (SLURM_PROCID 0) about the
+        requeue; None elsewhere or when the signal never came."""
+        if not self.received or self._environ.get("SLURM_PROCID", "0") != "0":
             return None
         try:
-            first = slurm_step.job_nodes(self._environ)[0]
             job_id = slurm_step.job_id(self._environ)
         except ValueError as exc:
             return f"Slurm job not requeued: {exc}"
-        if self._environ.get("SLURMD_NODENAME", first) != first:
-            return None
+        if self._launched and not (self.notes and noted_commits(self.notes)):
+            return (f"Slurm job {job_id} not requeued: no worker on this node reported the preemption's commit "
+                    "(their lines above say why)")
         return requeue_after_preemption(job_id)
+
+    def close(self) -> None:
+        if self.notes is not None:
+            shutil.rmtree(self.notes, ignore_errors=True)

@@ -330,6 +330,7 @@ def _prepare_worker(path_entry: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True, write_through=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it; a worker must not
     try:
         os.setsid()
     except OSError:
@@ -378,7 +379,11 @@ def main() -> None:
 _fork_server_report: PreloadReport | None = None
 _fork_server_plan = os.environ.pop(FORK_SERVER_PRELOAD_ENV, None)
 if _fork_server_plan is not None and __name__ != "__main__":
-    ignore_in_helper(os.environ)  # Slurm's requeue signal reaches this process too; its workers inherit this
+    # Slurm signals every process of a step, this one too. Dying of it would make the agent see its
+    # workers as gone (their exit statuses come through this process) and leave before they commit.
+    # It ends with the agent instead (multiprocessing's fork server exits when the agent's pipe closes).
+    ignore_in_helper(os.environ)  # the requeue signal: its workers inherit the SIG_IGN until their run's handler
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # put back to the default in each worker (_prepare_worker)
     _fork_server_report = import_preload([name for name in _fork_server_plan.split(",") if name])
 
 if __name__ == "__main__":

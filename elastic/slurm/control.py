@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -70,7 +71,10 @@ def node_address(node: str) -> str:
 def nodes_of_job(job_id: int) -> list[str]:
     """The nodes of running job `job_id`, in Slurm's order (for agents of another allocation joining it)."""
     record = scontrol("show", "job", "-o", str(job_id))
-    node_list, state = _field(record, "NodeList"), _field(record, "JobState")
+    node_list, state, user = _field(record, "NodeList"), _field(record, "JobState"), _field(record, "UserId")
+    uid = re.fullmatch(r"[^()]*\((\d+)\)", user or "")
+    if uid is None or int(uid.group(1)) != os.getuid():
+        raise SlurmControlError(f"Slurm job {job_id} is not yours (UserId={user}): its rendezvous is not joined")
     if state != "RUNNING" or not node_list or node_list == "(null)":
         raise SlurmControlError(f"Slurm job {job_id} is not running (JobState={state}): there is no rendezvous to join")
     try:

@@ -22,9 +22,9 @@ import re
 MAX_EXPANDED = 1 << 16
 """More hosts or tasks than any Slurm cluster runs in one job step."""
 
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # ASCII digits only, as Slurm reads them
 _HOST_CHARS = re.compile(r"[A-Za-z0-9._-]*")
-_TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+_TASKS = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -45,7 +45,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
     """`2(x3),1` -> [2, 2, 2, 1]: tasks on each node of the step, in node order."""
     counts: list[int] = []
     for item in text.split(","):
-        match = _TASKS.fullmatch(item.strip())
+        match = _TASKS.fullmatch(item)
         if match is None:
             raise ValueError(f"tasks per node {text!r}: {item!r} is not N or N(xR)")
         tasks, repeat = int(match.group(1)), int(match.group(2) or 1)
@@ -81,7 +81,7 @@ def _split_top_level(text: str) -> list[str]:
 def _expand_item(item: str, whole: str) -> list[str]:
     """One comma-free item: literal parts and bracket groups, multiplied out."""
     parts: list[list[str]] = []
-    rest = item
+    size, rest = 1, item
     while rest:
         open_at = rest.find("[")
         literal = rest if open_at < 0 else rest[:open_at]
@@ -91,13 +91,12 @@ def _expand_item(item: str, whole: str) -> list[str]:
         if open_at < 0:
             break
         close_at = rest.index("]", open_at)
-        parts.append(_expand_ranges(rest[open_at + 1:close_at], whole))
-        rest = rest[close_at + 1:]
-    size = 1
-    for choices in parts:
-        size *= len(choices)
-        if size > MAX_EXPANDED:
+        group = _expand_ranges(rest[open_at + 1:close_at], whole)
+        size *= len(group)
+        if size > MAX_EXPANDED:  # checked per group: the groups themselves are never all held at once
             raise ValueError(f"host list {whole[:80]!r} expands to more than {MAX_EXPANDED} hosts")
+        parts.append(group)
+        rest = rest[close_at + 1:]
     return ["".join(combination) for combination in itertools.product(*parts)]
 
 
@@ -105,7 +104,7 @@ def _expand_ranges(ranges: str, whole: str) -> list[str]:
     """`01-04,07` -> ['01', '02', '03', '04', '07']; the width of a range's first bound is kept."""
     names: list[str] = []
     for piece in ranges.split(","):
-        match = _RANGE.fullmatch(piece.strip())
+        match = _RANGE.fullmatch(piece)
         if match is None:
             raise ValueError(f"host list {whole!r}: [{ranges}] holds {piece!r}, not N or N-M")
         first, last = match.group(1), match.group(2) or match.group(1)

@@ -13,8 +13,9 @@ Invariants:
 - The step's own variables (SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE, SLURM_STEP_NODELIST)
   are read before the job's: a step may use part of the allocation.
 - Every value is checked before use; a bad one is a `ValueError` naming the variable.
-- Rank 0 is on the step's first node (srun's block and cyclic distributions both start there), so
-  the rendezvous address is that node's; MASTER_ADDR and MASTER_PORT, when set, win.
+- Rank 0 is on the step's first node (srun's block, cyclic and plane distributions all start
+  there), so the rendezvous address is that node's; MASTER_ADDR and MASTER_PORT, when set, win.
+  An arbitrary distribution without MASTER_ADDR is refused: rank 0 may be anywhere.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from elastic.slurm.hostlist import expand_hostlist, expand_tasks_per_node
 RENDEZVOUS_PORT_BASE = 20000
 """`torchrevive-run --rdzv-endpoint=slurm` listens on BASE + job id mod PORT_SPAN."""
 MASTER_PORT_BASE = 25000
-"""`srun python script.py`: rank 0's store listens on BASE + job id mod PORT_SPAN."""
+"""`srun python script.py`: rank 0's store listens on BASE + (job id + step id) mod PORT_SPAN, so the
+steps of one job running side by side (`srun --exact` in the background) listen apart."""
 PORT_SPAN = 5000  # both ranges below Linux's ephemeral ports (32768 on)
 
 
@@ -121,8 +123,12 @@ def read_task(environ: Mapping[str, str]) -> SlurmTask:
         raise ValueError(f"SLURM_LOCALID={local_rank} is outside the {local_world_size} tasks on this node")
     if local_world_size > world_size:
         raise ValueError(f"{local_world_size} tasks on this node but {world_size} in the step")
+    if environ.get("SLURM_DISTRIBUTION", "").startswith("arbitrary") and not environ.get("MASTER_ADDR"):
+        raise ValueError("SLURM_DISTRIBUTION=arbitrary may put rank 0 on any node: set MASTER_ADDR to its node")
     port = environ.get("MASTER_PORT")
-    master_port = read_int(environ, "MASTER_PORT", minimum=1) if port else job_port(environ, MASTER_PORT_BASE)
+    step = read_int(environ, "SLURM_STEP_ID", "SLURM_STEPID")
+    default_port = port_of(job_id(environ) + step, MASTER_PORT_BASE)
+    master_port = read_int(environ, "MASTER_PORT", minimum=1) if port else default_port
     if master_port > 65535:
         raise ValueError(f"MASTER_PORT={master_port} is not a port")
     restarts = read_int(environ, "SLURM_RESTART_COUNT") if environ.get("SLURM_RESTART_COUNT") else 0

@@ -79,3 +79,19 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
     assert not keeper.root.exists()
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOTS", "0")
     assert launch.start_keeper(argparse.Namespace(local_addr="127.0.0.1")) is None
+
+
+def test_a_worker_that_exits_on_bad_input_is_not_restarted() -> None:
+    """Exit 2 (a bad flag) would come back on every restart: the agent ends the job at once, with
+    one line and the worker's status."""
+    from support import worker_env
+
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=1", "--max-restarts=3",
+         "recipes/gpt.py", "--max-steps", "-3"],
+        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "gpt.py: error: argument --max-steps" in done.stderr
+    assert "not restarted, since a restart would meet the same input" in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("gpt.py: error: argument --max-steps") == 1, "the worker was restarted"

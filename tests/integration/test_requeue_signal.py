@@ -1,7 +1,8 @@
 """The Slurm requeue signal in a worker (elastic.preemption): it stops the job like SIGTERM and marks
-it for requeueing; it never kills at once (Slurm may send it twice), one SIGTERM after it (the agent
-stopping its workers) changes nothing, a second SIGTERM ends the process; children forked after the
-install ignore it (Slurm signals every process of a step, data loader workers too).
+it for requeueing; it never kills at once (Slurm may send it twice), SIGTERMs after it (the agent
+stopping its workers, slurmstepd's own within 2 s) change nothing, a SIGTERM after that window ends
+the process; children forked after the install ignore it (Slurm signals every process of a step,
+data loader workers too); one that arrives before the handler is installed is acted on.
 
 The handler runs in a script of its own, so pytest's signal handlers are untouched."""
 
@@ -21,15 +22,20 @@ SCRIPT = textwrap.dedent("""
     import torch
     from elastic.preemption import PreemptionHandler
     from elastic.runtime import WorkerContext
-    from elastic.slurm.requeue import requeue_signal
+    from elastic.slurm.requeue import preemption_settings
 
     ctx = WorkerContext(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="t",
                         device=torch.device("cpu"), backend=None)
-    handler = PreemptionHandler(ctx, grace=60, requeue_signum=requeue_signal(os.environ))
-    report = {}
+    import elastic  # from here on the requeue signal is remembered until the handler takes it over
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+    handler = PreemptionHandler(ctx, grace=60, **preemption_settings(os.environ))
+    report = {"early": handler.signalled and handler.requeue_signalled}
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGUSR1)  # again: Slurm's --signal and the batch shell's scancel
     os.kill(os.getpid(), signal.SIGTERM)  # the agent stopping its workers
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)  # slurmstepd's own, within the window: the same one twice
     time.sleep(0.3)
     report["alive"] = True
     report["signalled"], report["requeue"] = handler.signalled, handler.requeue_signalled
@@ -41,6 +47,7 @@ SCRIPT = textwrap.dedent("""
     os.waitpid(child, 0)
     report["child_ignores"] = os.read(read, 16).decode() == "True"
     print(json.dumps(report), flush=True)
+    time.sleep(2.0)  # past the window since the first SIGTERM
     os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM: the default action, now
     time.sleep(5)
     print("still alive", flush=True)
@@ -53,7 +60,8 @@ def test_the_requeue_signal_stops_once_never_kills_and_a_second_sigterm_does() -
     lines = done.stdout.strip().splitlines()
     # The handler (killed by SIGTERM) or the watcher thread (exit 143), whichever acts first.
     assert done.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), (done.returncode, done.stdout, done.stderr)
-    assert json.loads(lines[0]) == {"alive": True, "signalled": True, "requeue": True, "child_ignores": True}
+    assert json.loads(lines[0]) == {"early": True, "alive": True, "signalled": True, "requeue": True,
+                                    "child_ignores": True}
     assert "still alive" not in done.stdout
     assert done.stderr.count("received SIGUSR1: finishing this step") == 1, done.stderr
 

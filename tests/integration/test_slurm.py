@@ -112,7 +112,10 @@ def wait_job(slurm: SlurmCluster, job: str, timeout: float) -> dict[str, str]:
         if info["JobState"] in DONE_STATES:
             return info
         if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
-            slurm.run(["scontrol", "update", f"jobid={job}", "starttime=now"])  # Slurm holds a requeued job ~2 min
+            # Slurm holds a requeued job ~2 min; let it go, but not within the second its last run's
+            # credential was revoked (slurmd would refuse the new run's as revoked too).
+            time.sleep(2)
+            slurm.run(["scontrol", "update", f"jobid={job}", "starttime=now"])
         time.sleep(0.5)
     raise AssertionError(f"job {job} did not end in {timeout:g} s: {job_info(slurm, job)}\n{slurm.log_tail()}")
 
@@ -160,8 +163,8 @@ def test_the_requeue_signal_commits_requeues_once_and_resumes_bit_exact(
     output = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, output[-3000:])
     # One process requeued: worker rank 0 without an agent, the first node's agent with them.
-    requeues = re.findall(r"^(?:\S+ WARNING elastic\.slurm\.requeue: stopped|torchrevive-run: Slurm job).*requeued \(scontrol",
-                          output, re.M)
+    said = r"^(?:\S+ WARNING elastic\.slurm\.requeue: stopped|torchrevive-run: Slurm job).*requeued \(scontrol"
+    requeues = re.findall(said, output, re.M)
     assert len(requeues) == 1, output[-3000:]
     seen = list(read_events(events))
     starts = [e for e in seen if e["event"] == "start"]
@@ -169,6 +172,27 @@ def test_the_requeue_signal_commits_requeues_once_and_resumes_bit_exact(
     committed = [e["step"] for e in seen if e["event"] == "checkpoint" and e["time"] < starts[1]["time"]]
     assert committed and starts[1]["step"] == max(committed) >= 6, (seen, committed)  # resumed at the preempted step
     assert_same(reference, final_tensors(ckpt))
+
+
+def test_scancel_under_agents_commits_the_step_once_and_does_not_requeue(
+    slurm: SlurmCluster, corpus: Path, tmp_path: Path,
+) -> None:
+    """`scancel` (SIGTERM to every process of the step, and the agents pass their own on): the workers
+    take the two as one, commit the step and leave; nobody requeues."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "job.out"
+    job = sbatch(slurm, "gpt.sbatch", *data_args(corpus, 200),
+                 sbatch_args=("-N2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={log}"),
+                 CKPT_DIR=str(ckpt), **PACED)
+    events = ckpt / "events.jsonl"
+    wait_for(lambda: steps_seen(events) >= 6, 120, f"job {job} training ({log})")
+    slurm.run(["scancel", job])
+    info = wait_job(slurm, job, 120)
+    output = log.read_text()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, output[-3000:])
+    stopped = [e["step"] for e in read_events(events) if e["event"] == "checkpoint" and e["step"] >= 6]
+    assert stopped, f"no checkpoint of the stopped step: {output[-3000:]}"
+    assert verified_final_checkpoint(ckpt, max(stopped))[0], output[-3000:]
+    assert "requeued" not in output, output[-3000:]
 
 
 def test_a_job_without_requeue_commits_on_the_signal_and_says_it_is_not_requeued(
@@ -228,7 +252,7 @@ def test_a_lost_node_shrinks_the_job_and_a_replacement_allocation_joins_it(
     `srun --kill-on-bad-exit=0` the step goes on and n1's agent trains on at world size 1. Then an
     agent of another allocation on n2 joins with `--rdzv-endpoint=slurm:JOBID`: world size 2 again,
     to the end."""
-    steps = 80
+    steps = 150  # paced: time for the replacement to start and join while the job runs on alone
     ckpt, log = tmp_path / "ckpt", tmp_path / "job.out"
     job = sbatch(slurm, "gpt.sbatch", *data_args(corpus, steps),
                  sbatch_args=("-N2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={log}"),

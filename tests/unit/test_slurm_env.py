@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic.errors import EnvironmentConfigError, UsageError
@@ -38,7 +38,7 @@ BATCH_SHELL = {k: v for k, v in SRUN_TASK.items() if not k.startswith(("SLURM_ST
     ("gpu-a[8-9],login1", ["gpu-a8", "gpu-a9", "login1"]),
     ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
     ("solo", ["solo"]),
-    ("n[1-2]-ib", ["n1-ib", "n2-ib"]),
+    ("n[1-2]-ib", ["n1-ib", "n2-ib"]),  # a suffix: newer Slurm reads it, 22.05 refuses it
 ])
 def test_host_lists_expand_as_scontrol_show_hostnames(text: str, hosts: list[str]) -> None:
     assert expand_hostlist(text) == hosts
@@ -48,12 +48,14 @@ def test_host_lists_expand_as_scontrol_show_hostnames(text: str, hosts: list[str
     ("n[1-2", "leaves a bracket open"), ("n1-2]", "closes a bracket"), ("n[[1]]", "nests"),
     ("n[2-1]", "runs backwards"), ("n[a-b]", "not N or N-M"), ("n1,,n2", "empty entry"), ("", "empty entry"),
     ("n[0-99999999]", "more than"), ("n$(reboot)", "not a host name"), ("n[1-300]m[1-300]", "more than"),
+    ("n[ 1 ]", "not N or N-M"), ("n[\u0661-\u0663]", "not N or N-M"), ("a" + "[0-65535]" * 60, "more than"),
 ])
 def test_a_bad_host_list_is_refused_naming_it(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=why.replace("(", r"\(")):
         expand_hostlist(text)
 
 
+@settings(deadline=None)  # a busy 2-core machine: hypothesis' 200 ms is no bound on correctness
 @given(st.text(max_size=40))
 def test_any_text_is_a_host_list_or_a_value_error(text: str) -> None:
     try:
@@ -63,6 +65,7 @@ def test_any_text_is_a_host_list_or_a_value_error(text: str) -> None:
     assert 1 <= len(hosts) <= MAX_EXPANDED and all(isinstance(h, str) for h in hosts)
 
 
+@settings(deadline=None)
 @given(st.from_regex(r"[a-z]{1,4}", fullmatch=True), st.lists(st.integers(0, 300), min_size=1, max_size=12),
        st.integers(1, 3))
 def test_a_compressed_list_expands_to_its_hosts(prefix: str, numbers: list[int], width: int) -> None:
@@ -91,6 +94,11 @@ def test_an_srun_task_reads_its_place_from_slurm() -> None:
     assert task.master_port == MASTER_PORT_BASE + 2
 
 
+def test_steps_of_one_job_listen_on_ports_of_their_own() -> None:
+    first, second = (parse_launch_env({**SRUN_TASK, "SLURM_STEP_ID": step}).slurm_task for step in ("0", "1"))
+    assert first is not None and second is not None and first.master_port != second.master_port
+
+
 def test_master_port_and_restart_count_come_from_the_environment_when_set() -> None:
     env = parse_launch_env({**SRUN_TASK, "MASTER_PORT": "29999", "SLURM_RESTART_COUNT": "3"})
     assert env.slurm_task is not None and env.slurm_task.master_port == 29999 and env.restart_count == 3
@@ -111,6 +119,7 @@ def test_a_batch_shell_is_not_a_task_and_torchruns_variables_win() -> None:
     ({"SLURM_STEP_NODELIST": "n[1-"}, "SLURM_STEP_NODELIST: host list"),
     ({"SLURM_STEP_NUM_TASKS": "0"}, "SLURM_STEP_NUM_TASKS=0 must be at least 1"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
+    ({"SLURM_DISTRIBUTION": "arbitrary"}, "SLURM_DISTRIBUTION=arbitrary may put rank 0 on any node"),
 ])
 def test_a_bad_slurm_variable_is_one_line_naming_it(override: dict[str, str], message: str) -> None:
     with pytest.raises(EnvironmentConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -128,7 +137,7 @@ def test_the_requeue_signal_is_usr1_inside_a_job_only_and_can_be_changed_or_off(
 
 # An agent's step: one task per node on two nodes whose names resolve here.
 AGENT = {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost,otherhost",
-         "SLURMD_NODENAME": "localhost"}
+         "SLURMD_NODENAME": "localhost", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
 
 
 def test_rdzv_endpoint_slurm_is_the_first_node_a_job_port_and_the_allocation() -> None:
@@ -139,7 +148,7 @@ def test_rdzv_endpoint_slurm_is_the_first_node_a_job_port_and_the_allocation() -
     assert args.rdzv_conf == "is_host=true"  # the first node's agent hosts the store
     other = parse_args(["--rdzv-endpoint=slurm", "--nnodes=2:2", "--rdzv-id=mine", "--rdzv-conf=join_timeout=9",
                         "train.py"])
-    expand_endpoint(other, {**AGENT, "SLURMD_NODENAME": "otherhost"}, nnodes_given=True)
+    expand_endpoint(other, {**AGENT, "SLURMD_NODENAME": "otherhost", "SLURM_NODEID": "1"}, nnodes_given=True)
     assert (other.nnodes, other.rdzv_id, other.rdzv_conf) == ("2:2", "mine", "join_timeout=9,is_host=false")
 
 
@@ -148,6 +157,8 @@ def test_rdzv_endpoint_slurm_is_the_first_node_a_job_port_and_the_allocation() -
     (["--rdzv-endpoint=slurm", "--rdzv-backend=etcd-v3", "t.py"], AGENT, "needs an endpoint of its own"),
     (["--rdzv-endpoint=slurm:abc", "t.py"], AGENT, "'abc' is not a Slurm job id"),
     (["--rdzv-endpoint=slurm", "t.py"], {**AGENT, "SLURM_STEP_NODELIST": "n[1"}, "leaves a bracket open"),
+    (["--rdzv-endpoint=slurm", "t.py"], {**AGENT, "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
+     "one agent per node"),
 ])
 def test_rdzv_endpoint_slurm_refuses_in_one_line(argv: list[str], environ: dict[str, str], message: str) -> None:
     args = parse_args(argv)
@@ -159,3 +170,31 @@ def test_other_endpoints_are_left_alone() -> None:
     args = parse_args(["--rdzv-endpoint=h:1", "--rdzv-backend=c10d", "t.py"])
     expand_endpoint(args, AGENT, nnodes_given=False)
     assert (args.rdzv_endpoint, args.nnodes) == ("h:1", None)
+
+
+def test_a_stop_signal_in_torchs_metrics_wrapper_before_its_start_time_is_sent_again(monkeypatch) -> None:
+    """torch's `prof` wrapper fails with UnboundLocalError (hiding the signal) if its handler raises
+    before `start` is assigned: there the signal is sent again later instead of raised."""
+    import sys
+
+    from torch.distributed.elastic.metrics.api import prof
+
+    from elastic.launcher import stop_signals
+
+    seen: list[str] = []
+    monkeypatch.setattr(stop_signals, "_send_again", lambda signum: seen.append("again"))
+    safe = stop_signals.raise_safely(lambda signum, frame: seen.append("start" in frame.f_locals and "raised"))
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name == "wrapper" and event == "line":
+            safe(signal.SIGTERM, frame)  # as if the signal landed on each line of the wrapper
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        prof(lambda: None, group="test")()
+    finally:
+        sys.settrace(None)
+    # The lines up to `start = time.time()` send it again; every line after it raises at once.
+    assert seen[0] == "again" and "raised" in seen, seen
+    assert seen == sorted(seen), seen  # "again" ... "again", "raised" ... "raised"
