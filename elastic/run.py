@@ -271,7 +271,8 @@ class Run:
         )
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
-        self._stack.callback(lambda: self.checkpoints.close(wait=5.0 if self._leaving_failed else None))
+        self._stack.callback(lambda: self.checkpoints.close(  # a clean end (finished, preempted) lets go
+            wait=5.0 if self._leaving_failed else None, ended=not self._leaving_failed))
         self._optimizer_steps = 0  # tells a `break` after optimizer.step() from one before it
         hook = optimizer.register_step_post_hook(lambda *_: self._count_optimizer_step())
         self._stack.callback(hook.remove)
@@ -298,8 +299,8 @@ class Run:
         self._optimizer_steps += 1
 
     def _ballot(self) -> tuple[bool, bool, bool, int]:
-        preemption, checkpoints = self._preemption, self.checkpoints
-        return preemption.signalled, preemption.requeue_signalled, checkpoints.must_stop, checkpoints.snapshot_proposal()
+        stop, checkpoints = self._preemption, self.checkpoints
+        return stop.signalled, stop.requeue_signalled, checkpoints.must_stop, checkpoints.snapshot_proposal()
 
     @property
     def epoch(self) -> int:
@@ -429,9 +430,8 @@ class Run:
         with self.watchdog.paused():  # a slow filesystem is not a hang
             self.checkpoints.save(self.step, reason="preemption")
             self.checkpoints.flush()
-        where = self.checkpoints.store.root
-        saved = f"checkpoint committed in {where}" if self.checkpoints.enabled else "no --ckpt-dir, nothing saved"
-        said = f"after step {self.step}; {saved}"
+        saved = f"checkpoint committed in {self.checkpoints.store.root}" if self.checkpoints.enabled else None
+        said = f"after step {self.step}; {saved or 'no --ckpt-dir, nothing saved'}"
         if requeue:
             said += after_preemption_commit(os.environ, rank=self.rank, step=self.step, said=said,
                                             job_id=self._context.slurm_job_id, committed=self.checkpoints.enabled)

@@ -22,6 +22,7 @@ import threading
 
 from elastic import threads
 from elastic.errors import CheckpointStorageError
+from elastic.storage import claim as claims
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed, describe_failure
@@ -58,6 +59,16 @@ class DirectoryClaim:
         if self._heartbeat is not None and self._heartbeat.is_alive():
             self._heartbeat.join(timeout=5.0)
         atexit.unregister(self.stop)
+
+    def release(self) -> None:
+        """The job ended: mark the claim as such (after `stop`), so another job takes the directory at
+        once instead of waiting out the heartbeat; a storage error is one warning (it then waits)."""
+        if not self._prepared:
+            return
+        try:
+            claims.release(self.store.root, self.identity)
+        except OSError as exc:
+            logger.warning("could not mark the claim on %s as ended: %s", self.store.root, describe_failure(exc))
 
     def _beat(self) -> None:
         interval = self.identity.stale_after / 4

@@ -298,9 +298,11 @@ class CheckpointManager:
         self.saver.before_optimizer_step()
         self.hook_seconds += time.perf_counter() - started
 
-    def close(self, wait: float | None = None) -> None:
+    def close(self, wait: float | None = None, *, ended: bool = False) -> None:
         """Commit what is in flight (waiting at most `wait`, default `ckpt_timeout`) and detach from
-        the optimizer; safe on error paths, where a failed save is only reported."""
+        the optimizer; safe on error paths, where a failed save is only reported. `ended`: the job
+        ended cleanly (finished, preempted, stopped for its storage), so rank 0 marks its claim on the
+        directory as ended and another job may take it at once (storage.claim.release)."""
         wait = self.config.ckpt_timeout if wait is None else wait
         if self.policy.fatal is not None:
             wait = 0.0  # flush already waited --ckpt-timeout for it
@@ -309,6 +311,8 @@ class CheckpointManager:
         finally:
             if self.claim is not None:
                 self.claim.stop()
+                if ended:
+                    self.claim.release()
             if self.memory is not None:
                 self.memory.close(timeout=wait)
             if self._hook is not None:

@@ -19,6 +19,10 @@ Invariants:
 - Same run id (a real one, not the anonymous "local"/"none" of single-process
   or unnamed runs): the same job restarting, which takes over; its old rank 0
   is refused at its next commit. Any other live writer is another job: refused.
+- A job that ends cleanly (finished, preempted, stopped for its storage) marks
+  its claim as ended (`release`: heartbeat 0): the next job, on any host,
+  takes the directory at once instead of waiting `stale_after` for a writer
+  on another host to go stale. A job that fails keeps its claim live.
 - Every commit checks the claim just before its rename (`check_may_commit`):
   rank 0 commits only while the claim is still its own; a snapshot keeper,
   which commits on behalf of its job's workers, only while the claim is its
@@ -291,6 +295,15 @@ def refresh_after_commit(root: Path, identity: WriterIdentity) -> None:
     holder = current(root)
     if holder is None or holder.writer == identity.writer:
         replace_small(root, WRITER, identity.beat().to_json())
+
+
+def release(root: Path, identity: WriterIdentity) -> None:
+    """`identity`'s job ended: its claim stays (its run id, for a snapshot keeper persisting for it) with
+    a heartbeat of 0, which no host takes for alive, so the next job on any host claims the directory
+    at once. Nothing changes when another writer holds the claim by now."""
+    holder = current(root)
+    if holder is not None and holder.writer == identity.writer:
+        replace_small(root, WRITER, WriterIdentity(**{**asdict(identity), "heartbeat": 0.0}).to_json())
 
 
 def check_may_commit(root: Path, run_id: str, owner: WriterIdentity | None = None) -> None:

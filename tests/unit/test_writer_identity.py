@@ -131,3 +131,21 @@ def test_the_start_time_is_read_past_a_command_name_with_spaces_and_parentheses(
     real = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real(stat if str(self) == "/proc/4242/stat" else self, *a, **k))
     assert claims.start_time(4242) == 987654
+
+
+def test_a_job_that_ended_lets_the_next_job_on_any_host_take_the_directory_at_once(tmp_path: Path) -> None:
+    """A claim of another host is judged by its heartbeat (30 minutes); one its job marked as ended is not."""
+    me = WriterIdentity.new("slurm-8")
+    elsewhere = replace(me, writer="3ls3wh3r3000", run_id="slurm-7", host="elsewhere.invalid",
+                        boot_id="00000000-0000-0000-0000-000000000000")
+    written(tmp_path, elsewhere)
+    with pytest.raises(CheckpointStorageError, match="written by another job"):
+        claims.claim(tmp_path, me)
+    claims.release(tmp_path, replace(elsewhere, writer="n0tth3wr1t3r"))  # not the holder: no change
+    assert claims.current(tmp_path) == elsewhere
+    claims.release(tmp_path, elsewhere)
+    ended = claims.current(tmp_path)
+    assert ended is not None and ended.heartbeat == 0.0 and ended.run_id == "slurm-7"  # a keeper of it may commit
+    claims.check_may_commit(tmp_path, "slurm-7")
+    claims.claim(tmp_path, me)
+    assert claims.current(tmp_path).writer == me.writer
