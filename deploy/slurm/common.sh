@@ -44,7 +44,8 @@ mkdir -p "$CKPT_DIR" || exit 2
 
 secret="$CKPT_DIR/.snapshot-secret"
 if [ ! -e "$secret" ]; then  # made aside (mktemp: mode 600) and moved in without overwriting
-  made=$(mktemp "$CKPT_DIR/.snapshot-secret.XXXXXX") && head -c 32 /dev/urandom > "$made" && mv -n "$made" "$secret"
+  made=$(mktemp "$CKPT_DIR/.snapshot-secret.XXXXXX") &&
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$made" && mv -n "$made" "$secret"  # 32 bytes as hex
   rm -f "$made"
 fi
 if [ ! -O "$secret" ] || [ ! -s "$secret" ] || [ "$(stat -c %a "$secret")" != 600 ]; then
