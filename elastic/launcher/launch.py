@@ -157,11 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
-    stopped_by: signal.Signals | None = signal.SIGTERM if requeue.received else None
+    stopped_by: signal.Signals | None = None
     try:
-        requeue.launching()
-        if stopped_by is None:  # the requeue signal before any worker started: none is started
-            record(launch)(args, preload)  # torch's own report of the failure comes first
+        requeue.launching()  # raises the stop now if the requeue signal came already
+        record(launch)(args, preload)  # torch's own report of the failure comes first
     except ChildFailedError as error:
         print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
         _, failure = error.get_first_failure()

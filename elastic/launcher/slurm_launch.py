@@ -99,6 +99,7 @@ class RequeueSignal:
         self.received = arrived_early()
         self._environ = environ
         self._launched = False
+        self._before_workers = False  # the signal came before any worker started
         self.notes: str | None = None
         self.signum = requeue_signal(environ)  # UsageError for a bad TORCHREVIVE_REQUEUE_SIGNAL
         if self.signum is not None:
@@ -106,25 +107,31 @@ class RequeueSignal:
 
     def launching(self) -> None:
         """The workers are about to start: from now on the signal stops them. They note their commit in a
-        folder of this agent's (`elastic.slurm.requeue.note_commit`)."""
+        folder of this agent's (`elastic.slurm.requeue.note_commit`). If the signal came already, this
+        raises the stop at once: no worker is started (and the requeue needs no note)."""
         if self.signum is not None:
             self.notes = tempfile.mkdtemp(prefix="torchrevive-preemption-")
             os.environ[NOTES_ENV] = self.notes
-        self._launched = True
+        self._launched = True  # first: a signal from now on raises in the handler; one before, here
+        if self.received:
+            self._before_workers = True
+            self._stop()
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def _stop(self) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
+        # torch's agent handles SIGTERM by raising this from its handler; its workers get SIGTERM,
+        # which after the requeue signal they take as the same stop (elastic.preemption).
+        raise SignalException(f"Process {os.getpid()} got the requeue signal", sigval=signal.SIGTERM)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received:
             return  # Slurm may send it to every process of the step, and twice; one stop is enough
         self.received = True
         print(f"torchrevive-run: received {signal.Signals(signum).name}: stopping the workers (they commit this "
               "step), then requeueing the Slurm job", file=sys.stderr, flush=True)
         if self._launched:
-            # torch's agent handles SIGTERM by raising this from its handler; its workers get SIGTERM,
-            # which after the requeue signal they take as the same stop (elastic.preemption).
-            raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}",
-                                  sigval=signal.SIGTERM)
+            self._stop()
 
     def requeue_if_first(self) -> str | None:
         """After the workers stopped: the one line of the step's first agent (SLURM_PROCID 0) about the
@@ -135,7 +142,7 @@ class RequeueSignal:
             job_id = slurm_step.job_id(self._environ)
         except ValueError as exc:
             return f"Slurm job not requeued: {exc}"
-        if self._launched and not (self.notes and noted_commits(self.notes)):
+        if not self._before_workers and not (self.notes and noted_commits(self.notes)):
             return (f"Slurm job {job_id} not requeued: no worker on this node reported the preemption's commit "
                     "(their lines above say why)")
         return requeue_after_preemption(job_id)

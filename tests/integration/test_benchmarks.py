@@ -210,3 +210,17 @@ def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp
     bad = subprocess.run([sys.executable, "benchmarks/hf_resume.py", "--systems", "fast"], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown system" in bad.stderr
+
+
+def test_slurm_preemption_benchmark_prints_both_systems_side_by_side() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/slurm_preemption.py", "--runs", "1", "--ckpt-every", "4", "--step-seconds", "0.2"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=worker_env(),
+    )
+    if "Slurm is not installed" in result.stderr or "slurmd must run as root" in result.stderr:
+        pytest.skip(result.stderr.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {k: v for k, v in re.findall(r"^  (torchrevive|stock) +(.*)$", result.stdout, re.M)}
+    assert set(rows) == {"torchrevive", "stock"}, result.stdout
+    assert re.search(r"steps redone median 0 .* came back by itself 1/1$", rows["torchrevive"]), result.stdout
+    assert re.search(r"came back by itself 0/1$", rows["stock"]), result.stdout

@@ -198,3 +198,36 @@ def test_a_stop_signal_in_torchs_metrics_wrapper_before_its_start_time_is_sent_a
     # The lines up to `start = time.time()` send it again; every line after it raises at once.
     assert seen[0] == "again" and "raised" in seen, seen
     assert seen == sorted(seen), seen  # "again" ... "again", "raised" ... "raised"
+
+
+def test_the_agent_takes_the_requeue_signal_before_its_workers_start_as_a_stop_that_needs_no_note(
+    monkeypatch, tmp_path
+) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from elastic.launcher import slurm_launch
+
+    monkeypatch.setattr(slurm_launch.signal, "signal", lambda *args: None)  # no handler in the test process
+    monkeypatch.setattr(slurm_launch.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    monkeypatch.setattr(slurm_launch.os, "environ", {})
+    asked = []
+    monkeypatch.setattr(slurm_launch, "requeue_after_preemption", lambda job: asked.append(job) or "requeued")
+    first, other = ({"SLURM_JOB_ID": "12", "SLURM_PROCID": rank} for rank in ("0", "1"))
+    agent = slurm_launch.RequeueSignal(first)
+    agent._on_signal(signal.SIGUSR1, None)  # before launching: remembered, nothing raised
+    with pytest.raises(SignalException):
+        agent.launching()
+    assert agent.requeue_if_first() == "requeued" and asked == [12]
+    # Once workers ran, the first agent requeues only on a worker's note; the others never.
+    late = slurm_launch.RequeueSignal(first)
+    late.launching()
+    with pytest.raises(SignalException):
+        late._on_signal(signal.SIGUSR1, None)
+    assert late.requeue_if_first().startswith("Slurm job 12 not requeued: no worker on this node")
+    (tmp_path / "rank-1").write_text("17")
+    assert late.requeue_if_first() == "requeued" and asked == [12, 12]
+    elsewhere = slurm_launch.RequeueSignal(other)
+    elsewhere.launching()
+    with pytest.raises(SignalException):
+        elsewhere._on_signal(signal.SIGUSR1, None)
+    assert elsewhere.requeue_if_first() is None

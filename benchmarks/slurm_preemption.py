@@ -1,0 +1,152 @@
+"""Preemption on Slurm, side by side: what Slurm's warning signal costs a job.
+
+On a real one-machine Slurm (elastic.chaos.slurm: munged, slurmctld, nodes n1 and n2), the GPT
+recipe runs as `srun python recipes/gpt.py` (deploy/slurm/gpt-tasks.sbatch: one task per worker,
+world size 2, checkpoints every `--ckpt-every` steps, steps paced to `--step-seconds`), and gets
+USR1 at a random step past the first checkpoint, as `#SBATCH --signal=USR1@90` sends it:
+
+- torchrevive: every rank commits the signalled step, rank 0 requeues the job, and the requeued
+  run resumes at that step (Slurm holds a requeued job about two minutes; the benchmark lets it go
+  two seconds after the requeue and does not count the hold);
+- stock: a script that does not handle the signal (`TORCHREVIVE_REQUEUE_SIGNAL=none`: USR1 keeps its
+  default action, as in a plain DDP script with rank-0 checkpoints): the tasks die, the job fails
+  and is not requeued; resubmitted by hand, it resumes from its last periodic checkpoint.
+
+Per system it prints the median over `--runs` of: steps redone (signalled step minus the step the
+next run resumed from), seconds from the signal to the end of the signalled run, whether the job
+came back by itself.
+
+    python benchmarks/slurm_preemption.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from elastic.chaos.slurm import SlurmCluster, SlurmUnavailable  # noqa: E402
+from elastic.events import read_events  # noqa: E402
+
+MODEL = ("--batch-size", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+         "--eval-every", "0", "--seed", "1", "--device", "cpu", "--sample-tokens", "0")
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="preemptions per system")
+    p.add_argument("--ckpt-every", type=int, default=10, help="the job's periodic checkpoint interval")
+    p.add_argument("--step-seconds", type=float, default=0.2, help="rank 0 paces each step to this")
+    p.add_argument("--seed", type=int, default=0, help="picks the signalled steps")
+    opts = p.parse_args(argv)
+    if opts.runs < 1 or opts.ckpt_every < 2 or opts.step_seconds <= 0:
+        p.error("--runs >= 1, --ckpt-every >= 2 and --step-seconds > 0")
+    return opts
+
+
+def job_info(cluster: SlurmCluster, job: str) -> dict[str, str]:
+    return dict(re.findall(r"(\w+)=(\S*)", cluster.run(["scontrol", "show", "job", "-o", job])))
+
+
+def steps(events: Path) -> list[dict]:
+    return list(read_events(events)) if events.exists() else []
+
+
+def wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise SystemExit(f"slurm_preemption.py: error: timed out waiting for {what}")
+
+
+def submit(cluster: SlurmCluster, ckpt: Path, signal_name: str, steps_total: int, ckpt_every: int,
+           step_seconds: float) -> str:
+    env = cluster.env(CKPT_DIR=str(ckpt), TORCHREVIVE_VENV=str(Path(sys.executable).parent.parent),
+                      TORCHREVIVE_REQUEUE_SIGNAL=signal_name,
+                      ELASTIC_FAULT=f"after_step@1+:do=slow:for={step_seconds}:restart=any")
+    done = subprocess.run(
+        ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "--cpus-per-task=1", "--requeue",
+         f"--output={ckpt.parent / 'job-%j.out'}", "deploy/slurm/gpt-tasks.sbatch", "--max-steps", str(steps_total),
+         "--ckpt-every", str(ckpt_every), *MODEL],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"slurm_preemption.py: error: sbatch failed: {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]
+
+
+def preempt_once(cluster: SlurmCluster, workdir: Path, system: str, at: int, opts: argparse.Namespace) -> dict:
+    """One job, USR1 at step `at`: the steps redone by its next run and the seconds the signal took to end it."""
+    ckpt = workdir / system / "ckpt"
+    ckpt.parent.mkdir(parents=True)
+    events = ckpt / "events.jsonl"
+    total = at + 3 * opts.ckpt_every
+    job = submit(cluster, ckpt, "USR1" if system == "torchrevive" else "none", total, opts.ckpt_every,
+                 opts.step_seconds)
+    wait(lambda: any(e["event"] == "step" and e["step"] >= at for e in steps(events)), 300, f"step {at}")
+    signalled = max(e["step"] for e in steps(events) if e["event"] == "step")
+    sent = time.monotonic()
+    cluster.run(["scancel", "--signal=USR1", job])  # to every process of the steps, as --signal=USR1@90
+    state = wait(lambda: (lambda i: i if i["JobState"] in DONE | {"PENDING"} else None)(job_info(cluster, job)),
+                 120, "the signalled run to end")
+    ended = time.monotonic() - sent
+    came_back = state["JobState"] == "PENDING"
+    if came_back:
+        time.sleep(2)  # not within the second the last run's credential was revoked
+        cluster.run(["scontrol", "update", f"jobid={job}", "starttime=now"])
+    else:
+        job = submit(cluster, ckpt, "none", total, opts.ckpt_every, opts.step_seconds)  # resubmitted by hand
+    starts = wait(lambda: [e for e in steps(events) if e["event"] == "start"][1:], 300, "the next run's start")
+    cluster.run(["scancel", job])
+    wait(lambda: job_info(cluster, job)["JobState"] in DONE, 120, "the job to end")
+    resumed = starts[0]["step"]
+    return {"signalled": signalled, "resumed": resumed, "redone": signalled - resumed, "seconds": ended,
+            "came_back": came_back}
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    rng = random.Random(opts.seed)
+    with tempfile.TemporaryDirectory(prefix="slurm-preemption-") as base:
+        cluster = SlurmCluster(Path(base) / "slurm")
+        try:
+            cluster.start()
+        except SlurmUnavailable as exc:
+            raise SystemExit(f"slurm_preemption.py: error: {exc}") from None
+        try:
+            results: dict[str, list[dict]] = {"torchrevive": [], "stock": []}
+            for run in range(opts.runs):
+                at = opts.ckpt_every + 1 + rng.randrange(opts.ckpt_every - 1)  # past the first checkpoint
+                for system in ("torchrevive", "stock"):  # the same signalled step for both
+                    result = preempt_once(cluster, Path(base) / f"run{run}", system, at, opts)
+                    results[system].append(result)
+                    print(f"run {run} {system:11} signalled at step {result['signalled']}, next run from step "
+                          f"{result['resumed']} ({result['redone']} redone), signal to end {result['seconds']:.1f} s, "
+                          f"{'requeued itself' if result['came_back'] else 'failed; resubmitted by hand'}",
+                          flush=True)
+        finally:
+            cluster.stop()
+    print(f"GPT recipe, srun python x2 on a one-machine Slurm, checkpoints every {opts.ckpt_every} steps, "
+          f"steps of {opts.step_seconds:g} s, USR1 at a random step past the first checkpoint ({opts.runs} runs):")
+    for system, rows in results.items():
+        print(f"  {system:11} steps redone median {statistics.median(r['redone'] for r in rows):g} "
+              f"(max {max(r['redone'] for r in rows)}), signal to end median "
+              f"{statistics.median(r['seconds'] for r in rows):.1f} s, came back by itself "
+              f"{sum(r['came_back'] for r in rows)}/{len(rows)}")
+
+
+if __name__ == "__main__":
+    main()
