@@ -12,8 +12,9 @@ USR1 at a random step past the first checkpoint, as `#SBATCH --signal=USR1@90` s
   default action, as in a plain DDP script with rank-0 checkpoints): the tasks die, the job fails
   and is not requeued; resubmitted by hand, it resumes from its last periodic checkpoint.
 
-Per system it prints the median over `--runs` of: steps redone (signalled step minus the step the
-next run resumed from), seconds from the signal to the end of the signalled run, whether the job
+Per system it prints the median over `--runs` of: steps redone (the signalled run's last step
+minus the step the next run resumed from; the ranks stop together at a vote step after the signal,
+at most two votes later), seconds from the signal to the end of the signalled run, whether the job
 came back by itself.
 
     python benchmarks/slurm_preemption.py --runs 3
@@ -100,8 +101,11 @@ def preempt_once(cluster: SlurmCluster, workdir: Path, system: str, at: int, opt
     signalled = max(e["step"] for e in steps(events) if e["event"] == "step")
     sent = time.monotonic()
     cluster.run(["scancel", "--signal=USR1", job])  # to every process of the steps, as --signal=USR1@90
-    state = wait(lambda: (lambda i: i if i["JobState"] in DONE | {"PENDING"} else None)(job_info(cluster, job)),
-                 120, "the signalled run to end")
+    def ended_or_requeued() -> dict[str, str] | None:
+        info = job_info(cluster, job)
+        return info if info["JobState"] in DONE | {"PENDING"} else None
+
+    state = wait(ended_or_requeued, 120, "the signalled run to end")
     ended = time.monotonic() - sent
     came_back = state["JobState"] == "PENDING"
     if came_back:
@@ -113,8 +117,11 @@ def preempt_once(cluster: SlurmCluster, workdir: Path, system: str, at: int, opt
     cluster.run(["scancel", job])
     wait(lambda: job_info(cluster, job)["JobState"] in DONE, 120, "the job to end")
     resumed = starts[0]["step"]
-    return {"signalled": signalled, "resumed": resumed, "redone": signalled - resumed, "seconds": ended,
-            "came_back": came_back}
+    # The signalled run's last step: the ranks stop together at a vote step after the signal (at most two
+    # votes later, about a second), so it may be past the step the signal came in.
+    trained = max(e["step"] for e in steps(events) if e["event"] == "step" and e["time"] < starts[0]["time"])
+    return {"signalled": signalled, "trained": trained, "resumed": resumed, "redone": trained - resumed,
+            "seconds": ended, "came_back": came_back}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
                 for system in ("torchrevive", "stock"):  # the same signalled step for both
                     result = preempt_once(cluster, Path(base) / f"run{run}", system, at, opts)
                     results[system].append(result)
-                    print(f"run {run} {system:11} signalled at step {result['signalled']}, next run from step "
-                          f"{result['resumed']} ({result['redone']} redone), signal to end {result['seconds']:.1f} s, "
+                    print(f"run {run} {system:11} signalled at step {result['signalled']}, last step "
+                          f"{result['trained']}, next run from step {result['resumed']} ({result['redone']} redone), "
+                          f"signal to end {result['seconds']:.1f} s, "
                           f"{'requeued itself' if result['came_back'] else 'failed; resubmitted by hand'}",
                           flush=True)
         finally:
@@ -142,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT recipe, srun python x2 on a one-machine Slurm, checkpoints every {opts.ckpt_every} steps, "
           f"steps of {opts.step_seconds:g} s, USR1 at a random step past the first checkpoint ({opts.runs} runs):")
     for system, rows in results.items():
-        print(f"  {system:11} steps redone median {statistics.median(r['redone'] for r in rows):g} "
+        after = statistics.median(r["trained"] - r["signalled"] for r in rows)
+        redone = statistics.median(r["redone"] for r in rows)
+        print(f"  {system:11} steps after the signal median {after:g}, steps redone median {redone:g} "
               f"(max {max(r['redone'] for r in rows)}), signal to end median "
               f"{statistics.median(r['seconds'] for r in rows):.1f} s, came back by itself "
               f"{sum(r['came_back'] for r in rows)}/{len(rows)}")
