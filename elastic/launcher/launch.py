@@ -178,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if stopped_by is not None:
             name = "the Slurm requeue signal" if requeue.received else stopped_by.name
-            print(f"torchrevive-run: stopped by {name}; the workers were told to commit this step and leave",
-                  file=sys.stderr, flush=True)
+            told = ("the workers were told to commit this step and leave" if stopped_by == signal.SIGTERM
+                    else "the workers were stopped; committed checkpoints are kept")  # they commit on SIGTERM only
+            print(f"torchrevive-run: stopped by {name}; {told}", file=sys.stderr, flush=True)
             line = requeue.requeue_if_first()
             if line is not None:
                 print(f"torchrevive-run: {line}", file=sys.stderr, flush=True)
