@@ -62,6 +62,7 @@ import contextlib
 import io
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import Mapping
@@ -100,9 +101,36 @@ def round_store(
     torchrun's shared agent store, or None when torchrun does not share one
     (then torch's env:// rendezvous applies as usual)."""
     if not uses_agent_store(environ):
+        if rank != 0 and environ.get("TORCHELASTIC_RUN_ID"):
+            await_store_server(environ, deadline=time.monotonic() + min(timeout.total_seconds(), LISTENER_WAIT_S))
         return None
     store = connect_agent_store(environ, rank=rank, timeout=timeout)
     return agree_on_round(store, rank=rank, world_size=world_size, timeout=timeout, where=_where(environ))
+
+
+LISTENER_WAIT_S = 10.0
+_LISTENER_POLL_S = 0.005
+
+
+def await_store_server(environ: Mapping[str, str], *, deadline: float) -> bool:
+    """Wait (until `deadline`, monotonic) for rank 0's store server at MASTER_ADDR:MASTER_PORT to
+    accept connections; True once it does. False (torch's own client then waits as usual)
+    when the address is unreadable or the deadline passes.
+
+    Why: rank 0 starts that server inside `init_process_group`, and a rank that connects
+    first is refused and retried by TCPStore's client after a backoff of about 0.5 s, on
+    the path of every restart. A bare connect, closed at once, costs the server nothing."""
+    addr, port = environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return False
+    while True:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_LISTENER_POLL_S)
 
 
 def connect_agent_store(environ: Mapping[str, str], *, rank: int, timeout: timedelta) -> dist.Store:

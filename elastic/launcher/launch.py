@@ -59,6 +59,7 @@ from elastic.launcher.keeper import SnapshotKeeper
 from elastic.launcher.keeper_files import job_key
 from elastic.launcher.keeper_endpoint import keeper_host
 from elastic.launcher.reaper import start_reaper
+from elastic.rendezvous import quick_rounds
 from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 from elastic.slow_imports import prefetch_slow_imports
 from elastic.storage import peer_auth
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
+    quick_rounds.install()  # a round closes once every node of the last one is back
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is

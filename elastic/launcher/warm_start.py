@@ -70,7 +70,7 @@ from elastic.launcher.proctree import WARM_WORKER_NAME
 from elastic.slurm.requeue import ignore_in_helper
 
 PRELOAD_ENV = "TORCHREVIVE_PRELOAD"
-DEFAULT_PRELOAD = ("torch", "torch._dynamo")
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "elastic.run")
 TARGET_ENV = "TORCHREVIVE_WARM_TARGET"
 """What a warm worker runs: `script:/abs/path.py` or `module:package.name`."""
 AGENT_PID_ENV = "TORCHREVIVE_AGENT_PID"

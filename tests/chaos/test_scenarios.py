@@ -101,6 +101,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Referen
     return tensors
 
 
+def agent_logs(workdir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(workdir.glob("agent*.log")))
+
+
 def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, ...] = ()) -> None:
     print(result.summary())
     assert result.ok, result.summary() + "\n" + result.logs
@@ -128,7 +132,10 @@ def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, .
 def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
     # The others train longer (SCENARIO_STEPS): they resize, and must outlast a new round.
     steps = SOAK_STEPS if scenario == "soak" else STEPS if scenario in CONSTANT_WORLD else None
-    check(run_scenario(scenario, tmp_path, corpus, steps=steps), tmp_path, reference)
+    result = run_scenario(scenario, tmp_path, corpus, steps=steps)
+    check(result, tmp_path, reference)
+    if scenario in ("kill-worker", "node-loss"):  # the round after the failure closed without its last call
+        assert "closes now: all" in agent_logs(tmp_path), result.logs
     sources = [e["source"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "restore" and e["restart"] > 0]
     if scenario in ("kill-worker", "kill-during-snapshot"):
         assert sources and set(sources) == {"memory"}, f"not restored from memory: {sources}"
@@ -189,6 +196,8 @@ def test_etcd_v3(scenario: str, tmp_path: Path, corpus: Path, reference, shared_
     steps = STEPS if scenario in CONSTANT_WORLD else None
     result = run_scenario(scenario, tmp_path, corpus, steps=steps, backend="etcd-v3", endpoint=shared_etcd.endpoint)
     check(result, tmp_path, reference)
+    if scenario == "kill-worker":  # the restart's round closed without its last call, woken by etcd watches
+        assert "closes now: all 2 live nodes" in agent_logs(tmp_path), result.logs
 
 
 def test_etcd_v3_restart_of_etcd_mid_recovery_through_the_cli(

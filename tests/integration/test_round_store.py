@@ -4,6 +4,7 @@ each rank a thread with a client of its own, as each worker is a process."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from elastic.round_store import (
     PREFIX,
     RoundStoreError,
     agree_on_round,
+    await_store_server,
     recovery_hint,
     round_store,
 )
@@ -273,3 +275,34 @@ def test_init_worker_under_the_shared_agent_store_builds_every_group_in_the_roun
         assert raw.num_keys() > keys_before, "the groups' keys are in the agent's store, under the round's prefix"
     finally:
         shutdown_worker()
+
+
+# --- rank 0's store server under a store per round (torchrevive-run) ---------------------
+
+
+def test_a_rank_waits_for_rank_0s_store_server_before_connecting() -> None:
+    """A connect before rank 0 listens is refused, and TCPStore's client retries it only
+    after a backoff of about 0.5 s: `await_store_server` returns once the port accepts."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    listening = threading.Timer(0.3, holder.listen)
+    listening.start()
+    try:
+        assert await_store_server(environ, deadline=time.monotonic() + 60)
+    finally:
+        listening.join()
+        holder.close()
+
+
+def test_waiting_for_a_store_server_gives_up_at_its_deadline_or_without_an_address() -> None:
+    unused = socket.socket()
+    unused.bind(("127.0.0.1", 0))  # bound, never listening: every connect is refused
+    try:
+        environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(unused.getsockname()[1])}
+        assert not await_store_server(environ, deadline=time.monotonic() + 0.1)
+    finally:
+        unused.close()
+    assert not await_store_server({}, deadline=time.monotonic() + 60)
+    assert not await_store_server({"MASTER_ADDR": "h", "MASTER_PORT": "x"}, deadline=time.monotonic() + 60)

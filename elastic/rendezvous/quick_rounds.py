@@ -1,0 +1,260 @@
+"""Rendezvous rounds that close as soon as nobody else is coming, and waits that wake on a change.
+
+torch's dynamic rendezvous (behind both `c10d` and our `etcd-v3`) closes a round
+with fewer than MAX nodes only at its last call (`last_call_timeout` after MIN
+nodes are in: 30 s by default, 2 s under torchrevive-run), and a node waiting
+for the others re-reads the shared state once a second. After a worker failure
+every node of the last round re-joins within a few hundred milliseconds, so
+both waits are most of what a restart costs.
+
+`quicken(handler)` changes two things in one torch handler, nothing else:
+
+- A round closes at once when every node of the previous round has re-joined,
+  except nodes the rendezvous has since declared dead (their keep-alive
+  expired), and nobody else asked to join. A node that was not in the previous
+  round (a scale-up, a replacement) still gets torch's last call, since others
+  may be arriving with it. The first round is torch's.
+- A node waiting for others wakes as soon as another node changes the
+  membership (or after 1 s, torch's poll interval, so keep-alives and dead-node
+  detection go on as before): every membership write bumps a counter in the
+  rendezvous store (`ChangeSignal`). On etcd (`EtcdStore`) it also sets the key
+  for the counter's new value and a waiter watches for it, which costs etcd
+  nothing while it waits. On a TCPStore a waiter reads the counter every 5 to
+  50 ms instead (a few bytes, not the state): a TCPStore wait that times out
+  prints a warning each time.
+
+Everything else, the state, its keys, the ranks and the timeouts, is torch's.
+`--rdzv-conf quick_rounds=0` keeps torch's handler as it is.
+
+The membership of the last completed round travels in torch's pickled state
+object as two extra attributes (`LAST_ROUND`, `DEPARTED`); torch's code keeps
+them, and a state without them (a fresh one) just gets torch's behaviour.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _Action,
+    _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
+    _RendezvousJoinOp,
+    _RendezvousState,
+)
+
+QUICK_ROUNDS_CONF = "quick_rounds"
+"""`--rdzv-conf quick_rounds=0` leaves torch's handler unchanged."""
+LAST_ROUND = "torchrevive_last_round"
+"""Attribute of torch's state: the nodes of the last completed round (a frozenset)."""
+DEPARTED = "torchrevive_departed"
+"""Attribute of torch's state: nodes of the last round since declared dead (a frozenset)."""
+MAX_WAIT_SECONDS = 1.0
+"""The longest a waiting node sleeps without a change: torch's own poll interval."""
+POLL_FIRST_SECONDS = 0.005
+POLL_MAX_SECONDS = 0.05
+"""Between reads of the change counter on a store that is not watched (TCPStore)."""
+KEPT_CHANGE_KEYS = 64
+"""Change keys older than this many changes are deleted (a waiter that far behind wakes by timeout)."""
+
+_METHODS = {
+    _Action.KEEP_ALIVE: "_keep_alive",
+    _Action.ADD_TO_PARTICIPANTS: "_add_to_participants",
+    _Action.ADD_TO_WAIT_LIST: "_add_to_wait_list",
+    _Action.ADD_TO_REDUNDANCY_LIST: "_add_to_redundancy_list",
+    _Action.REMOVE_FROM_PARTICIPANTS: "_remove_from_participants",
+    _Action.REMOVE_FROM_WAIT_LIST: "_remove_from_wait_list",
+    _Action.REMOVE_FROM_REDUNDANCY_LIST: "_remove_from_redundancy_list",
+    _Action.MARK_RENDEZVOUS_COMPLETE: "_mark_rendezvous_complete",
+    _Action.MARK_RENDEZVOUS_CLOSED: "_mark_rendezvous_closed",
+}
+# What the handler must have for `quicken` to work; a torch without them keeps its own handler.
+_HANDLER_PARTS = ("_this_node", "_state_holder", "_settings", "_store", "_op_executor")
+_HOLDER_PARTS = ("_last_sync_time", "_dead_nodes")
+
+
+def expected_nodes(state: _RendezvousState) -> frozenset | None:
+    """The nodes the current round waits for before it closes early: the last round's less
+    those declared dead since; None when there was no last round (torch's rules apply)."""
+    last = getattr(state, LAST_ROUND, None)
+    if not last:
+        return None
+    return frozenset(last) - frozenset(getattr(state, DEPARTED, ()))
+
+
+def closes_now(state: _RendezvousState, node: Any, min_nodes: int) -> bool:
+    """Whether `node`, a participant of the open round, may mark it complete now, before the
+    last call: the participants are exactly the last round's live nodes (no newcomer, none
+    missing), at least `min_nodes` of them, and nobody waits to join."""
+    if state.closed or state.complete or node not in state.participants or state.wait_list:
+        return False
+    expected = expected_nodes(state)
+    if expected is None:
+        return False
+    present = frozenset(state.participants)
+    return len(present) >= min_nodes and present == expected
+
+
+class ChangeSignal:
+    """Membership changes of one run, announced through a store: a counter and, with `watch`,
+    a key per value.
+
+    Invariant: a waiter that read `generation()` before it read the state, and then waits
+    with `wait_after`, wakes on any change announced after that read (the counter moved;
+    with `watch`, the key for the next value was set by the write that made the change),
+    or at its timeout."""
+
+    def __init__(self, store: Any, run_id: str, *, watch: bool) -> None:
+        self._store = store
+        self._counter = f"torchrevive.rdzv.{run_id}.changes"
+        self._watch = watch
+
+    def generation(self) -> int:
+        return int(self._store.add(self._counter, 0))
+
+    def announce(self) -> None:
+        value = int(self._store.add(self._counter, 1))
+        if not self._watch:
+            return
+        self._store.set(f"{self._counter}.{value}", b"1")
+        if value > KEPT_CHANGE_KEYS:
+            try:
+                self._store.delete_key(f"{self._counter}.{value - KEPT_CHANGE_KEYS}")
+            except (RuntimeError, AttributeError):
+                pass  # a store without deletes keeps the key: harmless
+
+    def wait_after(self, generation: int, timeout: float) -> None:
+        """Return when a change after `generation` is announced, or after `timeout` seconds."""
+        if not self._watch:
+            self._poll_after(generation, time.monotonic() + timeout)
+            return
+        try:
+            self._store.wait([f"{self._counter}.{generation + 1}"], timedelta(seconds=timeout))
+        except (RuntimeError, TimeoutError):
+            pass  # timed out (a store that failed says so at the next read of the state)
+
+    def _poll_after(self, generation: int, deadline: float) -> None:
+        pause = POLL_FIRST_SECONDS
+        while self.generation() == generation:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, POLL_MAX_SECONDS)
+
+
+class QuickRoundsExecutor(_DistributedRendezvousOpExecutor):
+    """torch's executor of rendezvous operations with the early close and the waits above.
+
+    The loop is torch's: read (or write) the shared state, ask the operation what to do,
+    do it. It differs where it waits (`ChangeSignal` instead of a 1 s sleep), where a
+    join op is told to close the round (`closes_now`), and in remembering each completed
+    round's nodes in the state."""
+
+    def __init__(self, node: Any, state_holder: Any, settings: Any, signal: ChangeSignal) -> None:
+        super().__init__(node, state_holder, settings)
+        self._signal = signal
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        action: _Action | None = None
+        while action != _Action.FINISH:
+            generation = self._signal.generation()
+            # A fresh read every time: torch caches the state for 1 s, which its 1 s sleep hid.
+            self._state_holder._last_sync_time = -1
+            written = self._state_holder.sync()
+            if written and action is not None and action != _Action.KEEP_ALIVE:
+                self._signal.announce()  # a membership change: wake the nodes that wait for one
+            elif written is False and self._settings.cas_backoff_max_seconds > 0:
+                time.sleep(random.uniform(0, self._settings.cas_backoff_max_seconds))  # as torch
+            self._state = self._state_holder.state
+            self._note_departed()
+            ctx = _RendezvousContext(self._node, self._state, self._settings)
+            if isinstance(state_handler, _RendezvousJoinOp) and closes_now(
+                self._state, self._node, self._settings.min_nodes
+            ):
+                action = _Action.MARK_RENDEZVOUS_COMPLETE
+                print(f"torchrevive-run: rendezvous round {self._state.round} closes now: all "
+                      f"{len(self._state.participants)} live nodes of the last round are back",
+                      file=sys.stderr, flush=True)
+            else:
+                action = state_handler(ctx, deadline)
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError
+            if action == _Action.SYNC:
+                self._signal.wait_after(generation, self._wait_seconds(deadline))
+                continue
+            getattr(self, _METHODS[action])()
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
+                deadline = update_deadline(self._settings.timeout.join)  # as torch: it may join now
+            self._state_holder.mark_dirty()
+
+    def _wait_seconds(self, deadline: float) -> float:
+        """Until the next thing that happens without a change: the operation's deadline, the
+        round's last call, a keep-alive; at most `MAX_WAIT_SECONDS`."""
+        wait = min(MAX_WAIT_SECONDS, self._settings.keep_alive_interval.total_seconds(), deadline - time.monotonic())
+        if self._state.deadline is not None:
+            wait = min(wait, (self._state.deadline - datetime.now(timezone.utc)).total_seconds())
+        return max(wait, 0.01)
+
+    def _note_departed(self) -> None:
+        """Nodes of the last round that torch's sanitizer just declared dead (no keep-alive)."""
+        dead = frozenset(self._state_holder._dead_nodes) & frozenset(getattr(self._state, LAST_ROUND, ()))
+        if dead:
+            setattr(self._state, DEPARTED, frozenset(getattr(self._state, DEPARTED, ())) | dead)
+
+    def _mark_rendezvous_complete(self) -> None:
+        super()._mark_rendezvous_complete()
+        setattr(self._state, LAST_ROUND, frozenset(self._state.participants))
+        setattr(self._state, DEPARTED, frozenset())
+
+
+def quicken(handler: Any, params: Any) -> Any:
+    """`handler` with quick rounds (see the module docstring), unless `quick_rounds=0` or it is
+    not torch's dynamic handler; a torch whose handler lacks what this needs keeps its own,
+    with one warning line."""
+    if not isinstance(handler, DynamicRendezvousHandler) or not params.get_as_bool(QUICK_ROUNDS_CONF, True):
+        return handler
+    holder = getattr(handler, "_state_holder", None)
+    if not all(hasattr(handler, part) for part in _HANDLER_PARTS) or not all(
+        hasattr(holder, part) for part in _HOLDER_PARTS
+    ):
+        print("torchrevive-run: warning: this torch's rendezvous handler is not the one quick rounds know; "
+              "rounds close at torch's last call", file=sys.stderr, flush=True)
+        return handler
+    # TCPStore's wait prints a warning whenever it times out: poll its counter instead.
+    signal = ChangeSignal(handler._store, handler._settings.run_id, watch=not isinstance(handler._store, TCPStore))
+    handler._op_executor = QuickRoundsExecutor(handler._this_node, holder, handler._settings, signal)
+    return handler
+
+
+def install() -> None:
+    """Make torch's launcher (in this process) get every rendezvous handler through `quicken`.
+    Idempotent."""
+    from torch.distributed.elastic.rendezvous import registry
+
+    if getattr(registry.get_rendezvous_handler, "quickened", False):
+        return
+    original = registry.get_rendezvous_handler
+
+    def get_rendezvous_handler(params: Any) -> Any:
+        return quicken(original(params), params)
+
+    get_rendezvous_handler.quickened = True  # type: ignore[attr-defined]
+    registry.get_rendezvous_handler = get_rendezvous_handler

@@ -1,0 +1,217 @@
+"""Quick rendezvous rounds (elastic.rendezvous.quick_rounds) on torch's own handler and c10d backend.
+
+Several handlers in one process play the agents of a job, on a real TCPStore. The
+rounds whose close would otherwise wait for the last call use `last_call_timeout`
+of 600 s: a round that completes at all within the test's join timeout closed
+early, which needs no clock in the assertion.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _NodeDesc,
+    _RendezvousState,
+    create_handler,
+)
+
+from elastic.recovery_defaults import FRESH_STORE_ENV
+from elastic.rendezvous import quick_rounds
+from elastic.rendezvous.quick_rounds import (
+    DEPARTED,
+    LAST_ROUND,
+    ChangeSignal,
+    QuickRoundsExecutor,
+    closes_now,
+    expected_nodes,
+    quicken,
+)
+
+JOIN_TIMEOUT = 120  # what a round that waited for its 600 s last call would run into
+
+
+def node(i: int) -> _NodeDesc:
+    return _NodeDesc(f"host{i}", 100 + i, 0)
+
+
+def state_with(participants, *, last=None, departed=(), wait_list=(), complete=False) -> _RendezvousState:
+    state = _RendezvousState()
+    state.participants = {n: 0 for n in participants}
+    state.wait_list = set(wait_list)
+    state.complete = complete
+    if last is not None:
+        setattr(state, LAST_ROUND, frozenset(last))
+        setattr(state, DEPARTED, frozenset(departed))
+    return state
+
+
+# --- the rule ------------------------------------------------------------------------
+
+
+def test_a_round_closes_once_every_node_of_the_last_round_is_back() -> None:
+    a, b = node(1), node(2)
+    assert closes_now(state_with([a, b], last=[a, b]), a, min_nodes=1)
+    assert not closes_now(state_with([a], last=[a, b]), a, min_nodes=1)  # b is still coming
+
+
+def test_a_node_declared_dead_is_not_waited_for() -> None:
+    a, b = node(1), node(2)
+    assert expected_nodes(state_with([a], last=[a, b], departed=[b])) == {a}
+    assert closes_now(state_with([a], last=[a, b], departed=[b]), a, min_nodes=1)
+
+
+def test_a_newcomer_or_a_waiting_node_gets_the_last_call() -> None:
+    a, b, c = node(1), node(2), node(3)
+    assert not closes_now(state_with([a, b, c], last=[a, b]), a, min_nodes=1)  # c is new
+    assert not closes_now(state_with([a, b], last=[a, b], wait_list=[c]), a, min_nodes=1)
+
+
+def test_the_first_round_too_few_nodes_and_outsiders_follow_torch() -> None:
+    a, b = node(1), node(2)
+    assert not closes_now(state_with([a, b]), a, min_nodes=1)  # no last round: torch's rules
+    assert not closes_now(state_with([a], last=[a, b], departed=[b]), a, min_nodes=2)
+    assert not closes_now(state_with([a, b], last=[a, b]), node(9), min_nodes=1)  # not a participant
+    assert not closes_now(state_with([a, b], last=[a, b], complete=True), a, min_nodes=1)
+
+
+# --- the change signal -------------------------------------------------------------------
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield server
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watched", "polled"])
+def test_a_waiter_wakes_on_a_change_announced_after_its_read(store, watch) -> None:
+    signal = ChangeSignal(store, "job", watch=watch)
+    seen = signal.generation()
+    woke = threading.Event()
+
+    def wait() -> None:
+        signal.wait_after(seen, timeout=JOIN_TIMEOUT)
+        woke.set()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    other = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+    ChangeSignal(other, "job", watch=watch).announce()
+    waiter.join(JOIN_TIMEOUT)
+    assert woke.is_set()
+    assert signal.generation() == seen + 1
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watched", "polled"])
+def test_a_change_between_the_read_and_the_wait_is_not_missed(store, watch) -> None:
+    signal = ChangeSignal(store, "job", watch=watch)
+    seen = signal.generation()
+    signal.announce()
+    signal.wait_after(seen, timeout=JOIN_TIMEOUT)  # returns at once: the key is already there
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watched", "polled"])
+def test_a_wait_without_a_change_ends_at_its_timeout(store, watch) -> None:
+    signal = ChangeSignal(store, "job", watch=watch)
+    signal.wait_after(signal.generation(), timeout=0.05)  # no exception, no hang
+
+
+def test_old_change_keys_are_deleted(store) -> None:
+    signal = ChangeSignal(store, "job", watch=True)
+    for _ in range(quick_rounds.KEPT_CHANGE_KEYS + 3):
+        signal.announce()
+    assert not store.check(["torchrevive.rdzv.job.changes.1"])
+    assert store.check([f"torchrevive.rdzv.job.changes.{quick_rounds.KEPT_CHANGE_KEYS + 3}"])
+
+
+# --- handlers ------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def store_per_round(monkeypatch) -> None:
+    """As torchrevive-run runs torch's handler (with torch's shared store a node that joins
+    after the first round waits for a store address nobody publishes again)."""
+    monkeypatch.setenv(FRESH_STORE_ENV, "1")
+
+
+def agents(store, count: int, *, max_nodes: int, last_call: float, quick: bool = True, **conf) -> list:
+    handlers = []
+    for _ in range(count):
+        params = RendezvousParameters(
+            backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="quick", min_nodes=1, max_nodes=max_nodes,
+            join_timeout=str(JOIN_TIMEOUT), last_call_timeout=str(last_call), keep_alive_interval="1",
+            keep_alive_max_attempt="3", quick_rounds="1" if quick else "0", **conf,
+        )
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT))
+        handlers.append(quicken(create_handler(client, C10dRendezvousBackend(client, "quick"), params), params))
+    return handlers
+
+
+def join_all(handlers) -> list[tuple[int, int]]:
+    """(rank, world size) of each handler's next round, joined at the same time."""
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    return [(info.rank, info.world_size) for info in infos]
+
+
+def leave(handlers) -> None:
+    for handler in handlers:
+        handler._stop_heartbeats()
+
+
+def test_quick_rounds_0_leaves_torch_handler_as_it_is(store) -> None:
+    slow, = agents(store, 1, max_nodes=2, last_call=1, quick=False)
+    assert isinstance(slow, DynamicRendezvousHandler)
+    assert not isinstance(slow._op_executor, QuickRoundsExecutor)
+    fast, = agents(store, 1, max_nodes=2, last_call=1)
+    assert isinstance(fast._op_executor, QuickRoundsExecutor)
+
+
+def test_after_a_restart_the_round_closes_without_its_last_call(store, capsys) -> None:
+    handlers = agents(store, 2, max_nodes=4, last_call=3)
+    try:
+        assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]  # round 0: torch's last call (3 s)
+        for handler in handlers:  # a 600 s last call from now on: only an early close ends a round in time
+            object.__setattr__(handler._settings.timeout, "_last_call", timedelta(seconds=600))
+        assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]
+        assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]
+    finally:
+        leave(handlers)
+    said = capsys.readouterr().err
+    assert "rendezvous round 1 closes now: all 2 live nodes of the last round are back" in said
+    assert "rendezvous round 2 closes now" in said
+
+
+def test_a_dead_node_is_left_out_once_declared_dead_without_a_last_call(store) -> None:
+    handlers = agents(store, 3, max_nodes=3, last_call=600)  # round 0: full at 3 nodes, no last call
+    try:
+        assert sorted(join_all(handlers)) == [(0, 3), (1, 3), (2, 3)]
+        dead = handlers.pop()
+        dead._stop_heartbeats()  # its agent is gone: keep-alives stop, it never leaves the round
+        assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]  # after about 3 s of missed keep-alives
+    finally:
+        leave(handlers)
+
+
+def test_a_node_asking_to_join_is_in_the_next_round(store) -> None:
+    first = agents(store, 2, max_nodes=4, last_call=1)
+    newcomer, = agents(store, 1, max_nodes=4, last_call=1)
+    try:
+        assert sorted(join_all(first)) == [(0, 2), (1, 2)]
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(newcomer.next_rendezvous)  # waits in the wait list of the next round
+            while first[0].num_nodes_waiting() == 0:
+                threading.Event().wait(0.05)
+            worlds = join_all(first)  # the agents restart for it, as torch's monitor does
+            assert late.result(JOIN_TIMEOUT).world_size == 3
+        assert [w for _, w in worlds] == [3, 3]
+    finally:
+        leave([*first, newcomer])
