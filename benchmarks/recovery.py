@@ -26,6 +26,9 @@ trained `--settle` seconds after the previous recovery.
   in-memory snapshots every step: `--snapshot-every 1`, not the default auto
   interval, so a kill redoes at most one step), the same
   flags otherwise.
+- ours-torch-rounds: ours with torch's rounds (`--rdzv-conf quick_rounds=0`):
+  every round waits its 2 s last call and nodes poll the state once a second,
+  as before `elastic.rendezvous.quick_rounds`.
 - ours-disk: ours without the memory tier (`TORCHREVIVE_SNAPSHOTS=0`, so no
   keeper, and `--snapshot-every 0`): a kill resumes from the newest checkpoint
   on disk, as before the snapshots. stock and tuned have no keeper either
@@ -39,7 +42,10 @@ rendezvous rounds (rounds beyond one per kill), restarts consumed (failures
 the agents counted against `--max-restarts`), and goodput with one kill every
 `--goodput-interval` seconds for `--goodput-seconds`: the step the job reached
 divided by the steps a fault-free run of the same setting makes in that time.
-A second table gives, per setting, the steps redone per kill (steps finished
+A second table gives, per setting, the steps paused per kill (the median
+recovery time times the step rate just before the kill: what the job would
+have trained meanwhile), the bytes the restore read from disk (0 when it came
+from memory), the steps redone per kill (steps finished
 before the kill that the job trained again), mean and max over the kills, from
 the `redone` field of the restore event that followed each kill; where the
 runtime cannot know it (no keeper: ours-disk, stock, tuned) from the event log
@@ -76,8 +82,8 @@ from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
-SETTINGS = ("stock", "ours", "tuned", "ours-disk")
-OURS = ("ours", "ours-disk")  # python -m elastic.launcher
+SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds")
+OURS = ("ours", "ours-disk", "ours-torch-rounds")  # python -m elastic.launcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-interval", type=float, default=60.0, help="seconds between kills in the goodput runs")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which to run, comma-separated")
     p.add_argument("--ckpt-every", type=int, default=50, help="the job's steps between checkpoints on disk")
+    p.add_argument("--agents", type=int, default=2, help="agents of the job (one worker each), 2 or more")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pictures", default="runs/recovery-benchmark", help="folder for each job's report PNG")
     return p.parse_args(argv)
@@ -101,7 +108,8 @@ def corpus(directory: Path) -> Path:
     return path
 
 
-def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: int = 10_000_000) -> ChaosJob:
+def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: int = 10_000_000,
+              agents: int = 2) -> ChaosJob:
     """Two agents of one long job; `stock` is torchrun with torch's defaults throughout,
     `tuned` plain torchrun with a store per round and our launcher's `--rdzv-conf`,
     `ours-disk` our launcher without its snapshot keeper."""
@@ -110,9 +118,10 @@ def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: i
     if setting == "ours-disk":
         env[SNAPSHOTS_ENV] = "0"
         snapshots = ["--snapshot-every", "0"]
+    rdzv_conf = {"tuned": merged_rdzv_conf(""), "ours-torch-rounds": "quick_rounds=0"}.get(setting, "")
     spec = JobSpec(
-        workdir=workdir, launcher="ours" if setting in OURS else "stock", max_restarts=100,
-        rdzv_conf=merged_rdzv_conf("") if setting == "tuned" else "", run_id=workdir.name, env=env,
+        workdir=workdir, launcher="ours" if setting in OURS else "stock", max_restarts=100, agents=agents,
+        nnodes=f"1:{agents + 1}", rdzv_conf=rdzv_conf, run_id=workdir.name, env=env,
         script_args=["--data", str(data), "--max-steps", str(steps), "--eval-every", "0",
                      "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(ckpt_every), "--log-every", "1000",
                      *snapshots, *TINY],
@@ -135,10 +144,17 @@ def restarts_consumed(job: ChaosJob) -> list[int]:
     return [len(re.findall(r"\d+/100 attempts left", job.agent_log(i))) for i in range(len(job.agents))]
 
 
-def wait_for_both_workers(job: ChaosJob, timeout: float = 180) -> None:
-    """Agent 1 may join a round after agent 0 started alone: measure from world size 2."""
-    if not wait_until(lambda: any(r["event"] == "step" and r["world_size"] == 2 for r in job.records()), timeout):
-        raise RuntimeError(f"the two agents never trained together:\n{job.logs()}")
+def wait_for_all_workers(job: ChaosJob, timeout: float = 300) -> None:
+    """An agent may join a round after others started without it: measure from the full world."""
+    full = job.spec.agents
+    if not wait_until(lambda: any(r["event"] == "step" and r["world_size"] == full for r in job.records()), timeout):
+        raise RuntimeError(f"the {full} agents never trained together:\n{job.logs()}")
+
+
+def step_rate(job: ChaosJob, before: float, window: float = 3.0) -> float:
+    """Steps per second the job made in the `window` seconds before time `before`."""
+    steps = [r["step"] for r in job.records() if r["event"] == "step" and before - window <= r["time"] <= before]
+    return (max(steps) - min(steps)) / window if len(steps) > 1 else 0.0
 
 
 def rounds_completed(job: ChaosJob) -> int:
@@ -153,13 +169,15 @@ def steps_redone(job: ChaosJob, killed_at: float, recovered_at: float) -> dict:
     before = max((r["step"] for r in records if r["event"] == "step" and r["time"] <= killed_at), default=0)
     restores = [r for r in records if r["event"] == "restore" and killed_at < r["time"] <= recovered_at]
     if not restores:  # no checkpoint yet: the job started over from step 0
-        return {"redone": before, "estimated": True, "source": "none", "restored_step": 0, "before": before}
+        return {"redone": before, "estimated": True, "source": "none", "restored_step": 0, "before": before,
+                "disk_bytes": 0}
     first = restores[0]
+    disk_bytes = int(first.get("bytes_read", 0)) if first.get("source", "disk") == "disk" else 0
     if "redone" in first:
         return {"redone": int(first["redone"]), "estimated": False, "source": first.get("source", "disk"),
-                "restored_step": first["step"], "before": before}
+                "restored_step": first["step"], "before": before, "disk_bytes": disk_bytes}
     return {"redone": max(0, before - first["step"]), "estimated": True, "source": first.get("source", "disk"),
-            "restored_step": first["step"], "before": before}
+            "restored_step": first["step"], "before": before, "disk_bytes": disk_bytes}
 
 
 def picture(job: ChaosJob, args: argparse.Namespace, title: str) -> None:
@@ -170,25 +188,28 @@ def picture(job: ChaosJob, args: argparse.Namespace, title: str) -> None:
 
 def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    job = start_job(setting, workdir, data, args.ckpt_every)
+    job = start_job(setting, workdir, data, args.ckpt_every, agents=args.agents)
     times: list[float] = []
     redone: list[dict] = []
     phases: list[dict[str, float]] = []
+    paused: list[float] = []
     failures = 0
     failed_rounds = 0
     try:
-        wait_for_both_workers(job)
+        wait_for_all_workers(job)
         for _ in range(args.kills):
             time.sleep(args.settle)
             rounds_before = rounds_completed(job)  # (the second agent may have joined in a round of its own)
             job.signal_worker(signal.SIGKILL, rng=rng)
             killed_at = job.faults[-1][1]
+            rate = step_rate(job, killed_at)
             back = wait_until(lambda t=killed_at: job.recovery_seconds(t), args.recovery_limit, interval=0.1)
             if back is None:
                 failures += 1
                 times.append(args.recovery_limit)
             else:
                 times.append(back)
+            paused.append(times[-1] * rate)  # the steps the job would have made in the time it stood still
             failed_rounds += max(0, rounds_completed(job) - rounds_before - 1)  # one round per kill is the price
             breakdown = job.recovery_phases(killed_at) if back is not None else None
             if breakdown:
@@ -217,16 +238,18 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
         "redone": [r["redone"] for r in redone],
         "redone_estimated": any(r["estimated"] for r in redone),
         "restore_sources": [r["source"] for r in redone],
+        "steps_paused": paused,
+        "disk_bytes": [r["disk_bytes"] for r in redone],
     }
 
 
 def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Namespace, faults: bool) -> float:
     """Steps per second of wall time the job keeps, from its first step on."""
     rng = random.Random(args.seed + 1)
-    job = start_job(setting, workdir, data, args.ckpt_every)
+    job = start_job(setting, workdir, data, args.ckpt_every, agents=args.agents)
     try:
-        wait_for_both_workers(job)
-        first = next(r for r in job.records() if r["event"] == "step" and r["world_size"] == 2)
+        wait_for_all_workers(job)
+        first = next(r for r in job.records() if r["event"] == "step" and r["world_size"] == args.agents)
         started, start_step = first["time"], first["step"]
         end = started + args.goodput_seconds
         next_kill = started + args.goodput_interval
@@ -246,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = set(settings) - set(SETTINGS)
-    if unknown or args.kills < 1:
-        print(f"recovery.py: error: --settings takes {', '.join(SETTINGS)}; --kills >= 1", file=sys.stderr)
+    if unknown or args.kills < 1 or args.agents < 2:
+        print(f"recovery.py: error: --settings takes {', '.join(SETTINGS)}; --kills >= 1; --agents >= 2",
+              file=sys.stderr)
         return 2
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
@@ -262,29 +286,32 @@ def main(argv: list[str] | None = None) -> int:
                 results[setting]["goodput"] = faulty / clean
                 results[setting]["steps_per_s_clean"] = clean
     print()
-    print(f"{'setting':9} {'median s':>9} {'worst s':>8} {'failed rounds':>14} {'restarts used':>14} {'goodput':>8}")
+    print(f"{'setting':17} {'median s':>9} {'worst s':>8} {'failed rounds':>14} {'restarts used':>14} {'goodput':>8}")
     for setting, r in results.items():
         goodput = f"{r['goodput']:.2f}" if "goodput" in r else "-"
         print(
-            f"{setting:9} {r['median_s']:9.1f} {r['worst_s']:8.1f} {r['failed_rounds']:14d} "
+            f"{setting:17} {r['median_s']:9.1f} {r['worst_s']:8.1f} {r['failed_rounds']:14d} "
             f"{'/'.join(map(str, r['restarts_consumed'])):>14} {goodput:>8}"
         )
     print()
     print(f"checkpoint every {args.ckpt_every} steps; steps redone per kill "
           "(* from the event log: the runtime has no figure without a keeper)")
-    print(f"{'setting':9} {'redone mean':>12} {'redone max':>11} {'steps/s':>8}  restored from")
+    print(f"{'setting':17} {'redone mean':>12} {'redone max':>11} {'paused':>7} {'disk MB':>8} {'steps/s':>8}  "
+          "restored from")
     for setting, r in results.items():
         mark = "*" if r["redone_estimated"] else ""
         mean = f"{statistics.fmean(r['redone']):.1f}{mark}" if r["redone"] else "-"
         worst = f"{max(r['redone'])}{mark}" if r["redone"] else "-"
         rate = f"{r['steps_per_s_clean']:.1f}" if "steps_per_s_clean" in r else "-"
         sources = ", ".join(f"{s} {r['restore_sources'].count(s)}" for s in dict.fromkeys(r["restore_sources"])) or "-"
-        print(f"{setting:9} {mean:>12} {worst:>11} {rate:>8}  {sources}")
+        paused = f"{statistics.median(r['steps_paused']):.1f}" if r["steps_paused"] else "-"
+        disk = f"{statistics.fmean(r['disk_bytes']) / 1e6:.1f}" if r["disk_bytes"] else "-"
+        print(f"{setting:17} {mean:>12} {worst:>11} {paused:>7} {disk:>8} {rate:>8}  {sources}")
     for setting, r in results.items():
         if r["median_phases_s"]:
             marks = ", ".join(f"{k} at {v:.1f} s" for k, v in r["median_phases_s"].items())
             print(f"{setting}: median time line after a kill: {marks}")
-    for other in ("stock", "tuned", "ours-disk"):
+    for other in ("stock", "tuned", "ours-disk", "ours-torch-rounds"):
         if {other, "ours"} <= results.keys():
             print(f"median recovery, {other} / ours: {results[other]['median_s'] / results['ours']['median_s']:.1f}x")
     if {"ours", "ours-disk"} <= results.keys() and "goodput" in results["ours"]:

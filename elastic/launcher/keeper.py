@@ -169,7 +169,6 @@ class SnapshotKeeper:
             self._server.shut_late_connections()  # type: ignore[attr-defined]
 
     def _maintain(self) -> None:
-        _yield_cpu_to_workers()
         while not self._closing.is_set():
             wanted = self._persist_wanted.wait(PRUNE_EVERY)
             with self._lock:
@@ -392,16 +391,6 @@ class SnapshotKeeper:
         generation = str(header.extra.get("generation", ""))
         if not isinstance(job, dict) or (job.get("generation"), job.get("world_size")) != (generation, header.world_size):
             raise Conflict("a part of another generation or world size than this node's workers run")
-
-
-def _yield_cpu_to_workers() -> None:
-    """Run this thread (persist and prune) at the lowest CPU priority: it often runs right
-    after a failure, beside the restarted workers' restore, and nothing waits for it.
-    Linux sets a thread's nice value by its thread id; elsewhere this does nothing."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 def _generation(header: PartHeader) -> str:

@@ -54,7 +54,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 QUICK_ROUNDS_CONF = "quick_rounds"
 """`--rdzv-conf quick_rounds=0` leaves torch's handler unchanged."""
 LAST_ROUND = "torchrevive_last_round"
-"""Attribute of torch's state: the nodes of the last completed round (a frozenset)."""
+"""Attribute of torch's state: (round number, frozenset of its nodes) of the last round this module
+saw complete; it counts only for the round right after (a node with `quick_rounds=0` may have
+completed a round since)."""
 DEPARTED = "torchrevive_departed"
 """Attribute of torch's state: nodes of the last round since declared dead (a frozenset)."""
 MAX_WAIT_SECONDS = 1.0
@@ -81,20 +83,36 @@ _HANDLER_PARTS = ("_this_node", "_state_holder", "_settings", "_store", "_op_exe
 _HOLDER_PARTS = ("_last_sync_time", "_dead_nodes")
 
 
+def recorded_round(state: _RendezvousState) -> tuple[int, frozenset]:
+    """(number, nodes) of the last round recorded complete; (-1, empty) when none was."""
+    last = getattr(state, LAST_ROUND, None)
+    if not (isinstance(last, tuple) and len(last) == 2 and isinstance(last[0], int)):
+        return -1, frozenset()
+    return last[0], frozenset(last[1])
+
+
+def last_round_nodes(state: _RendezvousState) -> frozenset:
+    """The nodes of the round before the current one, as recorded when it completed; empty
+    when that round's completion was not recorded (the first round, or another executor's)."""
+    number, nodes = recorded_round(state)
+    return nodes if number == state.round - 1 else frozenset()
+
+
 def expected_nodes(state: _RendezvousState) -> frozenset | None:
     """The nodes the current round waits for before it closes early: the last round's less
-    those declared dead since; None when there was no last round (torch's rules apply)."""
-    last = getattr(state, LAST_ROUND, None)
+    those declared dead since; None when the last round is not known (torch's rules apply)."""
+    last = last_round_nodes(state)
     if not last:
         return None
-    return frozenset(last) - frozenset(getattr(state, DEPARTED, ()))
+    return last - frozenset(getattr(state, DEPARTED, ()))
 
 
 def closes_now(state: _RendezvousState, node: Any, min_nodes: int) -> bool:
     """Whether `node`, a participant of the open round, may mark it complete now, before the
     last call: the participants are exactly the last round's live nodes (no newcomer, none
-    missing), at least `min_nodes` of them, and nobody waits to join."""
-    if state.closed or state.complete or node not in state.participants or state.wait_list:
+    missing), at least `min_nodes` of them, and nobody waits to join (the wait list) or may
+    join (the redundancy list: spares torch lets in as soon as a round has room)."""
+    if state.closed or state.complete or node not in state.participants or state.wait_list or state.redundancy_list:
         return False
     expected = expected_nodes(state)
     if expected is None:
@@ -116,9 +134,10 @@ class ChangeSignal:
         self._store = store
         self._counter = f"torchrevive.rdzv.{run_id}.changes"
         self._watch = watch
+        store.add(self._counter, 0)  # created once, so that reading it is a plain read (a write on etcd)
 
     def generation(self) -> int:
-        return int(self._store.add(self._counter, 0))
+        return int(self._store.get(self._counter))
 
     def announce(self) -> None:
         value = int(self._store.add(self._counter, 1))
@@ -128,8 +147,8 @@ class ChangeSignal:
         if value > KEPT_CHANGE_KEYS:
             try:
                 self._store.delete_key(f"{self._counter}.{value - KEPT_CHANGE_KEYS}")
-            except (RuntimeError, AttributeError):
-                pass  # a store without deletes keeps the key: harmless
+            except Exception:  # noqa: BLE001 - best effort: a key left behind is harmless, a failed round is not
+                pass
 
     def wait_after(self, generation: int, timeout: float) -> None:
         """Return when a change after `generation` is announced, or after `timeout` seconds."""
@@ -182,7 +201,8 @@ class QuickRoundsExecutor(_DistributedRendezvousOpExecutor):
             self._state = self._state_holder.state
             self._note_departed()
             ctx = _RendezvousContext(self._node, self._state, self._settings)
-            if isinstance(state_handler, _RendezvousJoinOp) and closes_now(
+            # (Not past the operation's deadline: there torch's op times out or rolls back.)
+            if isinstance(state_handler, _RendezvousJoinOp) and time.monotonic() <= deadline and closes_now(
                 self._state, self._node, self._settings.min_nodes
             ):
                 action = _Action.MARK_RENDEZVOUS_COMPLETE
@@ -215,13 +235,14 @@ class QuickRoundsExecutor(_DistributedRendezvousOpExecutor):
 
     def _note_departed(self) -> None:
         """Nodes of the last round that torch's sanitizer just declared dead (no keep-alive)."""
-        dead = frozenset(self._state_holder._dead_nodes) & frozenset(getattr(self._state, LAST_ROUND, ()))
+        # (The recorded round may still be the current one: a node can die while it trains.)
+        dead = frozenset(self._state_holder._dead_nodes) & recorded_round(self._state)[1]
         if dead:
             setattr(self._state, DEPARTED, frozenset(getattr(self._state, DEPARTED, ())) | dead)
 
     def _mark_rendezvous_complete(self) -> None:
         super()._mark_rendezvous_complete()
-        setattr(self._state, LAST_ROUND, frozenset(self._state.participants))
+        setattr(self._state, LAST_ROUND, (self._state.round, frozenset(self._state.participants)))
         setattr(self._state, DEPARTED, frozenset())
 
 

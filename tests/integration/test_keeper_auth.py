@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -378,20 +377,3 @@ def test_a_peer_that_hangs_up_before_its_answer_leaves_no_traceback(
     assert keeper_request(keeper.url, keeper_key(), "GET", "/part/local/x")[0] == 404  # still serving
     assert "Traceback" not in capfd.readouterr().err
 
-
-@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="thread priorities are Linux's")
-def test_the_keeper_persists_at_the_lowest_cpu_priority(tmp_path) -> None:
-    """Its persist runs right after a failure, beside the restarted workers' restore."""
-    from support import start_keeper
-
-    keeper = start_keeper(tmp_path / "shm", run_id="nice")
-    try:
-        maintainer = next(t for t in threading.enumerate() if t.name == "snapshot-keeper")
-        server = next(t for t in threading.enumerate() if t.name == "snapshot-keeper-http")
-        deadline = time.monotonic() + 30
-        while os.getpriority(os.PRIO_PROCESS, maintainer.native_id) != 19 and time.monotonic() < deadline:
-            time.sleep(0.01)  # set by the thread itself as it starts
-        assert os.getpriority(os.PRIO_PROCESS, maintainer.native_id) == 19
-        assert os.getpriority(os.PRIO_PROCESS, server.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
-    finally:
-        keeper.close()

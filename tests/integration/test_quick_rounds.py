@@ -36,19 +36,24 @@ from elastic.rendezvous.quick_rounds import (
 )
 
 JOIN_TIMEOUT = 120  # what a round that waited for its 600 s last call would run into
+NO_TIMEOUT = 3600.0  # far beyond pytest's timeout: a lost wake fails the test instead of passing late
 
 
 def node(i: int) -> _NodeDesc:
     return _NodeDesc(f"host{i}", 100 + i, 0)
 
 
-def state_with(participants, *, last=None, departed=(), wait_list=(), complete=False) -> _RendezvousState:
+def state_with(participants, *, last=None, departed=(), wait_list=(), spares=(), complete=False,
+               last_number: int = 4) -> _RendezvousState:
+    """Round 5 of a rendezvous; `last`: the nodes recorded for round `last_number` when it completed."""
     state = _RendezvousState()
+    state.round = 5
     state.participants = {n: 0 for n in participants}
     state.wait_list = set(wait_list)
+    state.redundancy_list = set(spares)
     state.complete = complete
     if last is not None:
-        setattr(state, LAST_ROUND, frozenset(last))
+        setattr(state, LAST_ROUND, (last_number, frozenset(last)))
         setattr(state, DEPARTED, frozenset(departed))
     return state
 
@@ -68,10 +73,21 @@ def test_a_node_declared_dead_is_not_waited_for() -> None:
     assert closes_now(state_with([a], last=[a, b], departed=[b]), a, min_nodes=1)
 
 
-def test_a_newcomer_or_a_waiting_node_gets_the_last_call() -> None:
+def test_a_newcomer_a_waiting_node_or_a_spare_gets_the_last_call() -> None:
     a, b, c = node(1), node(2), node(3)
     assert not closes_now(state_with([a, b, c], last=[a, b]), a, min_nodes=1)  # c is new
     assert not closes_now(state_with([a, b], last=[a, b], wait_list=[c]), a, min_nodes=1)
+    assert not closes_now(state_with([a, b], last=[a, b], spares=[c]), a, min_nodes=1)  # torch lets it in now
+
+
+def test_only_the_round_right_before_counts() -> None:
+    """A round completed by another executor (a node with quick_rounds=0) records nothing: the
+    record of an older round must not close this one while one of the true last round's nodes
+    is between its exit and its join."""
+    a, b = node(1), node(2)
+    assert closes_now(state_with([a], last=[a], last_number=4), a, min_nodes=1)
+    assert not closes_now(state_with([a], last=[a], last_number=3), a, min_nodes=1)
+    assert expected_nodes(state_with([a, b], last=[a, b], last_number=3)) is None
 
 
 def test_the_first_round_too_few_nodes_and_outsiders_follow_torch() -> None:
@@ -98,14 +114,14 @@ def test_a_waiter_wakes_on_a_change_announced_after_its_read(store, watch) -> No
     woke = threading.Event()
 
     def wait() -> None:
-        signal.wait_after(seen, timeout=JOIN_TIMEOUT)
+        signal.wait_after(seen, timeout=NO_TIMEOUT)
         woke.set()
 
     waiter = threading.Thread(target=wait)
     waiter.start()
     other = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
     ChangeSignal(other, "job", watch=watch).announce()
-    waiter.join(JOIN_TIMEOUT)
+    waiter.join()
     assert woke.is_set()
     assert signal.generation() == seen + 1
 
@@ -115,13 +131,32 @@ def test_a_change_between_the_read_and_the_wait_is_not_missed(store, watch) -> N
     signal = ChangeSignal(store, "job", watch=watch)
     seen = signal.generation()
     signal.announce()
-    signal.wait_after(seen, timeout=JOIN_TIMEOUT)  # returns at once: the key is already there
+    signal.wait_after(seen, timeout=NO_TIMEOUT)  # returns at once: the change is already there
 
 
 @pytest.mark.parametrize("watch", [True, False], ids=["watched", "polled"])
 def test_a_wait_without_a_change_ends_at_its_timeout(store, watch) -> None:
     signal = ChangeSignal(store, "job", watch=watch)
     signal.wait_after(signal.generation(), timeout=0.05)  # no exception, no hang
+
+
+def test_on_etcd_a_waiter_watches_and_reading_the_counter_writes_nothing(shared_etcd) -> None:
+    from elastic.rendezvous.etcd import create_backend
+
+    params = RendezvousParameters(backend="etcd-v3", endpoint=shared_etcd.endpoint, run_id="quick-watch",
+                                  min_nodes=1, max_nodes=1)
+    stores = [create_backend(params)[1] for _ in range(2)]
+    waiting, announcing = ChangeSignal(stores[0], "job", watch=True), ChangeSignal(stores[1], "job", watch=True)
+    keys = stores[0].num_keys()
+    for _ in range(5):
+        seen = waiting.generation()
+    assert stores[0].num_keys() == keys, "a read of the counter left keys behind"
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: (waiting.wait_after(seen, timeout=NO_TIMEOUT), woke.set()))
+    waiter.start()
+    announcing.announce()
+    waiter.join()
+    assert woke.is_set() and waiting.generation() == seen + 1
 
 
 def test_old_change_keys_are_deleted(store) -> None:
@@ -176,11 +211,11 @@ def test_quick_rounds_0_leaves_torch_handler_as_it_is(store) -> None:
 
 
 def test_after_a_restart_the_round_closes_without_its_last_call(store, capsys) -> None:
-    handlers = agents(store, 2, max_nodes=4, last_call=3)
+    handlers = agents(store, 2, max_nodes=2, last_call=600)
     try:
-        assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]  # round 0: torch's last call (3 s)
-        for handler in handlers:  # a 600 s last call from now on: only an early close ends a round in time
-            object.__setattr__(handler._settings.timeout, "_last_call", timedelta(seconds=600))
+        assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]  # round 0 closes full, at 2 of 2
+        for handler in handlers:  # room for 4 from now on: only an early close ends a round before 600 s
+            object.__setattr__(handler._settings, "max_nodes", 4)
         assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]
         assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]
     finally:

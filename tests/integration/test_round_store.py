@@ -287,10 +287,17 @@ def test_a_rank_waits_for_rank_0s_store_server_before_connecting() -> None:
     holder.bind(("127.0.0.1", 0))
     port = holder.getsockname()[1]
     environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    listening = threading.Timer(0.3, holder.listen)
+    about_to_listen = threading.Event()
+
+    def listen() -> None:
+        about_to_listen.set()  # before listen(): a connect that succeeded came after this
+        holder.listen()
+
+    listening = threading.Timer(0.3, listen)
     listening.start()
     try:
         assert await_store_server(environ, deadline=time.monotonic() + 60)
+        assert about_to_listen.is_set(), "it returned before the server listened"
     finally:
         listening.join()
         holder.close()
