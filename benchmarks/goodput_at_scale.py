@@ -125,11 +125,12 @@ class Param:
 
 PARAMS: dict[str, Param] = {
     "recovery_ours_s": Param(
-        3.2, "s", "measured",
+        1.0, "s", "measured",
         "benchmarks/recovery.py: torchrevive-run, median SIGKILL -> first step of the restarted group, "
-        "2 agents on one host (README); includes detection, rendezvous and a small restore"),
+        "2 agents on one host (README); includes detection, a quick rendezvous round and a restore from memory; "
+        "3.1 s at 8 agents on the same 2 cores"),
     "recovery_stock_s": Param(
-        35.9, "s", "measured", "benchmarks/recovery.py, same run: stock torchrun with its defaults (README)"),
+        34.8, "s", "measured", "benchmarks/recovery.py, same run: stock torchrun with its defaults (README)"),
     "restore_memory_s": Param(
         2.3, "s", "measured",
         "benchmarks/snapshot_restore.py: restore of a 1.1 GB state (~100M-parameter model with AdamW) from "

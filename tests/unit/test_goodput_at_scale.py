@@ -154,7 +154,8 @@ def test_free_snapshots_every_step_redo_half_a_step(tmp_path):
             loss = row["systems"]["snapshots"]["lost_per_failure"]
             assert loss["lost_work_s"] == pytest.approx(1.25)
             assert loss["restore_s"] == 0
-            assert loss["total_s"] == pytest.approx(3.2 + 10.0 + 1.25)  # recovery + rendezvous at scale + work
+            recovery = goodput_at_scale.PARAMS["recovery_ours_s"].default
+            assert loss["total_s"] == pytest.approx(recovery + 10.0 + 1.25)  # recovery + rendezvous at scale + work
             today = row["systems"]["today"]["lost_per_failure"]
             assert today["lost_work_s"] == pytest.approx(300.0)  # half the 10-minute interval
 
