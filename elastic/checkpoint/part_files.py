@@ -10,7 +10,7 @@ Invariants:
   verified (keeper_client.py), and the reader checks every block's crc32c, as for a file.
 - Only the spans this rank's plan reads are fetched (nearby spans joined,
   `READ_GAP`), one request at a time, each at most `READ_MAX` bytes: few round
-  trips, bounded memory.
+  trips, bounded memory; the requests to one keeper share a kept connection.
 - A keeper that fails is asked again only after the others holding the part;
   when all fail, or the deadline has passed, `PartFetchError` (an `OSError`):
   every rank then falls back to disk alike.
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from elastic.checkpoint.keeper_client import get_range
+from elastic.checkpoint.keeper_client import KeeperConnections
 from elastic.storage.chunks import MappedFiles
 from elastic.storage.peer_auth import PeerKey
 
@@ -65,6 +65,8 @@ class PartFiles:
         self._maps = MappedFiles(directory) if in_memory(directory) else None
         self._requests: dict[str, list[tuple[int, int]]] = {}
         self._held: tuple[str, int, int, bytearray] | None = None
+        self.connections = KeeperConnections()
+        """Kept open between requests: about one per keeper for the whole restore."""
         self.bytes_fetched = 0
 
     def expect(self, spans: list[tuple[str, int, int]]) -> None:
@@ -101,7 +103,7 @@ class PartFiles:
                 errors.append("no snapshot secret to sign requests with")
                 break
             try:
-                data = get_range(url, self._key, start, stop, timeout)
+                data = self.connections.get_range(url, self._key, start, stop, timeout)
                 self.bytes_fetched += len(data)
                 return data
             except (OSError, ValueError, http.client.HTTPException) as exc:
@@ -111,6 +113,7 @@ class PartFiles:
 
     def close(self) -> None:
         self._held = None
+        self.connections.close()
         if self._maps is not None:
             self._maps.close()
 

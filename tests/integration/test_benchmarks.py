@@ -229,3 +229,14 @@ def test_slurm_preemption_benchmark_prints_both_systems_side_by_side() -> None:
     assert set(rows) == {"torchrevive", "stock"}, result.stdout
     assert re.search(r"steps redone median 0 .* came back by itself 1/1$", rows["torchrevive"]), result.stdout
     assert re.search(r"came back by itself 0/1$", rows["stock"]), result.stdout
+
+
+def test_peer_fetch_benchmark_compares_kept_connections_with_one_per_range() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/peer_fetch.py", "--mb", "4", "--range-kb", "256", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert re.search(r"^  connection per range +[\d.]+ s +[\d.]+ GB/s +16 connections$", result.stdout, re.M), result.stdout
+    assert re.search(r"^  kept connections +[\d.]+ s +[\d.]+ GB/s +1 connection\(s\)$", result.stdout, re.M), result.stdout
+    assert re.search(r"^kept / per range: [\d.]+x faster; kept / memory copy: [\d.]+ of its speed$", result.stdout, re.M)

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -377,3 +378,27 @@ def test_a_peer_that_hangs_up_before_its_answer_leaves_no_traceback(
     assert keeper_request(keeper.url, keeper_key(), "GET", "/part/local/x")[0] == 404  # still serving
     assert "Traceback" not in capfd.readouterr().err
 
+
+
+def test_range_requests_to_one_keeper_share_a_kept_connection(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    """Many ranges, one connection; one the keeper closed while idle is replaced at once."""
+    header, data, _ = newest_part(tmp_path, keeper)
+    key = keeper_key()
+    url = f"{keeper.url}/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
+    connections = keeper_client.KeeperConnections()
+    try:
+        for start in range(0, 640, 64):
+            assert connections.get_range(url, key, start, start + 64, 10) == data[start:start + 64]
+        assert connections.opened == 1
+        server = keeper._server
+        deadline = time.monotonic() + 30
+        while not server._deadlines and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler waits for the next request's headers, with a deadline
+        with server._deadline_lock:
+            for raw in server._deadlines:
+                server._deadlines[raw] = 0.0
+        server.shut_late_connections()  # as the keeper does with an idle connection after HEADER_SECONDS
+        assert connections.get_range(url, key, 64, 128, 10) == data[64:128]
+        assert connections.opened == 2
+    finally:
+        connections.close()

@@ -393,8 +393,9 @@ def test_a_keeper_that_failed_is_asked_last_and_a_spent_deadline_stops_fetching(
 ) -> None:
     header, metadata, shapes, url, dead = newest_part(tmp_path, keeper, steps=2)
     asked: list[str] = []
-    get_range = part_files.get_range
-    monkeypatch.setattr(part_files, "get_range", lambda u, *a: (asked.append(u), get_range(u, *a))[1])
+    get_range = part_files.KeeperConnections.get_range
+    monkeypatch.setattr(part_files.KeeperConnections, "get_range",
+                        lambda self, u, *a: (asked.append(u), get_range(self, u, *a))[1])
     monkeypatch.setattr(part_files, "READ_GAP", -1)  # one request per chunk: several requests
     empty = tmp_path / "restore"
     empty.mkdir()
