@@ -39,7 +39,11 @@ from elastic.launcher.proctree import descendants
 
 pytestmark = pytest.mark.slow
 
-STEPS = 60  # enough that a recreated pod, cold-starting on a loaded machine, rejoins before the end
+STEPS = 60
+# Steps paced to 0.3 s (rank 0 sleeps after each, ELASTIC_FAULT): the survivor trains on alone as soon as
+# the deleted pod is declared dead (its round closes without a last call), and a recreated pod,
+# cold-starting on a loaded machine, must still find the job running when it is ready to join.
+PACED = {"ELASTIC_FAULT": "after_step@1+:do=slow:for=0.3:restart=any"}
 # What a user would set in trainer-config for a small CPU run.
 SETTINGS = {"MAX_STEPS": str(STEPS), "CKPT_EVERY": "5", "BATCH_SIZE": "4", "JOB_ID": "k8s-test"}
 
@@ -92,7 +96,7 @@ def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tm
                           config_overrides={"trainer-config": settings}, **network)
 
     def start(name: str) -> None:
-        pods[name] = trainer(name).start(tmp_path / f"{name}.log", {"OMP_NUM_THREADS": "1"})
+        pods[name] = trainer(name).start(tmp_path / f"{name}.log", {"OMP_NUM_THREADS": "1", **PACED})
 
     def logs() -> str:
         return "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text(errors='replace')[-2500:]}" for n in pods)
