@@ -263,10 +263,15 @@ def settle_standalone(args: argparse.Namespace) -> None:
 
 
 def check_rdzv_conf(args: argparse.Namespace) -> None:
-    """A password inside --rdzv-conf is refused here, before torch's agent logs its rendezvous
+    """A `quick_rounds` that is not a boolean is refused here, in one line (torch's handler would raise
+    in every agent). A password inside --rdzv-conf is refused here, before torch's agent logs its rendezvous
     options (it logs them verbatim at INFO); the rendezvous refuses it too, for plain torchrun."""
     for item in (getattr(args, "rdzv_conf", None) or "").split(","):
-        if item.split("=", 1)[0].strip().lower() == "password":
+        name, _, value = (part.strip() for part in item.partition("="))
+        if name == quick_rounds.QUICK_ROUNDS_CONF and value.lower() not in quick_rounds.BOOLEANS:
+            raise UsageError(f"--rdzv-conf {name}={value!r}: say 1 (rounds close once every node is back) or 0 "
+                             "(torch's rounds)")
+        if name.lower() == "password":
             raise UsageError("--rdzv-conf password=... would be in torchrun's log and in `ps`: write the password "
                              "to a file readable only by you and give password_file=PATH instead")
 

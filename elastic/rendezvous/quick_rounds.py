@@ -53,6 +53,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 QUICK_ROUNDS_CONF = "quick_rounds"
 """`--rdzv-conf quick_rounds=0` leaves torch's handler unchanged."""
+BOOLEANS = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")
+"""What torch's `RendezvousParameters.get_as_bool` reads as a boolean (any case)."""
 LAST_ROUND = "torchrevive_last_round"
 """Attribute of torch's state: (round number, frozenset of its nodes) of the last round this module
 saw complete; it counts only for the round right after (a node with `quick_rounds=0` may have

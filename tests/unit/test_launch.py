@@ -47,3 +47,20 @@ def test_standalone_is_settled_before_the_keeper_starts_so_it_knows_the_workers_
     given = parse_args(["--rdzv-id=mine", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "train.py"])
     settle_standalone(given)
     assert given.rdzv_id == "mine"
+
+
+def test_a_quick_rounds_value_that_is_not_a_boolean_ends_the_launcher_in_one_line(capsys) -> None:
+    from elastic.launcher.launch import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--nnodes=1:2", "--rdzv-conf=quick_rounds=maybe", "train.py"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("torchrevive-run: error: --rdzv-conf quick_rounds='maybe'"), err
+
+
+def test_quick_rounds_0_and_1_are_taken() -> None:
+    from elastic.launcher.launch import check_rdzv_conf, parse_args
+
+    for value in ("0", "1", "False", "yes"):
+        check_rdzv_conf(parse_args([f"--rdzv-conf=join_timeout=60,quick_rounds={value}", "train.py"]))
