@@ -193,22 +193,38 @@ def start_agents(count: int, command: list[str], log_dir: Path) -> list[subproce
     procs = []
     for i in range(count):
         log = open(log_dir / f"agent{i}.log", "wb")
-        procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO))
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO)
+        proc.log_path = log_dir / f"agent{i}.log"  # for wait_all's message if the job hangs
+        procs.append(proc)
     return procs
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
-    """Exit codes of every agent; kills the rest if one overruns `timeout`."""
+    """Exit codes of every agent; kills the rest if one overruns `timeout`, and then fails
+    with the tail of each agent's log (a hang is otherwise a bare TimeoutExpired)."""
     codes = []
     try:
         for p in procs:
             codes.append(p.wait(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        tails = [
+            f"--- {p.log_path.name} ---\n" + p.log_path.read_text(errors="replace")[-6000:]
+            for p in procs if getattr(p, "log_path", None) is not None and p.log_path.exists()
+        ]
+        if not tails:
+            raise
+        raise AssertionError(f"agents still running after {timeout} s\n" + "\n".join(tails)) from None
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_all(procs)
     return codes
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every process still running, and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def logs(directory: Path, pattern: str = "*.log") -> str:
@@ -235,7 +251,7 @@ def kill_worker_after(agents: list[subprocess.Popen], events: Path, step: int, *
         victim = next(pid for agent in agents for pid in children_of(agent.pid) if worker_rank(pid) == rank)
         os.kill(victim, signal.SIGKILL)
     except BaseException:
-        wait_all(agents, timeout=0)
+        stop_all(agents)
         raise
 
 

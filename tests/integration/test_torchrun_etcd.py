@@ -18,6 +18,7 @@ from support import (
     free_port,
     logs,
     steps_seen,
+    stop_all,
     torchrun_command,
     wait_all,
     wait_for,
@@ -100,7 +101,7 @@ def test_sigkilled_worker_recovers_with_nnodes_1_to_3(tmp_path: Path, tiny_corpu
         victim = next(pid for a in agents for pid in children_of(a.pid) if worker_rank(pid) == 1)
         os.kill(victim, signal.SIGKILL)
     except BaseException:
-        wait_all(agents, timeout=0)
+        stop_all(agents)
         raise
     assert finish(agents, tmp_path, 240) == [0, 0], logs(tmp_path, "agent*.log")
     recorded = list(read_events(events))
@@ -124,7 +125,7 @@ def test_job_survives_an_etcd_restart(tmp_path: Path, tiny_corpus: Path, etcd: E
         restarted_at = time.time()
         assert all(a.poll() is None for a in agents), "the job ended before etcd came back; make it longer"
     except BaseException:
-        wait_all(agents, timeout=0)
+        stop_all(agents)
         raise
     assert finish(agents, tmp_path, 240) == [0, 0], logs(tmp_path, "agent*.log")
     recorded = list(read_events(events))
