@@ -1,0 +1,214 @@
+"""Surviving a peer's death in place: leave the broken process group, form the next one
+in the same process, and carry on with the state this worker already holds.
+
+This is the worker's half of "survivors never stop" (issue 28): a worker whose
+peer died keeps its process, its model, optimizer, sampler and loader workers;
+only the dead worker's replacement is a new process, and it takes its state
+from a survivor over the new group. It is not yet wired into `elastic.Run` or
+torchrevive-run's agent; the pieces are here, each tested with real processes
+(tests/integration/test_regroup.py).
+
+How a step fails without an exception reaching the training script:
+- `StepGuard.attach(ddp)` replaces DDP's gradient all-reduce with one that
+  catches a failed collective (a SIGKILLed peer's closed sockets fail gloo at
+  once) and marks the step void instead of raising out of `loss.backward()`.
+  Its arithmetic is DDP's own (each gradient times 1/world, then a sum), so a
+  run with the guard is bit-identical to one without.
+- `StepGuard.guard(optimizer)` makes `optimizer.step()` a no-op on a void
+  step: the parameters and the optimizer state stay those of the last step
+  this rank completed.
+
+How the next group forms (`rejoin`):
+- Every member (survivors and the replacement) builds the default group anew
+  on a namespace of a store that outlived the dead worker
+  (`torchrevive/heal/<generation>/`), at the same rank and world size.
+- DDP's reducer is rebuilt on the new group (`rebind`): a fresh bucket layout,
+  the one a new DDP starts with, so a replacement built with
+  `DistributedDataParallel(..., init_sync=False)` meets the survivors bucket for bucket.
+
+Invariants:
+- A void step changed nothing this rank keeps across steps except what the
+  script itself did after `optimizer.step()` (a scheduler step): the caller
+  undoes that (it holds the state from before the step).
+- `agree` is the first collective of a new group: every member gives the
+  number of steps it completed, and learns the fewest and the most. A rank may
+  be one step ahead of another (the dead peer's contribution reached it and not
+  the other), never more: a step needs every rank's gradients.
+- `share_state` sends model and optimizer state from one member to all others,
+  which makes every member equal to the source: a replacement, and a rank one
+  step behind, take the newest state instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic.runtime import shutdown_worker
+
+logger = logging.getLogger(__name__)
+
+HEAL_PREFIX = "torchrevive/heal/"
+
+
+class StepGuard:
+    """Turns a failed gradient all-reduce into a void step (see the module docstring).
+
+    `void` is set by the all-reduce of any bucket that failed and stays set until
+    `clear()`: a step is void when any of its buckets failed on this rank."""
+
+    def __init__(self) -> None:
+        self.void = False
+        self.error: str | None = None
+        """The first failed collective's message, for the log line of the recovery."""
+
+    def attach(self, model: DistributedDataParallel) -> None:
+        """Reduce `model`'s gradients through this guard (again after every `rebind`)."""
+        model.register_comm_hook(self, _all_reduce_or_void)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` do nothing while the step is void (idempotent)."""
+        step = optimizer.step
+        if getattr(step, "guarded_by", None) is self:
+            return
+
+        @functools.wraps(step)
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            if self.void:
+                return None
+            return step(*args, **kwargs)
+
+        guarded_step.guarded_by = self  # type: ignore[attr-defined]
+        optimizer.step = guarded_step  # type: ignore[method-assign]
+
+    def failed(self, error: BaseException) -> None:
+        if not self.void:
+            self.error = next(iter(str(error).strip().splitlines()), type(error).__name__)
+        self.void = True
+
+    def clear(self) -> None:
+        self.void, self.error = False, None
+
+
+def _all_reduce_or_void(guard, bucket):  # noqa: ANN001, ANN202 - DDP rejects a hook whose annotations are strings
+    """DDP's own reduction (the bucket times 1/world, summed over ranks), a void step on failure."""
+    tensor = bucket.buffer()
+    if guard.void:  # an earlier bucket failed: the group is broken, do not wait on it again
+        return _done(tensor)
+    world = dist.get_world_size()
+    tensor.mul_(1.0 / world)  # DDP's default multiplies each gradient by 1/world: the same bits
+    try:
+        work = dist.all_reduce(tensor, async_op=True)
+    except RuntimeError as error:
+        guard.failed(error)
+        return _done(tensor)
+
+    def settle(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            future.value()
+        except RuntimeError as error:
+            guard.failed(error)
+        return tensor
+
+    return work.get_future().then(settle)
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def rejoin(
+    store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str = "gloo",
+    timeout: timedelta = timedelta(minutes=5),
+) -> None:
+    """Leave the current default group without waiting on a peer (it may be dead), then
+    build the default group again on `store` under generation `generation`'s namespace.
+
+    Every member of the new group calls this with the same generation; a replacement,
+    which has no group yet, calls it too. Blocks until all `world_size` members joined
+    (torch's own store handshake), at most `timeout`."""
+    if dist.is_initialized():
+        shutdown_worker(failed=True)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"{HEAL_PREFIX}{generation}/", store), rank=rank, world_size=world_size,
+        timeout=timeout,
+    )
+
+
+def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> None:
+    """Point `model` (a DDP module) at the current default group with a fresh reducer,
+    as a new `DistributedDataParallel(..., init_sync=False)` would have it, and reduce
+    through `guard` again. The old reducer's gradient hooks go with it."""
+    model.process_group = dist.group.WORLD
+    parameters, expect_sparse = model._build_params_for_reducer()
+    model._ddp_init_helper(
+        parameters, expect_sparse, model._build_debug_param_to_name_mapping(parameters), model.static_graph
+    )
+    if guard is not None:
+        guard.attach(model)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the members of a new group learned of each other's progress."""
+
+    fewest: int
+    """The fewest steps a member completed (a replacement counts what it restored: maybe 0)."""
+    most: int
+    """The most steps a member completed: where the group carries on from."""
+    source: int
+    """The lowest rank that completed `most` steps: it shares its state (`share_state`)."""
+
+
+def agree(completed: int) -> Agreement:
+    """Every member's completed steps, combined in one collective (the first of a new group)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # The largest `completed * world + (world - 1 - rank)` names the most steps and, among
+    # the members that completed them, the lowest rank.
+    votes = torch.tensor([-completed, completed * world + (world - 1 - rank)], dtype=torch.int64)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    most, lowest = divmod(int(votes[1]), world)
+    return Agreement(fewest=-int(votes[0]), most=most, source=world - 1 - lowest)
+
+
+def share_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, src: int) -> None:
+    """Make every member's parameters, buffers and optimizer state equal to rank `src`'s
+    (a collective). The optimizer's per-parameter state must already exist on every
+    member with the same keys and shapes (`prepare_optimizer_state` on a new one)."""
+    for tensor in _state_tensors(model, optimizer):
+        dist.broadcast(tensor, src)
+
+
+def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its per-parameter state, so that `share_state` can fill it:
+    one step on zero gradients makes the state (its keys and shapes are the optimizer's
+    own), then the parameters are put back (weight decay moved them)."""
+    saved = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    originals = [p.detach().clone() for p, _ in saved]
+    for p, _ in saved:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for (p, grad), original in zip(saved, originals):
+            p.copy_(original)
+            p.grad = grad
+
+
+def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor a member must hold equal to the source's, in an order all members share."""
+    tensors = [t.data for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            tensors += [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor)]
+    return tensors
+
