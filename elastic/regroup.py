@@ -20,8 +20,8 @@ How a step fails without an exception reaching the training script:
 
 How the next group forms (`rejoin`):
 - Every member (survivors and the replacement) builds the default group anew
-  on a namespace of a store that outlived the dead worker
-  (`torchrevive/heal/<generation>/`), at the same rank and world size.
+  on a namespace of a store that outlived the dead worker (`group/<generation>`
+  under the round's heal namespace), at the same rank and world size.
 - DDP's reducer is rebuilt on the new group (`rebind`): a fresh bucket layout,
   the one a new DDP starts with, so a replacement built with
   `DistributedDataParallel(..., init_sync=False)` meets the survivors bucket for bucket.
@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -51,11 +53,62 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic import heal_env
+from elastic.errors import ElasticError, EnvironmentConfigError
 from elastic.runtime import shutdown_worker
 
 logger = logging.getLogger(__name__)
 
-HEAL_PREFIX = "torchrevive/heal/"
+_POLL_S = 0.005
+
+
+class RegroupError(ElasticError):
+    """The members of a heal did not all come in time; the worker should exit with
+    `heal_env.HEAL_FAILED_EXIT`, after which its agent starts a new round."""
+
+    exit_code = heal_env.HEAL_FAILED_EXIT
+
+
+@dataclass(frozen=True)
+class HealPoint:
+    """Where this worker's heals meet (see elastic.heal_env)."""
+
+    store: dist.Store
+    """The round's namespace of the rendezvous store."""
+    generation: int
+    """The heal this worker was started by: 0 at the start of a round."""
+
+
+def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(seconds=60)) -> HealPoint | None:
+    """The heal point torchrevive-run gives its workers with TORCHREVIVE_SURVIVORS=keep; None
+    without one. A malformed variable is an `EnvironmentConfigError` (one line)."""
+    address = environ.get(heal_env.HEAL_STORE_ENV)
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    namespace = environ.get(heal_env.HEAL_NAMESPACE_ENV, "")
+    generation = environ.get(heal_env.HEAL_GENERATION_ENV, "0")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EnvironmentConfigError(f"{heal_env.HEAL_STORE_ENV}={address!r} is not HOST:PORT")
+    if not namespace:
+        raise EnvironmentConfigError(f"{heal_env.HEAL_NAMESPACE_ENV} is not set beside {heal_env.HEAL_STORE_ENV}")
+    if not generation.isdigit():
+        raise EnvironmentConfigError(f"{heal_env.HEAL_GENERATION_ENV}={generation!r} is not a count")
+    store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    return HealPoint(dist.PrefixStore(heal_env.namespace_prefix(namespace), store), int(generation))
+
+
+def next_generation(point: HealPoint, after: int, timeout: timedelta = timedelta(seconds=60)) -> int:
+    """Wait until an agent has counted a heal past generation `after` (it has started the
+    replacements by then) and return the newest count; `RegroupError` after `timeout`."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        generation = point.store.add(heal_env.GENERATION_KEY, 0)
+        if generation > after:
+            return generation
+        if time.monotonic() > deadline:
+            raise RegroupError(f"no agent replaced the failed worker within {timeout} (heal {after + 1} never began)")
+        time.sleep(_POLL_S)
 
 
 class StepGuard:
@@ -138,10 +191,14 @@ def rejoin(
     (torch's own store handshake), at most `timeout`."""
     if dist.is_initialized():
         shutdown_worker(failed=True)
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(f"{HEAL_PREFIX}{generation}/", store), rank=rank, world_size=world_size,
-        timeout=timeout,
-    )
+    try:
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"group/{generation}", store), rank=rank, world_size=world_size,
+            timeout=timeout,
+        )
+    except RuntimeError as error:  # DistStoreError: a member never came
+        first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
+        raise RegroupError(f"rank {rank}: the group of heal {generation} did not form: {first_line}") from None
 
 
 def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> None:

@@ -188,12 +188,14 @@ def checkpoints_fingerprint(directory: Path) -> dict[str, str]:
     return {name: digest for name, digest in fingerprint(directory).items() if name != "writer.json"}
 
 
-def start_agents(count: int, command: list[str], log_dir: Path) -> list[subprocess.Popen]:
-    """Start `count` identical agents, each logging to its own file."""
+def start_agents(
+    count: int, command: list[str], log_dir: Path, env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
+    """Start `count` identical agents, each logging to its own file (`env`: theirs, else `worker_env()`)."""
     procs = []
     for i in range(count):
         log = open(log_dir / f"agent{i}.log", "wb")
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env or worker_env(), cwd=REPO)
         proc.log_path = log_dir / f"agent{i}.log"  # for wait_all's message if the job hangs
         procs.append(proc)
     return procs

@@ -54,7 +54,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import CheckpointStorageError, UsageError
-from elastic.launcher import slurm_launch, stop_signals, warm_start
+from elastic.launcher import in_place, slurm_launch, stop_signals, warm_start
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.launcher.keeper_files import job_key
 from elastic.launcher.keeper_endpoint import keeper_host
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
     quick_rounds.install()  # a round closes once every node of the last one is back
+    if in_place.enabled(os.environ):
+        in_place.install()  # TORCHREVIVE_SURVIVORS=keep: a failed worker is replaced without a round
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from support import REPO, worker_env
+from support import REPO, free_port, start_agents, torchrun_command, wait_all, worker_env
+
+from elastic import heal_env
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +29,23 @@ WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from elastic import regroup
+    from elastic import heal_env, regroup
 
-    rank, world, port, generation, steps, kill_at = map(int, sys.argv[1:7])
-    report = open(sys.argv[7], "a")
+    steps, kill_at, report_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    point = regroup.heal_point(os.environ)  # torchrevive-run's, or the test's stand-in for it
+    generation = point.generation
     replacement = generation > 0
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    with open(report_path + ".started", "a") as started:  # every process this job started, by rank
+        started.write(json.dumps({"rank": rank, "pid": os.getpid(), "generation": generation}) + "\\n")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    regroup.rejoin(store, generation=generation, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    except regroup.RegroupError as error:
+        print(error, flush=True)
+        sys.exit(heal_env.HEAL_FAILED_EXIT)
     # A replacement's DDP makes no collective of its own: its state comes from a survivor below.
     ddp = DDP(model, bucket_cap_mb=0.001, init_sync=not replacement)
     guard = regroup.StepGuard()
@@ -64,8 +73,13 @@ WORKER = textwrap.dedent("""
         optimizer.step()
         if guard.void:
             print(f"rank {rank}: step {completed + 1} is void ({guard.error})", flush=True)
-            generation += 1
-            regroup.rejoin(store, generation=generation, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+            try:
+                generation = regroup.next_generation(point, after=generation)
+                regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world,
+                               timeout=timedelta(seconds=60))
+            except regroup.RegroupError as error:
+                print(error, flush=True)
+                sys.exit(heal_env.HEAL_FAILED_EXIT)
             regroup.rebind(ddp, guard)
             guard.clear()
             agreed = heal(completed)
@@ -74,6 +88,7 @@ WORKER = textwrap.dedent("""
         completed += 1
         trained.append(completed)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    report = open(report_path, "a")
     report.write(json.dumps({"rank": rank, "pid": os.getpid(), "trained": trained, "regrouped": regrouped,
                              "digest": digest, "final": [p.detach().tolist() for p in model.parameters()]}) + "\\n")
     report.close()
@@ -82,18 +97,26 @@ WORKER = textwrap.dedent("""
 """).replace("{killed}", str(KILLED_RANK))
 
 
+NAMESPACE = "test"
+
+
 def start(script: Path, rank: int, port: int, generation: int, kill_at: int, report: Path) -> subprocess.Popen:
+    env = worker_env(
+        PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE=str(WORLD),
+        **{heal_env.HEAL_STORE_ENV: f"127.0.0.1:{port}", heal_env.HEAL_NAMESPACE_ENV: NAMESPACE,
+           heal_env.HEAL_GENERATION_ENV: str(generation)},
+    )
     return subprocess.Popen(
-        [sys.executable, str(script), str(rank), str(WORLD), str(port), str(generation), str(STEPS), str(kill_at),
-         str(report)],
-        env=worker_env(PYTHONPATH=str(REPO)), cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
+        [sys.executable, str(script), str(STEPS), str(kill_at), str(report)],
+        env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 
 def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, int], str]:
     """Run the job (with a SIGKILL of KILLED_RANK at step `kill_at`, none when -1); each
-    rank's report, each process's exit status by pid, and everything the processes printed."""
+    rank's report, each process's exit status by pid, and everything the processes printed.
+    The test plays the agent: it hosts the store and, after the kill, counts the heal and
+    starts the replacement."""
     script, report = tmp_path / "worker.py", tmp_path / f"report{kill_at}.jsonl"
     script.write_text(WORKER)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -103,7 +126,8 @@ def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, in
         if kill_at >= 0:
             procs[KILLED_RANK].wait(timeout=120)
             outputs.append(procs[KILLED_RANK].stdout.read())
-            procs.append(start(script, KILLED_RANK, store.port, 1, kill_at, report))  # the agent's replacement
+            generation = dist.PrefixStore(heal_env.namespace_prefix(NAMESPACE), store).add(heal_env.GENERATION_KEY, 1)
+            procs.append(start(script, KILLED_RANK, store.port, generation, kill_at, report))
         for proc in procs:
             proc.wait(timeout=120)
     finally:
@@ -148,3 +172,38 @@ def test_a_healed_job_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> No
     assert all(clean[rank]["regrouped"] == 0 for rank in range(WORLD))
     for got, want in zip(healed[0]["final"], clean[0]["final"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6, msg=printed)
+
+
+def test_under_torchrevive_run_only_the_failed_worker_is_replaced_and_no_round_is_held(tmp_path: Path) -> None:
+    """Three agents of one worker each (TORCHREVIVE_SURVIVORS=keep): the SIGKILLed worker's agent
+    starts its replacement without a rendezvous round; the other two workers are never restarted."""
+    script, report, kill_at = tmp_path / "worker.py", tmp_path / "report.jsonl", 7
+    script.write_text(WORKER)
+    command = torchrun_command(
+        nnodes=f"{WORLD}:{WORLD}", port=free_port(), run_id=tmp_path.name, max_restarts=1, script=script,
+        script_args=[str(STEPS), str(kill_at), str(report)],
+    )
+    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
+    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
+    agents = start_agents(WORLD, command, tmp_path, env=env)
+    assert wait_all(agents, timeout=240) == [0] * WORLD, logs_of(tmp_path)
+
+    started = [json.loads(line) for line in Path(f"{report}.started").read_text().splitlines()]
+    by_rank = {rank: [s for s in started if s["rank"] == rank] for rank in range(WORLD)}
+    assert [(s["generation"]) for s in by_rank[KILLED_RANK]] == [0, 1], logs_of(tmp_path)
+    reports = {r["rank"]: r for r in map(json.loads, report.read_text().splitlines())}
+    for rank in range(WORLD):
+        if rank == KILLED_RANK:
+            continue
+        assert [s["pid"] for s in by_rank[rank]] == [reports[rank]["pid"]], "a survivor was started once"
+        assert reports[rank]["regrouped"] == 1 and reports[rank]["trained"] == list(range(1, STEPS + 1))
+    assert reports[KILLED_RANK]["trained"] == list(range(kill_at + 1, STEPS + 1))
+    assert len({r["digest"] for r in reports.values()}) == 1
+    healed = [log for log in sorted(tmp_path.glob("agent*.log")) if "in place (heal 1)" in log.read_text()]
+    assert len(healed) == 1, logs_of(tmp_path)
+
+
+def logs_of(directory: Path) -> str:
+    return "\n".join(
+        f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in sorted(directory.glob("agent*.log"))
+    )

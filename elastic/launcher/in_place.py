@@ -1,0 +1,148 @@
+"""Heals in place: an agent whose workers failed replaces them without a rendezvous round.
+
+torch's agent answers any failure of its workers with `_restart_workers`: stop
+them, join a new rendezvous round, start them again. A new round makes every
+other agent stop its healthy workers too (they see a node waiting), so one dead
+process stops the whole job (torch/distributed/elastic/agent/server/api.py,
+`_invoke_run`). With `TORCHREVIVE_SURVIVORS=keep` this module's `_restart_workers`
+instead, for a FAILED group:
+
+1. stops this agent's workers (torch's process context has already stopped the
+   failed one's local peers; the other nodes' workers are untouched);
+2. counts the heal on the rendezvous store (elastic.heal_env), which gives
+   the replacements their generation;
+3. starts the replacements at the ranks, world size and store of the current
+   round, with that generation in their environment.
+
+The surviving workers (elastic.regroup) void the step that failed, wait for
+the heal's count, form the next group with the replacements and hand them their
+state. Every worker of every round learns where heals meet
+(`heal_env.HEAL_STORE_ENV`, `HEAL_NAMESPACE_ENV`, `HEAL_GENERATION_ENV`).
+
+Invariants:
+- Only a FAILED group heals in place, and only while the rendezvous store is a
+  TCP store (c10d); a membership change (a node waiting), an etcd rendezvous, or
+  a worker that exited with `HEAL_FAILED_EXIT` (its heal's peers never came)
+  takes torch's way: a new round for every worker.
+- A heal uses one of `--max-restarts`, as torch's restart would.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic import heal_env
+
+logger = logging.getLogger(__name__)
+
+
+def enabled(environ: Any) -> bool:
+    return environ.get(heal_env.SURVIVORS_ENV, "") == "keep"
+
+
+def install() -> None:
+    """Patch torch's local agent (in this process) as the module docstring says. Idempotent."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if getattr(LocalElasticAgent._restart_workers, "heals_in_place", False):
+        return
+    restart_round = LocalElasticAgent._restart_workers
+    monitor = LocalElasticAgent._monitor_workers
+    start_workers = LocalElasticAgent._start_workers
+    start_processes = local_elastic_agent.start_processes
+
+    def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        self._torchrevive_last_result = result  # what _restart_workers acts on
+        return result
+
+    def restart_workers(self: LocalElasticAgent, worker_group: Any) -> None:
+        store = heal_store(worker_group.store)
+        result = getattr(self, "_torchrevive_last_result", None)
+        if not _heals(worker_group, result, store):
+            self._torchrevive_generation = 0  # a new round: its heals count from 0 in a namespace of their own
+            restart_round(self, worker_group)
+            return
+        _heal(self, worker_group, result, store)
+
+    def start_workers_with_heal_env(self: LocalElasticAgent, worker_group: Any) -> Any:
+        store = heal_store(worker_group.store)
+        if store is None:
+            return start_workers(self, worker_group)
+        extra = {
+            heal_env.HEAL_STORE_ENV: f"{store.host}:{store.port}",
+            heal_env.HEAL_NAMESPACE_ENV: namespace(self, worker_group),
+            heal_env.HEAL_GENERATION_ENV: str(getattr(self, "_torchrevive_generation", 0)),
+        }
+        _extra_env.update(extra)
+        try:
+            return start_workers(self, worker_group)
+        finally:
+            _extra_env.clear()
+
+    def start_processes_with_extra_env(*args: Any, **kwargs: Any) -> Any:
+        envs = kwargs.get("envs")
+        if envs is not None and _extra_env:
+            kwargs["envs"] = {local_rank: {**env, **_extra_env} for local_rank, env in envs.items()}
+        return start_processes(*args, **kwargs)
+
+    restart_workers.heals_in_place = True  # type: ignore[attr-defined]
+    LocalElasticAgent._restart_workers = restart_workers  # type: ignore[method-assign]
+    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
+    LocalElasticAgent._start_workers = start_workers_with_heal_env  # type: ignore[method-assign]
+    local_elastic_agent.start_processes = start_processes_with_extra_env
+
+
+_extra_env: dict[str, str] = {}
+"""Variables for the workers `_start_workers` is starting now (set only around that call)."""
+
+
+def heal_store(store: Any) -> dist.TCPStore | None:
+    """The TCP store under the round's (prefixed) rendezvous store; None for another kind (etcd)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def namespace(agent: Any, worker_group: Any) -> str:
+    """This round's heals' namespace: the run id and the round's worker store address, which every
+    agent of the round shares and no other round of the run has."""
+    run_id = worker_group.spec.rdzv_handler.get_run_id()
+    return f"{run_id}/{worker_group.master_addr}:{worker_group.master_port}"
+
+
+def _heals(worker_group: Any, result: Any, store: dist.TCPStore | None) -> bool:
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    return (
+        store is not None
+        and worker_group.state == WorkerState.FAILED
+        and result is not None
+        and bool(result.failures)
+        and all(failure.exitcode != heal_env.HEAL_FAILED_EXIT for failure in result.failures.values())
+    )
+
+
+def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore) -> None:
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    ranks = ", ".join(str(rank) for rank in sorted(result.failures))
+    agent._stop_workers(worker_group)
+    worker_group.state = WorkerState.STOPPED
+    heals = dist.PrefixStore(heal_env.namespace_prefix(namespace(agent, worker_group)), store)
+    generation = heals.add(heal_env.GENERATION_KEY, 1)
+    agent._torchrevive_generation = generation
+    print(
+        f"torchrevive-run: worker rank {ranks} failed; replacing this node's workers in place (heal {generation}): "
+        "the other nodes' workers keep their processes",
+        file=sys.stderr, flush=True,
+    )
+    worker_ids = agent._start_workers(worker_group)
+    for local_rank, worker_id in worker_ids.items():
+        worker_group.workers[local_rank].id = worker_id
+    worker_group.state = WorkerState.HEALTHY
