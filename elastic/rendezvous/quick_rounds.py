@@ -41,7 +41,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     _Action,
@@ -127,30 +131,41 @@ class ChangeSignal:
     """Membership changes of one run, announced through a store: a counter and, with `watch`,
     a key per value.
 
-    Invariant: a waiter that read `generation()` before it read the state, and then waits
+    Invariants: a waiter that read `generation()` before it read the state, and then waits
     with `wait_after`, wakes on any change announced after that read (the counter moved;
     with `watch`, the key for the next value was set by the write that made the change),
-    or at its timeout."""
+    or at its timeout. A store that fails raises `RendezvousConnectionError`, as torch's
+    backends do, so torch's handler treats it as it treats its own (at the end of a job,
+    when the agent that served the store has left, one warning line, no traceback)."""
 
     def __init__(self, store: Any, run_id: str, *, watch: bool) -> None:
         self._store = store
         self._counter = f"torchrevive.rdzv.{run_id}.changes"
         self._watch = watch
-        store.add(self._counter, 0)  # created once, so that reading it is a plain read (a write on etcd)
+        self._use(lambda: store.add(self._counter, 0))  # created once: reading it is then a plain read
 
     def generation(self) -> int:
-        return int(self._store.get(self._counter))
+        return int(self._use(lambda: self._store.get(self._counter)))
 
     def announce(self) -> None:
-        value = int(self._store.add(self._counter, 1))
+        value = int(self._use(lambda: self._store.add(self._counter, 1)))
         if not self._watch:
             return
-        self._store.set(f"{self._counter}.{value}", b"1")
+        self._use(lambda: self._store.set(f"{self._counter}.{value}", b"1"))
         if value > KEPT_CHANGE_KEYS:
             try:
                 self._store.delete_key(f"{self._counter}.{value - KEPT_CHANGE_KEYS}")
             except Exception:  # noqa: BLE001 - best effort: a key left behind is harmless, a failed round is not
                 pass
+
+    @staticmethod
+    def _use(operation: Callable[[], Any]) -> Any:
+        try:
+            return operation()
+        except RendezvousConnectionError:
+            raise
+        except (RuntimeError, ValueError, TimeoutError) as exc:  # DistNetworkError, DistStoreError, etcd's
+            raise RendezvousConnectionError(f"the rendezvous store failed: {exc}".splitlines()[0]) from exc
 
     def wait_after(self, generation: int, timeout: float) -> None:
         """Return when a change after `generation` is announced, or after `timeout` seconds."""

@@ -167,6 +167,21 @@ def test_old_change_keys_are_deleted(store) -> None:
     assert store.check([f"torchrevive.rdzv.job.changes.{quick_rounds.KEPT_CHANGE_KEYS + 3}"])
 
 
+def test_a_store_whose_server_left_is_torchs_connection_error_not_a_traceback() -> None:
+    """At a job's end the agent serving the c10d store may leave first: torch's handler turns a
+    RendezvousConnectionError into one warning line at shutdown, any other error into a traceback."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
+    signal = ChangeSignal(client, "job", watch=False)
+    del server  # the serving agent is gone
+    with pytest.raises(RendezvousConnectionError, match="the rendezvous store failed"):
+        signal.generation()
+    with pytest.raises(RendezvousConnectionError):
+        signal.announce()
+
+
 # --- handlers ------------------------------------------------------------------------------
 
 
