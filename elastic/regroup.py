@@ -228,13 +228,21 @@ class Agreement:
 
 def agree(completed: int) -> Agreement:
     """Every member's completed steps, combined in one collective (the first of a new group)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # The largest `completed * world + (world - 1 - rank)` names the most steps and, among
-    # the members that completed them, the lowest rank.
-    votes = torch.tensor([-completed, completed * world + (world - 1 - rank)], dtype=torch.int64)
+    votes = ballot(completed, rank=dist.get_rank(), world_size=dist.get_world_size())
     dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-    most, lowest = divmod(int(votes[1]), world)
-    return Agreement(fewest=-int(votes[0]), most=most, source=world - 1 - lowest)
+    return count(votes, world_size=dist.get_world_size())
+
+
+def ballot(completed: int, *, rank: int, world_size: int) -> torch.Tensor:
+    """One member's vote; the element-wise MAX of all votes is read by `count`. The largest
+    `completed * world_size + (world_size - 1 - rank)` names the most steps and, among the
+    members that completed them, the lowest rank; the largest `-completed` the fewest steps."""
+    return torch.tensor([-completed, completed * world_size + (world_size - 1 - rank)], dtype=torch.int64)
+
+
+def count(votes: torch.Tensor, *, world_size: int) -> Agreement:
+    most, lowest = divmod(int(votes[1]), world_size)
+    return Agreement(fewest=-int(votes[0]), most=most, source=world_size - 1 - lowest)
 
 
 def share_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, src: int) -> None:

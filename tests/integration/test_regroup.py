@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import sys
 import textwrap
 from datetime import timedelta
@@ -17,7 +18,7 @@ import pytest
 import torch.distributed as dist
 from support import REPO, free_port, start_agents, torchrun_command, wait_all, worker_env
 
-from elastic import heal_env
+from elastic import heal_env, regroup
 
 pytestmark = pytest.mark.slow
 
@@ -207,3 +208,22 @@ def logs_of(directory: Path) -> str:
     return "\n".join(
         f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}" for log in sorted(directory.glob("agent*.log"))
     )
+
+
+def heal_variables(store: str, namespace: str, generation: str) -> dict[str, str]:
+    return {heal_env.HEAL_STORE_ENV: store, heal_env.HEAL_NAMESPACE_ENV: namespace,
+            heal_env.HEAL_GENERATION_ENV: generation}
+
+
+def test_the_heal_point_counts_what_the_agent_counts() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    point = regroup.heal_point(heal_variables(f"127.0.0.1:{server.port}", namespace="job/a:1", generation="2"))
+    assert point is not None and point.generation == 2
+    agent_side = dist.PrefixStore(heal_env.namespace_prefix("job/a:1"), server)
+    agent_side.add(heal_env.GENERATION_KEY, 2)  # two heals already: this worker was started by the second
+    with pytest.raises(regroup.RegroupError, match="heal 3 never began"):
+        regroup.next_generation(point, after=2, timeout=timedelta(seconds=0.05))
+    counted = threading.Timer(0.2, lambda: agent_side.add(heal_env.GENERATION_KEY, 1))
+    counted.start()
+    assert regroup.next_generation(point, after=2, timeout=timedelta(seconds=30)) == 3
+    counted.join()
