@@ -227,3 +227,42 @@ def test_the_heal_point_counts_what_the_agent_counts() -> None:
     counted.start()
     assert regroup.next_generation(point, after=2, timeout=timedelta(seconds=30)) == 3
     counted.join()
+
+
+GIVES_UP = textwrap.dedent("""
+    import json, os, sys
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    from elastic import heal_env, regroup
+
+    rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    point = regroup.heal_point(os.environ)
+    with open(sys.argv[1], "a") as started:
+        started.write(json.dumps({"rank": rank, "pid": os.getpid(), "restart": restart,
+                                  "generation": point.generation}) + "\\n")
+    if rank == 1 and restart == 0:
+        sys.exit(heal_env.HEAL_FAILED_EXIT)  # as a worker whose heal never formed
+    regroup.rejoin(point.store, generation=point.generation, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                   timeout=timedelta(seconds=60))
+    dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+""")
+
+
+def test_a_worker_whose_heal_failed_makes_its_agent_start_a_new_round(tmp_path: Path) -> None:
+    """Exit status 76 is not healed in place (the heal's peers never came): the agents meet in a new
+    round and every worker starts again, as torchrun would do."""
+    script, started = tmp_path / "worker.py", tmp_path / "started.jsonl"
+    script.write_text(GIVES_UP)
+    command = torchrun_command(nnodes="2:2", port=free_port(), run_id=tmp_path.name, max_restarts=1, script=script,
+                               script_args=[str(started)])
+    command[2] = "elastic.launcher"
+    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
+    assert wait_all(start_agents(2, command, tmp_path, env=env), timeout=180) == [0, 0], logs_of(tmp_path)
+    starts = [json.loads(line) for line in started.read_text().splitlines()]
+    # Each rank started twice (the second time in the new round, from generation 0 again), and the
+    # worker that had not failed was restarted too: its agent saw a node waiting for the new round.
+    assert sorted((s["rank"], s["generation"]) for s in starts) == [(0, 0), (0, 0), (1, 0), (1, 0)], starts
+    assert len({s["pid"] for s in starts}) == 4, starts
+    assert not any("in place" in log.read_text() for log in tmp_path.glob("agent*.log"))
