@@ -23,6 +23,9 @@ HEAL_STORE_ENV = "TORCHREVIVE_HEAL_STORE"
 HEAL_NAMESPACE_ENV = "TORCHREVIVE_HEAL_NAMESPACE"
 HEAL_GENERATION_ENV = "TORCHREVIVE_HEAL_GENERATION"
 GENERATION_KEY = "generation"
+HEALERS_KEY = "healers"
+"""Counted up by each worker that joined a group of the round through a heal point: the
+agent heals in place only when the count reached the round's world size."""
 HEAL_FAILED_EXIT = 76
 """A worker that could not regroup (a heal's peers never came): its agent starts a new round."""
 

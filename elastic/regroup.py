@@ -4,16 +4,19 @@ in the same process, and carry on with the state this worker already holds.
 This is the worker's half of "survivors never stop" (issue 28): a worker whose
 peer died keeps its process, its model, optimizer, sampler and loader workers;
 only the dead worker's replacement is a new process, and it takes its state
-from a survivor over the new group. It is not yet wired into `elastic.Run` or
-torchrevive-run's agent; the pieces are here, each tested with real processes
-(tests/integration/test_regroup.py).
+from a survivor over the new group. torchrevive-run's agent does its half with
+TORCHREVIVE_SURVIVORS=keep (elastic.launcher.in_place); a DDP script calls these
+pieces itself (benchmarks/heal_worker.py is one); `elastic.Run` does not yet.
 
 How a step fails without an exception reaching the training script:
 - `StepGuard.attach(ddp)` replaces DDP's gradient all-reduce with one that
   catches a failed collective (a SIGKILLed peer's closed sockets fail gloo at
   once) and marks the step void instead of raising out of `loss.backward()`.
-  Its arithmetic is DDP's own (each gradient times 1/world, then a sum), so a
-  run with the guard is bit-identical to one without.
+  Its arithmetic is DDP's default one (each gradient times 1/world, then a sum),
+  so with DDP's default settings a run with the guard is bit-identical to one
+  without (`gradient_as_bucket_view` divides instead, which rounds differently).
+  Only the gradient all-reduce is guarded: a buffer broadcast, an unused-parameter
+  search or a script's own collective still raises.
 - `StepGuard.guard(optimizer)` makes `optimizer.step()` a no-op on a void
   step: the parameters and the optimizer state stay those of the last step
   this rank completed.
@@ -21,7 +24,9 @@ How a step fails without an exception reaching the training script:
 How the next group forms (`rejoin`):
 - Every member (survivors and the replacement) builds the default group anew
   on a namespace of a store that outlived the dead worker (`group/<generation>`
-  under the round's heal namespace), at the same rank and world size.
+  under the round's heal namespace), at the same rank and world size, and counts
+  itself among the round's healers (the agent heals in place only when every
+  worker of the round did: a script that cannot heal gets torch's new round).
 - DDP's reducer is rebuilt on the new group (`rebind`): a fresh bucket layout,
   the one a new DDP starts with, so a replacement built with
   `DistributedDataParallel(..., init_sync=False)` meets the survivors bucket for bucket.
@@ -34,9 +39,13 @@ Invariants:
   number of steps it completed, and learns the fewest and the most. A rank may
   be one step ahead of another (the dead peer's contribution reached it and not
   the other), never more: a step needs every rank's gradients.
-- `share_state` sends model and optimizer state from one member to all others,
-  which makes every member equal to the source: a replacement, and a rank one
-  step behind, take the newest state instead of recomputing it.
+- `share_state` sends the parameters, buffers and per-parameter optimizer state
+  from one member to all others: a replacement, and a rank one step behind, take
+  the newest state instead of recomputing it. What is not a tensor there
+  (learning rates in `param_groups`, a scheduler) is the script's to carry.
+- Every failure of a heal (a store that failed, a peer that never came, a
+  collective that broke again) is a `RegroupError`, one line; a worker exits
+  with its status (76), and its agent then holds a new round.
 """
 
 from __future__ import annotations
@@ -94,7 +103,10 @@ def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(second
         raise EnvironmentConfigError(f"{heal_env.HEAL_NAMESPACE_ENV} is not set beside {heal_env.HEAL_STORE_ENV}")
     if not generation.isdigit():
         raise EnvironmentConfigError(f"{heal_env.HEAL_GENERATION_ENV}={generation!r} is not a count")
-    store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    try:
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    except RuntimeError as error:
+        raise RegroupError(f"cannot reach the rendezvous store at {address}: {_first_line(error)}") from None
     return HealPoint(dist.PrefixStore(heal_env.namespace_prefix(namespace), store), int(generation))
 
 
@@ -103,7 +115,11 @@ def next_generation(point: HealPoint, after: int, timeout: timedelta = timedelta
     replacements by then) and return the newest count; `RegroupError` after `timeout`."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        generation = point.store.add(heal_env.GENERATION_KEY, 0)
+        try:
+            generation = point.store.add(heal_env.GENERATION_KEY, 0)
+        except RuntimeError as error:  # the rendezvous store's agent is gone
+            raise RegroupError(f"the rendezvous store failed while waiting for heal {after + 1}: "
+                               f"{_first_line(error)}") from None
         if generation > after:
             return generation
         if time.monotonic() > deadline:
@@ -191,14 +207,16 @@ def rejoin(
     (torch's own store handshake), at most `timeout`."""
     if dist.is_initialized():
         shutdown_worker(failed=True)
+        if dist.is_initialized():  # the teardown overran its deadline and still runs on its thread
+            raise RegroupError(f"rank {rank}: the broken process group could not be left in time for heal {generation}")
     try:
         dist.init_process_group(
             backend, store=dist.PrefixStore(f"group/{generation}", store), rank=rank, world_size=world_size,
             timeout=timeout,
         )
-    except RuntimeError as error:  # DistStoreError: a member never came
-        first_line = next(iter(str(error).strip().splitlines()), type(error).__name__)
-        raise RegroupError(f"rank {rank}: the group of heal {generation} did not form: {first_line}") from None
+        store.add(heal_env.HEALERS_KEY, 1)
+    except RuntimeError as error:  # DistStoreError: a member never came; DistNetworkError: the store is gone
+        raise RegroupError(f"rank {rank}: the group of heal {generation} did not form: {_first_line(error)}") from None
 
 
 def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> None:
@@ -210,6 +228,10 @@ def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> No
     model._ddp_init_helper(
         parameters, expect_sparse, model._build_debug_param_to_name_mapping(parameters), model.static_graph
     )
+    if model.static_graph:  # as torch's own rebuild (DistributedDataParallel.__setstate__)
+        model.reducer._set_static_graph()
+        model.logger._set_static_graph()
+    model._comm_hooks = []  # the old reducer's hook goes with it
     if guard is not None:
         guard.attach(model)
 
@@ -229,7 +251,10 @@ class Agreement:
 def agree(completed: int) -> Agreement:
     """Every member's completed steps, combined in one collective (the first of a new group)."""
     votes = ballot(completed, rank=dist.get_rank(), world_size=dist.get_world_size())
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    try:
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    except RuntimeError as error:
+        raise RegroupError(f"the new group broke while its members compared steps: {_first_line(error)}") from None
     return count(votes, world_size=dist.get_world_size())
 
 
@@ -246,11 +271,19 @@ def count(votes: torch.Tensor, *, world_size: int) -> Agreement:
 
 
 def share_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, src: int) -> None:
-    """Make every member's parameters, buffers and optimizer state equal to rank `src`'s
-    (a collective). The optimizer's per-parameter state must already exist on every
-    member with the same keys and shapes (`prepare_optimizer_state` on a new one)."""
-    for tensor in _state_tensors(model, optimizer):
-        dist.broadcast(tensor, src)
+    """Make every member's parameters, buffers and per-parameter optimizer state equal to
+    rank `src`'s (collectives). A member whose optimizer has no state yet (a replacement)
+    makes it first (`prepare_optimizer_state`) when the source has some; when the source has
+    none (no step taken, or an optimizer without state), only the model is sent."""
+    try:
+        source_has_state = torch.tensor([int(bool(optimizer.state))], dtype=torch.int64)
+        dist.broadcast(source_has_state, src)
+        if source_has_state.item() and not optimizer.state:
+            prepare_optimizer_state(optimizer)
+        for tensor in _state_tensors(model, optimizer if source_has_state.item() else None):
+            dist.broadcast(tensor, src)
+    except RuntimeError as error:
+        raise RegroupError(f"the new group broke while rank {src} shared its state: {_first_line(error)}") from None
 
 
 def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -268,12 +301,15 @@ def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Every tensor a member must hold equal to the source's, in an order all members share."""
     tensors = [t.data for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if optimizer is not None else ():
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             tensors += [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor)]
     return tensors
 
+
+def _first_line(error: BaseException) -> str:
+    return next(iter(str(error).strip().splitlines()), type(error).__name__)

@@ -20,10 +20,14 @@ state. Every worker of every round learns where heals meet
 (`heal_env.HEAL_STORE_ENV`, `HEAL_NAMESPACE_ENV`, `HEAL_GENERATION_ENV`).
 
 Invariants:
-- Only a FAILED group heals in place, and only while the rendezvous store is a
-  TCP store (c10d); a membership change (a node waiting), an etcd rendezvous, or
-  a worker that exited with `HEAL_FAILED_EXIT` (its heal's peers never came)
-  takes torch's way: a new round for every worker.
+- Only a FAILED group heals in place, only while the rendezvous store is a TCP
+  store (c10d), only in a job of several nodes, and only once every worker of
+  the round counted itself a healer (elastic.regroup): a membership change (a
+  node waiting), an etcd rendezvous, a script that does not heal, a store that
+  failed, or a worker that exited with `HEAL_FAILED_EXIT` (its heal's peers never
+  came) takes torch's way: a new round for every worker.
+- A round's heals meet in a namespace of their own (`namespace`), fixed at the
+  round's first start: torch's round number is in it.
 - A heal uses one of `--max-restarts`, as torch's restart would.
 """
 
@@ -64,19 +68,23 @@ def install() -> None:
     def restart_workers(self: LocalElasticAgent, worker_group: Any) -> None:
         store = heal_store(worker_group.store)
         result = getattr(self, "_torchrevive_last_result", None)
-        if not _heals(worker_group, result, store):
-            self._torchrevive_generation = 0  # a new round: its heals count from 0 in a namespace of their own
+        space = getattr(self, "_torchrevive_namespace", None)
+        if store is None or space is None or not _heals(worker_group, result, store, space) or not _heal(
+            self, worker_group, result, store, space
+        ):
+            self._torchrevive_generation = 0  # a new round: its heals count from 0 in a namespace of its own
+            self._torchrevive_namespace = None
             restart_round(self, worker_group)
-            return
-        _heal(self, worker_group, result, store)
 
     def start_workers_with_heal_env(self: LocalElasticAgent, worker_group: Any) -> Any:
         store = heal_store(worker_group.store)
-        if store is None:
+        if getattr(self, "_torchrevive_namespace", None) is None:  # the first start of a round
+            self._torchrevive_namespace = namespace(worker_group)
+        if store is None or self._torchrevive_namespace is None:
             return start_workers(self, worker_group)
         extra = {
             heal_env.HEAL_STORE_ENV: f"{store.host}:{store.port}",
-            heal_env.HEAL_NAMESPACE_ENV: namespace(self, worker_group),
+            heal_env.HEAL_NAMESPACE_ENV: self._torchrevive_namespace,
             heal_env.HEAL_GENERATION_ENV: str(getattr(self, "_torchrevive_generation", 0)),
         }
         _extra_env.update(extra)
@@ -109,33 +117,49 @@ def heal_store(store: Any) -> dist.TCPStore | None:
     return store if isinstance(store, dist.TCPStore) else None
 
 
-def namespace(agent: Any, worker_group: Any) -> str:
-    """This round's heals' namespace: the run id and the round's worker store address, which every
-    agent of the round shares and no other round of the run has."""
-    run_id = worker_group.spec.rdzv_handler.get_run_id()
-    return f"{run_id}/{worker_group.master_addr}:{worker_group.master_port}"
+def namespace(worker_group: Any) -> str | None:
+    """This round's heals' namespace, the same for every agent of the round and no other round of
+    the run: the run id, torch's round number and the round's worker store address. None when the
+    handler is not torch's dynamic one (no round number to read): then nothing heals in place."""
+    handler = worker_group.spec.rdzv_handler
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    number = getattr(state, "round", None)
+    if not isinstance(number, int):
+        return None
+    return f"{handler.get_run_id()}/{number}/{worker_group.master_addr}:{worker_group.master_port}"
 
 
-def _heals(worker_group: Any, result: Any, store: dist.TCPStore | None) -> bool:
+def _heals(worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
+    """Whether a failure of this agent's workers heals in place (the module docstring's rules)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
 
-    return (
-        store is not None
-        and worker_group.state == WorkerState.FAILED
+    if not (
+        worker_group.state == WorkerState.FAILED
+        and worker_group.group_world_size > 1  # alone, no survivor would hold the state
         and result is not None
         and bool(result.failures)
         and all(failure.exitcode != heal_env.HEAL_FAILED_EXIT for failure in result.failures.values())
-    )
+    ):
+        return False
+    world_size = worker_group.workers[0].world_size if worker_group.workers else 0
+    try:  # every worker of the round must be one that heals (elastic.regroup counted it)
+        healers = dist.PrefixStore(heal_env.namespace_prefix(space), store).add(heal_env.HEALERS_KEY, 0)
+    except RuntimeError:
+        return False  # the store failed: torch's new round says so in its own words
+    return healers >= world_size > 0
 
 
-def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore) -> None:
+def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
+    """Replace this agent's workers in place; False (nothing started) when the store failed."""
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     ranks = ", ".join(str(rank) for rank in sorted(result.failures))
     agent._stop_workers(worker_group)
     worker_group.state = WorkerState.STOPPED
-    heals = dist.PrefixStore(heal_env.namespace_prefix(namespace(agent, worker_group)), store)
-    generation = heals.add(heal_env.GENERATION_KEY, 1)
+    try:
+        generation = dist.PrefixStore(heal_env.namespace_prefix(space), store).add(heal_env.GENERATION_KEY, 1)
+    except RuntimeError:
+        return False
     agent._torchrevive_generation = generation
     print(
         f"torchrevive-run: worker rank {ranks} failed; replacing this node's workers in place (heal {generation}): "
@@ -146,3 +170,4 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore) -> N
     for local_rank, worker_id in worker_ids.items():
         worker_group.workers[local_rank].id = worker_id
     worker_group.state = WorkerState.HEALTHY
+    return True

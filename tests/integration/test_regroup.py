@@ -24,78 +24,7 @@ pytestmark = pytest.mark.slow
 
 WORLD, STEPS, KILLED_RANK = 3, 24, 2
 
-WORKER = textwrap.dedent("""
-    import hashlib, json, os, signal, sys, time
-    from datetime import timedelta
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from elastic import heal_env, regroup
-
-    steps, kill_at, report_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    point = regroup.heal_point(os.environ)  # torchrevive-run's, or the test's stand-in for it
-    generation = point.generation
-    replacement = generation > 0
-    with open(report_path + ".started", "a") as started:  # every process this job started, by rank
-        started.write(json.dumps({"rank": rank, "pid": os.getpid(), "generation": generation}) + "\\n")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    try:
-        regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    except regroup.RegroupError as error:
-        print(error, flush=True)
-        sys.exit(heal_env.HEAL_FAILED_EXIT)
-    # A replacement's DDP makes no collective of its own: its state comes from a survivor below.
-    ddp = DDP(model, bucket_cap_mb=0.001, init_sync=not replacement)
-    guard = regroup.StepGuard()
-    guard.attach(ddp)
-    guard.guard(optimizer)
-    completed, trained, regrouped = 0, [], 0
-
-    def heal(completed):
-        agreed = regroup.agree(completed)
-        regroup.share_state(model, optimizer, src=agreed.source)
-        return agreed
-
-    if replacement:
-        regroup.prepare_optimizer_state(optimizer)
-        completed = heal(0).most
-    while completed < steps:
-        g = torch.Generator().manual_seed(1000 * completed + rank)  # this rank's batch of this step
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        if rank == {killed} and completed == kill_at and not replacement:
-            time.sleep(0.5)  # the peers are inside this step's all-reduce, waiting on this rank
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if guard.void:
-            print(f"rank {rank}: step {completed + 1} is void ({guard.error})", flush=True)
-            try:
-                generation = regroup.next_generation(point, after=generation)
-                regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world,
-                               timeout=timedelta(seconds=60))
-            except regroup.RegroupError as error:
-                print(error, flush=True)
-                sys.exit(heal_env.HEAL_FAILED_EXIT)
-            regroup.rebind(ddp, guard)
-            guard.clear()
-            agreed = heal(completed)
-            completed, regrouped = agreed.most, regrouped + 1
-            continue
-        completed += 1
-        trained.append(completed)
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    report = open(report_path, "a")
-    report.write(json.dumps({"rank": rank, "pid": os.getpid(), "trained": trained, "regrouped": regrouped,
-                             "digest": digest, "final": [p.detach().tolist() for p in model.parameters()]}) + "\\n")
-    report.close()
-    dist.barrier()
-    dist.destroy_process_group()
-""").replace("{killed}", str(KILLED_RANK))
+WORKER = REPO / "benchmarks" / "heal_worker.py"  # a DDP script on elastic.regroup
 
 
 NAMESPACE = "test"
@@ -108,8 +37,8 @@ def start(script: Path, rank: int, port: int, generation: int, kill_at: int, rep
            heal_env.HEAL_GENERATION_ENV: str(generation)},
     )
     return subprocess.Popen(
-        [sys.executable, str(script), str(STEPS), str(kill_at), str(report)],
-        env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, str(script), str(STEPS), str(kill_at), str(KILLED_RANK), str(report)],
+        env=env, cwd=report.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 
@@ -118,8 +47,7 @@ def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, in
     rank's report, each process's exit status by pid, and everything the processes printed.
     The test plays the agent: it hosts the store and, after the kill, counts the heal and
     starts the replacement."""
-    script, report = tmp_path / "worker.py", tmp_path / f"report{kill_at}.jsonl"
-    script.write_text(WORKER)
+    script, report = WORKER, tmp_path / f"report{kill_at}.jsonl"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     procs = [start(script, rank, store.port, 0, kill_at, report) for rank in range(WORLD)]
     outputs = []
@@ -141,8 +69,8 @@ def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, in
     return {r["rank"]: r for r in reports}, {proc.pid: proc.returncode for proc in procs}, "\n".join(outputs)
 
 
-def test_survivors_keep_their_processes_and_the_replacement_takes_their_state(tmp_path: Path) -> None:
-    kill_at = 9
+@pytest.mark.parametrize("kill_at", [0, 9], ids=["before-any-optimizer-step", "mid-run"])
+def test_survivors_keep_their_processes_and_the_replacement_takes_their_state(tmp_path: Path, kill_at: int) -> None:
     reports, exits, printed = run_job(tmp_path, kill_at)
     first_pids = list(exits)[:WORLD]
     assert exits[first_pids[KILLED_RANK]] == -9, printed
@@ -167,7 +95,9 @@ def test_a_healed_job_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> No
     summation order of the one step after the heal (a fresh bucket layout; see elastic.regroup)."""
     import torch
 
-    healed, _, printed = run_job(tmp_path, 14)
+    healed, healed_exits, printed = run_job(tmp_path, 14)
+    assert sorted(healed_exits.values()) == [-9, 0, 0, 0], printed
+    assert [healed[rank]["regrouped"] for rank in range(WORLD) if rank != KILLED_RANK] == [1] * (WORLD - 1)
     clean, exits, clean_printed = run_job(tmp_path, -1)
     assert list(exits.values()) == [0] * WORLD, clean_printed
     assert all(clean[rank]["regrouped"] == 0 for rank in range(WORLD))
@@ -178,11 +108,10 @@ def test_a_healed_job_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> No
 def test_under_torchrevive_run_only_the_failed_worker_is_replaced_and_no_round_is_held(tmp_path: Path) -> None:
     """Three agents of one worker each (TORCHREVIVE_SURVIVORS=keep): the SIGKILLed worker's agent
     starts its replacement without a rendezvous round; the other two workers are never restarted."""
-    script, report, kill_at = tmp_path / "worker.py", tmp_path / "report.jsonl", 7
-    script.write_text(WORKER)
+    script, report, kill_at = WORKER, tmp_path / "report.jsonl", 7
     command = torchrun_command(
         nnodes=f"{WORLD}:{WORLD}", port=free_port(), run_id=tmp_path.name, max_restarts=1, script=script,
-        script_args=[str(STEPS), str(kill_at), str(report)],
+        script_args=[str(STEPS), str(kill_at), str(KILLED_RANK), str(report)],
     )
     command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
     env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
@@ -230,39 +159,48 @@ def test_the_heal_point_counts_what_the_agent_counts() -> None:
 
 
 GIVES_UP = textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, time
     from datetime import timedelta
     import torch
     import torch.distributed as dist
     from elastic import heal_env, regroup
 
-    rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    started_path, mode = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     point = regroup.heal_point(os.environ)
-    with open(sys.argv[1], "a") as started:
-        started.write(json.dumps({"rank": rank, "pid": os.getpid(), "restart": restart,
-                                  "generation": point.generation}) + "\\n")
-    if rank == 1 and restart == 0:
-        sys.exit(heal_env.HEAL_FAILED_EXIT)  # as a worker whose heal never formed
-    regroup.rejoin(point.store, generation=point.generation, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
-                   timeout=timedelta(seconds=60))
+    seen = [json.loads(line)["rank"] for line in open(started_path)] if os.path.exists(started_path) else []
+    first = rank not in seen
+    with open(started_path, "a") as started:
+        started.write(json.dumps({"rank": rank, "pid": os.getpid(), "generation": point.generation}) + "\\n")
+    if mode == "heals":
+        regroup.rejoin(point.store, generation=point.generation, rank=rank, world_size=world,
+                       timeout=timedelta(seconds=60))
+    else:
+        dist.init_process_group("gloo")  # a script that does not heal: it never counts itself a healer
+    if first and rank == 1:
+        sys.exit(heal_env.HEAL_FAILED_EXIT if mode == "heals" else 1)
+    if first:
+        time.sleep(120)  # until its agent stops it for the new round
     dist.all_reduce(torch.ones(1))
     dist.destroy_process_group()
 """)
 
 
-def test_a_worker_whose_heal_failed_makes_its_agent_start_a_new_round(tmp_path: Path) -> None:
-    """Exit status 76 is not healed in place (the heal's peers never came): the agents meet in a new
-    round and every worker starts again, as torchrun would do."""
+@pytest.mark.parametrize("mode", ["heals", "plain"])
+def test_a_failure_that_cannot_heal_makes_the_agents_hold_a_new_round(tmp_path: Path, mode: str) -> None:
+    """Exit status 76 (the heal's peers never came), or a script that never counted itself a healer
+    (an ordinary failure of a script without elastic.regroup), is not healed in place: the agents
+    meet in a new round and every worker starts again, as under torchrun."""
     script, started = tmp_path / "worker.py", tmp_path / "started.jsonl"
     script.write_text(GIVES_UP)
     command = torchrun_command(nnodes="2:2", port=free_port(), run_id=tmp_path.name, max_restarts=1, script=script,
-                               script_args=[str(started)])
+                               script_args=[str(started), mode])
     command[2] = "elastic.launcher"
     env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
     assert wait_all(start_agents(2, command, tmp_path, env=env), timeout=180) == [0, 0], logs_of(tmp_path)
     starts = [json.loads(line) for line in started.read_text().splitlines()]
-    # Each rank started twice (the second time in the new round, from generation 0 again), and the
-    # worker that had not failed was restarted too: its agent saw a node waiting for the new round.
+    # Each rank started twice (the second time in a new round, at generation 0 again); the worker that
+    # had not failed was restarted too: its agent saw a node waiting for the new round.
     assert sorted((s["rank"], s["generation"]) for s in starts) == [(0, 0), (0, 0), (1, 0), (1, 0)], starts
     assert len({s["pid"] for s in starts}) == 4, starts
     assert not any("in place" in log.read_text() for log in tmp_path.glob("agent*.log"))

@@ -1,0 +1,118 @@
+"""A DDP training script on `elastic.regroup`: what heal_in_place.py times and test_regroup.py checks.
+
+Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep (or a stand-in that sets the
+same variables) it heals in place: a step whose gradient all-reduce failed is void,
+the worker waits for its agent's heal, forms the next group and shares its state
+with the replacement. Without a heal point it joins by torch's env:// and exits 1
+on a void step: its agent then restarts every worker through a new round.
+
+    python heal_worker.py STEPS KILL_AT KILLED_RANK REPORT
+
+The worker of KILLED_RANK SIGKILLs itself once per job (REPORT.killed records when)
+while its peers wait on it inside the all-reduce of step KILL_AT + 1. Every process
+appends {rank, pid, generation, restart} to REPORT.started; rank 0 appends each
+completed step's time to REPORT.steps; each worker that ends appends its record
+(pid, steps trained, heals, weights) to REPORT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic import heal_env, regroup
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def append(path: str, record: dict) -> None:
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def main() -> int:
+    steps, kill_at, killed_rank, report = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    point = regroup.heal_point(os.environ)
+    generation = point.generation if point is not None else 0
+    replacement = generation > 0
+    append(report + ".started", {"rank": rank, "pid": os.getpid(), "generation": generation,
+                                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    try:
+        if point is None:
+            dist.init_process_group("gloo", timeout=TIMEOUT)
+        else:
+            regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world, timeout=TIMEOUT)
+    except regroup.RegroupError as error:
+        print(error, flush=True)
+        return heal_env.HEAL_FAILED_EXIT
+    # A replacement's DDP makes no collective of its own: its state comes from a survivor below.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.001, init_sync=not replacement)
+    guard = regroup.StepGuard()
+    guard.attach(ddp)
+    guard.guard(optimizer)
+
+    def take_newest_state(completed: int) -> int:
+        agreed = regroup.agree(completed)
+        regroup.share_state(model, optimizer, src=agreed.source)
+        return agreed.most
+
+    completed, trained, heals = 0, [], 0
+    if replacement:
+        try:
+            completed = take_newest_state(0)
+        except regroup.RegroupError as error:
+            print(error, flush=True)
+            return heal_env.HEAL_FAILED_EXIT
+    while completed < steps:
+        batch = torch.Generator().manual_seed(1000 * completed + rank)  # this rank's batch of this step
+        x, y = torch.randn(8, 16, generator=batch), torch.randn(8, 4, generator=batch)
+        if rank == killed_rank and completed == kill_at and not os.path.exists(report + ".killed"):
+            time.sleep(0.5)  # the peers are inside this step's all-reduce, waiting on this rank
+            with open(report + ".killed", "w") as killed:
+                killed.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if guard.void:
+            print(f"rank {rank}: step {completed + 1} is void ({guard.error})", flush=True)
+            if point is None:
+                return 1  # no heal point: the agent restarts every worker
+            try:
+                generation = regroup.next_generation(point, after=generation, timeout=TIMEOUT)
+                regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world, timeout=TIMEOUT)
+                regroup.rebind(ddp, guard)
+                guard.clear()
+                completed, heals = take_newest_state(completed), heals + 1
+            except regroup.RegroupError as error:
+                print(error, flush=True)
+                return heal_env.HEAL_FAILED_EXIT
+            continue
+        completed += 1
+        trained.append(completed)
+        if rank == 0:
+            append(report + ".steps", {"step": completed, "t": time.time()})
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    append(report, {"rank": rank, "pid": os.getpid(), "trained": trained, "regrouped": heals, "digest": digest,
+                    "final": [p.detach().tolist() for p in model.parameters()]})
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
