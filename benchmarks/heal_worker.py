@@ -92,6 +92,7 @@ def main() -> int:
             print(f"rank {rank}: step {completed + 1} is void ({guard.error})", flush=True)
             if point is None:
                 return 1  # no heal point: the agent restarts every worker
+            regroup.leave(ddp)  # the peers still inside the broken all-reduce fail now, not at its timeout
             try:
                 generation = regroup.next_generation(point, after=generation, timeout=TIMEOUT)
                 regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world, timeout=TIMEOUT)

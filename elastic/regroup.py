@@ -21,7 +21,9 @@ How a step fails without an exception reaching the training script:
   step: the parameters and the optimizer state stay those of the last step
   this rank completed.
 
-How the next group forms (`rejoin`):
+How the next group forms (`leave`, then `rejoin`):
+- A survivor lets go of the broken group as soon as its step is void (`leave`):
+  its sockets close, and the peers still blocked in the collective fail at once.
 - Every member (survivors and the replacement) builds the default group anew
   on a namespace of a store that outlived the dead worker (`group/<generation>`
   under the round's heal namespace), at the same rank and world size, and counts
@@ -195,6 +197,23 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
+def leave(model: DistributedDataParallel | None = None) -> None:
+    """Let go of the broken group now: drop DDP's hold on it (`model`'s reducer, its logger,
+    its group) and tear the default group down without waiting on a peer.
+
+    Why at once, before waiting for the heal: a ring all-reduce's rank learns of a death only
+    from its neighbours, so a rank that is not next to the dead one waits in the collective
+    until a neighbour's sockets close, which happens only when the last hold on that
+    neighbour's group is gone; otherwise it waits the whole collective timeout. `rebind`
+    builds the reducer again."""
+    if model is not None:
+        model.reducer = None
+        model.logger = None
+        model.process_group = None
+    if dist.is_initialized():
+        shutdown_worker(failed=True)
+
+
 def rejoin(
     store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str = "gloo",
     timeout: timedelta = timedelta(minutes=5),
@@ -206,7 +225,7 @@ def rejoin(
     which has no group yet, calls it too. Blocks until all `world_size` members joined
     (torch's own store handshake), at most `timeout`."""
     if dist.is_initialized():
-        shutdown_worker(failed=True)
+        leave()
         if dist.is_initialized():  # the teardown overran its deadline and still runs on its thread
             raise RegroupError(f"rank {rank}: the broken process group could not be left in time for heal {generation}")
     try:

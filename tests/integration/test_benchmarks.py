@@ -240,3 +240,17 @@ def test_peer_fetch_benchmark_compares_kept_connections_with_one_per_range() -> 
     assert re.search(r"^  connection per range +[\d.]+ s +[\d.]+ GB/s +16 connections$", result.stdout, re.M), result.stdout
     assert re.search(r"^  kept connections +[\d.]+ s +[\d.]+ GB/s +1 connection\(s\)$", result.stdout, re.M), result.stdout
     assert re.search(r"^kept / per range: [\d.]+x faster; kept / memory copy: [\d.]+ of its speed$", result.stdout, re.M)
+
+
+def test_heal_in_place_benchmark_times_both_settings_and_counts_their_processes() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/heal_in_place.py", "--runs", "1", "--agents", "2", "--steps", "12"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    # In place: 2 workers and the replacement; a new round: both workers started twice.
+    assert re.search(r"^keep: median [\d.]+ s \([\d.]+\); worker processes started per run: 3$", result.stdout, re.M), \
+        result.stdout
+    assert re.search(r"^round: median [\d.]+ s \([\d.]+\); worker processes started per run: 4$", result.stdout, re.M), \
+        result.stdout
+    assert re.search(r"^heal in place / new round: [\d.]+ of the time \([\d.]+x faster\), 2 agents$", result.stdout, re.M)
