@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import heal_env, regroup
+from elastic.errors import EnvironmentConfigError
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -42,7 +43,11 @@ def append(path: str, record: dict) -> None:
 def main() -> int:
     steps, kill_at, killed_rank, report = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    point = regroup.heal_point(os.environ)
+    try:
+        point = regroup.heal_point(os.environ)
+    except (regroup.RegroupError, EnvironmentConfigError) as error:
+        print(f"heal_worker: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
     generation = point.generation if point is not None else 0
     replacement = generation > 0
     append(report + ".started", {"rank": rank, "pid": os.getpid(), "generation": generation,
