@@ -6,6 +6,12 @@ one line on stderr and a non-zero exit status; library code never prints them.
 """
 
 
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (torch's run to a page), or its type's name when empty."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
 class ElasticError(Exception):
     """Base of every error the runtime reports to a user."""
 

@@ -66,6 +66,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import heal_env
 from elastic.errors import ElasticError, EnvironmentConfigError
+from elastic.errors import first_line as _first_line
 from elastic.runtime import shutdown_worker
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class StepGuard:
 
     def failed(self, error: BaseException) -> None:
         if not self.void:
-            self.error = next(iter(str(error).strip().splitlines()), type(error).__name__)
+            self.error = _first_line(error)
         self.void = True
 
     def clear(self) -> None:
@@ -328,7 +329,3 @@ def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
             state = optimizer.state.get(p, {})
             tensors += [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor)]
     return tensors
-
-
-def _first_line(error: BaseException) -> str:
-    return next(iter(str(error).strip().splitlines()), type(error).__name__)

@@ -71,6 +71,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastic.errors import ElasticError
+from elastic.errors import first_line as _first_line
 from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 logger = logging.getLogger(__name__)
@@ -249,10 +250,6 @@ def _where(environ: Mapping[str, str]) -> str:
         f"(run {environ.get('TORCHELASTIC_RUN_ID', '?')})"
     )
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def recovery_hint(environ: Mapping[str, str], agent_argv: list[str] | None = None) -> str | None:

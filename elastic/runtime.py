@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from elastic import threads
 from elastic.config import DEVICE_CHOICES
-from elastic.errors import EnvironmentConfigError, UsageError
+from elastic.errors import EnvironmentConfigError, UsageError, first_line
 from elastic.round_store import recovery_hint, round_store
 from elastic.slurm import step as slurm_step
 from elastic.slurm.control import SlurmControlError, node_address
@@ -167,10 +167,10 @@ def _slurm_store(
             wait_for_workers=False,
         )
     except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
-        first_line = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+        why = first_line(exc)
         where = "listen" if task.rank == 0 else "reach rank 0"
         raise EnvironmentConfigError(
-            f"Slurm step: rank {task.rank} cannot {where} at {host}:{task.master_port} ({first_line}); "
+            f"Slurm step: rank {task.rank} cannot {where} at {host}:{task.master_port} ({why}); "
             "set MASTER_PORT to a free port"
         ) from None
 

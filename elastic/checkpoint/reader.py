@@ -31,6 +31,7 @@ import torch
 
 from elastic.checkpoint.state import MODEL_PREFIX
 from elastic.errors import CheckpointError, CorruptCheckpoint
+from elastic.errors import first_line as _one_line
 from elastic.storage import sharded
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.manifest import MODEL_FILE, TRAINER_FILE, Candidate, Manifest
@@ -137,9 +138,3 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Manifest, dict[str, t
         return manifest, {MODEL_PREFIX + key: value for key, value in model.items()}, trainer
     except CorruptCheckpoint as exc:
         raise CheckpointError(f"{directory} does not verify: {exc}") from None
-
-
-def _one_line(exc: BaseException) -> str:
-    """The first line of an error: torch.load's can run to a page."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -54,6 +54,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from elastic.errors import CheckpointStorageError, UsageError
+from elastic.heal_env import HEAL_FAILED_EXIT
 from elastic.launcher import in_place, slurm_launch, stop_signals, warm_start
 from elastic.launcher.keeper import SnapshotKeeper
 from elastic.launcher.keeper_files import job_key
@@ -72,6 +73,7 @@ _KNOWN_EXITS = {
     124: "the hang watchdog (no step completed in --hang-timeout)",
     143: "SIGTERM (preemption)",
     STORAGE_EXIT: "checkpoint storage refuses writes",
+    HEAL_FAILED_EXIT: "a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep)",
 }
 # Exits a restart cannot fix: the agent stops instead of training into the same failure.
 FINAL_EXITS = frozenset({USAGE_EXIT, STORAGE_EXIT})

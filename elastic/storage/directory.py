@@ -72,6 +72,7 @@ import crc32c
 import torch
 
 from elastic.errors import CheckpointStorageError, CorruptCheckpoint
+from elastic.errors import first_line as _first_line
 from elastic.storage import claim as claims
 from elastic.storage import retention, sharded, validate
 from elastic.storage.claim import WriterIdentity
@@ -475,8 +476,3 @@ class CheckpointStore:
             logger.info("deleting %s (keeping the newest %d corrupt checkpoints)", old.name, self.keep_corrupt)
             shutil.rmtree(old, ignore_errors=True)
         return target
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

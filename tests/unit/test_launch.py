@@ -64,3 +64,11 @@ def test_quick_rounds_0_and_1_are_taken() -> None:
 
     for value in ("0", "1", "False", "yes"):
         check_rdzv_conf(parse_args([f"--rdzv-conf=join_timeout=60,quick_rounds={value}", "train.py"]))
+
+
+def test_the_failure_summary_names_a_heal_that_did_not_form() -> None:
+    from elastic.heal_env import HEAL_FAILED_EXIT
+    from elastic.launcher.launch import describe_exit
+
+    assert describe_exit(HEAL_FAILED_EXIT) == "exit status 76, a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep)"
+    assert describe_exit(-9) == "killed by SIGKILL"
