@@ -39,7 +39,9 @@ from elastic.errors import UsageError
 logger = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 0.05  # a watcher of the log (a test waiting for a step) sees it at most this late
-EVENT_KINDS = ("start", "step", "eval", "checkpoint", "checkpoint_failed", "checkpoint_skipped", "restore", "end")
+EVENT_KINDS = (
+    "start", "step", "eval", "checkpoint", "checkpoint_failed", "checkpoint_skipped", "restore", "heal", "end",
+)
 
 
 class EventLog:

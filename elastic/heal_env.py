@@ -8,9 +8,14 @@ Both sides meet on the rendezvous store, which no worker's death takes down:
 - every worker gets `HEAL_STORE_ENV` (host:port of that store),
   `HEAL_NAMESPACE_ENV` (this round's namespace in it) and `HEAL_GENERATION_ENV`
   (0 at a round's start; n for a replacement started by the n-th heal);
-- the agent counts heals with `add(GENERATION_KEY, 1)` on a `PrefixStore` of
-  `namespace_prefix(namespace)` before it starts a replacement, and survivors
-  wait for that count to pass their own generation;
+- each worker notes the generation whose group it joined under
+  `member_key(rank)`; an agent whose workers failed raises `GENERATION_KEY`
+  (on a `PrefixStore` of `namespace_prefix(namespace)`) to one past the
+  newest generation they had joined (`healed_generation`) before it starts
+  the replacements, and survivors wait for it to pass their own generation.
+  So agents whose workers failed at the same time all start theirs into the
+  same next generation, and a replacement that dies before its group formed
+  is replaced into that generation again;
 - a worker that cannot heal exits with `HEAL_FAILED_EXIT`: its agent then
   restarts the whole group through a new round, as torchrun would.
 """
@@ -23,6 +28,7 @@ HEAL_STORE_ENV = "TORCHREVIVE_HEAL_STORE"
 HEAL_NAMESPACE_ENV = "TORCHREVIVE_HEAL_NAMESPACE"
 HEAL_GENERATION_ENV = "TORCHREVIVE_HEAL_GENERATION"
 GENERATION_KEY = "generation"
+"""The newest heal's generation (a decimal count; absent: 0)."""
 HEALERS_KEY = "healers"
 """Counted up by each worker that joined a group of the round through a heal point: the
 agent heals in place only when the count reached the round's world size."""
@@ -33,3 +39,14 @@ HEAL_FAILED_EXIT = 76
 def namespace_prefix(namespace: str) -> str:
     """The prefix (for a `PrefixStore`, which adds the "/") of one round's heals in the rendezvous store."""
     return f"torchrevive/heal/{namespace}"
+
+
+def member_key(rank: int) -> str:
+    """Where the worker of `rank` notes the generation whose group it joined last."""
+    return f"member/{rank}"
+
+
+def healed_generation(current: int, failed_in: list[int]) -> int:
+    """The generation a heal forms: one past the newest the failed workers had joined, and never
+    below the newest heal already counted (`current`), which the survivors may be forming."""
+    return max([current, *(generation + 1 for generation in failed_in)])

@@ -81,6 +81,11 @@ class RegroupError(ElasticError):
     exit_code = heal_env.HEAL_FAILED_EXIT
 
 
+class GroupBroken(RegroupError):
+    """A collective of a newly formed group failed: a member died during the heal, which
+    starts over with the next generation (the dead member's agent heals it too)."""
+
+
 @dataclass(frozen=True)
 class HealPoint:
     """Where this worker's heals meet (see elastic.heal_env)."""
@@ -231,12 +236,24 @@ def rejoin(
             raise RegroupError(f"rank {rank}: the broken process group could not be left in time for heal {generation}")
     try:
         dist.init_process_group(
-            backend, store=dist.PrefixStore(f"group/{generation}", store), rank=rank, world_size=world_size,
-            timeout=timeout,
+            backend, store=group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,
         )
-        store.add(heal_env.HEALERS_KEY, 1)
+        count_healer(store, rank=rank, generation=generation)
     except RuntimeError as error:  # DistStoreError: a member never came; DistNetworkError: the store is gone
         raise RegroupError(f"rank {rank}: the group of heal {generation} did not form: {_first_line(error)}") from None
+
+
+def group_store(store: dist.Store, generation: int) -> dist.Store:
+    """Where the default group of heal `generation` meets (0: the round's first group)."""
+    return dist.PrefixStore(f"group/{generation}", store)
+
+
+def count_healer(store: dist.Store, *, rank: int, generation: int) -> None:
+    """Note that this worker joined generation `generation`'s group, and count it among the
+    round's healers (it turns a failed step into a void one and heals): the agent heals in
+    place only when every worker of the round has counted itself."""
+    store.set(heal_env.member_key(rank), str(generation))
+    store.add(heal_env.HEALERS_KEY, 1)
 
 
 def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> None:
@@ -274,7 +291,7 @@ def agree(completed: int) -> Agreement:
     try:
         dist.all_reduce(votes, op=dist.ReduceOp.MAX)
     except RuntimeError as error:
-        raise RegroupError(f"the new group broke while its members compared steps: {_first_line(error)}") from None
+        raise GroupBroken(f"the new group broke while its members compared steps: {_first_line(error)}") from None
     return count(votes, world_size=dist.get_world_size())
 
 
@@ -303,7 +320,7 @@ def share_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, src
         for tensor in _state_tensors(model, optimizer if source_has_state.item() else None):
             dist.broadcast(tensor, src)
     except RuntimeError as error:
-        raise RegroupError(f"the new group broke while rank {src} shared its state: {_first_line(error)}") from None
+        raise GroupBroken(f"the new group broke while rank {src} shared its state: {_first_line(error)}") from None
 
 
 def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

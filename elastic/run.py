@@ -80,8 +80,10 @@ from elastic.checkpoint.training_state import Stateful
 from elastic.cli import configure_logging
 from elastic.config import RunConfig
 from elastic.data import StepBatchSampler, StepSampler, check_batch, next_batch, open_loader
-from elastic.errors import CheckpointStorageError, ElasticError, Preempted
+from elastic.errors import CheckpointStorageError, ElasticError, Preempted, first_line
 from elastic.events import EventLog
+from elastic.healing import Healing
+from elastic.regroup import GroupBroken, RegroupError
 from elastic.metrics import start_metrics
 from elastic.parallel import unwrap
 from elastic.preemption import PreemptionHandler
@@ -105,6 +107,9 @@ logger = logging.getLogger(__name__)
 
 Batch = TypeVar("Batch")
 
+_CATCH_UP_ATTEMPTS = 3
+"""Heals in a row a worker starts over when members die during the catch-up (then exit status 76)."""
+
 
 class Run:
     """A fault-tolerant training run of this worker; see the module docstring."""
@@ -127,6 +132,7 @@ class Run:
         self.step_costs = StepCosts()
         """Seconds per phase of the runtime's per-step work (elastic.step_costs)."""
         self._report: StepReport | None = None
+        self._healing: Healing | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Run:
@@ -143,7 +149,10 @@ class Run:
         if dist.is_available() and dist.is_initialized():
             self.ctx = adopt_worker(cfg.device, timeout=timeout)
         else:
-            self.ctx = init_worker(cfg.device, timeout=timeout)
+            # Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep: heals in place (elastic.healing).
+            self._healing = Healing.from_environ(os.environ, timeout=timeout)
+            store = self._healing.group_store() if self._healing is not None else None
+            self.ctx = init_worker(cfg.device, timeout=timeout, store=store)
             self._owns_group = self.ctx.distributed
         try:
             seed_all(cfg.seed, self.ctx.device)  # the model built next is identical on every rank
@@ -218,7 +227,13 @@ class Run:
 
     def ddp(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         """`model` under DistributedDataParallel in a job of several processes, as is alone."""
-        return parallel.ddp(self._context, model, **kwargs)
+        healing = self._healing
+        if healing is not None and healing.replacement:
+            kwargs.setdefault("init_sync", False)  # its state comes from a survivor in `start`
+        wrapped = parallel.ddp(self._context, model, **kwargs)
+        if healing is not None:
+            healing.attach(wrapped)
+        return wrapped
 
     def fsdp(
         self,
@@ -265,10 +280,8 @@ class Run:
             )
         )
         self._vote = StepVote(ctx, self._ballot, grace=cfg.term_grace)
-        self.checkpoints = CheckpointManager(
-            ctx, cfg, model=self.model, optimizer=optimizer, sampler=self.sampler, scheduler=scheduler, scaler=scaler,
-            extra=extra, events=self.events,
-        )
+        self._optimizer, self._scheduler, self._scaler, self._extra = optimizer, scheduler, scaler, extra
+        self.checkpoints = self._new_checkpoint_manager()
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
         self._stack.callback(lambda: self.checkpoints.close(  # a clean end (finished, preempted) lets go
@@ -280,7 +293,12 @@ class Run:
         self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace, **preemption_settings(os.environ))
         self._stack.callback(self._preemption.uninstall)
         self._faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for the chaos suite
-        self.step = self._first_step = self.checkpoints.restore()
+        healing = self._healing
+        if healing is not None and healing.arm(ctx, optimizer) and healing.replacement:
+            self.step = self._catch_up(-1, replacement=True)  # the state of a survivor, from its memory
+        else:
+            self.step = self.checkpoints.restore()
+        self._first_step = self.step
         self._started = True
         parameters = sum(p.numel() for p in self.model.parameters())
         self.events.emit(
@@ -294,6 +312,12 @@ class Run:
                 parameters / 1e6, num_samples, ctx.world_size, ctx.device, self.step,
             )
         return self.step
+
+    def _new_checkpoint_manager(self) -> CheckpointManager:
+        return CheckpointManager(
+            self._context, self.config, model=self.model, optimizer=self._optimizer, sampler=self.sampler,
+            scheduler=self._scheduler, scaler=self._scaler, extra=self._extra, events=self.events,
+        )
 
     def _count_optimizer_step(self) -> None:
         self._optimizer_steps += 1
@@ -362,14 +386,24 @@ class Run:
                 batch = next_batch(source, step=self.step, max_steps=max_steps)
                 with costs.timing("sampler"):
                     check_batch(issued, expected, step=self.step, rank=ctx.rank)
-            stepped_before = self._optimizer_steps
-            try:
-                yield batch
-            except GeneratorExit:  # the loop left with `break`
-                if self._optimizer_steps != stepped_before:  # ... after training on this batch
-                    self._count_step()
-                raise
-            self._end_step()
+            healing = self._healing if self._healing is not None and self._healing.ready else None
+            while True:
+                started = healing.before_step(ctx.device, self._scheduler, self._scaler) if healing else None
+                stepped_before = self._optimizer_steps
+                try:
+                    yield batch
+                except GeneratorExit:  # the loop left with `break`
+                    if self._optimizer_steps != stepped_before:  # ... after training on this batch
+                        self._count_step()
+                    raise
+                if healing is None or not healing.void:
+                    self._end_step()
+                    break
+                step = self.step
+                self._heal(started, healing.guard.error)
+                if self.step != step:  # it took the state of this very step from a peer that completed it
+                    break
+                # else: the same batch again, on the healed group
         self._report_pending()
 
     def log(self, loss: torch.Tensor | float) -> None:
@@ -389,11 +423,16 @@ class Run:
     def _end_step(self) -> None:
         self._count_step()
         costs = self.step_costs
-        with costs.timing("vote"):
-            verdict = self._vote.step_ended(self.step)
-        self._act_on(verdict)
-        with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
-            self.checkpoints.maybe_save(self.step)
+        try:
+            with costs.timing("vote"):
+                verdict = self._vote.step_ended(self.step)
+            self._act_on(verdict)
+            with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
+                self.checkpoints.maybe_save(self.step)
+        except RuntimeError as error:  # a collective of the bookkeeping met the dead peer first
+            if self._healing is None or not self._healing.ready or isinstance(error, ElasticError):
+                raise
+            self._heal(None, str(error))
         with costs.timing("watchdog"):
             self._faults.at("after_step", self.step)
             self.watchdog.beat(self.step)
@@ -408,6 +447,59 @@ class Run:
         if verdict.storage_failing:  # rank 0's saves keep failing: stop before more work is lost
             self._report_pending()
             raise CheckpointStorageError(self.checkpoints.share_stop_reason())
+
+    def _heal(self, started: Any, why: str | None) -> None:
+        """A peer died: form the next group in this process and take the newest state (elastic.healing).
+        `started`: the void step's `before_step` (None when the step itself completed)."""
+        ctx, healing = self._context, self._healing
+        assert healing is not None
+        began = time.perf_counter()
+        if started is not None:
+            healing.undo(started, ctx.device, self._scheduler, self._scaler)
+            self._loss = None
+        logger.warning("rank %d: step %d %s (%s); healing in place", ctx.rank, self.step + 1,
+                       "is void" if started is not None else "ended, its bookkeeping failed", why)
+        with self.watchdog.paused():
+            self._regroup()
+            self.step = self._catch_up(self.step, replacement=False)
+        seconds = time.perf_counter() - began
+        self.events.emit("heal", step=self.step, world_size=ctx.world_size, generation=healing.generation,
+                         seconds=seconds)
+        if ctx.is_main:
+            logger.info("healed in place (heal %d) in %.2f s: training on from step %d", healing.generation, seconds,
+                        self.step)
+
+    def _regroup(self) -> None:
+        """Form the next heal's group, and build on it what met on the broken one."""
+        healing = self._healing
+        assert healing is not None
+        earlier = self.checkpoints
+        earlier.close(wait=0.0)  # its saves in flight met on the broken group
+        healing.regroup(self._context)
+        self.checkpoints = self._new_checkpoint_manager()
+        self.checkpoints.take_over(earlier)
+        self._vote = StepVote(self._context, self._ballot, grace=self.config.term_grace)
+
+    def _catch_up(self, completed: int, *, replacement: bool) -> int:
+        """Every member of the new group takes the newest state (from the lowest rank that has it);
+        the step to go on from. A member that dies meanwhile breaks the group: the heal starts over
+        with the next generation, at most `_CATCH_UP_ATTEMPTS` times."""
+        healing = self._healing
+        assert healing is not None
+        for attempt in range(1, _CATCH_UP_ATTEMPTS + 1):
+            try:
+                agreed = healing.agree(completed)
+                return self.checkpoints.restore_live(
+                    source=agreed.source, step=agreed.most, take=replacement or completed < agreed.most,
+                    replacement=replacement,
+                )
+            except (RuntimeError, GroupBroken) as error:
+                if attempt == _CATCH_UP_ATTEMPTS:
+                    raise RegroupError(f"heal {healing.generation} broke {attempt} times: {first_line(error)}") from None
+                logger.warning("rank %d: heal %d broke (%s); starting over", self.rank, healing.generation,
+                               first_line(error))
+                self._regroup()
+        raise AssertionError("unreachable")
 
     def _reporter(self) -> StepReport:
         if self._report is None:

@@ -242,8 +242,10 @@ def init_worker(
     *,
     timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
     environ: Mapping[str, str] | None = None,
+    store: dist.Store | None = None,
 ) -> WorkerContext:
-    """Read the environment, pick the device and, under torchrun, join the process group."""
+    """Read the environment, pick the device and, under torchrun, join the process group
+    (on `store` when given: a heal in place's namespace, elastic.regroup.group_store)."""
     environ = os.environ if environ is None else environ
     env = parse_launch_env(environ)
     if env.rank == 0:
@@ -265,7 +267,8 @@ def init_worker(
             device_id=dev if dev.type == "cuda" else None,
             # Under torchrun's shared agent store: a namespace no earlier round used
             # (elastic.round_store); a Slurm step's own store; otherwise None, torch's env:// as usual.
-            store=(_slurm_store(env.slurm_task, environ, timeout) if env.slurm_task is not None
+            store=(store if store is not None
+                   else _slurm_store(env.slurm_task, environ, timeout) if env.slurm_task is not None
                    else round_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout)),
         )
         if backend == "nccl":

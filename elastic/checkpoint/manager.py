@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from elastic import agreement, fault_hook
+from elastic.checkpoint import live_source
 from elastic.checkpoint.directory_claim import DirectoryClaim
 from elastic.checkpoint.loader import Loader
 from elastic.checkpoint.memory import MemorySnapshots
@@ -52,6 +53,7 @@ from elastic.checkpoint.snapshot_interval import SnapshotInterval
 from elastic.checkpoint.sources import DISK
 from elastic.checkpoint.training_state import Stateful, TrainingState
 from elastic.config import RunConfig
+from elastic.errors import CheckpointError, CheckpointStorageError
 from elastic.events import EventLog
 from elastic.runtime import WorkerContext, barrier
 from elastic.sampler import ElasticSampler
@@ -226,6 +228,51 @@ class CheckpointManager:
                 f"; {redone} step(s) to redo" if redone is not None else "",
             )
         return manifest.step
+
+    def take_over(self, earlier: CheckpointManager) -> None:
+        """Carry on from `earlier`, closed by a heal: its save tag and newest step on disk."""
+        self.saver.tag, self.saver.last_step = earlier.saver.tag, earlier.saver.last_step
+
+    def restore_live(self, *, source: int, step: int, take: bool, replacement: bool) -> int:
+        """A heal in place: every member of the new group takes rank `source`'s state of step
+        `step` from its memory (`live_source.share`; `take=False` where it holds it already), and
+        this fresh manager takes over from the one the heal dropped: the directory claim, the save
+        tag and the newest step on disk. Every rank: the `restore` event ("source": "live").
+        A collective of every member, in the place a restart's `restore` would be."""
+        ctx, started = self._ctx, time.perf_counter()
+        claimed: CheckpointError | None = None
+        if self.claim is not None:
+            try:
+                self.claim.prepare()
+            except CheckpointError as exc:
+                claimed = exc
+        if not agreement.all_ok(ctx, claimed is None):
+            raise claimed or CheckpointStorageError(f"rank 0 cannot claim checkpoint directory {self.store.root}")
+        if not agreement.all_ok(ctx, self.memory is not None) and self.memory is not None:
+            self.memory.close(timeout=0)  # a node without a keeper: off everywhere, as at a restore
+            self.memory = None
+        if self.memory is not None:
+            self.memory.connect()  # this node's peer for snapshot copies (a collective)
+        mine = {"tag": self.saver.tag, "last_step": -1 if self.saver.last_step is None else self.saver.last_step}
+        received = live_source.share(ctx, self.state, source=source, step=step, take=take, extras=mine,
+                                     replacement=replacement)
+        tag, last_step = received.extras.get("tag"), received.extras.get("last_step")
+        if not (isinstance(tag, str) and len(tag) <= 64 and (tag == "" or tag.isalnum()) and isinstance(last_step, int)):
+            raise live_source.LivePeerError(f"rank {source} sent a malformed save tag {tag!r} or step {last_step!r}")
+        self.saver.tag, self.saver.last_step = tag, (last_step if last_step >= 0 else None)
+        if self.memory is not None:
+            self.memory.generation = tag
+            self.memory.reset_progress(step)
+        (received_bytes,) = agreement.sum_ints(ctx, [received.bytes_received])
+        seconds = time.perf_counter() - started
+        self._events.emit(
+            "restore", step=step, world_size=ctx.world_size, seconds=seconds, checkpoint=None, saved_world_size=ctx.world_size,
+            bytes_read=0, bytes_received=received_bytes, source="live", source_rank=source, redone=0,
+        )
+        if ctx.is_main:
+            logger.info("took the state of step %d from rank %d's memory (live) in %.2f s: %d bytes received",
+                        step, source, seconds, received_bytes)
+        return step
 
     def _steps_redone(self, step: int) -> int | None:
         """Steps finished before the failure that the job trains again (the newest step any

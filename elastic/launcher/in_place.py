@@ -157,7 +157,10 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
     agent._stop_workers(worker_group)
     worker_group.state = WorkerState.STOPPED
     try:
-        generation = dist.PrefixStore(heal_env.namespace_prefix(space), store).add(heal_env.GENERATION_KEY, 1)
+        generation = raise_generation(
+            dist.PrefixStore(heal_env.namespace_prefix(space), store), sorted(result.failures),
+            started_in=getattr(agent, "_torchrevive_generation", 0),
+        )
     except RuntimeError:
         return False
     agent._torchrevive_generation = generation
@@ -171,3 +174,23 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
         worker_group.workers[local_rank].id = worker_id
     worker_group.state = WorkerState.HEALTHY
     return True
+
+
+def raise_generation(store: dist.Store, failed_ranks: list[int], *, started_in: int) -> int:
+    """Raise the round's generation to the one that heals `failed_ranks` (heal_env.healed_generation;
+    a rank that never noted its generation is taken to be in `started_in`, the one this agent started
+    it in) and return it. A compare-and-set loop: agents healing at once agree."""
+    failed_in = []
+    for rank in failed_ranks:
+        key = heal_env.member_key(rank)
+        noted = store.get(key).decode(errors="replace") if store.check([key]) else ""
+        failed_in.append(int(noted) if noted.isdigit() else started_in)
+    current = store.add(heal_env.GENERATION_KEY, 0)
+    while True:
+        wanted = heal_env.healed_generation(current, failed_in)
+        if wanted == current:
+            return current
+        seen = int(store.compare_set(heal_env.GENERATION_KEY, str(current), str(wanted)).decode())
+        if seen == wanted:
+            return wanted
+        current = seen  # another agent moved it meanwhile
