@@ -20,10 +20,10 @@ from typing import Protocol
 
 from elastic.errors import UsageError
 
-POINTS = ("during_write", "before_commit", "after_step", "during_read", "during_snapshot")
+POINTS = ("during_write", "before_commit", "after_step", "during_read", "during_snapshot", "during_catch_up")
 """Where faults can fire: writing a checkpoint (after its first item), just before its commit, after
 a step, reading a checkpoint (after its first chunk), copying an in-memory snapshot (data written,
-header not)."""
+header not), taking the state from a live peer in a heal in place (the header received, no tensor)."""
 ENV_VAR = "ELASTIC_FAULT"
 ENTRY_POINT_GROUP = "torchrevive.faults"
 

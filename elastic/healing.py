@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 class StepStart:
     """What a step changes besides the parameters and the optimizer state, as of its start."""
 
+    settings: list[dict[str, Any]]
+    """The optimizer's hyperparameters per group: a scheduler's step changes the learning rate there."""
     scheduler: dict[str, Any] | None
     scaler: dict[str, Any] | None
     rng: dict[str, Any]
@@ -116,17 +118,24 @@ class Healing:
         return self.ready and self.guard.void
 
     def before_step(
-        self, device: torch.device, scheduler: Any = None, scaler: Any = None
+        self, device: torch.device, optimizer: torch.optim.Optimizer, scheduler: Any = None, scaler: Any = None
     ) -> StepStart:
         """What `undo` puts back if the step turns out void."""
         return StepStart(
+            settings=[{k: _copy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             scaler=scaler.state_dict() if scaler is not None else None,
             rng=get_rng_state(device),
         )
 
-    def undo(self, start: StepStart, device: torch.device, scheduler: Any = None, scaler: Any = None) -> None:
-        """A void step: the scheduler, the scaler and the RNG as they were when it began."""
+    def undo(
+        self, start: StepStart, device: torch.device, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+        scaler: Any = None,
+    ) -> None:
+        """A void step: the optimizer's hyperparameters, the scheduler, the scaler and the RNG as they
+        were when it began."""
+        for group, settings in zip(optimizer.param_groups, start.settings):
+            group.update(settings)
         if scheduler is not None and start.scheduler is not None:
             scheduler.load_state_dict(start.scheduler)
         if scaler is not None and start.scaler is not None:
@@ -150,3 +159,8 @@ class Healing:
     def agree(self, completed: int) -> regroup.Agreement:
         """Every member's steps (a replacement gives -1: it completed none of its own)."""
         return regroup.agree(completed)
+
+
+def _copy(value: Any) -> Any:
+    """A hyperparameter as of now (a tensor learning rate is changed in place by schedulers)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value

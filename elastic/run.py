@@ -388,7 +388,7 @@ class Run:
                     check_batch(issued, expected, step=self.step, rank=ctx.rank)
             healing = self._healing if self._healing is not None and self._healing.ready else None
             while True:
-                started = healing.before_step(ctx.device, self._scheduler, self._scaler) if healing else None
+                started = healing.before_step(ctx.device, self._optimizer, self._scheduler, self._scaler) if healing else None
                 stepped_before = self._optimizer_steps
                 try:
                     yield batch
@@ -430,9 +430,13 @@ class Run:
             with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
                 self.checkpoints.maybe_save(self.step)
         except RuntimeError as error:  # a collective of the bookkeeping met the dead peer first
-            if self._healing is None or not self._healing.ready or isinstance(error, ElasticError):
+            if self._healing is None or not self._healing.ready:
                 raise
-            self._heal(None, str(error))
+            why = first_line(error)
+        else:
+            why = None
+        if why is not None:  # healed out of the `except` block (see `_catch_up`)
+            self._heal(None, why)
         with costs.timing("watchdog"):
             self._faults.at("after_step", self.step)
             self.watchdog.beat(self.step)
@@ -455,7 +459,7 @@ class Run:
         assert healing is not None
         began = time.perf_counter()
         if started is not None:
-            healing.undo(started, ctx.device, self._scheduler, self._scaler)
+            healing.undo(started, ctx.device, self._optimizer, self._scheduler, self._scaler)
             self._loss = None
         logger.warning("rank %d: step %d %s (%s); healing in place", ctx.rank, self.step + 1,
                        "is void" if started is not None else "ended, its bookkeeping failed", why)
@@ -475,10 +479,12 @@ class Run:
         assert healing is not None
         earlier = self.checkpoints
         earlier.close(wait=0.0)  # its saves in flight met on the broken group
+        # A vote in flight holds the broken group's connections open: a peer waiting in it would
+        # wait its whole timeout instead of failing when this worker leaves (regroup.leave).
+        self._vote = StepVote(self._context, self._ballot, grace=self.config.term_grace)
         healing.regroup(self._context)
         self.checkpoints = self._new_checkpoint_manager()
         self.checkpoints.take_over(earlier)
-        self._vote = StepVote(self._context, self._ballot, grace=self.config.term_grace)
 
     def _catch_up(self, completed: int, *, replacement: bool) -> int:
         """Every member of the new group takes the newest state (from the lowest rank that has it);
@@ -494,11 +500,13 @@ class Run:
                     replacement=replacement,
                 )
             except (RuntimeError, GroupBroken) as error:
-                if attempt == _CATCH_UP_ATTEMPTS:
-                    raise RegroupError(f"heal {healing.generation} broke {attempt} times: {first_line(error)}") from None
-                logger.warning("rank %d: heal %d broke (%s); starting over", self.rank, healing.generation,
-                               first_line(error))
-                self._regroup()
+                why = first_line(error)
+            # Out of the `except` block: its traceback holds the broken group (a frame of the failed
+            # collective), whose sockets must close for the members still waiting in it to fail now.
+            if attempt == _CATCH_UP_ATTEMPTS:
+                raise RegroupError(f"heal {healing.generation} broke {attempt} times: {why}")
+            logger.warning("rank %d: heal %d broke (%s); starting over", self.rank, healing.generation, why)
+            self._regroup()
         raise AssertionError("unreachable")
 
     def _reporter(self) -> StepReport:

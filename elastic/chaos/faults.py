@@ -20,6 +20,9 @@ torchrun starts without any change to the command line:
                                             after its first chunk (slow storage on restore)
     ELASTIC_FAULT=during_snapshot@15:rank=1 die on rank 1 while it copies step 15's
                                             in-memory snapshot (data written, header not)
+    ELASTIC_FAULT=during_catch_up@6:rank=1:restart=1
+                                            the replacement of rank 1 dies while it takes
+                                            step 6's state from a live peer (a heal in place)
 
 The library marks the points (elastic.fault_hook); `FaultInjector` is the
 plugin that fills them, registered under the entry point group

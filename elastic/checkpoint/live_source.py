@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,7 @@ class Received:
 
 def share(
     ctx: WorkerContext, state: TrainingState, *, source: int, step: int, take: bool, extras: dict[str, Any],
-    replacement: bool,
+    replacement: bool, fault: Callable[[str, int], None] = lambda point, step: None,
 ) -> Received:
     """Make this member's state the source's (see the module docstring); a collective on the default group.
 
@@ -84,6 +85,7 @@ def share(
     entries, trainer, extras_received = _check_header(header, step)
     if not is_source:
         _check_fits(state, entries, trainer, source)
+    fault("during_catch_up", step)
     received: dict[str, torch.Tensor] = {}
     for key, shape, dtype in entries:
         buffer = tensors[key].detach().cpu() if is_source else torch.empty(shape, dtype=dtype)

@@ -255,7 +255,7 @@ class CheckpointManager:
             self.memory.connect()  # this node's peer for snapshot copies (a collective)
         mine = {"tag": self.saver.tag, "last_step": -1 if self.saver.last_step is None else self.saver.last_step}
         received = live_source.share(ctx, self.state, source=source, step=step, take=take, extras=mine,
-                                     replacement=replacement)
+                                     replacement=replacement, fault=self._fault)
         tag, last_step = received.extras.get("tag"), received.extras.get("last_step")
         if not (isinstance(tag, str) and len(tag) <= 64 and (tag == "" or tag.isalnum()) and isinstance(last_step, int)):
             raise live_source.LivePeerError(f"rank {source} sent a malformed save tag {tag!r} or step {last_step!r}")
