@@ -1,0 +1,121 @@
+"""`elastic.Run` heals in place (elastic.healing): the GPT recipe, unchanged, under torchrevive-run with
+TORCHREVIVE_SURVIVORS=keep. A SIGKILLed worker's step is void on the survivors, who keep their
+processes and their state; only the failed worker is started again, and it takes the state from a
+survivor's memory ("source": "live"). Also: a second death, of that replacement while it catches up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from support import REPO, TINY_MODEL, free_port, start_agents, torchrun_command, wait_all, worker_env
+
+from elastic import heal_env
+from elastic.events import read_events
+from elastic.sampler import ElasticSampler
+from elastic.storage.directory import CheckpointStore
+
+pytestmark = pytest.mark.slow
+
+STEPS, KILL_AFTER = 16, 6
+
+
+def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str) -> tuple[list[dict], list[str]]:
+    """Run the GPT recipe on `agents` agents of one worker each with TORCHREVIVE_SURVIVORS=keep and
+    ELASTIC_FAULT=`fault`; its events and each agent's log."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    events = tmp_path / "events.jsonl"
+    command = torchrun_command(
+        nnodes=f"{agents}:{agents}", port=free_port(), run_id=tmp_path.name, max_restarts=3,
+        script_args=[
+            "--data", str(corpus), "--max-steps", str(STEPS), "--lr", "3e-3", "--dropout", "0",
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5", "--events", str(events),
+            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
+        ],
+    )
+    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
+    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"}, ELASTIC_FAULT=fault)
+    procs = start_agents(agents, command, tmp_path, env=env)
+    codes = wait_all(procs, timeout=300)
+    logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(agents)]
+    assert codes == [0] * agents, "\n".join(log[-4000:] for log in logs)
+    return list(read_events(events)), logs
+
+
+def workers_started(logs: list[str]) -> dict[int, int]:
+    """How many worker processes each rank had (one "worker ready" line each)."""
+    started: dict[int, int] = {}
+    for log in logs:
+        for line in log.splitlines():
+            if "elastic.runtime: worker ready:" in line:
+                rank = int(line.split(" rank=")[1].split("/")[0])
+                started[rank] = started.get(rank, 0) + 1
+    return started
+
+
+def final_position(ckpt: Path) -> tuple[int, int, int]:
+    store = CheckpointStore(ckpt)
+    manifest = store.verify(store.committed()[0])
+    return manifest.step, manifest.epoch, manifest.consumed
+
+
+def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(tmp_path: Path, tiny_corpus: Path) -> None:
+    """Two agents: rank 1 SIGKILLed after step 6. Rank 0 keeps its process, rank 1's replacement
+    takes the state of step 6 from rank 0's memory, and the void step 7 is trained again: the
+    final weights are bit for bit those of a run without the kill."""
+    healed, logs = run_job(tmp_path / "healed", tiny_corpus, 2, f"after_step@{KILL_AFTER}:rank=1")
+    clean, _ = run_job(tmp_path / "clean", tiny_corpus, 2, "")
+    everything = "\n".join(log[-3000:] for log in logs)
+
+    assert workers_started(logs) == {0: 1, 1: 2}, everything
+    assert sum("replacing this node's workers in place (heal 1)" in log for log in logs) == 1, everything
+    assert not any("Timed out" in log for log in logs), everything
+    (restore,) = [e for e in healed if e["event"] == "restore"]
+    assert (restore["source"], restore["step"], restore["source_rank"]) == ("live", KILL_AFTER, 0)
+    assert restore["bytes_received"] > 0 and restore["bytes_read"] == 0, "nothing was read from disk"
+    (heal,) = [e for e in healed if e["event"] == "heal"]
+    assert (heal["step"], heal["generation"]) == (KILL_AFTER, 1)
+    assert [e["step"] for e in healed if e["event"] == "step"] == list(range(1, STEPS + 1)), "no step lost or redone"
+    # A save still being written when rank 1 died cannot commit (its part is gone): one line, and no more.
+    assert all(e["step"] <= KILL_AFTER for e in healed if e["event"] == "checkpoint_failed")
+    others = [e["event"] for e in healed if e["event"] not in ("step", "checkpoint", "checkpoint_failed")]
+    assert others == ["start", "restore", "heal", "end"]
+
+    (healed_end,) = [e for e in healed if e["event"] == "end"]
+    (clean_end,) = [e for e in clean if e["event"] == "end"]
+    assert healed_end["param_digests"] == clean_end["param_digests"], "the healed run ended elsewhere"
+    assert final_position(tmp_path / "healed" / "ckpt") == final_position(tmp_path / "clean" / "ckpt")
+
+
+def test_a_replacement_that_dies_while_it_catches_up_is_replaced_again(tmp_path: Path, tiny_corpus: Path) -> None:
+    """Three agents: rank 0 (the event writer) SIGKILLed after step 6, and its replacement SIGKILLed
+    again while it takes the state. The survivors start the heal over with generation 2 and keep
+    their processes; the second replacement takes step 6's state from rank 1, and the job trains
+    every step once."""
+    events, logs = run_job(
+        tmp_path, tiny_corpus, 3, f"after_step@{KILL_AFTER}:rank=0,during_catch_up@{KILL_AFTER}:rank=0:restart=1"
+    )
+    everything = "\n".join(log[-3000:] for log in logs)
+
+    assert workers_started(logs) == {0: 3, 1: 1, 2: 1}, everything
+    assert sum("heal 1 broke" in log and "starting over" in log for log in logs) >= 1, everything
+    assert any("in place (heal 2)" in log for log in logs), everything
+    restores = [e for e in events if e["event"] == "restore"]
+    assert [(e["source"], e["step"], e["source_rank"], e["restart"]) for e in restores] == [("live", KILL_AFTER, 1, 2)]
+    # Rank 0 writes the events: its last step lines before the kill may be lost with it (elastic.events).
+    stepped = [e["step"] for e in events if e["event"] == "step"]
+    assert stepped == sorted(set(stepped)) and set(range(KILL_AFTER + 1, STEPS + 1)) <= set(stepped), stepped
+    (end,) = [e for e in events if e["event"] == "end"]
+    assert len(set(end["param_digests"])) == 1
+    trained_on = int(re.search(r"training [0-9.]+M parameters on (\d+) samples", everything_whole(logs)).group(1))
+    reference = ElasticSampler(trained_on, batch_size=8, seed=0)
+    for _ in range(STEPS):
+        reference.advance(3)
+    assert final_position(tmp_path / "ckpt") == (STEPS, reference.state.epoch, reference.state.consumed), (
+        "the final data position is not that of STEPS steps of 3 ranks: samples skipped or repeated"
+    )
+
+
+def everything_whole(logs: list[str]) -> str:
+    return "\n".join(logs)
