@@ -24,6 +24,10 @@ from __future__ import annotations
 
 SURVIVORS_ENV = "TORCHREVIVE_SURVIVORS"
 """`keep`: heal in place; anything else (the default): restart every worker through a new round."""
+FROZEN_AFTER_ENV = "TORCHREVIVE_FROZEN_WORKER_SECONDS"
+"""With `keep`: seconds a worker may stay stopped (SIGSTOP) before its agent ends it and replaces
+it in place (elastic.launcher.reaper); its peers wait on it meanwhile."""
+DEFAULT_FROZEN_AFTER = 3.0
 HEAL_STORE_ENV = "TORCHREVIVE_HEAL_STORE"
 HEAL_NAMESPACE_ENV = "TORCHREVIVE_HEAL_NAMESPACE"
 HEAL_GENERATION_ENV = "TORCHREVIVE_HEAL_GENERATION"

@@ -40,12 +40,27 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic import heal_env
+from elastic.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
 
 def enabled(environ: Any) -> bool:
     return environ.get(heal_env.SURVIVORS_ENV, "") == "keep"
+
+
+def frozen_after(environ: Any) -> float:
+    """Seconds a worker may stay stopped before it is ended and replaced (heal_env.FROZEN_AFTER_ENV)."""
+    raw = environ.get(heal_env.FROZEN_AFTER_ENV, "")
+    if not raw:
+        return heal_env.DEFAULT_FROZEN_AFTER
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0.5 <= seconds <= 86400:
+        raise UsageError(f"{heal_env.FROZEN_AFTER_ENV}={raw!r} is not a number of seconds from 0.5 to 86400")
+    return seconds
 
 
 def install() -> None:

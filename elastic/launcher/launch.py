@@ -147,13 +147,16 @@ def main(argv: list[str] | None = None) -> None:
             args.nnodes = "1:1"  # torchrun's default
         preload = warm_start.preload_modules()
         check_script(args)
+        frozen_after = in_place.frozen_after(os.environ) if in_place.enabled(os.environ) else None
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
     # torch's log formatter imports torch._dynamo (1-3 s) the first time the agent
     # logs a worker's traceback: on the path of the first recovery unless done now.
     prefetch_slow_imports()
-    start_reaper()  # a stopped worker would cost each restart torch's 30 s SIGTERM wait
+    # A stopped worker would cost each restart torch's 30 s SIGTERM wait; with heals in place, one
+    # stopped `frozen_after` seconds is ended and replaced (its peers wait on it in a collective).
+    start_reaper(frozen_after=frozen_after)
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)

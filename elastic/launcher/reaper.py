@@ -7,6 +7,14 @@ whole 30 s. The reaper is a library thread (`elastic.threads`) in the agent that
 agent's workers a few times a second and SIGKILLs any that is stopped with
 SIGTERM pending: what torch would do 30 s later anyway.
 
+With heals in place (TORCHREVIVE_SURVIVORS=keep) it also ends a worker that
+has stayed stopped `frozen_after` seconds, SIGTERM or not: its peers wait on it
+inside a collective, and a stopped process never fails it (its sockets stay
+open). SIGKILLed, it is a failed worker like any other, which its agent
+replaces in place while the other workers keep their processes. A scan that
+comes late (this agent was stopped too: a suspended job, where every process
+stops and resumes together) forgets what it saw stopped before.
+
 Invariants: it signals only this agent's workers (descendants that carry a
 torchrun RANK, see `elastic.launcher.proctree.worker_rank`), and only when it sees the
 same worker stopped (`T`, not traced `t`) with SIGTERM pending on two scans in
@@ -21,6 +29,8 @@ import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from elastic import threads
@@ -45,16 +55,36 @@ def stuck_workers(root: int) -> set[int]:
     return {pid for pid in descendants(root) if worker_rank(pid) is not None and stopped_with_sigterm_pending(pid)}
 
 
-class Reaper:
-    """Call `scan()` periodically: a worker stuck on two scans in a row is SIGKILLed."""
+def stopped_workers(root: int) -> dict[int, int]:
+    """This agent's workers that are stopped (state T) right now: pid -> rank."""
+    found = {}
+    for pid in descendants(root):
+        rank = worker_rank(pid)
+        if rank is not None and status(pid).get("State", "").startswith("T"):
+            found[pid] = rank
+    return found
 
-    def __init__(self, root: int) -> None:
+
+class Reaper:
+    """Call `scan()` every `interval` seconds: a worker stuck on two scans in a row is SIGKILLed,
+    and with `frozen_after` one stopped that long (see the module docstring)."""
+
+    def __init__(
+        self, root: int, *, frozen_after: float | None = None, interval: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.root = root
         self._seen: set[int] = set()
+        self.frozen_after = frozen_after
+        self._late_after = max(4 * interval, 1.0)
+        self._clock = clock
+        self._last_scan: float | None = None
+        self._stopped_since: dict[int, float] = {}
 
     def scan(self) -> list[int]:
         """One look; returns the pids it killed."""
-        stuck = stuck_workers(self.root)
+        killed = self._end_frozen() if self.frozen_after is not None else []
+        stuck = stuck_workers(self.root) - set(killed)
         killed = []
         for pid in sorted(stuck & self._seen):
             try:
@@ -69,13 +99,37 @@ class Reaper:
         self._seen = stuck - set(killed)
         return killed
 
+    def _end_frozen(self) -> list[int]:
+        now = self._clock()
+        if self._last_scan is not None and now - self._last_scan > self._late_after:
+            self._stopped_since.clear()  # this agent was stopped too: nothing to blame on its workers
+        self._last_scan = now
+        stopped = stopped_workers(self.root)
+        self._stopped_since = {pid: self._stopped_since.get(pid, now) for pid in stopped}
+        killed = []
+        for pid, since in sorted(self._stopped_since.items()):
+            if now - since < self.frozen_after:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(pid)
+            logger.warning(
+                "worker rank %d (pid %d) has been stopped for %.1f s while its peers wait on it: sent SIGKILL, "
+                "so that it is replaced in place", stopped[pid], pid, now - since,
+            )
+        for pid in killed:
+            del self._stopped_since[pid]
+        return killed
 
-def start_reaper(interval: float = 0.25) -> threading.Thread | None:
+
+def start_reaper(interval: float = 0.25, *, frozen_after: float | None = None) -> threading.Thread | None:
     """Watch this process's workers from a library thread (None off Linux); the exit stops it
     between scans (`elastic.threads`)."""
     if not Path(f"/proc/{os.getpid()}/task").is_dir():
         return None
-    reaper = Reaper(os.getpid())
+    reaper = Reaper(os.getpid(), frozen_after=frozen_after, interval=interval)
     stop = threading.Event()
 
     def watch() -> None:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 STEPS, KILL_AFTER = 16, 6
 
 
-def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str) -> tuple[list[dict], list[str]]:
+def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str, **extra_env: str) -> tuple[list[dict], list[str]]:
     """Run the GPT recipe on `agents` agents of one worker each with TORCHREVIVE_SURVIVORS=keep and
     ELASTIC_FAULT=`fault`; its events and each agent's log."""
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -35,7 +35,7 @@ def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str) -> tuple[list
         ],
     )
     command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
-    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"}, ELASTIC_FAULT=fault)
+    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"}, ELASTIC_FAULT=fault, **extra_env)
     procs = start_agents(agents, command, tmp_path, env=env)
     codes = wait_all(procs, timeout=300)
     logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(agents)]
@@ -60,13 +60,20 @@ def final_position(ckpt: Path) -> tuple[int, int, int]:
     return manifest.step, manifest.epoch, manifest.consumed
 
 
-def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(tmp_path: Path, tiny_corpus: Path) -> None:
-    """Two agents: rank 1 SIGKILLed after step 6. Rank 0 keeps its process, rank 1's replacement
+@pytest.mark.parametrize("action", ["kill", "stop"])
+def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(
+    tmp_path: Path, tiny_corpus: Path, action: str
+) -> None:
+    """Two agents: rank 1 SIGKILLed after step 6, or SIGSTOPped (its agent ends it once it has been
+    stopped TORCHREVIVE_FROZEN_WORKER_SECONDS). Rank 0 keeps its process, rank 1's replacement
     takes the state of step 6 from rank 0's memory, and the void step 7 is trained again: the
-    final weights are bit for bit those of a run without the kill."""
-    healed, logs = run_job(tmp_path / "healed", tiny_corpus, 2, f"after_step@{KILL_AFTER}:rank=1")
+    final weights are bit for bit those of a run without the failure."""
+    healed, logs = run_job(tmp_path / "healed", tiny_corpus, 2, f"after_step@{KILL_AFTER}:rank=1:do={action}",
+                           **{heal_env.FROZEN_AFTER_ENV: "1"})
     clean, _ = run_job(tmp_path / "clean", tiny_corpus, 2, "")
     everything = "\n".join(log[-3000:] for log in logs)
+    if action == "stop":
+        assert sum("has been stopped for" in log for log in logs) == 1, everything
 
     assert workers_started(logs) == {0: 1, 1: 2}, everything
     assert sum("replacing this node's workers in place (heal 1)" in log for log in logs) == 1, everything

@@ -121,3 +121,25 @@ def test_any_header_is_either_read_or_refused_in_one_line(header: object) -> Non
         live_source._check_header(header, 6)
     except live_source.LivePeerError:
         pass
+
+
+def test_a_worker_stopped_too_long_is_ended_unless_its_agent_was_stopped_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.launcher import reaper
+
+    now = [100.0]
+    killed: list[int] = []
+    monkeypatch.setattr(reaper, "stopped_workers", lambda root: {41: 1})
+    monkeypatch.setattr(reaper, "stuck_workers", lambda root: set())
+    monkeypatch.setattr(reaper.os, "kill", lambda pid, sig: killed.append(pid))
+    watcher = reaper.Reaper(1, frozen_after=3.0, interval=0.25, clock=lambda: now[0])
+    for _ in range(11):  # 2.75 s of scans
+        watcher.scan()
+        now[0] += 0.25
+    assert killed == []
+    now[0] += 10.0  # a late scan: the agent itself was stopped (a suspended job)
+    watcher.scan()
+    assert killed == [], "stopped together with its agent: not the worker's fault"
+    for _ in range(13):
+        now[0] += 0.25
+        watcher.scan()
+    assert killed == [41]
