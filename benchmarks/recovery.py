@@ -29,6 +29,11 @@ trained `--settle` seconds after the previous recovery.
 - ours-torch-rounds: ours with torch's rounds (`--rdzv-conf quick_rounds=0`):
   every round waits its 2 s last call and nodes poll the state once a second,
   as before `elastic.rendezvous.quick_rounds`.
+- ours-keep: ours with heals in place (`TORCHREVIVE_SURVIVORS=keep`): the
+  killed worker's agent starts only that worker again, the others keep their
+  processes (their step is void and trained again), and the replacement takes
+  the state from a survivor's memory; recovery ends at the first step after
+  the "heal" event (or the replacement's "start" when rank 0 was the one killed).
 - ours-disk: ours without the memory tier (`TORCHREVIVE_SNAPSHOTS=0`, so no
   keeper, and `--snapshot-every 0`): a kill resumes from the newest checkpoint
   on disk, as before the snapshots. stock and tuned have no keeper either
@@ -77,13 +82,14 @@ import time
 from pathlib import Path
 
 from elastic.chaos.harness import ChaosJob, JobSpec, draw_report
+from elastic.heal_env import SURVIVORS_ENV
 from elastic.launcher.launch import SNAPSHOTS_ENV
 from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
-SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds")
-OURS = ("ours", "ours-disk", "ours-torch-rounds")  # python -m elastic.launcher
+SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds", "ours-keep")
+OURS = ("ours", "ours-disk", "ours-torch-rounds", "ours-keep")  # python -m elastic.launcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,6 +124,8 @@ def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: i
     if setting == "ours-disk":
         env[SNAPSHOTS_ENV] = "0"
         snapshots = ["--snapshot-every", "0"]
+    if setting == "ours-keep":
+        env[SURVIVORS_ENV] = "keep"
     rdzv_conf = {"tuned": merged_rdzv_conf(""), "ours-torch-rounds": "quick_rounds=0"}.get(setting, "")
     spec = JobSpec(
         workdir=workdir, launcher="ours" if setting in OURS else "stock", max_restarts=100, agents=agents,
@@ -312,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             marks = ", ".join(f"{k} at {v:.1f} s" for k, v in r["median_phases_s"].items())
             print(f"{setting}: median time line after a kill: {marks}")
     for other in ("stock", "tuned", "ours-disk", "ours-torch-rounds"):
+        if {other, "ours-keep"} <= results.keys():
+            print(f"median recovery, {other} / ours-keep: "
+                  f"{results[other]['median_s'] / results['ours-keep']['median_s']:.1f}x")
         if {other, "ours"} <= results.keys():
             print(f"median recovery, {other} / ours: {results[other]['median_s'] / results['ours']['median_s']:.1f}x")
     if {"ours", "ours-disk"} <= results.keys() and "goodput" in results["ours"]:

@@ -39,12 +39,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic import regroup
+from elastic import heal_env, regroup
 from elastic.errors import first_line
 from elastic.rng import get_rng_state, set_rng_state
 from elastic.runtime import WorkerContext
 
 logger = logging.getLogger(__name__)
+
+HEAL_BEGIN_TIMEOUT = timedelta(seconds=30)
+"""A failed worker's agent starts the heal within its monitor interval; when none has after this
+(plus the time a stopped worker is given), its node is gone: the worker exits with status 76 and
+the remaining agents take a new round."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class StepStart:
 class Healing:
     """One worker's heals (see the module docstring)."""
 
-    def __init__(self, point: regroup.HealPoint, *, timeout: timedelta) -> None:
+    def __init__(self, point: regroup.HealPoint, *, timeout: timedelta, frozen_after: float = 0.0) -> None:
         self.point = point
         self.generation = point.generation
         """The heal whose group this worker is in (0: the round's first group)."""
@@ -70,13 +75,22 @@ class Healing:
         """Armed: this worker counted itself a healer, and a failed step is void, not an exception."""
         self.heals = 0
         self._timeout = timeout
+        self.begin_timeout = min(timeout, HEAL_BEGIN_TIMEOUT + timedelta(seconds=frozen_after))
+        """How long a survivor waits for an agent to start the heal: a lost node's agent never does."""
         self._model: DistributedDataParallel | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], *, timeout: timedelta) -> Healing | None:
         """The worker's heals when its agent gave it a heal point; None otherwise."""
         point = regroup.heal_point(environ, timeout=timeout)
-        return None if point is None else cls(point, timeout=timeout)
+        if point is None:
+            return None
+        raw = environ.get(heal_env.FROZEN_AFTER_ENV, "")
+        try:  # the agent checked it; a stopped worker's heal begins this much later
+            frozen_after = min(max(float(raw), 0.0), 86400.0) if raw else heal_env.DEFAULT_FROZEN_AFTER
+        except ValueError:
+            frozen_after = heal_env.DEFAULT_FROZEN_AFTER
+        return cls(point, timeout=timeout, frozen_after=frozen_after)
 
     @property
     def replacement(self) -> bool:
@@ -146,7 +160,7 @@ class Healing:
         """Leave the broken group, wait for the agent's heal, join the next generation's group
         and give DDP a fresh reducer on it (`RegroupError` when the heal does not form)."""
         regroup.leave(self._model)
-        self.generation = regroup.next_generation(self.point, after=self.generation, timeout=self._timeout)
+        self.generation = regroup.next_generation(self.point, after=self.generation, timeout=self.begin_timeout)
         regroup.rejoin(
             self.point.store, generation=self.generation, rank=ctx.rank, world_size=ctx.world_size,
             backend="gloo", timeout=self._timeout,

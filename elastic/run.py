@@ -495,6 +495,9 @@ class Run:
         for attempt in range(1, _CATCH_UP_ATTEMPTS + 1):
             try:
                 agreed = healing.agree(completed)
+                if agreed.most < 0:  # every member is a replacement: nobody holds the state
+                    raise RegroupError(f"heal {healing.generation}: no member holds any state (every worker was "
+                                       "replaced); a new round restores it")
                 return self.checkpoints.restore_live(
                     source=agreed.source, step=agreed.most, take=replacement or completed < agreed.most,
                     replacement=replacement,

@@ -353,12 +353,13 @@ class ChaosJob:
     # --- verdicts -----------------------------------------------------------------
 
     def recovery_seconds(self, fault_time: float) -> float | None:
-        """Fault -> first step completed by a worker group that started after it."""
+        """Fault -> first step completed by a worker group that started after it, or that healed in
+        place after it (a "heal" event: TORCHREVIVE_SURVIVORS=keep)."""
         restarted = False
         for record in self.records():
             if record["time"] <= fault_time:
                 continue
-            if record["event"] == "start":
+            if record["event"] in ("start", "heal"):
                 restarted = True
             elif record["event"] == "step" and restarted:
                 return record["time"] - fault_time
