@@ -126,3 +126,71 @@ def test_a_replacement_that_dies_while_it_catches_up_is_replaced_again(tmp_path:
 
 def everything_whole(logs: list[str]) -> str:
     return "\n".join(logs)
+
+
+def test_a_lost_node_falls_back_to_a_new_round_of_the_nodes_left(tmp_path: Path, tiny_corpus: Path) -> None:
+    """Three agents (--nnodes=2:3): an agent and its worker SIGKILLed at once (a lost node). No agent is
+    left to start a replacement, so the survivors' heal never begins: after the bounded wait they exit
+    with status 76, and the two agents left take a new round that restores and trains to the end."""
+    import os
+    import signal
+
+    from support import stop_all, wait_for
+
+    from elastic.launcher.proctree import descendants
+
+    events = tmp_path / "events.jsonl"
+    port = free_port()
+    command = torchrun_command(
+        nnodes="2:3", port=port, run_id=tmp_path.name, max_restarts=3,
+        script_args=[
+            "--data", str(tiny_corpus), "--max-steps", "40", "--lr", "3e-3", "--dropout", "0",
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5", "--events", str(events),
+            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
+        ],
+    )
+    command[2] = "elastic.launcher"
+    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
+    agents = start_agents(3, command, tmp_path, env=env)
+    try:
+        wait_for(lambda: any(e["event"] == "step" and e["step"] >= KILL_AFTER for e in read_events(events))
+                 if events.exists() else False, 180, f"step {KILL_AFTER}", interval=0.01)
+        # Not the agent that serves the c10d store: without it there is no rendezvous at all (use etcd).
+        lost = next(i for i, agent in enumerate(agents) if not listens(agent.pid, port))
+        for pid in [agents[lost].pid, *descendants(agents[lost].pid)]:
+            os.kill(pid, signal.SIGKILL)
+    except BaseException:
+        stop_all(agents)
+        raise
+    codes = wait_all(agents, timeout=300)
+    logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(3) if i != lost]
+    everything = "\n".join(log[-4000:] for log in logs)
+    assert codes[lost] == -signal.SIGKILL and codes[:lost] + codes[lost + 1:] == [0, 0], everything
+    assert any("never began" in log for log in logs), everything
+    records = list(read_events(events))
+    (end,) = [e for e in records if e["event"] == "end"]
+    assert (end["step"], end["world_size"]) == (40, 2), everything
+    restores = [e for e in records if e["event"] == "restore" and e["world_size"] == 2]
+    assert restores and restores[0]["source"] != "live", "the new round restored from a snapshot or the disk"
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on TCP `port` (from /proc)."""
+    import os
+
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            target = os.readlink(f"{fds}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
