@@ -24,6 +24,14 @@ keeps. Three systems side by side:
   snapshot is assumed to survive the failure (a copy on another host); a
   failure that takes out both copies falls back to the durable checkpoint
   and is not modelled.
+- in place: torchrevive with heals in place (TORCHREVIVE_SURVIVORS=keep):
+  the survivors keep their processes and their state; the failed worker's
+  replacement takes the state of the last completed step from a live peer over
+  the network (state_gb_per_gpu at peer_gbps_per_gpu) while every other GPU
+  waits, and the void step is trained again. No rendezvous round: the process
+  group is rebuilt (regroup_at_scale_s). Snapshots and durable checkpoints
+  still run, as in the row above (a failure that takes a whole node falls back
+  to them; not modelled).
 
 Both torchrevive rows also pay loop_overhead on every step: the end-to-end
 cost of the runtime on the loop, 1 - the ratio `benchmarks/overhead.py`
@@ -45,6 +53,7 @@ The model (first order, as Young and Daly's; every time in seconds):
       stock:      (recovery_stock_s + restart_at_scale_s) + restore_disk      + C / 2
       today:      (recovery_ours_s + rendezvous_at_scale_s) + restore_disk    + C / 2
       snapshots:  (recovery_ours_s + rendezvous_at_scale_s) + restore_memory_s + S / 2
+      in place:   (recovery_in_place_s + regroup_at_scale_s) + state / peer_gbps + step_s
     (the measured recovery times run from the kill to the first step of the
     restarted group: they include detection and rendezvous at 2 agents)
 
@@ -55,6 +64,7 @@ The model (first order, as Young and Daly's; every time in seconds):
       stock:      sync_stall_s / C
       today:      loop_overhead + async_stall / C
       snapshots:  loop_overhead + async_stall / C + snapshot_s / S
+      in place:   as snapshots
 
     goodput = max(0, (1 - steady overhead) × (1 - λ × E[lost per failure]))
 
@@ -129,6 +139,11 @@ PARAMS: dict[str, Param] = {
         "benchmarks/recovery.py: torchrevive-run, median SIGKILL -> first step of the restarted group, "
         "2 agents on one host (README); includes detection, a quick rendezvous round and a restore from memory; "
         "3.1 s at 8 agents on the same 2 cores"),
+    "recovery_in_place_s": Param(
+        0.25, "s", "measured",
+        "benchmarks/recovery.py --settings ours,ours-keep: torchrevive-run with TORCHREVIVE_SURVIVORS=keep, median "
+        "SIGKILL -> first step after the heal, 2 agents on one host (README); includes detection, the group's "
+        "rebuild and the replacement's catch-up from a live peer (a small model)"),
     "recovery_stock_s": Param(
         34.8, "s", "measured", "benchmarks/recovery.py, same run: stock torchrun with its defaults (README)"),
     "restore_memory_s": Param(
@@ -167,6 +182,12 @@ PARAMS: dict[str, Param] = {
         "added at every scale"),
     "rendezvous_at_scale_s": Param(
         10.0, "s", "assumption", "ours only: rendezvous and process-group setup at scale, added at every scale"),
+    "regroup_at_scale_s": Param(
+        5.0, "s", "assumption", "in place only: the process group's rebuild at scale (no rendezvous round)"),
+    "peer_gbps_per_gpu": Param(
+        4.0, "GB/s", "assumption",
+        "in place only: a replacement's catch-up from a live peer over the network (torchft reports about "
+        "4 GB/s for its HTTP transport)", positive=True),
 }
 
 
@@ -200,6 +221,7 @@ SYSTEMS = {
     "stock_daly": "torchrun, Young/Daly interval",
     "today": "torchrevive today",
     "snapshots": "torchrevive + in-memory snapshots",
+    "in_place": "torchrevive, survivors heal in place",
 }
 
 
@@ -246,6 +268,10 @@ def per_failure(system: str, p: dict[str, float], interval_s: float, mtbf: float
     elif system == "snapshots":
         recovery, restore = p["recovery_ours_s"] + p["rendezvous_at_scale_s"], p["restore_memory_s"]
         lost_work = snapshot_interval_s(p, interval_s, mtbf) / 2
+    elif system == "in_place":
+        recovery = p["recovery_in_place_s"] + p["regroup_at_scale_s"]
+        restore = p["state_gb_per_gpu"] / p["peer_gbps_per_gpu"]
+        lost_work = p["step_s"]  # the void step, trained again
     else:
         raise ValueError(system)
     return {"recovery_s": recovery, "restore_s": restore, "lost_work_s": lost_work,
@@ -257,7 +283,8 @@ def steady_overhead(system: str, p: dict[str, float], interval_s: float, mtbf: f
     if system in ("stock", "stock_daly"):
         return p["sync_stall_s"] / interval_s
     async_stall = p["async_stall_ratio"] * p["sync_stall_s"] / interval_s
-    snapshots = snapshot_cost_s(p) / snapshot_interval_s(p, interval_s, mtbf) if system == "snapshots" else 0.0
+    with_snapshots = system in ("snapshots", "in_place")
+    snapshots = snapshot_cost_s(p) / snapshot_interval_s(p, interval_s, mtbf) if with_snapshots else 0.0
     return p["loop_overhead"] + async_stall + snapshots
 
 
@@ -360,7 +387,7 @@ def report(p: dict[str, float], results: dict[str, Any]) -> str:
         (s.key, [fmt_hours(r["mtbf_h"]) for r in results["sources"][s.key]["by_gpus"]]) for s in SOURCES])]
     interval = 60 * p["checkpoint_interval_min"]
     loss_rows = []
-    for name in ("stock", "today"):
+    for name in ("stock", "today", "in_place"):
         loss = per_failure(name, p, interval)
         loss_rows.append((SYSTEMS[name], [f"{loss[k]:.1f}" for k in ("recovery_s", "restore_s", "lost_work_s",
                                                                       "total_s")]))
@@ -380,6 +407,7 @@ def report(p: dict[str, float], results: dict[str, Any]) -> str:
             (f"{SYSTEMS['today']} ({minutes:g} min)", cells["today"]),
             (SYSTEMS["snapshots"], cells["snapshots"]),
             ("  snapshot interval (auto), min", every),
+            (SYSTEMS["in_place"], cells["in_place"]),
         ]
         lines += ["", f"{source.key}: {source.citation}", *table(f"Goodput, {source.key}", cols, rows)]
     lines += ["", f"*: lambda x E[lost per failure] > {FIRST_ORDER_LIMIT}: the first-order model is outside its range "
@@ -395,7 +423,8 @@ def plot(p: dict[str, float], path: Path) -> None:
 
     gpus = [round(10 ** (3 + 2 * i / 60)) for i in range(61)]
     fig, ax = plt.subplots(figsize=(8, 5))
-    colors = {"stock": "tab:red", "stock_daly": "tab:orange", "today": "tab:blue", "snapshots": "tab:green"}
+    colors = {"stock": "tab:red", "stock_daly": "tab:orange", "today": "tab:blue", "snapshots": "tab:green",
+              "in_place": "tab:purple"}
     for key, style in zip(PLOT_SOURCES, ("-", "--")):
         source = next(s for s in SOURCES if s.key == key)
         for name, label in SYSTEMS.items():

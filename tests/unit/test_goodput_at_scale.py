@@ -66,7 +66,7 @@ def test_defaults_cover_every_source_system_and_scale(defaults):
     assert set(defaults["sources"]) == {"llama3", "meta-rsc-1k", "meta-rsc-16k", "ant"}
     for source in defaults["sources"].values():
         for row in source["by_gpus"]:
-            assert set(row["systems"]) == {"stock", "stock_daly", "today", "snapshots"}
+            assert set(row["systems"]) == {"stock", "stock_daly", "today", "snapshots", "in_place"}
             for cell in row["systems"].values():
                 assert 0.0 <= cell["goodput"] <= 1.0
 
@@ -221,3 +221,13 @@ def test_the_models_snapshot_interval_is_the_runtimes(defaults):
     for mtbf in (60.0, 3600.0, 1e6, cost / 3):
         runtime = min(600.0, max(p["step_s"], daly_interval_s(cost, mtbf)))
         assert goodput_at_scale.snapshot_interval_s(p, 600.0, mtbf) == pytest.approx(runtime)
+
+
+def test_a_heal_in_place_costs_its_recovery_the_catch_up_and_one_step() -> None:
+    p = {key: param.default for key, param in goodput_at_scale.PARAMS.items()}
+    loss = goodput_at_scale.per_failure("in_place", p, 600.0)
+    assert loss["recovery_s"] == p["recovery_in_place_s"] + p["regroup_at_scale_s"]
+    assert loss["restore_s"] == p["state_gb_per_gpu"] / p["peer_gbps_per_gpu"]
+    assert loss["lost_work_s"] == p["step_s"]
+    assert goodput_at_scale.steady_overhead("in_place", p, 600.0) == goodput_at_scale.steady_overhead(
+        "snapshots", p, 600.0)
