@@ -355,13 +355,14 @@ class ChaosJob:
     def recovery_seconds(self, fault_time: float) -> float | None:
         """Fault -> first step completed by a worker group that started after it, or that healed in
         place after it (a "heal" event: TORCHREVIVE_SURVIVORS=keep)."""
-        restarted = False
+        resumed_from = None  # the step the group went on from (its "start" or "heal" event's)
         for record in self.records():
             if record["time"] <= fault_time:
                 continue
             if record["event"] in ("start", "heal"):
-                restarted = True
-            elif record["event"] == "step" and restarted:
+                resumed_from = record["step"]
+            # A step's line may be written after the heal's (one step late) yet finished before it.
+            elif record["event"] == "step" and resumed_from is not None and record["step"] > resumed_from:
                 return record["time"] - fault_time
         return None
 
