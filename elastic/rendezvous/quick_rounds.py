@@ -213,8 +213,8 @@ class QuickRoundsExecutor(_DistributedRendezvousOpExecutor):
             written = self._state_holder.sync()
             if written and action is not None and action != _Action.KEEP_ALIVE:
                 self._signal.announce()  # a membership change: wake the nodes that wait for one
-            elif written is False and self._settings.cas_backoff_max_seconds > 0:
-                time.sleep(random.uniform(0, self._settings.cas_backoff_max_seconds))  # as torch
+            elif written is False and (backoff := getattr(self._settings, "cas_backoff_max_seconds", 0)) > 0:
+                time.sleep(random.uniform(0, backoff))  # as torch from 2.15 (2.14 has no backoff setting)
             self._state = self._state_holder.state
             self._note_departed()
             ctx = _RendezvousContext(self._node, self._state, self._settings)
