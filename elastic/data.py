@@ -246,6 +246,39 @@ def open_loader(loader: Iterable[Any] | None, batch_size: int) -> tuple[Iterator
 
 
 
+class Feed:
+    """The step loop's batches: a loader's, each checked against the sampler, or without a loader the
+    sampler's own indices (the caller's `expected`).
+
+    `reopen` starts the loader again after the group changed in place (elastic.views): its step
+    sampler takes the new rank and world size, and what the loader read ahead for the old ones is
+    dropped with its iterator (and its workers, unless the loader keeps them: `persistent_workers`)."""
+
+    def __init__(self, loader: Iterable[Any] | None, batch_size: int) -> None:
+        self.loader, self.batch_size = loader, batch_size
+        self.source, self.issued = open_loader(loader, batch_size)
+
+    @property
+    def resizable(self) -> bool:
+        """Whether `reopen` can give this rank its share at another world size."""
+        return self.loader is None or self.issued is not None
+
+    def fetch(self, expected: torch.Tensor, *, step: int, max_steps: int) -> Any:
+        return expected if self.source is None else next_batch(self.source, step=step, max_steps=max_steps)
+
+    def check(self, expected: torch.Tensor, *, step: int, rank: int) -> None:
+        if self.source is not None:
+            check_batch(self.issued, expected, step=step, rank=rank)
+
+    def reopen(self, rank: int, world_size: int) -> None:
+        if self.loader is None or self.issued is None:
+            return
+        sampler = self.issued.batches if isinstance(self.issued, StepSampler) else self.issued
+        sampler.rank, sampler.world_size = rank, world_size
+        self.source = None  # the old iterator goes first: its workers end with it
+        self.source, self.issued = open_loader(self.loader, self.batch_size)
+
+
 def next_batch(source: Iterator[Any], *, step: int, max_steps: int) -> Any:
     """The loader's batch of step `step + 1`; a loader that ran dry is one clear error."""
     try:

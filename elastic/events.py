@@ -66,10 +66,22 @@ class EventLog:
         """Seconds spent in listeners (the metrics), for the per-step cost breakdown."""
         if path is not None:
             try:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._fd = _open(path)
             except OSError as exc:
                 raise UsageError(f"--events {path}: cannot create the event log: {exc.strerror or exc}") from None
+
+    def write_to(self, path: str | os.PathLike[str] | None) -> None:
+        """Write from now on to `path` (None: write nothing, listeners still see every event): a worker
+        whose group changed in place (elastic.views) may have become its rank 0, or stopped being it."""
+        if self._fd is not None and path is not None and Path(path) == Path(self._path or ""):
+            return
+        self.close()
+        self._path = path
+        if path is not None:
+            try:
+                self._fd = _open(path)
+            except OSError as exc:  # the log is a record, not state: training goes on without it
+                logger.warning("event log %s: %s; no events are written to it", path, exc.strerror or exc)
 
     @property
     def enabled(self) -> bool:
@@ -143,6 +155,11 @@ class EventLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open(path: str | os.PathLike[str]) -> int:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

@@ -25,10 +25,18 @@ Invariants:
   earlier was never counted, and its failure takes a new round too.
 - A heal that cannot form is a `RegroupError` (one line, exit status 76); the
   agent then takes a new round.
+
+With TORCHREVIVE_SURVIVORS=train-on the survivors do not wait for the
+replacement: the groups are elastic.views' (a group per view, ranks in the
+view's order). After a failure a survivor leaves the broken group, arrives at
+the next view (`shrink`) and forms it with whoever else arrived; a replacement,
+or a survivor that came too late, holds a group of its own until a grow admits
+it (`wait_to_join`), and then forms the grown view with the others (`enter`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,10 +47,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic import heal_env, regroup
+from elastic import heal_env, regroup, views
 from elastic.errors import first_line
 from elastic.rng import get_rng_state, set_rng_state
 from elastic.runtime import WorkerContext
+from elastic.views import View
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +87,8 @@ class Healing:
         self.begin_timeout = min(timeout, HEAL_BEGIN_TIMEOUT + timedelta(seconds=frozen_after))
         """How long a survivor waits for an agent to start the heal: a lost node's agent never does."""
         self._model: DistributedDataParallel | None = None
+        self.view = views.first_view(point.world_size)
+        """With `train-on`: the view whose group this worker is in, or last left (a replacement: the round's start)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], *, timeout: timedelta) -> Healing | None:
@@ -97,9 +108,28 @@ class Healing:
         """Started by a heal: its state comes from a survivor."""
         return self.generation > 0
 
-    def group_store(self) -> dist.Store:
-        """Where this worker's first process group meets."""
-        return regroup.group_store(self.point.store, self.generation)
+    @property
+    def train_on(self) -> bool:
+        return self.point.mode == heal_env.TRAIN_ON
+
+    @property
+    def joiner(self) -> bool:
+        """A replacement of `train-on`: it waits until a grow admits it (`wait_to_join`)."""
+        return self.train_on and self.replacement
+
+    @property
+    def me(self) -> str:
+        """This process among the round's workers (heal_env.member_id)."""
+        return heal_env.member_id(self.point.rank, self.point.generation)
+
+    def first_group(self) -> dict[str, Any]:
+        """`init_worker`'s arguments for this worker's first process group: the heal generation's
+        (keep), the round's first view (train-on), or a group of its own (a joiner)."""
+        if self.joiner:
+            return {"store": dist.HashStore(), "place": (0, 1)}
+        if self.train_on:
+            return {"store": views.group_store(self.point.store, self.view)}
+        return {"store": regroup.group_store(self.point.store, self.generation)}
 
     def attach(self, model: torch.nn.Module) -> None:
         """Reduce the gradients of `model` (run.ddp's) through the step guard."""
@@ -120,7 +150,7 @@ class Healing:
             return False
         self.guard.guard(optimizer)
         try:
-            regroup.count_healer(self.point.store, rank=ctx.rank, generation=self.generation)
+            regroup.count_healer(self.point.store, rank=self.point.rank, generation=self.generation)
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed: {first_line(error)}") from None
         self.ready = True
@@ -173,6 +203,80 @@ class Healing:
     def agree(self, completed: int) -> regroup.Agreement:
         """Every member's steps (a replacement gives -1: it completed none of its own)."""
         return regroup.agree(completed)
+
+    # -- train-on: groups of views (elastic.views) --------------------------------------------
+
+    def leave_group(self) -> None:
+        """Let go of the current group now (broken or not) and of DDP's hold on it."""
+        regroup.leave(self._model)
+
+    def shrink(self) -> View:
+        """The view after this worker's last one, which broke; it may not hold this worker."""
+        try:
+            return views.after_failure(self.point.store, self.view, self.me)
+        except RuntimeError as error:
+            raise regroup.RegroupError(f"the rendezvous store failed while the survivors regrouped: "
+                                       f"{first_line(error)}") from None
+
+    def grown(self, ctx: WorkerContext, upto: int) -> View:
+        """The view that admits the joiners of tickets up to `upto` (rank 0 closes it, the others
+        read it); every member of the current view calls this at the same step."""
+        store = self.point.store
+        try:
+            if ctx.rank == 0:
+                return views.admit(store, self.view, upto)
+            view = views.wait_view(store, self.view.number + 1, timeout=views.GATHER_SECONDS)
+        except RuntimeError as error:
+            raise regroup.RegroupError(f"the rendezvous store failed while a worker joined: {first_line(error)}") from None
+        if view is None:
+            raise regroup.RegroupError(f"rank 0 did not write view {self.view.number + 1} within "
+                                       f"{views.GATHER_SECONDS:g} s")
+        return view
+
+    def wait_to_join(self, after: int) -> View | None:
+        """Wait until a grow admits this worker: the view that does; None when the job ended first."""
+        store = self.point.store
+        try:
+            after = max(after, views.latest(store))
+            ticket = views.register_joiner(store, self.me)
+            return views.wait_for_admission(store, self.me, after=after, ticket=ticket,
+                                            first=views.first_view(self.point.world_size))
+        except RuntimeError as error:
+            raise regroup.RegroupError(f"the rendezvous store failed while this worker waited to join: "
+                                       f"{first_line(error)}") from None
+
+    def enter(self, view: View, ctx: WorkerContext) -> WorkerContext | None:
+        """Form `view`'s group with its other members and give DDP a fresh reducer on it; this
+        worker's context there, or None when a member did not come (then `shrink` from it)."""
+        self.view = view
+        rank = view.rank_of(self.me)
+        assert rank is not None, "only a member enters a view"
+        if view.world_size < self.point.min_world:
+            raise regroup.RegroupError(
+                f"view {view.number} has {view.world_size} workers, fewer than the job's minimum "
+                f"{self.point.min_world}: a new round waits for nodes")
+        try:
+            if not views.gather(self.point.store, view):
+                return None
+            dist.init_process_group("gloo", store=views.group_store(self.point.store, view), rank=rank,
+                                    world_size=view.world_size, timeout=self._timeout)
+        except RuntimeError as error:  # a member died after it came, or the store failed
+            logger.warning("rank %d: the group of view %d did not form (%s)", ctx.rank, view.number, first_line(error))
+            if dist.is_initialized():
+                regroup.leave()
+            return None
+        if self._model is not None:
+            regroup.rebind(self._model, self.guard)
+        self.guard.clear()
+        self.heals += 1
+        return dataclasses.replace(ctx, rank=rank, world_size=view.world_size)
+
+    def job_ended(self) -> None:
+        """The job finished (rank 0, train-on): workers still waiting to join leave."""
+        try:
+            views.mark_ended(self.point.store)
+        except RuntimeError as error:  # they find out from the store's end instead
+            logger.warning("could not tell waiting workers the job ended: %s", first_line(error))
 
 
 def _copy(value: Any) -> Any:

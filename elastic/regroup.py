@@ -6,7 +6,8 @@ peer died keeps its process, its model, optimizer, sampler and loader workers;
 only the dead worker's replacement is a new process, and it takes its state
 from a survivor over the new group. torchrevive-run's agent does its half with
 TORCHREVIVE_SURVIVORS=keep (elastic.launcher.in_place); a DDP script calls these
-pieces itself (benchmarks/heal_worker.py is one); `elastic.Run` does not yet.
+pieces itself (benchmarks/heal_worker.py is one), and `elastic.Run` through
+elastic.healing (with `train-on`, the groups it forms are elastic.views').
 
 How a step fails without an exception reaching the training script:
 - `StepGuard.attach(ddp)` replaces DDP's gradient all-reduce with one that
@@ -93,15 +94,35 @@ class HealPoint:
     store: dist.Store
     """The round's namespace of the rendezvous store."""
     generation: int
-    """The heal this worker was started by: 0 at the start of a round."""
+    """The heal this worker was started by: 0 at the start of a round (with `train-on`: its incarnation)."""
+    mode: str = heal_env.KEEP
+    """`heal_env.KEEP` or `heal_env.TRAIN_ON`."""
+    rank: int = 0
+    """This worker's rank at the round's start (torchrun's RANK)."""
+    world_size: int = 1
+    """The round's world size (torchrun's WORLD_SIZE)."""
+    min_world: int = 1
+    """With `train-on`: the fewest workers the job may train with."""
 
 
 def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(seconds=60)) -> HealPoint | None:
-    """The heal point torchrevive-run gives its workers with TORCHREVIVE_SURVIVORS=keep; None
-    without one. A malformed variable is an `EnvironmentConfigError` (one line)."""
+    """The heal point torchrevive-run gives its workers with TORCHREVIVE_SURVIVORS=keep or train-on;
+    None without one. A malformed variable is an `EnvironmentConfigError` (one line)."""
     address = environ.get(heal_env.HEAL_STORE_ENV)
     if not address:
         return None
+    try:  # the agent sets these variables only with a setting that heals; unset, it is `keep`'s
+        mode = heal_env.mode(environ) if environ.get(heal_env.SURVIVORS_ENV) else heal_env.KEEP
+    except ValueError as error:
+        raise EnvironmentConfigError(str(error)) from None
+    if mode == heal_env.RESTART:
+        return None
+    place = {}
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), (heal_env.MIN_WORLD_ENV, "1")):
+        raw = environ.get(name) or default
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+            raise EnvironmentConfigError(f"{name}={raw!r} is not a count")
+        place[name] = int(raw)
     host, _, port = address.rpartition(":")
     namespace = environ.get(heal_env.HEAL_NAMESPACE_ENV, "")
     generation = environ.get(heal_env.HEAL_GENERATION_ENV, "0")
@@ -115,7 +136,10 @@ def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(second
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     except RuntimeError as error:
         raise RegroupError(f"cannot reach the rendezvous store at {address}: {_first_line(error)}") from None
-    return HealPoint(dist.PrefixStore(heal_env.namespace_prefix(namespace), store), int(generation))
+    return HealPoint(
+        dist.PrefixStore(heal_env.namespace_prefix(namespace), store), int(generation), mode=mode,
+        rank=place["RANK"], world_size=max(place["WORLD_SIZE"], 1), min_world=max(place[heal_env.MIN_WORLD_ENV], 1),
+    )
 
 
 def next_generation(point: HealPoint, after: int, timeout: timedelta = timedelta(seconds=60)) -> int:

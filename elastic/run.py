@@ -27,15 +27,9 @@ Invariants (the ordering rules a recipe used to keep by hand):
   random stream (`seed + rank`), serves metrics, restores, and only then
   counts the run as started: a scrape sees the restore, a kill during restore
   loses nothing.
-- A step's bookkeeping runs when the loop asks for the next batch, i.e. after
-  the body's `optimizer.step()` and `scheduler.step()`: the sampler advances,
-  the previous step's loss is read (one step late: the host never waits on
-  the device), on a vote step (about once a second) the vote's verdict is
-  read (elastic.step_vote: the vote the vote step before started; SIGTERM on
-  any rank: every rank commits this step and leaves with `Preempted`, status
-  143), a save or snapshot starts, and
-  only then the watchdog is fed: a slow save never looks like a hang, a hang
-  inside a save is still caught.
+- A step's bookkeeping runs when the loop asks for the next batch, after the
+  body's `optimizer.step()` and `scheduler.step()` (elastic.run_loop, which
+  holds `batches`, says what it does and in which order).
 - Saves block the loop only to copy the state; writing runs behind the next
   steps, and a save due while the previous one is still being written is
   skipped. `finish` and a preemption block until the checkpoint is committed
@@ -48,15 +42,8 @@ Invariants (the ordering rules a recipe used to keep by hand):
 - `pause()` marks work that is not a training step (evaluation, sampling):
   the watchdog does not count it, a SIGTERM during it waits for its end, and
   the preemption vote taken then commits the step (a collective).
-- A loader passed to `batches` is iterated with the caller's random streams
-  untouched (its workers' seeds are drawn from a forked generator), and its
-  workers die with the trainer (fork-started workers, on Linux) and ignore the
-  group's SIGTERM (`elastic.data.SafeWorkerInit`). If it is driven by
-  `batch_sampler()` / `sampler_for_loader()`, every step checks the batch it
-  yields is the sampler's.
-- Leaving `batches` with `break` after the body's `optimizer.step()` counts
-  that step as done (data position and step advance), so the final checkpoint
-  matches the weights it holds.
+- With TORCHREVIVE_SURVIVORS=keep or train-on under torchrevive-run, a peer's
+  death stops no other worker: the group changes in place (elastic.survivors).
 """
 
 from __future__ import annotations
@@ -65,11 +52,10 @@ import argparse
 import logging
 import math
 import os
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -79,11 +65,10 @@ from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.training_state import Stateful
 from elastic.cli import configure_logging
 from elastic.config import RunConfig
-from elastic.data import StepBatchSampler, StepSampler, check_batch, next_batch, open_loader
-from elastic.errors import CheckpointStorageError, ElasticError, Preempted, first_line
+from elastic.data import StepBatchSampler, StepSampler
+from elastic.errors import ElasticError, Preempted
 from elastic.events import EventLog
-from elastic.healing import Healing
-from elastic.regroup import GroupBroken, RegroupError
+from elastic.healing import Healing, StepStart
 from elastic.metrics import start_metrics
 from elastic.parallel import unwrap
 from elastic.preemption import PreemptionHandler
@@ -100,18 +85,17 @@ from elastic.sampler import ElasticSampler
 from elastic.slurm.requeue import after_preemption_commit, preemption_settings
 from elastic.step_costs import StepCosts
 from elastic.step_report import StepReport
-from elastic.step_vote import StepVote, Verdict
+from elastic.run_loop import StepLoop
+from elastic.step_vote import StepVote
+from elastic.survivors import Survivors
+from elastic.regroup import RegroupError
+from elastic.views import joiners_waiting
 from elastic.watchdog import NoWatchdog, Watchdog, watchdog
 
 logger = logging.getLogger(__name__)
 
-Batch = TypeVar("Batch")
 
-_CATCH_UP_ATTEMPTS = 3
-"""Heals in a row a worker starts over when members die during the catch-up (then exit status 76)."""
-
-
-class Run:
+class Run(StepLoop):
     """A fault-tolerant training run of this worker; see the module docstring."""
 
     def __init__(self, config: RunConfig | None = None, **settings: Any) -> None:
@@ -133,6 +117,9 @@ class Run:
         """Seconds per phase of the runtime's per-step work (elastic.step_costs)."""
         self._report: StepReport | None = None
         self._healing: Healing | None = None
+        self._survivors: Survivors | None = None
+        """Set when this worker's group changes in place after a failure (TORCHREVIVE_SURVIVORS)."""
+        self.checkpoints: CheckpointManager | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Run:
@@ -149,15 +136,16 @@ class Run:
         if dist.is_available() and dist.is_initialized():
             self.ctx = adopt_worker(cfg.device, timeout=timeout)
         else:
-            # Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep: heals in place (elastic.healing).
+            # Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep or train-on: heals in place (elastic.healing).
             self._healing = Healing.from_environ(os.environ, timeout=timeout)
-            store = self._healing.group_store() if self._healing is not None else None
-            self.ctx = init_worker(cfg.device, timeout=timeout, store=store)
+            first_group = self._healing.first_group() if self._healing is not None else {}
+            self.ctx = init_worker(cfg.device, timeout=timeout, **first_group)
             self._owns_group = self.ctx.distributed
         try:
             seed_all(cfg.seed, self.ctx.device)  # the model built next is identical on every rank
+            joiner = self._healing is not None and self._healing.joiner  # rank 0 of a group of its own
             self.events = self._stack.enter_context(
-                EventLog(cfg.events if self.ctx.is_main else None, restart=self.ctx.restart_count)
+                EventLog(cfg.events if self.ctx.is_main and not joiner else None, restart=self.ctx.restart_count)
             )
             self.watchdog: Watchdog | NoWatchdog = watchdog(cfg.hang_timeout)  # armed by the first step
             self._stack.callback(self.watchdog.close)
@@ -273,31 +261,40 @@ class Run:
         num_samples = data if isinstance(data, int) else len(data)
         self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
         self._tokens_per_sample = tokens_per_sample
+        self._optimizer, self._scheduler, self._scaler, self._extra = optimizer, scheduler, scaler, extra
+        # Leaving on an error, peers may be dead: a save in flight (its writers meet in
+        # collectives) gets a few seconds, not --ckpt-timeout.
+        self._stack.callback(lambda: self.checkpoints is not None and self.checkpoints.close(  # a clean end lets go
+            wait=5.0 if self._leaving_failed else None, ended=not self._leaving_failed))
+        healing = self._healing
+        # ELASTIC_FAULT, for the chaos suite: a fault names the rank a worker started as.
+        self._faults = fault_hook.for_worker(healing.point.rank if healing else ctx.rank, ctx.restart_count)
+        if healing is not None and healing.arm(ctx, optimizer):
+            self._survivors = Survivors(self, healing)
+        elif healing is not None and healing.joiner:
+            raise RegroupError("a replacement that cannot heal in place has no group to join")
+        joined = healing is not None and healing.joiner
+        if joined:  # train-on: wait until the group admits this worker, then take a member's state
+            self._survivors.join()  # type: ignore[union-attr]
+            ctx = self._context
         self._stack.enter_context(  # before restore, so a scrape sees the restore too
             start_metrics(
                 ctx, self.events, port=cfg.metrics_port, host=cfg.metrics_host, samples_per_step=batch_size,
                 tokens_per_sample=tokens_per_sample, watchdog=self.watchdog,
             )
         )
-        self._vote = StepVote(ctx, self._ballot, grace=cfg.term_grace)
-        self._optimizer, self._scheduler, self._scaler, self._extra = optimizer, scheduler, scaler, extra
-        self.checkpoints = self._new_checkpoint_manager()
-        # Leaving on an error, peers may be dead: a save in flight (its writers meet in
-        # collectives) gets a few seconds, not --ckpt-timeout.
-        self._stack.callback(lambda: self.checkpoints.close(  # a clean end (finished, preempted) lets go
-            wait=5.0 if self._leaving_failed else None, ended=not self._leaving_failed))
         self._optimizer_steps = 0  # tells a `break` after optimizer.step() from one before it
         hook = optimizer.register_step_post_hook(lambda *_: self._count_optimizer_step())
         self._stack.callback(hook.remove)
-        seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
         self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace, **preemption_settings(os.environ))
         self._stack.callback(self._preemption.uninstall)
-        self._faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)  # ELASTIC_FAULT, for the chaos suite
-        healing = self._healing
-        if healing is not None and healing.arm(ctx, optimizer) and healing.replacement:
-            self.step = self._catch_up(-1, replacement=True)  # the state of a survivor, from its memory
-        else:
-            self.step = self.checkpoints.restore()
+        if not joined:
+            seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
+            self.rebuild_on_group(ctx, None)
+            if self._survivors is not None and healing is not None and healing.replacement:
+                self.step = self._survivors.catch_up_replacement()  # keep: a survivor's state, from its memory
+            else:
+                self.step = self.checkpoints.restore()
         self._first_step = self.step
         self._started = True
         parameters = sum(p.numel() for p in self.model.parameters())
@@ -313,11 +310,40 @@ class Run:
             )
         return self.step
 
-    def _new_checkpoint_manager(self) -> CheckpointManager:
-        return CheckpointManager(
-            self._context, self.config, model=self.model, optimizer=self._optimizer, sampler=self.sampler,
-            scheduler=self._scheduler, scaler=self._scaler, extra=self._extra, events=self.events,
+    # -- the group changed in place (elastic.survivors) ---------------------------------------
+
+    def rebuild_on_group(self, ctx: WorkerContext, earlier: CheckpointManager | None) -> None:
+        """The default group is new (or the first): build the step vote and the checkpoint manager
+        on it, taking over from `earlier`; its rank 0 writes the event log."""
+        world_changed = self.ctx is not None and ctx.world_size != self.ctx.world_size
+        self.ctx = ctx
+        healing = self._healing
+        joiners = (lambda: joiners_waiting(healing.point.store)) if healing and healing.train_on and ctx.is_main else None
+        self._vote = StepVote(ctx, self._ballot, grace=self.config.term_grace, joiners=joiners)
+        self.checkpoints = CheckpointManager(
+            ctx, self.config, model=self.model, optimizer=self._optimizer, sampler=self.sampler,
+            scheduler=self._scheduler, scaler=self._scaler, extra=self._extra, events=self.events, faults=self._faults,
         )
+        if earlier is not None:
+            self.checkpoints.take_over(earlier)
+        if healing is not None and healing.train_on:
+            self.events.write_to(self.config.events if ctx.is_main else None)
+        if self._report is not None and world_changed:
+            per_step = self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1)
+            self._report.resize(ctx.world_size, per_step)
+
+    def drop_group_parts(self) -> None:
+        """Before leaving the group: saves in flight met on it (abandoned), and a vote in flight holds
+        its connections open (a peer waiting in it would wait its whole timeout, not fail at once)."""
+        if self.checkpoints is not None:
+            self.checkpoints.close(wait=0.0)
+        self._vote = StepVote(self._context, self._ballot, grace=self.config.term_grace)
+
+    def undo_step(self, started: StepStart) -> None:
+        """A void step: put back what it changed besides the parameters (elastic.healing.Healing.undo)."""
+        assert self._healing is not None
+        self._healing.undo(started, self._context.device, self._optimizer, self._scheduler, self._scaler)
+        self._loss = None
 
     def _count_optimizer_step(self) -> None:
         self._optimizer_steps += 1
@@ -352,181 +378,6 @@ class Run:
         """For `DataLoader(dataset, sampler=..., batch_size=B)` with B the batch size given to `start`."""
         return StepSampler(self._sampler_checked(), self.rank, self.world_size)
 
-    # -- the loop -------------------------------------------------------------------
-
-    def batches(self, loader: Iterable[Batch] | None = None, *, max_steps: int) -> Iterator[Batch]:
-        """This rank's batch of each step until `max_steps` steps are done.
-
-        Without `loader`, the batch is this rank's sample indices (a tensor).
-        The step's bookkeeping runs when the next batch is asked for (see the
-        module docstring); a `break` after the body's optimizer step counts that step
-        as done, a `break` before it leaves the step untrained.
-        """
-        ctx = self._context
-        self._sampler_checked()
-        self._reporter().start_loop(
-            total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every,
-            per_step=self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1),
-            unit="tokens" if self._tokens_per_sample else "samples",
-        )
-        source, issued = open_loader(loader, self.sampler.batch_size) if self.step < max_steps else (None, None)
-        self._loop_started = time.perf_counter()
-        try:
-            yield from self._steps(source, issued, max_steps)
-        finally:
-            self._loop_seconds += time.perf_counter() - self._loop_started
-
-    def _steps(self, source: Iterator[Any] | None, issued: Any, max_steps: int) -> Iterator[Any]:
-        ctx, sampler, costs = self._context, self.sampler, self.step_costs
-        while self.step < max_steps:
-            with costs.timing("sampler"):
-                expected = sampler.local_batch(ctx.rank, ctx.world_size)
-            batch: Any = expected  # the loader's own time is the script's, its check the runtime's
-            if source is not None:
-                batch = next_batch(source, step=self.step, max_steps=max_steps)
-                with costs.timing("sampler"):
-                    check_batch(issued, expected, step=self.step, rank=ctx.rank)
-            healing = self._healing if self._healing is not None and self._healing.ready else None
-            while True:
-                started = healing.before_step(ctx.device, self._optimizer, self._scheduler, self._scaler) if healing else None
-                stepped_before = self._optimizer_steps
-                try:
-                    yield batch
-                except GeneratorExit:  # the loop left with `break`
-                    if self._optimizer_steps != stepped_before:  # ... after training on this batch
-                        self._count_step()
-                    raise
-                if healing is None or not healing.void:
-                    self._end_step()
-                    break
-                step = self.step
-                self._heal(started, healing.guard.error)
-                if self.step != step:  # it took the state of this very step from a peer that completed it
-                    break
-                # else: the same batch again, on the healed group
-        self._report_pending()
-
-    def log(self, loss: torch.Tensor | float) -> None:
-        """The loss of the step being trained; read out one step later (no device sync now)."""
-        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-
-    def _count_step(self) -> None:
-        """This rank's part of a step's end: data position, step count, the loss read-outs."""
-        costs = self.step_costs
-        with costs.timing("sampler"):
-            self.sampler.advance(self._context.world_size)
-        self.step += 1
-        costs.steps += 1
-        self._reporter().record(self.step, self._loss)
-        self._loss = None
-
-    def _end_step(self) -> None:
-        self._count_step()
-        costs = self.step_costs
-        try:
-            with costs.timing("vote"):
-                verdict = self._vote.step_ended(self.step)
-            self._act_on(verdict)
-            with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
-                self.checkpoints.maybe_save(self.step)
-        except RuntimeError as error:  # a collective of the bookkeeping met the dead peer first
-            if self._healing is None or not self._healing.ready:
-                raise
-            why = first_line(error)
-        else:
-            why = None
-        if why is not None:  # healed out of the `except` block (see `_catch_up`)
-            self._heal(None, why)
-        with costs.timing("watchdog"):
-            self._faults.at("after_step", self.step)
-            self.watchdog.beat(self.step)
-
-    def _act_on(self, verdict: Verdict) -> None:
-        """What every rank does with the step vote's verdict, at the same step."""
-        self.checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
-        if verdict.preempted:  # SIGTERM on any rank: commit this step, then leave
-            self._preemption.at_boundary()  # the checkpoint that follows may take its time
-            self._report_pending()
-            self._commit_and_stop(requeue=verdict.requeue)
-        if verdict.storage_failing:  # rank 0's saves keep failing: stop before more work is lost
-            self._report_pending()
-            raise CheckpointStorageError(self.checkpoints.share_stop_reason())
-
-    def _heal(self, started: Any, why: str | None) -> None:
-        """A peer died: form the next group in this process and take the newest state (elastic.healing).
-        `started`: the void step's `before_step` (None when the step itself completed)."""
-        ctx, healing = self._context, self._healing
-        assert healing is not None
-        began = time.perf_counter()
-        if started is not None:
-            healing.undo(started, ctx.device, self._optimizer, self._scheduler, self._scaler)
-            self._loss = None
-        logger.warning("rank %d: step %d %s (%s); healing in place", ctx.rank, self.step + 1,
-                       "is void" if started is not None else "ended, its bookkeeping failed", why)
-        with self.watchdog.paused():
-            self._regroup()
-            self.step = self._catch_up(self.step, replacement=False)
-        seconds = time.perf_counter() - began
-        self.events.emit("heal", step=self.step, world_size=ctx.world_size, generation=healing.generation,
-                         seconds=seconds)
-        if ctx.is_main:
-            logger.info("healed in place (heal %d) in %.2f s: training on from step %d", healing.generation, seconds,
-                        self.step)
-
-    def _regroup(self) -> None:
-        """Form the next heal's group, and build on it what met on the broken one."""
-        healing = self._healing
-        assert healing is not None
-        earlier = self.checkpoints
-        earlier.close(wait=0.0)  # its saves in flight met on the broken group
-        # A vote in flight holds the broken group's connections open: a peer waiting in it would
-        # wait its whole timeout instead of failing when this worker leaves (regroup.leave).
-        self._vote = StepVote(self._context, self._ballot, grace=self.config.term_grace)
-        healing.regroup(self._context)
-        self.checkpoints = self._new_checkpoint_manager()
-        self.checkpoints.take_over(earlier)
-
-    def _catch_up(self, completed: int, *, replacement: bool) -> int:
-        """Every member of the new group takes the newest state (from the lowest rank that has it);
-        the step to go on from. A member that dies meanwhile breaks the group: the heal starts over
-        with the next generation, at most `_CATCH_UP_ATTEMPTS` times."""
-        healing = self._healing
-        assert healing is not None
-        for attempt in range(1, _CATCH_UP_ATTEMPTS + 1):
-            try:
-                agreed = healing.agree(completed)
-                if agreed.most < 0:  # every member is a replacement: nobody holds the state
-                    raise RegroupError(f"heal {healing.generation}: no member holds any state (every worker was "
-                                       "replaced); a new round restores it")
-                return self.checkpoints.restore_live(
-                    source=agreed.source, step=agreed.most, take=replacement or completed < agreed.most,
-                    replacement=replacement,
-                )
-            except (RuntimeError, GroupBroken) as error:
-                why = first_line(error)
-            # Out of the `except` block: its traceback holds the broken group (a frame of the failed
-            # collective), whose sockets must close for the members still waiting in it to fail now.
-            if attempt == _CATCH_UP_ATTEMPTS:
-                raise RegroupError(f"heal {healing.generation} broke {attempt} times: {why}")
-            logger.warning("rank %d: heal %d broke (%s); starting over", self.rank, healing.generation, why)
-            self._regroup()
-        raise AssertionError("unreachable")
-
-    def _reporter(self) -> StepReport:
-        if self._report is None:
-            self._report = StepReport(self.events, self.step_costs, world_size=self._context.world_size)
-            self._stack.callback(self._report.close)
-        return self._report
-
-    def _report_pending(self) -> None:
-        if self._report is not None:
-            self._report.flush()
-
-    @property
-    def last_loss(self) -> float:
-        """The newest loss read (one step late; nan before any)."""
-        return self._report.last_loss if self._report is not None else math.nan
-
     def _commit_and_stop(self, *, requeue: bool = False) -> NoReturn:
         """Commit this step on every rank (a storage failure raises here: no requeue follows), then leave;
         after the Slurm requeue signal, rank 0 of a job without an agent requeues it."""
@@ -539,10 +390,6 @@ class Run:
             said += after_preemption_commit(os.environ, rank=self.rank, step=self.step, said=said,
                                             job_id=self._context.slurm_job_id, committed=self.checkpoints.enabled)
         raise Preempted(f"stopped by {'the Slurm requeue signal' if requeue else 'SIGTERM'} {said}")
-
-    def due(self, every: int) -> bool:
-        """Whether the step just done by this run is a multiple of `every` (0: never)."""
-        return every > 0 and self.step > self._first_step and self.step % every == 0
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -586,6 +433,8 @@ class Run:
             self.checkpoints.save(self.step, reason="final")
             self.checkpoints.flush()
         digests = gather_digests(ctx, parameter_digest(self.model))
+        if self._healing is not None and self._healing.train_on and ctx.is_main:
+            self._healing.job_ended()  # workers still waiting to join leave
         self.events.emit(
             "end", step=self.step, world_size=ctx.world_size, loss=self.last_loss, param_digests=digests, **end_fields
         )

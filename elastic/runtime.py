@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -212,8 +213,9 @@ def backend_for(device: torch.device) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerContext:
-    """One worker's place in the job. Immutable for the life of the process:
-    an elastic resize restarts the worker with a new context."""
+    """One worker's place in the job. Immutable: an elastic resize through a rendezvous round
+    restarts the worker with a new one, and a group that changes in place (elastic.views) gives
+    the worker a new one with its rank and world size in that group."""
 
     rank: int
     local_rank: int
@@ -243,13 +245,18 @@ def init_worker(
     timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
     environ: Mapping[str, str] | None = None,
     store: dist.Store | None = None,
+    place: tuple[int, int] | None = None,
 ) -> WorkerContext:
     """Read the environment, pick the device and, under torchrun, join the process group
-    (on `store` when given: a heal in place's namespace, elastic.regroup.group_store)."""
+    (on `store` when given: a heal in place's namespace, elastic.regroup.group_store; at
+    `place`, (rank, world size), when given instead of the launcher's: a worker that waits
+    to join a group that trains on holds a group of its own meanwhile, elastic.views)."""
     environ = os.environ if environ is None else environ
     env = parse_launch_env(environ)
     if env.rank == 0:
         log_recovery_hint(environ)
+    if place is not None:
+        env = dataclasses.replace(env, rank=place[0], world_size=place[1])
     dev = select_device(device, env.local_rank, env.local_world_size)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

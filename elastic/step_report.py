@@ -48,6 +48,12 @@ class StepReport:
         self._per_step = per_step
         self._last_time = time.time()
 
+    def resize(self, world_size: int, per_step: int) -> None:
+        """The group changed in place (elastic.views): the step pending is reported at the size it
+        ran at, the steps after it at `world_size`, `per_step` units each."""
+        self.flush()
+        self._world_size, self._per_step = world_size, per_step
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()

@@ -37,6 +37,9 @@ Invariants:
   that reads no vote: none was in flight, on any rank alike.
 - `fresh` (between steps: `Run.pause`) reads the vote in flight and takes a
   new, blocking one, and merges them: a flag raised during the pause counts.
+- With `joiners` (TORCHREVIVE_SURVIVORS=train-on) the vote also carries the
+  newest ticket of the workers waiting to join (rank 0 reads it from the
+  store): every rank learns it at the same vote step, and they grow there.
 """
 
 from __future__ import annotations
@@ -77,13 +80,15 @@ class Verdict:
     """The largest snapshot interval any rank proposed (0: no change)."""
     vote_every: int = 0
     """Steps between votes from now on (0: no change)."""
+    joiners: int = 0
+    """The newest ticket of a worker waiting to join (0: none, or no `joiners` given)."""
 
     @classmethod
     def of(cls, values: list[int]) -> Verdict:
-        preempted, storage_failing, snapshot_every, vote_every = values
+        preempted, storage_failing, snapshot_every, vote_every, joiners = values
         return cls(preempted=bool(preempted), requeue=preempted >= REQUEUE_BALLOT,
                    storage_failing=bool(storage_failing), snapshot_every=int(snapshot_every),
-                   vote_every=int(vote_every))
+                   vote_every=int(vote_every), joiners=int(joiners))
 
 
 NOTHING = Verdict()
@@ -92,9 +97,13 @@ NOTHING = Verdict()
 class StepVote:
     """One rank's side of the vote (see the module docstring)."""
 
-    def __init__(self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic) -> None:
+    def __init__(
+        self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic,
+        joiners: Callable[[], int] | None = None,
+    ) -> None:
         self._ctx = ctx
         self._ballot = ballot
+        self._joiners = joiners
         self._grace = grace
         self._clock = clock
         self._pending: agreement.PendingMax | None = None
@@ -119,8 +128,11 @@ class StepVote:
     def _cast(self) -> agreement.PendingMax:
         preempted, requeue, storage_failing, snapshot_every = self._ballot()
         preemption = (REQUEUE_BALLOT if requeue else STOP_BALLOT) if preempted else 0
+        joiners = self._joiners() if self._joiners is not None else 0
         self.votes += 1
-        return agreement.start_max(self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal()])
+        return agreement.start_max(
+            self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal(), joiners]
+        )
 
     def step_ended(self, step: int) -> Verdict:
         """Step `step` ended: on a vote step, the verdict of the vote before, and a new vote starts."""
@@ -150,6 +162,7 @@ class StepVote:
             preempted=earlier.preempted or now.preempted, requeue=earlier.requeue or now.requeue,
             storage_failing=earlier.storage_failing or now.storage_failing,
             snapshot_every=now.snapshot_every or earlier.snapshot_every, vote_every=now.vote_every,
+            joiners=max(now.joiners, earlier.joiners),
         )
 
     def settle(self) -> Verdict | None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -81,6 +82,7 @@ class CheckpointManager:
         scaler: torch.amp.GradScaler | None = None,
         extra: Mapping[str, Stateful] | None = None,
         events: EventLog | None = None,
+        faults: fault_hook.FaultHook | None = None,
     ) -> None:
         self._ctx = ctx
         self.config = config
@@ -91,7 +93,7 @@ class CheckpointManager:
             seed=config.seed,
         )
         self._events = events or EventLog(None, restart=ctx.restart_count)
-        self.faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)
+        self.faults = faults if faults is not None else fault_hook.for_worker(ctx.rank, ctx.restart_count)
         save_group = restore_group = None
         if self.enabled and ctx.distributed:
             # Saves run their collectives on the writer threads: a group of their own, never the loop's.
@@ -233,12 +235,14 @@ class CheckpointManager:
         """Carry on from `earlier`, closed by a heal: its save tag and newest step on disk."""
         self.saver.tag, self.saver.last_step = earlier.saver.tag, earlier.saver.last_step
 
-    def restore_live(self, *, source: int, step: int, take: bool, replacement: bool) -> int:
+    def restore_live(self, *, source: int, step: int, take: bool, replacement: bool, new_tag: bool = False) -> int:
         """A heal in place: every member of the new group takes rank `source`'s state of step
         `step` from its memory (`live_source.share`; `take=False` where it holds it already), and
         this fresh manager takes over from the one the heal dropped: the directory claim, the save
         tag and the newest step on disk. Every rank: the `restore` event ("source": "live").
-        A collective of every member, in the place a restart's `restore` would be."""
+        A collective of every member, in the place a restart's `restore` would be. `new_tag`: the
+        group is not the last one (another world size, other members): the source draws a new save
+        tag, so the snapshots of this group are never taken for parts of the last one's."""
         ctx, started = self._ctx, time.perf_counter()
         claimed: CheckpointError | None = None
         if self.claim is not None:
@@ -253,7 +257,8 @@ class CheckpointManager:
             self.memory = None
         if self.memory is not None:
             self.memory.connect()  # this node's peer for snapshot copies (a collective)
-        mine = {"tag": self.saver.tag, "last_step": -1 if self.saver.last_step is None else self.saver.last_step}
+        tag = uuid.uuid4().hex[:8] if new_tag else self.saver.tag  # only the source's travels
+        mine = {"tag": tag, "last_step": -1 if self.saver.last_step is None else self.saver.last_step}
         received = live_source.share(ctx, self.state, source=source, step=step, take=take, extras=mine,
                                      replacement=replacement, fault=self._fault)
         tag, last_step = received.extras.get("tag"), received.extras.get("last_step")

@@ -19,6 +19,14 @@ the heal's count, form the next group with the replacements and hand them their
 state. Every worker of every round learns where heals meet
 (`heal_env.HEAL_STORE_ENV`, `HEAL_NAMESPACE_ENV`, `HEAL_GENERATION_ENV`).
 
+With `TORCHREVIVE_SURVIVORS=train-on` step 2 differs: the agent marks each of
+its workers failed in the store (the survivors, who form a smaller group at
+once, stop waiting for them) and draws the replacements' incarnation
+(`heal_env.INCARNATIONS_KEY`); the replacements join the survivors at a later
+step (elastic.views). Workers also learn the fewest workers the job may train
+with (`heal_env.MIN_WORLD_ENV`: torchrun's minimum of nodes times the workers
+per node).
+
 Invariants:
 - Only a FAILED group heals in place, only while the rendezvous store is a TCP
   store (c10d), only in a job of several nodes, and only once every worker of
@@ -34,6 +42,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -45,8 +54,17 @@ from elastic.errors import UsageError
 logger = logging.getLogger(__name__)
 
 
+def mode(environ: Any) -> str:
+    """TORCHREVIVE_SURVIVORS (heal_env.MODES); one `UsageError` line for another value."""
+    try:
+        return heal_env.mode(environ)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def enabled(environ: Any) -> bool:
-    return environ.get(heal_env.SURVIVORS_ENV, "") == "keep"
+    """Whether a failed worker is replaced in place (`keep` or `train-on`)."""
+    return heal_env.mode(environ) != heal_env.RESTART if environ.get(heal_env.SURVIVORS_ENV) else False
 
 
 def frozen_after(environ: Any) -> float:
@@ -101,6 +119,7 @@ def install() -> None:
             heal_env.HEAL_STORE_ENV: f"{store.host}:{store.port}",
             heal_env.HEAL_NAMESPACE_ENV: self._torchrevive_namespace,
             heal_env.HEAL_GENERATION_ENV: str(getattr(self, "_torchrevive_generation", 0)),
+            heal_env.MIN_WORLD_ENV: str(min_world(worker_group)),
         }
         _extra_env.update(extra)
         try:
@@ -144,6 +163,13 @@ def namespace(worker_group: Any) -> str | None:
     return f"{handler.get_run_id()}/{number}/{worker_group.master_addr}:{worker_group.master_port}"
 
 
+def min_world(worker_group: Any) -> int:
+    """The fewest workers the job may train with: torchrun's minimum of nodes times this node's workers."""
+    settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+    nodes = getattr(settings, "min_nodes", 1)
+    return max(1, int(nodes) if isinstance(nodes, int) else 1) * max(1, int(worker_group.spec.local_world_size))
+
+
 def _heals(worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
     """Whether a failure of this agent's workers heals in place (the module docstring's rules)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
@@ -171,17 +197,23 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
     ranks = ", ".join(str(rank) for rank in sorted(result.failures))
     agent._stop_workers(worker_group)
     worker_group.state = WorkerState.STOPPED
+    heals = dist.PrefixStore(heal_env.namespace_prefix(space), store)
+    started_in = getattr(agent, "_torchrevive_generation", 0)
+    train_on = heal_env.mode(os.environ) == heal_env.TRAIN_ON
     try:
-        generation = raise_generation(
-            dist.PrefixStore(heal_env.namespace_prefix(space), store), sorted(result.failures),
-            started_in=getattr(agent, "_torchrevive_generation", 0),
-        )
+        if train_on:  # every worker of this node is gone: the survivors stop waiting for them at once
+            for worker in worker_group.workers:
+                heals.set(heal_env.failed_key(heal_env.member_id(worker.global_rank, started_in)), "1")
+            generation = heals.add(heal_env.INCARNATIONS_KEY, 1)
+        else:
+            generation = raise_generation(heals, sorted(result.failures), started_in=started_in)
     except RuntimeError:
         return False
     agent._torchrevive_generation = generation
     print(
-        f"torchrevive-run: worker rank {ranks} failed; replacing this node's workers in place (heal {generation}): "
-        "the other nodes' workers keep their processes",
+        f"torchrevive-run: worker rank {ranks} failed; replacing this node's workers in place "
+        f"({'incarnation' if train_on else 'heal'} {generation}): the other nodes' workers keep their processes"
+        + ("; its replacement joins them at a later step" if train_on else ""),
         file=sys.stderr, flush=True,
     )
     worker_ids = agent._start_workers(worker_group)

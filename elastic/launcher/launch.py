@@ -73,7 +73,7 @@ _KNOWN_EXITS = {
     124: "the hang watchdog (no step completed in --hang-timeout)",
     143: "SIGTERM (preemption)",
     STORAGE_EXIT: "checkpoint storage refuses writes",
-    HEAL_FAILED_EXIT: "a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep)",
+    HEAL_FAILED_EXIT: "a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep or train-on)",
 }
 # Exits a restart cannot fix: the agent stops instead of training into the same failure.
 FINAL_EXITS = frozenset({USAGE_EXIT, STORAGE_EXIT})
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             args.nnodes = "1:1"  # torchrun's default
         preload = warm_start.preload_modules()
         check_script(args)
+        in_place.mode(os.environ)  # TORCHREVIVE_SURVIVORS: one of its choices, or one line and exit 2
         frozen_after = in_place.frozen_after(os.environ) if in_place.enabled(os.environ) else None
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     stop_restarts_on(FINAL_EXITS)
     quick_rounds.install()  # a round closes once every node of the last one is back
     if in_place.enabled(os.environ):
-        in_place.install()  # TORCHREVIVE_SURVIVORS=keep: a failed worker is replaced without a round
+        in_place.install()  # TORCHREVIVE_SURVIVORS=keep or train-on: a failed worker is replaced without a round
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is

@@ -32,6 +32,16 @@ SERVER_FIXTURES = {"shared_etcd", "etcd", "network", "keeper"}
 """Fixtures that start a server or hosts (tests/conftest.py): a unit test may not ask for them."""
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fonts_found_before_the_guard() -> None:
+    """matplotlib asks `fc-list` for the system's fonts the first time it draws on a machine (no font
+    cache yet): a fresh CI machine would otherwise start that process inside a drawing test."""
+    try:
+        import matplotlib.font_manager  # noqa: F401 - building its cache is the point
+    except ImportError:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def one_process_no_servers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     servers = SERVER_FIXTURES.intersection(request.fixturenames)

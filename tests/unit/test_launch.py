@@ -70,5 +70,5 @@ def test_the_failure_summary_names_a_heal_that_did_not_form() -> None:
     from elastic.heal_env import HEAL_FAILED_EXIT
     from elastic.launcher.launch import describe_exit
 
-    assert describe_exit(HEAL_FAILED_EXIT) == "exit status 76, a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep)"
+    assert describe_exit(HEAL_FAILED_EXIT) == "exit status 76, a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep or train-on)"
     assert describe_exit(-9) == "killed by SIGKILL"
