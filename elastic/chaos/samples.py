@@ -4,14 +4,17 @@
 
 runs the recipe unchanged while every rank appends one JSON line per training
 step to `$ELASTIC_SAMPLE_LOG.rank<R>`: the step, the world size, the sampler's
-position and the sample indices the rank trained on. It wraps the two calls
+position and the sample indices the rank trained on. It wraps the calls
 every recipe of this project makes: `CheckpointManager.restore` (the step a
-worker starts from) and `ElasticSampler.local_batch` (once per step).
+worker starts from), `CheckpointManager.restore_live` (the step a group formed
+in place goes on from: TORCHREVIVE_SURVIVORS) and `ElasticSampler.local_batch`
+(once per step).
 
 `audit(prefix)` then rebuilds the job's history across restarts. Records
 carry their round (an id rank 0 draws after each restore and broadcasts, so all
 ranks of a round agree) and the step it resumed from; rounds follow each other
-in time, since torchrun stops every worker of a round before the next starts.
+in time, since torchrun stops every worker of a round before the next starts,
+and a group formed in place starts only once the one before it broke or was left.
 A round's steps count only up to the step the next round resumed from: the
 rest were lost with it and trained again. Over the steps that survive:
 
@@ -208,14 +211,20 @@ def _record_samples(prefix: str) -> None:
 
     current = {"step": 1, "round": "", "round_start": 0}
     original_restore, original_local_batch = CheckpointManager.restore, ElasticSampler.local_batch
+    original_restore_live = CheckpointManager.restore_live
 
-    def restore(self: CheckpointManager) -> int:
-        resumed = original_restore(self)
+    def new_round(resumed: int) -> int:
         round_id = [uuid.uuid4().hex]
         if dist.is_available() and dist.is_initialized():
             dist.broadcast_object_list(round_id, src=0, group=control_group())
         current.update(step=resumed + 1, round=round_id[0], round_start=resumed)
         return resumed
+
+    def restore(self: CheckpointManager) -> int:
+        return new_round(original_restore(self))
+
+    def restore_live(self: CheckpointManager, **kwargs: Any) -> int:
+        return new_round(original_restore_live(self, **kwargs))  # a group changed in place: a round of its own
 
     def local_batch(self: ElasticSampler, rank: int, world_size: int):
         indices = original_local_batch(self, rank, world_size)
@@ -230,6 +239,7 @@ def _record_samples(prefix: str) -> None:
         return indices
 
     CheckpointManager.restore = restore  # type: ignore[method-assign]
+    CheckpointManager.restore_live = restore_live  # type: ignore[method-assign]
     ElasticSampler.local_batch = local_batch  # type: ignore[method-assign]
 
 

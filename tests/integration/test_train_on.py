@@ -1,0 +1,80 @@
+"""Survivors train on (TORCHREVIVE_SURVIVORS=train-on): the GPT recipe, unchanged, under torchrevive-run.
+
+A worker's death stops no other worker: the survivors form a smaller group at once and train on at
+that world size, every sample of the epoch still once (the chaos suite's sample audit checks each
+step's samples); the failed worker's replacement waits, and joins at a later vote step, taking the
+state from a survivor's memory ("source": "live"). Nothing is read from disk."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from support import REPO, TINY_MODEL, free_port, start_agents, torchrun_command, wait_all, worker_env
+
+from elastic import heal_env
+from elastic.chaos.samples import LOG_ENV, audit
+from elastic.events import read_events
+
+pytestmark = pytest.mark.slow
+
+STEPS, KILL_AFTER = 60, 6
+
+
+def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str, *, steps: int = STEPS,
+            **extra_env: str) -> tuple[list[dict], list[str]]:
+    """The GPT recipe (sample-audited) on `agents` agents of one worker each with train-on and
+    ELASTIC_FAULT=`fault`; its events and each agent's log."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    events = tmp_path / "events.jsonl"
+    command = torchrun_command(
+        nnodes=f"{agents - 1}:{agents}", port=free_port(), run_id=tmp_path.name, max_restarts=3,
+        script_args=[
+            "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0",
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "20", "--events", str(events),
+            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
+        ],
+    )
+    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
+    recipe = command.index(str(REPO / "recipes" / "gpt.py"))
+    command[recipe:recipe] = ["-m", "elastic.chaos.samples"]  # the sample audit wraps the recipe
+    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: heal_env.TRAIN_ON}, ELASTIC_FAULT=fault,
+                     **{LOG_ENV: str(tmp_path / "samples")}, **extra_env)
+    procs = start_agents(agents, command, tmp_path, env=env)
+    codes = wait_all(procs, timeout=300)
+    logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(agents)]
+    assert codes == [0] * agents, "\n".join(log[-4000:] for log in logs)
+    return list(read_events(events)), logs
+
+
+def workers_started(logs: list[str]) -> dict[int, int]:
+    """How many worker processes each start rank had (one "worker ready" line each, rank as torchrun gave it)."""
+    started: dict[int, int] = {}
+    for log in logs:
+        for line in log.splitlines():
+            if "elastic.runtime: worker ready:" in line:
+                rank = int(line.split("[rank")[1].split("]")[0])
+                started[rank] = started.get(rank, 0) + 1
+    return started
+
+
+def test_survivors_train_on_while_the_replacement_starts_and_it_joins_later(tmp_path: Path, tiny_corpus: Path) -> None:
+    """Three agents: rank 2 SIGKILLed after step 6. Ranks 0 and 1 keep their processes, train on at
+    world size 2, and take rank 2's replacement in at a later step; every step's samples are the
+    sampler's, each once, and the job ends at world size 3 with equal weights everywhere."""
+    events, logs = run_job(tmp_path, tiny_corpus, 3, f"after_step@{KILL_AFTER}:rank=2")
+    everything = "\n".join(log[-4000:] for log in logs)
+    assert workers_started(logs) == {0: 1, 1: 1, 2: 2}, everything
+    heals = [e for e in events if e["event"] == "heal"]
+    assert [(e["change"], e["world_size"]) for e in heals] == [("shrink", 2), ("grow", 3)], heals
+    assert heals[0]["step"] == KILL_AFTER
+    sizes = {e["step"]: e["world_size"] for e in events if e["event"] == "step"}
+    assert sizes[KILL_AFTER] == 3 and sizes[KILL_AFTER + 1] == 2 and sizes[STEPS] == 3, sizes
+    restores = [e for e in events if e["event"] == "restore"]
+    assert all(e["source"] == "live" and e["bytes_read"] == 0 for e in restores), restores
+    (end,) = [e for e in events if e["event"] == "end"]
+    assert end["step"] == STEPS and len(set(end["param_digests"])) == 1 and len(end["param_digests"]) == 3
+    result = audit(tmp_path / "samples")
+    assert result.ok and (result.first_step, result.last_step) == (1, STEPS), result.summary()
