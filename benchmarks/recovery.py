@@ -34,6 +34,12 @@ trained `--settle` seconds after the previous recovery.
   processes (their step is void and trained again), and the replacement takes
   the state from a survivor's memory; recovery ends at the first step after
   the "heal" event (or the replacement's "start" when rank 0 was the one killed).
+- ours-train-on: ours with the survivors training on (`TORCHREVIVE_SURVIVORS=train-on`):
+  the survivors form a smaller group at once and train on without the killed
+  worker; its replacement joins at a later vote step, taking a survivor's
+  state. Recovery ends at the first step after the shrink's "heal" event; the
+  join's own pause (its "heal" event's seconds: the group formed again with the
+  replacement and the state sent to it) is its own column.
 - ours-disk: ours without the memory tier (`TORCHREVIVE_SNAPSHOTS=0`, so no
   keeper, and `--snapshot-every 0`): a kill resumes from the newest checkpoint
   on disk, as before the snapshots. stock and tuned have no keeper either
@@ -45,8 +51,10 @@ time goes (an agent decides to restart, the new round's workers start, rank 0
 has restored the checkpoint, the first step), failed
 rendezvous rounds (rounds beyond one per kill), restarts consumed (failures
 the agents counted against `--max-restarts`), and goodput with one kill every
-`--goodput-interval` seconds for `--goodput-seconds`: the step the job reached
-divided by the steps a fault-free run of the same setting makes in that time.
+`--goodput-interval` seconds for `--goodput-seconds`: the samples the job trained
+on (each step counts its world size's worth: a job that trains on at a smaller
+size trains fewer per step) divided by those a fault-free run of the same setting
+trains in that time.
 A second table gives, per setting, the steps paused per kill (the median
 recovery time times the step rate just before the kill: what the job would
 have trained meanwhile), the bytes the restore read from disk (0 when it came
@@ -88,8 +96,8 @@ from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
-SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds", "ours-keep")
-OURS = ("ours", "ours-disk", "ours-torch-rounds", "ours-keep")  # python -m elastic.launcher
+SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")
+OURS = ("ours", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")  # python -m elastic.launcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,8 +132,8 @@ def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: i
     if setting == "ours-disk":
         env[SNAPSHOTS_ENV] = "0"
         snapshots = ["--snapshot-every", "0"]
-    if setting == "ours-keep":
-        env[SURVIVORS_ENV] = "keep"
+    if setting in ("ours-keep", "ours-train-on"):
+        env[SURVIVORS_ENV] = setting.removeprefix("ours-")
     rdzv_conf = {"tuned": merged_rdzv_conf(""), "ours-torch-rounds": "quick_rounds=0"}.get(setting, "")
     spec = JobSpec(
         workdir=workdir, launcher="ours" if setting in OURS else "stock", max_restarts=100, agents=agents,
@@ -201,6 +209,7 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
     redone: list[dict] = []
     phases: list[dict[str, float]] = []
     paused: list[float] = []
+    joins: list[float] = []
     failures = 0
     failed_rounds = 0
     try:
@@ -230,7 +239,15 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
                 lost = (f"; restored step {r['restored_step']} from {r['source']}, "
                         f"{r['redone']}{'*' if r['estimated'] else ''} steps redone (newest step logged before the "
                         f"kill: {r['before']})")
-            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s ({where or 'no breakdown'}){lost}",
+            joined = ""
+            if setting == "ours-train-on" and back is not None:  # the replacement's join: a pause of its own
+                grow = wait_until(lambda t=killed_at: next((r for r in job.records() if r["event"] == "heal"
+                                                            and r.get("change") == "grow" and r["time"] > t), None),
+                                  args.recovery_limit, interval=0.1)
+                if grow is not None:
+                    joins.append(grow["seconds"])
+                    joined = f"; joined back at step {grow['step']} after {grow['time'] - killed_at:.1f} s, pausing {grow['seconds']:.2f} s"
+            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s ({where or 'no breakdown'}){lost}{joined}",
                   flush=True)
     finally:
         job.close()
@@ -248,17 +265,19 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
         "restore_sources": [r["source"] for r in redone],
         "steps_paused": paused,
         "disk_bytes": [r["disk_bytes"] for r in redone],
+        "join_pause_s": joins,
     }
 
 
 def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Namespace, faults: bool) -> float:
-    """Steps per second of wall time the job keeps, from its first step on."""
+    """Samples per second of wall time the job keeps, from its first step at full size on (a step
+    counts as many per-rank batches as its world size: the batch size is the same for every setting)."""
     rng = random.Random(args.seed + 1)
     job = start_job(setting, workdir, data, args.ckpt_every, agents=args.agents)
     try:
         wait_for_all_workers(job)
         first = next(r for r in job.records() if r["event"] == "step" and r["world_size"] == args.agents)
-        started, start_step = first["time"], first["step"]
+        started = first["time"]
         end = started + args.goodput_seconds
         next_kill = started + args.goodput_interval
         while time.time() < end:
@@ -266,11 +285,22 @@ def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Name
                 job.signal_worker(signal.SIGKILL, rng=rng)
                 next_kill += args.goodput_interval
             time.sleep(0.1)
-        reached = max((r["step"] for r in job.records() if r["event"] == "step" and r["time"] <= end), default=0)
+        kept = kept_steps(job.records(), after=first["step"], until=end)
     finally:
         job.close()
     picture(job, args, f"{setting}: goodput run, {f'one kill per {args.goodput_interval:g} s' if faults else 'no faults'}")
-    return (reached - start_step) / args.goodput_seconds
+    return sum(kept.values()) / args.goodput_seconds
+
+
+def kept_steps(records: list[dict], *, after: int, until: float) -> dict[int, int]:
+    """Step -> world size of the steps past `after` the job kept by time `until`: a step trained again
+    after a restore counts once, at the size it was last trained at (the one whose result stands)."""
+    kept: dict[int, int] = {}
+    for r in records:
+        if r["event"] == "step" and after < r["step"] and r["time"] <= until:
+            kept[r["step"]] = r["world_size"]
+    reached = max(kept, default=after)
+    return {step: size for step, size in kept.items() if step <= reached}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"checkpoint every {args.ckpt_every} steps; steps redone per kill "
           "(* from the event log: the runtime has no figure without a keeper)")
-    print(f"{'setting':17} {'redone mean':>12} {'redone max':>11} {'paused':>7} {'disk MB':>8} {'steps/s':>8}  "
-          "restored from")
+    print(f"{'setting':17} {'redone mean':>12} {'redone max':>11} {'paused':>7} {'join s':>7} {'disk MB':>8} "
+          f"{'steps/s':>8}  restored from")
     for setting, r in results.items():
         mark = "*" if r["redone_estimated"] else ""
         mean = f"{statistics.fmean(r['redone']):.1f}{mark}" if r["redone"] else "-"
@@ -314,16 +344,20 @@ def main(argv: list[str] | None = None) -> int:
         sources = ", ".join(f"{s} {r['restore_sources'].count(s)}" for s in dict.fromkeys(r["restore_sources"])) or "-"
         paused = f"{statistics.median(r['steps_paused']):.1f}" if r["steps_paused"] else "-"
         disk = f"{statistics.fmean(r['disk_bytes']) / 1e6:.1f}" if r["disk_bytes"] else "-"
-        print(f"{setting:17} {mean:>12} {worst:>11} {paused:>7} {disk:>8} {rate:>8}  {sources}")
+        join = f"{statistics.median(r['join_pause_s']):.2f}" if r.get("join_pause_s") else "-"
+        print(f"{setting:17} {mean:>12} {worst:>11} {paused:>7} {join:>7} {disk:>8} {rate:>8}  {sources}")
     for setting, r in results.items():
         if r["median_phases_s"]:
             marks = ", ".join(f"{k} at {v:.1f} s" for k, v in r["median_phases_s"].items())
             print(f"{setting}: median time line after a kill: {marks}")
-    for other in ("stock", "tuned", "ours-disk", "ours-torch-rounds"):
+    for other in ("stock", "tuned", "ours-disk", "ours-torch-rounds", "ours"):
+        if {other, "ours-train-on"} <= results.keys():
+            print(f"median recovery, {other} / ours-train-on: "
+                  f"{results[other]['median_s'] / results['ours-train-on']['median_s']:.1f}x")
         if {other, "ours-keep"} <= results.keys():
             print(f"median recovery, {other} / ours-keep: "
                   f"{results[other]['median_s'] / results['ours-keep']['median_s']:.1f}x")
-        if {other, "ours"} <= results.keys():
+        if other != "ours" and {other, "ours"} <= results.keys():
             print(f"median recovery, {other} / ours: {results[other]['median_s'] / results['ours']['median_s']:.1f}x")
     if {"ours", "ours-disk"} <= results.keys() and "goodput" in results["ours"]:
         print(f"goodput (one kill per {args.goodput_interval:g} s), ours / ours-disk: "

@@ -230,7 +230,7 @@ def _record_samples(prefix: str) -> None:
         indices = original_local_batch(self, rank, world_size)
         record = {
             "step": current["step"], "round": current["round"], "round_start": current["round_start"],
-            "time": time.time(), "rank": rank, "world_size": world_size,
+            "time": time.time(), "rank": rank, "world_size": world_size, "pid": os.getpid(),
             "epoch": self.state.epoch, "consumed": self.state.consumed, "num_samples": self.num_samples,
             "batch_size": self.batch_size, "seed": self.seed, "indices": indices.tolist(),
         }

@@ -49,6 +49,7 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic import heal_env
+from elastic.launcher import exit_barrier
 from elastic.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ def install() -> None:
 
     if getattr(LocalElasticAgent._restart_workers, "heals_in_place", False):
         return
+    if heal_env.mode(os.environ) == heal_env.TRAIN_ON:
+        exit_barrier.install()  # a job may end without a node it lost: wait for the live ones only
     restart_round = LocalElasticAgent._restart_workers
     monitor = LocalElasticAgent._monitor_workers
     start_workers = LocalElasticAgent._start_workers

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, TINY_MODEL, free_port, start_agents, torchrun_command, wait_all, worker_env
+from support import REPO, TINY_MODEL, free_port, listens, start_agents, torchrun_command, wait_all, worker_env
 
 from elastic import heal_env
 from elastic.events import read_events
@@ -174,25 +174,3 @@ def test_a_lost_node_falls_back_to_a_new_round_of_the_nodes_left(tmp_path: Path,
     assert (end["step"], end["world_size"]) == (40, 2), everything
     restores = [e for e in records if e["event"] == "restore" and e["world_size"] == 2]
     assert restores and restores[0]["source"] != "live", "the new round restored from a snapshot or the disk"
-
-
-def listens(pid: int, port: int) -> bool:
-    """Whether process `pid` holds a socket listening on TCP `port` (from /proc)."""
-    import os
-
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                    inodes.add(fields[9])
-    fds = f"/proc/{pid}/fd"
-    for fd in os.listdir(fds):
-        try:
-            target = os.readlink(f"{fds}/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            return True
-    return False
