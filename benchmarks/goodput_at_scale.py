@@ -29,9 +29,16 @@ keeps. Three systems side by side:
   replacement takes the state of the last completed step from a live peer over
   the network (state_gb_per_gpu at peer_gbps_per_gpu) while every other GPU
   waits, and the void step is trained again. No rendezvous round: the process
-  group is rebuilt (regroup_at_scale_s). Snapshots and durable checkpoints
-  still run, as in the row above (a failure that takes a whole node falls back
-  to them; not modelled).
+  group is rebuilt (regroup_at_scale_s). Everyone also waits for the
+  replacement process to start (worker_start_at_scale_s). Snapshots and
+  durable checkpoints still run, as in the row above.
+- train on: torchrevive with the survivors training on
+  (TORCHREVIVE_SURVIVORS=train-on): the survivors rebuild a smaller group at
+  once and train on without the failed replica (replica_gpus of the job's N
+  GPUs) while its replacement starts; then the job stops once more while the
+  replacement joins (the group rebuilt again and the state sent to it). A
+  lost node leaves it training on too, where the rows above fall back to a
+  restart; not modelled.
 
 Both torchrevive rows also pay loop_overhead on every step: the end-to-end
 cost of the runtime on the loop, 1 - the ratio `benchmarks/overhead.py`
@@ -51,9 +58,13 @@ The model (first order, as Young and Daly's; every time in seconds):
 
     E[lost per failure] = recovery + restore + lost work, where
       stock:      (recovery_stock_s + restart_at_scale_s) + restore_disk      + C / 2
-      today:      (recovery_ours_s + rendezvous_at_scale_s) + restore_disk    + C / 2
-      snapshots:  (recovery_ours_s + rendezvous_at_scale_s) + restore_memory_s + S / 2
-      in place:   (recovery_in_place_s + regroup_at_scale_s) + state / peer_gbps + step_s
+      today:      (recovery_ours_s + rendezvous_at_scale_s + worker_start_at_scale_s) + restore_disk + C / 2
+      snapshots:  (recovery_ours_s + rendezvous_at_scale_s + worker_start_at_scale_s) + restore_memory_s + S / 2
+      in place:   (recovery_in_place_s + regroup_at_scale_s + worker_start_at_scale_s)
+                  + state / peer_gbps + step_s
+      train on:   (recovery_train_on_s + regroup_at_scale_s)
+                  + (join_pause_s + regroup_at_scale_s + state / peer_gbps)
+                  + step_s + min(1, replica_gpus / N) × worker_start_at_scale_s
     (the measured recovery times run from the kill to the first step of the
     restarted group: they include detection and rendezvous at 2 agents)
 
@@ -64,7 +75,7 @@ The model (first order, as Young and Daly's; every time in seconds):
       stock:      sync_stall_s / C
       today:      loop_overhead + async_stall / C
       snapshots:  loop_overhead + async_stall / C + snapshot_s / S
-      in place:   as snapshots
+      in place, train on: as snapshots
 
     goodput = max(0, (1 - steady overhead) × (1 - λ × E[lost per failure]))
 
@@ -184,6 +195,24 @@ PARAMS: dict[str, Param] = {
         10.0, "s", "assumption", "ours only: rendezvous and process-group setup at scale, added at every scale"),
     "regroup_at_scale_s": Param(
         5.0, "s", "assumption", "in place only: the process group's rebuild at scale (no rendezvous round)"),
+    "recovery_train_on_s": Param(
+        0.5, "s", "measured",
+        "benchmarks/recovery.py --settings ours-train-on: torchrevive-run with TORCHREVIVE_SURVIVORS=train-on, "
+        "median SIGKILL -> first step of the survivors' smaller group, 2 agents on one host (README); includes "
+        "detection and the group's rebuild, no catch-up"),
+    "join_pause_s": Param(
+        0.2, "s", "measured",
+        "benchmarks/recovery.py --settings ours-train-on: median seconds the job stood still while the "
+        "replacement joined (the group formed again with it and the state sent to it), small model (README)"),
+    "worker_start_at_scale_s": Param(
+        30.0, "s", "assumption",
+        "ours: a worker process at scale (interpreter, CUDA and NCCL initialisation, model build) before it "
+        "can take the state: a restart pays it for every worker (today, snapshots; stock's restart_at_scale_s "
+        "holds it), keep waits for the replacement's, train-on trains on meanwhile"),
+    "replica_gpus": Param(
+        8.0, "GPUs", "assumption",
+        "train on only: GPUs one failure takes out of the data-parallel width while the replacement starts "
+        "(a node of tensor parallelism)", positive=True),
     "peer_gbps_per_gpu": Param(
         4.0, "GB/s", "assumption",
         "in place only: a replacement's catch-up from a live peer over the network (torchft reports about "
@@ -222,6 +251,7 @@ SYSTEMS = {
     "today": "torchrevive today",
     "snapshots": "torchrevive + in-memory snapshots",
     "in_place": "torchrevive, survivors heal in place",
+    "train_on": "torchrevive, survivors train on",
 }
 
 
@@ -257,21 +287,30 @@ def snapshot_interval_s(p: dict[str, float], interval_s: float, mtbf: float) -> 
     return min(interval_s, max(p["step_s"], daly))
 
 
-def per_failure(system: str, p: dict[str, float], interval_s: float, mtbf: float = math.inf) -> dict[str, float]:
+def per_failure(
+    system: str, p: dict[str, float], interval_s: float, mtbf: float = math.inf, gpus: float = math.inf
+) -> dict[str, float]:
     """Seconds one failure costs, split into recovery (detection, restart, rendezvous), restore and redone work."""
     if system in ("stock", "stock_daly"):
         recovery, restore = p["recovery_stock_s"] + p["restart_at_scale_s"], restore_disk_at_scale_s(p)
         lost_work = interval_s / 2
     elif system == "today":
-        recovery, restore = p["recovery_ours_s"] + p["rendezvous_at_scale_s"], restore_disk_at_scale_s(p)
+        recovery = p["recovery_ours_s"] + p["rendezvous_at_scale_s"] + p["worker_start_at_scale_s"]
+        restore = restore_disk_at_scale_s(p)
         lost_work = interval_s / 2
     elif system == "snapshots":
-        recovery, restore = p["recovery_ours_s"] + p["rendezvous_at_scale_s"], p["restore_memory_s"]
+        recovery = p["recovery_ours_s"] + p["rendezvous_at_scale_s"] + p["worker_start_at_scale_s"]
+        restore = p["restore_memory_s"]
         lost_work = snapshot_interval_s(p, interval_s, mtbf) / 2
-    elif system == "in_place":
-        recovery = p["recovery_in_place_s"] + p["regroup_at_scale_s"]
+    elif system == "in_place":  # everyone waits for the replacement to start, then for its catch-up
+        recovery = p["recovery_in_place_s"] + p["regroup_at_scale_s"] + p["worker_start_at_scale_s"]
         restore = p["state_gb_per_gpu"] / p["peer_gbps_per_gpu"]
         lost_work = p["step_s"]  # the void step, trained again
+    elif system == "train_on":  # a stop for the shrink, another for the join; the width is short meanwhile
+        recovery = p["recovery_train_on_s"] + p["regroup_at_scale_s"]
+        restore = p["join_pause_s"] + p["regroup_at_scale_s"] + p["state_gb_per_gpu"] / p["peer_gbps_per_gpu"]
+        narrower = min(1.0, p["replica_gpus"] / gpus) * p["worker_start_at_scale_s"]
+        lost_work = p["step_s"] + narrower  # the void step, and the missing replica's share while it starts
     else:
         raise ValueError(system)
     return {"recovery_s": recovery, "restore_s": restore, "lost_work_s": lost_work,
@@ -283,15 +322,15 @@ def steady_overhead(system: str, p: dict[str, float], interval_s: float, mtbf: f
     if system in ("stock", "stock_daly"):
         return p["sync_stall_s"] / interval_s
     async_stall = p["async_stall_ratio"] * p["sync_stall_s"] / interval_s
-    with_snapshots = system in ("snapshots", "in_place")
+    with_snapshots = system in ("snapshots", "in_place", "train_on")
     snapshots = snapshot_cost_s(p) / snapshot_interval_s(p, interval_s, mtbf) if with_snapshots else 0.0
     return p["loop_overhead"] + async_stall + snapshots
 
 
-def evaluate(system: str, p: dict[str, float], mtbf: float) -> dict[str, Any]:
+def evaluate(system: str, p: dict[str, float], mtbf: float, gpus: float = math.inf) -> dict[str, Any]:
     """Goodput = max(0, (1 - steady overhead) × (1 - λ × E[lost per failure]))."""
     interval = young_daly_interval_s(p, mtbf) if system == "stock_daly" else 60 * p["checkpoint_interval_min"]
-    loss = per_failure(system, p, interval, mtbf)
+    loss = per_failure(system, p, interval, mtbf, gpus)
     overhead = steady_overhead(system, p, interval, mtbf)
     exposure = loss["total_s"] / mtbf  # λ × E[lost per failure]
     goodput = max(0.0, (1 - overhead) * (1 - exposure))
@@ -307,7 +346,7 @@ def model(p: dict[str, float], gpus: tuple[int, ...]) -> dict[str, Any]:
         rows: list[dict[str, Any]] = []
         for n in gpus:
             mtbf = mtbf_s(source, n)
-            systems = {name: evaluate(name, p, mtbf) for name in SYSTEMS}
+            systems = {name: evaluate(name, p, mtbf, n) for name in SYSTEMS}
             rows.append({"gpus": n, "mtbf_h": mtbf / 3600, "systems": systems,
                          "snapshot_interval_s": snapshot_interval_s(p, 60 * p["checkpoint_interval_min"], mtbf)})
         sources[source.key] = {
@@ -387,13 +426,14 @@ def report(p: dict[str, float], results: dict[str, Any]) -> str:
         (s.key, [fmt_hours(r["mtbf_h"]) for r in results["sources"][s.key]["by_gpus"]]) for s in SOURCES])]
     interval = 60 * p["checkpoint_interval_min"]
     loss_rows = []
-    for name in ("stock", "today", "in_place"):
-        loss = per_failure(name, p, interval)
+    for name in ("stock", "today", "in_place", "train_on"):
+        loss = per_failure(name, p, interval, gpus=GPUS[1])
         loss_rows.append((SYSTEMS[name], [f"{loss[k]:.1f}" for k in ("recovery_s", "restore_s", "lost_work_s",
                                                                       "total_s")]))
     lines += ["", *table("Per failure, seconds", ["recovery", "restore", "lost work", "total"], loss_rows)]
     lines.append(f"  ({SYSTEMS['stock_daly']}: lost work = Young/Daly interval / 2; {SYSTEMS['snapshots']}: "
-                 "restore from memory, lost work = snapshot interval / 2; both per scale below)")
+                 "restore from memory, lost work = snapshot interval / 2; both per scale below; train on: "
+                 f"restore = the join, lost work at {GPUS[1]:,} GPUs)")
     minutes = p["checkpoint_interval_min"]
     for source in SOURCES:
         rows_by_gpus = results["sources"][source.key]["by_gpus"]
@@ -408,6 +448,7 @@ def report(p: dict[str, float], results: dict[str, Any]) -> str:
             (SYSTEMS["snapshots"], cells["snapshots"]),
             ("  snapshot interval (auto), min", every),
             (SYSTEMS["in_place"], cells["in_place"]),
+            (SYSTEMS["train_on"], cells["train_on"]),
         ]
         lines += ["", f"{source.key}: {source.citation}", *table(f"Goodput, {source.key}", cols, rows)]
     lines += ["", f"*: lambda x E[lost per failure] > {FIRST_ORDER_LIMIT}: the first-order model is outside its range "
@@ -424,11 +465,11 @@ def plot(p: dict[str, float], path: Path) -> None:
     gpus = [round(10 ** (3 + 2 * i / 60)) for i in range(61)]
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = {"stock": "tab:red", "stock_daly": "tab:orange", "today": "tab:blue", "snapshots": "tab:green",
-              "in_place": "tab:purple"}
+              "in_place": "tab:purple", "train_on": "tab:brown"}
     for key, style in zip(PLOT_SOURCES, ("-", "--")):
         source = next(s for s in SOURCES if s.key == key)
         for name, label in SYSTEMS.items():
-            values = [evaluate(name, p, mtbf_s(source, n))["goodput"] for n in gpus]
+            values = [evaluate(name, p, mtbf_s(source, n), n)["goodput"] for n in gpus]
             anchor = f"{source.anchor_gpus:,}-GPU anchor"
             ax.plot(gpus, values, style, color=colors[name], label=f"{label} ({anchor})")
     ax.set_xscale("log")

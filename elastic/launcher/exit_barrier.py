@@ -59,7 +59,9 @@ def live_nodes(handler: Any) -> int | None:
         return len(holder.state.participants)
 
 
-def wait_for_live_nodes(store: Any, handler: Any, *, timeout: float, clock: Any = time.monotonic) -> bool:
+def wait_for_live_nodes(
+    store: Any, handler: Any, *, timeout: float, clock: Any = time.monotonic, sleep: Any = time.sleep
+) -> bool:
     """Count this agent at the exit and wait for the live nodes (see the module docstring); True when
     they all came, False after `timeout` or when the store or the rendezvous failed."""
     deadline = clock() + timeout
@@ -72,7 +74,7 @@ def wait_for_live_nodes(store: Any, handler: Any, *, timeout: float, clock: Any 
             if clock() >= deadline:
                 logger.warning("exit barrier: %d of %d live nodes after %.0f s; leaving", arrived, live, timeout)
                 return False
-            time.sleep(_POLL_S)
+            sleep(_POLL_S)
             arrived = store.add(_KEY, 0)
     except Exception as error:  # noqa: BLE001 - the store's agent left: every live node had come
         logger.info("exit barrier: %s: %s; leaving", type(error).__name__, error)

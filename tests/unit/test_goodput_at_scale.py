@@ -66,7 +66,7 @@ def test_defaults_cover_every_source_system_and_scale(defaults):
     assert set(defaults["sources"]) == {"llama3", "meta-rsc-1k", "meta-rsc-16k", "ant"}
     for source in defaults["sources"].values():
         for row in source["by_gpus"]:
-            assert set(row["systems"]) == {"stock", "stock_daly", "today", "snapshots", "in_place"}
+            assert set(row["systems"]) == {"stock", "stock_daly", "today", "snapshots", "in_place", "train_on"}
             for cell in row["systems"].values():
                 assert 0.0 <= cell["goodput"] <= 1.0
 
@@ -155,7 +155,8 @@ def test_free_snapshots_every_step_redo_half_a_step(tmp_path):
             assert loss["lost_work_s"] == pytest.approx(1.25)
             assert loss["restore_s"] == 0
             recovery = goodput_at_scale.PARAMS["recovery_ours_s"].default
-            assert loss["total_s"] == pytest.approx(recovery + 10.0 + 1.25)  # recovery + rendezvous at scale + work
+            # recovery + rendezvous at scale + every worker's start at scale + work
+            assert loss["total_s"] == pytest.approx(recovery + 10.0 + 30.0 + 1.25)
             today = row["systems"]["today"]["lost_per_failure"]
             assert today["lost_work_s"] == pytest.approx(300.0)  # half the 10-minute interval
 
@@ -167,7 +168,7 @@ def test_measured_file_then_flags(tmp_path):
     assert results["params"]["recovery_ours_s"]["value"] == 4.0
     assert results["params"]["recovery_stock_s"]["value"] == 30.0  # the flag wins over the file
     loss = results["sources"]["ant"]["by_gpus"][0]["systems"]["today"]["lost_per_failure"]
-    assert loss["recovery_s"] == pytest.approx(14.0)
+    assert loss["recovery_s"] == pytest.approx(14.0 + 30.0)  # the file's 4.0, 10 s of rendezvous, 30 s of worker starts
 
 
 @pytest.mark.parametrize("argv", [
@@ -226,8 +227,22 @@ def test_the_models_snapshot_interval_is_the_runtimes(defaults):
 def test_a_heal_in_place_costs_its_recovery_the_catch_up_and_one_step() -> None:
     p = {key: param.default for key, param in goodput_at_scale.PARAMS.items()}
     loss = goodput_at_scale.per_failure("in_place", p, 600.0)
-    assert loss["recovery_s"] == p["recovery_in_place_s"] + p["regroup_at_scale_s"]
+    assert loss["recovery_s"] == p["recovery_in_place_s"] + p["regroup_at_scale_s"] + p["worker_start_at_scale_s"]
     assert loss["restore_s"] == p["state_gb_per_gpu"] / p["peer_gbps_per_gpu"]
     assert loss["lost_work_s"] == p["step_s"]
     assert goodput_at_scale.steady_overhead("in_place", p, 600.0) == goodput_at_scale.steady_overhead(
         "snapshots", p, 600.0)
+
+
+def test_survivors_that_train_on_stop_twice_and_lose_a_replicas_share_while_it_starts() -> None:
+    p = {key: param.default for key, param in goodput_at_scale.PARAMS.items()}
+    loss = goodput_at_scale.per_failure("train_on", p, 600.0, gpus=10_000)
+    assert loss["recovery_s"] == p["recovery_train_on_s"] + p["regroup_at_scale_s"]
+    assert loss["restore_s"] == pytest.approx(
+        p["join_pause_s"] + p["regroup_at_scale_s"] + p["state_gb_per_gpu"] / p["peer_gbps_per_gpu"])
+    assert loss["lost_work_s"] == pytest.approx(p["step_s"] + 8 / 10_000 * p["worker_start_at_scale_s"])
+    small = goodput_at_scale.per_failure("train_on", p, 600.0, gpus=8)
+    assert small["lost_work_s"] == pytest.approx(p["step_s"] + p["worker_start_at_scale_s"]), "a job of one replica stops"
+    mtbf = 3600.0
+    assert goodput_at_scale.evaluate("train_on", p, mtbf, 10_000)["goodput"] > goodput_at_scale.evaluate(
+        "in_place", p, mtbf, 10_000)["goodput"], "not waiting for the replacement's start is the point"

@@ -1,0 +1,212 @@
+"""Who trains together when the survivors train on (elastic.views), on an in-process store: a view closes
+once and every worker reads the same list; after a failure it closes as soon as the dead are marked, or
+after the settle time without them; a late survivor and a passed-over joiner are taken in later; a
+malformed record in the store is one `ViewError` line (hypothesis); and the pieces around them: the
+setting's values, worker ids, the step vote's joiners field, the loader's restart at a new size, the
+event log's new writer and the agents' exit barrier."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic import heal_env, views
+from elastic.data import Feed, StepBatchSampler
+from elastic.events import EventLog, read_events
+from elastic.launcher import exit_barrier
+from elastic.sampler import ElasticSampler
+from elastic.step_vote import Verdict
+from elastic.views import View, ViewError
+
+
+class Clock:
+    """A clock the waits advance: every sleep moves it on, nothing really sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def ids(*ranks: int, incarnation: int = 0) -> tuple[str, ...]:
+    return tuple(heal_env.member_id(rank, incarnation) for rank in ranks)
+
+
+def test_the_first_view_is_every_rank_of_the_round() -> None:
+    first = views.first_view(3)
+    assert (first.number, first.members, first.world_size) == (0, ids(0, 1, 2), 3)
+    assert first.rank_of("2.0") == 2 and first.rank_of("2.1") is None
+
+
+def test_survivors_close_the_next_view_once_the_dead_are_marked() -> None:
+    store, clock = dist.HashStore(), Clock()
+    first = views.first_view(3)
+    store.set(heal_env.failed_key("1.0"), "1")  # rank 1's agent said it died
+    store.add("view/1/arrivals", 1)
+    store.set("view/1/arrival/1", "2.0")  # rank 2 arrived already
+    view = views.after_failure(store, first, "0.0", clock=clock, sleep=clock.sleep)
+    assert (view.number, view.members) == (1, ids(0, 2))
+    assert clock.now == 0.0, "nobody left to wait for: closed at once"
+    assert views.latest(store) == 1
+    assert views.after_failure(store, first, "2.0", clock=clock, sleep=clock.sleep) == view, "one list for all"
+
+
+def test_a_member_neither_arrived_nor_marked_is_waited_for_the_settle_time_then_left_out() -> None:
+    store, clock = dist.HashStore(), Clock()
+    view = views.after_failure(store, views.first_view(2), "0.0", settle=1.0, clock=clock, sleep=clock.sleep)
+    assert view.members == ids(0) and 1.0 <= clock.now < 1.1  # a lost node: its agent never marks it
+    late = views.after_failure(store, views.first_view(2), "1.0", clock=clock, sleep=clock.sleep)
+    assert late == view and late.rank_of("1.0") is None, "a survivor that came late is not in it: it joins later"
+
+
+def test_a_grow_admits_the_waiting_joiners_in_rank_order_and_skips_the_dead_and_the_taken() -> None:
+    store = dist.HashStore()
+    current = View(4, ids(0, 2), considered=0)
+    assert views.joiners_waiting(store) == 0
+    views.register_joiner(store, "3.1")
+    views.register_joiner(store, "1.2")
+    views.register_joiner(store, "2.5")  # rank 2 is a member already: not admitted twice
+    views.register_joiner(store, "4.1")
+    store.set(heal_env.failed_key("4.1"), "1")  # died while it waited
+    assert views.joiners_waiting(store) == 4
+    grown = views.admit(store, current, upto=4)
+    assert (grown.number, grown.members, grown.considered) == (5, ("0.0", "1.2", "2.0", "3.1"), 4)
+    assert grown.rank_of("3.1") == 3 and views.wait_view(store, 5, timeout=0) == grown
+
+
+def test_a_joiner_passed_over_by_a_view_takes_a_new_ticket_and_is_admitted_by_the_next() -> None:
+    store, clock = dist.HashStore(), Clock()
+    first = views.first_view(2)
+    ticket = views.register_joiner(store, "1.1")
+    views._close(store, 1, ["0.0"], considered=ticket)  # a view that considered it without it
+    grown = View(2, ("0.0", "1.1"), considered=2)
+    calls = itertools.count()
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if next(calls) == 0:  # rank 0 admits the new ticket while the joiner waits
+            assert views.joiners_waiting(store) == 2
+            views._close(store, 2, list(grown.members), considered=2)
+
+    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, clock=clock,
+                                    sleep=sleep) == grown
+
+
+def test_a_joiner_leaves_when_the_job_ended_and_when_nobody_is_left_to_take_it_in() -> None:
+    store, clock = dist.HashStore(), Clock()
+    first = views.first_view(2)
+    ticket = views.register_joiner(store, "1.1")
+    views.mark_ended(store)
+    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, clock=clock,
+                                    sleep=clock.sleep) is None
+    orphaned = dist.HashStore()
+    for member in first.members:
+        orphaned.set(heal_env.failed_key(member), "1")
+    with pytest.raises(ViewError, match="every worker of view 0 failed"):
+        views.wait_for_admission(orphaned, "1.1", after=0, ticket=1, first=first, clock=clock, sleep=clock.sleep)
+
+
+def test_a_view_gathers_only_when_all_its_members_came() -> None:
+    store, clock = dist.HashStore(), Clock()
+    view = View(3, ids(0, 1))
+    assert not views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep)
+    assert views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.text(max_size=60))
+def test_a_view_record_from_the_store_is_a_view_or_one_line(text: str) -> None:
+    try:
+        view = View.parse(7, text)
+    except ViewError as error:
+        assert "\n" not in str(error)
+        return
+    ranks = [heal_env.parse_member_id(member)[0] for member in view.members]
+    assert ranks == sorted(set(ranks)) and view.world_size >= 1 and view.considered >= 0
+    assert View.parse(7, view.encode()) == view
+
+
+@pytest.mark.parametrize("text", ["", "0|", "x|0.0", "0|0.0,0.1", "0|1.0,0.0", "0|0.0,,1.0", "-1|0.0", "0|٣.0"])
+def test_malformed_view_records_are_refused(text: str) -> None:
+    with pytest.raises(ViewError):
+        View.parse(1, text)
+
+
+@given(st.text(max_size=30))
+def test_a_worker_id_parses_or_is_refused(text: str) -> None:
+    try:
+        rank, incarnation = heal_env.parse_member_id(text)
+    except ValueError:
+        return
+    assert heal_env.parse_member_id(heal_env.member_id(rank, incarnation)) == (rank, incarnation)
+
+
+@pytest.mark.parametrize(("value", "mode"), [("", "restart"), ("restart", "restart"), ("keep", "keep"),
+                                             ("train-on", "train-on")])
+def test_the_setting_takes_its_three_values(value: str, mode: str) -> None:
+    assert heal_env.mode({heal_env.SURVIVORS_ENV: value}) == mode
+
+
+def test_another_value_of_the_setting_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="restart, keep, train-on"):
+        heal_env.mode({heal_env.SURVIVORS_ENV: "shrink"})
+
+
+def test_the_vote_carries_the_newest_joiner_ticket() -> None:
+    assert Verdict.of([0, 0, 0, 1, 5]).joiners == 5
+
+
+def test_the_loader_starts_again_with_the_new_rank_and_world_size() -> None:
+    sampler = ElasticSampler(100, batch_size=4, seed=0)
+    loader = torch.utils.data.DataLoader(list(range(100)), batch_sampler=StepBatchSampler(sampler, 1, 3))
+    feed = Feed(loader, 4)
+    expected = sampler.local_batch(1, 3)
+    assert feed.fetch(expected, step=0, max_steps=10).tolist() == expected.tolist()
+    feed.check(expected, step=0, rank=1)
+    sampler.advance(3)
+    feed.reopen(0, 2)  # the group shrank: this worker is rank 0 of 2 now
+    expected = sampler.local_batch(0, 2)
+    assert feed.fetch(expected, step=1, max_steps=10).tolist() == expected.tolist()
+    feed.check(expected, step=1, rank=0)
+    assert Feed(None, 4).resizable and not Feed(torch.utils.data.DataLoader(list(range(8))), 4).resizable
+
+
+def test_the_event_log_changes_writer_when_a_worker_becomes_rank_0(tmp_path: Any) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(None, restart=0)
+    log.emit("start", step=0, world_size=3)  # not rank 0 yet: nothing written
+    log.write_to(path)
+    log.emit("heal", step=6, world_size=2)
+    log.write_to(None)
+    log.emit("step", step=7, world_size=2)
+    log.close()
+    assert [e["event"] for e in read_events(path)] == ["heal"]
+
+
+class FakeHolder:
+    def __init__(self, live: list[int]) -> None:
+        self.live, self._last_sync_time = live, 0.0
+        self.state = type("State", (), {"participants": {}})()
+
+    def sync(self) -> None:
+        self.state.participants = dict.fromkeys(range(self.live.pop(0) if len(self.live) > 1 else self.live[0]))
+
+
+def test_the_exit_barrier_waits_for_the_live_nodes_only() -> None:
+    store, clock = dist.HashStore(), Clock()
+    handler = type("Handler", (), {})()
+    handler._state_holder = FakeHolder([3, 3, 2])  # a node the keep-alive stops counting two polls later
+    store.add("torchrevive/exit-barrier", 1)  # another agent got there first
+    assert exit_barrier.wait_for_live_nodes(store, handler, timeout=60, clock=clock, sleep=clock.sleep)
+    handler._state_holder = FakeHolder([3])
+    assert not exit_barrier.wait_for_live_nodes(dist.HashStore(), handler, timeout=0.2, clock=clock, sleep=clock.sleep)
