@@ -39,6 +39,7 @@ from elastic.chaos.scenarios import (
 )
 from elastic.cli import OneLineArgumentParser, positive_int, run_main
 from elastic.errors import ElasticError, UsageError
+from elastic.heal_env import MODES, RESTART
 
 
 def build_parser() -> OneLineArgumentParser:
@@ -62,6 +63,11 @@ def build_parser() -> OneLineArgumentParser:
     p.add_argument(
         "--fsdp", action="store_true",
         help="train the recipe with --fsdp: parameters, gradients and optimizer state sharded (FSDP2) instead of DDP",
+    )
+    p.add_argument(
+        "--survivors", choices=list(MODES), default=RESTART,
+        help="TORCHREVIVE_SURVIVORS for the agents: restart every worker after a fault (default), keep the "
+        "others' processes and wait for the replacement, or keep them and train on without it",
     )
     p.add_argument("--data", default=None, help="text for the recipe (default: this package's own sources)")
     p.add_argument("--recipe", default=None, help="the GPT recipe to run (default: recipes/gpt.py of this checkout)")
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_scenario(
                 name, root / name, data, steps=args.steps, backend=args.backend, endpoint=endpoint,
                 launcher=args.launcher, seed=args.seed, network=network, etcd=etcd,
-                recipe_args=["--fsdp"] if args.fsdp else [], recipe=recipe,
+                recipe_args=["--fsdp"] if args.fsdp else [], recipe=recipe, survivors=args.survivors,
             )
             print(result.summary(), flush=True)
             failed += not result.ok

@@ -422,6 +422,14 @@ class ScenarioResult:
     """Per restore after a fault: steps finished before it that the job trained again."""
     max_redone: int | None = None
     """The most steps a fault may cost (None: not judged, e.g. under stock torchrun: no snapshots)."""
+    kept_processes: int = 0
+    """Worker processes that trained in every group of the run (`elastic.chaos.samples.kept_processes`)."""
+    min_kept: int | None = None
+    """The fewest that must have (TORCHREVIVE_SURVIVORS=keep or train-on); None: not judged."""
+
+    @property
+    def kept_ok(self) -> bool:
+        return self.min_kept is None or self.kept_processes >= self.min_kept
 
     @property
     def redone_ok(self) -> bool:
@@ -444,6 +452,7 @@ class ScenarioResult:
             and all(r is not None for r in self.recovery_seconds)
             and self.samples_ok
             and self.redone_ok
+            and self.kept_ok
         )
 
     def summary(self) -> str:
@@ -453,7 +462,9 @@ class ScenarioResult:
             f"{self.scenario}: {verdict}; exit codes {self.exit_codes} (expected {self.expected_codes}); "
             f"ended at step {self.end_step}/{self.max_steps}; recovery {recoveries}; "
             f"steps redone {self.redone or '-'}" + (f" (at most {self.max_redone})" if self.max_redone is not None else "") + "; "
-            f"final checkpoint {self.final_checkpoint or self.checkpoint_error}; {self.samples.summary()}"
+            + (f"workers that kept their process {self.kept_processes} (at least {self.min_kept}); "
+               if self.min_kept is not None else "")
+            + f"final checkpoint {self.final_checkpoint or self.checkpoint_error}; {self.samples.summary()}"
             + (f"; picture {self.report}" if self.report else "")
         )
 

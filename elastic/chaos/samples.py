@@ -68,6 +68,24 @@ class SampleAudit:
         )
 
 
+def kept_processes(prefix: Path, since: float) -> int:
+    """How many worker processes of the group that trained at time `since` (a fault) trained in
+    every group after it too (the records carry each process's pid): 0 when the fault restarted
+    every worker, the survivors' count when they kept their processes (TORCHREVIVE_SURVIVORS)."""
+    by_round: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for record in read_records(prefix):
+        by_round[record["round"]].append(record)
+    starts = sorted((min(r["time"] for r in records), name) for name, records in by_round.items())
+    before = [name for start, name in starts if start <= since]
+    if not before:
+        return 0
+    kept = {r.get("pid", -1) for r in by_round[before[-1]]} - {-1}
+    for start, name in starts:
+        if start > since:
+            kept &= {r.get("pid", -1) for r in by_round[name]}
+    return len(kept)
+
+
 def read_records(prefix: Path) -> list[dict[str, Any]]:
     records = []
     for log in sorted(prefix.parent.glob(prefix.name + ".rank*")):

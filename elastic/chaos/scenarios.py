@@ -25,13 +25,15 @@ from elastic.chaos.harness import (
     verified_final_checkpoint,
 )
 from elastic.chaos.netns import VirtualNetwork
-from elastic.chaos.samples import audit
+from elastic.chaos.samples import audit, kept_processes
+from elastic.heal_env import FROZEN_AFTER_ENV, RESTART, SURVIVORS_ENV, TRAIN_ON
 
 Scenario = Callable[[ChaosJob, random.Random], list[int | None]]
 """Hurts a started job; returns the exit codes expected of its agents."""
 
 
 def kill_worker(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    job.wait_for_world_size(len(job.agents), after=0.0)  # (with --nnodes 1:3, the second may join late)
     job.wait_for_step(rng.randint(12, 18))
     job.signal_worker(signal.SIGKILL, rng=rng)
     return [0] * len(job.agents)
@@ -78,6 +80,7 @@ def scale_up(job: ChaosJob, rng: random.Random) -> list[int | None]:
 
 
 def hang(job: ChaosJob, rng: random.Random) -> list[int | None]:
+    job.wait_for_world_size(len(job.agents), after=0.0)
     job.wait_for_step(rng.randint(12, 18))
     job.signal_worker(signal.SIGSTOP, rank=1)
     return [0] * len(job.agents)
@@ -224,8 +227,16 @@ SCENARIO_STOPS_AT = {"disk-full": 15}
 SCENARIO_MAX_REDONE = {"kill-worker": 1, "kill-during-snapshot": 1, "node-loss": 1, "preemption": 1}
 
 
-def scenario_env(name: str) -> dict[str, str]:
-    return {"ELASTIC_FAULT": SCENARIO_FAULTS[name]} if name in SCENARIO_FAULTS else {}
+# With TORCHREVIVE_SURVIVORS=keep or train-on, a fault of one worker or one node stops no other worker:
+# the scenarios that hurt one, and how many workers must keep their processes through it (of 2 agents).
+SURVIVOR_SCENARIOS = {"kill-worker": 1, "hang": 1, "node-loss": 1}
+
+
+def scenario_env(name: str, survivors: str = RESTART) -> dict[str, str]:
+    env = {"ELASTIC_FAULT": SCENARIO_FAULTS[name]} if name in SCENARIO_FAULTS else {}
+    if survivors != RESTART:  # a stopped worker is ended after 1 s (of the watchdog's 3 s): its peers keep theirs
+        env.update({SURVIVORS_ENV: survivors, FROZEN_AFTER_ENV: "1"})
+    return env
 
 
 def run_scenario(
@@ -244,12 +255,15 @@ def run_scenario(
     network: VirtualNetwork | None = None,
     etcd: EtcdServer | None = None,
     recipe: Path | None = None,
+    survivors: str = RESTART,
 ) -> ScenarioResult:
     """Run one scenario to the end and judge it. With a `network` each agent runs on
     a host of its own; with `etcd` (a started member) an etcd-v3 job uses it, and
     may restart it. The caller owns both and closes them. `recipe_args` go to the
     recipe after the harness's own flags (e.g. `["--fsdp"]`: the model sharded with FSDP2);
-    `recipe` is the GPT recipe (default: `find_recipe()`)."""
+    `recipe` is the GPT recipe (default: `find_recipe()`); `survivors`: TORCHREVIVE_SURVIVORS for the
+    agents (with `keep` or `train-on`, the workers a fault does not hit must keep their processes:
+    `SURVIVOR_SCENARIOS`)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     if name in NEEDS_NETWORK and network is None:
@@ -262,7 +276,9 @@ def run_scenario(
     steps = steps or SCENARIO_STEPS.get(name, 40)
     ckpt = workdir / "ckpt"
     spec = JobSpec(
-        workdir=workdir, backend=backend, endpoint=endpoint, launcher=launcher, nnodes=SCENARIO_NNODES.get(name, "2:3"),
+        workdir=workdir, backend=backend, endpoint=endpoint, launcher=launcher,
+        # Survivors that train on may go down to one node: the job's minimum must allow it.
+        nnodes="1:3" if survivors == TRAIN_ON else SCENARIO_NNODES.get(name, "2:3"),
         run_id=f"chaos-{name}-{uuid.uuid4().hex[:8]}",  # several jobs may share one etcd
         script_args=[
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
@@ -272,7 +288,7 @@ def run_scenario(
             "--snapshot-every", "1", *model_args,
             *SCENARIO_ARGS.get(name, []), *recipe_args,
         ],
-        env=scenario_env(name), sample_log=workdir / "samples", network=network, etcd=etcd,
+        env=scenario_env(name, survivors), sample_log=workdir / "samples", network=network, etcd=etcd,
         script=recipe or find_recipe(),
     )
     with ChaosJob(spec) as job:
@@ -300,5 +316,7 @@ def run_scenario(
             redone=[r["redone"] for r in job.records() if r["event"] == "restore" and r.get("restart", 0) > 0 and "redone" in r],
             max_redone=SCENARIO_MAX_REDONE.get(name) if launcher == "ours" else None,
             logs=job.logs(),
+            kept_processes=kept_processes(workdir / "samples", job.faults[0][1]) if job.faults else 0,
+            min_kept=SURVIVOR_SCENARIOS.get(name) if survivors != RESTART else None,
             report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {name} ({' '.join([backend, *recipe_args])})"),
         )

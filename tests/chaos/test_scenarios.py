@@ -166,6 +166,24 @@ def test_c10d_fsdp(scenario: str, tmp_path: Path, corpus: Path, reference) -> No
         assert set(restores) == {(2, 2)}, restores
 
 
+# With TORCHREVIVE_SURVIVORS=train-on the worker a fault did not hit keeps its process and trains on
+# alone, restoring nothing (the restore events say "live"); the killed or stopped worker's replacement
+# joins at a later step, a lost node's never comes. Not bit-identical (the world size changed): the
+# sample audit proves every sample of each epoch was trained on once.
+@pytest.mark.parametrize("scenario", ["kill-worker", "hang", "node-loss"])
+def test_c10d_survivors_train_on(scenario: str, tmp_path: Path, corpus: Path) -> None:
+    steps = 150 if scenario in CONSTANT_WORLD else None  # long enough for the replacement to start and join
+    result = run_scenario(scenario, tmp_path, corpus, steps=steps, survivors="train-on")
+    print(result.summary())
+    assert result.ok and result.kept_processes >= 1, result.summary() + "\n" + result.logs
+    events = list(read_events(tmp_path / "events.jsonl"))
+    assert {e["source"] for e in events if e["event"] == "restore"} == {"live"}, "only live peers' state was taken"
+    changes = [e["change"] for e in events if e["event"] == "heal"]
+    assert changes[0] == "shrink", changes
+    if scenario != "node-loss":  # the replacement joined; a lost node's is never started
+        assert changes[-1] == "grow" and [e for e in events if e["event"] == "end"][0]["world_size"] == 2, changes
+
+
 def test_cli_passes_fsdp_to_the_recipe(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`python -m elastic.chaos --fsdp` runs each scenario with the recipe's --fsdp (and without it, without)."""
     import elastic.chaos.__main__ as cli

@@ -7,11 +7,10 @@ state from a survivor's memory ("source": "live"). Nothing is read from disk."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from support import REPO, TINY_MODEL, free_port, listens, start_agents, torchrun_command, wait_all, worker_env
+from support import REPO, TINY_MODEL, free_port, start_agents, torchrun_command, wait_all, worker_env
 
 from elastic import heal_env
 from elastic.chaos.samples import LOG_ENV, audit, read_records
@@ -72,16 +71,12 @@ def survivors_kept_their_processes(prefix: Path, ranks: set[int]) -> None:
         assert pids <= {r["pid"] for r in records if r["round"] == name}, "a survivor's process was replaced"
 
 
-@pytest.mark.parametrize("action", ["kill", "stop"])
-def test_survivors_train_on_while_the_replacement_starts_and_it_joins_later(
-    tmp_path: Path, tiny_corpus: Path, action: str
-) -> None:
-    """Three agents (--nnodes=2:3): rank 2 SIGKILLed after step 6, or SIGSTOPped (its agent ends it
-    once it has been stopped TORCHREVIVE_FROZEN_WORKER_SECONDS). Ranks 0 and 1 keep their processes,
+def test_survivors_train_on_while_the_replacement_starts_and_it_joins_later(tmp_path: Path, tiny_corpus: Path) -> None:
+    """Three agents (--nnodes=2:3): rank 2 SIGKILLed after step 6. Ranks 0 and 1 keep their processes,
     train on at world size 2, and take rank 2's replacement in at a later step; every step's samples
-    are the sampler's, each once, and the job ends at world size 3 with equal weights everywhere."""
-    events, logs = run_job(tmp_path, tiny_corpus, 3, f"after_step@{KILL_AFTER}:rank=2:do={action}",
-                           **{heal_env.FROZEN_AFTER_ENV: "1"})
+    are the sampler's, each once, and the job ends at world size 3 with equal weights everywhere.
+    (A stopped worker and a lost node: tests/chaos/test_scenarios.py, test_c10d_survivors_train_on.)"""
+    events, logs = run_job(tmp_path, tiny_corpus, 3, f"after_step@{KILL_AFTER}:rank=2")
     everything = "\n".join(log[-4000:] for log in logs)
     assert workers_started(logs) == {0: 1, 1: 1, 2: 2}, everything
     heals = [e for e in events if e["event"] == "heal"]
@@ -116,57 +111,3 @@ def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path, t
     survivors_kept_their_processes(tmp_path / "samples", {0, 2})
     result = audit(tmp_path / "samples")
     assert result.ok and (result.first_step, result.last_step) == (1, STEPS), result.summary()
-
-
-def test_a_lost_node_leaves_the_survivors_training_on(tmp_path: Path, tiny_corpus: Path) -> None:
-    """Three agents (--nnodes=2:3): an agent and its worker SIGKILLed at once (a lost node). Nobody is
-    left to replace the worker or to say it failed: the survivors close the smaller group once they
-    waited `elastic.views.SETTLE_SECONDS` for it, keep their processes, restore nothing, train to the
-    end at world size 2 (every sample once) and their agents leave without waiting for the lost one."""
-    import signal
-
-    from support import stop_all, wait_for
-
-    from elastic.launcher.proctree import descendants
-
-    events = tmp_path / "events.jsonl"
-    port = free_port()
-    command = torchrun_command(
-        nnodes="2:3", port=port, run_id=tmp_path.name, max_restarts=3,
-        script_args=[
-            "--data", str(tiny_corpus), "--max-steps", "150", "--lr", "3e-3", "--dropout", "0",
-            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "50", "--events", str(events),
-            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
-        ],
-    )
-    command[2] = "elastic.launcher"
-    recipe = command.index(str(REPO / "recipes" / "gpt.py"))
-    command[recipe:recipe] = ["-m", "elastic.chaos.samples"]
-    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: heal_env.TRAIN_ON},
-                     **{LOG_ENV: str(tmp_path / "samples")})
-    agents = start_agents(3, command, tmp_path, env=env)
-    try:
-        wait_for(lambda: any(e["event"] == "step" and e["step"] >= KILL_AFTER and e["world_size"] == 3
-                             for e in read_events(events)) if events.exists() else False,
-                 180, f"step {KILL_AFTER} at world size 3", interval=0.01)
-        # Not the agent that serves the c10d store: without it there is no rendezvous at all (use etcd).
-        lost = next(i for i, agent in enumerate(agents) if not listens(agent.pid, port))
-        for pid in [agents[lost].pid, *descendants(agents[lost].pid)]:
-            os.kill(pid, signal.SIGKILL)
-    except BaseException:
-        stop_all(agents)
-        raise
-    codes = wait_all(agents, timeout=240)  # torch's own exit barrier would wait 300 s for the lost agent
-    logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(3) if i != lost]
-    everything = "\n".join(log[-4000:] for log in logs)
-    assert codes[lost] == -signal.SIGKILL and codes[:lost] + codes[lost + 1:] == [0, 0], everything
-    records = list(read_events(events))
-    assert [(e["change"], e["world_size"]) for e in records if e["event"] == "heal"] == [("shrink", 2)], everything
-    assert [e["source"] for e in records if e["event"] == "restore"] == ["live"], "nothing restored from memory or disk"
-    (end,) = [e for e in records if e["event"] == "end"]
-    assert (end["step"], end["world_size"]) == (150, 2), everything
-    samples = read_records(tmp_path / "samples")
-    kept = {r["pid"] for r in samples if r["world_size"] == 2}
-    assert len(kept) == 2 and kept <= {r["pid"] for r in samples if r["world_size"] == 3}, "the survivors' processes"
-    result = audit(tmp_path / "samples")
-    assert result.ok and (result.first_step, result.last_step) == (1, 150), result.summary()
