@@ -121,13 +121,12 @@ class Survivors:
         run, healing = self.run, self.healing
         began = time.perf_counter()
         with run.watchdog.paused():
-            earlier = run.checkpoints
-            earlier.close()  # a save in flight commits on this group first (its members are all alive)
             view = healing.grown(self._ctx, upto)
             if view.members == healing.view.members:
-                healing.view = view  # its tickets were considered; nobody to admit
-                run.rebuild_on_group(self._ctx, earlier)
+                healing.view = view  # its tickets were considered (dead joiners): the group stays as it is
                 return False
+            earlier = run.checkpoints
+            earlier.close()  # a save in flight commits on this group first (its members are all alive)
             run.drop_group_parts()
             healing.leave_group()
             self._settle(view, completed=run.step, replacement=False, earlier=earlier)
@@ -156,9 +155,9 @@ class Survivors:
                 replacement = replacement or completed >= 0  # a late survivor is behind: it takes the state
             ctx = healing.enter(view, self._ctx)
             if ctx is not None:
-                run.rebuild_on_group(ctx, earlier)
-                earlier = run.checkpoints
                 try:
+                    run.rebuild_on_group(ctx, earlier)  # (its process groups are collectives: a member may be gone)
+                    earlier = run.checkpoints
                     agreed = healing.agree(completed)
                     if agreed.most < 0:
                         raise RegroupError(f"view {view.number}: no member holds any state; a new round restores it")

@@ -25,9 +25,10 @@ Invariants:
   ... in the order they close; `LATEST_KEY` only grows.
 - A list read back from the store is checked (`parse`): ids that parse, each
   start rank at most once, a count of tickets that is a count; else `ViewError`.
-- A view forms (`gather`) only once all its members are there, within a bound:
-  a member that died after the view closed makes `gather` fail on the others,
-  who then shrink from that view.
+- A view forms (`gather`) only once all its members are there, within a bound,
+  and its members agree whether it formed (a compare-and-set of the outcome):
+  a member that died after the view closed makes it given up, and the others
+  shrink from it.
 - Nothing here waits without bound but `wait_for_admission`, which also ends
   when the job ended (`heal_env.ENDED_KEY`).
 """
@@ -257,16 +258,22 @@ def wait_for_admission(
 
 def gather(store: dist.Store, view: View, *, timeout: float = GATHER_SECONDS,
            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Count this member present in `view` and wait for all of them; False after `timeout`."""
-    key = f"view/{view.number}/present"
+    """Count this member present in `view` and wait for the others: True when the view forms, False when
+    it was given up. One outcome for all (a compare-and-set): "formed" by the first member that saw
+    every one present, or "given up" by the first whose `timeout` passed before; a member that gave
+    up after another saw everyone still forms it (it had counted itself present)."""
+    present, outcome = f"view/{view.number}/present", f"view/{view.number}/outcome"
     deadline = clock() + timeout
-    count = store.add(key, 1)
-    while count < view.world_size:
+    count = store.add(present, 1)
+    while True:
+        if count >= view.world_size:
+            return store.compare_set(outcome, "", "formed") == b"formed"
+        if store.check([outcome]):
+            return store.get(outcome) == b"formed"
         if clock() >= deadline:
-            return False
+            return store.compare_set(outcome, "", "given up") == b"formed"
         sleep(_POLL_S)
-        count = store.add(key, 0)
-    return True
+        count = store.add(present, 0)
 
 
 def mark_ended(store: dist.Store) -> None:

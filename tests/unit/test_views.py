@@ -116,11 +116,16 @@ def test_a_joiner_leaves_when_the_job_ended_and_when_nobody_is_left_to_take_it_i
         views.wait_for_admission(orphaned, "1.1", after=0, ticket=1, first=first, clock=clock, sleep=clock.sleep)
 
 
-def test_a_view_gathers_only_when_all_its_members_came() -> None:
+def test_a_view_forms_when_all_its_members_came_and_every_member_learns_the_same_outcome() -> None:
     store, clock = dist.HashStore(), Clock()
     view = View(3, ids(0, 1))
-    assert not views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep)
+    assert not views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep), "rank 1 never came"
+    assert not views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep), "it came after the give-up"
+    store = dist.HashStore()
+    store.add("view/3/present", 1)  # rank 1 is there; it sees rank 0 counted too and says "formed" ...
     assert views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep)
+    store.add("view/3/present", -1)  # ... and a member whose wait ran out after that still forms it
+    assert views.gather(store, view, timeout=0, clock=clock, sleep=clock.sleep)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
