@@ -413,3 +413,49 @@ def listens(pid: int, port: int) -> bool:
         if target.startswith("socket:[") and target[8:-1] in inodes:
             return True
     return False
+
+
+def run_healing_job(
+    tmp_path: Path, corpus: Path, agents: int, *, survivors: str, fault: str, steps: int, nnodes: str,
+    ckpt_every: int, sample_log: Path | None = None, **extra_env: str,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The GPT recipe under torchrevive-run on `agents` agents of one worker each, with
+    TORCHREVIVE_SURVIVORS=`survivors` and ELASTIC_FAULT=`fault` (and under the sample audit when
+    `sample_log` is given); every agent must exit 0. Its events and each agent's log."""
+    from elastic.chaos.samples import LOG_ENV
+    from elastic.events import read_events
+    from elastic.heal_env import SURVIVORS_ENV
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    events = tmp_path / "events.jsonl"
+    command = torchrun_command(
+        nnodes=nnodes, port=free_port(), run_id=tmp_path.name, max_restarts=3,
+        script_args=[
+            "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0",
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every), "--events", str(events),
+            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
+        ],
+    )
+    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
+    if sample_log is not None:
+        recipe = command.index(str(GPT_RECIPE))
+        command[recipe:recipe] = ["-m", "elastic.chaos.samples"]
+        extra_env[LOG_ENV] = str(sample_log)
+    env = worker_env(PYTHONPATH=str(REPO), **{SURVIVORS_ENV: survivors}, ELASTIC_FAULT=fault, **extra_env)
+    procs = start_agents(agents, command, tmp_path, env=env)
+    codes = wait_all(procs, timeout=300)
+    logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(agents)]
+    assert codes == [0] * agents, "\n".join(log[-4000:] for log in logs)
+    return list(read_events(events)), logs
+
+
+def workers_started(logs: list[str]) -> dict[int, int]:
+    """How many worker processes each start rank had: one "worker ready" line each, under the
+    rank torchrun gave it (the log line's prefix)."""
+    started: dict[int, int] = {}
+    for log in logs:
+        for line in log.splitlines():
+            if "elastic.runtime: worker ready:" in line:
+                rank = int(line.split("[rank")[1].split("]")[0])
+                started[rank] = started.get(rank, 0) + 1
+    return started

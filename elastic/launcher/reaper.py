@@ -83,21 +83,13 @@ class Reaper:
 
     def scan(self) -> list[int]:
         """One look; returns the pids it killed."""
-        killed = self._end_frozen() if self.frozen_after is not None else []
-        stuck = stuck_workers(self.root) - set(killed)
-        killed = []
-        for pid in sorted(stuck & self._seen):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            killed.append(pid)
-            logger.warning(
-                "worker pid %d is stopped and cannot act on the SIGTERM that stops its group: "
-                "sent SIGKILL instead of waiting torch's 30 s", pid,
-            )
+        frozen = self._end_frozen() if self.frozen_after is not None else []
+        stuck = stuck_workers(self.root) - set(frozen)
+        killed = [pid for pid in sorted(stuck & self._seen) if _kill(
+            pid, "worker pid %d is stopped and cannot act on the SIGTERM that stops its group: "
+                 "sent SIGKILL instead of waiting torch's 30 s", pid)]
         self._seen = stuck - set(killed)
-        return killed
+        return frozen + killed
 
     def _end_frozen(self) -> list[int]:
         now = self._clock()
@@ -106,22 +98,22 @@ class Reaper:
         self._last_scan = now
         stopped = stopped_workers(self.root)
         self._stopped_since = {pid: self._stopped_since.get(pid, now) for pid in stopped}
-        killed = []
-        for pid, since in sorted(self._stopped_since.items()):
-            if now - since < self.frozen_after:
-                continue
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            killed.append(pid)
-            logger.warning(
-                "worker rank %d (pid %d) has been stopped for %.1f s while its peers wait on it: sent SIGKILL, "
-                "so that it is replaced in place", stopped[pid], pid, now - since,
-            )
+        killed = [pid for pid, since in sorted(self._stopped_since.items()) if now - since >= self.frozen_after and _kill(
+            pid, "worker rank %d (pid %d) has been stopped for %.1f s while its peers wait on it: sent SIGKILL, "
+                 "so that it is replaced in place", stopped[pid], pid, now - since)]
         for pid in killed:
             del self._stopped_since[pid]
         return killed
+
+
+def _kill(pid: int, why: str, *args: object) -> bool:
+    """SIGKILL `pid` and log `why`; False when it was gone already."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    logger.warning(why, *args)
+    return True
 
 
 def start_reaper(interval: float = 0.25, *, frozen_after: float | None = None) -> threading.Thread | None:

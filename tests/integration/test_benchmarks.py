@@ -116,31 +116,39 @@ def test_checkpoint_benchmark_rejects_a_bad_flag_in_one_line() -> None:
     assert result.stderr.count("\n") == 1 and "error: argument --configs" in result.stderr
 
 
-def test_recovery_benchmark_measures_a_kill_with_snapshots_disk_only_and_torchs_rounds(tmp_path: Path) -> None:
-    """One run of recovery.py, three settings side by side (it used to run once per setting)."""
+def test_recovery_benchmark_measures_a_kill_with_snapshots_disk_only_torchs_rounds_and_training_on(
+    tmp_path: Path,
+) -> None:
+    """One run of recovery.py, four settings side by side (it used to run once per setting)."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/recovery.py", "--settings", "ours,ours-disk,ours-torch-rounds", "--kills", "1",
+        [sys.executable, "benchmarks/recovery.py", "--settings", "ours,ours-disk,ours-torch-rounds,ours-train-on",
+         "--kills", "1",
          "--settle", "1",
          "--goodput-seconds", "0", "--recovery-limit", "120", "--ckpt-every", "5", "--pictures", str(tmp_path)],
         capture_output=True, text=True, timeout=400, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    for setting in ("ours", "ours-disk", "ours-torch-rounds"):
+    for setting in ("ours", "ours-disk", "ours-torch-rounds", "ours-train-on"):
         row = re.search(rf"^{setting} +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$", result.stdout, flags=re.M)
         assert row and float(row.group(1)) < 120, result.stdout
     assert re.search(r"^checkpoint every 5 steps; steps redone per kill", result.stdout, re.M), result.stdout
-    columns = r" +(\d+\.\d)\*? +(\d+)\*? +([\d.]+) +([\d.]+) +- +(.+)$"  # redone mean, max, paused, disk MB
+    columns = r" +(\d+\.\d)\*? +(\d+)\*? +([\d.]+) +(-|[\d.]+) +([\d.]+) +- +(.+)$"  # redone, max, paused, join, disk
     ours_redone = re.search(r"^ours" + columns, result.stdout, re.M)
     disk_redone = re.search(r"^ours-disk" + columns, result.stdout, re.M)
     assert ours_redone and disk_redone, result.stdout
     # Without a keeper the restore comes from disk (or from nothing, before the first checkpoint).
-    assert re.fullmatch(r"(disk|none) 1", disk_redone.group(5)), result.stdout
-    assert (float(disk_redone.group(4)) > 0) == (disk_redone.group(5) == "disk 1"), result.stdout
+    assert re.fullmatch(r"(disk|none) 1", disk_redone.group(6)), result.stdout
+    assert (float(disk_redone.group(5)) > 0) == (disk_redone.group(6) == "disk 1"), result.stdout
     # With a keeper the worker's state of (nearly) the step it was killed at is in memory: nothing read from disk.
-    assert re.fullmatch(r"(memory|peer) 1", ours_redone.group(5)), result.stdout
-    assert float(ours_redone.group(4)) == 0, result.stdout
+    assert re.fullmatch(r"(memory|peer) 1", ours_redone.group(6)), result.stdout
+    assert float(ours_redone.group(5)) == 0, result.stdout
+    # Training on, the survivor restores nothing: the replacement takes a live member's state when it joins.
+    train_on = re.search(r"^ours-train-on" + columns, result.stdout, re.M)
+    assert train_on and train_on.group(6) == "live 1" and float(train_on.group(5)) == 0, result.stdout
+    assert train_on.group(1) == "0.0" and train_on.group(4) != "-", "no step redone; the join's pause measured"
     for other in ("ours-disk", "ours-torch-rounds"):
         assert re.search(rf"^median recovery, {other} / ours: [\d.]+x$", result.stdout, re.M), result.stdout
+    assert re.search(r"^median recovery, ours / ours-train-on: [\d.]+x$", result.stdout, re.M), result.stdout
     row = re.search(r"^ours +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$", result.stdout, flags=re.M)
     assert row, result.stdout
     assert float(row.group(1)) < 120, "the kill was not recovered from"

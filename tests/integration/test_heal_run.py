@@ -9,7 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO, TINY_MODEL, free_port, listens, start_agents, torchrun_command, wait_all, worker_env
+from support import (
+    REPO, TINY_MODEL, free_port, listens, run_healing_job, start_agents, torchrun_command, wait_all, worker_env,
+    workers_started,
+)
 
 from elastic import heal_env
 from elastic.events import read_events
@@ -22,36 +25,10 @@ STEPS, KILL_AFTER = 16, 6
 
 
 def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str, **extra_env: str) -> tuple[list[dict], list[str]]:
-    """Run the GPT recipe on `agents` agents of one worker each with TORCHREVIVE_SURVIVORS=keep and
+    """The GPT recipe on `agents` agents of one worker each with TORCHREVIVE_SURVIVORS=keep and
     ELASTIC_FAULT=`fault`; its events and each agent's log."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    events = tmp_path / "events.jsonl"
-    command = torchrun_command(
-        nnodes=f"{agents}:{agents}", port=free_port(), run_id=tmp_path.name, max_restarts=3,
-        script_args=[
-            "--data", str(corpus), "--max-steps", str(STEPS), "--lr", "3e-3", "--dropout", "0",
-            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5", "--events", str(events),
-            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
-        ],
-    )
-    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
-    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"}, ELASTIC_FAULT=fault, **extra_env)
-    procs = start_agents(agents, command, tmp_path, env=env)
-    codes = wait_all(procs, timeout=300)
-    logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(agents)]
-    assert codes == [0] * agents, "\n".join(log[-4000:] for log in logs)
-    return list(read_events(events)), logs
-
-
-def workers_started(logs: list[str]) -> dict[int, int]:
-    """How many worker processes each rank had (one "worker ready" line each)."""
-    started: dict[int, int] = {}
-    for log in logs:
-        for line in log.splitlines():
-            if "elastic.runtime: worker ready:" in line:
-                rank = int(line.split(" rank=")[1].split("/")[0])
-                started[rank] = started.get(rank, 0) + 1
-    return started
+    return run_healing_job(tmp_path, corpus, agents, survivors="keep", fault=fault, steps=STEPS,
+                           nnodes=f"{agents}:{agents}", ckpt_every=5, **extra_env)
 
 
 def final_position(ckpt: Path) -> tuple[int, int, int]:

@@ -10,52 +10,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import REPO, TINY_MODEL, free_port, start_agents, torchrun_command, wait_all, worker_env
+from support import run_healing_job, workers_started
 
 from elastic import heal_env
-from elastic.chaos.samples import LOG_ENV, audit, read_records
-from elastic.events import read_events
+from elastic.chaos.samples import audit, read_records
 
 pytestmark = pytest.mark.slow
 
 STEPS, KILL_AFTER = 60, 6
 
 
-def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str, *, steps: int = STEPS,
-            **extra_env: str) -> tuple[list[dict], list[str]]:
+def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str) -> tuple[list[dict], list[str]]:
     """The GPT recipe (sample-audited) on `agents` agents of one worker each with train-on and
     ELASTIC_FAULT=`fault`; its events and each agent's log."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    events = tmp_path / "events.jsonl"
-    command = torchrun_command(
-        nnodes=f"{agents - 1}:{agents}", port=free_port(), run_id=tmp_path.name, max_restarts=3,
-        script_args=[
-            "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0",
-            "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "20", "--events", str(events),
-            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
-        ],
-    )
-    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
-    recipe = command.index(str(REPO / "recipes" / "gpt.py"))
-    command[recipe:recipe] = ["-m", "elastic.chaos.samples"]  # the sample audit wraps the recipe
-    env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: heal_env.TRAIN_ON}, ELASTIC_FAULT=fault,
-                     **{LOG_ENV: str(tmp_path / "samples")}, **extra_env)
-    procs = start_agents(agents, command, tmp_path, env=env)
-    codes = wait_all(procs, timeout=300)
-    logs = [(tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(agents)]
-    assert codes == [0] * agents, "\n".join(log[-4000:] for log in logs)
-    return list(read_events(events)), logs
-
-
-def workers_started(logs: list[str]) -> dict[int, int]:
-    """How many worker processes each start rank had (one "worker ready" line each, rank as torchrun gave it)."""
-    started: dict[int, int] = {}
-    for log in logs:
-        for line in log.splitlines():
-            if "elastic.runtime: worker ready:" in line:
-                rank = int(line.split("[rank")[1].split("]")[0])
-                started[rank] = started.get(rank, 0) + 1
-    return started
+    return run_healing_job(tmp_path, corpus, agents, survivors=heal_env.TRAIN_ON, fault=fault, steps=STEPS,
+                           nnodes=f"{agents - 1}:{agents}", ckpt_every=20, sample_log=tmp_path / "samples")
 
 
 def survivors_kept_their_processes(prefix: Path, ranks: set[int]) -> None:
