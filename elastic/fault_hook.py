@@ -20,10 +20,15 @@ from typing import Protocol
 
 from elastic.errors import UsageError
 
-POINTS = ("during_write", "before_commit", "after_step", "during_read", "during_snapshot", "during_catch_up")
+POINTS = (
+    "during_write", "before_commit", "after_step", "during_read", "during_snapshot", "during_catch_up",
+    "during_all_reduce",
+)
 """Where faults can fire: writing a checkpoint (after its first item), just before its commit, after
 a step, reading a checkpoint (after its first chunk), copying an in-memory snapshot (data written,
-header not), taking the state from a live peer in a heal in place (the header received, no tensor)."""
+header not), taking the state from a live peer in a heal in place (the header received, no tensor),
+a step's gradient all-reduce (its first bucket, before it is sent; the step is the one being trained:
+heals in place only, whose comm hook marks it)."""
 ENV_VAR = "ELASTIC_FAULT"
 ENTRY_POINT_GROUP = "torchrevive.faults"
 

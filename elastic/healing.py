@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,7 @@ class Healing:
         """How long a survivor waits for an agent to start the heal: a lost node's agent never does."""
         self._model: DistributedDataParallel | None = None
         self.view = views.first_view(point.world_size)
+        self._arrived = False
         """With `train-on`: the view whose group this worker is in, or last left (a replacement: the round's start)."""
 
     @classmethod
@@ -210,28 +211,67 @@ class Healing:
         """Let go of the current group now (broken or not) and of DDP's hold on it."""
         regroup.leave(self._model)
 
-    def shrink(self) -> View:
-        """The view after this worker's last one, which broke; it may not hold this worker."""
+    def arrive(self, leaving: Callable[[], bool] = lambda: False) -> None:
+        """This worker survived its view, which broke: count it in for the next one at once (before the
+        slow teardown: survivors arrive close together). `RegroupError` when its own agent marked it
+        failed, or is stopping it (`leaving`, see `shrink`): a peer on its node died."""
+        if leaving():
+            self.leave_node()
+        self.arrive_check()
         try:
-            return views.after_failure(self.point.store, self.view, self.me)
+            views.arrive(self.point.store, self.view, self.me)
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed while the survivors regrouped: "
                                        f"{first_line(error)}") from None
+        self._arrived = True
 
-    def grown(self, ctx: WorkerContext, upto: int) -> View:
+    def arrive_check(self) -> None:
+        """`RegroupError` when this worker's agent marked it failed (it is being replaced)."""
+        try:
+            replaced = views.failed(self.point.store, self.me)
+        except RuntimeError as error:
+            raise regroup.RegroupError(f"the rendezvous store failed: {first_line(error)}") from None
+        if replaced:
+            raise regroup.RegroupError("this worker's agent is replacing it (a worker of its node failed)")
+
+    def shrink(self, leaving: Callable[[], bool] = lambda: False) -> View:
+        """The view after this worker's last one, which broke; it may not hold this worker. When
+        `leaving()` (SIGTERM: torch's agent stops every worker of a node once one failed, before it
+        replaces them) this worker leaves instead: `leave_node`."""
+        arrived, self._arrived = self._arrived, False
+        try:
+            if leaving():
+                self.leave_node()
+            view = views.after_failure(self.point.store, self.view, self.me, arrived_already=arrived, leaving=leaving)
+            if view is None:
+                self.leave_node()
+        except RuntimeError as error:
+            raise regroup.RegroupError(f"the rendezvous store failed while the survivors regrouped: "
+                                       f"{first_line(error)}") from None
+        assert view is not None
+        return view
+
+    def leave_node(self) -> NoReturn:
+        """This worker's agent stops its node's workers: mark them all failed (they started together,
+        with one incarnation), so the survivors stop waiting for any of them, and leave (`RegroupError`:
+        the agent replaces them whatever the status)."""
+        point = self.point
+        first = point.rank - point.local_rank
+        for rank in range(first, first + point.local_world_size):
+            point.store.set(heal_env.failed_key(heal_env.member_id(rank, point.generation)), "1")
+        raise regroup.RegroupError("stopped by its agent while its group broke: a worker of its node failed")
+
+    def grown(self, ctx: WorkerContext, upto: int) -> View | None:
         """The view that admits the joiners of tickets up to `upto` (rank 0 closes it, the others
-        read it); every member of the current view calls this at the same step."""
+        read it); every member of the current view calls this at the same step. None when rank 0
+        wrote none in time (it died: the caller treats it as a failure and shrinks)."""
         store = self.point.store
         try:
             if ctx.rank == 0:
                 return views.admit(store, self.view, upto)
-            view = views.wait_view(store, self.view.number + 1, timeout=views.GATHER_SECONDS)
+            return views.wait_view(store, self.view.number + 1, timeout=views.GATHER_SECONDS)
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed while a worker joined: {first_line(error)}") from None
-        if view is None:
-            raise regroup.RegroupError(f"rank 0 did not write view {self.view.number + 1} within "
-                                       f"{views.GATHER_SECONDS:g} s")
-        return view
 
     def wait_to_join(self, after: int) -> View | None:
         """Wait until a grow admits this worker: the view that does; None when the job ended first."""
@@ -240,7 +280,8 @@ class Healing:
             after = max(after, views.latest(store))
             ticket = views.register_joiner(store, self.me)
             return views.wait_for_admission(store, self.me, after=after, ticket=ticket,
-                                            first=views.first_view(self.point.world_size))
+                                            first=views.first_view(self.point.world_size),
+                                            stale_after=self._timeout.total_seconds())
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed while this worker waited to join: "
                                        f"{first_line(error)}") from None
@@ -255,12 +296,18 @@ class Healing:
             raise regroup.RegroupError(
                 f"view {view.number} has {view.world_size} workers, fewer than the job's minimum "
                 f"{self.point.min_world}: a new round waits for nodes")
+        if dist.is_initialized():  # the last group's teardown overran its deadline and still runs
+            raise regroup.RegroupError(f"the last group could not be left in time for view {view.number}")
         try:
             if not views.gather(self.point.store, view):
                 return None
+            # Formed within the gather's bound (a member that died after it came fails it), then
+            # collectives get the job's own timeout.
             dist.init_process_group("gloo", store=views.group_store(self.point.store, view), rank=rank,
-                                    world_size=view.world_size, timeout=self._timeout)
-        except RuntimeError as error:  # a member died after it came, or the store failed
+                                    world_size=view.world_size,
+                                    timeout=min(self._timeout, timedelta(seconds=views.GATHER_SECONDS)))
+            _set_timeout(self._timeout)
+        except (RuntimeError, ValueError) as error:  # a member died after it came, or the store failed
             logger.warning("rank %d: the group of view %d did not form (%s)", ctx.rank, view.number, first_line(error))
             if dist.is_initialized():
                 regroup.leave()
@@ -277,6 +324,13 @@ class Healing:
             views.mark_ended(self.point.store)
         except RuntimeError as error:  # they find out from the store's end instead
             logger.warning("could not tell waiting workers the job ended: %s", first_line(error))
+
+
+def _set_timeout(timeout: timedelta) -> None:
+    """The default group's collective timeout from now on (torch >= 2.2; older ones keep the first)."""
+    setter = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout)
 
 
 def _copy(value: Any) -> Any:

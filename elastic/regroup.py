@@ -56,7 +56,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -103,6 +103,9 @@ class HealPoint:
     """The round's world size (torchrun's WORLD_SIZE)."""
     min_world: int = 1
     """With `train-on`: the fewest workers the job may train with."""
+    local_rank: int = 0
+    local_world_size: int = 1
+    """This worker's place on its node: its agent started ranks `rank - local_rank` on, `local_world_size` of them."""
 
 
 def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(seconds=60)) -> HealPoint | None:
@@ -118,7 +121,8 @@ def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(second
     if mode == heal_env.RESTART:
         return None
     place = {}
-    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), (heal_env.MIN_WORLD_ENV, "1")):
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), (heal_env.MIN_WORLD_ENV, "1"), ("LOCAL_RANK", "0"),
+                          ("LOCAL_WORLD_SIZE", "1")):
         raw = environ.get(name) or default
         if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
             raise EnvironmentConfigError(f"{name}={raw!r} is not a count")
@@ -139,6 +143,7 @@ def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(second
     return HealPoint(
         dist.PrefixStore(heal_env.namespace_prefix(namespace), store), int(generation), mode=mode,
         rank=place["RANK"], world_size=max(place["WORLD_SIZE"], 1), min_world=max(place[heal_env.MIN_WORLD_ENV], 1),
+        local_rank=min(place["LOCAL_RANK"], place["RANK"]), local_world_size=max(place["LOCAL_WORLD_SIZE"], 1),
     )
 
 
@@ -169,6 +174,8 @@ class StepGuard:
         self.void = False
         self.error: str | None = None
         """The first failed collective's message, for the log line of the recovery."""
+        self.before_reduce: Callable[[], None] = _nothing
+        """Called as each bucket's all-reduce starts (a fault point: elastic.fault_hook's during_all_reduce)."""
 
     def attach(self, model: DistributedDataParallel) -> None:
         """Reduce `model`'s gradients through this guard (again after every `rebind`)."""
@@ -203,6 +210,7 @@ def _all_reduce_or_void(guard, bucket):  # noqa: ANN001, ANN202 - DDP rejects a 
     tensor = bucket.buffer()
     if guard.void:  # an earlier bucket failed: the group is broken, do not wait on it again
         return _done(tensor)
+    guard.before_reduce()
     world = dist.get_world_size()
     tensor.mul_(1.0 / world)  # DDP's default multiplies each gradient by 1/world: the same bits
     try:
@@ -219,6 +227,10 @@ def _all_reduce_or_void(guard, bucket):  # noqa: ANN001, ANN202 - DDP rejects a 
         return tensor
 
     return work.get_future().then(settle)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -112,6 +112,10 @@ class Run(StepLoop):
         self._loop_started: float | None = None
         self._loop_seconds = 0.0
         self._first_step = 0
+        self.due_after = 0
+        """`due(n)` is true only past this step: not at the step a restart resumed from (evaluated before
+        the failure), nor again at the step of a void step trained again; a worker joining a group at a
+        step's bookkeeping counts from the step before, as the members that go on to that step's `due`."""
         self._leaving_failed = False
         self.step_costs = StepCosts()
         """Seconds per phase of the runtime's per-step work (elastic.step_costs)."""
@@ -271,6 +275,8 @@ class Run(StepLoop):
         self._faults = fault_hook.for_worker(healing.point.rank if healing else ctx.rank, ctx.restart_count)
         if healing is not None and healing.arm(ctx, optimizer):
             self._survivors = Survivors(self, healing)
+            if self._faults is not fault_hook.NO_FAULTS:  # the chaos suite's kill inside a gradient all-reduce
+                healing.guard.before_reduce = lambda: self._faults.at("during_all_reduce", self.step + 1)
         elif healing is not None and healing.joiner:
             raise RegroupError("a replacement that cannot heal in place has no group to join")
         joined = healing is not None and healing.joiner
@@ -296,6 +302,8 @@ class Run(StepLoop):
             else:
                 self.step = self.checkpoints.restore()
         self._first_step = self.step
+        if not joined:
+            self.due_after = self.step  # (a joiner's was set when it joined: elastic.survivors)
         self._started = True
         parameters = sum(p.numel() for p in self.model.parameters())
         self.events.emit(
@@ -315,7 +323,6 @@ class Run(StepLoop):
     def rebuild_on_group(self, ctx: WorkerContext, earlier: CheckpointManager | None) -> None:
         """The default group is new (or the first): build the step vote and the checkpoint manager
         on it, taking over from `earlier`; its rank 0 writes the event log."""
-        world_changed = self.ctx is not None and ctx.world_size != self.ctx.world_size
         self.ctx = ctx
         healing = self._healing
         joiners = (lambda: joiners_waiting(healing.point.store)) if healing and healing.train_on and ctx.is_main else None
@@ -328,7 +335,7 @@ class Run(StepLoop):
             self.checkpoints.take_over(earlier)
         if healing is not None and healing.train_on:
             self.events.write_to(self.config.events if ctx.is_main else None)
-        if self._report is not None and world_changed:
+        if self._report is not None:
             per_step = self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1)
             self._report.resize(ctx.world_size, per_step)
 
@@ -338,6 +345,10 @@ class Run(StepLoop):
         if self.checkpoints is not None:
             self.checkpoints.close(wait=0.0)
         self._vote = StepVote(self._context, self._ballot, grace=self.config.term_grace)
+
+    def stopping(self) -> bool:
+        """SIGTERM reached this worker (elastic.survivors: it then leaves a broken group, never joins the next)."""
+        return self._preemption.signalled
 
     def undo_step(self, started: StepStart) -> None:
         """A void step: put back what it changed besides the parameters (elastic.healing.Healing.undo)."""

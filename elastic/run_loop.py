@@ -41,8 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from elastic.data import Feed
-from elastic.errors import CheckpointStorageError, first_line
-from elastic.regroup import RegroupError
+from elastic.errors import CheckpointStorageError, UsageError, first_line
 from elastic.step_report import StepReport
 from elastic.step_vote import Verdict
 from elastic.survivors import Survivors
@@ -61,6 +60,7 @@ class StepLoop:
     watchdog: Any
     step_costs: Any
     _healing: Any
+    due_after: int
     _survivors: Survivors | None
     _report: StepReport | None
 
@@ -80,6 +80,9 @@ class StepLoop:
             unit="tokens" if self._tokens_per_sample else "samples",
         )
         feed = Feed(loader if self.step < max_steps else None, self.sampler.batch_size)
+        if self._healing is not None and self._healing.train_on and not feed.resizable:
+            raise UsageError("TORCHREVIVE_SURVIVORS=train-on needs the loader driven by run.batch_sampler() or "
+                             "run.sampler_for_loader(): after a resize each rank takes its new share from it")
         self._loop_started = time.perf_counter()
         try:
             yield from self._steps(feed, max_steps)
@@ -116,9 +119,6 @@ class StepLoop:
                 if not resized and self.step == step:
                     again = batch  # else it took the state of this very step from a peer that completed it
             if resized:  # this rank's share of the steps to come is another: the loader starts again
-                if not feed.resizable:
-                    raise RegroupError("TORCHREVIVE_SURVIVORS=train-on needs the loader driven by "
-                                       "run.batch_sampler() or run.sampler_for_loader() (it gives each rank its share)")
                 feed.reopen(self.rank, self.world_size)
         self._report_pending()
 
@@ -195,4 +195,4 @@ class StepLoop:
 
     def due(self, every: int) -> bool:
         """Whether the step just done by this run is a multiple of `every` (0: never)."""
-        return every > 0 and self.step > self._first_step and self.step % every == 0
+        return every > 0 and self.step > self.due_after and self.step % every == 0

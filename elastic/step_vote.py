@@ -39,7 +39,9 @@ Invariants:
   new, blocking one, and merges them: a flag raised during the pause counts.
 - With `joiners` (TORCHREVIVE_SURVIVORS=train-on) the vote also carries the
   newest ticket of the workers waiting to join (rank 0 reads it from the
-  store): every rank learns it at the same vote step, and they grow there.
+  store): every rank learns it at the same vote step, and they grow there. A
+  ticket learned by `fresh` (between steps) is carried to the next step end:
+  the group grows at a step's end, never in the middle of a pause.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elastic import agreement
 from elastic.runtime import WorkerContext
@@ -113,6 +115,7 @@ class StepVote:
         self._last_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=_WINDOW)
         self.votes = 0
+        self._joiners_seen = 0  # the newest joiner ticket any verdict carried, for the next step end
 
     def proposal(self) -> int:
         """This rank's ballot for `every`: about VOTE_SECONDS of steps, within the bounds, at most twice
@@ -143,13 +146,14 @@ class StepVote:
         if not self._ctx.distributed:
             return Verdict.of(self._cast().result())  # alone: the answer is this process's own, at once
         if self._next is not None and step < self._next:
-            return NOTHING
+            return replace(NOTHING, joiners=self._joiners_seen)
         earlier = self.settle() or NOTHING
         if earlier.vote_every:
             self.every = earlier.vote_every
         self._pending = self._cast()
         self._next = step + self.every
-        return earlier
+        self._joiners_seen = max(self._joiners_seen, earlier.joiners)
+        return replace(earlier, joiners=self._joiners_seen)
 
     def fresh(self) -> Verdict:
         """Between steps: a vote taken now, merged with the one in flight (read first); the next
@@ -158,6 +162,7 @@ class StepVote:
         now = Verdict.of(self._cast().result())
         self._next = None
         self.every = now.vote_every
+        self._joiners_seen = max(self._joiners_seen, now.joiners, earlier.joiners)  # acted on at the next step end
         return Verdict(
             preempted=earlier.preempted or now.preempted, requeue=earlier.requeue or now.requeue,
             storage_failing=earlier.storage_failing or now.storage_failing,

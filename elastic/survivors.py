@@ -64,6 +64,8 @@ class RunParts(Protocol):
 
     ctx: WorkerContext | None
     step: int
+    due_after: int
+    """`Run.due` is true only past this step."""
     checkpoints: Any
     """The run's `CheckpointManager`."""
     events: Any
@@ -80,6 +82,10 @@ class RunParts(Protocol):
 
     def undo_step(self, started: StepStart) -> None: ...
 
+    def stopping(self) -> bool:
+        """This worker received SIGTERM (its agent stops it, or its node is preempted)."""
+        ...
+
 
 class Survivors:
     """One worker's group changes in place (see the module docstring)."""
@@ -95,9 +101,11 @@ class Survivors:
 
     def failed(self, started: StepStart | None, why: str | None) -> bool:
         """A collective failed; `started`: the void step's `before_step` (None: the step completed and
-        its bookkeeping failed). True when the world size changed."""
+        its bookkeeping failed). True when this worker's rank or the world size changed."""
         run, healing = self.run, self.healing
-        began, world = time.perf_counter(), self._ctx.world_size
+        began, place = time.perf_counter(), (self._ctx.rank, self._ctx.world_size)
+        if healing.train_on:
+            healing.arrive(run.stopping)  # first: the survivors arrive at the next view close together
         if started is not None:
             run.undo_step(started)
         logger.warning("rank %d: step %d %s (%s); %s", self._ctx.rank, run.step + 1,
@@ -108,12 +116,13 @@ class Survivors:
                 earlier = run.checkpoints
                 run.drop_group_parts()
                 healing.leave_group()
-                self._settle(healing.shrink(), completed=run.step, replacement=False, earlier=earlier)
+                self._settle(healing.shrink(run.stopping), completed=run.step, replacement=False, earlier=earlier)
             else:
                 self._regroup()
                 run.step = self._catch_up(run.step, replacement=False)
-        self._report(began, "shrink" if self._ctx.world_size < world else "heal")
-        return self._ctx.world_size != world
+                run.due_after = run.step  # as every member of the healed group (see `_settle`)
+        self._report(began, "shrink" if self._ctx.world_size < place[1] else "heal")
+        return (self._ctx.rank, self._ctx.world_size) != place
 
     def grow(self, upto: int) -> bool:
         """Every member at the same vote step: admit the joiners of tickets up to `upto`. True when the
@@ -121,14 +130,17 @@ class Survivors:
         run, healing = self.run, self.healing
         began = time.perf_counter()
         with run.watchdog.paused():
+            earlier = run.checkpoints
+            earlier.flush()  # saves in flight commit on this group first (its members are all alive)
             view = healing.grown(self._ctx, upto)
-            if view.members == healing.view.members:
+            if view is not None and view.members == healing.view.members:
                 healing.view = view  # its tickets were considered (dead joiners): the group stays as it is
                 return False
-            earlier = run.checkpoints
-            earlier.close()  # a save in flight commits on this group first (its members are all alive)
+            earlier.close()
             run.drop_group_parts()
             healing.leave_group()
+            if view is None:  # rank 0 never wrote it: it died; the others go on without it
+                view = healing.shrink(run.stopping)
             self._settle(view, completed=run.step, replacement=False, earlier=earlier)
         self._report(began, "grow")
         return True
@@ -140,15 +152,23 @@ class Survivors:
 
     def _settle(self, view: View | None, *, completed: int, replacement: bool, earlier: Any | None) -> None:
         """Form `view` (None, or one without this worker: wait to be admitted) and take the newest state
-        there; a view that breaks meanwhile is left for the next one."""
+        there; a view that breaks meanwhile is left for the next one.
+
+        Where `Run.due` counts from is the same on every member after (a script's evaluation at a
+        `due` step is a collective): a group formed after a failure skips the step it goes on from
+        (those that trained a void step looked at it before); one grown at a step's bookkeeping does
+        not (its members look at that step next, and the workers that joined count from the step
+        before it, as they do)."""
         run, healing = self.run, self.healing
-        why = ""
+        why, joined = "", False
         for attempt in range(1, ATTEMPTS + 1):
             if view is None or view.rank_of(healing.me) is None:
                 if view is not None:
+                    healing.arrive_check()  # left out because its agent is replacing it: it leaves
                     logger.warning("rank %d came after view %d closed; it joins at a later step",
                                    self._ctx.rank, view.number)
                 view = healing.wait_to_join(after=view.number if view is not None else 0)
+                joined = True
                 if view is None:
                     logger.warning("the job ended while this worker waited to join: nothing left to train")
                     raise JobEnded()
@@ -165,6 +185,10 @@ class Survivors:
                         source=agreed.source, step=agreed.most, take=replacement or completed < agreed.most,
                         replacement=replacement, new_tag=True,
                     )
+                    if not view.grown:
+                        run.due_after = run.step
+                    elif joined:
+                        run.due_after = run.step - 1
                     return
                 except (RuntimeError, GroupBroken) as error:
                     why = first_line(error)
@@ -174,8 +198,11 @@ class Survivors:
                 healing.leave_group()
             else:
                 why = f"a member of view {view.number} did not come"
+            if attempt == ATTEMPTS:  # (without arriving at the next view: the others need not wait for it)
+                break
             logger.warning("rank %d: view %d broke (%s); forming the next one", self._ctx.rank, view.number, why)
-            view = healing.shrink()
+            healing.arrive(run.stopping)
+            view, joined = healing.shrink(run.stopping), False
         raise RegroupError(f"{ATTEMPTS} groups in a row broke while they formed: {why}")
 
     # -- keep: the same ranks, once the replacement came -------------------------------------------

@@ -44,13 +44,17 @@ import torch.distributed as dist
 from elastic import heal_env
 from elastic.errors import ElasticError
 
-SETTLE_SECONDS = 1.0
+SETTLE_SECONDS = 2.0
 """How long a survivor waits for members of the last view that neither arrived nor were marked failed:
-every survivor of a SIGKILL fails its collective within milliseconds of the others, a dead worker's agent
-marks it within its monitor interval (0.5 s), and a lost node's workers are never marked."""
+survivors arrive as soon as their collective fails (before they tear anything down), within milliseconds
+of each other on an idle machine; a dead worker's agent marks it within its monitor interval (0.5 s);
+a lost node's workers are never marked, so a lost node costs this wait."""
 GATHER_SECONDS = 10.0
 """How long the members of a closed view wait for each other before they give it up and shrink."""
 LATEST_KEY = "view/latest"
+HEARTBEAT_KEY = "view/heartbeat"
+"""Counted up by rank 0 of the current view at every vote step: a worker waiting to join learns the group
+still trains."""
 _POLL_S = 0.005
 _IDLE_POLL_S = 0.02
 _MAX_MEMBERS = 1 << 16
@@ -71,6 +75,8 @@ class View:
     members: tuple[str, ...]
     considered: int = 0
     """Tickets of joiners (`register_joiner`) up to this one were considered for it or before it."""
+    grown: bool = False
+    """Closed by a grow (`admit`, at a step's bookkeeping), not after a failure (`after_failure`)."""
 
     @property
     def world_size(self) -> int:
@@ -80,12 +86,14 @@ class View:
         return self.members.index(member) if member in self.members else None
 
     def encode(self) -> str:
-        return f"{self.considered}|{','.join(self.members)}"
+        return f"{self.considered}|{'grow' if self.grown else 'shrink'}|{','.join(self.members)}"
 
     @classmethod
     def parse(cls, number: int, text: str) -> View:
-        considered, bar, listed = text.partition("|")
-        if not (bar and considered.isascii() and considered.isdigit() and len(considered) <= 18):
+        considered, bar, rest = text.partition("|")
+        kind, bar2, listed = rest.partition("|")
+        if not (bar and bar2 and kind in ("grow", "shrink") and considered.isascii() and considered.isdigit()
+                and len(considered) <= 18):
             raise ViewError(f"view {number} in the store is malformed: {text[:80]!r}")
         try:
             members = tuple(listed.split(",")) if listed else ()
@@ -94,7 +102,7 @@ class View:
             raise ViewError(f"view {number} in the store is malformed: {error}") from None
         if not 0 < len(members) <= _MAX_MEMBERS or len(set(ranks)) != len(ranks) or ranks != sorted(ranks):
             raise ViewError(f"view {number} in the store lists {len(members)} workers, not each rank once in order")
-        return cls(number, members, int(considered))
+        return cls(number, members, int(considered), kind == "grow")
 
 
 def first_view(world_size: int) -> View:
@@ -141,10 +149,10 @@ def latest(store: dist.Store) -> int:
     return int(raw)
 
 
-def _close(store: dist.Store, number: int, members: list[str], considered: int) -> View:
+def _close(store: dist.Store, number: int, members: list[str], considered: int, *, grown: bool = False) -> View:
     """Close view `number` with `members` unless another worker closed it first; the view as closed."""
     ordered = sorted(set(members), key=lambda member: heal_env.parse_member_id(member))
-    proposal = View(number, tuple(ordered), considered).encode()
+    proposal = View(number, tuple(ordered), considered, grown).encode()
     closed = View.parse(number, store.compare_set(_members_key(number), "", proposal).decode(errors="replace"))
     while (newest := latest(store)) < number:  # LATEST_KEY only grows (a compare-and-set loop)
         store.compare_set(LATEST_KEY, str(newest) if newest else "", str(number))
@@ -158,44 +166,68 @@ def _arrived(store: dist.Store, number: int) -> list[str]:
     return [store.get(key).decode(errors="replace") for key in keys if store.check([key])]
 
 
-def after_failure(
-    store: dist.Store, last: View, me: str, *, settle: float = SETTLE_SECONDS,
-    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-) -> View:
-    """The view after `last`, which broke: arrive at it and return it once closed (see the module
-    docstring); it may not hold `me` (`me` came too late)."""
+def arrive(store: dist.Store, last: View, me: str) -> None:
+    """`me` survived `last`, which broke: count it in for the view after `last` (first thing, before any
+    slow teardown, so that survivors arrive close together)."""
     number = last.number + 1
     ticket = store.add(_arrivals_key(number), 1)
     store.set(_arrival_key(number, ticket), me)
+
+
+def failed(store: dist.Store, member: str) -> bool:
+    """Whether `member`'s agent marked it failed (it replaces it: the worker, if alive, must leave)."""
+    return store.check([heal_env.failed_key(member)])
+
+
+def after_failure(
+    store: dist.Store, last: View, me: str, *, settle: float = SETTLE_SECONDS, arrived_already: bool = False,
+    leaving: Callable[[], bool] = lambda: False,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> View | None:
+    """The view after `last`, which broke: arrive at it (unless `arrive` did) and return it once closed
+    (see the module docstring). It holds the members that arrived and were not marked failed, so it may
+    not hold `me` (`me` came too late). None when `leaving()` turned true while it waited (this worker is
+    being stopped: the caller marks it failed, and the view closes without it)."""
+    number = last.number + 1
+    if not arrived_already:
+        arrive(store, last, me)
     deadline = clock() + settle
     while True:
         closed = read_view(store, number)
         if closed is not None:
             return closed
+        if leaving():
+            return None
         arrived = _arrived(store, number)
-        waiting = [m for m in last.members if m not in arrived and not store.check([heal_env.failed_key(m)])]
+        waiting = [m for m in last.members if m not in arrived and not failed(store, m)]
         if not waiting or clock() >= deadline:
-            return _close(store, number, arrived, last.considered)
+            alive = [m for m in arrived if not failed(store, m)]  # a worker its agent is stopping is not one
+            if not alive:  # every one that came is being replaced: nobody closes an empty view
+                raise ViewError(f"every worker that came to view {number} was marked failed")
+            return _close(store, number, alive, last.considered)
         sleep(_POLL_S)
 
 
 def joiners_waiting(store: dist.Store) -> int:
-    """The newest joiner's ticket (the step vote carries it: rank 0 of a view reads it)."""
+    """The newest joiner's ticket (the step vote carries it: rank 0 of a view reads it at each vote, and
+    counts `HEARTBEAT_KEY` up: the group still trains)."""
+    store.add(HEARTBEAT_KEY, 1)
     return store.add(heal_env.JOINERS_KEY, 0)
 
 
 def admit(store: dist.Store, current: View, upto: int) -> View:
     """Rank 0 of `current`: close the next view as `current`'s members plus the joiners of tickets
-    after `current.considered` up to `upto`, less those marked failed, those whose id is not written
-    yet (they are considered later) and any whose start rank is taken."""
+    after `current.considered` up to `upto`, less those marked failed and any whose start rank is
+    taken. A ticket whose id is still unwritten (its joiner died, or stopped, between taking it and
+    writing it: the vote saw it a vote earlier) is voided with `VOID`; a joiner that finds its ticket
+    voided takes another."""
     joiners, considered = [], current.considered
     taken = {heal_env.parse_member_id(member)[0] for member in current.members}
     for ticket in range(current.considered + 1, upto + 1):
-        key = _joiner_key(ticket)
-        if not store.check([key]):
-            break
-        member = store.get(key).decode(errors="replace")
+        member = store.compare_set(_joiner_key(ticket), "", VOID).decode(errors="replace")
         considered = ticket
+        if member == VOID:
+            continue
         try:
             rank, _ = heal_env.parse_member_id(member)
         except ValueError:
@@ -203,7 +235,7 @@ def admit(store: dist.Store, current: View, upto: int) -> View:
         if rank not in taken and not store.check([heal_env.failed_key(member)]):
             joiners.append(member)
             taken.add(rank)
-    return _close(store, current.number + 1, [*current.members, *joiners], considered)
+    return _close(store, current.number + 1, [*current.members, *joiners], considered, grown=True)
 
 
 def wait_view(store: dist.Store, number: int, *, timeout: float, clock: Callable[[], float] = time.monotonic,
@@ -217,23 +249,30 @@ def wait_view(store: dist.Store, number: int, *, timeout: float, clock: Callable
     return view
 
 
+VOID = "-"
+"""A ticket that rank 0 found unwritten: nobody's."""
+
+
 def register_joiner(store: dist.Store, me: str) -> int:
     """Wait to join: the ticket a grow admits `me` by."""
-    ticket = store.add(heal_env.JOINERS_KEY, 1)
-    store.set(_joiner_key(ticket), me)
-    return ticket
+    while True:
+        ticket = store.add(heal_env.JOINERS_KEY, 1)
+        if store.compare_set(_joiner_key(ticket), "", me).decode(errors="replace") == me:
+            return ticket  # (else rank 0 voided it in between: take another)
 
 
 def wait_for_admission(
-    store: dist.Store, me: str, *, after: int, ticket: int, first: View,
+    store: dist.Store, me: str, *, after: int, ticket: int, first: View, stale_after: float,
     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
 ) -> View | None:
     """The first view after view `after` that holds `me`; None when the job ended first. A view that
-    considered `ticket` without `me` passed it over: `me` takes a new ticket. `ViewError` when every
-    member of the newest view (`first`: the round's start) failed: nobody is left to admit `me` (a new
-    round restores the job)."""
+    considered `ticket` without `me` passed it over: `me` takes a new ticket. `ViewError` when nobody
+    is left to admit `me` (a new round restores the job): every member of the newest view (`first`:
+    the round's start) was marked failed, or no vote counted `HEARTBEAT_KEY` up for `stale_after`
+    seconds (a lost node's workers are never marked)."""
     seen = after
-    checked_orphan = clock()
+    checked_orphan = beat_seen_at = clock()
+    beat = store.add(HEARTBEAT_KEY, 0)
     while True:
         if store.check([heal_env.ENDED_KEY]):
             return None
@@ -241,8 +280,12 @@ def wait_for_admission(
         if clock() - checked_orphan >= SETTLE_SECONDS:
             checked_orphan = clock()
             current = read_view(store, newest) if newest else first
-            if current is not None and all(store.check([heal_env.failed_key(m)]) for m in current.members):
+            if current is not None and all(failed(store, m) for m in current.members):
                 raise ViewError(f"every worker of view {newest} failed: none is left to take this one in")
+            if (now_beat := store.add(HEARTBEAT_KEY, 0)) != beat:
+                beat, beat_seen_at = now_beat, clock()
+            elif clock() - beat_seen_at > stale_after:
+                raise ViewError(f"no step vote for {stale_after:.0f} s: no group is left to take this one in")
         for number in range(seen + 1, newest + 1):
             view = read_view(store, number)
             if view is None:

@@ -417,7 +417,8 @@ def listens(pid: int, port: int) -> bool:
 
 def run_healing_job(
     tmp_path: Path, corpus: Path, agents: int, *, survivors: str, fault: str, steps: int, nnodes: str,
-    ckpt_every: int, sample_log: Path | None = None, **extra_env: str,
+    ckpt_every: int, sample_log: Path | None = None, nproc_per_node: int = 1, eval_every: int = 0,
+    **extra_env: str,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """The GPT recipe under torchrevive-run on `agents` agents of one worker each, with
     TORCHREVIVE_SURVIVORS=`survivors` and ELASTIC_FAULT=`fault` (and under the sample audit when
@@ -429,11 +430,11 @@ def run_healing_job(
     tmp_path.mkdir(parents=True, exist_ok=True)
     events = tmp_path / "events.jsonl"
     command = torchrun_command(
-        nnodes=nnodes, port=free_port(), run_id=tmp_path.name, max_restarts=3,
+        nnodes=nnodes, port=free_port(), run_id=tmp_path.name, max_restarts=3, nproc_per_node=nproc_per_node,
         script_args=[
             "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0",
             "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every), "--events", str(events),
-            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
+            "--eval-every", str(eval_every), "--eval-batches", "1", "--sample-tokens", "0", *TINY_MODEL,
         ],
     )
     command[2] = "elastic.launcher"  # torchrevive-run, not torchrun

@@ -23,6 +23,9 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=during_catch_up@6:rank=1:restart=1
                                             the replacement of rank 1 dies while it takes
                                             step 6's state from a live peer (a heal in place)
+    ELASTIC_FAULT=during_all_reduce@7:rank=3
+                                            rank 3 dies as step 7's gradient all-reduce starts
+                                            (heals in place: its peers' step 7 is void)
 
 The library marks the points (elastic.fault_hook); `FaultInjector` is the
 plugin that fills them, registered under the entry point group

@@ -63,6 +63,18 @@ def mode(environ: Any) -> str:
         raise UsageError(str(error)) from None
 
 
+def check_setting(environ: Any, args: Any) -> str:
+    """`mode`, and with `train-on` a job named by --rdzv-id (or --standalone): the checkpoint
+    directory's writer, rank 0, may move to another live process of the job, which the directory's
+    claim tells from another job by the run id only (torchrun's default id, "none", names no job)."""
+    chosen = mode(environ)
+    unnamed = (getattr(args, "rdzv_id", None) or "none") == "none" and not getattr(args, "standalone", False)
+    if chosen == heal_env.TRAIN_ON and unnamed:
+        raise UsageError(f"{heal_env.SURVIVORS_ENV}=train-on needs --rdzv-id naming the job (rank 0, which writes "
+                         "the checkpoints, may move to another process of it)")
+    return chosen
+
+
 def enabled(environ: Any) -> bool:
     """Whether a failed worker is replaced in place (`keep` or `train-on`)."""
     return heal_env.mode(environ) != heal_env.RESTART if environ.get(heal_env.SURVIVORS_ENV) else False
@@ -198,15 +210,19 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     ranks = ", ".join(str(rank) for rank in sorted(result.failures))
-    agent._stop_workers(worker_group)
-    worker_group.state = WorkerState.STOPPED
     heals = dist.PrefixStore(heal_env.namespace_prefix(space), store)
     started_in = getattr(agent, "_torchrevive_generation", 0)
     train_on = heal_env.mode(os.environ) == heal_env.TRAIN_ON
-    try:
-        if train_on:  # every worker of this node is gone: the survivors stop waiting for them at once
+    if train_on:  # before they are stopped: the survivors stop waiting for any of this node's workers
+        try:
             for worker in worker_group.workers:
                 heals.set(heal_env.failed_key(heal_env.member_id(worker.global_rank, started_in)), "1")
+        except RuntimeError:
+            pass  # the survivors' settle time covers it; the heal below fails on the store too
+    agent._stop_workers(worker_group)
+    worker_group.state = WorkerState.STOPPED
+    try:
+        if train_on:
             generation = heals.add(heal_env.INCARNATIONS_KEY, 1)
         else:
             generation = raise_generation(heals, sorted(result.failures), started_in=started_in)

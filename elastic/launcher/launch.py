@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.nnodes is None:
             args.nnodes = "1:1"  # torchrun's default
         preload = warm_start.preload_modules()
+        in_place.check_setting(os.environ, args)  # TORCHREVIVE_SURVIVORS: one of its choices, or one line, exit 2
         check_script(args)
-        in_place.mode(os.environ)  # TORCHREVIVE_SURVIVORS: one of its choices, or one line and exit 2
         frozen_after = in_place.frozen_after(os.environ) if in_place.enabled(os.environ) else None
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)

@@ -80,3 +80,31 @@ def test_a_replacement_killed_while_it_joins_is_replaced_again(tmp_path: Path, t
     survivors_kept_their_processes(tmp_path / "samples", {0, 2})
     result = audit(tmp_path / "samples")
     assert result.ok and (result.first_step, result.last_step) == (1, STEPS), result.summary()
+
+
+def test_a_nodes_other_workers_leave_with_the_dead_one_and_their_replacements_join_in_step_with_the_evals(
+    tmp_path: Path, tiny_corpus: Path
+) -> None:
+    """Two agents of two workers each, the recipe evaluating after every step (collectives between
+    steps): start rank 3 SIGKILLed as step 7's gradient all-reduce starts. Its agent stops rank 2 too
+    (its node-mate), and marks both failed before it does, so rank 2 never joins the survivors' group
+    although it lived on for a moment. Ranks 0 and 1 train on at world size 2 (the void step 7 trained
+    again without a second evaluation of step 6); the two replacements join later, each evaluating at
+    the step it joined exactly as the members do (an eval is a collective: a worker that skipped it
+    would hang the job), and the job ends at world size 4, every sample once."""
+    events, logs = run_healing_job(
+        tmp_path, tiny_corpus, 2, survivors=heal_env.TRAIN_ON, fault=f"during_all_reduce@{KILL_AFTER + 1}:rank=3",
+        steps=100,
+        nnodes="1:2", ckpt_every=20, sample_log=tmp_path / "samples", nproc_per_node=2, eval_every=1,
+    )
+    everything = "\n".join(log[-4000:] for log in logs)
+    assert workers_started(logs) == {0: 1, 1: 1, 2: 2, 3: 2}, everything
+    changes = [(e["change"], e["world_size"]) for e in events if e["event"] == "heal"]
+    assert changes[0] == ("shrink", 2) and changes[-1][1] == 4, changes
+    evals = [e["step"] for e in events if e["event"] == "eval"]
+    assert evals == list(range(1, 101)), "one eval after every step (and at the end), joins and the heal included"
+    (end,) = [e for e in events if e["event"] == "end"]
+    assert end["world_size"] == 4 and len(set(end["param_digests"])) == 1, end
+    survivors_kept_their_processes(tmp_path / "samples", {0, 1})
+    result = audit(tmp_path / "samples")
+    assert result.ok and (result.first_step, result.last_step) == (1, 100), result.summary()

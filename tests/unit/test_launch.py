@@ -72,3 +72,33 @@ def test_the_failure_summary_names_a_heal_that_did_not_form() -> None:
 
     assert describe_exit(HEAL_FAILED_EXIT) == "exit status 76, a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep or train-on)"
     assert describe_exit(-9) == "killed by SIGKILL"
+
+
+@pytest.mark.parametrize(
+    ("value", "args", "said"),
+    [
+        ("shrink", ["--rdzv-id=job"], "TORCHREVIVE_SURVIVORS='shrink' is not one of restart, keep, train-on"),
+        ("train-on", [], "TORCHREVIVE_SURVIVORS=train-on needs --rdzv-id naming the job"),
+    ],
+)
+def test_a_survivors_setting_the_launcher_cannot_honour_is_one_line(
+    capsys, monkeypatch: pytest.MonkeyPatch, value: str, args: list[str], said: str
+) -> None:
+    from elastic.launcher.launch import main
+
+    monkeypatch.setenv("TORCHREVIVE_SURVIVORS", value)
+    with pytest.raises(SystemExit) as info:
+        main(["--nnodes=1:2", *args, "train.py"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"torchrevive-run: error: {said}"), err
+
+
+def test_train_on_takes_a_named_or_standalone_job() -> None:
+    from elastic.launcher import in_place
+    from elastic.launcher.launch import parse_args
+
+    setting = {"TORCHREVIVE_SURVIVORS": "train-on"}
+    assert in_place.check_setting(setting, parse_args(["--rdzv-id=job", "train.py"])) == "train-on"
+    assert in_place.check_setting(setting, parse_args(["--standalone", "train.py"])) == "train-on"
+    assert in_place.check_setting({}, parse_args(["train.py"])) == "restart"

@@ -55,10 +55,20 @@ def test_survivors_close_the_next_view_once_the_dead_are_marked() -> None:
     store.add("view/1/arrivals", 1)
     store.set("view/1/arrival/1", "2.0")  # rank 2 arrived already
     view = views.after_failure(store, first, "0.0", clock=clock, sleep=clock.sleep)
-    assert (view.number, view.members) == (1, ids(0, 2))
+    assert (view.number, view.members, view.grown) == (1, ids(0, 2), False)
     assert clock.now == 0.0, "nobody left to wait for: closed at once"
     assert views.latest(store) == 1
     assert views.after_failure(store, first, "2.0", clock=clock, sleep=clock.sleep) == view, "one list for all"
+
+
+def test_a_worker_marked_failed_after_it_arrived_is_left_out_and_told_to_leave() -> None:
+    store, clock = dist.HashStore(), Clock()
+    first = views.first_view(3)
+    views.arrive(store, first, "1.0")  # rank 2's node-mate: its agent stops it after rank 2 died
+    store.set(heal_env.failed_key("1.0"), "1")
+    store.set(heal_env.failed_key("2.0"), "1")
+    view = views.after_failure(store, first, "0.0", clock=clock, sleep=clock.sleep)
+    assert view.members == ids(0) and views.failed(store, "1.0")
 
 
 def test_a_member_neither_arrived_nor_marked_is_waited_for_the_settle_time_then_left_out() -> None:
@@ -80,7 +90,7 @@ def test_a_grow_admits_the_waiting_joiners_in_rank_order_and_skips_the_dead_and_
     store.set(heal_env.failed_key("4.1"), "1")  # died while it waited
     assert views.joiners_waiting(store) == 4
     grown = views.admit(store, current, upto=4)
-    assert (grown.number, grown.members, grown.considered) == (5, ("0.0", "1.2", "2.0", "3.1"), 4)
+    assert (grown.number, grown.members, grown.considered, grown.grown) == (5, ("0.0", "1.2", "2.0", "3.1"), 4, True)
     assert grown.rank_of("3.1") == 3 and views.wait_view(store, 5, timeout=0) == grown
 
 
@@ -89,17 +99,17 @@ def test_a_joiner_passed_over_by_a_view_takes_a_new_ticket_and_is_admitted_by_th
     first = views.first_view(2)
     ticket = views.register_joiner(store, "1.1")
     views._close(store, 1, ["0.0"], considered=ticket)  # a view that considered it without it
-    grown = View(2, ("0.0", "1.1"), considered=2)
+    grown = View(2, ("0.0", "1.1"), considered=2, grown=True)
     calls = itertools.count()
 
     def sleep(seconds: float) -> None:
         clock.sleep(seconds)
         if next(calls) == 0:  # rank 0 admits the new ticket while the joiner waits
             assert views.joiners_waiting(store) == 2
-            views._close(store, 2, list(grown.members), considered=2)
+            views._close(store, 2, list(grown.members), considered=2, grown=True)
 
-    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, clock=clock,
-                                    sleep=sleep) == grown
+    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, stale_after=60,
+                                    clock=clock, sleep=sleep) == grown
 
 
 def test_a_joiner_leaves_when_the_job_ended_and_when_nobody_is_left_to_take_it_in() -> None:
@@ -107,13 +117,42 @@ def test_a_joiner_leaves_when_the_job_ended_and_when_nobody_is_left_to_take_it_i
     first = views.first_view(2)
     ticket = views.register_joiner(store, "1.1")
     views.mark_ended(store)
-    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, clock=clock,
-                                    sleep=clock.sleep) is None
+    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, stale_after=60,
+                                    clock=clock, sleep=clock.sleep) is None
     orphaned = dist.HashStore()
     for member in first.members:
         orphaned.set(heal_env.failed_key(member), "1")
     with pytest.raises(ViewError, match="every worker of view 0 failed"):
-        views.wait_for_admission(orphaned, "1.1", after=0, ticket=1, first=first, clock=clock, sleep=clock.sleep)
+        views.wait_for_admission(orphaned, "1.1", after=0, ticket=1, first=first, stale_after=60, clock=clock,
+                                 sleep=clock.sleep)
+    with pytest.raises(ViewError, match="no step vote for 30 s"):  # a lost node's workers are never marked
+        views.wait_for_admission(dist.HashStore(), "1.1", after=0, ticket=1, first=first, stale_after=30,
+                                 clock=clock, sleep=clock.sleep)
+
+
+def test_a_joiner_waits_as_long_as_the_group_votes() -> None:
+    store, clock = dist.HashStore(), Clock()
+    ticket = views.register_joiner(store, "1.1")
+    calls = itertools.count()
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        views.joiners_waiting(store)  # rank 0's vote: the group trains on
+        if next(calls) == 3000:  # a minute of votes later, it is admitted
+            views._close(store, 1, ["0.0", "1.1"], considered=ticket)
+
+    view = views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=views.first_view(2),
+                                    stale_after=30, clock=clock, sleep=sleep)
+    assert view is not None and view.members == ("0.0", "1.1") and clock.now > 30
+
+
+def test_a_ticket_left_unwritten_is_voided_and_never_blocks_the_joiners_after_it() -> None:
+    store = dist.HashStore()
+    store.add(heal_env.JOINERS_KEY, 1)  # a joiner took ticket 1 and died before writing it
+    assert views.register_joiner(store, "3.1") == 2
+    grown = views.admit(store, View(0, ids(0, 1)), upto=2)
+    assert grown.members == ("0.0", "1.0", "3.1") and grown.considered == 2
+    assert views.register_joiner(store, "2.1") == 3, "ticket 1 stays void"
 
 
 def test_a_view_forms_when_all_its_members_came_and_every_member_learns_the_same_outcome() -> None:
@@ -141,7 +180,8 @@ def test_a_view_record_from_the_store_is_a_view_or_one_line(text: str) -> None:
     assert View.parse(7, view.encode()) == view
 
 
-@pytest.mark.parametrize("text", ["", "0|", "x|0.0", "0|0.0,0.1", "0|1.0,0.0", "0|0.0,,1.0", "-1|0.0", "0|٣.0"])
+@pytest.mark.parametrize("text", ["", "0|shrink|", "x|shrink|0.0", "0|shrink|0.0,0.1", "0|grow|1.0,0.0",
+                                  "0|shrink|0.0,,1.0", "-1|shrink|0.0", "0|shrink|٣.0", "0|0.0", "0|later|0.0"])
 def test_malformed_view_records_are_refused(text: str) -> None:
     with pytest.raises(ViewError):
         View.parse(1, text)
