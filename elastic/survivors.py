@@ -93,6 +93,7 @@ class Survivors:
     def __init__(self, run: RunParts, healing: Healing) -> None:
         self.run = run
         self.healing = healing
+        self._admitted_at = 0.0
 
     @property
     def _ctx(self) -> WorkerContext:
@@ -121,7 +122,8 @@ class Survivors:
                 self._regroup()
                 run.step = self._catch_up(run.step, replacement=False)
                 run.due_after = run.step  # as every member of the healed group (see `_settle`)
-        self._report(began, "shrink" if self._ctx.world_size < place[1] else "heal")
+        grown = healing.train_on and healing.view.grown  # (it came late, and a grow admitted it)
+        self._report(began, "grow" if grown else "shrink" if self._ctx.world_size < place[1] else "heal")
         return (self._ctx.rank, self._ctx.world_size) != place
 
     def grow(self, upto: int) -> bool:
@@ -146,9 +148,12 @@ class Survivors:
         return True
 
     def join(self) -> None:
-        """A replacement with train-on (in `Run.start`): wait to be admitted, then take the state."""
+        """A replacement with train-on (in `Run.start`): wait to be admitted, then take the state. When
+        it is the grown group's rank 0 it writes the grow's `heal` event (its seconds: from the moment it
+        saw itself admitted, about the members' pause)."""
         self.healing.leave_group()  # the group of its own it held meanwhile
         self._settle(None, completed=-1, replacement=True, earlier=None)
+        self._report(self._admitted_at, "grow" if self.healing.view.grown else "shrink")
 
     def _settle(self, view: View | None, *, completed: int, replacement: bool, earlier: Any | None) -> None:
         """Form `view` (None, or one without this worker: wait to be admitted) and take the newest state
@@ -168,7 +173,7 @@ class Survivors:
                     logger.warning("rank %d came after view %d closed; it joins at a later step",
                                    self._ctx.rank, view.number)
                 view = healing.wait_to_join(after=view.number if view is not None else 0)
-                joined = True
+                self._admitted_at, joined = time.perf_counter(), True
                 if view is None:
                     logger.warning("the job ended while this worker waited to join: nothing left to train")
                     raise JobEnded()
