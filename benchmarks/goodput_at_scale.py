@@ -146,12 +146,12 @@ class Param:
 
 PARAMS: dict[str, Param] = {
     "recovery_ours_s": Param(
-        1.0, "s", "measured",
+        1.6, "s", "measured",
         "benchmarks/recovery.py: torchrevive-run, median SIGKILL -> first step of the restarted group, "
-        "2 agents on one host (README); includes detection, a quick rendezvous round and a restore from memory; "
-        "3.1 s at 8 agents on the same 2 cores"),
+        "2 agents on one host (README, torch 2.14; 1.0 s in an earlier run); includes detection, a quick "
+        "rendezvous round and a restore from memory"),
     "recovery_in_place_s": Param(
-        0.25, "s", "measured",
+        0.4, "s", "measured",
         "benchmarks/recovery.py --settings ours,ours-keep: torchrevive-run with TORCHREVIVE_SURVIVORS=keep, median "
         "SIGKILL -> first step after the heal, 2 agents on one host (README); includes detection, the group's "
         "rebuild and the replacement's catch-up from a live peer (a small model)"),
@@ -196,12 +196,12 @@ PARAMS: dict[str, Param] = {
     "regroup_at_scale_s": Param(
         5.0, "s", "assumption", "in place only: the process group's rebuild at scale (no rendezvous round)"),
     "recovery_train_on_s": Param(
-        0.5, "s", "measured",
+        0.2, "s", "measured",
         "benchmarks/recovery.py --settings ours-train-on: torchrevive-run with TORCHREVIVE_SURVIVORS=train-on, "
         "median SIGKILL -> first step of the survivors' smaller group, 2 agents on one host (README); includes "
         "detection and the group's rebuild, no catch-up"),
     "join_pause_s": Param(
-        0.2, "s", "measured",
+        0.13, "s", "measured",
         "benchmarks/recovery.py --settings ours-train-on: median seconds the job stood still while the "
         "replacement joined (the group formed again with it and the state sent to it), small model (README)"),
     "worker_start_at_scale_s": Param(
