@@ -41,7 +41,7 @@ from elastic.checkpoint.policy import FailurePolicy
 from elastic.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic.checkpoint.training_state import TrainingState
 from elastic.checkpoint.writer import BackgroundWriter
-from elastic.errors import CheckpointStorageError
+from elastic.errors import CheckpointStorageError, first_line
 from elastic.events import EventLog
 from elastic.runtime import WorkerContext
 from elastic.storage import sharded
@@ -237,8 +237,10 @@ class Saver:
         record = self._in_flight
         if record is None or (not block and self._writer.busy):
             return
-        outcome: _Outcome = self._writer.wait(timeout)
+        outcome: _Outcome | None = self._writer.wait(timeout)
         self._in_flight = None
+        if outcome is None:  # an earlier `close` stopped the writer after the save ended: nothing to report
+            return
         if not self._ctx.is_main:
             return
         if outcome.error is not None:
@@ -251,12 +253,17 @@ class Saver:
         daemon thread and the exit does not wait for it. Safe on error paths."""
         try:
             if self._in_flight is not None:
+                record = self._in_flight
                 try:
                     self.collect(block=True, timeout=wait)
                 except TimeoutError:
                     self._writer.drain_timeout = 0  # nor at interpreter exit
                     if self._ctx.is_main:
                         logger.warning("%s", self.timed_out(wait))
+                except Exception as exc:  # noqa: BLE001 - its collectives met a dead peer: a group left after a failure
+                    self._in_flight = None
+                    logger.warning("rank %d: the %s checkpoint of step %d did not commit: %s", self._ctx.rank,
+                                   record.reason, record.step, first_line(exc))
         finally:
             try:
                 self._writer.close(timeout=0 if self._writer.busy else None)

@@ -214,3 +214,29 @@ def test_a_format_1_checkpoint_of_an_older_release_still_restores(tmp_path: Path
     for a, b in zip(third.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
     third.close()
+
+
+def test_a_save_whose_group_broke_is_one_warning_when_the_manager_is_left_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A heal in place drops the manager of the broken group (`close(wait=0)`) while a save is in flight,
+    and an error on the way out closes it again: the save's error (a collective that met the dead peer)
+    is one warning, never an exception out of either close, and nothing is committed."""
+    import elastic.checkpoint.saver as saver_module
+
+    job = Job(tmp_path / "ckpt")
+    job.ckpt.restore()
+    job.run(1)
+
+    def broken_group(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    monkeypatch.setattr(saver_module.agreement, "all_ok", broken_group)
+    job.train_step()
+    job.ckpt.save(2)
+    with caplog.at_level(logging.WARNING):
+        job.ckpt.close(wait=0.0)
+        job.ckpt.close(wait=5.0)
+    assert sum("did not commit: Connection closed by peer" in r.getMessage() for r in caplog.records) == 1
+    assert [c.step for c in CheckpointStore(tmp_path / "ckpt").committed()] == [], "nothing committed"
+    job.events.close()
