@@ -82,7 +82,7 @@ from elastic.runtime import (
     shutdown_worker,
 )
 from elastic.sampler import ElasticSampler
-from elastic.slurm.requeue import after_preemption_commit, preemption_settings
+from elastic.slurm.requeue import after_preemption_commit, note_commit, preemption_settings
 from elastic.step_costs import StepCosts
 from elastic.step_report import StepReport
 from elastic.run_loop import StepLoop
@@ -400,6 +400,11 @@ class Run(StepLoop):
         if requeue:
             said += after_preemption_commit(os.environ, rank=self.rank, step=self.step, said=said,
                                             job_id=self._context.slurm_job_id, committed=self.checkpoints.enabled)
+        elif self.checkpoints.enabled:
+            # Under an agent the commit is noted whatever stopped this worker: the agent may have taken
+            # Slurm's requeue signal first and stopped its workers with SIGTERM before Slurm's own
+            # requeue signal reached them. The agent requeues only when it had that signal.
+            note_commit(os.environ, self.rank, self.step)
         raise Preempted(f"stopped by {'the Slurm requeue signal' if requeue else 'SIGTERM'} {said}")
 
     @contextmanager

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 from support import REPO, free_port, make_text, steps_seen, wait_for, worker_env
 
+from elastic.events import read_events
+from elastic.slurm.requeue import noted_commits
+
 pytestmark = pytest.mark.slow
 
 FAKE_SCONTROL = textwrap.dedent("""\
@@ -60,7 +63,9 @@ def test_only_a_committed_preemption_by_the_requeue_signal_requeues(
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(random.Random(5), 20_000))
     events = tmp_path / "events.jsonl"
-    env = slurm_task(tmp_path, **{"ELASTIC_FAULT": PACED, **extra})
+    notes = tmp_path / "notes"  # as an agent gives its workers (elastic.slurm.requeue.note_commit)
+    notes.mkdir()
+    env = slurm_task(tmp_path, **{"ELASTIC_FAULT": PACED, "TORCHREVIVE_PREEMPTION_NOTES": str(notes), **extra})
     proc = subprocess.Popen(
         [sys.executable, "recipes/gpt.py", "--data", str(corpus), "--max-steps", "500", "--batch-size", "2",
          "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--eval-every", "0",
@@ -78,3 +83,7 @@ def test_only_a_committed_preemption_by_the_requeue_signal_requeues(
     made = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     assert made == calls, (made, err[-3000:])
     assert line in err, err[-3000:]
+    # Every committed stop is noted, a plain SIGTERM's too: an agent that took the requeue signal first
+    # stops its workers with SIGTERM, and requeues on their note.
+    committed = [e["step"] for e in read_events(events) if e["event"] == "checkpoint"]
+    assert noted_commits(notes) == ([] if exit_code == 75 else committed[-1:]), err[-3000:]
