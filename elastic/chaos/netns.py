@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import uuid
+from pathlib import Path
 
 from elastic.errors import ElasticError
 
@@ -44,8 +45,28 @@ class NetworkUnavailable(ElasticError):
     exit_code = 2
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_pick = random.SystemRandom()  # not the seedable module-level generator: a test's seed must not repeat ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the kernel's pick)."""
+    """A TCP port free on `host` right now, below the kernel's ephemeral range where it can.
+
+    A port in that range (the kernel's own pick for `bind(0)`) can be taken by any outgoing
+    connection, a peer's, a store client's, before the server meant to listen there binds it;
+    below the range only another explicit pick can take it."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100 if low > 4096 else 0):
+        port = _pick.randrange(low // 2, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -138,14 +138,18 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
 
         wait_for(restarted, 120, "both workers of the restarted group to serve their metrics")
         result.codes = wait_all(agents, timeout=240)
+    except AssertionError as exc:  # a wait timed out: what the agents said is what explains it
+        raise AssertionError(f"{exc}\n{agent_logs(workdir)}") from None
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
-        result.logs = "\n".join(
-            (workdir / f"a{i}" / "agent0.log").read_text(errors="replace")[-3000:] for i in range(2)
-        )
+        result.logs = agent_logs(workdir)
     return result
+
+
+def agent_logs(workdir: Path) -> str:
+    return "\n".join((workdir / f"a{i}" / "agent0.log").read_text(errors="replace")[-3000:] for i in range(2))
 
 
 def test_both_workers_are_scraped_with_a_rising_step_and_their_ranks(job: Job) -> None:

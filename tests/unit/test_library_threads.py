@@ -130,3 +130,18 @@ def test_the_exit_ends_the_process_with_the_noted_status_when_a_thread_outlives_
         assert exits == [75]
     finally:
         stuck.set()
+
+
+def test_a_free_port_for_a_test_server_lies_below_the_ephemeral_range_and_is_bindable() -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a port picked there could
+    be taken before the server meant for it binds, and the test would wait for a server that never came."""
+    import socket
+
+    from elastic.chaos.netns import EPHEMERAL_RANGE
+
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(low // 2 <= p < low for p in ports), ports
+    assert len(ports) > 1, "each pick is random"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
