@@ -35,8 +35,8 @@ while :; do
 done
 trap - TERM INT
 idle() {
-    trap 'exit 0' TERM INT
-    while :; do sleep 3600 & wait $!; done
+    trap 'kill "$sleeper" 2>/dev/null; exit 0' TERM INT  # the sleep must not outlive the shell
+    while :; do sleep 3600 & sleeper=$!; wait "$sleeper"; done
 }
 if [ "$status" -eq 0 ] && [ "${IDLE_AFTER_SUCCESS:-0}" = "1" ]; then
     echo "entrypoint: the job finished; idling so the StatefulSet does not start it again" >&2
