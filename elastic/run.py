@@ -397,14 +397,14 @@ class Run(StepLoop):
             self.checkpoints.flush()
         saved = f"checkpoint committed in {self.checkpoints.store.root}" if self.checkpoints.enabled else None
         said = f"after step {self.step}; {saved or 'no --ckpt-dir, nothing saved'}"
-        if requeue:
-            said += after_preemption_commit(os.environ, rank=self.rank, step=self.step, said=said,
-                                            job_id=self._context.slurm_job_id, committed=self.checkpoints.enabled)
-        elif self.checkpoints.enabled:
+        if self.checkpoints.enabled:
             # Under an agent the commit is noted whatever stopped this worker: the agent may have taken
             # Slurm's requeue signal first and stopped its workers with SIGTERM before Slurm's own
             # requeue signal reached them. The agent requeues only when it had that signal.
             note_commit(os.environ, self.rank, self.step)
+        if requeue:
+            said += after_preemption_commit(rank=self.rank, said=said, job_id=self._context.slurm_job_id,
+                                            committed=self.checkpoints.enabled)
         raise Preempted(f"stopped by {'the Slurm requeue signal' if requeue else 'SIGTERM'} {said}")
 
     @contextmanager

@@ -130,15 +130,12 @@ def noted_commits(folder: str | Path) -> list[int]:
     return steps
 
 
-def after_preemption_commit(
-    environ: Mapping[str, str], *, rank: int, step: int, job_id: int | None, committed: bool, said: str,
-) -> str:
-    """Every rank, after the requeue signal's preemption commit of `step` (`committed`: a checkpoint was
-    written): note it for the agent; on rank 0 of a job without an agent (`job_id` set), requeue it,
-    log the line at once (the requeue's SIGTERM may end this process before its exit line) and return
-    it as `; <line>`. '' on the other ranks and under an agent."""
-    if committed:
-        note_commit(environ, rank, step)
+def after_preemption_commit(*, rank: int, job_id: int | None, committed: bool, said: str) -> str:
+    """Every rank, after the requeue signal's preemption commit (`committed`: a checkpoint was written;
+    the commit is noted for an agent beforehand, `note_commit`, whatever the signal): on rank 0 of a job
+    without an agent (`job_id` set), requeue it, log the line at once (the requeue's SIGTERM may end
+    this process before its exit line) and return it as `; <line>`. '' on the other ranks and under an
+    agent."""
     if job_id is None or rank != 0:
         return ""
     if committed:
