@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
+import gc
 import importlib.util
 import multiprocessing
 import os
@@ -385,6 +386,11 @@ if _fork_server_plan is not None and __name__ != "__main__":
     ignore_in_helper(os.environ)  # the requeue signal: its workers inherit the SIG_IGN until their run's handler
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # put back to the default in each worker (_prepare_worker)
     _fork_server_report = import_preload([name for name in _fork_server_plan.split(",") if name])
+    # Every worker inherits the preload's objects (torch's: hundreds of thousands); its first full
+    # collection would walk them all, 0.4 s at a random point of its restore on a small CPU, and
+    # write to every page it walks (copying what the fork shared). They live as long as the worker.
+    gc.collect()
+    gc.freeze()
 
 if __name__ == "__main__":
     main()

@@ -225,6 +225,51 @@ def test_quick_rounds_0_leaves_torch_handler_as_it_is(store) -> None:
     assert isinstance(fast._op_executor, QuickRoundsExecutor)
 
 
+def test_rendezvous_events_keep_torchs_names(store, monkeypatch) -> None:
+    """torch names each event by its caller; quick rounds find the caller without inspect.stack()."""
+    import logging
+
+    from torch.distributed.elastic import events
+    from torch.distributed.elastic.events import handlers as event_handlers
+
+    recorded = []
+    monkeypatch.setitem(event_handlers._log_handlers, "dynamic_rendezvous", logging.Handler())  # not a NullHandler
+    monkeypatch.setattr(events, "record_rdzv_event", recorded.append)
+    handlers = agents(store, 2, max_nodes=2, last_call=600)
+    assert quick_rounds.dynamic_rendezvous.get_method_name is quick_rounds.method_name
+    try:
+        join_all(handlers)
+    finally:
+        leave(handlers)
+    names = {event.name for event in recorded}
+    assert {
+        "dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous",
+        "dynamic_rendezvous.py:QuickRoundsExecutor._add_to_participants",
+        "dynamic_rendezvous.py:QuickRoundsExecutor._mark_rendezvous_complete",
+    } <= names, names
+    assert not any("no_method_name" in name for name in names), names
+
+
+def test_method_name_is_torchs_get_method_name() -> None:
+    import inspect
+
+    def torchs(depth=2):  # torch's get_method_name, as torch 2.14 has it
+        if len(inspect.stack()) > depth:
+            return inspect.stack()[depth].function
+        return "no_method_name"
+
+    def caller():
+        return record()
+
+    def record():
+        return [(torchs(depth), quick_rounds.method_name(depth)) for depth in (0, 1, 2, 3, 10_000)]
+
+    for theirs, ours in caller():
+        assert (theirs == "torchs") == (ours == "method_name")  # each names itself at depth 0
+        if theirs != "torchs":
+            assert ours == theirs
+
+
 def test_after_a_restart_the_round_closes_without_its_last_call(store, capsys) -> None:
     handlers = agents(store, 2, max_nodes=2, last_call=600)
     try:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 PROBE = '''\
 import sys
 torch_was_loaded = "torch" in sys.modules  # before this script imported anything
-import atexit, json, multiprocessing, os
+import atexit, gc, json, multiprocessing, os
 import probe_sibling  # beside this script: its folder must be first on sys.path
 out, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "0"
 rank = os.environ["RANK"]
@@ -30,6 +30,7 @@ report = {
     "comm": open("/proc/self/comm").read().strip(), "rank": int(rank), "world_size": int(os.environ["WORLD_SIZE"]),
     "sibling": probe_sibling.VALUE, "session_leader": os.getsid(0) == os.getpid(),
     "start_method_unset": multiprocessing.get_start_method(allow_none=True) is None,
+    "frozen": gc.get_freeze_count(), "collectable": len(gc.get_objects()),
 }
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
@@ -91,6 +92,8 @@ def test_workers_start_warm_and_see_what_python_script_would_show(out: Path, pro
         assert report["session_leader"], "a terminal's signals must reach the agent, not the workers"
         assert report["start_method_unset"]
         assert (out / f"atexit{rank}").exists(), "atexit handlers run at the end"
+        # The preload's objects are frozen in the fork server: a worker's full collection skips them.
+        assert report["frozen"] > 10 * report["collectable"], (report["frozen"], report["collectable"])
 
 
 def test_a_one_node_job_without_rendezvous_flags_runs_as_under_torchrun(out: Path, probe: Path) -> None:
