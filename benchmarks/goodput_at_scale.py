@@ -146,10 +146,10 @@ class Param:
 
 PARAMS: dict[str, Param] = {
     "recovery_ours_s": Param(
-        1.6, "s", "measured",
+        0.75, "s", "measured",
         "benchmarks/recovery.py: torchrevive-run, median SIGKILL -> first step of the restarted group, "
-        "2 agents on one host (README, torch 2.14; 1.0 s in an earlier run); includes detection, a quick "
-        "rendezvous round and a restore from memory"),
+        "2 agents on one host (README, torch 2.14); includes detection, a quick rendezvous round, the "
+        "workers' warm start and a restore from memory"),
     "recovery_in_place_s": Param(
         0.4, "s", "measured",
         "benchmarks/recovery.py --settings ours,ours-keep: torchrevive-run with TORCHREVIVE_SURVIVORS=keep, median "
@@ -201,7 +201,7 @@ PARAMS: dict[str, Param] = {
         "median SIGKILL -> first step of the survivors' smaller group, 2 agents on one host (README); includes "
         "detection and the group's rebuild, no catch-up"),
     "join_pause_s": Param(
-        0.13, "s", "measured",
+        0.15, "s", "measured",
         "benchmarks/recovery.py --settings ours-train-on: median seconds the job stood still while the "
         "replacement joined (the group formed again with it and the state sent to it), small model (README)"),
     "worker_start_at_scale_s": Param(
@@ -533,7 +533,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, param in PARAMS.items():
         unit = f" ({param.unit})" if param.unit else ""
         parser.add_argument(f"--{key.replace('_', '-')}", type=number(key), default=None,
-                            help=f"{param.kind}{unit}, default {param.default:g}: {param.source}")
+                            help=f"{param.kind}{unit}, default {param.default:g}: {param.source}".replace("%", "%%"))
     parser.add_argument("--measured", type=Path, help="JSON object of the inputs above, keys with underscores")
     parser.add_argument("--gpus", type=gpu_list, default=GPUS, help="job sizes, comma-separated (1000,10000,100000)")
     parser.add_argument("--json", type=Path, help="write every result here")

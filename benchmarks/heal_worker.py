@@ -41,7 +41,14 @@ def append(path: str, record: dict) -> None:
 
 
 def main() -> int:
-    steps, kill_at, killed_rank, report = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    try:
+        steps, kill_at, killed_rank = (int(n) for n in sys.argv[1:4])
+        report = sys.argv[4]
+        os.environ["RANK"]  # noqa: B018 - a worker of a job
+    except (ValueError, IndexError, KeyError):
+        print("usage: python heal_worker.py STEPS KILL_AT KILLED_RANK REPORT, as a worker of a job "
+              "(benchmarks/heal_in_place.py starts it)", file=sys.stderr)
+        return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         point = regroup.heal_point(os.environ)

@@ -68,7 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic import heal_env
 from elastic.errors import ElasticError, EnvironmentConfigError
 from elastic.errors import first_line as _first_line
-from elastic.runtime import shutdown_worker
+from elastic.runtime import shutdown_worker, teardown_pending
 
 logger = logging.getLogger(__name__)
 
@@ -268,8 +268,9 @@ def rejoin(
     (torch's own store handshake), at most `timeout`."""
     if dist.is_initialized():
         leave()
-        if dist.is_initialized():  # the teardown overran its deadline and still runs on its thread
-            raise RegroupError(f"rank {rank}: the broken process group could not be left in time for heal {generation}")
+    if teardown_pending():  # the teardown overran its deadline and still runs on its thread
+        raise RegroupError(f"rank {rank}: the broken process group could not be left in time for heal {generation} "
+                           "(a collective of it still waits on a peer); leaving so that its sockets close")
     try:
         dist.init_process_group(
             backend, store=group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,

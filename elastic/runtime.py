@@ -55,6 +55,8 @@ exit: well under torchrun's 30 s between SIGTERM and SIGKILL, so it never delays
 # A gloo group over all ranks for small host-side exchanges (preemption votes,
 # RNG states) when the main group is NCCL: they then cost no device sync.
 _control_group: dist.ProcessGroup | None = None
+_overrun_teardowns: list[threading.Event] = []
+"""Set when each teardown that overran its deadline ends (see `teardown_pending`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -414,12 +416,22 @@ def _run_with_deadline(action: Callable[[], None], deadline: timedelta, what: st
     threads.start(run, name="elastic-group-teardown")
     if not done.wait(deadline.total_seconds()):
         logger.warning("%s took over %g s; leaving it to process exit", what, deadline.total_seconds())
+        _overrun_teardowns.append(done)
         return False
     if errors:
         error = errors[0]
         first_line = next(iter(str(error).strip().splitlines()), "")
         logger.warning("%s failed (%s: %s); leaving it to process exit", what, type(error).__name__, first_line)
     return True
+
+
+def teardown_pending() -> bool:
+    """Whether a group this process left after a failure is still being torn down, its deadline
+    passed: gloo's destructor waits for a collective in flight, so that group's sockets are still
+    open, and a peer blocked in the same collective waits on them. Such a worker must not join a
+    new group: only its exit closes them (and frees that peer)."""
+    _overrun_teardowns[:] = [done for done in _overrun_teardowns if not done.is_set()]
+    return bool(_overrun_teardowns)
 
 
 def control_group() -> dist.ProcessGroup | None:

@@ -183,6 +183,9 @@ def test_the_script_prints_the_tables_and_refuses_without_a_traceback(tmp_path):
     for text in ("recovery_stock_s", "measured", "assumption", "Llama 3 Herd", "Kokolis", "Ant Group",
                  "MTBF", "Young/Daly", "torchrevive + in-memory snapshots", "10,000"):
         assert text in ok.stdout
+    usage = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py", "--help"],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert usage.returncode == 0 and "95 % CI" in usage.stdout, usage.stderr[-2000:]  # a "%" in a source's text
     bad = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py", "--restart-at-scale-s", "-3"],
                          capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and bad.stdout == ""

@@ -202,6 +202,37 @@ def test_a_teardown_that_hangs_is_left_behind_after_the_deadline_with_one_line(m
         world.release.set()
 
 
+def test_a_worker_whose_teardown_overran_joins_no_new_group(monkeypatch) -> None:
+    """gloo's destroy clears the world at once, then its destructor waits for a collective still in
+    flight (a peer blocked on this rank): the group's sockets stay open until it ends. A heal must not
+    go on to a new group then; the worker leaves, and its exit closes them."""
+    from elastic import regroup
+
+    world = FakeNcclWorld(monkeypatch)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+
+    def destroy_then_wait(group=None) -> None:
+        world.initialized = False  # torch forgets the group first...
+        world.release.wait()  # ...then ~ProcessGroupGloo joins its worker threads
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_then_wait)
+    monkeypatch.setitem(runtime.shutdown_worker.__kwdefaults__, "deadline", timedelta(seconds=0.2))
+    try:
+        assert not runtime.teardown_pending()
+        regroup.leave()
+        assert not dist.is_initialized() and runtime.teardown_pending()
+        with pytest.raises(regroup.RegroupError, match="could not be left in time for heal 3"):
+            regroup.rejoin(object(), generation=3, rank=5, world_size=8)  # the store is never touched
+    finally:
+        world.release.set()
+    deadline = threading.Event()
+    for _ in range(200):  # the teardown's thread ends once the destructor returns
+        if not runtime.teardown_pending():
+            break
+        deadline.wait(0.05)
+    assert not runtime.teardown_pending()
+
+
 def test_a_teardown_that_fails_is_one_warning_line(monkeypatch, caplog) -> None:
     FakeNcclWorld(monkeypatch)
 
