@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic import heal_env, regroup, views
 from elastic.errors import first_line
 from elastic.rng import get_rng_state, set_rng_state
-from elastic.runtime import WorkerContext, teardown_pending
+from elastic.runtime import WorkerContext
 from elastic.views import View
 
 logger = logging.getLogger(__name__)
@@ -296,9 +296,7 @@ class Healing:
             raise regroup.RegroupError(
                 f"view {view.number} has {view.world_size} workers, fewer than the job's minimum "
                 f"{self.point.min_world}: a new round waits for nodes")
-        if dist.is_initialized() or teardown_pending():  # the last group's teardown overran its deadline
-            raise regroup.RegroupError(f"the last group could not be left in time for view {view.number} "
-                                       "(a collective of it still waits on a peer); leaving so that its sockets close")
+        regroup.require_left(f"view {view.number}")
         try:
             if not views.gather(self.point.store, view):
                 return None

@@ -256,6 +256,15 @@ def leave(model: DistributedDataParallel | None = None) -> None:
         shutdown_worker(failed=True)
 
 
+def require_left(purpose: str) -> None:
+    """`RegroupError` unless the last group is gone: left, and its teardown ended (one that overran
+    its deadline still holds the group's sockets open, and a peer blocked on them: see
+    `runtime.teardown_pending`; only this worker's exit closes them)."""
+    if dist.is_initialized() or teardown_pending():
+        raise RegroupError(f"the broken process group could not be left in time for {purpose} "
+                           "(a collective of it still waits on a peer); leaving so that its sockets close")
+
+
 def rejoin(
     store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str = "gloo",
     timeout: timedelta = timedelta(minutes=5),
@@ -268,9 +277,7 @@ def rejoin(
     (torch's own store handshake), at most `timeout`."""
     if dist.is_initialized():
         leave()
-    if teardown_pending():  # the teardown overran its deadline and still runs on its thread
-        raise RegroupError(f"rank {rank}: the broken process group could not be left in time for heal {generation} "
-                           "(a collective of it still waits on a peer); leaving so that its sockets close")
+    require_left(f"heal {generation}")
     try:
         dist.init_process_group(
             backend, store=group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,

@@ -225,11 +225,11 @@ def test_a_worker_whose_teardown_overran_joins_no_new_group(monkeypatch) -> None
             regroup.rejoin(object(), generation=3, rank=5, world_size=8)  # the store is never touched
     finally:
         world.release.set()
-    deadline = threading.Event()
+    pause = threading.Event()  # never set: a sleep
     for _ in range(200):  # the teardown's thread ends once the destructor returns
         if not runtime.teardown_pending():
             break
-        deadline.wait(0.05)
+        pause.wait(0.05)
     assert not runtime.teardown_pending()
 
 
