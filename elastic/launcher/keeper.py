@@ -65,12 +65,13 @@ from elastic.launcher.keeper_files import (
     remove_orphans,
     snapshot_base,
 )
-from elastic.storage import parts, peer_auth, sharded
+from elastic.storage import parts, peer_auth
 from elastic.storage.claim import check_may_commit
 from elastic.storage.commit import commit_checkpoint
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed
 from elastic.storage.keeper_address import JOB_FILE, LOCAL, REPLICA, KeeperAddress
+from elastic.storage.manifest import shard_file
 from elastic.storage.parts import PartHeader
 from elastic.storage.peer_auth import PeerKey
 
@@ -257,7 +258,7 @@ class SnapshotKeeper:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, stage / sharded.shard_file(header.rank))
+            os.replace(tmp, stage / shard_file(header.rank))
         finally:
             tmp.unlink(missing_ok=True)
         tmp_header = stage / f".{done.name}.{uuid.uuid4().hex[:6]}"
@@ -268,6 +269,8 @@ class SnapshotKeeper:
     def _try_commit(self, store: CheckpointStore, stage: Path, step: int, world_size: int) -> bool:
         """Commit `stage` once every rank's part is in it, if this keeper is the one to (an exclusively
         created `.commit` decides), through the one commit every writer uses (storage.commit)."""
+        from elastic.storage import sharded  # DCP's metadata (about 1 s of import): only when a breakpoint is persisted
+
         headers_files = [stage / f"part_{rank:05d}.json" for rank in range(world_size)]
         if not all(path.exists() for path in headers_files):
             return False
@@ -291,7 +294,7 @@ class SnapshotKeeper:
         # `.commit` stays until the stage is published (other keepers leave a stage that has one alone).
         final = commit_checkpoint(
             store, stage, step=step, world_size=world_size,
-            shard_sizes={sharded.shard_file(h.rank): h.data_bytes for h in headers},
+            shard_sizes={shard_file(h.rank): h.data_bytes for h in headers},
             tensors_json=sharded.metadata_to_json(metadata).encode(), trainer=trainer, reason="breakpoint",
             run_id=headers[0].run_id,
         )

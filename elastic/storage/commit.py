@@ -29,11 +29,10 @@ from typing import Any
 
 import crc32c
 
-from elastic.storage import sharded
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed, describe_failure, write_bytes_durably
-from elastic.storage.manifest import TRAINER_FILE, Manifest, checkpoint_name, versions
+from elastic.storage.manifest import TENSORS_FILE, TRAINER_FILE, Manifest, checkpoint_name, versions
 
 
 def commit_checkpoint(
@@ -59,8 +58,8 @@ def commit_checkpoint(
     name = checkpoint_name(step)
     try:
         files: dict[str, dict[str, Any]] = {file: {"bytes": int(size)} for file, size in sorted(shard_sizes.items())}
-        write_bytes_durably(stage / sharded.TENSORS_FILE, tensors_json)
-        files[sharded.TENSORS_FILE] = {"bytes": len(tensors_json), "crc32c": crc32c.crc32c(tensors_json)}
+        write_bytes_durably(stage / TENSORS_FILE, tensors_json)
+        files[TENSORS_FILE] = {"bytes": len(tensors_json), "crc32c": crc32c.crc32c(tensors_json)}
         files[TRAINER_FILE] = store.write_state_file(stage, TRAINER_FILE, trainer)
     except OSError as exc:
         store.abort(stage)

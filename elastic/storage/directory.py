@@ -74,7 +74,7 @@ import torch
 from elastic.errors import CheckpointStorageError, CorruptCheckpoint
 from elastic.errors import first_line as _first_line
 from elastic.storage import claim as claims
-from elastic.storage import retention, sharded, validate
+from elastic.storage import retention, validate
 from elastic.storage.claim import WriterIdentity
 from elastic.storage.durable import (
     TMP_PREFIX,
@@ -88,6 +88,7 @@ from elastic.storage.durable import (
 from elastic.storage.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    TENSORS_FILE,
     Candidate,
     Manifest,
     checkpoint_name,
@@ -445,14 +446,18 @@ class CheckpointStore:
             if "sha256" in expected or "crc32c" in expected:
                 self.read_file(candidate, file_name, expected, keep=False)
         if manifest.format >= 2:
+            from elastic.storage import sharded  # DCP, about 1 s of import: the agent's keeper rarely verifies
+
             sharded.verify_tensors(candidate.path, self.tensor_metadata(candidate, manifest))
         return manifest
 
     def tensor_metadata(self, candidate: Candidate, manifest: Manifest) -> Any:
         """A format-2 checkpoint's DCP metadata (checked against its crc32c)."""
-        if sharded.TENSORS_FILE not in manifest.files:
-            raise CorruptCheckpoint(f"{candidate.name} holds no {sharded.TENSORS_FILE}")
-        text = self.read_file(candidate, sharded.TENSORS_FILE, manifest.files[sharded.TENSORS_FILE])
+        from elastic.storage import sharded
+
+        if TENSORS_FILE not in manifest.files:
+            raise CorruptCheckpoint(f"{candidate.name} holds no {TENSORS_FILE}")
+        text = self.read_file(candidate, TENSORS_FILE, manifest.files[TENSORS_FILE])
         # Chunks must lie within the files as the manifest sizes them (checked by stat).
         return sharded.metadata_from_json(text, {name: entry["bytes"] for name, entry in manifest.files.items()})
 

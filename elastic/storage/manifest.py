@@ -34,6 +34,16 @@ MAX_MANIFEST_BYTES = 16 * 2**20
 for over 100,000 ranks, and bounds what a crafted one costs."""
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 TRAINER_FILE = "trainer.pt"
+TENSORS_FILE = "tensors.json"
+"""Format 2: every tensor's global shape and chunks, and where each chunk lies (sharded.py writes it)."""
+SHARD_PREFIX = "shard_"
+
+
+def shard_file(rank: int) -> str:
+    """Format 2: the file of rank `rank`'s chunks."""
+    return f"{SHARD_PREFIX}{rank:05d}.bin"
+
+
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 """Format 1 only: model and optimizer state dicts, written by rank 0 (format 2 shards them)."""

@@ -40,18 +40,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import crc32c
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from elastic.errors import CorruptCheckpoint
-from elastic.storage import sharded, validate
+from elastic.storage import validate
 from elastic.storage.chunks import (
     StoredChunk,
     block_checksums,
@@ -59,6 +54,10 @@ from elastic.storage.chunks import (
     placed_chunk,
     tensor_declaration,
 )
+from elastic.storage.manifest import shard_file
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +278,18 @@ def complete(headers: list[PartHeader]) -> bool:
 
 def merged_metadata(headers: list[PartHeader]) -> Metadata:
     """The DCP metadata of the checkpoint the parts make up; rank r's chunks lie in `shard_file(r)`."""
+    # Imported here: DCP (with DTensor and sympy) is about 1 s of import that the agent, which reads
+    # parts, needs only when its keeper commits a breakpoint.
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from elastic.storage import sharded
+
     state: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, StoredChunk] = {}
     for header in sorted(headers, key=lambda h: h.rank):
@@ -292,7 +303,7 @@ def merged_metadata(headers: list[PartHeader]) -> Metadata:
             elif (dtype_named(md["dtype"]), torch.Size(md["size"])) != (state[fqn].properties.dtype, state[fqn].size):
                 raise CorruptCheckpoint(f"snapshot part {header.stem} declares {fqn[:80]!r} unlike another rank's part")
         for raw in header.chunks:
-            stored = StoredChunk.from_json({**raw, "file": sharded.shard_file(header.rank)})
+            stored = StoredChunk.from_json({**raw, "file": shard_file(header.rank)})
             at = torch.Size(raw["at"])
             state[raw["fqn"]].chunks.append(ChunkStorageMetadata(at, torch.Size(stored.sizes)))
             if MetadataIndex(raw["fqn"], at) in storage:

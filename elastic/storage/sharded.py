@@ -77,6 +77,7 @@ from torch.futures import Future
 
 from elastic.errors import CorruptCheckpoint
 from elastic.storage import validate
+from elastic.storage.manifest import SHARD_PREFIX, TENSORS_FILE, shard_file  # noqa: F401 - the format's names, here too
 from elastic.storage.chunks import (
     BLOCK,
     ChunkSource,
@@ -89,16 +90,10 @@ from elastic.storage.chunks import (
     tensor_declaration,
 )
 
-TENSORS_FILE = "tensors.json"
-SHARD_PREFIX = "shard_"
 TENSORS_FORMAT = 1
 MAX_TENSORS_JSON_BYTES = 2**30
 """The largest tensors.json read: its size is in the manifest, checked before it is read; this
 bounds a crafted one (real ones hold a few hundred bytes per chunk and a checksum per MiB)."""
-
-
-def shard_file(rank: int) -> str:
-    return f"{SHARD_PREFIX}{rank:05d}.bin"
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

@@ -13,11 +13,15 @@ from elastic.launcher.warm_start import DEFAULT_PRELOAD
 
 
 def test_takes_torchrun_flags_and_rejects_what_torchrun_rejects() -> None:
-    done = subprocess.run([sys.executable, "-m", "elastic.launcher", "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "elastic.launcher", "--help"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0
     for flag in ("--nnodes", "--rdzv-backend", "--rdzv-conf", "--max-restarts", "--monitor-interval", "--standalone"):
         assert flag in done.stdout
+    # Every agent start pays its imports (a node that joins, every test's job): torch.distributed.checkpoint
+    # (with DTensor and sympy, about 1 s of CPU) is the workers' and a breakpoint commit's, not the agent's.
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch.distributed.run" in imported and "torch.distributed.checkpoint" not in imported, "the agent imports DCP"
     bad = subprocess.run([sys.executable, "-m", "elastic.launcher", "--nnodes=x:y", "script.py"], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
     assert bad.returncode != 0
