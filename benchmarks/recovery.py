@@ -89,7 +89,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic.chaos.harness import ChaosJob, JobSpec, draw_report
+from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.verdict import draw_report
 from elastic.heal_env import SURVIVORS_ENV
 from elastic.launcher.launch import SNAPSHOTS_ENV
 from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf

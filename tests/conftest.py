@@ -1,4 +1,4 @@
-"""Shared fixtures: small corpora made by the tests, free ports, the recipes on sys.path."""
+"""Shared fixtures: small corpora made by the tests, the shared reference runs, free ports, the recipes on sys.path."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 
 from etcd_server import EtcdServer  # noqa: E402
+from references import References, session_directory  # noqa: E402
+from references import shared_corpus as write_shared_corpus  # noqa: E402
 from support import free_port, make_text  # noqa: E402
 
 from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork  # noqa: E402
@@ -24,6 +26,18 @@ def tiny_corpus(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_text(make_text(random.Random(0), 40_000))
     return path
+
+
+@pytest.fixture(scope="session")
+def shared_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The text of the jobs that compare against a shared reference run (tests/references.py)."""
+    return write_shared_corpus(session_directory(tmp_path_factory))
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The uninterrupted reference runs, each run once per session (tests/references.py)."""
+    return References(session_directory(tmp_path_factory))
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@
     python -m elastic.chaos --scenario kill-worker --backend etcd-v3 --endpoint 127.0.0.1:2379
     sudo python -m elastic.chaos --scenario partition --hosts netns
     python -m elastic.chaos --scenario kill-worker --scenario node-loss --fsdp   # the model sharded (FSDP2)
+    python -m elastic.chaos --scenario node-loss+scale-up   # one job: a node lost, then one joins
 
 Each scenario starts a fresh job of two torchrun agents (`--nnodes=2:3`, or 1:3
 for node-loss, scale-up and partition), injects its fault once training is
@@ -35,6 +36,7 @@ from elastic.chaos.scenarios import (
     NEEDS_NETWORK,
     NEEDS_OWN_ETCD,
     SCENARIOS,
+    parse_chain,
     run_scenario,
 )
 from elastic.cli import OneLineArgumentParser, positive_int, run_main
@@ -45,8 +47,9 @@ from elastic.heal_env import MODES, RESTART
 def build_parser() -> OneLineArgumentParser:
     p = OneLineArgumentParser(prog="python -m elastic.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--scenario", action="append", choices=[*SCENARIOS, "all"], required=True,
-        help="fault to inject (repeatable; 'all' runs every one)",
+        "--scenario", action="append", required=True, metavar="|".join([*SCENARIOS, "all"]),
+        help="fault to inject (repeatable; 'all' runs every one, each in a job of its own); several joined by + "
+        "share one job, one fault after the other (node-loss+scale-up)",
     )
     p.add_argument("--backend", choices=["c10d", "etcd-v3"], default="c10d")
     p.add_argument(
@@ -100,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             if (args.hosts == "netns" or n not in NEEDS_NETWORK) and (own_etcd or n not in NEEDS_OWN_ETCD)
         ]
     else:
-        names = list(dict.fromkeys(args.scenario))
+        names = ["+".join(parse_chain(given)) for given in dict.fromkeys(args.scenario)]
     for name in names:
-        if name in NEEDS_NETWORK and args.hosts != "netns":
+        members = set(name.split("+"))
+        if members & NEEDS_NETWORK and args.hosts != "netns":
             raise UsageError(f"--scenario {name} cuts a host's link: it needs --hosts netns")
-        if name in NEEDS_OWN_ETCD and not own_etcd:
+        if members & NEEDS_OWN_ETCD and not own_etcd:
             raise UsageError(f"--scenario {name} restarts etcd: it needs --backend etcd-v3 without --endpoint")
     recipe = find_recipe(args.recipe)
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="elastic-chaos-"))

@@ -26,13 +26,25 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=during_all_reduce@7:rank=3
                                             rank 3 dies as step 7's gradient all-reduce starts
                                             (heals in place: its peers' step 7 is void)
+    ELASTIC_FAULT=after_step@1+:do=slow:for=0.3:restart=any:world=1
+                                            rank 0 paces every step to 0.3 s while the
+                                            job trains at world size 1 (a job that must
+                                            outlast a node joining it, however slow the
+                                            join, and no longer than it needs)
 
 The library marks the points (elastic.fault_hook); `FaultInjector` is the
 plugin that fills them, registered under the entry point group
 `torchrevive.faults`, so a worker loads it only when ELASTIC_FAULT is set.
 
 A fault fires only on restart 0 unless `restart=` says otherwise, so a job
-that torchrun restarts after the fault runs on undisturbed. Several faults
+that torchrun restarts after the fault runs on undisturbed. `world=N` limits it
+to workers started at world size N (torch does not count a restart for a node
+joining or leaving, so the restart count cannot tell those groups apart).
+`once` makes a fault fire at most once in the whole job, whichever worker and
+attempt reaches it first (with `restart=any` and `@N+`: the first time a worker
+gets to step N or later): the worker that fires it first creates a file named
+after the entry in `ELASTIC_FAULT_ONCE_DIR`, exclusively. That is how the
+chaos harness chains several faults in one job without counting restarts. Several faults
 are separated by commas; `@N+` matches step N and every later one. The
 default death is SIGKILL: no handler, no flush, no cleanup runs, as when a
 machine or the OOM killer takes a process. `stop` and `hang` leave the process
@@ -44,6 +56,7 @@ full disk gives, the second sleeps `for` seconds (default 30) in the writer.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import signal
 import threading
@@ -56,6 +69,8 @@ from elastic.fault_hook import ENV_VAR
 from elastic.fault_hook import POINTS as FAULT_POINTS
 
 ACTIONS = ("kill", "stop", "hang", "enospc", "slow")
+ONCE_DIR_ENV = "ELASTIC_FAULT_ONCE_DIR"
+"""Where `once` faults leave a mark when they fire (one file each), so no other worker fires them."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,12 @@ class Fault:
     """Fire at `step` and at every later step (`@N+`)."""
     seconds: float = 30.0
     """How long `slow` stalls."""
+    world_size: int | None = None
+    """The world size of the workers it fires in (WORLD_SIZE when the worker started); None: any."""
+    once: bool = False
+    """At most once in the whole job (a mark in ELASTIC_FAULT_ONCE_DIR)."""
+    entry: str = ""
+    """The ELASTIC_FAULT entry it was parsed from (names its mark)."""
 
     def matches(self, point: str, step: int) -> bool:
         return self.point == point and (step >= self.step if self.onwards else step == self.step)
@@ -88,7 +109,9 @@ def parse_faults(text: str) -> list[Fault]:
         fields: dict[str, int | str | float | bool | None] = {"onwards": onwards}
         for option in options:
             key, _, value = option.partition("=")
-            if key == "rank" and value.isdigit():
+            if option == "once":
+                fields["once"] = True
+            elif key == "rank" and value.isdigit():
                 fields["rank"] = int(value)
             elif key == "restart" and (value.isdigit() or value == "any"):
                 fields["restart"] = None if value == "any" else int(value)
@@ -96,12 +119,14 @@ def parse_faults(text: str) -> list[Fault]:
                 fields["action"] = value
             elif key == "for" and value.replace(".", "", 1).isdigit():
                 fields["seconds"] = float(value)
+            elif key == "world" and value.isdigit() and int(value) > 0:
+                fields["world_size"] = int(value)
             else:
                 raise UsageError(
-                    f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N, restart=N|any, for=SECONDS "
-                    f"or do={'|'.join(ACTIONS)}"
+                    f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N, restart=N|any, world=N, once, "
+                    f"for=SECONDS or do={'|'.join(ACTIONS)}"
                 )
-        faults.append(Fault(point, int(step), **fields))  # type: ignore[arg-type]
+        faults.append(Fault(point, int(step), entry=entry, **fields))  # type: ignore[arg-type]
     return faults
 
 
@@ -110,14 +135,20 @@ class FaultInjector:
     `elastic.fault_hook.FaultHook`)."""
 
     def __init__(self, rank: int, restart: int, environ: Mapping[str, str] | None = None) -> None:
-        text = (os.environ if environ is None else environ).get(ENV_VAR, "")
+        env = os.environ if environ is None else environ
+        world = env.get("WORLD_SIZE", "")
+        world_size = int(world) if world.isdigit() else None
         self._faults = [
-            f for f in parse_faults(text) if f.rank == rank and (f.restart is None or f.restart == restart)
+            f for f in parse_faults(env.get(ENV_VAR, ""))
+            if f.rank == rank and f.restart in (None, restart) and f.world_size in (None, world_size)
         ]
+        self._once_dir = env.get(ONCE_DIR_ENV) or None
+        if self._once_dir is None and any(f.once for f in self._faults):
+            raise UsageError(f"{ENV_VAR} has a fault marked once, which needs {ONCE_DIR_ENV} (a folder every worker shares)")
 
     def at(self, point: str, step: int) -> None:
         for fault in self._faults:
-            if fault.matches(point, step):
+            if fault.matches(point, step) and (not fault.once or self._first_to_fire(fault)):
                 if fault.action == "hang":
                     threading.Event().wait()  # never set: this thread is stuck for good
                 if fault.action == "slow":
@@ -126,3 +157,13 @@ class FaultInjector:
                 if fault.action == "enospc":
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected by {ENV_VAR}")
                 os.kill(os.getpid(), signal.SIGSTOP if fault.action == "stop" else signal.SIGKILL)
+
+    def _first_to_fire(self, fault: Fault) -> bool:
+        """Mark `fault` as fired for the whole job; False when a worker marked it before."""
+        assert self._once_dir is not None
+        mark = os.path.join(self._once_dir, hashlib.sha256(fault.entry.encode()).hexdigest()[:16])
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return False
+        return True

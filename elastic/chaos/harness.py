@@ -44,13 +44,11 @@ from typing import Any
 from elastic.chaos.etcd import EtcdServer
 from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
-from elastic.chaos.samples import SampleAudit
-from elastic.errors import CorruptCheckpoint, UsageError
+from elastic.errors import UsageError
 from elastic.launcher.keeper_files import BASE_ENV as SNAPSHOT_BASE_ENV
 from elastic.storage.peer_auth import SECRET_FILE_ENV
 from elastic.launcher.keeper_files import private_directory
 from elastic.launcher.proctree import descendants, worker_rank
-from elastic.storage.directory import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +227,16 @@ class ChaosJob:
 
     def wait_for_recovery(self, fault_time: float, timeout: float = 180) -> float:
         """Seconds from `fault_time` to the first step of a group started after it."""
-        return self._poll(lambda: self.recovery_seconds(fault_time), timeout, "a recovery from the fault")
+        return self.poll_for(lambda: self.recovery_seconds(fault_time), timeout, "a recovery from the fault")
 
-    def _poll(self, found: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    def live_agents(self) -> int:
+        return sum(agent.poll() is None for agent in self.agents)
+
+    def last_live_agent(self) -> int:
+        """The index of the newest agent still running, never agent 0 (with c10d it hosts the rendezvous store)."""
+        return max(i for i, agent in enumerate(self.agents) if i > 0 and agent.poll() is None)
+
+    def poll_for(self, found: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
         """`found()` once it is not None; fails naming `what` at the deadline or when
         every agent has exited."""
         deadline = time.monotonic() + timeout
@@ -264,7 +269,7 @@ class ChaosJob:
 
     def wait_for_step(self, step: int, timeout: float = 180, after: float = 0.0) -> None:
         """Wait until a step >= `step` completes (one completed after time `after`)."""
-        self._poll(lambda: True if self.last_step(after) >= step else None, timeout, f"step {step}", interval=0.01)
+        self.poll_for(lambda: True if self.last_step(after) >= step else None, timeout, f"step {step}", interval=0.01)
 
     def wait_for_world_size(self, world_size: int, after: float, timeout: float = 180) -> float:
         """Wait for a step trained at `world_size` after time `after`; returns its time."""
@@ -276,7 +281,7 @@ class ChaosJob:
                 None,
             )
 
-        return self._poll(step_time, timeout, f"step at world size {world_size}")
+        return self.poll_for(step_time, timeout, f"step at world size {world_size}")
 
     def wait(self, timeout: float = 300) -> list[int | None]:
         """Exit codes of every agent (None for one still running at the deadline)."""
@@ -400,99 +405,3 @@ class ChaosJob:
     def restart_times(self) -> list[float]:
         """When each worker group after the first started (from its 'start' event)."""
         return [r["time"] for r in self.records() if r["event"] == "start"][1:]
-
-
-@dataclass
-class ScenarioResult:
-    scenario: str
-    exit_codes: list[int | None]
-    expected_codes: list[int | None]
-    end_step: int | None
-    max_steps: int
-    recovery_seconds: list[float | None]
-    final_checkpoint: str | None
-    checkpoint_error: str | None
-    samples: SampleAudit
-    logs: str
-    report: Path | None = None
-    """The run's picture (`elastic.report`), when matplotlib is installed."""
-    stops_at: int | None = None
-    """For a job meant to stop rather than finish: the step of the checkpoint it must leave intact."""
-    redone: list[int] = field(default_factory=list)
-    """Per restore after a fault: steps finished before it that the job trained again."""
-    max_redone: int | None = None
-    """The most steps a fault may cost (None: not judged, e.g. under stock torchrun: no snapshots)."""
-    kept_processes: int = 0
-    """Worker processes that trained in every group of the run (`elastic.chaos.samples.kept_processes`)."""
-    min_kept: int | None = None
-    """The fewest that must have (TORCHREVIVE_SURVIVORS=keep or train-on); None: not judged."""
-
-    @property
-    def kept_ok(self) -> bool:
-        return self.min_kept is None or self.kept_processes >= self.min_kept
-
-    @property
-    def redone_ok(self) -> bool:
-        return self.max_redone is None or all(r <= self.max_redone for r in self.redone)
-
-    @property
-    def samples_ok(self) -> bool:
-        """Every step 1..max_steps survived once and used each sample of an epoch once
-        (up to where the job stopped, for one meant to stop)."""
-        if self.stops_at is not None:
-            return self.samples.ok and self.samples.first_step == 1
-        return self.samples.ok and (self.samples.first_step, self.samples.last_step) == (1, self.max_steps)
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.exit_codes == self.expected_codes
-            and self.end_step == (self.max_steps if self.stops_at is None else None)
-            and self.final_checkpoint is not None
-            and all(r is not None for r in self.recovery_seconds)
-            and self.samples_ok
-            and self.redone_ok
-            and self.kept_ok
-        )
-
-    def summary(self) -> str:
-        recoveries = ", ".join("none" if r is None else f"{r:.1f} s" for r in self.recovery_seconds) or "-"
-        verdict = "ok" if self.ok else "FAILED"
-        return (
-            f"{self.scenario}: {verdict}; exit codes {self.exit_codes} (expected {self.expected_codes}); "
-            f"ended at step {self.end_step}/{self.max_steps}; recovery {recoveries}; "
-            f"steps redone {self.redone or '-'}" + (f" (at most {self.max_redone})" if self.max_redone is not None else "") + "; "
-            + (f"workers that kept their process {self.kept_processes} (at least {self.min_kept}); "
-               if self.min_kept is not None else "")
-            + f"final checkpoint {self.final_checkpoint or self.checkpoint_error}; {self.samples.summary()}"
-            + (f"; picture {self.report}" if self.report else "")
-        )
-
-
-def draw_report(events: Path, out: Path, *, title: str) -> Path | None:
-    """Draw the job's picture; None when it cannot be drawn (no matplotlib, no step ran)."""
-    from elastic.errors import UsageError
-    from elastic.report import load_events, render
-
-    try:
-        render(load_events(events), out, title=title)
-    except UsageError as exc:  # no matplotlib, or nothing to draw
-        logger.info("no report for %s: %s", events, exc)
-        return None
-    except Exception:  # noqa: BLE001 - a drawing bug must not fail the scenario it would illustrate
-        logger.warning("drawing the report of %s failed", events, exc_info=True)
-        return None
-    return out
-
-
-def verified_final_checkpoint(directory: Path, step: int) -> tuple[str | None, str | None]:
-    """(name, None) when the checkpoint of `step` is committed and verifies, else (None, why)."""
-    store = CheckpointStore(directory)
-    for candidate in store.committed():
-        try:
-            manifest = store.verify(candidate)
-        except CorruptCheckpoint as exc:
-            return None, f"corrupt: {exc}"
-        if manifest.step == step:
-            return candidate.path.name, None
-    return None, f"no verified checkpoint of step {step} in {directory}"

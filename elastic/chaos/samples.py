@@ -68,10 +68,11 @@ class SampleAudit:
         )
 
 
-def kept_processes(prefix: Path, since: float) -> int:
+def kept_processes(prefix: Path, since: float, until: float = float("inf")) -> int:
     """How many worker processes of the group that trained at time `since` (a fault) trained in
-    every group after it too (the records carry each process's pid): 0 when the fault restarted
-    every worker, the survivors' count when they kept their processes (TORCHREVIVE_SURVIVORS)."""
+    every group after it too, up to time `until` (the next fault of a chain), as the records say
+    (they carry each process's pid): 0 when the fault restarted every worker, the survivors'
+    count when they kept their processes (TORCHREVIVE_SURVIVORS)."""
     by_round: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in read_records(prefix):
         by_round[record["round"]].append(record)
@@ -81,7 +82,7 @@ def kept_processes(prefix: Path, since: float) -> int:
         return 0
     kept = {r.get("pid", -1) for r in by_round[before[-1]]} - {-1}
     for start, name in starts:
-        if start > since:
+        if since < start <= until:
             kept &= {r.get("pid", -1) for r in by_round[name]}
     return len(kept)
 

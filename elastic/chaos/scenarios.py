@@ -1,9 +1,15 @@
 """The chaos scenarios: each starts a job (harness.ChaosJob), hurts it once training is under way,
-waits for the end and judges it (`run_scenario` -> harness.ScenarioResult).
+waits for the end and judges it (`run_scenario` -> verdict.ScenarioResult).
 
 `SCENARIOS` names them; the tables below say what each needs (agents on hosts
 of their own, an etcd the harness started), how long its job trains, which
 faults its workers inject themselves (ELASTIC_FAULT) and what it may cost.
+
+Several scenarios can share one job, a chain (`node-loss+scale-up`): each
+fault strikes once the job has recovered from the one before and trained a
+few steps more, and the job is judged on all of them. A chain costs one job's
+start, rendezvous and reference run instead of one per fault, and shows what a
+single fault cannot: recoveries that follow each other.
 """
 
 from __future__ import annotations
@@ -16,125 +22,142 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elastic.chaos.etcd import EtcdServer
-from elastic.chaos.harness import (
-    ChaosJob,
-    JobSpec,
-    ScenarioResult,
-    draw_report,
-    find_recipe,
-    verified_final_checkpoint,
-)
+from elastic.chaos.harness import ChaosJob, JobSpec, find_recipe
 from elastic.chaos.netns import VirtualNetwork
+from elastic.chaos.faults import ONCE_DIR_ENV
 from elastic.chaos.samples import audit, kept_processes
+from elastic.chaos.verdict import ScenarioResult, draw_report, verified_final_checkpoint
+from elastic.errors import UsageError
 from elastic.heal_env import FROZEN_AFTER_ENV, RESTART, SURVIVORS_ENV, TRAIN_ON
 
-Scenario = Callable[[ChaosJob, random.Random], list[int | None]]
-"""Hurts a started job; returns the exit codes expected of its agents."""
+Scenario = Callable[[ChaosJob, random.Random], dict[int, int]]
+"""Hurts a started job once the fault is due (`when_due`); returns the exit codes expected of the
+agents it hurt, by index: every other agent must exit 0."""
 
 
-def kill_worker(job: ChaosJob, rng: random.Random) -> list[int | None]:
-    job.wait_for_world_size(len(job.agents), after=0.0)  # (with --nnodes 1:3, the second may join late)
-    job.wait_for_step(rng.randint(12, 18))
+def when_due(job: ChaosJob, rng: random.Random) -> float:
+    """Wait until the next fault is due: 12-18 steps into the job for the first one; for each
+    later one of a chain, once the job has recovered from the one before and trained 5-10 steps
+    more. Returns the time the job is watched from (0, or the previous fault's)."""
+    if not job.faults:
+        job.wait_for_step(rng.randint(12, 18))
+        return 0.0
+    since = job.faults[-1][1]
+    job.wait_for_recovery(since)
+    resumed = [r["step"] for r in job.records() if r["event"] in ("start", "heal") and r["time"] > since]
+    job.wait_for_step((resumed[-1] if resumed else 0) + rng.randint(5, 10), after=since)
+    return since
+
+
+def _since(job: ChaosJob) -> float:
+    return job.faults[-1][1] if job.faults else 0.0
+
+
+def kill_worker(job: ChaosJob, rng: random.Random) -> dict[int, int]:
+    # Every live node trains first (with --nnodes 1:3 the second may join late; in a chain under
+    # train-on the replacement of the last fault's worker joins later).
+    job.wait_for_world_size(job.live_agents(), after=_since(job))
+    when_due(job, rng)
     job.signal_worker(signal.SIGKILL, rng=rng)
-    return [0] * len(job.agents)
+    return {}
 
 
-def kill_during_save(job: ChaosJob, rng: random.Random, name: str = "kill-during-save") -> list[int | None]:
-    # ELASTIC_FAULT=before_commit@20 (set by `scenario_env`) kills rank 0 between
-    # writing step 20's files and committing them; the fault time is the last
-    # event of the first group (the restarted group opens with restore, start).
-    deadline = time.monotonic() + 180
-    while not job.restart_times():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the job never restarted after the fault:\n{job.logs()}")
-        time.sleep(0.05)
-    records = job.records()
-    second_start = [i for i, r in enumerate(records) if r["event"] == "start"][1]
-    opening = second_start - (records[second_start - 1]["event"] == "restore")
-    job.mark(name, at=records[opening - 1]["time"])
-    return [0] * len(job.agents)
+def kill_during_save(job: ChaosJob, rng: random.Random, name: str = "kill-during-save") -> dict[int, int]:
+    # ELASTIC_FAULT (`scenario_env`) kills rank 0 between writing step 20's files and committing
+    # them (in a chain, the first commit of step 20 or later after the faults before it). The fault
+    # time is the last event of the group it ended: the second group to start after the fault
+    # before it (or, first of a chain, after the job's start) opens with restore, start.
+    since = _since(job)
+
+    def restarted() -> list[dict] | None:
+        records = job.records()
+        starts = [i for i, r in enumerate(records) if r["event"] == "start" and r["time"] > since]
+        return records[: starts[1]] if len(starts) > 1 else None
+
+    before = job.poll_for(restarted, 180, "a restart after the fault")
+    opening = len(before) - (before[-1]["event"] == "restore")
+    job.mark(name, at=before[opening - 1]["time"])
+    return {}
 
 
-def kill_during_snapshot(job: ChaosJob, rng: random.Random) -> list[int | None]:
-    # ELASTIC_FAULT=during_snapshot@15:rank=1 kills rank 1 while it copies step 15's state into
-    # shared memory (after the data, before its header): that part must never be loaded.
+def kill_during_snapshot(job: ChaosJob, rng: random.Random) -> dict[int, int]:
+    # ELASTIC_FAULT kills rank 1 while it copies step 15's state into shared memory (after the
+    # data, before its header): that part must never be loaded.
     return kill_during_save(job, rng, name="kill-during-snapshot")
 
 
-def node_loss(job: ChaosJob, rng: random.Random) -> list[int | None]:
+def node_loss(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     # Both nodes must be in the job before one is lost: on a busy machine the second
     # agent can miss the first round and join through a membership change later.
-    job.wait_for_world_size(2, after=0.0)
-    job.wait_for_step(rng.randint(12, 18))
+    job.wait_for_world_size(job.live_agents(), after=_since(job))
+    when_due(job, rng)
     # Not agent 0: with c10d it hosts the rendezvous store, the one node a c10d job cannot lose.
-    job.kill_agent(len(job.agents) - 1)
-    return [0] * (len(job.agents) - 1) + [-signal.SIGKILL]
+    lost = job.last_live_agent()
+    job.kill_agent(lost)
+    return {lost: -signal.SIGKILL}
 
 
-def scale_up(job: ChaosJob, rng: random.Random) -> list[int | None]:
-    """A node joins the running job (paced so that it outlasts the join: SCENARIO_FAULTS)."""
-    job.wait_for_step(rng.randint(12, 18))
+def scale_up(job: ChaosJob, rng: random.Random) -> dict[int, int]:
+    """A node joins the running job (paced so that it outlasts the join: `scenario_env`)."""
+    when_due(job, rng)
     job.mark("scale-up")
     job.add_agent()
-    return [0] * len(job.agents)
+    return {}
 
 
-def hang(job: ChaosJob, rng: random.Random) -> list[int | None]:
-    job.wait_for_world_size(len(job.agents), after=0.0)
-    job.wait_for_step(rng.randint(12, 18))
+def hang(job: ChaosJob, rng: random.Random) -> dict[int, int]:
+    job.wait_for_world_size(job.live_agents(), after=_since(job))
+    when_due(job, rng)
     job.signal_worker(signal.SIGSTOP, rank=1)
-    return [0] * len(job.agents)
+    return {}
 
 
-def partition(job: ChaosJob, rng: random.Random) -> list[int | None]:
+def partition(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     """The last agent's host loses its network; the job goes on without it, and takes
     it back once the link returns."""
-    job.wait_for_step(rng.randint(12, 18))
-    lost = len(job.agents) - 1  # not agent 0: with c10d it hosts the rendezvous store
+    when_due(job, rng)
+    live = job.live_agents()
+    lost = job.last_live_agent()  # not agent 0: with c10d it hosts the rendezvous store
     job.cut_link(lost)
-    job.wait_for_world_size(len(job.agents) - 1, after=job.faults[-1][1])
+    job.wait_for_world_size(live - 1, after=job.faults[-1][1])
     healed = time.time()
     job.heal_link(lost)
     job.mark("heal", at=healed)
-    job.wait_for_world_size(len(job.agents), after=healed)
-    return [0] * len(job.agents)
+    job.wait_for_world_size(live, after=healed)
+    return {}
 
 
-def etcd_restart(job: ChaosJob, rng: random.Random) -> list[int | None]:
+def etcd_restart(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     """etcd goes down just as the job must rendezvous: a worker is killed while etcd
     is stopped, and etcd comes back (same data) 2 s later. The agents' etcd client
     retries through the outage (`read_timeout`) and the job recovers through it."""
     if job.spec.etcd is None:
         raise ValueError("the etcd-restart scenario needs an etcd the harness started (JobSpec.etcd)")
-    job.wait_for_step(rng.randint(12, 18))
+    when_due(job, rng)
     job.spec.etcd.stop()
     job.mark("etcd-stop")
     job.signal_worker(signal.SIGKILL, rng=rng)
-    time.sleep(2)
+    time.sleep(2)  # the outage itself: what the scenario is about
     job.spec.etcd.start()
-    return [0] * len(job.agents)
+    return {}
 
 
-def soak(job: ChaosJob, rng: random.Random) -> list[int | None]:
+def soak(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     """Faults on a schedule, in one job: a SIGKILL, a SIGTERM and a SIGSTOP of random
     workers, each once the job has recovered from the one before and trained on."""
-    since = 0.0
     for signum in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):
-        started = [r for r in job.records() if r["event"] == "start" and r["time"] > since]
-        job.wait_for_step((started[-1]["step"] if started else 0) + rng.randint(5, 10), after=since)
+        when_due(job, rng)
         job.signal_worker(signum, rng=rng)
-        since = job.faults[-1][1]
-        job.wait_for_recovery(since)
-    return [0] * len(job.agents)
+    return {}
 
 
-def preemption(job: ChaosJob, rng: random.Random) -> list[int | None]:
-    job.wait_for_step(rng.randint(12, 18))
+def preemption(job: ChaosJob, rng: random.Random) -> dict[int, int]:
+    when_due(job, rng)
     job.signal_worker(signal.SIGTERM, rng=rng)
-    return [0] * len(job.agents)
+    return {}
 
 
-def relaunch(job: ChaosJob, rng: random.Random) -> list[int | None]:
+def relaunch(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     """The job's first launch trains a third to a half of the steps and ends (torch
     closes the rendezvous); the job is launched again with the same `--rdzv-id` and
     the full `--max-steps`, and must resume from the first launch's final
@@ -152,23 +175,23 @@ def relaunch(job: ChaosJob, rng: random.Random) -> list[int | None]:
         raise RuntimeError(f"the first launch ended with exit codes {codes}, not 0:\n{job.logs()}")
     job.mark("relaunch")
     job.relaunch(args)
-    return [0] * len(job.agents)
+    return {}
 
 
-def disk_full(job: ChaosJob, rng: random.Random) -> list[int | None]:
+def disk_full(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     """The checkpoint volume is full from step 20 on (`SCENARIO_FAULTS`: every save from
     then on fails with ENOSPC, on every restart). Training goes on past the first
     failures; the third in a row stops every worker with one line and exit 75, the
     step-15 checkpoint intact. Our launcher does not restart it (a restart would
     meet the same disk); stock torchrun restarts until --max-restarts is spent."""
-    return [75 if job.spec.launcher == "ours" else 1] * len(job.agents)
+    return dict.fromkeys(range(len(job.agents)), 75 if job.spec.launcher == "ours" else 1)
 
 
-def slow_storage(job: ChaosJob, rng: random.Random) -> list[int | None]:
-    """Step 10's save and the final one each take 8 s (`SCENARIO_FAULTS`), longer than
+def slow_storage(job: ChaosJob, rng: random.Random) -> dict[int, int]:
+    """Step 10's save and the final one each take 6 s (`SCENARIO_FAULTS`), longer than
     the watchdog (3 s) and the collective timeout (4 s, `SCENARIO_ARGS`): saves due
     meanwhile are skipped, nothing trips, the job finishes without a restart."""
-    return [0] * len(job.agents)
+    return {}
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -194,27 +217,36 @@ LAUNCHES_ITSELF = {"relaunch"}
 """Scenarios that start the job themselves (with arguments of their own)."""
 
 
+ALONE = {"disk-full", "slow-storage", "relaunch"}
+"""Scenarios that cannot share a job with others: the job stops (disk-full), must see no restart
+(slow-storage), or is launched by the scenario itself (relaunch)."""
+
+
 # Scenarios that change the world size need the job to outlast a new round
-# (a joining agent first imports torch): they train longer.
-SCENARIO_STEPS = {"scale-up": 250, "node-loss": 400, "partition": 800, "soak": 300}
+# (a joining agent first imports torch): they train longer, and `scenario_env` paces them.
+SCENARIO_STEPS = {"scale-up": 200, "node-loss": 100, "partition": 200, "soak": 300}
 # Jobs whose world size must stay 2 wait for both agents before the first round
 # (with a minimum of 1, the first agent could train alone until the second joins).
 SCENARIO_NNODES = {"scale-up": "1:3", "node-loss": "1:3", "partition": "1:3"}
 
 
-# Faults the workers inject themselves (elastic.chaos.faults), per scenario.
+# Faults the workers inject themselves (elastic.chaos.faults), per scenario. `{step}` is where the
+# fault fires: its default here, later in a chain (`chain_env`); `once`: in the first worker to get
+# there, whichever attempt that is (a chain's earlier faults restart the workers).
 SCENARIO_FAULTS = {
-    "kill-during-save": "before_commit@20",
-    "kill-during-snapshot": "during_snapshot@15:rank=1",
+    "kill-during-save": "before_commit@{step}+:restart=any:once",
+    "kill-during-snapshot": "during_snapshot@{step}+:rank=1:restart=any:once",
     "disk-full": "during_write@20+:do=enospc:restart=any",
-    "slow-storage": "during_write@10:do=slow:for=8,during_write@40:do=slow:for=8",
-    # The job must outlast the new node's cold start (Python, torch, its agent's fork server),
-    # however loaded the machine: rank 0 paces every step to at least 0.3 s (a sleep: load does
-    # not speed the job up), so its 250 steps take 75 s or more (a join took 11 s at load 5 and
-    # over 25 s at load 16, on 2 cores). Only the first launch is paced (restart 0): once the
-    # node has joined, the job runs at full speed, so the headroom costs nothing when it is unused.
-    "scale-up": "after_step@1+:do=slow:for=0.3",
+    "slow-storage": "during_write@10:do=slow:for=6,during_write@40:do=slow:for=6",
 }
+FAULT_STEPS = {"kill-during-save": 20, "kill-during-snapshot": 15}
+"""The step at or after which a worker-injected fault of a chain fires, unless a fault before it is later."""
+PACED = "after_step@1+:do=slow:for=0.3:restart=any:world={world}"
+"""A job that must outlast a node joining it, however loaded the machine (a join took 11 s at
+load 5 and over 25 s at load 16, on 2 cores: Python, torch, its agent's fork server), has rank 0
+pace every step to at least 0.3 s while it trains at the world size before the join (a sleep:
+load does not speed the job up). Once the node has joined, the job runs at full speed, so the
+headroom costs nothing when it is unused."""
 # Recipe flags a scenario adds to the common ones.
 SCENARIO_ARGS = {"slow-storage": ["--collective-timeout", "4"]}
 # Scenarios whose job must stop instead of finishing: the step of the newest
@@ -224,7 +256,7 @@ SCENARIO_STOPS_AT = {"disk-full": 15}
 
 # Under our launcher (in-memory snapshots every step: the harness asks for them) a fault costs at most this many
 # finished steps (the restore events' `redone`).
-SCENARIO_MAX_REDONE = {"kill-worker": 1, "kill-during-snapshot": 1, "node-loss": 1, "preemption": 1}
+SCENARIO_MAX_REDONE = {"kill-worker": 1, "kill-during-snapshot": 1, "node-loss": 1, "preemption": 1, "soak": 1}
 
 
 # With TORCHREVIVE_SURVIVORS=keep or train-on, a fault of one worker or one node stops no other worker:
@@ -232,15 +264,48 @@ SCENARIO_MAX_REDONE = {"kill-worker": 1, "kill-during-snapshot": 1, "node-loss":
 SURVIVOR_SCENARIOS = {"kill-worker": 1, "hang": 1, "node-loss": 1}
 
 
-def scenario_env(name: str, survivors: str = RESTART) -> dict[str, str]:
-    env = {"ELASTIC_FAULT": SCENARIO_FAULTS[name]} if name in SCENARIO_FAULTS else {}
+def parse_chain(text: str | Sequence[str]) -> list[str]:
+    """The scenarios of one job, in order: `kill-worker` or `node-loss+scale-up` (or a list). Each
+    fault strikes once the job recovered from the one before. Raises `UsageError` (one line) for
+    an unknown name, a scenario that needs a job of its own (`ALONE`), or a worker-injected fault
+    after one from outside (the workers' own fire by step, so they must come first)."""
+    names = [n.strip() for n in text.split("+")] if isinstance(text, str) else list(text)
+    for name in names:
+        if name not in SCENARIOS:
+            raise UsageError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    if len(names) > 1 and ALONE.intersection(names):
+        raise UsageError(f"{'+'.join(names)}: {', '.join(sorted(ALONE.intersection(names)))} needs a job of its own")
+    inside = [i for i, n in enumerate(names) if n in FAULT_STEPS]
+    if inside and inside != list(range(len(inside))):
+        raise UsageError(f"{'+'.join(names)}: faults the workers inject ({', '.join(FAULT_STEPS)}) must come first")
+    return names
+
+
+def chain_env(names: Sequence[str], agents: int, survivors: str = RESTART) -> dict[str, str]:
+    """ELASTIC_FAULT and the survivors' settings for a job of `agents` agents that goes through `names`."""
+    faults: list[str] = []
+    step = 0
+    live = agents
+    for name in names:
+        if name in FAULT_STEPS:
+            step = max(FAULT_STEPS[name], step + 5)
+            faults.append(SCENARIO_FAULTS[name].format(step=step))
+        elif name in SCENARIO_FAULTS:
+            faults.append(SCENARIO_FAULTS[name])
+        if name == "scale-up":
+            faults.append(PACED.format(world=live))  # until the new node is in
+        elif name == "partition":
+            faults.append(PACED.format(world=live - 1))  # until the cut-off node is back
+        elif name == "node-loss":
+            live -= 1
+    env = {"ELASTIC_FAULT": ",".join(dict.fromkeys(faults))} if faults else {}
     if survivors != RESTART:  # a stopped worker is ended after 1 s (of the watchdog's 3 s): its peers keep theirs
         env.update({SURVIVORS_ENV: survivors, FROZEN_AFTER_ENV: "1"})
     return env
 
 
 def run_scenario(
-    name: str,
+    name: str | Sequence[str],
     workdir: Path,
     data: Path,
     *,
@@ -257,66 +322,77 @@ def run_scenario(
     recipe: Path | None = None,
     survivors: str = RESTART,
 ) -> ScenarioResult:
-    """Run one scenario to the end and judge it. With a `network` each agent runs on
-    a host of its own; with `etcd` (a started member) an etcd-v3 job uses it, and
-    may restart it. The caller owns both and closes them. `recipe_args` go to the
-    recipe after the harness's own flags (e.g. `["--fsdp"]`: the model sharded with FSDP2);
-    `recipe` is the GPT recipe (default: `find_recipe()`); `survivors`: TORCHREVIVE_SURVIVORS for the
-    agents (with `keep` or `train-on`, the workers a fault does not hit must keep their processes:
-    `SURVIVOR_SCENARIOS`)."""
-    if name not in SCENARIOS:
-        raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
-    if name in NEEDS_NETWORK and network is None:
-        raise ValueError(f"the {name} scenario needs agents on hosts of their own (a network of namespaces)")
-    if name in NEEDS_OWN_ETCD and (etcd is None or backend != "etcd-v3"):
-        raise ValueError(f"the {name} scenario needs the etcd-v3 backend on an etcd the harness started")
+    """Run one scenario, or a chain of them in one job (`parse_chain`), to the end and judge it.
+    With a `network` each agent runs on a host of its own; with `etcd` (a started member) an
+    etcd-v3 job uses it, and may restart it. The caller owns both and closes them. `recipe_args`
+    go to the recipe after the harness's own flags (e.g. `["--fsdp"]`: the model sharded with
+    FSDP2); `recipe` is the GPT recipe (default: `find_recipe()`); `survivors`:
+    TORCHREVIVE_SURVIVORS for the agents (with `keep` or `train-on`, the workers a fault does not
+    hit must keep their processes: `SURVIVOR_SCENARIOS`)."""
+    names = parse_chain(name)
+    if NEEDS_NETWORK.intersection(names) and network is None:
+        raise ValueError(f"the {'+'.join(names)} scenario needs agents on hosts of their own (a network of namespaces)")
+    if NEEDS_OWN_ETCD.intersection(names) and (etcd is None or backend != "etcd-v3"):
+        raise ValueError(f"the {'+'.join(names)} scenario needs the etcd-v3 backend on an etcd the harness started")
     if etcd is not None and endpoint is None:
         endpoint = f"{network.gateway}:{etcd.port}" if network else etcd.endpoint
     rng = random.Random(seed)
-    steps = steps or SCENARIO_STEPS.get(name, 40)
+    steps = steps or max(SCENARIO_STEPS.get(n, 40) for n in names) + 30 * (len(names) - 1)
+    resizes = [n for n in names if n in SCENARIO_NNODES]
     ckpt = workdir / "ckpt"
     spec = JobSpec(
         workdir=workdir, backend=backend, endpoint=endpoint, launcher=launcher,
         # Survivors that train on may go down to one node: the job's minimum must allow it.
-        nnodes="1:3" if survivors == TRAIN_ON else SCENARIO_NNODES.get(name, "2:3"),
-        run_id=f"chaos-{name}-{uuid.uuid4().hex[:8]}",  # several jobs may share one etcd
+        nnodes="1:3" if survivors == TRAIN_ON or resizes else "2:3",
+        run_id=f"chaos-{names[0]}-{uuid.uuid4().hex[:8]}",  # several jobs may share one etcd
         script_args=[
             "--data", str(data), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(ckpt),
             "--ckpt-every", "5", "--hang-timeout", "3", "--dropout", "0.1",
             # Snapshots every step, not the default auto interval: the suite proves their promise,
             # at most one finished step redone per fault (SCENARIO_MAX_REDONE).
             "--snapshot-every", "1", *model_args,
-            *SCENARIO_ARGS.get(name, []), *recipe_args,
+            *(arg for n in names for arg in SCENARIO_ARGS.get(n, [])), *recipe_args,
         ],
-        env=scenario_env(name, survivors), sample_log=workdir / "samples", network=network, etcd=etcd,
-        script=recipe or find_recipe(),
+        env={**chain_env(names, 2, survivors), ONCE_DIR_ENV: str(workdir / "fault-marks")},
+        sample_log=workdir / "samples", network=network, etcd=etcd, script=recipe or find_recipe(),
     )
+    (workdir / "fault-marks").mkdir(parents=True, exist_ok=True)
     with ChaosJob(spec) as job:
-        if name not in LAUNCHES_ITSELF:
+        if not LAUNCHES_ITSELF.intersection(names):
             job.start()
-        expected = SCENARIOS[name](job, rng)
+        expected: dict[int, int] = {}
+        for scenario in names:
+            for agent, code in SCENARIOS[scenario](job, rng).items():
+                if not expected.get(agent):  # a node once lost stays lost
+                    expected[agent] = code
         codes = job.wait(timeout)
         ends = [r["step"] for r in job.records() if r["event"] == "end"]
-        stops_at = SCENARIO_STOPS_AT.get(name)
+        stops_at = next((SCENARIO_STOPS_AT[n] for n in names if n in SCENARIO_STOPS_AT), None)
         final_step = steps if stops_at is None else stops_at
         final, error = verified_final_checkpoint(ckpt, final_step) if ckpt.is_dir() else (None, "no checkpoint directory")
         if ckpt.is_dir() and any(p.name.startswith(".tmp.") for p in ckpt.iterdir()):
             final, error = None, f"a failed save left its temporary directory in {ckpt}"
+        fault_times = [t for _, t in job.faults]
+        judged = launcher == "ours" and all(n in SCENARIO_MAX_REDONE for n in names)
+        kept_judged = survivors != RESTART and all(n in SURVIVOR_SCENARIOS for n in names)
         return ScenarioResult(
-            scenario=name,
+            scenario="+".join(names),
             exit_codes=codes,
-            expected_codes=expected,
+            expected_codes=[expected.get(i, 0) for i in range(len(job.agents))],
             end_step=ends[-1] if ends else None,
             max_steps=steps,
-            recovery_seconds=[job.recovery_seconds(t) for _, t in job.faults],
+            recovery_seconds=[job.recovery_seconds(t) for t in fault_times],
             final_checkpoint=final,
             checkpoint_error=error,
             samples=audit(workdir / "samples"),
             stops_at=stops_at,
             redone=[r["redone"] for r in job.records() if r["event"] == "restore" and r.get("restart", 0) > 0 and "redone" in r],
-            max_redone=SCENARIO_MAX_REDONE.get(name) if launcher == "ours" else None,
+            max_redone=max(SCENARIO_MAX_REDONE[n] for n in names) if judged else None,
             logs=job.logs(),
-            kept_processes=kept_processes(workdir / "samples", job.faults[0][1]) if job.faults else 0,
-            min_kept=SURVIVOR_SCENARIOS.get(name) if survivors != RESTART else None,
-            report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {name} ({' '.join([backend, *recipe_args])})"),
+            kept_processes=min(
+                (kept_processes(workdir / "samples", t, until) for t, until in zip(fault_times, [*fault_times[1:], float("inf")])),
+                default=0,
+            ),
+            min_kept=max(SURVIVOR_SCENARIOS[n] for n in names) if kept_judged else None,
+            report=draw_report(job.events_path, workdir / "report.png", title=f"chaos: {'+'.join(names)} ({' '.join([backend, *recipe_args])})"),
         )

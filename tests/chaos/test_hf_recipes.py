@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("transformers")
 from support import REPO, make_text  # noqa: E402
 
-from elastic.chaos.harness import ChaosJob, JobSpec, verified_final_checkpoint  # noqa: E402
+from elastic.chaos.harness import ChaosJob, JobSpec  # noqa: E402
+from elastic.chaos.verdict import verified_final_checkpoint  # noqa: E402
 from elastic.chaos.samples import audit  # noqa: E402
 from elastic.chaos.scenarios import run_scenario  # noqa: E402
 from elastic.checkpoint import read_checkpoint  # noqa: E402

@@ -1,33 +1,32 @@
 """Every chaos scenario on a real two-agent job, for c10d and etcd-v3 rendezvous,
 on loopback and with each agent on a host of its own (network namespaces).
 
-Each asserts: the agents exit as expected (0, SIGKILL for the lost node, 75
-when the disk is full), the job reaches its last step (or, on a full disk,
-stops with its last good checkpoint intact and no temporary left), the final
-checkpoint verifies, the fault was
-followed by a restarted group that completed a step (its recovery time is
-printed, never asserted), and the samples of the surviving history used every
-sample of each epoch exactly once, and (in-memory snapshots every step) a
-killed worker, a killed snapshot, a lost node and a preemption each cost at most
-one finished step. Jobs with a constant world size must also
-end with weights and optimizer state bit-identical to an uninterrupted run's.
-The scenarios that kill and resize also run with the recipe's --fsdp (FSDP2:
-parameters and optimizer state sharded, checkpoints saved in shards).
+Faults that a job survives at the same world size share one job (a chain,
+elastic.chaos.scenarios.parse_chain): each strikes once the job has recovered
+from the one before, so one job start, one rendezvous and one reference run
+serve several faults. Each job asserts: the agents exit as expected (0,
+SIGKILL for a lost node, 75 when the disk is full), the job reaches its last
+step (or, on a full disk, stops with its last good checkpoint intact and no
+temporary left), the final checkpoint verifies, every fault was followed by a
+restarted group that completed a step (its recovery time is printed, never
+asserted), the samples of the surviving history used every sample of each
+epoch exactly once, and (in-memory snapshots every step) a killed worker, a
+killed snapshot, a lost node and a preemption each cost at most one finished
+step. Jobs with a constant world size must also end with weights and optimizer
+state bit-identical to an uninterrupted run's (tests/references.py). The kill
+and the resize also run with the recipe's --fsdp (FSDP2: parameters and
+optimizer state sharded, checkpoints saved in shards).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import random
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from etcd_server import EtcdServer
-from support import make_text
+from references import REFERENCE_STEPS, References, gpt_args
 
 from elastic.chaos.netns import VirtualNetwork
 from elastic.chaos.scenarios import run_scenario
@@ -37,85 +36,28 @@ from elastic.storage.sharded import TENSORS_FILE
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
-SOAK_STEPS = 100
-"""Three faults, each 5 to 10 steps after the last recovery, land by step 30 or so."""
+STEPS = REFERENCE_STEPS
 CONSTANT_WORLD = {"kill-worker", "kill-during-save", "kill-during-snapshot", "hang", "preemption", "etcd-restart", "soak", "slow-storage"}
 FSDP = ["--fsdp"]
-
-Reference = Callable[..., dict[str, torch.Tensor]]
-
-
-def session_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A temporary directory of this test session that every pytest-xdist worker shares (each
-    worker's own base directory sits in it; without xdist, the base directory itself)."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same text for every test and every xdist worker (the reference runs are shared)."""
-    path = session_directory(tmp_path_factory) / "chaos-corpus.txt"
-    text = make_text(random.Random(7), 40_000)
-    if not path.exists() or path.read_text() != text:
-        tmp = path.with_suffix(f".{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Reference:
-    """Every tensor (model and optimizer, by checkpoint key) of the final checkpoint of an
-    uninterrupted two-agent run of N steps with these recipe args. Each such run happens once
-    per session, also under pytest-xdist: the first worker to need it runs it under a file lock
-    in the workers' common temporary directory, and the others read its checkpoint."""
-    from filelock import FileLock
-
-    from elastic.chaos.harness import ChaosJob, JobSpec, verified_final_checkpoint
-
-    shared = session_directory(tmp_path_factory)
-
-    def tensors(steps: int, recipe_args: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-        workdir = shared / f"reference-{steps}{''.join(recipe_args)}"
-        with FileLock(f"{workdir}.lock"):
-            name, error = verified_final_checkpoint(workdir / "ckpt", steps) if workdir.exists() else (None, None)
-            if name is None:
-                shutil.rmtree(workdir, ignore_errors=True)
-                workdir.mkdir()
-                spec = JobSpec(
-                    workdir=workdir, nnodes="2:2", run_id="reference",
-                    script_args=["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir",
-                                 str(workdir / "ckpt"), "--ckpt-every", "5", "--dropout", "0.1", "--n-layer", "2",
-                                 "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8",
-                                 *recipe_args],
-                )
-                with ChaosJob(spec) as job:
-                    job.start()
-                    assert job.wait(240) == [0, 0], job.logs()
-                name, error = verified_final_checkpoint(workdir / "ckpt", steps)
-            assert name, error
-            return read_checkpoint(workdir / "ckpt" / name)[1]
-
-    return tensors
 
 
 def agent_logs(workdir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(workdir.glob("agent*.log")))
 
 
-def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, ...] = ()) -> None:
+def check(result, workdir: Path, references: References, corpus: Path, recipe_args: tuple[str, ...] = ()) -> None:
     print(result.summary())
     assert result.ok, result.summary() + "\n" + result.logs
     assert result.report is not None and result.report.read_bytes()[:4] == b"\x89PNG", "the run's picture is missing"
-    if result.scenario in CONSTANT_WORLD:
+    if set(result.scenario.split("+")) <= CONSTANT_WORLD:
         final = workdir / "ckpt" / result.final_checkpoint
         if "--fsdp" in recipe_args:  # saved in shards: each rank wrote its part of the sharded tensors
             chunks = json.loads((final / TENSORS_FILE).read_text())["chunks"]
             assert {c["file"] for c in chunks} == {"shard_00000.bin", "shard_00001.bin"}
             assert any(c["fqn"].startswith("model/") and c["at"] and c["at"][0] > 0 for c in chunks), "not sharded"
-        want, got = reference(result.max_steps, recipe_args), read_checkpoint(final)[1]
+        assert result.max_steps == STEPS, "a constant-world job is compared with the shared reference run"
+        want = references.tensors(gpt_args(corpus, STEPS, *recipe_args), STEPS)
+        got = read_checkpoint(final)[1]
         assert want.keys() == got.keys(), f"{result.scenario}: other tensors than the uninterrupted run's"
         assert any(k.startswith("model/") for k in want) and any(k.startswith("optim/") for k in want)
         different = [k for k in sorted(want) if not torch.equal(want[k], got[k])]
@@ -124,106 +66,133 @@ def check(result, workdir: Path, reference: Reference, recipe_args: tuple[str, .
         )
 
 
-@pytest.mark.parametrize(
-    "scenario",
-    ["kill-worker", "kill-during-save", "kill-during-snapshot", "node-loss", "scale-up", "hang", "preemption", "soak",
-     "disk-full", "slow-storage", "relaunch"],
-)
-def test_c10d(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
-    # The others train longer (SCENARIO_STEPS): they resize, and must outlast a new round.
-    steps = SOAK_STEPS if scenario == "soak" else STEPS if scenario in CONSTANT_WORLD else None
-    result = run_scenario(scenario, tmp_path, corpus, steps=steps)
-    check(result, tmp_path, reference)
-    # The restart's round closed without its last call: both nodes were back. (After a node loss the
-    # round closes at whichever comes first, the lost node declared dead, about 3 s after its last
-    # keep-alive, or the 2 s last call: a race by design. test_quick_rounds.py checks the early
-    # close on a dead node without a last call to race.)
-    if scenario == "kill-worker":
-        assert "closes now: all" in agent_logs(tmp_path), result.logs
-    sources = [e["source"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "restore" and e["restart"] > 0]
-    if scenario in ("kill-worker", "kill-during-snapshot"):
-        assert sources and set(sources) == {"memory"}, f"not restored from memory: {sources}"
-    if scenario == "node-loss":
-        # The lost node's shared memory is wiped: its ranks' parts come from the survivor's replica.
-        assert "peer" in sources, f"the lost node's state did not come from its peer's memory: {sources}"
+def restores_after_faults(workdir: Path) -> list[dict]:
+    return [e for e in read_events(workdir / "events.jsonl") if e["event"] == "restore" and e["restart"] > 0]
 
 
-# What FSDP changes is the state's layout: a restore of shards at the same world size (kill-worker)
-# and one that reshards (node-loss). A torn save or snapshot is handled alike for any layout (the
-# DDP runs above).
-@pytest.mark.parametrize("scenario", ["kill-worker", "node-loss"])
-def test_c10d_fsdp(scenario: str, tmp_path: Path, corpus: Path, reference) -> None:
-    """The recipe with --fsdp: a killed worker resumes from sharded state at world size 2 and
-    ends bit-identical to an uninterrupted FSDP run; a lost node's job reshards its model and
-    optimizer to the new world size and goes on."""
-    steps = STEPS if scenario in CONSTANT_WORLD else None
-    result = run_scenario(scenario, tmp_path, corpus, steps=steps, recipe_args=FSDP)
-    check(result, tmp_path, reference, tuple(FSDP))
-    restores = [
-        (e["world_size"], e["saved_world_size"]) for e in read_events(tmp_path / "events.jsonl") if e["event"] == "restore"
-    ]
-    assert restores, "the job never restored a checkpoint"
-    if scenario == "node-loss":
-        # (The second agent may join after the first trained alone for a while: 1 -> 2 -> 1.)
-        assert restores[-1][0] == 1 and any(w != saved for w, saved in restores), f"nothing resharded: {restores}"
-    else:
-        assert set(restores) == {(2, 2)}, restores
+def test_c10d_kill_term_and_stop_in_one_job(tmp_path: Path, shared_corpus: Path, references: References) -> None:
+    """A SIGKILL, a SIGTERM (a preemption) and a SIGSTOP (a hang the watchdog ends) of random workers,
+    each once the job has recovered from the one before: each costs at most one finished step and
+    the job ends bit-identical to an uninterrupted one. The restart after the kill closed its round
+    without its last call (both nodes were back), and the state came from memory, not the disk
+    (the preemption's may come from the checkpoint it committed on the signal)."""
+    result = run_scenario("soak", tmp_path, shared_corpus, steps=STEPS)
+    check(result, tmp_path, references, shared_corpus)
+    assert len(result.recovery_seconds) == 3 and result.max_redone == 1
+    # (After a node loss the round closes at whichever comes first, the lost node declared dead, about
+    # 3 s after its last keep-alive, or the 2 s last call: a race by design. test_quick_rounds.py
+    # checks the early close on a dead node without a last call to race.)
+    assert "closes now: all" in agent_logs(tmp_path), result.logs
+    sources = [e["source"] for e in restores_after_faults(tmp_path)]
+    assert sources and sources[0] == "memory", f"the kill's restore was not from memory: {sources}"
+
+
+def test_c10d_torn_snapshot_then_torn_save(tmp_path: Path, shared_corpus: Path, references: References) -> None:
+    """Rank 1 killed while it copies step 15's snapshot (data written, header not), then rank 0 killed
+    between writing step 20's checkpoint and committing it: neither torn copy is ever loaded (the
+    restores come from memory, the part of step 15 that was torn excluded), and the job ends
+    bit-identical to an uninterrupted one."""
+    result = run_scenario("kill-during-snapshot+kill-during-save", tmp_path, shared_corpus, steps=STEPS)
+    check(result, tmp_path, references, shared_corpus)
+    assert len(result.recovery_seconds) == 2, "both faults fired, each followed by a recovery"
+    restores = restores_after_faults(tmp_path)
+    assert restores and {e["source"] for e in restores} == {"memory"}, restores
+    assert restores[0]["step"] < 15, "the snapshot torn at step 15 was loaded"
+
+
+@pytest.mark.parametrize("recipe_args", [(), tuple(FSDP)], ids=["ddp", "fsdp"])
+def test_c10d_a_lost_node_then_a_new_one(
+    tmp_path: Path, shared_corpus: Path, references: References, recipe_args: tuple[str, ...]
+) -> None:
+    """A node lost (2 -> 1: its shared memory wiped, its ranks' parts come from the survivor's
+    replica) and then a node that joins (1 -> 2). Under --fsdp each change reshards the model and
+    optimizer state to the new world size."""
+    result = run_scenario("node-loss+scale-up", tmp_path, shared_corpus, recipe_args=recipe_args)
+    check(result, tmp_path, references, shared_corpus, recipe_args)
+    assert result.exit_codes[1] == -9 and len(result.exit_codes) == 3
+    restores = [(e["world_size"], e["saved_world_size"], e["source"])
+                for e in read_events(tmp_path / "events.jsonl") if e["event"] == "restore"]
+    shrunk = [r for r in restores if r[0] == 1 and r[1] == 2]
+    assert shrunk and "peer" in {source for *_, source in shrunk}, f"the lost node's state did not come from its peer: {restores}"
+    assert restores[-1][:2] == (2, 1), f"the job did not grow back to 2: {restores}"
+
+
+def test_c10d_fsdp_kill_worker(tmp_path: Path, shared_corpus: Path, references: References) -> None:
+    """The recipe with --fsdp: a killed worker resumes from sharded state at world size 2 and ends
+    bit-identical to an uninterrupted FSDP run."""
+    result = run_scenario("kill-worker", tmp_path, shared_corpus, steps=STEPS, recipe_args=FSDP)
+    check(result, tmp_path, references, shared_corpus, tuple(FSDP))
+    restores = [(e["world_size"], e["saved_world_size"]) for e in read_events(tmp_path / "events.jsonl")
+                if e["event"] == "restore"]
+    assert restores and set(restores) == {(2, 2)}, restores
+
+
+@pytest.mark.parametrize("scenario", ["disk-full", "slow-storage", "relaunch"])
+def test_c10d_alone(scenario: str, tmp_path: Path, shared_corpus: Path, references: References) -> None:
+    """The scenarios that need a job of their own: a full disk stops the job (exit 75, step 15's
+    checkpoint intact), saves slower than every timeout trip nothing, and a job launched again with
+    the same --rdzv-id resumes."""
+    result = run_scenario(scenario, tmp_path, shared_corpus, steps=STEPS if scenario == "slow-storage" else None)
+    check(result, tmp_path, references, shared_corpus)
 
 
 # With TORCHREVIVE_SURVIVORS=train-on the worker a fault did not hit keeps its process and trains on
 # alone, restoring nothing (the restore events say "live"); the killed or stopped worker's replacement
 # joins at a later step, a lost node's never comes. Not bit-identical (the world size changed): the
 # sample audit proves every sample of each epoch was trained on once.
-@pytest.mark.parametrize("scenario", ["kill-worker", "hang", "node-loss"])
-def test_c10d_survivors_train_on(scenario: str, tmp_path: Path, corpus: Path) -> None:
-    steps = 150 if scenario in CONSTANT_WORLD else None  # long enough for the replacement to start and join
-    result = run_scenario(scenario, tmp_path, corpus, steps=steps, survivors="train-on")
+def test_c10d_survivors_train_on_through_a_kill_a_hang_and_a_lost_node(tmp_path: Path, shared_corpus: Path) -> None:
+    result = run_scenario("kill-worker+hang+node-loss", tmp_path, shared_corpus, steps=450, survivors="train-on")
     print(result.summary())
     assert result.ok and result.kept_processes >= 1, result.summary() + "\n" + result.logs
     events = list(read_events(tmp_path / "events.jsonl"))
     assert {e["source"] for e in events if e["event"] == "restore"} == {"live"}, "only live peers' state was taken"
     changes = [e["change"] for e in events if e["event"] == "heal"]
-    assert changes[0] == "shrink", changes
-    if scenario != "node-loss":  # the replacement joined; a lost node's is never started
-        assert changes[-1] == "grow" and [e for e in events if e["event"] == "end"][0]["world_size"] == 2, changes
+    # The kill and the hang each shrink the group and their replacement grows it back; the lost node's never comes.
+    assert changes == ["shrink", "grow", "shrink", "grow", "shrink"], changes
+    assert [e for e in events if e["event"] == "end"][0]["world_size"] == 1, changes
 
 
-def test_cli_passes_fsdp_to_the_recipe(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`python -m elastic.chaos --fsdp` runs each scenario with the recipe's --fsdp (and without it, without)."""
+def test_cli_passes_fsdp_to_the_recipe(tmp_path: Path, shared_corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m elastic.chaos --fsdp` runs each scenario with the recipe's --fsdp (and without it, without);
+    a chain is one run."""
     import elastic.chaos.__main__ as cli
     from elastic.chaos.samples import SampleAudit
 
     calls: list[tuple[str, list[str]]] = []
 
     def fake_run(name: str, workdir: Path, data: Path, **kwargs):
-        from elastic.chaos.harness import ScenarioResult
+        from elastic.chaos.verdict import ScenarioResult
 
         calls.append((name, list(kwargs["recipe_args"])))
         return ScenarioResult(name, [0, 0], [0, 0], 40, 40, [1.0], "step_00000040", None,
                               SampleAudit(1, 40, 40, 640, 0), "")
 
     monkeypatch.setattr(cli, "run_scenario", fake_run)
-    common = ["--data", str(corpus), "--workdir", str(tmp_path)]
+    common = ["--data", str(shared_corpus), "--workdir", str(tmp_path)]
     assert cli.main(["--scenario", "kill-worker", "--scenario", "node-loss", "--fsdp", *common]) == 0
     assert cli.main(["--scenario", "kill-worker", *common]) == 0
-    assert calls == [("kill-worker", FSDP), ("node-loss", FSDP), ("kill-worker", [])]
+    assert cli.main(["--scenario", "node-loss+scale-up", *common]) == 0
+    assert calls == [("kill-worker", FSDP), ("node-loss", FSDP), ("kill-worker", []), ("node-loss+scale-up", [])]
 
 
-# The scenarios whose rendezvous differs under etcd-v3: a restart round (kill-worker), a smaller
-# (node-loss) and a larger one (scale-up), a job that ends on SIGTERM and closes its run (preemption),
-# and a relaunch that reopens a closed run. (A killed save and a hang take kill-worker's round: c10d
-# covers their worker side.)
-@pytest.mark.parametrize("scenario", ["kill-worker", "node-loss", "scale-up", "preemption", "relaunch"])
-def test_etcd_v3(scenario: str, tmp_path: Path, corpus: Path, reference, shared_etcd: EtcdServer) -> None:
-    steps = STEPS if scenario in CONSTANT_WORLD else None
-    result = run_scenario(scenario, tmp_path, corpus, steps=steps, backend="etcd-v3", endpoint=shared_etcd.endpoint)
-    check(result, tmp_path, reference)
-    if scenario == "kill-worker":  # the restart's round closed without its last call, woken by etcd watches
+# The rendezvous of etcd-v3 in every kind of round: a restart round after a kill and after a preemption
+# (one job: a job that ends on SIGTERM-committed state), a smaller round (a lost node) and a larger one
+# (a node joining), and a relaunch that reopens a closed run. (A killed save and a hang take
+# kill-worker's round: c10d covers their worker side.)
+@pytest.mark.parametrize("scenario", ["kill-worker+preemption", "node-loss+scale-up", "relaunch"])
+def test_etcd_v3(
+    scenario: str, tmp_path: Path, shared_corpus: Path, references: References, shared_etcd: EtcdServer
+) -> None:
+    steps = STEPS if set(scenario.split("+")) <= CONSTANT_WORLD else None
+    result = run_scenario(scenario, tmp_path, shared_corpus, steps=steps, backend="etcd-v3", endpoint=shared_etcd.endpoint)
+    check(result, tmp_path, references, shared_corpus)
+    if scenario == "kill-worker+preemption":  # the restarts' rounds closed without their last call, woken by etcd watches
         assert "closes now: all 2 live nodes" in agent_logs(tmp_path), result.logs
 
 
 def test_etcd_v3_restart_of_etcd_mid_recovery_through_the_cli(
-    tmp_path: Path, corpus: Path, reference, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, shared_corpus: Path, references: References, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`python -m elastic.chaos --scenario etcd-restart --backend etcd-v3`, as a user runs it: on an etcd
     of its own, a worker is killed while etcd is down; etcd comes back and the agents regroup through it.
@@ -233,14 +202,14 @@ def test_etcd_v3_restart_of_etcd_mid_recovery_through_the_cli(
     results = []
     real_run = cli.run_scenario
     monkeypatch.setattr(cli, "run_scenario", lambda *args, **kwargs: results.append(real_run(*args, **kwargs)) or results[-1])
-    assert cli.main(["--scenario", "etcd-restart", "--backend", "etcd-v3", "--data", str(corpus),
-                     "--workdir", str(tmp_path)]) == 0
+    assert cli.main(["--scenario", "etcd-restart", "--backend", "etcd-v3", "--data", str(shared_corpus),
+                     "--workdir", str(tmp_path), "--steps", str(STEPS)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("etcd-restart: ok; exit codes [0, 0]")
-    assert "samples: each once (steps 1-40" in out and "all 1 scenarios passed" in out
+    assert f"samples: each once (steps 1-{STEPS}" in out and "all 1 scenarios passed" in out
     assert (tmp_path / "etcd-restart" / "agent0.log").exists()
     assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _runs_in(p, tmp_path)], "etcd left running"
-    check(results[0], tmp_path / "etcd-restart", reference)
+    check(results[0], tmp_path / "etcd-restart", references, shared_corpus)
 
 
 def _runs_in(proc: Path, workdir: Path) -> bool:
@@ -250,14 +219,18 @@ def _runs_in(proc: Path, workdir: Path) -> bool:
         return False
 
 
-def test_c10d_partition_on_separate_hosts(tmp_path: Path, corpus: Path, reference, network: VirtualNetwork) -> None:
+def test_c10d_partition_on_separate_hosts(
+    tmp_path: Path, shared_corpus: Path, references: References, network: VirtualNetwork
+) -> None:
     """Each agent on a host of its own: a host cut off is lost, the job shrinks (its keepers'
     replicas crossed the links), and grows back once the link returns."""
-    check(run_scenario("partition", tmp_path, corpus, network=network), tmp_path, reference)
+    check(run_scenario("partition", tmp_path, shared_corpus, network=network), tmp_path, references, shared_corpus)
 
 
-def test_etcd_v3_partition_on_separate_hosts(tmp_path: Path, corpus: Path, reference, network: VirtualNetwork) -> None:
+def test_etcd_v3_partition_on_separate_hosts(
+    tmp_path: Path, shared_corpus: Path, references: References, network: VirtualNetwork
+) -> None:
     """The cut-off host loses etcd too; it rejoins through etcd once its link is back."""
     with EtcdServer(tmp_path / "etcd-data", listen_hosts=("127.0.0.1", network.gateway)) as server:
-        result = run_scenario("partition", tmp_path, corpus, backend="etcd-v3", etcd=server, network=network)
-    check(result, tmp_path, reference)
+        result = run_scenario("partition", tmp_path, shared_corpus, backend="etcd-v3", etcd=server, network=network)
+    check(result, tmp_path, references, shared_corpus)

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 from support import REPO, make_text, worker_env  # noqa: E402
 
-from elastic.chaos.harness import verified_final_checkpoint  # noqa: E402
+from elastic.chaos.verdict import verified_final_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

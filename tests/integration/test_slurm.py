@@ -22,7 +22,7 @@ import torch
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from support import REPO, make_text, steps_seen, wait_for
 
-from elastic.chaos.harness import verified_final_checkpoint
+from elastic.chaos.verdict import verified_final_checkpoint
 from elastic.checkpoint import read_checkpoint
 from elastic.events import read_events
 from elastic.slurm.hostlist import expand_hostlist

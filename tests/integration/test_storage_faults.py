@@ -14,7 +14,7 @@ import torch
 from store_helpers import describe, temporaries
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
-from elastic.chaos.harness import verified_final_checkpoint
+from elastic.chaos.verdict import verified_final_checkpoint
 from elastic.events import read_events
 from elastic.storage.directory import CheckpointStore
 from elastic.storage.durable import SaveFailed

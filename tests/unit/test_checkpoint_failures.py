@@ -247,3 +247,28 @@ def test_storage_faults_parse() -> None:
     )
     with pytest.raises(UsageError, match="for=SECONDS"):
         parse_faults("during_write@2:for=soon")
+    with pytest.raises(UsageError, match="world=N"):
+        parse_faults("after_step@2:world=0")
+
+
+def test_a_fault_for_one_world_size_fires_only_in_workers_started_at_it() -> None:
+    paced = "after_step@1+:do=slow:for=0:restart=any:world=1"
+    alone = FaultInjector(0, 3, environ={"ELASTIC_FAULT": paced, "WORLD_SIZE": "1"})
+    together = FaultInjector(0, 3, environ={"ELASTIC_FAULT": paced, "WORLD_SIZE": "2"})
+    unknown = FaultInjector(0, 0, environ={"ELASTIC_FAULT": paced})
+    assert [f.world_size for f in alone._faults] == [1]
+    assert together._faults == [] and unknown._faults == []
+
+
+def test_a_fault_marked_once_fires_in_the_first_worker_that_reaches_it_only(tmp_path: Path) -> None:
+    """Two workers and two attempts reach step 20 or later: the first one there fires it, no one else."""
+    env = {"ELASTIC_FAULT": "after_step@20+:do=slow:for=0:restart=any:once", "ELASTIC_FAULT_ONCE_DIR": str(tmp_path)}
+    first, second = FaultInjector(0, 0, environ=env), FaultInjector(0, 1, environ=env)
+    fired = []
+    for injector, step in ((first, 19), (second, 21), (first, 22), (second, 23)):
+        before = len(list(tmp_path.iterdir()))
+        injector.at("after_step", step)
+        fired.append(len(list(tmp_path.iterdir())) > before)
+    assert fired == [False, True, False, False]
+    with pytest.raises(UsageError, match="ELASTIC_FAULT_ONCE_DIR"):
+        FaultInjector(0, 0, environ={"ELASTIC_FAULT": "after_step@3:once"})
