@@ -57,7 +57,8 @@ def gpt_args(corpus: Path, steps: int = REFERENCE_STEPS, *extra: str) -> list[st
 
 class References:
     """`tensors(args, steps)`: every tensor (model and optimizer, by checkpoint key) of the final
-    checkpoint of an uninterrupted two-rank run of `script` with `args`, which end at `steps`."""
+    checkpoint of an uninterrupted two-rank run of `script` with `args`, which end at `steps`.
+    `{workdir}` in an argument stands for the reference run's own directory (for outputs)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -72,8 +73,9 @@ class References:
             if name is None:
                 shutil.rmtree(workdir, ignore_errors=True)
                 workdir.mkdir()
+                own = [arg.replace("{workdir}", str(workdir)) for arg in args]
                 spec = JobSpec(workdir=workdir, nnodes="2:2", run_id="reference", script=script,
-                               script_args=[*args, "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "0"])
+                               script_args=[*own, "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "0"])
                 with ChaosJob(spec) as job:
                     job.start()
                     assert job.wait(240) == [0, 0], job.logs()

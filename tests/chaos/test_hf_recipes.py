@@ -15,7 +15,9 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from support import REPO, make_text  # noqa: E402
+from support import REPO  # noqa: E402
+
+from references import References  # noqa: E402
 
 from elastic.chaos.harness import ChaosJob, JobSpec  # noqa: E402
 from elastic.chaos.verdict import verified_final_checkpoint  # noqa: E402
@@ -33,10 +35,8 @@ STEPS = 30
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hf") / "corpus.txt"
-    path.write_text(make_text(random.Random(7), 40_000))
-    return path
+def corpus(shared_corpus: Path) -> Path:
+    return shared_corpus
 
 
 def common_args(corpus: Path, ckpt: Path, steps: int) -> list[str]:
@@ -44,19 +44,17 @@ def common_args(corpus: Path, ckpt: Path, steps: int) -> list[str]:
             "--ckpt-every", "5", "--dropout", "0.1", "--output-dir", str(ckpt.parent / "model"), *MODEL]
 
 
-def uninterrupted(recipe: str, workdir: Path, corpus: Path) -> dict[str, torch.Tensor]:
-    spec = JobSpec(workdir=workdir, nnodes="2:2", run_id="reference", script=RECIPES[recipe],
-                   script_args=[*common_args(corpus, workdir / "ckpt", STEPS), *RECIPE_ARGS[recipe]])
-    with ChaosJob(spec) as job:
-        job.start()
-        assert job.wait(240) == [0, 0], job.logs()
-    name, error = verified_final_checkpoint(workdir / "ckpt", STEPS)
-    assert name, error
-    return read_checkpoint(workdir / "ckpt" / name)[1]
+def uninterrupted(recipe: str, references: References, corpus: Path) -> dict[str, torch.Tensor]:
+    """The final tensors of an uninterrupted two-rank run of `recipe` (tests/references.py)."""
+    args = ["--data", str(corpus), "--max-steps", str(STEPS), "--eval-every", "0", "--dropout", "0.1",
+            "--output-dir", "{workdir}/model", *MODEL, *RECIPE_ARGS[recipe]]
+    return references.tensors(args, STEPS, script=RECIPES[recipe])
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_a_worker_killed_at_a_random_step_ends_bit_identical(recipe: str, tmp_path: Path, corpus: Path) -> None:
+def test_a_worker_killed_at_a_random_step_ends_bit_identical(
+    recipe: str, tmp_path: Path, corpus: Path, references: References
+) -> None:
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     result = run_scenario(
@@ -65,7 +63,7 @@ def test_a_worker_killed_at_a_random_step_ends_bit_identical(recipe: str, tmp_pa
     )
     print(result.summary())
     assert result.ok, result.summary() + "\n" + result.logs
-    want = uninterrupted(recipe, tmp_path / "reference", corpus)
+    want = uninterrupted(recipe, references, corpus)
     got = read_checkpoint(tmp_path / "killed" / "ckpt" / result.final_checkpoint)[1]
     assert want.keys() == got.keys() and any(k.startswith("optim/") for k in want)
     different = [k for k in sorted(want) if not torch.equal(want[k], got[k])]
@@ -80,9 +78,9 @@ def test_a_resize_2_1_2_trains_every_sample_exactly_once(recipe: str, tmp_path: 
         workdir=tmp_path, nnodes="1:3", run_id=f"hf-resize-{recipe}", script=RECIPES[recipe],
         script_args=[*common_args(corpus, tmp_path / "ckpt", steps), "--hang-timeout", "10"],
         sample_log=tmp_path / "samples",
-        # Rank 0 paces every step (>= 0.3 s, in every round) so the job outlasts the node
-        # that joins back (it imports torch and transformers first).
-        env={"ELASTIC_FAULT": "after_step@1+:do=slow:for=0.3:restart=any"},
+        # Rank 0 paces every step (>= 0.3 s) while it trains alone, so the job outlasts the node
+        # that joins back (it imports torch and transformers first); at world size 2 it runs at full speed.
+        env={"ELASTIC_FAULT": "after_step@1+:do=slow:for=0.3:restart=any:world=1"},
     )
     with ChaosJob(spec) as job:
         job.start()
