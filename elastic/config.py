@@ -82,6 +82,10 @@ class RunConfig:
     a quarter of this) and checkpoint; a worker blocked past it exits at once."""
     hang_timeout: float = 300.0
     """Exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)."""
+    heal_wait: float = 30.0
+    """With TORCHREVIVE_SURVIVORS: seconds survivors wait for a failed worker's agent to start its replacement
+    (plus the time a stopped worker is given); past it the node is taken for lost and a new round of the
+    nodes left goes on (exit 76)."""
     log_every: int = 10
     """Steps between progress lines when stdout is not a terminal."""
 
@@ -176,6 +180,7 @@ def _rules() -> dict[str, _Rule]:
         "collective_timeout": _SECONDS_ABOVE_0,
         "term_grace": _SECONDS_ABOVE_0,
         "hang_timeout": _SECONDS_0_OR_MORE,
+        "heal_wait": _SECONDS_ABOVE_0,
         "log_every": _at_least(1),
     }
 

@@ -55,12 +55,6 @@ from elastic.views import View
 
 logger = logging.getLogger(__name__)
 
-HEAL_BEGIN_TIMEOUT = timedelta(seconds=30)
-"""A failed worker's agent starts the heal within its monitor interval; when none has after this
-(plus the time a stopped worker is given), its node is gone: the worker exits with status 76 and
-the remaining agents take a new round."""
-
-
 @dataclass(frozen=True)
 class StepStart:
     """What a step changes besides the parameters and the optimizer state, as of its start."""
@@ -75,7 +69,10 @@ class StepStart:
 class Healing:
     """One worker's heals (see the module docstring)."""
 
-    def __init__(self, point: regroup.HealPoint, *, timeout: timedelta, frozen_after: float = 0.0) -> None:
+    def __init__(
+        self, point: regroup.HealPoint, *, timeout: timedelta, frozen_after: float = 0.0,
+        heal_wait: timedelta = timedelta(seconds=30),
+    ) -> None:
         self.point = point
         self.generation = point.generation
         """The heal whose group this worker is in (0: the round's first group)."""
@@ -84,15 +81,18 @@ class Healing:
         """Armed: this worker counted itself a healer, and a failed step is void, not an exception."""
         self.heals = 0
         self._timeout = timeout
-        self.begin_timeout = min(timeout, HEAL_BEGIN_TIMEOUT + timedelta(seconds=frozen_after))
-        """How long a survivor waits for an agent to start the heal: a lost node's agent never does."""
+        self.begin_timeout = min(timeout, heal_wait + timedelta(seconds=frozen_after))
+        """How long a survivor waits for an agent to start the heal (`RunConfig.heal_wait`): a failed
+        worker's agent starts it within its monitor interval, a lost node's agent never does."""
         self._model: DistributedDataParallel | None = None
         self.view = views.first_view(point.world_size)
         self._arrived = False
         """With `train-on`: the view whose group this worker is in, or last left (a replacement: the round's start)."""
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str], *, timeout: timedelta) -> Healing | None:
+    def from_environ(
+        cls, environ: Mapping[str, str], *, timeout: timedelta, heal_wait: timedelta = timedelta(seconds=30)
+    ) -> Healing | None:
         """The worker's heals when its agent gave it a heal point; None otherwise."""
         point = regroup.heal_point(environ, timeout=timeout)
         if point is None:
@@ -102,7 +102,7 @@ class Healing:
             frozen_after = min(max(float(raw), 0.0), 86400.0) if raw else heal_env.DEFAULT_FROZEN_AFTER
         except ValueError:
             frozen_after = heal_env.DEFAULT_FROZEN_AFTER
-        return cls(point, timeout=timeout, frozen_after=frozen_after)
+        return cls(point, timeout=timeout, frozen_after=frozen_after, heal_wait=heal_wait)
 
     @property
     def replacement(self) -> bool:

@@ -141,7 +141,7 @@ class Run(StepLoop):
             self.ctx = adopt_worker(cfg.device, timeout=timeout)
         else:
             # Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep or train-on: heals in place (elastic.healing).
-            self._healing = Healing.from_environ(os.environ, timeout=timeout)
+            self._healing = Healing.from_environ(os.environ, timeout=timeout, heal_wait=timedelta(seconds=cfg.heal_wait))
             first_group = self._healing.first_group() if self._healing is not None else {}
             self.ctx = init_worker(cfg.device, timeout=timeout, **first_group)
             self._owns_group = self.ctx.distributed

@@ -64,6 +64,10 @@ class References:
         self.directory = directory
 
     def tensors(self, args: Sequence[str], steps: int, script: Path = GPT_RECIPE) -> dict[str, torch.Tensor]:
+        return read_checkpoint(self.final_checkpoint(args, steps, script))[1]
+
+    def final_checkpoint(self, args: Sequence[str], steps: int, script: Path = GPT_RECIPE) -> Path:
+        """The final checkpoint's directory (verified) of the reference run of `script` with `args`."""
         from filelock import FileLock
 
         key = hashlib.sha256("\0".join([str(script), *args]).encode()).hexdigest()[:16]
@@ -79,6 +83,7 @@ class References:
                 with ChaosJob(spec) as job:
                     job.start()
                     assert job.wait(240) == [0, 0], job.logs()
+                    assert not [r for r in job.records() if r["event"] == "restore"], "the reference run restored"
                 name, error = verified_final_checkpoint(workdir / "ckpt", steps)
             assert name, error
-            return read_checkpoint(workdir / "ckpt" / name)[1]
+            return workdir / "ckpt" / name

@@ -415,6 +415,14 @@ def listens(pid: int, port: int) -> bool:
     return False
 
 
+def healing_job_args(corpus: Path, steps: int, eval_every: int = 0) -> list[str]:
+    """The GPT recipe's arguments in `run_healing_job` (but its checkpoints and events): tiny, no dropout."""
+    return [
+        "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0",
+        "--eval-every", str(eval_every), "--eval-batches", "1", "--sample-tokens", "0", *TINY_MODEL,
+    ]
+
+
 def run_healing_job(
     tmp_path: Path, corpus: Path, agents: int, *, survivors: str, fault: str, steps: int, nnodes: str,
     ckpt_every: int, sample_log: Path | None = None, nproc_per_node: int = 1, eval_every: int = 0,
@@ -432,9 +440,8 @@ def run_healing_job(
     command = torchrun_command(
         nnodes=nnodes, port=free_port(), run_id=tmp_path.name, max_restarts=3, nproc_per_node=nproc_per_node,
         script_args=[
-            "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0",
+            *healing_job_args(corpus, steps, eval_every),
             "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every), "--events", str(events),
-            "--eval-every", str(eval_every), "--eval-batches", "1", "--sample-tokens", "0", *TINY_MODEL,
         ],
     )
     command[2] = "elastic.launcher"  # torchrevive-run, not torchrun

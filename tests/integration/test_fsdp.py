@@ -24,6 +24,7 @@ from support import (
     standalone_command,
     worker_env,
 )
+from references import REFERENCE_STEPS, References, gpt_args
 from text_data import split_corpus
 
 from elastic.chaos.samples import audit
@@ -115,29 +116,27 @@ def shard_bytes(step_dir: Path) -> int:
 # -- (a) a killed worker, same world size: bit-identical -----------------------------------------------------
 
 
-def test_fsdp_job_killed_midway_ends_bit_identical_to_an_uninterrupted_one(tmp_path: Path, tiny_corpus: Path) -> None:
-    steps = 12
-
-    def job(name: str, **env: str) -> Path:
-        ckpt = tmp_path / name / "ckpt"
-        run_job(
-            2,
-            ["--data", str(tiny_corpus), "--max-steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "3",
-             "--events", str(tmp_path / name / "events.jsonl"), "--dropout", "0.2", "--fsdp", *QUIET, *TINY_MODEL],
-            max_restarts=1, **env,
-        )
-        return tmp_path / name
-
-    clean = job("clean")
+def test_fsdp_job_killed_midway_ends_bit_identical_to_an_uninterrupted_one(
+    tmp_path: Path, shared_corpus: Path, references: References
+) -> None:
+    """Under plain torchrun (every worker restarted, no snapshots: the restore reads the sharded
+    checkpoint from disk), against the uninterrupted FSDP run of tests/references.py."""
+    steps = REFERENCE_STEPS
+    faulty = tmp_path / "faulty"
     # Rank 0 (the committing rank) dies after step 7: step 3's checkpoint is committed, step 6's may be.
-    faulty = job("faulty", ELASTIC_FAULT="after_step@7")
+    run_job(
+        2,
+        [*gpt_args(shared_corpus, steps, "--fsdp"), "--ckpt-dir", str(faulty / "ckpt"), "--ckpt-every", "3",
+         "--events", str(faulty / "events.jsonl")],
+        max_restarts=1, ELASTIC_FAULT="after_step@7",
+    )
+    clean = references.final_checkpoint(gpt_args(shared_corpus, steps, "--fsdp"), steps)
 
-    assert not events_of(clean / "events.jsonl", "restore")
     restores = events_of(faulty / "events.jsonl", "restore")
     assert [(e["world_size"], e["saved_world_size"]) for e in restores] == [(2, 2)], restores
     assert restores[0]["step"] in (3, 6), "resumed from a checkpoint before the kill"
 
-    _, want, want_trainer = read_checkpoint(clean / "ckpt" / f"step_{steps:08d}")
+    _, want, want_trainer = read_checkpoint(clean)
     manifest, got, got_trainer = read_checkpoint(faulty / "ckpt" / f"step_{steps:08d}")
     assert manifest.world_size == 2
     assert any(k.startswith("model/") for k in want) and any(k.startswith("optim/") for k in want)

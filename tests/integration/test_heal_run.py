@@ -9,12 +9,15 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from references import References
 from support import (
-    REPO, TINY_MODEL, free_port, listens, run_healing_job, start_agents, torchrun_command, wait_all, worker_env,
-    workers_started,
+    REPO, TINY_MODEL, free_port, healing_job_args, listens, run_healing_job, start_agents, torchrun_command,
+    wait_all, worker_env, workers_started,
 )
 
 from elastic import heal_env
+from elastic.checkpoint import read_checkpoint
 from elastic.events import read_events
 from elastic.sampler import ElasticSampler
 from elastic.storage.directory import CheckpointStore
@@ -39,15 +42,16 @@ def final_position(ckpt: Path) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("action", ["kill", "stop"])
 def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(
-    tmp_path: Path, tiny_corpus: Path, action: str
+    tmp_path: Path, shared_corpus: Path, references: References, action: str
 ) -> None:
     """Two agents: rank 1 SIGKILLed after step 6, or SIGSTOPped (its agent ends it once it has been
     stopped TORCHREVIVE_FROZEN_WORKER_SECONDS). Rank 0 keeps its process, rank 1's replacement
     takes the state of step 6 from rank 0's memory, and the void step 7 is trained again: the
-    final weights are bit for bit those of a run without the failure."""
-    healed, logs = run_job(tmp_path / "healed", tiny_corpus, 2, f"after_step@{KILL_AFTER}:rank=1:do={action}",
+    final weights and optimizer state are bit for bit those of a run without the failure
+    (tests/references.py), and so is its data position."""
+    healed, logs = run_job(tmp_path / "healed", shared_corpus, 2, f"after_step@{KILL_AFTER}:rank=1:do={action}",
                            **{heal_env.FROZEN_AFTER_ENV: "1"})
-    clean, _ = run_job(tmp_path / "clean", tiny_corpus, 2, "")
+    clean = references.final_checkpoint(healing_job_args(shared_corpus, STEPS), STEPS)
     everything = "\n".join(log[-3000:] for log in logs)
     if action == "stop":
         assert sum("has been stopped for" in log for log in logs) == 1, everything
@@ -67,9 +71,13 @@ def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(
     assert others == ["start", "restore", "heal", "end"]
 
     (healed_end,) = [e for e in healed if e["event"] == "end"]
-    (clean_end,) = [e for e in clean if e["event"] == "end"]
-    assert healed_end["param_digests"] == clean_end["param_digests"], "the healed run ended elsewhere"
-    assert final_position(tmp_path / "healed" / "ckpt") == final_position(tmp_path / "clean" / "ckpt")
+    assert len(set(healed_end["param_digests"])) == 1, "the ranks ended with different weights"
+    final = CheckpointStore(tmp_path / "healed" / "ckpt").committed()[0].path
+    want, got = read_checkpoint(clean)[1], read_checkpoint(final)[1]
+    assert want.keys() == got.keys() and any(key.startswith("optim/") for key in want)
+    different = [key for key in sorted(want) if not torch.equal(want[key], got[key])]
+    assert not different, f"the healed run ended elsewhere: {len(different)} tensors differ, e.g. {different[:3]}"
+    assert final_position(tmp_path / "healed" / "ckpt") == final_position(clean.parent)
 
 
 def test_a_replacement_that_dies_while_it_catches_up_is_replaced_again(tmp_path: Path, tiny_corpus: Path) -> None:
@@ -107,8 +115,9 @@ def everything_whole(logs: list[str]) -> str:
 
 def test_a_lost_node_falls_back_to_a_new_round_of_the_nodes_left(tmp_path: Path, tiny_corpus: Path) -> None:
     """Three agents (--nnodes=2:3): an agent and its worker SIGKILLed at once (a lost node). No agent is
-    left to start a replacement, so the survivors' heal never begins: after the bounded wait they exit
-    with status 76, and the two agents left take a new round that restores and trains to the end."""
+    left to start a replacement, so the survivors' heal never begins: after the bounded wait
+    (`--heal-wait`, 2 s here) they exit with status 76, and the two agents left take a new round that
+    restores and trains to the end."""
     import os
     import signal
 
@@ -123,7 +132,7 @@ def test_a_lost_node_falls_back_to_a_new_round_of_the_nodes_left(tmp_path: Path,
         script_args=[
             "--data", str(tiny_corpus), "--max-steps", "40", "--lr", "3e-3", "--dropout", "0",
             "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5", "--events", str(events),
-            "--eval-every", "0", "--sample-tokens", "0", *TINY_MODEL,
+            "--eval-every", "0", "--sample-tokens", "0", "--heal-wait", "2", *TINY_MODEL,
         ],
     )
     command[2] = "elastic.launcher"

@@ -69,9 +69,9 @@ def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, in
     return {r["rank"]: r for r in reports}, {proc.pid: proc.returncode for proc in procs}, "\n".join(outputs)
 
 
-@pytest.mark.parametrize("kill_at", [0, 9], ids=["before-any-optimizer-step", "mid-run"])
-def test_survivors_keep_their_processes_and_the_replacement_takes_their_state(tmp_path: Path, kill_at: int) -> None:
-    reports, exits, printed = run_job(tmp_path, kill_at)
+def check_survivors(kill_at: int, reports: dict[int, dict], exits: dict[int, int], printed: str) -> None:
+    """Every survivor kept its process and trained every step once, the void step again; the
+    replacement is a new process that starts where the survivors are; every rank ends with the same weights."""
     first_pids = list(exits)[:WORLD]
     assert exits[first_pids[KILLED_RANK]] == -9, printed
     assert [code for pid, code in exits.items() if pid != first_pids[KILLED_RANK]] == [0] * WORLD, printed
@@ -93,14 +93,20 @@ def test_survivors_keep_their_processes_and_the_replacement_takes_their_state(tm
     assert len({reports[rank]["digest"] for rank in range(WORLD)}) == 1, "every rank ends with the same weights"
 
 
-def test_a_healed_job_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> None:
-    """The same batches, each trained once: the weights match an uninterrupted run's up to the
-    summation order of the one step after the heal (a fresh bucket layout; see elastic.regroup)."""
+def test_a_death_before_any_optimizer_step_is_healed_in_place(tmp_path: Path) -> None:
+    """Killed at step 0 (the replacement takes the initial state from the survivors)."""
+    check_survivors(0, *run_job(tmp_path, 0))
+
+
+def test_a_death_mid_run_is_healed_in_place_and_the_job_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> None:
+    """Killed at step 9: the survivors keep their processes and the replacement takes their state; the
+    same batches, each trained once: the weights match an uninterrupted run's up to the summation
+    order of the one step after the heal (a fresh bucket layout; see elastic.regroup)."""
     import torch
 
-    healed, healed_exits, printed = run_job(tmp_path, 14)
+    healed, healed_exits, printed = run_job(tmp_path, 9)
+    check_survivors(9, healed, healed_exits, printed)
     assert sorted(healed_exits.values()) == [-9] + [0] * WORLD, printed
-    assert [healed[rank]["regrouped"] for rank in range(WORLD) if rank != KILLED_RANK] == [1] * (WORLD - 1)
     clean, exits, clean_printed = run_job(tmp_path, -1)
     assert list(exits.values()) == [0] * WORLD, clean_printed
     assert all(clean[rank]["regrouped"] == 0 for rank in range(WORLD))

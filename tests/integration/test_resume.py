@@ -28,6 +28,7 @@ from support import (
     worker_env,
     worker_rank,
 )
+from references import REFERENCE_STEPS, References, gpt_args
 from text_data import split_corpus
 
 from elastic.chaos.samples import audit
@@ -38,15 +39,13 @@ pytestmark = pytest.mark.slow
 
 
 def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after: int | None = None) -> Path:
-    """A 2-agent job (exactly 2 nodes, so the world size never changes); optionally SIGKILL a worker."""
+    """A 2-agent job under plain torchrun (exactly 2 nodes, so the world size never changes); optionally
+    SIGKILL a worker. The recipe's arguments are those of the shared reference runs (tests/references.py)."""
     tmp.mkdir()
     ckpt, events = tmp / "ckpt", tmp / "events.jsonl"
     command = torchrun_command(
         nnodes="2:2", port=port, run_id=tmp.name, max_restarts=2,
-        script_args=[
-            "--data", str(corpus), "--max-steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "10",
-            "--eval-every", "0", "--events", str(events), "--dropout", "0.2", *TINY_MODEL,
-        ],
+        script_args=[*gpt_args(corpus, steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "10", "--events", str(events)],
     )
     agents = start_agents(2, command, tmp)
     if kill_after is not None:
@@ -57,13 +56,15 @@ def run_two_agents(tmp: Path, corpus: Path, port: int, steps: int, *, kill_after
     return tmp
 
 
-def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, tiny_corpus: Path) -> None:
-    steps = 60
+def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, shared_corpus: Path, references: References) -> None:
+    """Plain torchrun, which restarts every worker and has no snapshots: the job resumes from the
+    disk and ends bit-identical to an uninterrupted run (tests/references.py)."""
+    steps = REFERENCE_STEPS
     # Some checkpoints (every 10) are behind it; the seed is printed, TORCHREVIVE_TEST_SEED replays it.
     kill_after = seeded_rng("kill step").randint(22, 38)
     print(f"kill rank 1 once the event log reaches step {kill_after}", flush=True)
-    clean = run_two_agents(tmp_path / "clean", tiny_corpus, free_port(), steps)
-    faulty = run_two_agents(tmp_path / "faulty", tiny_corpus, free_port(), steps, kill_after=kill_after)
+    faulty = run_two_agents(tmp_path / "faulty", shared_corpus, free_port(), steps, kill_after=kill_after)
+    clean = references.final_checkpoint(gpt_args(shared_corpus, steps), steps)
 
     events = list(read_events(faulty / "events.jsonl"))
     restores = [e for e in events if e["event"] == "restore"]
@@ -72,7 +73,7 @@ def test_sigkilled_worker_resumes_bit_identical(tmp_path: Path, tiny_corpus: Pat
     # (No check of `restart`: rank 0 may sit on the agent whose workers were stopped
     # for the new round rather than failed, and torchrun counts only failures.)
 
-    _, want_tensors, want_trainer = read_checkpoint(clean / "ckpt" / f"step_{steps:08d}")
+    _, want_tensors, want_trainer = read_checkpoint(clean)
     _, got_tensors, got_trainer = read_checkpoint(faulty / "ckpt" / f"step_{steps:08d}")
     # The model's weights and buffers, and the optimizer's state (moments, step counts) and settings.
     for prefix in ("model/", "optim/"):
