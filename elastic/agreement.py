@@ -7,7 +7,10 @@
 Invariants:
 - Every function is a collective: every rank calls it at the same point, with
   the same group (default: `runtime.control_group()`, gloo in every job, so
-  none of this waits on a GPU).
+  none of this waits on a GPU). "Rank 0" is the group's rank 0, which is the
+  worker's rank 0 in every group the runtime makes; a group need not be
+  registered with torch.distributed (a test runs ranks as threads, each with
+  a gloo group of its own on one in-process store).
 - Values cross as tensors, or as `Message`s: dataclasses of plain values
   (str, int, float, bool, None, lists, dicts, tensors) written with torch.save
   and read with `torch.load(weights_only=True)`. Nothing a peer sends is
@@ -29,7 +32,9 @@ import torch.distributed as dist
 from elastic.runtime import WorkerContext, control_group
 
 M = TypeVar("M", bound="Message")
-_UNSET: Any = object()
+DEFAULT_GROUP: Any = object()
+"""A function's `group` when none is given: `runtime.control_group()`, looked up at the call."""
+_UNSET = DEFAULT_GROUP
 
 
 class Message:
@@ -101,7 +106,7 @@ def main_flag(ctx: WorkerContext, flag: bool, group: Any = _UNSET) -> bool:
     if not ctx.distributed:
         return flag
     tensor = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.broadcast(tensor, src=0, group=_group(group))
+    dist.broadcast(tensor, group_src=0, group=_group(group))
     return bool(tensor.item())
 
 
@@ -192,9 +197,9 @@ def _as_tensor(data: bytes, length: int) -> torch.Tensor:
 
 def _broadcast_bytes(data: bytes, group: dist.ProcessGroup | None) -> bytes:
     size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
+    dist.broadcast(size, group_src=0, group=group)
     buffer = _as_tensor(data, int(size.item()))
-    dist.broadcast(buffer, src=0, group=group)
+    dist.broadcast(buffer, group_src=0, group=group)
     return buffer.numpy().tobytes()
 
 
@@ -208,7 +213,7 @@ def _gather_bytes(ctx: WorkerContext, data: bytes, group: dist.ProcessGroup | No
         dist.all_gather(out, padded, group=group)
     else:
         out = [torch.empty_like(padded) for _ in range(ctx.world_size)] if ctx.is_main else None
-        dist.gather(padded, out, dst=0, group=group)
+        dist.gather(padded, out, group_dst=0, group=group)
         if out is None:
             return None
     return [t[:n].numpy().tobytes() for t, n in zip(out, lengths)]

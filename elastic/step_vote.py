@@ -51,6 +51,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from elastic import agreement
 from elastic.runtime import WorkerContext
@@ -101,9 +102,11 @@ class StepVote:
 
     def __init__(
         self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic,
-        joiners: Callable[[], int] | None = None,
+        joiners: Callable[[], int] | None = None, group: Any = agreement.DEFAULT_GROUP,
     ) -> None:
+        """`group`: the ranks' group for the vote (default: the runtime's control group)."""
         self._ctx = ctx
+        self._group = group
         self._ballot = ballot
         self._joiners = joiners
         self._grace = grace
@@ -134,7 +137,7 @@ class StepVote:
         joiners = self._joiners() if self._joiners is not None else 0
         self.votes += 1
         return agreement.start_max(
-            self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal(), joiners]
+            self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal(), joiners], self._group
         )
 
     def step_ended(self, step: int) -> Verdict:

@@ -62,7 +62,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic.errors import UsageError
 from elastic.fault_hook import ENV_VAR
@@ -89,7 +89,7 @@ class Fault:
     """The world size of the workers it fires in (WORLD_SIZE when the worker started); None: any."""
     once: bool = False
     """At most once in the whole job (a mark in ELASTIC_FAULT_ONCE_DIR)."""
-    entry: str = ""
+    entry: str = field(default="", compare=False)
     """The ELASTIC_FAULT entry it was parsed from (names its mark)."""
 
     def matches(self, point: str, step: int) -> bool:

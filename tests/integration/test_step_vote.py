@@ -1,29 +1,29 @@
-"""The step vote on a real two-process gloo group: each vote is read at the next vote step, the same
-verdict on every rank, and the ranks agree on how far apart votes are; a SIGTERM to one rank stops
-every rank at the same step, within two votes, with that step committed."""
+"""The step vote on a real two-rank gloo group: each vote is read at the next vote step, the same
+verdict on every rank, and the ranks agree on how far apart votes are (ranks as threads of this
+process); a SIGTERM to one rank of a real two-process job stops every rank at the same step, within
+two votes, with that step committed."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import REPO, free_port, worker_env
+from thread_ranks import run_ranks
 
-from elastic.step_vote import MAX_EVERY
+from elastic.runtime import WorkerContext
+from elastic.step_vote import MAX_EVERY, StepVote
 
 pytestmark = pytest.mark.slow
 
-VOTES = textwrap.dedent("""
-    import json, os
-    from elastic.runtime import worker_context
-    from elastic.step_vote import StepVote
-
-    rank = int(os.environ["RANK"])
+def votes(ctx: WorkerContext, group: Any) -> dict[str, Any]:
+    """One rank's votes through a loop: what it reads at each step end and when it votes."""
+    rank = ctx.rank
     ballot = {"preempted": False, "storage": False, "every": 3 if rank == 0 else 5}
     now = [0.0]
 
@@ -34,35 +34,33 @@ VOTES = textwrap.dedent("""
         return None if verdict is None else [verdict.preempted, verdict.storage_failing, verdict.snapshot_every,
                                              verdict.vote_every]
 
-    with worker_context("cpu") as ctx:
-        vote = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0])
-        seen = []
+    vote = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0], group=group)
+    seen = []
 
-        def end(step, seconds):
-            now[0] += seconds
-            seen.append(plain(vote.step_ended(step)))
+    def end(step, seconds):
+        now[0] += seconds
+        seen.append(plain(vote.step_ended(step)))
 
-        end(1, 1.0)  # no vote in flight: nothing; step 1's vote starts
-        if rank == 0:
-            ballot["preempted"] = True  # during step 2
-        end(2, 1.0)  # step 1's verdict
-        ballot["preempted"] = False
-        end(3, 1.0)  # step 2's verdict carries rank 0's flag
-        ballot["storage"] = rank == 1
-        seen.append(plain(vote.fresh()))  # between steps: step 3's vote and a fresh one, merged
-        ballot["storage"] = False
-        seen.append(plain(vote.settle()))  # nothing in flight after fresh
-        # Steps of 0.25 s: about VOTE_SECONDS of steps is 4 steps between votes, once agreed.
-        quick, voted = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0]), []
-        for step in range(1, 16):
-            now[0] += 0.25
-            before = quick.votes
-            quick.step_ended(step)
-            if quick.votes > before:
-                voted.append(step)
-        quick.settle()
-        print(json.dumps({"seen": seen, "voted": voted, "every": quick.every}))
-""")
+    end(1, 1.0)  # no vote in flight: nothing; step 1's vote starts
+    if rank == 0:
+        ballot["preempted"] = True  # during step 2
+    end(2, 1.0)  # step 1's verdict
+    ballot["preempted"] = False
+    end(3, 1.0)  # step 2's verdict carries rank 0's flag
+    ballot["storage"] = rank == 1
+    seen.append(plain(vote.fresh()))  # between steps: step 3's vote and a fresh one, merged
+    ballot["storage"] = False
+    seen.append(plain(vote.settle()))  # nothing in flight after fresh
+    # Steps of 0.25 s: about VOTE_SECONDS of steps is 4 steps between votes, once agreed.
+    quick, voted = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0], group=group), []
+    for step in range(1, 16):
+        now[0] += 0.25
+        before = quick.votes
+        quick.step_ended(step)
+        if quick.votes > before:
+            voted.append(step)
+    quick.settle()
+    return {"seen": seen, "voted": voted, "every": quick.every}
 
 
 def run_pair(tmp_path: Path, script: str, *args: str, timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
@@ -86,10 +84,10 @@ def run_pair(tmp_path: Path, script: str, *args: str, timeout: float = 120) -> l
     return done
 
 
-def test_every_rank_reads_each_vote_at_the_next_vote_step(tmp_path: Path) -> None:
-    rank0, rank1 = run_pair(tmp_path, VOTES)
-    assert rank0.returncode == rank1.returncode == 0, rank0.stderr[-3000:] + rank1.stderr[-3000:]
-    assert json.loads(rank0.stdout) == json.loads(rank1.stdout) == {
+def test_every_rank_reads_each_vote_at_the_next_vote_step() -> None:
+    """Two ranks as threads (tests/thread_ranks.py), each voting on a gloo group of its own."""
+    rank0, rank1 = run_ranks(2, votes)
+    assert rank0 == rank1 == {
         "seen": [
             [False, False, 0, 0],  # the first step end of a loop reads no vote
             [False, False, 5, 1],  # step 1's: the largest snapshot interval proposed; 1-second steps: vote every step
