@@ -144,11 +144,10 @@ def standalone_command(
 
 
 def run_recipe(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The GPT recipe as one plain `python` process."""
-    return subprocess.run(
-        [sys.executable, str(GPT_RECIPE), *args],
-        capture_output=True, text=True, timeout=timeout, env=env or worker_env(), cwd=REPO,
-    )
+    """The GPT recipe as one plain `python` process (forked warm: tests/warm.py)."""
+    import warm
+
+    return warm.run([sys.executable, str(GPT_RECIPE), *args], timeout=timeout, env=env or worker_env(), cwd=REPO)
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

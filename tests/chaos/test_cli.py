@@ -3,11 +3,11 @@ tests/chaos/test_scenarios.py::test_etcd_v3_restart_of_etcd_mid_recovery_through
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 from support import REPO, worker_env
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
     ],
 )
 def test_impossible_requests_are_one_line_exit_2(tmp_path: Path, args: list[str], env: dict, message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "elastic.chaos", *args, "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, cwd=REPO, env=worker_env(**env))
+    done = warm.run([sys.executable, "-m", "elastic.chaos", *args, "--workdir", str(tmp_path)], timeout=60, cwd=REPO,
+                    env=worker_env(**env))
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 from support import REPO, TINY_MODEL, standalone_command, worker_env
 
 from elastic.events import read_events
@@ -114,8 +115,7 @@ def test_more_faults_than_max_restarts_fail_with_a_summary_and_a_good_checkpoint
     # dead, the killed rank 1 or rank 0 whose collective failed a moment later.
     assert re.match(r"torchrevive-run: job failed: worker rank (1 killed by SIGKILL|0 exit status 1), ", last_line), last_line
     assert "--max-restarts=1" in last_line
-    inspect = subprocess.run([sys.executable, "-m", "elastic.checkpoint", "inspect", str(ckpt)],
-                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    inspect = warm.run([sys.executable, "-m", "elastic.checkpoint", "inspect", str(ckpt)], timeout=60, cwd=REPO)
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr
     # The newest good checkpoint is the periodic step 10 or, newer, the step the keeper
     # persisted from memory at the breakpoint (11 to 13); a loaded machine may skip step 10.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 from support import (
     REPO,
     TINY_MODEL,
@@ -32,10 +33,8 @@ def recipe_args(corpus: Path, ckpt: Path, steps: int, *extra: str) -> list[str]:
 
 
 def inspect(directory: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "elastic.checkpoint", "inspect", str(directory)],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=worker_env(),
-    )
+    return warm.run([sys.executable, "-m", "elastic.checkpoint", "inspect", str(directory)], timeout=60, cwd=REPO,
+                    env=worker_env())
 
 
 def test_a_crash_during_a_save_resumes_from_the_previous_checkpoint(tmp_path: Path, tiny_corpus: Path) -> None:
@@ -113,13 +112,16 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path: Path, ti
 def test_sigterm_commits_the_current_step_and_exits_143(tmp_path: Path, tiny_corpus: Path) -> None:
     ckpt, events = tmp_path / "ckpt", tmp_path / "events.jsonl"
     args = recipe_args(tiny_corpus, ckpt, 100_000, "--events", str(events), "--ckpt-every", "0")
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "recipes" / "gpt.py"), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(), cwd=REPO,
-    )
-    wait_for(lambda: events.exists() and any(e["event"] == "step" and e["step"] >= 20 for e in read_events(events)), 60, "step 20")
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = warm.start([sys.executable, str(REPO / "recipes" / "gpt.py"), *args], stdout=subprocess.DEVNULL,
+                          stderr=err, env=worker_env(), cwd=REPO)
+    try:
+        wait_for(lambda: events.exists() and any(e["event"] == "step" and e["step"] >= 20 for e in read_events(events)), 60, "step 20")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    stderr = (tmp_path / "stderr").read_text(errors="replace")
     assert proc.returncode == 143, stderr[-2000:]
     (save,) = [e for e in read_events(events) if e["event"] == "checkpoint"]
     last_step = max(e["step"] for e in read_events(events) if e["event"] == "step")
