@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm
 from support import REPO, free_port, worker_env
 from thread_ranks import run_ranks
 
@@ -64,24 +65,25 @@ def votes(ctx: WorkerContext, group: Any) -> dict[str, Any]:
 
 
 def run_pair(tmp_path: Path, script: str, *args: str, timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
+    """`script` as ranks 0 and 1 of a two-process job (forked warm: tests/warm.py); how each ended."""
     path = tmp_path / "worker.py"
     path.write_text(script)
     env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                      PYTHONPATH=str(REPO))
-    procs = [
-        subprocess.Popen([sys.executable, str(path), *args], env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]
-    done = []
+    procs = []
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        for rank in (0, 1):
+            with open(tmp_path / f"out{rank}", "wb") as out, open(tmp_path / f"err{rank}", "wb") as err:
+                procs.append(warm.start([sys.executable, str(path), *args], env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                        cwd=tmp_path, stdout=out, stderr=err))
+        codes = [proc.wait(timeout) for proc in procs]
     finally:
         for proc in procs:
             proc.kill()
-    return done
+    return [
+        subprocess.CompletedProcess(proc.args, code, (tmp_path / f"out{rank}").read_text(), (tmp_path / f"err{rank}").read_text())
+        for rank, (proc, code) in enumerate(zip(procs, codes))
+    ]
 
 
 def test_every_rank_reads_each_vote_at_the_next_vote_step() -> None:
