@@ -29,10 +29,12 @@ WATCHDOG_TRIP = re.compile(
 )
 
 
-@pytest.mark.parametrize("action", ["stop", "hang"])
-def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
-    tmp_path: Path, tiny_corpus: Path, action: str
+def test_a_stopped_then_a_deadlocked_worker_each_trip_the_watchdog_and_the_job_completes(
+    tmp_path: Path, tiny_corpus: Path
 ) -> None:
+    """One job, two hangs: rank 1 SIGSTOPped after step 12, then (in the restarted group) blocked in
+    its main thread for good after step 20. Each time a watchdog ends the group, which resumes from
+    memory at most one step back, and the job completes."""
     events = tmp_path / "events.jsonl"
     args = [
         "--data", str(tiny_corpus), "--max-steps", "30", "--eval-every", "0", "--events", str(events),
@@ -44,31 +46,31 @@ def test_stopped_or_deadlocked_worker_trips_the_watchdog_and_the_job_completes(
     done = subprocess.run(
         # Our launcher: its reaper ends the SIGSTOPped worker when the group stops, where
         # stock torchrun waits 30 s for it to act on SIGTERM.
-        standalone_command(2, args, max_restarts=1, launcher="elastic.launcher"),
+        standalone_command(2, args, max_restarts=2, launcher="elastic.launcher"),
         capture_output=True, text=True, timeout=240, cwd=REPO,
-        env=worker_env(ELASTIC_FAULT=f"after_step@12:rank=1:do={action}"),
+        env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:do=stop,after_step@20:rank=1:do=hang:restart=1"),
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    assert WATCHDOG_TRIP.search(output), output[-4000:]
-    # One failed round (max_restarts=1 and the job succeeded). torch names the failure with
-    # the smallest timestamp: a worker that died by os._exit has none of its own and gets the
-    # time the agent saw it, one that raised gets its error file's. So:
+    assert len(WATCHDOG_TRIP.findall(output)) >= 2, output[-4000:]
+    # One failed round per hang (the job succeeded). torch names the failure with the smallest
+    # timestamp: a worker that died by os._exit has none of its own and gets the time the agent saw
+    # it, one that raised gets its error file's. So:
     # - stop: rank 1 is frozen, rank 0 is stuck in the collective: its watchdog ends it (124)
     #   and that is the round's only exit until the group is stopped;
     # - hang: rank 1's watchdog ends it (124), and rank 0's collective then fails at once
     #   ("Connection closed by peer", 1, with an error file): either may be named.
     failures = AGENT_FAILURE.findall(output)
-    assert len(failures) == 1, output[-4000:]
-    if action == "stop" or failures[0] != "1":
-        assert failures == [str(EXIT_CODE)], output[-4000:]
-    else:
-        assert "Connection closed by peer" in output, output[-4000:]
+    assert len(failures) == 2, output[-4000:]
+    assert failures[0] == str(EXIT_CODE), output[-4000:]
+    assert failures[1] == str(EXIT_CODE) or (failures[1] == "1" and "Connection closed by peer" in output), output[-4000:]
     recorded = list(read_events(events))
     restores = [e for e in recorded if e["event"] == "restore"]
-    # In-memory snapshots every step (our launcher): the group resumes at step 12, or 11 when
-    # rank 1 froze before its snapshot of step 12 was whole.
-    assert [(e["source"], e["step"] in (11, 12), e["redone"] <= 1) for e in restores] == [("memory", True, True)], restores
+    # In-memory snapshots every step (our launcher): the group resumes at the hang's step, or one
+    # before when rank 1 froze before its snapshot of that step was whole.
+    assert [(e["source"], e["step"], e["redone"] <= 1) for e in restores] in (
+        [("memory", first, True), ("memory", second, True)] for first in (11, 12) for second in (19, 20)
+    ), restores
     assert [e["step"] for e in recorded if e["event"] == "end"] == [30]
 
 
