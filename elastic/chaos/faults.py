@@ -26,6 +26,11 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=during_all_reduce@7:rank=3
                                             rank 3 dies as step 7's gradient all-reduce starts
                                             (heals in place: its peers' step 7 is void)
+    ELASTIC_FAULT=after_step@20:do=hold:until=/tmp/go
+                                            rank 0 holds after step 20 until the file
+                                            /tmp/go exists (a test's fault outside the
+                                            job, e.g. an etcd outage, lands mid-run
+                                            however fast the job trains)
     ELASTIC_FAULT=after_step@1+:do=slow:for=0.3:restart=any:world=1
                                             rank 0 paces every step to 0.3 s while the
                                             job trains at world size 1 (a job that must
@@ -68,7 +73,7 @@ from elastic.errors import UsageError
 from elastic.fault_hook import ENV_VAR
 from elastic.fault_hook import POINTS as FAULT_POINTS
 
-ACTIONS = ("kill", "stop", "hang", "enospc", "slow")
+ACTIONS = ("kill", "stop", "hang", "enospc", "slow", "hold")
 ONCE_DIR_ENV = "ELASTIC_FAULT_ONCE_DIR"
 """Where `once` faults leave a mark when they fire (one file each), so no other worker fires them."""
 
@@ -89,6 +94,8 @@ class Fault:
     """The world size of the workers it fires in (WORLD_SIZE when the worker started); None: any."""
     once: bool = False
     """At most once in the whole job (a mark in ELASTIC_FAULT_ONCE_DIR)."""
+    until: str = ""
+    """The file `hold` waits for."""
     entry: str = field(default="", compare=False)
     """The ELASTIC_FAULT entry it was parsed from (names its mark)."""
 
@@ -119,13 +126,17 @@ def parse_faults(text: str) -> list[Fault]:
                 fields["action"] = value
             elif key == "for" and value.replace(".", "", 1).isdigit():
                 fields["seconds"] = float(value)
+            elif key == "until" and value:
+                fields["until"] = value
             elif key == "world" and value.isdigit() and int(value) > 0:
                 fields["world_size"] = int(value)
             else:
                 raise UsageError(
                     f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N, restart=N|any, world=N, once, "
-                    f"for=SECONDS or do={'|'.join(ACTIONS)}"
+                    f"for=SECONDS, until=FILE or do={'|'.join(ACTIONS)}"
                 )
+        if (fields.get("action") == "hold") != bool(fields.get("until")):
+            raise UsageError(f"{ENV_VAR} entry {entry!r}: do=hold goes with until=FILE, and until=FILE with do=hold")
         faults.append(Fault(point, int(step), entry=entry, **fields))  # type: ignore[arg-type]
     return faults
 
@@ -153,6 +164,10 @@ class FaultInjector:
                     threading.Event().wait()  # never set: this thread is stuck for good
                 if fault.action == "slow":
                     time.sleep(fault.seconds)
+                    continue
+                if fault.action == "hold":
+                    while not os.path.exists(fault.until):
+                        time.sleep(0.05)
                     continue
                 if fault.action == "enospc":
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected by {ENV_VAR}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -113,24 +114,28 @@ def test_sigkilled_worker_recovers_with_nnodes_1_to_3(tmp_path: Path, tiny_corpu
 
 def test_job_survives_an_etcd_restart(tmp_path: Path, tiny_corpus: Path, etcd: EtcdServer) -> None:
     run_id = uuid.uuid4().hex
-    events = tmp_path / "events.jsonl"
-    args = recipe_args(tiny_corpus, events, 1500)
+    events, go = tmp_path / "events.jsonl", tmp_path / "go"
+    args = recipe_args(tiny_corpus, events, 40)
     command = etcd_command(etcd.endpoint, run_id, "2", args)
-    agents = [agent(command, tmp_path / f"agent{i}.log") for i in range(2)]
+    # Rank 0 holds after step 21 until etcd is back: the outage lands mid-run however fast the job is.
+    agents = [subprocess.Popen(command, stdout=open(tmp_path / f"agent{i}.log", "wb"), stderr=subprocess.STDOUT,
+                               env=worker_env(ELASTIC_FAULT=f"after_step@21:do=hold:until={go}"), cwd=REPO)
+              for i in range(2)]
     try:
         wait_for(lambda: steps_seen(events) >= 20, 120, "step 20", interval=0.01)
         etcd.stop()
-        time.sleep(3)  # the agents' monitors poll etcd every 0.5 s and find it gone
+        time.sleep(3)  # the outage itself: the agents' monitors poll etcd every 0.5 s and find it gone
         etcd.start()
         restarted_at = time.time()
-        assert all(a.poll() is None for a in agents), "the job ended before etcd came back; make it longer"
+        assert all(a.poll() is None for a in agents), "the job ended during the outage"
+        go.touch()
     except BaseException:
         stop_all(agents)
         raise
     assert finish(agents, tmp_path, 240) == [0, 0], logs(tmp_path, "agent*.log")
     recorded = list(read_events(events))
     (end,) = [e for e in recorded if e["event"] == "end"]
-    assert end["step"] == 1500 and end["time"] > restarted_at
+    assert end["step"] == 40 and end["time"] > restarted_at
     assert "etcd at" in logs(tmp_path, "agent*.log") and "reconnected" in logs(tmp_path, "agent*.log"), "no agent noticed the outage"
 
 
@@ -138,12 +143,10 @@ def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path, tiny_co
     endpoint = f"127.0.0.1:{free_port()}"
     command = etcd_command(endpoint, "unreachable", "1", recipe_args(tiny_corpus, tmp_path / "e.jsonl", 5),
                            conf="read_timeout=3")
-    started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO)
-    elapsed = time.monotonic() - started
     assert done.returncode != 0
-    assert f"cannot reach etcd at {endpoint}" in done.stderr, done.stderr[-3000:]
-    assert elapsed < 3 + 20, f"took {elapsed:.1f} s with read_timeout=3"
+    # It gave up at its read_timeout, not at torch's or the client's own default.
+    assert re.search(rf"cannot reach etcd at {endpoint} to .* within 3 s", done.stderr), done.stderr[-3000:]
 
 
 def test_tls_client_certificates_and_etcd_auth(tmp_path: Path, tiny_corpus: Path) -> None:

@@ -249,6 +249,22 @@ def test_storage_faults_parse() -> None:
         parse_faults("during_write@2:for=soon")
     with pytest.raises(UsageError, match="world=N"):
         parse_faults("after_step@2:world=0")
+    with pytest.raises(UsageError, match="do=hold goes with until=FILE"):
+        parse_faults("after_step@2:do=hold")
+
+
+def test_a_hold_lasts_until_its_file_exists(tmp_path: Path) -> None:
+    import threading
+
+    go = tmp_path / "go"
+    injector = FaultInjector(0, 0, environ={"ELASTIC_FAULT": f"after_step@3:do=hold:until={go}"})
+    held = threading.Thread(target=injector.at, args=("after_step", 3))
+    held.start()
+    held.join(0.3)
+    assert held.is_alive(), "it went on before the file existed"
+    go.touch()
+    held.join(10)
+    assert not held.is_alive()
 
 
 def test_a_fault_for_one_world_size_fires_only_in_workers_started_at_it() -> None:
