@@ -161,10 +161,9 @@ def test_unreachable_etcd_raises_connection_error_naming_the_endpoint() -> None:
     from support import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
-    with pytest.raises(RendezvousConnectionError, match=f"cannot reach etcd at {endpoint}.*Connection refused"):
+    # Within its read_timeout (1.5 s), not the client's or torch's default.
+    with pytest.raises(RendezvousConnectionError, match=rf"cannot reach etcd at {endpoint} .*within 1\.5 s.*Connection refused"):
         create_backend(params(endpoint, read_timeout=1.5))
-    assert time.monotonic() - started < 10
 
 
 def test_closing_a_client_revokes_its_lease_so_its_keys_go_at_once(shared_etcd) -> None:

@@ -62,16 +62,12 @@ def test_blocked_worker_exits_143_after_the_grace() -> None:
     grace = 1.0
     with worker("r, w = os.pipe()\nos.read(r, 1)  # blocked for good, like a collective with a dead peer\n",
                 grace=grace) as proc:
-        started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - started
     assert proc.returncode == 143, stderr
-    assert "no step ended within 1 s" in stderr
-    # The watcher starts its wait only once the signal is there, so the grace is a hard lower
-    # bound (10 ms for timer granularity). The upper bound is the default grace: a handler that
-    # ignored the one it was given would wait that long; only a stall of 14 s gets there otherwise.
-    assert grace - 0.01 <= elapsed < DEFAULT_GRACE_SECONDS, elapsed
+    # The grace it was given (not the default's): that it waits the grace out and no less is
+    # tests/unit/test_preemption_grace.py's, on a clock of the test's.
+    assert f"no step ended within {grace:g} s" in stderr and grace != DEFAULT_GRACE_SECONDS
 
 
 def test_step_boundary_within_the_grace_lets_the_checkpoint_take_its_time() -> None:
@@ -100,13 +96,10 @@ def test_second_sigterm_exits_at_once() -> None:
         # The first signal has been handled before the second is sent, so the kernel cannot
         # merge the two into one pending signal.
         expect_line(proc, "signalled")
-        started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - started
+        _, stderr = proc.communicate(timeout=60)  # the grace is 600 s: only the second signal ends it by then
     assert proc.returncode in (143, -signal.SIGTERM), stderr
     assert "no step ended" not in stderr  # not the grace running out
-    assert elapsed < 30, elapsed  # only a hang gets near this
 
 
 def test_a_second_sigterm_ends_a_worker_whose_main_thread_is_stuck_in_native_code() -> None:

@@ -168,10 +168,8 @@ def test_a_closed_run_whose_agent_is_alive_is_not_reopened(shared_etcd: EtcdServ
     try:
         backend, _ = create_backend(params(shared_etcd.endpoint, run_id))
         before = backend.get_state()
-        started = time.monotonic()
         with pytest.raises(RendezvousClosedError, match=r"closed and 1 agent\(s\) of the job that closed it are still running"):
             create_handler_v3(params(shared_etcd.endpoint, run_id, join_timeout="2"))
-        assert time.monotonic() - started < 30
         assert backend.get_state() == before, "the live job's closed state was touched"
     finally:
         agent.kill()
