@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
+from references import References
 from support import (
     REPO,
     assert_same_tensors,
@@ -55,11 +57,10 @@ def start_two_agents(out: Path) -> list[subprocess.Popen]:
     return start_agents(2, command, out)
 
 
-def test_a_worker_killed_at_any_step_changes_nothing(tmp_path: Path) -> None:
-    clean, killed = tmp_path / "clean", tmp_path / "killed"
-    clean.mkdir()
+def test_a_worker_killed_at_any_step_changes_nothing(tmp_path: Path, references: References) -> None:
+    """Under two torchrun agents, against the uninterrupted run of tests/references.py."""
+    killed = tmp_path / "killed"
     killed.mkdir()
-    assert wait_all(start_two_agents(clean), timeout=240) == [0, 0], logs(clean)
 
     kill_after = random.Random().randint(3, STEPS - 8)
     events = killed / "events.jsonl"
@@ -70,8 +71,11 @@ def test_a_worker_killed_at_any_step_changes_nothing(tmp_path: Path) -> None:
     # rank 0's agent may count the new round as a membership change, not a restart).
     starts = [e for e in read_events(events) if e["event"] == "start"]
     assert len(starts) >= 2, f"no new worker group after the kill at step {kill_after}"
+    clean = references.final_checkpoint(
+        ["--max-steps", str(STEPS), "--batch-size", "16", "--workers", "2", "--device", "cpu"], STEPS, script=TUTORIAL,
+    )
     assert_same_tensors(
-        checkpoint_tensors(clean / "ckpt", STEPS), checkpoint_tensors(killed / "ckpt", STEPS),
+        checkpoint_tensors(clean.parent, STEPS), checkpoint_tensors(killed / "ckpt", STEPS),
         f"after the kill at step {kill_after}",
     )
 
@@ -101,10 +105,9 @@ def test_loader_path_uses_every_sample_once_across_world_sizes_2_3_1(tmp_path: P
 
 def test_sigterm_to_its_loader_workers_only_does_not_stop_it(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
-    trainer = subprocess.Popen(
-        [sys.executable, str(TUTORIAL), *job_args(tmp_path, steps=100_000)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO,
-    )
+    with open(tmp_path / "output", "wb") as out:
+        trainer = warm.start([sys.executable, str(TUTORIAL), *job_args(tmp_path, steps=100_000)],
+                             stdout=out, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO)
     try:
         wait_for(lambda: steps_seen(events) >= 3, 120, "three steps")
         workers = children_of(trainer.pid)
@@ -116,11 +119,10 @@ def test_sigterm_to_its_loader_workers_only_does_not_stop_it(tmp_path: Path) -> 
         wait_for(lambda: steps_seen(events) >= reached + 20, 120, "twenty more steps")
         assert trainer.poll() is None, "the trainer stopped on its workers' signal"
         os.kill(trainer.pid, signal.SIGTERM)  # its own signal still means: commit and leave
-        output, _ = trainer.communicate(timeout=120)
+        trainer.wait(timeout=120)
     finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+        trainer.kill()
+    output = (tmp_path / "output").read_text(errors="replace")
     assert trainer.returncode == 143, output[-3000:]
     saved = [e for e in read_events(events) if e["event"] == "checkpoint" and e["reason"] == "preemption"]
     assert saved, output[-3000:]
