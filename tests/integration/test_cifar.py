@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -112,12 +113,12 @@ def test_checkpoint_of_two_synced_ranks_resumes_in_a_single_process(
 ) -> None:
     shutil.copytree(two_agent_run / "ckpt", tmp_path / "ckpt")
     more, port = STEPS + 4, free_port()
-    result = subprocess.run(
+    result = warm.run(
         [
             sys.executable, str(CIFAR_RECIPE), *recipe_args(tiny_cifar, tmp_path, workers=0, steps=more),
             "--metrics-port", str(port),
         ],
-        capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO,
+        timeout=120, env=worker_env(), cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"metrics: serving http://127.0.0.1:{port}/metrics" in result.stderr
@@ -150,10 +151,7 @@ def test_sigkilled_worker_resumes_bit_identical_with_loader_workers(
 
 
 def test_missing_data_set_is_one_line_naming_the_file_and_where_to_get_it(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(CIFAR_RECIPE), "--data", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, env=worker_env(), cwd=REPO,
-    )
+    result = warm.run([sys.executable, str(CIFAR_RECIPE), "--data", str(tmp_path)], timeout=60, env=worker_env(), cwd=REPO)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "no cifar-10-batches-py/ folder" in line and "cifar-10-python.tar.gz" in line
@@ -166,18 +164,16 @@ def test_sigterm_to_the_process_group_commits_a_preemption_checkpoint_with_loade
     """torchrun stops a worker with SIGTERM to its process group, loader workers included:
     the trainer must still finish its step and commit, not fail on a dead loader."""
     events = tmp_path / "events.jsonl"
-    process = subprocess.Popen(
-        [sys.executable, str(CIFAR_RECIPE), *recipe_args(tiny_cifar, tmp_path, workers=2, steps=400)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO,
-        start_new_session=True,
-    )
+    with open(tmp_path / "output", "wb") as out:  # a warm process leads a session (and process group) of its own
+        process = warm.start([sys.executable, str(CIFAR_RECIPE), *recipe_args(tiny_cifar, tmp_path, workers=2, steps=400)],
+                             stdout=out, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO)
     try:
         wait_for(lambda: steps_seen(events) >= 3, 120, "three steps")
         os.killpg(process.pid, signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
+        process.wait(timeout=60)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        process.kill()
+    output = (tmp_path / "output").read_text(errors="replace")
     assert process.returncode == 143, output[-3000:]
     saved = [e for e in read_events(events) if e["event"] == "checkpoint" and e["reason"] == "preemption"]
     assert saved, output[-3000:]
