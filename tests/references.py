@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from support import GPT_RECIPE, make_text
 
 from elastic.chaos.harness import ChaosJob, JobSpec
@@ -79,7 +80,8 @@ class References:
                 workdir.mkdir()
                 own = [arg.replace("{workdir}", str(workdir)) for arg in args]
                 spec = JobSpec(workdir=workdir, nnodes="2:2", run_id="reference", script=script,
-                               script_args=[*own, "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "0"])
+                               script_args=[*own, "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", "0"],
+                               start_process=warm.popen)
                 with ChaosJob(spec) as job:
                     job.start()
                     assert job.wait(240) == [0, 0], job.logs()

@@ -190,11 +190,14 @@ def checkpoints_fingerprint(directory: Path) -> dict[str, str]:
 def start_agents(
     count: int, command: list[str], log_dir: Path, env: dict[str, str] | None = None
 ) -> list[subprocess.Popen]:
-    """Start `count` identical agents, each logging to its own file (`env`: theirs, else `worker_env()`)."""
+    """Start `count` identical agents, each logging to its own file (`env`: theirs, else `worker_env()`);
+    forked warm (tests/warm.py): what they start is started as in production."""
+    import warm
+
     procs = []
     for i in range(count):
-        log = open(log_dir / f"agent{i}.log", "wb")
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env or worker_env(), cwd=REPO)
+        with open(log_dir / f"agent{i}.log", "wb") as log:
+            proc = warm.popen(command, stdout=log, stderr=subprocess.STDOUT, env=env or worker_env(), cwd=REPO)
         proc.log_path = log_dir / f"agent{i}.log"  # for wait_all's message if the job hangs
         procs.append(proc)
     return procs

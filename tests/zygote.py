@@ -22,6 +22,7 @@ import array
 import atexit
 import gc
 import json
+import logging
 import multiprocessing
 import os
 import runpy
@@ -52,6 +53,12 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
     from elastic.slurm.requeue import catch_early
 
     catch_early(os.environ)  # what `import elastic` does in a fresh process of a Slurm job
+    # torch's elastic agent sets its loggers' level from LOGLEVEL when its modules are imported (here,
+    # in the zygote): give them this program's, as a fresh import would.
+    level = env.get("LOGLEVEL", "WARNING")
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger) and logger.level:
+            logger.setLevel(level)
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]

@@ -46,9 +46,9 @@ from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 from elastic.errors import UsageError
 from elastic.launcher.keeper_files import BASE_ENV as SNAPSHOT_BASE_ENV
-from elastic.storage.peer_auth import SECRET_FILE_ENV
 from elastic.launcher.keeper_files import private_directory
 from elastic.launcher.proctree import descendants, worker_rank
+from elastic.storage.peer_auth import SECRET_FILE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ class JobSpec:
     """Put each agent on a host of its own (a network namespace); None: all on loopback."""
     etcd: EtcdServer | None = None
     """The etcd of an etcd-v3 job, when the harness started it (and may restart it)."""
+    start_process: Callable[..., Any] = subprocess.Popen
+    """How an agent's process is started: `subprocess.Popen`'s arguments, a handle with its `pid`,
+    `poll`, `wait` and `kill` back (a test suite's starter may fork agents warm)."""
 
 
 # torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
@@ -115,7 +118,7 @@ class ChaosJob:
         self.endpoint = spec.endpoint or f"{self.host_address(0)}:{free_port()}"
         if spec.backend != "c10d" and spec.endpoint is None:
             raise ValueError(f"the {spec.backend} rendezvous needs an endpoint")
-        self.agents: list[subprocess.Popen] = []
+        self.agents: list[Any] = []  # subprocess.Popen, or what JobSpec.start_process gives
         self.faults: list[tuple[str, float]] = []
 
     def host_address(self, index: int) -> str:
@@ -181,7 +184,7 @@ class ChaosJob:
         for directory in private_directory(self.snapshot_base).glob(f"*-{pid}-*"):
             shutil.rmtree(directory, ignore_errors=True)
 
-    def add_agent(self, host: int | None = None) -> subprocess.Popen:
+    def add_agent(self, host: int | None = None) -> Any:
         """Start one more agent (the first ones, or a node joining later), on host
         `host` (default: a host of its own; a relaunch reuses the first ones)."""
         index = len(self.agents)
@@ -189,7 +192,7 @@ class ChaosJob:
         if self.spec.network is not None and self.spec.network.hosts <= host:
             self.spec.network.add_host()
         with open(self.spec.workdir / f"agent{index}.log", "wb") as log:
-            agent = subprocess.Popen(self.command(host), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
+            agent = self.spec.start_process(self.command(host), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
         self.agents.append(agent)
         return agent
 

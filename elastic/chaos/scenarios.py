@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from elastic.chaos.etcd import EtcdServer
+from elastic.chaos.faults import ONCE_DIR_ENV
 from elastic.chaos.harness import ChaosJob, JobSpec, find_recipe
 from elastic.chaos.netns import VirtualNetwork
-from elastic.chaos.faults import ONCE_DIR_ENV
 from elastic.chaos.samples import audit, kept_processes
 from elastic.chaos.verdict import ScenarioResult, draw_report, verified_final_checkpoint
 from elastic.errors import UsageError
@@ -321,6 +323,7 @@ def run_scenario(
     etcd: EtcdServer | None = None,
     recipe: Path | None = None,
     survivors: str = RESTART,
+    start_process: Callable[..., Any] = subprocess.Popen,
 ) -> ScenarioResult:
     """Run one scenario, or a chain of them in one job (`parse_chain`), to the end and judge it.
     With a `network` each agent runs on a host of its own; with `etcd` (a started member) an
@@ -328,7 +331,8 @@ def run_scenario(
     go to the recipe after the harness's own flags (e.g. `["--fsdp"]`: the model sharded with
     FSDP2); `recipe` is the GPT recipe (default: `find_recipe()`); `survivors`:
     TORCHREVIVE_SURVIVORS for the agents (with `keep` or `train-on`, the workers a fault does not
-    hit must keep their processes: `SURVIVOR_SCENARIOS`)."""
+    hit must keep their processes: `SURVIVOR_SCENARIOS`); `start_process`: how agents start
+    (`JobSpec.start_process`)."""
     names = parse_chain(name)
     if NEEDS_NETWORK.intersection(names) and network is None:
         raise ValueError(f"the {'+'.join(names)} scenario needs agents on hosts of their own (a network of namespaces)")
@@ -355,6 +359,7 @@ def run_scenario(
         ],
         env={**chain_env(names, 2, survivors), ONCE_DIR_ENV: str(workdir / "fault-marks")},
         sample_log=workdir / "samples", network=network, etcd=etcd, script=recipe or find_recipe(),
+        start_process=start_process,
     )
     (workdir / "fault-marks").mkdir(parents=True, exist_ok=True)
     with ChaosJob(spec) as job:

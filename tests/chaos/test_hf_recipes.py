@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm
 import torch
 
 pytest.importorskip("transformers")
@@ -35,6 +36,11 @@ STEPS = 30
 
 
 @pytest.fixture(scope="module")
+
+def run_warm(*args, **kwargs):
+    """`run_scenario` with the agents forked warm (tests/warm.py)."""
+    return run_scenario(*args, start_process=warm.popen, **kwargs)
+
 def corpus(shared_corpus: Path) -> Path:
     return shared_corpus
 
@@ -57,7 +63,7 @@ def test_a_worker_killed_at_a_random_step_ends_bit_identical(
 ) -> None:
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
-    result = run_scenario(
+    result = run_warm(
         "kill-worker", tmp_path / "killed", corpus, steps=STEPS, seed=seed, recipe=RECIPES[recipe],
         model_args=MODEL, recipe_args=("--output-dir", str(tmp_path / "killed" / "model"), *RECIPE_ARGS[recipe]),
     )
@@ -80,7 +86,7 @@ def test_a_resize_2_1_2_trains_every_sample_exactly_once(recipe: str, tmp_path: 
         sample_log=tmp_path / "samples",
         # Rank 0 paces every step (>= 0.3 s) while it trains alone, so the job outlasts the node
         # that joins back (it imports torch and transformers first); at world size 2 it runs at full speed.
-        env={"ELASTIC_FAULT": "after_step@1+:do=slow:for=0.3:restart=any:world=1"},
+        env={"ELASTIC_FAULT": "after_step@1+:do=slow:for=0.3:restart=any:world=1"}, start_process=warm.popen,
     )
     with ChaosJob(spec) as job:
         job.start()

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 import pytest
+import warm
 import torch
 from etcd_server import EtcdServer
 from references import REFERENCE_STEPS, References, gpt_args
@@ -40,6 +41,11 @@ STEPS = REFERENCE_STEPS
 CONSTANT_WORLD = {"kill-worker", "kill-during-save", "kill-during-snapshot", "hang", "preemption", "etcd-restart", "soak", "slow-storage"}
 FSDP = ["--fsdp"]
 
+
+
+def run_warm(*args, **kwargs):
+    """`run_scenario` with the agents forked warm (tests/warm.py)."""
+    return run_scenario(*args, start_process=warm.popen, **kwargs)
 
 def agent_logs(workdir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(workdir.glob("agent*.log")))
@@ -76,7 +82,7 @@ def test_c10d_kill_term_and_stop_in_one_job(tmp_path: Path, shared_corpus: Path,
     the job ends bit-identical to an uninterrupted one. The restart after the kill closed its round
     without its last call (both nodes were back), and the state came from memory, not the disk
     (the preemption's may come from the checkpoint it committed on the signal)."""
-    result = run_scenario("soak", tmp_path, shared_corpus, steps=STEPS)
+    result = run_warm("soak", tmp_path, shared_corpus, steps=STEPS)
     check(result, tmp_path, references, shared_corpus)
     assert len(result.recovery_seconds) == 3 and result.max_redone == 1
     # (After a node loss the round closes at whichever comes first, the lost node declared dead, about
@@ -92,7 +98,7 @@ def test_c10d_torn_snapshot_then_torn_save(tmp_path: Path, shared_corpus: Path, 
     between writing step 20's checkpoint and committing it: neither torn copy is ever loaded (the
     restores come from memory, the part of step 15 that was torn excluded), and the job ends
     bit-identical to an uninterrupted one."""
-    result = run_scenario("kill-during-snapshot+kill-during-save", tmp_path, shared_corpus, steps=STEPS)
+    result = run_warm("kill-during-snapshot+kill-during-save", tmp_path, shared_corpus, steps=STEPS)
     check(result, tmp_path, references, shared_corpus)
     assert len(result.recovery_seconds) == 2, "both faults fired, each followed by a recovery"
     restores = restores_after_faults(tmp_path)
@@ -107,7 +113,7 @@ def test_c10d_a_lost_node_then_a_new_one(
     """A node lost (2 -> 1: its shared memory wiped, its ranks' parts come from the survivor's
     replica) and then a node that joins (1 -> 2). Under --fsdp each change reshards the model and
     optimizer state to the new world size."""
-    result = run_scenario("node-loss+scale-up", tmp_path, shared_corpus, recipe_args=recipe_args)
+    result = run_warm("node-loss+scale-up", tmp_path, shared_corpus, recipe_args=recipe_args)
     check(result, tmp_path, references, shared_corpus, recipe_args)
     assert result.exit_codes[1] == -9 and len(result.exit_codes) == 3
     restores = [(e["world_size"], e["saved_world_size"], e["source"])
@@ -120,7 +126,7 @@ def test_c10d_a_lost_node_then_a_new_one(
 def test_c10d_fsdp_kill_worker(tmp_path: Path, shared_corpus: Path, references: References) -> None:
     """The recipe with --fsdp: a killed worker resumes from sharded state at world size 2 and ends
     bit-identical to an uninterrupted FSDP run."""
-    result = run_scenario("kill-worker", tmp_path, shared_corpus, steps=STEPS, recipe_args=FSDP)
+    result = run_warm("kill-worker", tmp_path, shared_corpus, steps=STEPS, recipe_args=FSDP)
     check(result, tmp_path, references, shared_corpus, tuple(FSDP))
     restores = [(e["world_size"], e["saved_world_size"]) for e in read_events(tmp_path / "events.jsonl")
                 if e["event"] == "restore"]
@@ -132,7 +138,7 @@ def test_c10d_alone(scenario: str, tmp_path: Path, shared_corpus: Path, referenc
     """The scenarios that need a job of their own: a full disk stops the job (exit 75, step 15's
     checkpoint intact), saves slower than every timeout trip nothing, and a job launched again with
     the same --rdzv-id resumes."""
-    result = run_scenario(scenario, tmp_path, shared_corpus, steps=STEPS if scenario == "slow-storage" else None)
+    result = run_warm(scenario, tmp_path, shared_corpus, steps=STEPS if scenario == "slow-storage" else None)
     check(result, tmp_path, references, shared_corpus)
 
 
@@ -141,7 +147,7 @@ def test_c10d_alone(scenario: str, tmp_path: Path, shared_corpus: Path, referenc
 # joins at a later step, a lost node's never comes. Not bit-identical (the world size changed): the
 # sample audit proves every sample of each epoch was trained on once.
 def test_c10d_survivors_train_on_through_a_kill_a_hang_and_a_lost_node(tmp_path: Path, shared_corpus: Path) -> None:
-    result = run_scenario("kill-worker+hang+node-loss", tmp_path, shared_corpus, steps=450, survivors="train-on")
+    result = run_warm("kill-worker+hang+node-loss", tmp_path, shared_corpus, steps=450, survivors="train-on")
     print(result.summary())
     assert result.ok and result.kept_processes >= 1, result.summary() + "\n" + result.logs
     events = list(read_events(tmp_path / "events.jsonl"))
@@ -184,7 +190,7 @@ def test_etcd_v3(
     scenario: str, tmp_path: Path, shared_corpus: Path, references: References, shared_etcd: EtcdServer
 ) -> None:
     steps = STEPS if set(scenario.split("+")) <= CONSTANT_WORLD else None
-    result = run_scenario(scenario, tmp_path, shared_corpus, steps=steps, backend="etcd-v3", endpoint=shared_etcd.endpoint)
+    result = run_warm(scenario, tmp_path, shared_corpus, steps=steps, backend="etcd-v3", endpoint=shared_etcd.endpoint)
     check(result, tmp_path, references, shared_corpus)
     if scenario == "kill-worker+preemption":  # the restarts' rounds closed without their last call, woken by etcd watches
         assert "closes now: all 2 live nodes" in agent_logs(tmp_path), result.logs
@@ -201,7 +207,7 @@ def test_etcd_v3_restart_of_etcd_mid_recovery_through_the_cli(
 
     results = []
     real_run = cli.run_scenario
-    monkeypatch.setattr(cli, "run_scenario", lambda *args, **kwargs: results.append(real_run(*args, **kwargs)) or results[-1])
+    monkeypatch.setattr(cli, "run_scenario", lambda *args, **kwargs: results.append(real_run(*args, start_process=warm.popen, **kwargs)) or results[-1])
     assert cli.main(["--scenario", "etcd-restart", "--backend", "etcd-v3", "--data", str(shared_corpus),
                      "--workdir", str(tmp_path), "--steps", str(STEPS)]) == 0
     out = capsys.readouterr().out
@@ -224,7 +230,7 @@ def test_c10d_partition_on_separate_hosts(
 ) -> None:
     """Each agent on a host of its own: a host cut off is lost, the job shrinks (its keepers'
     replicas crossed the links), and grows back once the link returns."""
-    check(run_scenario("partition", tmp_path, shared_corpus, network=network), tmp_path, references, shared_corpus)
+    check(run_warm("partition", tmp_path, shared_corpus, network=network), tmp_path, references, shared_corpus)
 
 
 def test_etcd_v3_partition_on_separate_hosts(
@@ -232,5 +238,5 @@ def test_etcd_v3_partition_on_separate_hosts(
 ) -> None:
     """The cut-off host loses etcd too; it rejoins through etcd once its link is back."""
     with EtcdServer(tmp_path / "etcd-data", listen_hosts=("127.0.0.1", network.gateway)) as server:
-        result = run_scenario("partition", tmp_path, shared_corpus, backend="etcd-v3", etcd=server, network=network)
+        result = run_warm("partition", tmp_path, shared_corpus, backend="etcd-v3", etcd=server, network=network)
     check(result, tmp_path, references, shared_corpus)

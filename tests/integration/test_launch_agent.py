@@ -3,28 +3,94 @@ told whenever the agent stops its workers."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
-from support import REPO
+from support import REPO, worker_env
 
 from elastic.launcher.warm_start import DEFAULT_PRELOAD
 
 
-def test_takes_torchrun_flags_and_rejects_what_torchrun_rejects() -> None:
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "elastic.launcher", "--help"], capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
-    assert done.returncode == 0
+# Runs `python -m elastic.launcher ARGS` once per case in this one interpreter (a torch import each
+# would cost more than all of them), each case with its own working directory, variables, and stdout
+# and stderr (file descriptors 1 and 2: what C code writes too). The first case runs in a fresh
+# interpreter, so anything an import prints shows in its output.
+COMMAND_LINES = r"""
+import json, os, runpy, sys, tempfile
+results = []
+for case in json.loads(sys.argv[1]):
+    os.chdir(case["cwd"])
+    before = {name: os.environ.get(name) for name in case["env"]}
+    os.environ.update(case["env"])
+    sys.argv = ["torchrevive-run", *case["args"]]
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            runpy.run_module("elastic.launcher", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        out.seek(0)
+        err.seek(0)
+        results.append({"returncode": code, "stdout": out.read(), "stderr": err.read()})
+    for name, value in before.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
+print(json.dumps(results))
+"""
+
+
+def test_command_lines_torchrun_takes_or_rejects_and_those_that_fail_at_once_in_one_line(tmp_path) -> None:
+    """torchrun's flags; what torchrun rejects; and a missing script, a preload module that cannot be
+    imported and a password in --rdzv-conf, each one line and exit 2 before any agent starts (before
+    torch's agent logs its options: the password reaches no log)."""
+    (tmp_path / "probe.py").write_text("")
+    one_line_exit_2 = [
+        (["no/such/script.py"], {}, "training script no/such/script.py does not exist"),
+        (["probe.py"], {"TORCHREVIVE_PRELOAD": "torch,no_such_module_xyz"}, "'no_such_module_xyz'"),
+        (["--rdzv-conf=user=root,password=hunter2secret", "probe.py"], {}, "give password_file=PATH instead"),
+    ]
+    cases = [
+        {"args": ["--help"], "env": {}, "cwd": str(REPO)},
+        {"args": ["--nnodes=x:y", "script.py"], "env": {}, "cwd": str(REPO)},
+        *({"args": ["--standalone", "--nproc-per-node=1", *args], "env": env, "cwd": str(tmp_path)}
+          for args, env, _ in one_line_exit_2),
+    ]
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", COMMAND_LINES, json.dumps(cases)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Nothing but this script's own imports outside the cases, at the exit too (a library thread left behind).
+    assert [line for line in done.stderr.splitlines() if not line.startswith("import time:")] == [], done.stderr[-3000:]
+    (usage, bad_nnodes, *failing) = json.loads(done.stdout)
+
+    assert usage["returncode"] == 0
     for flag in ("--nnodes", "--rdzv-backend", "--rdzv-conf", "--max-restarts", "--monitor-interval", "--standalone"):
-        assert flag in done.stdout
+        assert flag in usage["stdout"]
     # Every agent start pays its imports (a node that joins, every test's job): torch.distributed.checkpoint
     # (with DTensor and sympy, about 1 s of CPU) is the workers' and a breakpoint commit's, not the agent's.
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    usage_lines = usage["stderr"].splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in usage_lines if line.startswith("import time:")}
     assert "torch.distributed.run" in imported and "torch.distributed.checkpoint" not in imported, "the agent imports DCP"
-    bad = subprocess.run([sys.executable, "-m", "elastic.launcher", "--nnodes=x:y", "script.py"], capture_output=True,
-                         text=True, timeout=60, cwd=REPO)
-    assert bad.returncode != 0
+    assert [line for line in usage_lines if not line.startswith("import time:")] == [], "an import printed something"
+
+    assert bad_nnodes["returncode"] != 0
+
+    for (args, _, message), result in zip(one_line_exit_2, failing, strict=True):
+        lines = [line for line in result["stderr"].splitlines() if not line.startswith("import time:")]
+        assert result["returncode"] == 2, (args, result)
+        assert len(lines) == 1, (args, lines)
+        assert message in lines[0] and "hunter2secret" not in result["stderr"] + result["stdout"], (args, result)
 
 
 CUDA_SPY = """
@@ -88,8 +154,6 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
 def test_a_worker_that_exits_on_bad_input_is_not_restarted() -> None:
     """Exit 2 (a bad flag) would come back on every restart: the agent ends the job at once, with
     one line and the worker's status."""
-    from support import worker_env
-
     done = subprocess.run(
         [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=1", "--max-restarts=3",
          "recipes/gpt.py", "--max-steps", "-3"],

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import time
 
 from elastic.launcher.proctree import descendants, worker_rank
 from elastic.launcher.reaper import Reaper, stopped_with_sigterm_pending
 
-SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+# What the reaper reads of a worker (its state, pending signals, RANK) is the same for any program:
+# coreutils' sleep stands in for a Python worker without an interpreter's start.
+SLEEP = [shutil.which("sleep") or "/bin/sleep", "60"]
 
 
 def start(rank: int | None) -> subprocess.Popen:
@@ -76,8 +78,7 @@ def test_a_sigterm_followed_by_sigcont_reaches_the_worker() -> None:
 
 
 def test_descendants_include_grandchildren_parents_first() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    parent = subprocess.Popen(["sh", "-c", f"{SLEEP[0]} 60 & exec {SLEEP[0]} 60"])  # one child of its own
     try:
         deadline = time.monotonic() + 10
         while len(descendants(parent.pid)) < 1 and time.monotonic() < deadline:
