@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,11 +42,11 @@ def test_a_stopped_then_a_deadlocked_worker_each_trip_the_watchdog_and_the_job_c
         "--snapshot-every", "1",  # not the auto interval: at most one step redone is what this checks
         *TINY_MODEL,
     ]
-    done = subprocess.run(
+    done = warm.run(
         # Our launcher: its reaper ends the SIGSTOPped worker when the group stops, where
         # stock torchrun waits 30 s for it to act on SIGTERM.
         standalone_command(2, args, max_restarts=2, launcher="elastic.launcher"),
-        capture_output=True, text=True, timeout=240, cwd=REPO,
+        timeout=240, cwd=REPO,
         env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:do=stop,after_step@20:rank=1:do=hang:restart=1"),
     )
     output = done.stdout + done.stderr
@@ -82,9 +81,9 @@ def test_a_hang_without_snapshots_resumes_from_the_newest_checkpoint(tmp_path: P
         "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5", "--hang-timeout", "3", "--snapshot-every", "0",
         "--collective-timeout", "600", *TINY_MODEL,
     ]
-    done = subprocess.run(
+    done = warm.run(
         standalone_command(2, args, max_restarts=1, launcher="elastic.launcher"),
-        capture_output=True, text=True, timeout=240, cwd=REPO,
+        timeout=240, cwd=REPO,
         env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:do=stop"),
     )
     output = done.stdout + done.stderr
@@ -108,7 +107,7 @@ def test_more_faults_than_max_restarts_fail_with_a_summary_and_a_good_checkpoint
     ]
     command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
                "--monitor-interval=0.5", str(REPO / "recipes" / "gpt.py"), *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO,
+    done = warm.run(command, timeout=240, cwd=REPO,
                           # @12+: a restart resumes from memory at step 11 or 12 and must die again.
                           env=worker_env(ELASTIC_FAULT="after_step@12+:rank=1:restart=any"))
     assert done.returncode != 0

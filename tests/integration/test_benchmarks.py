@@ -1,4 +1,10 @@
-"""The benchmarks run end to end (tiny sizes; their figures are not asserted: timings live in the README)."""
+"""Each benchmark script runs end to end once, in its smallest form (tiny sizes; their figures are not
+asserted: timings live in the README).
+
+A run here checks what only a real run shows: the jobs it starts end well, and what they measured holds
+(exact bytes read, restored states equal, processes counted, where a restore came from). The tables,
+ratios, verdicts and refusals are checked on recorded measurements in tests/unit/test_benchmark_tables.py.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tmp_path) -> None:
+    """Also goodput_at_scale.py's one process: it reads the figure this run wrote (its tables, help and
+    refusals: tests/unit)."""
     measured = tmp_path / "overhead.json"
     result = subprocess.run(
         [sys.executable, "benchmarks/overhead.py", "--blocks", "3", "--warmup", "2", "--batch-size", "4",
@@ -51,35 +59,31 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tm
     assert scraped and int(scraped.group(1)) > 0, "the recipe's workers served no scrape"
 
 
-def test_control_cost_benchmark_prints_what_each_vote_adds_per_world_size() -> None:
+def test_control_cost_benchmark_prints_what_each_vote_adds() -> None:
+    """One world size (a row per world size, in order, is checked on recorded means in the unit tier)."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/control_cost.py", "--ranks", "2,3", "--blocks", "2", "--block-steps", "2",
+        [sys.executable, "benchmarks/control_cost.py", "--ranks", "2", "--blocks", "2", "--block-steps", "2",
          "--width", "16"],
         capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^ +(\d+) +[\d.]+ ms +-?\d+ us +-?[\d.]+% +-?\d+ us +-?[\d.]+%$", result.stdout, re.M)
-    assert rows == ["2", "3"], result.stdout
+    assert rows == ["2"], result.stdout
 
 
-def test_checkpoint_benchmark_prints_the_stall_ratio() -> None:
+def test_checkpoint_benchmark_measures_the_stall_and_compares_todays_rank0_path_with_the_sharded_one() -> None:
+    """One run for both parts: the stall ratio of the tiny recipe model in this process, and the rank
+    comparison as --quick runs it (recipe GPT, 2 saves) at 2 ranks, where today's path reads the checkpoint
+    once per rank and the new one once per job (--quick's 1 and 2 ranks: tests/unit)."""
     result = subprocess.run(
         [sys.executable, "benchmarks/checkpoint.py", "--tiny", "--configs", "recipe", "--saves", "2", "--repeats", "1",
-         "--warmup-steps", "1", "--every", "1", "--ranks", "none"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(),
+         "--warmup-steps", "1", "--every", "1", "--quick", "--ranks", "2"],
+        capture_output=True, text=True, timeout=280, cwd=REPO, env=worker_env(),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     match = re.search(r"^recipe: checkpoint stall ratio (\S+) \(target <= 0\.05: (met|MISSED)\)$", result.stdout, re.M)
     assert match, result.stdout
     float(match.group(1))
-
-
-def test_checkpoint_benchmark_compares_todays_rank0_path_with_the_sharded_one() -> None:
-    result = subprocess.run(
-        [sys.executable, "benchmarks/checkpoint.py", "--quick"],
-        capture_output=True, text=True, timeout=900, cwd=REPO, env=worker_env(),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     number = r"([\d.]+)"
     rows = re.findall(
         rf"^(today|new) +(ddp|fsdp) +(\d+) +{number} +{number} +{number} +{number} +{number} +{number} +{number} "
@@ -87,8 +91,7 @@ def test_checkpoint_benchmark_compares_todays_rank0_path_with_the_sharded_one() 
         result.stdout, re.M,
     )
     measured = {(path, mode, int(ranks)): values for path, mode, ranks, *values in rows}
-    assert set(measured) == {(path, mode, ranks) for ranks in (1, 2) for path, mode in
-                             [("today", "ddp"), ("new", "ddp"), ("new", "fsdp")]}, result.stdout
+    assert set(measured) == {("today", "ddp", 2), ("new", "ddp", 2), ("new", "fsdp", 2)}, result.stdout
     for (path, mode, ranks), values in measured.items():
         ckpt_mb, stall, sync, ratio, commit, restore, _read_mb, read_x, save_rss, restore_rss = map(float, values[:10])
         assert values[10] == "ok", f"{path} {mode} {ranks}: the restored state is not the saved one\n{result.stdout}"
@@ -97,23 +100,14 @@ def test_checkpoint_benchmark_compares_todays_rank0_path_with_the_sharded_one() 
         assert read_x == (1 if path == "new" else ranks), f"{path} {mode} {ranks} read {read_x}x\n{result.stdout}"
         assert save_rss > 0 and restore_rss > 0, result.stdout
     # Today's path has no FSDP support, and the table says so instead of a number.
-    assert re.findall(r"^today +fsdp +(\d+) +not supported", result.stdout, re.M) == ["1", "2"], result.stdout
+    assert re.findall(r"^today +fsdp +(\d+) +not supported", result.stdout, re.M) == ["2"], result.stdout
     # Exact bytes read on restore, summed over ranks: the new path reads the checkpoint once per job,
     # today's path once per rank.
     read = re.findall(r"^(today|new) (ddp|fsdp) (\d+): restore read (\d+) bytes over \d+ ranks, checkpoint (\d+) bytes",
                       result.stdout, re.M)
-    assert len(read) == 6, result.stdout
+    assert len(read) == 3, result.stdout
     for path, mode, ranks, got, checkpoint in read:
         assert int(got) == int(checkpoint) * (1 if path == "new" else int(ranks)), f"{path} {mode} {ranks}"
-
-
-def test_checkpoint_benchmark_rejects_a_bad_flag_in_one_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "benchmarks/checkpoint.py", "--configs", "huge"],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=worker_env(),
-    )
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "error: argument --configs" in result.stderr
 
 
 def test_recovery_benchmark_measures_a_kill_with_snapshots_disk_only_torchs_rounds_and_training_on(
@@ -161,35 +155,14 @@ def test_recovery_benchmark_measures_a_kill_with_snapshots_disk_only_torchs_roun
     assert (tmp_path / "ours-recovery.png").read_bytes().startswith(b"\x89PNG"), "the job's picture was not drawn"
 
 
-def test_recovery_benchmark_rejects_unknown_settings() -> None:
-    result = subprocess.run([sys.executable, "benchmarks/recovery.py", "--settings", "fast"], capture_output=True,
-                            text=True, timeout=60, cwd=REPO)
-    assert result.returncode == 2 and "--settings takes stock, ours" in result.stderr
-
-
 def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
     result = subprocess.run(
-        [sys.executable, "benchmarks/state_walk.py", "--models", "recipe", "--repeats", "3"],
+        [sys.executable, "benchmarks/state_walk.py", "--models", "recipe", "--repeats", "1"],
         capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^recipe +(save|restore) +([\d.]+) +([\d.]+) +([\d.]+)$", result.stdout, re.M)
     assert [side for side, *_ in rows] == ["save", "restore"], result.stdout
-
-
-def test_the_script_prints_the_tables_and_refuses_without_a_traceback(tmp_path):
-    ok = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert ok.returncode == 0, ok.stderr
-    for text in ("recovery_stock_s", "measured", "assumption", "Llama 3 Herd", "Kokolis", "Ant Group",
-                 "MTBF", "Young/Daly", "torchrevive + in-memory snapshots", "10,000"):
-        assert text in ok.stdout
-    usage = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py", "--help"],
-                           capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert usage.returncode == 0 and "95 % CI" in usage.stdout, usage.stderr[-2000:]  # a "%" in a source's text
-    bad = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py", "--restart-at-scale-s", "-3"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
 def test_snapshot_auth_benchmark_prints_signed_against_unsigned() -> None:
@@ -202,9 +175,6 @@ def test_snapshot_auth_benchmark_prints_signed_against_unsigned() -> None:
     for what in ("restore, 8 MB from a peer keeper", "snapshot copy to the peer, 2 MB part"):
         (line,) = [x for x in lines if what in x]
         assert "signed" in line and "unsigned / signed" in line and float(line.rsplit(" ", 1)[1]) > 0
-    bad = subprocess.run([sys.executable, "benchmarks/snapshot_auth.py", "--pairs", "0"], capture_output=True, text=True,
-                         timeout=60, cwd=REPO)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
 def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp_path: Path) -> None:
@@ -223,9 +193,6 @@ def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp
     # restarted group trains again lies between 1 step and every step since the save before the last.
     assert row["resize_audit"]["passes"] >= 1 and 1 <= row["steps_redone"] <= 16
     assert "ours/torchrun" in result.stdout
-    bad = subprocess.run([sys.executable, "benchmarks/hf_resume.py", "--systems", "fast"], capture_output=True, text=True,
-                         timeout=60, cwd=REPO)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown system" in bad.stderr
 
 
 def test_slurm_preemption_benchmark_prints_both_systems_side_by_side() -> None:

@@ -20,11 +20,11 @@ cause (a C++ destructor's, say), which no single run can show.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 from support import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -75,7 +75,7 @@ def test_the_shortest_job_leaves_no_thread_alive_for_the_interpreter_to_finalize
     recipe = command.index(str(exit_stress.GPT_RECIPE))
     command.insert(recipe, str(wrapper))  # python -u wrapper.py gpt.py ARGS
     env = {**exit_stress.job_env(), "EXIT_REPORT_DIR": str(tmp_path)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    done = warm.run(command, timeout=240, env=env, cwd=REPO)
     output = done.stdout + done.stderr
     assert not exit_stress.ABORT.search(output), f"a worker aborted at exit:\n{output[-4000:]}"
     assert done.returncode == 0, output[-4000:]

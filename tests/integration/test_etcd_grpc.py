@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
 import sys
 import threading
 import uuid
@@ -12,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+import warm
 from etcd_server import EtcdServer, login_conf, make_tls
 from support import REPO, free_port, worker_env
 from torch.distributed.elastic.rendezvous.api import (
@@ -239,9 +239,9 @@ def test_an_expired_token_is_renewed_for_a_waiting_store(tls_etcd, tmp_path) -> 
 
 
 def test_latency_benchmark_prints_both_clients_and_their_ratio(shared_etcd) -> None:
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, "benchmarks/etcd_latency.py", "--endpoint", shared_etcd.endpoint, "--calls", "5", "--warmup", "1"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(),
+        timeout=120, cwd=REPO, env=worker_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     for request in ("get", "put", "txn"):

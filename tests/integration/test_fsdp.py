@@ -7,7 +7,6 @@ a wrapper the runtime cannot checkpoint is refused in one line."""
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+import warm
+from references import REFERENCE_STEPS, References, gpt_args
 from support import (
     GPT_RECIPE,
     REPO,
@@ -24,7 +25,6 @@ from support import (
     standalone_command,
     worker_env,
 )
-from references import REFERENCE_STEPS, References, gpt_args
 from text_data import split_corpus
 
 from elastic.chaos.samples import audit
@@ -79,7 +79,7 @@ def run_job(
     if script is not None:  # it runs the recipe
         at = command.index(str(GPT_RECIPE))
         command[at:at] = [str(script)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=worker_env(**env))
+    done = warm.run(command, timeout=timeout, cwd=REPO, env=worker_env(**env))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
@@ -270,9 +270,9 @@ def test_unsupported_wrapper_is_refused_in_one_line(tmp_path: Path, how: str, me
     script = tmp_path / "wrapped.py"
     script.write_text(WRAPPED)
     ckpt = tmp_path / "ckpt"
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, str(script), how, str(free_port()), str(ckpt)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=worker_env(PYTHONPATH=str(REPO)),
+        timeout=120, cwd=tmp_path, env=worker_env(PYTHONPATH=str(REPO)),
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr

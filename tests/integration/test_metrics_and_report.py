@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import struct
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import warm
 from prometheus_client.parser import text_string_to_metric_families
 from support import (
     REPO,
@@ -184,9 +184,9 @@ def png_text_chunks(data: bytes) -> dict[str, str]:
 def test_the_report_draws_the_run_and_states_the_recovery_the_log_shows(job: Job, tmp_path: Path) -> None:
     assert job.codes == [0, 0], job.logs
     out = tmp_path / "run.png"
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "elastic.report", str(job.events), "-o", str(out), "--width", "1200", "--height", "900"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        cwd=REPO, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     data = out.read_bytes()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
 from elastic.events import read_events
@@ -79,17 +80,17 @@ def test_a_second_job_on_the_same_directory_is_refused_and_its_files_left_alone(
 
 def test_a_peer_dying_mid_restore_is_a_failure_the_launcher_restarts(tmp_path: Path, tiny_corpus: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    first = subprocess.run(
-        standalone_command(2, recipe_args(tiny_corpus, ckpt, 3)), capture_output=True, text=True, timeout=300,
+    first = warm.run(
+        standalone_command(2, recipe_args(tiny_corpus, ckpt, 3)), timeout=300,
         cwd=REPO, env=worker_env(),
     )
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     # Rank 1 is SIGKILLed after reading its first chunk of step 3 (first attempt only):
     # rank 0's restore fails on a dead peer. Not exit 75 (storage): the group restarts and resumes.
-    done = subprocess.run(
+    done = warm.run(
         standalone_command(2, recipe_args(tiny_corpus, ckpt, 6, "--events", str(tmp_path / "events.jsonl")),
                            max_restarts=1, launcher="elastic.launcher"),
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        timeout=300, cwd=REPO,
         env=worker_env(ELASTIC_FAULT="during_read@3:rank=1"),
     )
     output = done.stdout + done.stderr

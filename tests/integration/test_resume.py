@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
+from references import REFERENCE_STEPS, References, gpt_args
 from support import (
     REPO,
     TINY_MODEL,
@@ -28,7 +30,6 @@ from support import (
     worker_env,
     worker_rank,
 )
-from references import REFERENCE_STEPS, References, gpt_args
 from text_data import split_corpus
 
 from elastic.chaos.samples import audit
@@ -102,9 +103,9 @@ def test_every_sample_once_across_world_sizes_2_3_1(tmp_path: Path) -> None:
         "--block-size", "32", "--batch-size", str(batch),
     ]
     for world, until in ((2, steps_w2), (3, steps_w2 + steps_w3), (1, total_steps)):
-        result = subprocess.run(
+        result = warm.run(
             standalone_command(world, [*common, "--max-steps", str(until)], record_samples=True),
-            capture_output=True, text=True, timeout=180, cwd=REPO, env=worker_env(ELASTIC_SAMPLE_LOG=str(log_prefix)),
+            timeout=180, cwd=REPO, env=worker_env(ELASTIC_SAMPLE_LOG=str(log_prefix)),
         )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
@@ -126,7 +127,7 @@ def test_sigterm_to_one_worker_checkpoints_the_job_and_it_resumes(tmp_path: Path
         "--eval-every", "0", "--events", str(events), *TINY_MODEL,
     ]
     log = open(tmp_path / "job.log", "wb")
-    job = subprocess.Popen(standalone_command(2, args, max_restarts=1), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=worker_env())
+    job = warm.popen(standalone_command(2, args, max_restarts=1), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=worker_env())
     try:
         wait_for(lambda: steps_seen(events) >= 15, 120, "step 15")
         victim = next(pid for pid in children_of(job.pid) if worker_rank(pid) == 1)

@@ -9,11 +9,10 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, wait_for
 
 SCRIPT = 'source "$1/deploy/slurm/common.sh"; run_step -n1 python recipes/gpt.py; echo "status=$?"'
 
@@ -24,7 +23,10 @@ def shell_env(tmp_path: Path) -> dict[str, str]:
         pytest.skip("no bash here: the batch scripts are bash scripts")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/sh\nsleep 1.5\nexit 7\n")
+    # srun says it started, then runs until the test lets it end (or 30 s), and exits 7
+    (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {tmp_path / 'started'}\n"
+                                  f"for i in $(seq 600); do [ -e {tmp_path / 'go'} ] && exit 7; sleep 0.05; done\n"
+                                  "exit 7\n")
     (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path / 'scancel.log'}\n")
     for tool in ("srun", "scancel"):
         (bin_dir / tool).chmod(0o755)
@@ -32,13 +34,27 @@ def shell_env(tmp_path: Path) -> dict[str, str]:
             "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "CKPT_DIR": str(tmp_path / "ckpt")}
 
 
+def in_wait(pid: int) -> bool:
+    """Whether the shell `pid` blocks in `wait` (run_step's; where the kernel does not say, any time will do)."""
+    try:
+        channel = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return True
+    return channel in ("do_wait", "0", "")
+
+
 def test_the_requeue_signal_is_passed_on_and_sruns_status_comes_back(shell_env: dict[str, str], tmp_path: Path) -> None:
     proc = subprocess.Popen(["bash", "-c", SCRIPT, "bash", str(REPO)], env=shell_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(0.8)  # inside run_step's wait
-    proc.send_signal(signal.SIGUSR1)
-    proc.send_signal(signal.SIGUSR2)  # not the requeue signal: ignored, not fatal
-    out, err = proc.communicate(timeout=30)
+    try:
+        wait_for(lambda: (tmp_path / "started").exists() and in_wait(proc.pid), 30, "run_step waiting for srun")
+        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR2)  # not the requeue signal: ignored, not fatal
+        wait_for(lambda: (tmp_path / "scancel.log").exists(), 30, "the trap passing the signal on")
+        (tmp_path / "go").touch()  # srun ends after the signal
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
     assert proc.returncode == 0 and "status=7" in out, (out, err)
     assert (tmp_path / "scancel.log").read_text().split("\n")[0] == "--signal=USR1 5"
     secret = tmp_path / "ckpt" / ".snapshot-secret"

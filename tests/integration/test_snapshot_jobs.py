@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import warm
 from support import TINY_MODEL, make_text, standalone_command, worker_env
 
 from elastic.checkpoint import CheckpointStore
@@ -30,10 +31,10 @@ def job(
     args = ["--data", str(corpus), "--max-steps", str(steps), "--eval-every", "0", "--ckpt-dir", str(tmp_path / "ckpt"),
             "--ckpt-every", str(ckpt_every), "--events", str(tmp_path / "ev.jsonl"), "--snapshot-every", snapshot_every,
             *TINY_MODEL]
-    return subprocess.run(
+    return warm.run(
         standalone_command(2, args, launcher=launcher, max_restarts=max_restarts),
         env=worker_env(ELASTIC_FAULT=fault, TORCHREVIVE_SNAPSHOT_BASE=str(tmp_path / "shm"), **env),
-        capture_output=True, text=True, timeout=240,
+        timeout=240,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 from store_helpers import describe, temporaries
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
@@ -46,10 +47,10 @@ def test_a_full_disk_stops_a_single_process_with_one_line(tmp_path: Path, tiny_c
 
 
 def test_our_launcher_does_not_restart_a_job_whose_storage_fails(tmp_path: Path, tiny_corpus: Path) -> None:
-    done = subprocess.run(
+    done = warm.run(
         standalone_command(2, recipe_args(tiny_corpus, tmp_path, 60, "--ckpt-max-failures", "2"),
                            max_restarts=3, launcher="elastic.launcher"),
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        timeout=300, cwd=REPO,
         # The fault is injected in the workers only: their launcher's snapshot keeper would find
         # the disk fine and commit the newest snapshot (a really full disk refuses it too).
         env=worker_env(ELASTIC_FAULT="during_write@10+:do=enospc:restart=any", TORCHREVIVE_SNAPSHOTS="0"),
@@ -67,10 +68,10 @@ def test_our_launcher_does_not_restart_a_job_whose_storage_fails(tmp_path: Path,
 def test_saves_slower_than_every_timeout_trip_none(tmp_path: Path, tiny_corpus: Path) -> None:
     # Step 10's save and the final one each stall 9 s: longer than the watchdog (2 s) and
     # the collective timeout (4 s). Saves due meanwhile are skipped; the job finishes.
-    done = subprocess.run(
+    done = warm.run(
         standalone_command(2, recipe_args(tiny_corpus, tmp_path, 30, "--hang-timeout", "2", "--collective-timeout", "4"),
                            max_restarts=0),
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        timeout=300, cwd=REPO,
         env=worker_env(ELASTIC_FAULT="during_write@10:do=slow:for=9,during_write@30:do=slow:for=9"),
     )
     output = done.stdout + done.stderr
@@ -122,7 +123,7 @@ def test_a_claim_that_cannot_be_written_stops_every_rank_with_one_line(small_vol
         except OSError:
             pass
     args = ["--data", str(tiny_corpus), "--max-steps", "4", "--eval-every", "0", "--ckpt-dir", str(ckpt), *TINY_MODEL]
-    done = subprocess.run(standalone_command(2, args), capture_output=True, text=True, timeout=300, cwd=REPO,
+    done = warm.run(standalone_command(2, args), timeout=300, cwd=REPO,
                           env=worker_env(TORCHREVIVE_SNAPSHOTS="0"))
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-4000:]

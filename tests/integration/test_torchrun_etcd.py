@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import warm
 from etcd_server import EtcdServer, make_tls
 from support import (
     REPO,
@@ -45,7 +46,7 @@ def _params(endpoint: str, **conf: str) -> RendezvousParameters:
 
 def agent(command: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO)
+        return warm.popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env(), cwd=REPO)
 
 
 def etcd_command(endpoint: str, run_id: str, nnodes: str, script_args: list[str], *, max_restarts: int = 0,
@@ -118,7 +119,7 @@ def test_job_survives_an_etcd_restart(tmp_path: Path, tiny_corpus: Path, etcd: E
     args = recipe_args(tiny_corpus, events, 40)
     command = etcd_command(etcd.endpoint, run_id, "2", args)
     # Rank 0 holds after step 21 until etcd is back: the outage lands mid-run however fast the job is.
-    agents = [subprocess.Popen(command, stdout=open(tmp_path / f"agent{i}.log", "wb"), stderr=subprocess.STDOUT,
+    agents = [warm.popen(command, stdout=open(tmp_path / f"agent{i}.log", "wb"), stderr=subprocess.STDOUT,
                                env=worker_env(ELASTIC_FAULT=f"after_step@21:do=hold:until={go}"), cwd=REPO)
               for i in range(2)]
     try:
@@ -143,7 +144,7 @@ def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path, tiny_co
     endpoint = f"127.0.0.1:{free_port()}"
     command = etcd_command(endpoint, "unreachable", "1", recipe_args(tiny_corpus, tmp_path / "e.jsonl", 5),
                            conf="read_timeout=3")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO)
+    done = warm.run(command, timeout=120, env=worker_env(), cwd=REPO)
     assert done.returncode != 0
     # It gave up at its read_timeout, not at torch's or the client's own default.
     assert re.search(rf"cannot reach etcd at {endpoint} to .* within 3 s", done.stderr), done.stderr[-3000:]
@@ -164,7 +165,7 @@ def test_tls_client_certificates_and_etcd_auth(tmp_path: Path, tiny_corpus: Path
             server.endpoint, run_id, "1", recipe_args(tiny_corpus, events, 5),
             conf=f"{RDZV_CONF},{tls_conf},user=root,password_file={password_file}",
         )
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=worker_env(), cwd=REPO)
+        done = warm.run(command, timeout=120, env=worker_env(), cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
         assert [e["step"] for e in read_events(events) if e["event"] == "end"] == [5]
         keys = server.keys(f"/torchrevive/{run_id}/", user=("root", "s3cret"))

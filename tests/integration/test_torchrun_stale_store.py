@@ -59,7 +59,7 @@ def test_plain_torchrun_recovers_from_a_kill_in_one_round_despite_stale_addresse
                      "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "4", *TINY_MODEL],
         env={"LATE_RANK_0_MARKER": str(tmp_path / "rank0-started"), "KILLED_MARKER": str(tmp_path / "rank1-killed"),
              "CKPT_DIR": str(tmp_path / "ckpt")},
-    )
+    )  # (cold agents: the workers read torchrun's flags off their agent's command line, for the hint)
     with ChaosJob(spec) as job:
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in job.environment(), "stock means torch's shared store"
         job.start()

@@ -90,9 +90,9 @@ def test_loader_path_uses_every_sample_once_across_world_sizes_2_3_1(tmp_path: P
     for world, until in ((2, 3), (3, 6), (1, total)):
         args = ["--data", str(data), "--batch-size", str(batch), "--max-steps", str(until), "--ckpt-every", "0",
                 "--ckpt-dir", str(tmp_path / "ckpt"), "--events", str(tmp_path / "events.jsonl"), "--workers", "2"]
-        result = subprocess.run(
+        result = warm.run(
             standalone_command(world, args, script=TUTORIAL, record_samples=True),
-            capture_output=True, text=True, timeout=180, cwd=REPO, env=worker_env(ELASTIC_SAMPLE_LOG=str(prefix)),
+            timeout=180, cwd=REPO, env=worker_env(ELASTIC_SAMPLE_LOG=str(prefix)),
         )
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
