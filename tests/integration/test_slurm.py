@@ -70,6 +70,14 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     except SlurmUnavailable as exc:
         pytest.skip(str(exc))
     yield cluster
+    # A test that failed may have left its job running: cancel it while the daemons can (slurmstepd and the
+    # job's processes outlive them), and give it KillWait and a margin to go.
+    left = cluster.run(["squeue", "-h", "-o", "%i"], check=False).split()
+    if left:
+        cluster.run(["scancel", *left], check=False)
+        deadline = time.monotonic() + 30
+        while cluster.run(["squeue", "-h", "-o", "%i"], check=False).split() and time.monotonic() < deadline:
+            time.sleep(0.2)
     cluster.stop()
 
 
