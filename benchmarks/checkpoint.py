@@ -537,6 +537,13 @@ def measure_dist(row: DistRow, tree: Path, scratch: Path, opts: argparse.Namespa
         return row
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return row_figures(row, tree, save, restore)
+
+
+def row_figures(row: DistRow, tree: Path, save: list[dict[str, Any]], restore: list[dict[str, Any]]) -> DistRow:
+    """`row`'s figures from what the save job's and the restore job's ranks wrote (checkpoint_worker.py's
+    `--out` files, by rank): the stall of each save as its slowest rank's, medians over the steady saves,
+    bytes read inside and outside the restored checkpoint summed over ranks, the restored state's check."""
     for r in (*save, *restore):
         if not r["tree"] == str(tree):
             raise RuntimeError(f"rank {r['rank']} imported elastic from {r['tree']}, not {tree}")
@@ -652,13 +659,8 @@ def report_dist(rows: list[DistRow]) -> None:
             print(note)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    opts = parser.parse_args(argv)
-    if opts.dir is not None and not os.path.isdir(opts.dir):
-        parser.error(f"--dir {opts.dir} is not a directory")
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
+def fill_defaults(opts: argparse.Namespace) -> argparse.Namespace:
+    """The options left unset, as the full run or `--quick` has them (the flags given win)."""
     quick = opts.quick
     opts.configs = opts.configs or ("none" if quick else "both")
     opts.ranks = opts.ranks if opts.ranks is not None else ([1, 2] if quick else [1, 2, 4])
@@ -666,6 +668,17 @@ def main(argv: list[str] | None = None) -> int:
     opts.dist_saves = opts.dist_saves or (2 if quick else 3)
     opts.dist_repeats = opts.dist_repeats or (1 if quick else 3)
     opts.dist_context = opts.dist_context or (32 if quick else 64)
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    if opts.dir is not None and not os.path.isdir(opts.dir):
+        parser.error(f"--dir {opts.dir} is not a directory")
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    fill_defaults(opts)
     names = {"both": ["recipe", "100m"], "none": []}.get(opts.configs, [opts.configs])
     if names:
         ctx = init_worker("cpu", environ={})  # one process, no process group

@@ -428,4 +428,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Every rank left the group together (barrier, shutdown_worker) and wrote its figures: end without
+    # finalizing the interpreter. The gloo group can outlive destroy_process_group (torch keeps references:
+    # torch.distributed.nn.functional, imported by DDP, holds it in default arguments), and a gloo thread
+    # that drops its last finished collective while the interpreter finalizes aborts the process
+    # ("terminate called without an active exception", exit -6): see end_worker in control_cost.py.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

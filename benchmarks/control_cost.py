@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("none", "blocking", "pipelined")
@@ -107,6 +108,26 @@ def worker(opts: argparse.Namespace) -> None:
             Path(opts.out).write_text(json.dumps(means))
 
 
+def end_worker() -> NoReturn:
+    """End a worker that left its group (`worker_context`: barrier, destroy_process_group) without
+    finalizing the interpreter.
+
+    The gloo process group outlives `destroy_process_group`: building DDP imports
+    torch.distributed.nn.functional, whose functions take `group=group.WORLD` as a default argument,
+    evaluated then, so they hold the group (and with it gloo's worker threads) until the process ends.
+    A gloo worker thread drops each finished collective after the caller's `wait()` returned; the
+    work's captured thread-local state holds Python objects, so that drop takes the GIL. When the
+    thread is descheduled between the two (a loaded machine) and the main thread meanwhile reaches
+    interpreter finalization (the last collective is the exit barrier), CPython ends the thread that
+    takes the GIL with pthread_exit, whose unwind meets a noexcept destructor: "terminate called
+    without an active exception", SIGABRT, exit -6, after the measurement was written. Ending with
+    os._exit skips finalization, so no thread is unwound; stdout and stderr are flushed first.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def measure(opts: argparse.Namespace, world_size: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "means.json")
@@ -125,21 +146,26 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if opts.worker:
         worker(opts)
-        return 0
+        end_worker()
     print(f"tiny DDP model (2 x Linear {opts.width}), gloo on CPU, {os.cpu_count()} cores; {opts.blocks} blocks of "
           f"{opts.block_steps} steps per mode, modes in turn; block = mean step; added = median of paired per-block "
           "differences")
     print(f"{'ranks':>5} {'step, no vote':>14} {'blocking vote adds':>26} {'pipelined vote adds':>26}")
     for world_size in opts.world_sizes:
-        means = measure(opts, world_size)
-        base = statistics.median(means["none"])
-        cells = []
-        for name in ("blocking", "pipelined"):
-            added = statistics.median(m - b for m, b in zip(means[name], means["none"], strict=True))
-            cells.append(f"{added * 1e6:>10.0f} us {added / base:>8.2%}")
-        print(f"{world_size:>5} {base * 1e3:>11.3f} ms {cells[0]:>26} {cells[1]:>26}")
+        print(row(world_size, measure(opts, world_size)))
     print(f"took {time.monotonic() - started:.0f} s")
     return 0
+
+
+def row(world_size: int, means: dict[str, list[float]]) -> str:
+    """The table's row of one world size from its per-block mean steps by mode (`measure`): the median
+    step without a vote, and what each vote adds (median of the paired per-block differences)."""
+    base = statistics.median(means["none"])
+    cells = []
+    for name in ("blocking", "pipelined"):
+        added = statistics.median(m - b for m, b in zip(means[name], means["none"], strict=True))
+        cells.append(f"{added * 1e6:>10.0f} us {added / base:>8.2%}")
+    return f"{world_size:>5} {base * 1e3:>11.3f} ms {cells[0]:>26} {cells[1]:>26}"
 
 
 if __name__ == "__main__":

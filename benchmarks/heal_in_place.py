@@ -95,14 +95,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run {run + 1} {setting}: kill -> next step {result['recovery_s']:.3f} s, "
                       f"{result['processes']} worker processes started ({time.perf_counter() - started:.0f} s)",
                       flush=True)
+    print("\n".join(report(results, args.agents)))
+    return 0
+
+
+def report(results: dict[str, list[dict]], agents: int) -> list[str]:
+    """The lines printed from each setting's runs (`run_once`'s dicts): the median recovery, the worker
+    processes a run started, and keep / round."""
     medians = {setting: statistics.median(r["recovery_s"] for r in results[setting]) for setting in SETTINGS}
+    lines = []
     for setting in SETTINGS:
         times = ", ".join(f"{r['recovery_s']:.2f}" for r in results[setting])
-        print(f"{setting}: median {medians[setting]:.3f} s ({times}); worker processes started per run: "
-              f"{results[setting][0]['processes']}")
-    print(f"heal in place / new round: {medians['keep'] / medians['round']:.2f} of the time "
-          f"({medians['round'] / medians['keep']:.1f}x faster), {args.agents} agents")
-    return 0
+        lines.append(f"{setting}: median {medians[setting]:.3f} s ({times}); worker processes started per run: "
+                     f"{results[setting][0]['processes']}")
+    lines.append(f"heal in place / new round: {medians['keep'] / medians['round']:.2f} of the time "
+                 f"({medians['round'] / medians['keep']:.1f}x faster), {agents} agents")
+    return lines
 
 
 if __name__ == "__main__":

@@ -228,6 +228,25 @@ def measure(system: str, root: Path, data: Path, args: argparse.Namespace, num_s
     }
 
 
+def report(results: list[dict], args: argparse.Namespace, num_samples: int) -> list[str]:
+    """The lines printed from each system's figures (`measure`'s dicts): steps redone and recovery after
+    the SIGKILL (or how the job never came back), whether it ended identical, the resize's audit."""
+    lines = [f"\n{args.steps} steps, save_steps {args.save_steps}, 2 workers, a SIGKILL at step {args.kill_at}; "
+             f"{num_samples} samples",
+             f"{'script/launcher':31} {'redone':>7} {'recovery':>9} {'final = uninterrupted':>22} {'2->1: wrong samples':>20}"]
+    for r in results:
+        audit = r["resize_audit"]
+        wrong = f"{audit['samples_wrong']} in {audit['passes']} pass(es)" if audit else f"exit {r['resize_exit']}"
+        if r["recovery_s"] is None:
+            how = "hung" if r["exit_after_kill"] is None else f"exit {r['exit_after_kill']}"
+            redone, recovery = "-", f"never ({how})"
+        else:
+            redone, recovery = str(r["steps_redone"]), f"{r['recovery_s']:.1f}s"
+        lines.append(f"{r['system']:31} {redone:>7} {recovery:>9} "
+                     f"{'yes' if r['final_weights_identical'] else 'no':>22} {wrong:>20}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -243,19 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     num_samples = len(split_corpus(data.read_bytes(), block_size=32, val_fraction=0.01)[0])
     results = [measure(system, root, data, args, num_samples) for system in chosen]
-    print(f"\n{args.steps} steps, save_steps {args.save_steps}, 2 workers, a SIGKILL at step {args.kill_at}; "
-          f"{num_samples} samples")
-    print(f"{'script/launcher':31} {'redone':>7} {'recovery':>9} {'final = uninterrupted':>22} {'2->1: wrong samples':>20}")
-    for r in results:
-        audit = r["resize_audit"]
-        wrong = f"{audit['samples_wrong']} in {audit['passes']} pass(es)" if audit else f"exit {r['resize_exit']}"
-        if r["recovery_s"] is None:
-            how = "hung" if r["exit_after_kill"] is None else f"exit {r['exit_after_kill']}"
-            redone, recovery = "-", f"never ({how})"
-        else:
-            redone, recovery = str(r["steps_redone"]), f"{r['recovery_s']:.1f}s"
-        print(f"{r['system']:31} {redone:>7} {recovery:>9} "
-              f"{'yes' if r['final_weights_identical'] else 'no':>22} {wrong:>20}")
+    print("\n".join(report(results, args, num_samples)))
     if args.json:
         args.json.write_text(json.dumps({"steps": args.steps, "kill_at": args.kill_at, "results": results}, indent=1))
     return 0

@@ -606,7 +606,13 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if opts.worker:
         worker(opts)
-        return 0
+        # The ranks left the group together and rank 0 wrote the results: end without finalizing the
+        # interpreter. gloo's threads outlive the process group (DDP's import of torch.distributed.nn.functional
+        # holds it), and one that drops a finished collective while the interpreter finalizes aborts the
+        # process ("terminate called without an active exception"): see end_worker in control_cost.py.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     names = loops(opts)
     scraped = [name for name in SCRAPED if name in names]
     if opts.metrics_port is None:
@@ -638,6 +644,19 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - started
     if scraper.scrapes == 0:
         sys.exit("overhead.py: error: no worker served /metrics: the 'metrics on' runs measured nothing of metrics")
+    report(opts, results, scrapes=scraper.scrapes, refused=scraper.failures,
+           scraped_by_loop={name: scraper.by_flag[f"{flag}.{name}"] for name in scraped}, seconds=seconds)
+    return 0
+
+
+def report(
+    opts: argparse.Namespace, results: dict[str, Any], *, scrapes: int, refused: int, scraped_by_loop: dict[str, int],
+    seconds: float,
+) -> None:
+    """Print the tables of one run from the workers' `results` (and write `--json`): per-block rates, the
+    saves, the snapshots, the scrapes (`scrapes` answered and `refused`, `scraped_by_loop` per loop with
+    metrics), the paired ratios with their intervals, the verdicts and the runtime's per-step costs."""
+    names = loops(opts)
     rates = {name: [block_rates(steps) for steps in results["timed"][name]] for name in names}
     median_rate = {name: [r[0] for r in rates[name]] for name in names}
     mean_rate = {name: [r[1] for r in rates[name]] for name in names}
@@ -678,9 +697,9 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(waits))
     else:
         print("no in-memory snapshots")
-    per_loop = ", ".join(f"{name} {scraper.by_flag[flag + '.' + name]}" for name in scraped)
+    per_loop = ", ".join(f"{name} {count}" for name, count in scraped_by_loop.items())
     print(
-        f"metrics scraped {scraper.scrapes} times ({scraper.failures} refused), "
+        f"metrics scraped {scrapes} times ({refused} refused), "
         f"every {opts.scrape_interval:g} s per worker during the timed turns of the loops with metrics ({per_loop})"
     )
     how = f"geometric mean of {opts.blocks} paired block ratios, 95% t-interval"
@@ -733,7 +752,6 @@ def main(argv: list[str] | None = None) -> int:
         f"took {seconds:.0f} s; at this run's spread, an interval of +-1 % needs --blocks {needed} "
         f"(about {seconds * needed / opts.blocks / 60:.0f} min)"
     )
-    return 0
 
 
 def print_breakdown(results: dict[str, Any], median_rate: dict[str, list[float]], names: tuple[str, ...]) -> None:

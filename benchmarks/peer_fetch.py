@@ -84,16 +84,25 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         buffer[:] = source
         copies.append(time.perf_counter() - started)
+    print("\n".join(report(opts, times, copies, opened)))
+    return 0
+
+
+def report(opts: argparse.Namespace, times: dict[str, list[float]], copies: list[float], opened: list[int]) -> list[str]:
+    """The lines printed from the rounds' seconds per side (`fresh`, `kept`), the memory copies' seconds
+    and the connections each kept-connections round opened: medians, GB/s and the ratios."""
+    size, span = opts.mb * 2**20, opts.range_kb * 2**10
     requests = -(-size // span)
     fresh, kept, copy = (statistics.median(times["fresh"]), statistics.median(times["kept"]),
                          statistics.median(copies))
-    print(f"{opts.mb} MB from a peer keeper in {requests} signed range requests of {opts.range_kb} KB "
-          f"({opts.rounds} rounds, medians):")
-    print(f"  connection per range   {fresh:.3f} s  {size / fresh / 1e9:.2f} GB/s  {requests} connections")
-    print(f"  kept connections       {kept:.3f} s  {size / kept / 1e9:.2f} GB/s  {max(opened)} connection(s)")
-    print(f"  local memory copy      {copy:.3f} s  {size / copy / 1e9:.2f} GB/s")
-    print(f"kept / per range: {fresh / kept:.2f}x faster; kept / memory copy: {copy / kept:.3f} of its speed")
-    return 0
+    return [
+        f"{opts.mb} MB from a peer keeper in {requests} signed range requests of {opts.range_kb} KB "
+        f"({opts.rounds} rounds, medians):",
+        f"  connection per range   {fresh:.3f} s  {size / fresh / 1e9:.2f} GB/s  {requests} connections",
+        f"  kept connections       {kept:.3f} s  {size / kept / 1e9:.2f} GB/s  {max(opened)} connection(s)",
+        f"  local memory copy      {copy:.3f} s  {size / copy / 1e9:.2f} GB/s",
+        f"kept / per range: {fresh / kept:.2f}x faster; kept / memory copy: {copy / kept:.3f} of its speed",
+    ]
 
 
 if __name__ == "__main__":

@@ -324,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                 faulty = measure_goodput(setting, root / f"{setting}-faulty", data, args, faults=True)
                 results[setting]["goodput"] = faulty / clean
                 results[setting]["steps_per_s_clean"] = clean
+    report(results, args)
+    return 0
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> None:
+    """The tables, the time lines and the ratios of every setting measured (`measure_recovery`'s dicts,
+    with `goodput` and `steps_per_s_clean` when the goodput runs ran), then all of it as JSON."""
     print()
     print(f"{'setting':17} {'median s':>9} {'worst s':>8} {'failed rounds':>14} {'restarts used':>14} {'goodput':>8}")
     for setting, r in results.items():
@@ -364,7 +371,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goodput (one kill per {args.goodput_interval:g} s), ours / ours-disk: "
               f"{results['ours']['goodput']:.2f} / {results['ours-disk']['goodput']:.2f}")
     print(json.dumps(results))
-    return 0
 
 
 if __name__ == "__main__":

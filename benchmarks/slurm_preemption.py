@@ -147,15 +147,22 @@ def main(argv: list[str] | None = None) -> None:
                           flush=True)
         finally:
             cluster.stop()
-    print(f"GPT recipe, srun python x2 on a one-machine Slurm, checkpoints every {opts.ckpt_every} steps, "
-          f"steps of {opts.step_seconds:g} s, USR1 at a random step past the first checkpoint ({opts.runs} runs):")
+    print("\n".join(report(results, opts)))
+
+
+def report(results: dict[str, list[dict]], opts: argparse.Namespace) -> list[str]:
+    """The lines printed from each system's runs (`preempt_once`'s dicts): medians of the steps trained
+    after the signal, the steps redone and the seconds to the end, and how many runs came back by themselves."""
+    lines = [f"GPT recipe, srun python x2 on a one-machine Slurm, checkpoints every {opts.ckpt_every} steps, "
+             f"steps of {opts.step_seconds:g} s, USR1 at a random step past the first checkpoint ({opts.runs} runs):"]
     for system, rows in results.items():
         after = statistics.median(r["trained"] - r["signalled"] for r in rows)
         redone = statistics.median(r["redone"] for r in rows)
-        print(f"  {system:11} steps after the signal median {after:g}, steps redone median {redone:g} "
-              f"(max {max(r['redone'] for r in rows)}), signal to end median "
-              f"{statistics.median(r['seconds'] for r in rows):.1f} s, came back by itself "
-              f"{sum(r['came_back'] for r in rows)}/{len(rows)}")
+        lines.append(f"  {system:11} steps after the signal median {after:g}, steps redone median {redone:g} "
+                     f"(max {max(r['redone'] for r in rows)}), signal to end median "
+                     f"{statistics.median(r['seconds'] for r in rows):.1f} s, came back by itself "
+                     f"{sum(r['came_back'] for r in rows)}/{len(rows)}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -141,17 +141,25 @@ def main(argv: list[str] | None = None) -> int:
         buffer[:] = source
         copies.append(time.perf_counter() - started)
 
+    print("\n".join(report(opts, results, copies)))
+    return 0
+
+
+def report(opts: argparse.Namespace, results: dict[bool, list[dict[str, float]]], copies: list[float]) -> list[str]:
+    """The lines printed from each side's seconds per pair (`one_side`'s dicts, signed: True) and the
+    memory copies' seconds: medians, GB/s and unsigned / signed."""
+
     def median(signed: bool, what: str) -> float:
         return statistics.median(r[what] for r in results[signed])
 
-    print(f"snapshot traffic, signed vs not ({opts.pairs} pairs, medians):")
-    for what, label, size in (("restore_s", f"restore, {opts.restore_mb} MB from a peer keeper", restore),
-                              ("push_s", f"snapshot copy to the peer, {opts.part_mb} MB part", len(part))):
+    lines = [f"snapshot traffic, signed vs not ({opts.pairs} pairs, medians):"]
+    for what, label, size in (("restore_s", f"restore, {opts.restore_mb} MB from a peer keeper", opts.restore_mb * 2**20),
+                              ("push_s", f"snapshot copy to the peer, {opts.part_mb} MB part", opts.part_mb * 2**20)):
         on, off = median(True, what), median(False, what)
-        print(f"  {label:<44} signed {on:.3f} s ({size / on / 1e9:.2f} GB/s)   unsigned {off:.3f} s "
-              f"({size / off / 1e9:.2f} GB/s)   unsigned / signed {off / on:.3f}")
-    print(f"  for scale: a local memory copy of {opts.restore_mb} MB takes {statistics.median(copies):.3f} s")
-    return 0
+        lines.append(f"  {label:<44} signed {on:.3f} s ({size / on / 1e9:.2f} GB/s)   unsigned {off:.3f} s "
+                     f"({size / off / 1e9:.2f} GB/s)   unsigned / signed {off / on:.3f}")
+    lines.append(f"  for scale: a local memory copy of {opts.restore_mb} MB takes {statistics.median(copies):.3f} s")
+    return lines
 
 
 if __name__ == "__main__":

@@ -299,8 +299,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model.name}: measuring ...", flush=True)
             # A keeper per model: the parts of one model's job are not another's to find.
             results[model.name] = with_keeper(Path(base), lambda m=model: measure(m, opts, ctx, Path(tmp)))
+    report(results, opts.repeats)
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+def report(results: dict[str, dict[str, Any]], repeats: int) -> None:
+    """The table and the lines per model from `measure`'s figures: restore seconds by source and their
+    ratios, the snapshot's blocking against the step (and the target's verdict), the restored state's check."""
     print()
-    print(f"restore seconds: median of {opts.repeats}; snapshot blocking and step seconds: medians over the timed steps")
+    print(f"restore seconds: median of {repeats}; snapshot blocking and step seconds: medians over the timed steps")
     print(f"{'model':6} {'params':>7} {'state MB':>9} {'memory s':>9} {'disk s':>8} {'cold s':>8} "
           f"{'disk/mem':>9} {'cold/mem':>9} {'block ms':>9} {'step s':>8} {'block/step':>11} {'step on/off':>12} {'state':>6}")
     for name, r in results.items():
@@ -319,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: snapshot blocking {r['blocking'] * 1e3:.2f} ms (max {r['blocking_max'] * 1e3:.2f}) per step of "
               f"{r['step_off']:.3f} s: {fraction:.4f} (target <= {TARGET}: {'met' if fraction <= TARGET else 'MISSED'}); "
               f"step with a snapshot every step / without: {r['step_on'] / r['step_off']:.2f} ({r['steps']} steps each)")
-    return 0 if all(r["ok"] for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=positive_int, default=30)
     args = p.parse_args(argv)
     options = StateDictOptions(flatten_optimizer_state_dict=True)
-    print(f"{'model':<8}{'side':<9}{'ours ms':>9}{'DCP ms':>9}{'DCP/ours':>10}")
+    print(HEADER)
     for name in args.models:
         model, optimizer = trained(MODELS[name])
         layout = live_state.Layout(model, optimizer)
@@ -90,9 +90,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             flat = get_optimizer_state_dict(model, optimizer, options=options)
             dcp_load = median_ms(lambda: set_optimizer_state_dict(model, optimizer, flat, options=options), args.repeats)
-        print(f"{name:<8}{'save':<9}{ours:>9.3f}{dcp:>9.3f}{dcp / ours:>10.1f}")
-        print(f"{name:<8}{'restore':<9}{ours_load:>9.3f}{dcp_load:>9.3f}{dcp_load / ours_load:>10.1f}")
+        print(row(name, "save", ours, dcp))
+        print(row(name, "restore", ours_load, dcp_load))
     return 0
+
+
+HEADER = f"{'model':<8}{'side':<9}{'ours ms':>9}{'DCP ms':>9}{'DCP/ours':>10}"
+
+
+def row(model: str, side: str, ours_ms: float, dcp_ms: float) -> str:
+    """One line of the table: a model's save or restore side, both medians in ms and DCP / ours."""
+    return f"{model:<8}{side:<9}{ours_ms:>9.3f}{dcp_ms:>9.3f}{dcp_ms / ours_ms:>10.1f}"
 
 
 if __name__ == "__main__":

@@ -38,6 +38,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Before any group exists: torch.distributed.nn.functional's collectives take `group=group.WORLD`
+# as a default argument, evaluated when the module is first imported (DDP imports it while it
+# builds). Imported after a group was made, the default holds that group for good, so
+# `destroy_process_group` cannot end its gloo threads, and one that wakes while the interpreter
+# finalizes aborts the process at exit ("terminate called without an active exception").
+import torch.distributed.nn.functional  # noqa: F401, E402 - imported for the side effect above
+
 from elastic import threads
 from elastic.config import DEVICE_CHOICES
 from elastic.errors import EnvironmentConfigError, UsageError, first_line

@@ -20,12 +20,14 @@ cause (a C++ destructor's, say), which no single run can show.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import warm
-from support import REPO
+from support import REPO, free_port
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -86,3 +88,35 @@ def test_the_shortest_job_leaves_no_thread_alive_for_the_interpreter_to_finalize
         expected = EVERY_RANK | (RANK_0 if rank == 0 else set())
         assert expected <= set(report["started"]), (rank, report["started"])
         assert report["alive"] == [], f"rank {rank}: threads alive as the interpreter finalizes: {report['alive']}"
+
+
+GROUP_LEFT = '''\
+import gc, json, os, sys
+import torch
+from elastic.runtime import worker_context  # the only import of the runtime: nothing else imported first
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+with worker_context("cpu"):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))  # imports torch.distributed.nn
+    model(torch.ones(1, 2)).sum().backward()
+    del model
+gc.collect()
+print(json.dumps({"before": before, "after": threads()}))
+'''
+
+
+def test_a_left_group_takes_its_threads_with_it_in_a_fresh_process(tmp_path: Path) -> None:
+    """A worker that made its group through the runtime and built DDP: once it has left the group,
+    none of gloo's threads is left (one left alive can wake while the interpreter finalizes and abort
+    the process: the benchmarks' control_cost.py workers did, 2 runs in 20). A fresh interpreter:
+    what the runtime imports before the group is made is the point."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", GROUP_LEFT], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["after"] == counts["before"], f"threads left behind by the group: {counts}"
