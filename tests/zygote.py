@@ -63,6 +63,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = cwd
+            sys.modules.pop(argv[1], None)  # run as __main__ from its source, as `python -m` does (no runpy warning)
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         elif argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]

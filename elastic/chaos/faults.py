@@ -28,7 +28,8 @@ torchrun starts without any change to the command line:
                                             (heals in place: its peers' step 7 is void)
     ELASTIC_FAULT=after_step@20:do=hold:until=/tmp/go
                                             rank 0 holds after step 20 until the file
-                                            /tmp/go exists (a test's fault outside the
+                                            /tmp/go exists, and creates /tmp/go.held as
+                                            it begins to (a test's fault outside the
                                             job, e.g. an etcd outage, lands mid-run
                                             however fast the job trains)
     ELASTIC_FAULT=after_step@1+:do=slow:for=0.3:restart=any:world=1
@@ -166,6 +167,7 @@ class FaultInjector:
                     time.sleep(fault.seconds)
                     continue
                 if fault.action == "hold":
+                    open(fault.until + ".held", "a").close()  # for whoever waits for the hold to begin
                     while not os.path.exists(fault.until):
                         time.sleep(0.05)
                     continue

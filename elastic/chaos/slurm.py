@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -146,10 +148,7 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                 proc.kill()
         self._daemons = []
         if self._munged_pid is not None:
-            try:
-                os.kill(self._munged_pid, 15)
-            except ProcessLookupError:
-                pass
+            _end_daemon(self._munged_pid)
             self._munged_pid = None
 
     def __enter__(self) -> SlurmCluster:
@@ -157,3 +156,22 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _end_daemon(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM a daemon that is not our child (munged forks into the background) and wait until it is
+    gone: it removes its socket and pid file as it exits, so its folder can be removed only after.
+    SIGKILL after `grace` seconds."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+        if not select.select([handle], [], [], grace)[0]:  # a pidfd is readable once its process has exited
+            os.kill(pid, signal.SIGKILL)
+            select.select([handle], [], [], grace)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(handle)

@@ -35,12 +35,12 @@ MODEL = ("--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "3
 STEPS = 30
 
 
-@pytest.fixture(scope="module")
-
 def run_warm(*args, **kwargs):
     """`run_scenario` with the agents forked warm (tests/warm.py)."""
     return run_scenario(*args, start_process=warm.popen, **kwargs)
 
+
+@pytest.fixture(scope="module")
 def corpus(shared_corpus: Path) -> Path:
     return shared_corpus
 

@@ -42,10 +42,10 @@ CONSTANT_WORLD = {"kill-worker", "kill-during-save", "kill-during-snapshot", "ha
 FSDP = ["--fsdp"]
 
 
-
 def run_warm(*args, **kwargs):
     """`run_scenario` with the agents forked warm (tests/warm.py)."""
     return run_scenario(*args, start_process=warm.popen, **kwargs)
+
 
 def agent_logs(workdir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(workdir.glob("agent*.log")))

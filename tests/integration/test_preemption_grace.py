@@ -66,7 +66,7 @@ def test_blocked_worker_exits_143_after_the_grace() -> None:
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr
     # The grace it was given (not the default's): that it waits the grace out and no less is
-    # tests/unit/test_preemption_grace.py's, on a clock of the test's.
+    # tests/unit/test_preemption_watcher.py's, on a clock of the test's.
     assert f"no step ended within {grace:g} s" in stderr and grace != DEFAULT_GRACE_SECONDS
 
 

@@ -123,7 +123,7 @@ def test_job_survives_an_etcd_restart(tmp_path: Path, tiny_corpus: Path, etcd: E
                                env=worker_env(ELASTIC_FAULT=f"after_step@21:do=hold:until={go}"), cwd=REPO)
               for i in range(2)]
     try:
-        wait_for(lambda: steps_seen(events) >= 20, 120, "step 20", interval=0.01)
+        wait_for(lambda: Path(f"{go}.held").exists(), 120, "rank 0 to hold after step 21", interval=0.01)
         etcd.stop()
         time.sleep(3)  # the outage itself: the agents' monitors poll etcd every 0.5 s and find it gone
         etcd.start()

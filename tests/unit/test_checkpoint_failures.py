@@ -262,6 +262,7 @@ def test_a_hold_lasts_until_its_file_exists(tmp_path: Path) -> None:
     held.start()
     held.join(0.3)
     assert held.is_alive(), "it went on before the file existed"
+    assert (tmp_path / "go.held").exists(), "it said it holds"
     go.touch()
     held.join(10)
     assert not held.is_alive()
