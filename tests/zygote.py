@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import array
 import atexit
+import fcntl
 import gc
 import json
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import runpy
 import select
@@ -59,6 +61,8 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger) and logger.level:
             logger.setLevel(level)
+    if argv[:2] == ["-m", "elastic.launcher"]:
+        _seed_fork_server()
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -91,6 +95,66 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
     atexit._run_exitfuncs()
     _flush()
     return code
+
+
+def _seed_fork_server() -> None:
+    """For an agent (`-m elastic.launcher`): fork now, while this process is a warm and single-threaded
+    copy of the zygote, a child that waits to become the agent's multiprocessing fork server, and
+    make the agent's one spawn of a fork server (`multiprocessing.util.spawnv_passfds`) hand its
+    command and descriptors to that child instead of starting a fresh interpreter that imports
+    torch again. The fork server is then the agent's child, as a spawned one would be (its workers
+    are the agent's descendants, and multiprocessing waits for it), and its preload (the launcher's
+    warm start: elastic.launcher.warm_start) finds torch, torch._dynamo and the runtime imported."""
+    agent_end, seed_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    seed = os.fork()
+    if seed == 0:
+        agent_end.close()
+        _become_fork_server(seed_end)
+    seed_end.close()
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def spawnv_passfds(path: str, args: list[str], passfds: list[int]) -> int:
+        if agent_end.fileno() < 0 or "multiprocessing.forkserver import main" not in (args[-1] if args else ""):
+            return spawn(path, args, passfds)  # the resource tracker, or a second fork server: started as usual
+        request = {"cmd": args[-1], "fds": list(passfds), "env": dict(os.environ), "cwd": os.getcwd()}
+        agent_end.sendmsg([json.dumps(request).encode()],
+                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", passfds))])
+        agent_end.close()
+        return seed
+
+    multiprocessing.util.spawnv_passfds = spawnv_passfds
+
+
+def _become_fork_server(conn: socket.socket) -> None:
+    """In the seed: wait for the agent's command; run it with its descriptors at the numbers it names."""
+    fds = array.array("i")
+    data, ancillary, _, _ = conn.recvmsg(_MAX_REQUEST, socket.CMSG_LEN(8 * fds.itemsize))
+    if not data:
+        os._exit(0)  # the agent left without needing a fork server
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    conn.close()
+    request = json.loads(data)
+    parked = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]  # out of the way of the numbers below
+    for fd in fds:
+        os.close(fd)
+    for fd, number in zip(parked, request["fds"]):
+        os.dup2(fd, number)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    code = 0
+    try:
+        exec(compile(request["cmd"], "<fork server>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - as a fork server that failed would: its traceback, status 1
+        traceback.print_exc()
+        code = 1
+    _flush()
+    os._exit(code)
 
 
 def _exit_code(code: object) -> int:
