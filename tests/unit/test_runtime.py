@@ -200,6 +200,17 @@ def test_a_teardown_that_hangs_is_left_behind_after_the_deadline_with_one_line(m
         assert "leaving it to process exit" in record.getMessage() and not record.exc_info
     finally:
         world.release.set()
+        wait_for_teardowns()  # process-global: the next test must not find this one's teardown still running
+
+
+def wait_for_teardowns() -> None:
+    """Until every teardown this process left behind has ended (they end once their destructor returns)."""
+    pause = threading.Event()  # never set: a sleep
+    for _ in range(600):
+        if not runtime.teardown_pending():
+            return
+        pause.wait(0.05)
+    assert not runtime.teardown_pending(), "a teardown left behind never ended"
 
 
 def test_a_worker_whose_teardown_overran_joins_no_new_group(monkeypatch) -> None:
@@ -225,12 +236,7 @@ def test_a_worker_whose_teardown_overran_joins_no_new_group(monkeypatch) -> None
             regroup.rejoin(object(), generation=3, rank=5, world_size=8)  # the store is never touched
     finally:
         world.release.set()
-    pause = threading.Event()  # never set: a sleep
-    for _ in range(200):  # the teardown's thread ends once the destructor returns
-        if not runtime.teardown_pending():
-            break
-        pause.wait(0.05)
-    assert not runtime.teardown_pending()
+    wait_for_teardowns()  # the teardown's thread ends once the destructor returns
 
 
 def test_a_teardown_that_fails_is_one_warning_line(monkeypatch, caplog) -> None:
