@@ -40,10 +40,19 @@ from elastic.launcher.proctree import descendants
 pytestmark = pytest.mark.slow
 
 STEPS = 60
-# Steps paced to 0.3 s (rank 0 sleeps after each, ELASTIC_FAULT): the survivor trains on alone as soon as
-# the deleted pod is declared dead (its round closes without a last call), and a recreated pod,
-# cold-starting on a loaded machine, must still find the job running when it is ready to join.
-PACED = {"ELASTIC_FAULT": "after_step@1+:do=slow:for=0.3:restart=any"}
+HOLD_AT = 10
+
+
+def faults(tmp_path: Path) -> dict[str, str]:
+    """ELASTIC_FAULT for the pods: rank 0 holds after step 10 until the test has deleted a pod (so the
+    deletion lands mid-run however fast the job trains; once in the whole job); and while one pod
+    trains alone its steps are paced to 0.3 s, so a recreated pod, cold-starting on a loaded machine,
+    still finds the job running when it is ready to join (at world size 2 the job runs at full speed)."""
+    return {
+        "ELASTIC_FAULT": f"after_step@{HOLD_AT}:do=hold:until={tmp_path / 'go'}:restart=any:once,"
+                         "after_step@1+:do=slow:for=0.3:restart=any:world=1",
+        "ELASTIC_FAULT_ONCE_DIR": str(tmp_path / "fault-marks"),
+    }
 # What a user would set in trainer-config for a small CPU run.
 SETTINGS = {"MAX_STEPS": str(STEPS), "CKPT_EVERY": "5", "BATCH_SIZE": "4", "JOB_ID": "k8s-test"}
 
@@ -95,8 +104,10 @@ def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tm
         return PodProcess(objects, find(objects, "StatefulSet", "trainer"), name, mounts=mounts,
                           config_overrides={"trainer-config": settings}, **network)
 
+    (tmp_path / "fault-marks").mkdir()
+
     def start(name: str) -> None:
-        pods[name] = trainer(name).start(tmp_path / f"{name}.log", {"OMP_NUM_THREADS": "1", **PACED})
+        pods[name] = trainer(name).start(tmp_path / f"{name}.log", {"OMP_NUM_THREADS": "1", **faults(tmp_path)})
 
     def logs() -> str:
         return "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text(errors='replace')[-2500:]}" for n in pods)
@@ -112,13 +123,13 @@ def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tm
         wait_for(lambda: http_ok(f"http://127.0.0.1:{probe_port}{probe['path']}"), 30, "etcd's readiness probe")
         for name in ("trainer-0", "trainer-1"):
             start(name)
-        wait_for(lambda: any(r["event"] == "step" and r["world_size"] == 2 and r["step"] >= 8 for r in records()),
-                 180, "both pods training together")
+        wait_for(lambda: (tmp_path / "go.held").exists(), 180, f"both pods training to step {HOLD_AT}")
         scraped = [http_ok(f"http://127.0.0.1:{port}/metrics") for port in metrics_ports.values()]
         assert all(scraped), "the pods' metrics endpoints do not answer"
 
         delete_pod(pods["trainer-1"])
         deleted_at = time.time()
+        (tmp_path / "go").touch()  # rank 0 goes on (if it was not in the deleted pod) into the broken group
         start("trainer-1")  # the StatefulSet controller recreates the pod under its name
 
         def finished(name: str) -> bool:
@@ -137,6 +148,9 @@ def test_the_manifests_commands_train_recover_from_a_deleted_pod_and_complete(tm
     history = records()
     steps = [r for r in history if r["event"] == "step"]
     starts = [r for r in history if r["event"] == "start"]
+    # Both pods trained together first: the first group had both (its start event, written at once; the step lines
+    # before the hold may be lost with the worker that buffered them), and its rank 0 reached the hold at step 10.
+    assert starts[0]["world_size"] == 2 and starts[0]["time"] < deleted_at, starts
     assert any(r["time"] > deleted_at for r in starts), "no new worker group after the deletion"
     assert starts[-1]["world_size"] == 2 and steps[-1]["world_size"] == 2, "the recreated pod did not rejoin"
     (end,) = [r for r in history if r["event"] == "end"]
