@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 from support import REPO, worker_env
 
 pytestmark = pytest.mark.slow
@@ -24,10 +24,10 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tm
     """Also goodput_at_scale.py's one process: it reads the figure this run wrote (its tables, help and
     refusals: tests/unit)."""
     measured = tmp_path / "overhead.json"
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/overhead.py", "--blocks", "3", "--warmup", "2", "--batch-size", "4",
          "--ckpt-every", "3", "--scrape-interval", "0.05", "--json", str(measured)],
-        capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
+        timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     from elastic.step_costs import PHASES
@@ -40,8 +40,8 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tm
     assert re.search(r"snapshots auto \(every 3 steps at the end\)", result.stdout), result.stdout
     overhead = json.loads(measured.read_text())
     assert set(overhead) == {"loop_overhead"} and 0 <= overhead["loop_overhead"] < 1
-    goodput = subprocess.run([sys.executable, "benchmarks/goodput_at_scale.py", "--measured", str(measured)],
-                             capture_output=True, text=True, timeout=60, cwd=REPO)
+    goodput = warm.run([sys.executable, "benchmarks/goodput_at_scale.py", "--measured", str(measured)],
+                             timeout=60, cwd=REPO)
     assert goodput.returncode == 0 and f"from --measured {measured}" in goodput.stdout, goodput.stderr
     ci = r"\[95% CI ([\d.]+)-([\d.]+)\]"
     ratios = re.findall(rf"recipe/gpt.py [\d.]+ steps/s \| seed-style DDP [\d.]+ steps/s \| ratio ([\d.]+) {ci}", result.stdout)
@@ -61,10 +61,10 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tm
 
 def test_control_cost_benchmark_prints_what_each_vote_adds() -> None:
     """One world size (a row per world size, in order, is checked on recorded means in the unit tier)."""
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/control_cost.py", "--ranks", "2", "--blocks", "2", "--block-steps", "2",
          "--width", "16"],
-        capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
+        timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^ +(\d+) +[\d.]+ ms +-?\d+ us +-?[\d.]+% +-?\d+ us +-?[\d.]+%$", result.stdout, re.M)
@@ -75,10 +75,10 @@ def test_checkpoint_benchmark_measures_the_stall_and_compares_todays_rank0_path_
     """One run for both parts: the stall ratio of the tiny recipe model in this process, and the rank
     comparison as --quick runs it (recipe GPT, 2 saves) at 2 ranks, where today's path reads the checkpoint
     once per rank and the new one once per job (--quick's 1 and 2 ranks: tests/unit)."""
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/checkpoint.py", "--tiny", "--configs", "recipe", "--saves", "2", "--repeats", "1",
          "--warmup-steps", "1", "--every", "1", "--quick", "--ranks", "2"],
-        capture_output=True, text=True, timeout=280, cwd=REPO, env=worker_env(),
+        timeout=280, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     match = re.search(r"^recipe: checkpoint stall ratio (\S+) \(target <= 0\.05: (met|MISSED)\)$", result.stdout, re.M)
@@ -114,12 +114,12 @@ def test_recovery_benchmark_measures_a_kill_with_snapshots_disk_only_torchs_roun
     tmp_path: Path,
 ) -> None:
     """One run of recovery.py, four settings side by side (it used to run once per setting)."""
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/recovery.py", "--settings", "ours,ours-disk,ours-torch-rounds,ours-train-on",
          "--kills", "1",
          "--settle", "1",
          "--goodput-seconds", "0", "--recovery-limit", "120", "--ckpt-every", "5", "--pictures", str(tmp_path)],
-        capture_output=True, text=True, timeout=400, cwd=REPO, env=worker_env(),
+        timeout=400, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for setting in ("ours", "ours-disk", "ours-torch-rounds", "ours-train-on"):
@@ -156,9 +156,9 @@ def test_recovery_benchmark_measures_a_kill_with_snapshots_disk_only_torchs_roun
 
 
 def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/state_walk.py", "--models", "recipe", "--repeats", "1"],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=worker_env(),
+        timeout=120, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^recipe +(save|restore) +([\d.]+) +([\d.]+) +([\d.]+)$", result.stdout, re.M)
@@ -166,9 +166,9 @@ def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
 
 
 def test_snapshot_auth_benchmark_prints_signed_against_unsigned() -> None:
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/snapshot_auth.py", "--restore-mb", "8", "--part-mb", "2", "--pairs", "1"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        timeout=300, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -181,10 +181,10 @@ def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp
     """Plain torchrun restarts the group in the same shared store: the ported script must resume (its
     group is made through the runtime's fresh namespace), end identical and keep the samples exactly once.
     32 steps: the second launch completes a pass over the 247 samples whatever save it resumed from."""
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/hf_resume.py", "--systems", "ours/torchrun", "--steps", "32", "--save-steps", "5",
          "--kill-at", "12", "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+        timeout=600, cwd=REPO,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
@@ -196,9 +196,9 @@ def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp
 
 
 def test_slurm_preemption_benchmark_prints_both_systems_side_by_side() -> None:
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/slurm_preemption.py", "--runs", "1", "--ckpt-every", "4", "--step-seconds", "0.2"],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env=worker_env(),
+        timeout=600, cwd=REPO, env=worker_env(),
     )
     if "Slurm is not installed" in result.stderr or "slurmd must run as root" in result.stderr:
         pytest.skip(result.stderr.strip().splitlines()[-1])
@@ -210,9 +210,9 @@ def test_slurm_preemption_benchmark_prints_both_systems_side_by_side() -> None:
 
 
 def test_peer_fetch_benchmark_compares_kept_connections_with_one_per_range() -> None:
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/peer_fetch.py", "--mb", "4", "--range-kb", "256", "--rounds", "1"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=worker_env(),
+        timeout=300, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert re.search(r"^  connection per range +[\d.]+ s +[\d.]+ GB/s +16 connections$", result.stdout, re.M), result.stdout
@@ -221,9 +221,9 @@ def test_peer_fetch_benchmark_compares_kept_connections_with_one_per_range() -> 
 
 
 def test_heal_in_place_benchmark_times_both_settings_and_counts_their_processes() -> None:
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/heal_in_place.py", "--runs", "1", "--agents", "2", "--steps", "12"],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env=worker_env(),
+        timeout=600, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     # In place: 2 workers and the replacement; a new round: both workers started twice.

@@ -5,10 +5,10 @@ Its table, lines and refusal are checked on recorded figures in tests/unit/test_
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
+import warm
 from support import REPO, worker_env
 
 pytestmark = pytest.mark.slow
@@ -17,9 +17,9 @@ NUMBER = r"(\d+\.\d+)"
 
 
 def test_snapshot_restore_benchmark_prints_a_memory_and_a_disk_restore() -> None:
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "benchmarks/snapshot_restore.py", "--quick"],
-        capture_output=True, text=True, timeout=240, cwd=REPO, env=worker_env(),
+        timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     line = re.search(
