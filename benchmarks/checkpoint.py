@@ -133,13 +133,13 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
-from elastic.checkpoint import CheckpointManager  # noqa: E402
-from elastic.cli import OneLineArgumentParser, non_negative_int, positive_int  # noqa: E402
-from elastic.config import RunConfig  # noqa: E402
-from elastic.rng import get_rng_state, seed_all  # noqa: E402
-from elastic.runtime import WorkerContext, init_worker  # noqa: E402
-from elastic.sampler import ElasticSampler  # noqa: E402
-from elastic.schedules import WarmupCosine  # noqa: E402
+from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
+from elastic._shared.common.cli import OneLineArgumentParser, non_negative_int, positive_int  # noqa: E402
+from elastic._worker.config import RunConfig  # noqa: E402
+from elastic._worker.runtime.rng import get_rng_state, seed_all  # noqa: E402
+from elastic._worker.runtime.context import WorkerContext, init_worker  # noqa: E402
+from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
+from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
 
 TARGET = 0.05
 
@@ -560,7 +560,7 @@ def row_figures(row: DistRow, tree: Path, save: list[dict[str, Any]], restore: l
     row.sync_seconds = statistics.median(main["sync_seconds"])
     row.restore_seconds = max(r["seconds"] for r in restore)
     row.checkpoint_bytes = restore[0]["checkpoint_bytes"]
-    inside = f"step_{restore[0]['step']:08d}{os.sep}"  # elastic.storage.manifest.checkpoint_name, both trees
+    inside = f"step_{restore[0]['step']:08d}{os.sep}"  # elastic._shared.storage.manifest.checkpoint_name, both trees
     for r in restore:
         for name, n in r["bytes_read"].items():
             if name.startswith(inside):

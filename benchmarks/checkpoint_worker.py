@@ -41,14 +41,14 @@ sys.path.insert(0, str(TREE / "recipes"))
 
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
-from elastic.checkpoint import CheckpointManager  # noqa: E402
-from elastic.rng import get_rng_state, seed_all  # noqa: E402
-from elastic.runtime import WorkerContext, init_worker, shutdown_worker  # noqa: E402
-from elastic.sampler import ElasticSampler  # noqa: E402
-from elastic.schedules import WarmupCosine  # noqa: E402
+from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
+from elastic._worker.runtime.rng import get_rng_state, seed_all  # noqa: E402
+from elastic._worker.runtime.context import WorkerContext, init_worker, shutdown_worker  # noqa: E402
+from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
+from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
 
 # The two trees take the manager's settings differently: this checkout as a RunConfig
-# (elastic/config.py), 6ec689c's as keywords. Decided by the tree, never by trying an import
+# (elastic/_worker/config.py), 6ec689c's as keywords. Decided by the tree, never by trying an import
 # (an editable install could hand this checkout's module to the old tree).
 SETTINGS_AS_CONFIG = (TREE / "elastic" / "config.py").is_file()
 
@@ -265,7 +265,7 @@ class Job:
     def manager(self) -> CheckpointManager:
         state = {"model": self.raw, "optimizer": self.optimizer, "scheduler": self.scheduler, "sampler": self.sampler}
         if SETTINGS_AS_CONFIG:
-            from elastic.config import RunConfig
+            from elastic._worker.config import RunConfig
 
             config = RunConfig(ckpt_dir=self.opts.ckpt_dir, ckpt_every=0, ckpt_keep=2, seed=self.opts.seed, snapshot_every=0)
             return CheckpointManager(self.ctx, config, **state)

@@ -11,9 +11,9 @@ rotating order, over the same seconds:
 
 - none: forward, backward, optimizer step; no vote;
 - blocking: the same, then the step vote (an element-wise MAX of three ints on
-  the gloo control group, `elastic.agreement.start_max`) waited for at once at
+  the gloo control group, `elastic._worker.control.agreement.start_max`) waited for at once at
   the step's end: the vote as it was taken before;
-- pipelined: the vote as `Run` takes it (`elastic.step_vote.StepVote`):
+- pipelined: the vote as `Run` takes it (`elastic._worker.control.step_vote.StepVote`):
   started at the end of a vote step, read at the next, vote steps about a
   second apart (at most 10 steps).
 
@@ -66,9 +66,9 @@ def worker(opts: argparse.Namespace) -> None:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from elastic import agreement
-    from elastic.runtime import worker_context
-    from elastic.step_vote import StepVote
+    from elastic._worker.control import agreement
+    from elastic._worker.runtime.context import worker_context
+    from elastic._worker.control.step_vote import StepVote
 
     with worker_context("cpu") as ctx:
         torch.manual_seed(0)

@@ -35,9 +35,9 @@ from etcd3gw.client import Etcd3Client
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic.chaos.etcd import EtcdServer
-from elastic.rendezvous.etcd_client import EtcdClient
-from elastic.rendezvous.etcd_messages import encode, txn_range_results, txn_revision
-from elastic.rendezvous.etcd_options import EtcdOptions
+from elastic._agent.rendezvous.etcd_client import EtcdClient
+from elastic._agent.rendezvous.etcd_messages import encode, txn_range_results, txn_revision
+from elastic._agent.rendezvous.etcd_options import EtcdOptions
 
 REQUESTS = ("get", "put", "txn")
 

@@ -1,6 +1,6 @@
 """A worker's death healed in place against a new rendezvous round, side by side.
 
-`benchmarks/heal_worker.py` (a small DDP model on `elastic.regroup`) runs under
+`benchmarks/heal_worker.py` (a small DDP model on `elastic._worker.survivors.regroup`) runs under
 torchrevive-run, `--agents` agents of one worker each (c10d, one machine); the
 worker of the last rank SIGKILLs itself inside a step's all-reduce. Settings,
 taking turns run by run:
@@ -45,7 +45,7 @@ def free_port() -> int:
 def run_once(setting: str, agents: int, steps: int, kill_at: int, directory: Path) -> dict:
     report = directory / "report.jsonl"
     command = [
-        sys.executable, "-m", "elastic.launcher", f"--nnodes={agents}:{agents}", "--nproc-per-node=1",
+        sys.executable, "-m", "elastic._agent.launcher", f"--nnodes={agents}:{agents}", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={directory.name}",
         "--max-restarts=2", "--monitor-interval=0.5", "--local-addr=127.0.0.1",
         str(WORKER), str(steps), str(kill_at), str(agents - 1), str(report),

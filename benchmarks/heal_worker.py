@@ -1,4 +1,4 @@
-"""A DDP training script on `elastic.regroup`: what heal_in_place.py times and test_regroup.py checks.
+"""A DDP training script on `elastic._worker.survivors.regroup`: what heal_in_place.py times and test_regroup.py checks.
 
 Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep (or a stand-in that sets the
 same variables) it heals in place: a step whose gradient all-reduce failed is void,
@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic import heal_env, regroup
-from elastic.errors import EnvironmentConfigError
+from elastic._shared.protocol import heal_env
+from elastic._worker.survivors import regroup
+from elastic._shared.common.errors import EnvironmentConfigError
 
 TIMEOUT = timedelta(seconds=60)
 

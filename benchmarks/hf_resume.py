@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import load_file
 
 from elastic.chaos.netns import free_port
-from elastic.launcher.proctree import descendants, worker_rank
+from elastic._agent.launcher.proctree import descendants, worker_rank
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"stock": HERE / "hf_resume_stock.py", "ours": HERE / "hf_resume_elastic.py"}
@@ -61,7 +61,7 @@ SYSTEMS = {  # name: (script, launcher module, extra environment)
     # torch's own switch for a worker store per round: the stock script without the shared store's stale addresses.
     "stock/torchrun-store-per-round": ("stock", "torch.distributed.run", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
     "ours/torchrun": ("ours", "torch.distributed.run", {}),
-    "ours/torchrevive-run": ("ours", "elastic.launcher", {}),
+    "ours/torchrevive-run": ("ours", "elastic._agent.launcher", {}),
 }
 LOG_ENV = "HF_RESUME_SAMPLE_LOG"
 RESTARTS = 3

@@ -408,7 +408,7 @@ def in_thread(turns: Turns, gate: Gate, run: Callable[[], None]) -> threading.Th
 def track_snapshots() -> dict[int, list]:
     """Every `MemorySnapshots` this process builds from now on, by the thread that built it (each
     loop builds its run, and so its snapshots, in its own thread)."""
-    from elastic.checkpoint import memory
+    from elastic._worker.checkpoint import memory
 
     built: dict[int, list] = {}
     original = memory.MemorySnapshots.__init__
@@ -422,8 +422,8 @@ def track_snapshots() -> dict[int, list]:
 
 
 def worker(opts: argparse.Namespace) -> None:
-    from elastic.events import read_events
-    from elastic.runtime import barrier, worker_context
+    from elastic._worker.observe.events import read_events
+    from elastic._worker.runtime.context import barrier, worker_context
 
     keepers: dict[str, dict[str, str]] = json.loads(opts.keepers)
     snapshots = track_snapshots()
@@ -587,8 +587,8 @@ def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
     """A snapshot keeper per recipe loop with snapshots, in this process (see the module docstring)."""
     if not opts.snapshot_every:
         return {}
-    from elastic.launcher.keeper import SnapshotKeeper
-    from elastic.launcher.keeper_files import job_key
+    from elastic._agent.launcher.keeper import SnapshotKeeper
+    from elastic._agent.launcher.keeper_files import job_key
 
     keepers: dict[str, Any] = {}
     try:
@@ -757,7 +757,7 @@ def report(
 def print_breakdown(results: dict[str, Any], median_rate: dict[str, list[float]], names: tuple[str, ...]) -> None:
     """Where the runtime's time on the loop goes (rank 0's Run.step_costs), as shares of the median step,
     beside the end-to-end gap to the seed-style loop; what the phases do not hold is printed as such."""
-    from elastic.step_costs import PHASES
+    from elastic._worker.observe.step_costs import PHASES
 
     loops = [name for name in names if name in results["costs"]]
     step = {name: 1 / geometric_mean(median_rate[name]) for name in loops}

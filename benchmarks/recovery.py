@@ -15,20 +15,20 @@ trained `--settle` seconds after the previous recovery.
 - stock: `torchrun` as installed, its defaults (one worker store shared by
   every round, 30 s last call, 5 s keep-alive); the runtime builds each round's
   process group on a namespace of that store no earlier round used
-  (`elastic.round_store`), so stale addresses cost no rounds.
+  (`elastic._worker.runtime.round_store`), so stale addresses cost no rounds.
 - tuned: plain `torchrun` with what the runtime's hint names,
   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (a store per round: with the shared
   one a node that joins after the first round times the rendezvous out) and
   `--rdzv-conf` of a 2 s last call and 1 s keep-alive: what a user who keeps
   torchrun gets; it still starts every worker cold.
-- ours: `python -m elastic.launcher` (fresh store per round, 2 s last call, 1 s
+- ours: `python -m elastic._agent.launcher` (fresh store per round, 2 s last call, 1 s
   keep-alive, warm worker starts, a snapshot keeper per agent and the recipe's
   in-memory snapshots every step: `--snapshot-every 1`, not the default auto
   interval, so a kill redoes at most one step), the same
   flags otherwise.
 - ours-torch-rounds: ours with torch's rounds (`--rdzv-conf quick_rounds=0`):
   every round waits its 2 s last call and nodes poll the state once a second,
-  as before `elastic.rendezvous.quick_rounds`.
+  as before `elastic._agent.rendezvous.quick_rounds`.
 - ours-keep: ours with heals in place (`TORCHREVIVE_SURVIVORS=keep`): the
   killed worker's agent starts only that worker again, the others keep their
   processes (their step is void and trained again), and the replacement takes
@@ -91,14 +91,14 @@ from pathlib import Path
 
 from elastic.chaos.harness import ChaosJob, JobSpec
 from elastic.chaos.verdict import draw_report
-from elastic.heal_env import SURVIVORS_ENV
-from elastic.launcher.launch import SNAPSHOTS_ENV
-from elastic.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
+from elastic._shared.protocol.heal_env import SURVIVORS_ENV
+from elastic._agent.launcher.launch import SNAPSHOTS_ENV
+from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
 SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")
-OURS = ("ours", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")  # python -m elastic.launcher
+OURS = ("ours", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")  # python -m elastic._agent.launcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

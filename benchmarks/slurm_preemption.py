@@ -1,6 +1,6 @@
 """Preemption on Slurm, side by side: what Slurm's warning signal costs a job.
 
-On a real one-machine Slurm (elastic.chaos.slurm: munged, slurmctld, nodes n1 and n2), the GPT
+On a real one-machine Slurm (tests/slurm_cluster.py: munged, slurmctld, nodes n1 and n2), the GPT
 recipe runs as `srun python recipes/gpt.py` (deploy/slurm/gpt-tasks.sbatch: one task per worker,
 world size 2, checkpoints every `--ckpt-every` steps, steps paced to `--step-seconds`), and gets
 USR1 at a random step past the first checkpoint, as `#SBATCH --signal=USR1@90` sends it:
@@ -35,8 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from elastic.chaos.slurm import SlurmCluster, SlurmUnavailable  # noqa: E402
-from elastic.events import read_events  # noqa: E402
+from tests.slurm_cluster import SlurmCluster, SlurmUnavailable  # noqa: E402
+from elastic._worker.observe.events import read_events  # noqa: E402
 
 MODEL = ("--batch-size", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
          "--eval-every", "0", "--seed", "1", "--device", "cpu", "--sample-tokens", "0")

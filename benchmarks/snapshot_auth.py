@@ -30,14 +30,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.checkpoint import keeper_client
-from elastic.checkpoint.part_files import READ_MAX
-from elastic.launcher.keeper import SnapshotKeeper
-from elastic.storage import parts, peer_auth
-from elastic.storage.chunks import BLOCK, StoredChunk, block_checksums
-from elastic.storage.keeper_address import LOCAL
-from elastic.storage.parts import PartHeader
-from elastic.storage.peer_auth import PeerKey
+from elastic._worker.checkpoint import keeper_client
+from elastic._worker.checkpoint.part_files import READ_MAX
+from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._shared.storage import parts, peer_auth
+from elastic._shared.storage.chunks import BLOCK, StoredChunk, block_checksums
+from elastic._shared.storage.keeper_address import LOCAL
+from elastic._shared.storage.parts import PartHeader
+from elastic._shared.storage.peer_auth import PeerKey
 
 RUN = "auth-bench"
 

@@ -4,7 +4,7 @@
     python benchmarks/snapshot_restore.py --quick   # the tiny GPT only, one repeat (smoke test; figures mean little)
 
 One process, no torchrun: per model the benchmark starts a snapshot keeper
-(`elastic.launcher.keeper.SnapshotKeeper`, on 127.0.0.1, its directory in a
+(`elastic._agent.launcher.keeper.SnapshotKeeper`, on 127.0.0.1, its directory in a
 temporary folder under /dev/shm) in this process and puts its address in the
 environment, as `torchrevive-run` does for its workers (a keeper per model: a
 restore is offered every part of its run id a keeper holds, and the other
@@ -74,14 +74,14 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
-from elastic.checkpoint import CheckpointManager  # noqa: E402
-from elastic.cli import OneLineArgumentParser, positive_int  # noqa: E402
-from elastic.config import RunConfig  # noqa: E402
-from elastic.events import EventLog, read_events  # noqa: E402
-from elastic.launcher.keeper import SnapshotKeeper  # noqa: E402
-from elastic.launcher.keeper_files import job_key  # noqa: E402
-from elastic.runtime import init_worker  # noqa: E402
-from elastic.sampler import ElasticSampler  # noqa: E402
+from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
+from elastic._shared.common.cli import OneLineArgumentParser, positive_int  # noqa: E402
+from elastic._worker.config import RunConfig  # noqa: E402
+from elastic._worker.observe.events import EventLog, read_events  # noqa: E402
+from elastic._agent.launcher.keeper import SnapshotKeeper  # noqa: E402
+from elastic._agent.launcher.keeper_files import job_key  # noqa: E402
+from elastic._worker.runtime.context import init_worker  # noqa: E402
+from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
 
 TARGET = 0.02
 LR, WEIGHT_DECAY, GRAD_CLIP = 1e-3, 0.1, 1.0  # recipes/gpt.py defaults

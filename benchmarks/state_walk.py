@@ -1,4 +1,4 @@
-"""The live state as tensors by key: our walk (elastic/checkpoint/state.py) / torch.distributed.checkpoint.state_dict.
+"""The live state as tensors by key: our walk (elastic/_worker/checkpoint/state.py) / torch.distributed.checkpoint.state_dict.
 
     python benchmarks/state_walk.py                 # the GPT recipe's model and a ~100M GPT
     python benchmarks/state_walk.py --models recipe --repeats 20
@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     set_optimizer_state_dict,
 )
 
-from elastic.checkpoint import state as live_state  # noqa: E402
-from elastic.cli import OneLineArgumentParser, positive_int  # noqa: E402
+from elastic._worker.checkpoint import state as live_state  # noqa: E402
+from elastic._shared.common.cli import OneLineArgumentParser, positive_int  # noqa: E402
 
 MODELS = {
     "recipe": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),

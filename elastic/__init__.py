@@ -3,7 +3,7 @@
 The front door is one object:
 
     import elastic
-    with elastic.Run.from_args(args) as run: ...      # see elastic/run.py
+    with elastic.Run.from_args(args) as run: ...      # see elastic/_worker/run/run.py
 
 Underneath, its parts stay usable alone, in layers (docs/architecture.md draws
 them; import-linter contracts in pyproject.toml keep them):
@@ -29,27 +29,27 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
-from elastic.slurm.requeue import catch_early
-from elastic.version import __version__ as __version__
+from elastic._shared.slurm.requeue import catch_early
+from elastic._shared.common.version import __version__ as __version__
 
 # In a Slurm job, the requeue signal (USR1) reaches every process of a step, and its default action
-# ends a process: from here on it is remembered until the run's handler acts on it (elastic.slurm.requeue).
+# ends a process: from here on it is remembered until the run's handler acts on it (elastic._shared.slurm.requeue).
 catch_early(os.environ)
 
 __all__ = ["ArgumentParser", "Run", "RunConfig", "add_runtime_arguments", "seeded_samples"]
 
 if TYPE_CHECKING:
-    from elastic.config import ArgumentParser, RunConfig, add_runtime_arguments
-    from elastic.data import seeded_samples
-    from elastic.run import Run
+    from elastic._worker.config import ArgumentParser, RunConfig, add_runtime_arguments
+    from elastic._worker.data.feed import seeded_samples
+    from elastic._worker.run.run import Run
 
 
 _EXPORTS = {
-    "ArgumentParser": "elastic.config",
-    "Run": "elastic.run",
-    "RunConfig": "elastic.config",
-    "add_runtime_arguments": "elastic.config",
-    "seeded_samples": "elastic.data",
+    "ArgumentParser": "elastic._worker.config",
+    "Run": "elastic._worker.run.run",
+    "RunConfig": "elastic._worker.config",
+    "add_runtime_arguments": "elastic._worker.config",
+    "seeded_samples": "elastic._worker.data.feed",
 }
 
 

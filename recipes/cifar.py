@@ -21,7 +21,7 @@ A smoke run without the data set: `python recipes/cifar.py --fake-data --model c
 Each step the job takes the next global batch of the elastic sampler's stream:
 an ordinary DataLoader with worker processes, driven by `run.batch_sampler()`,
 prepares this rank's share of the steps to come, each image augmented from a
-seed of (seed, epoch, index) alone (`elastic.data.seeded_samples`), so a job
+seed of (seed, epoch, index) alone (`elastic._worker.data.feed.seeded_samples`), so a job
 resumed after a kill ends bit-identical to one never interrupted.
 At world size > 1 batch norm uses the statistics of the whole job's batch
 (cifar_model.sync_batchnorm), so every rank holds the same running statistics.
@@ -63,7 +63,7 @@ from cifar_model import (  # noqa: E402
 )
 
 import elastic  # noqa: E402
-from elastic.cli import (  # noqa: E402
+from elastic._shared.common.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
     non_negative_float,
@@ -73,10 +73,10 @@ from elastic.cli import (  # noqa: E402
     run_main,
     unit_interval,
 )
-from elastic.data import seeded_samples  # noqa: E402
-from elastic.sampler import ElasticSampler  # noqa: E402
-from elastic.schedules import OneCycle, WarmupCosine  # noqa: E402
-from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
+from elastic._worker.data.feed import seeded_samples  # noqa: E402
+from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
+from elastic._worker.run.schedules import OneCycle, WarmupCosine  # noqa: E402
+from elastic._shared.common.slow_imports import prefetch_slow_imports  # noqa: E402
 
 logger = logging.getLogger("cifar")
 

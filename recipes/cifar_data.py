@@ -2,7 +2,7 @@
 
 The loader that feeds each step exactly the samples the elastic sampler gives
 this rank, each augmented from (seed, epoch, index) alone, is the library's
-(`elastic.data`): an ordinary DataLoader over `run.batch_sampler()`.
+(`elastic._worker.data.feed`): an ordinary DataLoader over `run.batch_sampler()`.
 
 On disk: `--data DIR` with DIR/cifar-10-batches-py/ as extracted from the
 python version of CIFAR-10 (cifar-10-python.tar.gz): data_batch_1..5,
@@ -33,7 +33,7 @@ import torchvision
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from elastic.errors import UsageError
+from elastic._shared.common.errors import UsageError
 
 BASE_FOLDER = torchvision.datasets.CIFAR10.base_folder  # "cifar-10-batches-py"
 TRAIN_FILES = tuple(name for name, _ in torchvision.datasets.CIFAR10.train_list)

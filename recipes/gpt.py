@@ -17,7 +17,7 @@ a run also prints a short sample when it ends.
 
 Data: `--data` is a text file or a folder of them; tokens are bytes, so any
 text works. Each step the job takes the next global batch of the elastic
-sampler's stream (see elastic/sampler.py), so ranks never share a sample.
+sampler's stream (see elastic/_worker/data/sampler.py), so ranks never share a sample.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from gpt_model import GPT, GPTConfig, configure_optimizer, decode_tokens, encode
 from text_data import TokenWindows, load_corpus, split_corpus  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic.checkpoint import compat, load_newest_model_state  # noqa: E402
-from elastic.cli import (  # noqa: E402
+from elastic._worker.checkpoint import compat, load_newest_model_state  # noqa: E402
+from elastic._shared.common.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
     non_negative_float,
@@ -48,10 +48,10 @@ from elastic.cli import (  # noqa: E402
     run_main,
     unit_interval,
 )
-from elastic.errors import CheckpointMismatchError, UsageError  # noqa: E402
-from elastic.runtime import all_reduce_mean  # noqa: E402
-from elastic.schedules import WarmupCosine  # noqa: E402
-from elastic.slow_imports import prefetch_slow_imports  # noqa: E402
+from elastic._shared.common.errors import CheckpointMismatchError, UsageError  # noqa: E402
+from elastic._worker.runtime.context import all_reduce_mean  # noqa: E402
+from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
+from elastic._shared.common.slow_imports import prefetch_slow_imports  # noqa: E402
 
 logger = logging.getLogger("gpt")
 

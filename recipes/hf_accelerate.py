@@ -10,7 +10,7 @@ An elastic job (the same line on every node):
         recipes/hf_accelerate.py --ckpt-dir ckpt --events runs/job1.jsonl
 
 The usual accelerate loop (prepare, backward, step) inside `elastic.Run`:
-`elastic.hf.start_accelerated` registers what accelerate prepared and restores
+`elastic._worker.hf.start_accelerated` registers what accelerate prepared and restores
 the newest good checkpoint, and the train loader is driven by the run's step
 sampler. --fsdp shards the model with accelerate's FSDP2 plugin.
 """
@@ -34,10 +34,10 @@ from text_data import load_corpus, split_corpus  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic.cli import OneLineArgumentParser, configure_logging, positive_float, positive_int, run_main  # noqa: E402
-from elastic.errors import UsageError  # noqa: E402
+from elastic._shared.common.cli import OneLineArgumentParser, configure_logging, positive_float, positive_int, run_main  # noqa: E402
+from elastic._shared.common.errors import UsageError  # noqa: E402
 from elastic.hf import start_accelerated  # noqa: E402
-from elastic.runtime import all_reduce_mean  # noqa: E402
+from elastic._worker.runtime.context import all_reduce_mean  # noqa: E402
 
 logger = logging.getLogger("hf_accelerate")
 

@@ -33,8 +33,8 @@ from hf_model import ByteWindows, add_model_arguments, byte_lm  # noqa: E402
 from text_data import load_corpus, split_corpus  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic.cli import OneLineArgumentParser, configure_logging, positive_float, positive_int, run_main  # noqa: E402
-from elastic.errors import UsageError  # noqa: E402
+from elastic._shared.common.cli import OneLineArgumentParser, configure_logging, positive_float, positive_int, run_main  # noqa: E402
+from elastic._shared.common.errors import UsageError  # noqa: E402
 from elastic.hf import Trainer  # noqa: E402
 
 logger = logging.getLogger("hf_trainer")

@@ -11,11 +11,11 @@ from pathlib import Path
 import crc32c
 import torch
 
-from elastic.storage import claim as claims
-from elastic.storage import sharded
-from elastic.storage.claim import WriterIdentity
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.manifest import Manifest, versions
+from elastic._shared.storage import claim as claims
+from elastic._shared.storage import sharded
+from elastic._shared.storage.claim import WriterIdentity
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.manifest import Manifest, versions
 
 
 def manifest_for(step: int, files: dict, *, run_id: str = "run-a") -> Manifest:

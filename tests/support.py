@@ -18,12 +18,12 @@ import torch
 from torch.utils.data import Dataset
 
 from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
-from elastic.checkpoint import read_checkpoint
-from elastic.launcher.proctree import children as children_of  # noqa: F401 - re-exported
-from elastic.launcher.proctree import worker_rank  # noqa: F401 - re-exported
-from elastic.metrics import PREFIX, TrainingMetrics
-from elastic.runtime import WorkerContext
-from elastic.sampler import ElasticSampler
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._agent.launcher.proctree import children as children_of  # noqa: F401 - re-exported
+from elastic._agent.launcher.proctree import worker_rank  # noqa: F401 - re-exported
+from elastic._worker.observe.metrics import PREFIX, TrainingMetrics
+from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.data.sampler import ElasticSampler
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
@@ -92,7 +92,7 @@ def worker_env(**extra: str) -> dict[str, str]:
     """The environment for a child job: no inherited torchrun variables, quiet threads."""
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
     # Each rendezvous round gets a fresh worker store: with torchrun's shared store a node
-    # joining after the first round times out (see elastic/launcher/launch.py).
+    # joining after the first round times out (see elastic/_agent/launcher/launch.py).
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, **extra)
     return env
 
@@ -134,7 +134,7 @@ def standalone_command(
 ) -> list[str]:
     """A one-node torchrun job of `nproc` workers (its own c10d store on a free port);
     `record_samples` runs the script under `elastic.chaos.samples` (set ELASTIC_SAMPLE_LOG);
-    `launcher` is stock torchrun or ours (`elastic.launcher`)."""
+    `launcher` is stock torchrun or ours (`elastic._agent.launcher`)."""
     wrapper = ["-m", "elastic.chaos.samples"] if record_samples else []
     return [
         sys.executable, "-m", launcher, "--standalone",
@@ -238,7 +238,7 @@ def logs(directory: Path, pattern: str = "*.log") -> str:
 
 def steps_seen(events: Path) -> int:
     """The highest step in an event log (0 before the first)."""
-    from elastic.events import read_events
+    from elastic._worker.observe.events import read_events
 
     if not events.exists():
         return 0
@@ -342,8 +342,8 @@ def replay(sampler: ElasticSampler, rank: int, world_size: int, steps: int) -> l
 def start_keeper(base: Path, *, run_id: str = "local", host: str = "127.0.0.1") -> Any:
     """A snapshot keeper for run `run_id` on `host`, as torchrevive-run starts one: its secret in a
     file (mode 0600) that its `address.environ()` names, for the workers to sign with."""
-    from elastic.launcher.keeper import SnapshotKeeper
-    from elastic.storage.peer_auth import PeerKey
+    from elastic._agent.launcher.keeper import SnapshotKeeper
+    from elastic._shared.storage.peer_auth import PeerKey
 
     base.mkdir(parents=True, exist_ok=True)
     secret_file = base / "secret"
@@ -363,7 +363,7 @@ def keeper_request(
     import http.client
     from urllib.parse import urlsplit
 
-    from elastic.storage import peer_auth
+    from elastic._shared.storage import peer_auth
 
     parsed = urlsplit(url)
     body = head + data
@@ -434,8 +434,8 @@ def run_healing_job(
     TORCHREVIVE_SURVIVORS=`survivors` and ELASTIC_FAULT=`fault` (and under the sample audit when
     `sample_log` is given); every agent must exit 0. Its events and each agent's log."""
     from elastic.chaos.samples import LOG_ENV
-    from elastic.events import read_events
-    from elastic.heal_env import SURVIVORS_ENV
+    from elastic._worker.observe.events import read_events
+    from elastic._shared.protocol.heal_env import SURVIVORS_ENV
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     events = tmp_path / "events.jsonl"
@@ -446,7 +446,7 @@ def run_healing_job(
             "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", str(ckpt_every), "--events", str(events),
         ],
     )
-    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
+    command[2] = "elastic._agent.launcher"  # torchrevive-run, not torchrun
     if sample_log is not None:
         recipe = command.index(str(GPT_RECIPE))
         command[recipe:recipe] = ["-m", "elastic.chaos.samples"]
@@ -465,7 +465,7 @@ def workers_started(logs: list[str]) -> dict[int, int]:
     started: dict[int, int] = {}
     for log in logs:
         for line in log.splitlines():
-            if "elastic.runtime: worker ready:" in line:
+            if "elastic._worker.runtime.context: worker ready:" in line:
                 rank = int(line.split("[rank")[1].split("]")[0])
                 started[rank] = started.get(rank, 0) + 1
     return started

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elastic.runtime import WorkerContext
+from elastic._worker.runtime.context import WorkerContext
 
 T = TypeVar("T")
 _groups = itertools.count()

@@ -34,7 +34,7 @@ import socket
 import sys
 import traceback
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "elastic.run", "elastic.checkpoint", "elastic.chaos.samples")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "elastic._worker.run.run", "elastic.checkpoint", "elastic.chaos.samples")
 _MAX_REQUEST = 1 << 20
 
 
@@ -52,7 +52,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
     if env.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True, write_through=True)
-    from elastic.slurm.requeue import catch_early
+    from elastic._shared.slurm.requeue import catch_early
 
     catch_early(os.environ)  # what `import elastic` does in a fresh process of a Slurm job
     # torch's elastic agent sets its loggers' level from LOGLEVEL when its modules are imported (here,
@@ -61,7 +61,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger) and logger.level:
             logger.setLevel(level)
-    if argv[:2] == ["-m", "elastic.launcher"]:
+    if argv[:2] == ["-m", "elastic._agent.launcher"]:
         _seed_fork_server()
     try:
         if argv[0] == "-m":
@@ -98,13 +98,13 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
 
 
 def _seed_fork_server() -> None:
-    """For an agent (`-m elastic.launcher`): fork now, while this process is a warm and single-threaded
+    """For an agent (`-m elastic._agent.launcher`): fork now, while this process is a warm and single-threaded
     copy of the zygote, a child that waits to become the agent's multiprocessing fork server, and
     make the agent's one spawn of a fork server (`multiprocessing.util.spawnv_passfds`) hand its
     command and descriptors to that child instead of starting a fresh interpreter that imports
     torch again. The fork server is then the agent's child, as a spawned one would be (its workers
     are the agent's descendants, and multiprocessing waits for it), and its preload (the launcher's
-    warm start: elastic.launcher.warm_start) finds torch, torch._dynamo and the runtime imported."""
+    warm start: elastic._agent.launcher.warm_start) finds torch, torch._dynamo and the runtime imported."""
     agent_end, seed_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     seed = os.fork()
     if seed == 0:
@@ -234,7 +234,7 @@ def main() -> None:
     for name in PRELOAD:
         __import__(name)
     gc.collect()
-    gc.freeze()  # a program's full collections walk only what it made (elastic.launcher.warm_start does the same)
+    gc.freeze()  # a program's full collections walk only what it made (elastic._agent.launcher.warm_start does the same)
     _send(conn, {"ready": True})
     serve(conn)
 

@@ -39,9 +39,9 @@ from elastic.chaos.scenarios import (
     parse_chain,
     run_scenario,
 )
-from elastic.cli import OneLineArgumentParser, positive_int, run_main
-from elastic.errors import ElasticError, UsageError
-from elastic.heal_env import MODES, RESTART
+from elastic._shared.common.cli import OneLineArgumentParser, positive_int, run_main
+from elastic._shared.common.errors import ElasticError, UsageError
+from elastic._shared.protocol.heal_env import MODES, RESTART
 
 
 def build_parser() -> OneLineArgumentParser:
@@ -61,7 +61,7 @@ def build_parser() -> OneLineArgumentParser:
         "--hosts", choices=["loopback", "netns"], default="loopback",
         help="agents on this machine's loopback, or each on a host of its own (network namespaces; root)",
     )
-    p.add_argument("--launcher", choices=["ours", "stock"], default="ours", help="elastic.launcher or plain torchrun")
+    p.add_argument("--launcher", choices=["ours", "stock"], default="ours", help="elastic._agent.launcher or plain torchrun")
     p.add_argument("--steps", type=positive_int, default=None, help="steps of each job (default: 40; more for node-loss, scale-up, partition)")
     p.add_argument(
         "--fsdp", action="store_true",

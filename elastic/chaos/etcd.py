@@ -31,8 +31,8 @@ import requests
 from pyetcd import etcdrpc
 
 from elastic.chaos.netns import free_port
-from elastic.errors import UsageError
-from elastic.rendezvous.etcd_messages import prefix_end
+from elastic._shared.common.errors import UsageError
+from elastic._agent.rendezvous.etcd_messages import prefix_end
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ torchrun starts without any change to the command line:
                                             outlast a node joining it, however slow the
                                             join, and no longer than it needs)
 
-The library marks the points (elastic.fault_hook); `FaultInjector` is the
+The library marks the points (elastic._shared.protocol.fault_hook); `FaultInjector` is the
 plugin that fills them, registered under the entry point group
 `torchrevive.faults`, so a worker loads it only when ELASTIC_FAULT is set.
 
@@ -54,7 +54,7 @@ chaos harness chains several faults in one job without counting restarts. Severa
 are separated by commas; `@N+` matches step N and every later one. The
 default death is SIGKILL: no handler, no flush, no cleanup runs, as when a
 machine or the OOM killer takes a process. `stop` and `hang` leave the process
-alive and silent: only hang detection (`elastic.watchdog`) gets the job going
+alive and silent: only hang detection (`elastic._worker.control.watchdog`) gets the job going
 again. `enospc` and `slow` are storage faults: the first raises the OSError a
 full disk gives, the second sleeps `for` seconds (default 30) in the writer.
 """
@@ -70,9 +70,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from elastic.errors import UsageError
-from elastic.fault_hook import ENV_VAR
-from elastic.fault_hook import POINTS as FAULT_POINTS
+from elastic._shared.common.errors import UsageError
+from elastic._shared.protocol.fault_hook import ENV_VAR
+from elastic._shared.protocol.fault_hook import POINTS as FAULT_POINTS
 
 ACTIONS = ("kill", "stop", "hang", "enospc", "slow", "hold")
 ONCE_DIR_ENV = "ELASTIC_FAULT_ONCE_DIR"
@@ -144,7 +144,7 @@ def parse_faults(text: str) -> list[Fault]:
 
 class FaultInjector:
     """The faults meant for this worker; `at(point, step)` kills it when one matches (an
-    `elastic.fault_hook.FaultHook`)."""
+    `elastic._shared.protocol.fault_hook.FaultHook`)."""
 
     def __init__(self, rank: int, restart: int, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ

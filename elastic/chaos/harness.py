@@ -1,7 +1,7 @@
 """Run an elastic job of several torchrun agents on this machine and hurt it.
 
 `ChaosJob` starts N agents of one job (the GPT recipe by default) under
-`elastic.launcher` or stock torchrun, with c10d or etcd-v3 rendezvous, on
+`elastic._agent.launcher` or stock torchrun, with c10d or etcd-v3 rendezvous, on
 loopback or each on a host of its own (`elastic.chaos.netns`), and offers the
 faults a cluster deals out: SIGKILL a worker, SIGKILL a whole agent with its
 workers (node loss), a new agent joining (scale up), SIGSTOP a worker (a
@@ -44,11 +44,11 @@ from typing import Any
 from elastic.chaos.etcd import EtcdServer
 from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
-from elastic.errors import UsageError
-from elastic.launcher.keeper_files import BASE_ENV as SNAPSHOT_BASE_ENV
-from elastic.launcher.keeper_files import private_directory
-from elastic.launcher.proctree import descendants, worker_rank
-from elastic.storage.peer_auth import SECRET_FILE_ENV
+from elastic._shared.common.errors import UsageError
+from elastic._agent.launcher.keeper_files import BASE_ENV as SNAPSHOT_BASE_ENV
+from elastic._agent.launcher.keeper_files import private_directory
+from elastic._agent.launcher.proctree import descendants, worker_rank
+from elastic._shared.storage.peer_auth import SECRET_FILE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class JobSpec:
     """c10d: a free loopback port is picked; etcd-v3: HOST:PORT of etcd (required)."""
     max_restarts: int = 3
     launcher: str = "ours"
-    """`ours` (python -m elastic.launcher) or `stock` (torch.distributed.run)."""
+    """`ours` (python -m elastic._agent.launcher) or `stock` (torch.distributed.run)."""
     script: Path | None = None
     """The training script; None: the GPT recipe (`find_recipe`)."""
     rdzv_conf: str = "join_timeout=60,close_timeout=10"
@@ -126,7 +126,7 @@ class ChaosJob:
 
     def command(self, index: int) -> list[str]:
         """Agent `index`'s command line (on its own host when the job has a network)."""
-        launcher = ["-m", "elastic.launcher"] if self.spec.launcher == "ours" else ["-m", "torch.distributed.run"]
+        launcher = ["-m", "elastic._agent.launcher"] if self.spec.launcher == "ours" else ["-m", "torch.distributed.run"]
         rdzv_conf = self.spec.rdzv_conf
         if self.spec.backend == "c10d":
             # The agent that hosts c10d's rendezvous store is the one node a c10d job cannot

@@ -33,7 +33,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from elastic.errors import ElasticError
+from elastic._shared.common.errors import ElasticError
 
 INTERFACE = "eth0"
 """The host side of every cable; point GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME at it."""

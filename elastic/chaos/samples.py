@@ -21,7 +21,7 @@ rest were lost with it and trained again. Over the steps that survive:
 - rounds never trained at the same time (no split brain);
 - every step from the first to the last appears once, with one record per rank;
 - each step starts where the previous one ended in the epoch stream, and
-  holds exactly the samples the epoch order (`elastic.sampler.epoch_permutation`
+  holds exactly the samples the epoch order (`elastic._worker.data.sampler.epoch_permutation`
   of the seed) puts there;
 - every complete epoch holds each sample exactly once, and no epoch holds a
   sample twice.
@@ -174,7 +174,7 @@ class _Stream:
 
 def _stream_slice(orders: dict[int, list[int]], n: int, seed: int, at: tuple[int, int], count: int) -> list[int]:
     """`count` indices of the epoch stream from position `at`, as the sampler defines it."""
-    from elastic.sampler import epoch_permutation
+    from elastic._worker.data.sampler import epoch_permutation
 
     out: list[int] = []
     epoch, consumed = at
@@ -224,9 +224,9 @@ def _record_samples(prefix: str) -> None:
     """Patch the sampler and state manager of this process to log every step."""
     import torch.distributed as dist
 
-    from elastic.checkpoint import CheckpointManager
-    from elastic.runtime import control_group
-    from elastic.sampler import ElasticSampler
+    from elastic._worker.checkpoint import CheckpointManager
+    from elastic._worker.runtime.context import control_group
+    from elastic._worker.data.sampler import ElasticSampler
 
     current = {"step": 1, "round": "", "round_start": 0}
     original_restore, original_local_batch = CheckpointManager.restore, ElasticSampler.local_batch

@@ -29,8 +29,8 @@ from elastic.chaos.harness import ChaosJob, JobSpec, find_recipe
 from elastic.chaos.netns import VirtualNetwork
 from elastic.chaos.samples import audit, kept_processes
 from elastic.chaos.verdict import ScenarioResult, draw_report, verified_final_checkpoint
-from elastic.errors import UsageError
-from elastic.heal_env import FROZEN_AFTER_ENV, RESTART, SURVIVORS_ENV, TRAIN_ON
+from elastic._shared.common.errors import UsageError
+from elastic._shared.protocol.heal_env import FROZEN_AFTER_ENV, RESTART, SURVIVORS_ENV, TRAIN_ON
 
 Scenario = Callable[[ChaosJob, random.Random], dict[int, int]]
 """Hurts a started job once the fault is due (`when_due`); returns the exit codes expected of the

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.chaos.samples import SampleAudit
-from elastic.errors import CorruptCheckpoint
-from elastic.storage.directory import CheckpointStore
+from elastic._shared.common.errors import CorruptCheckpoint
+from elastic._shared.storage.directory import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ScenarioResult:
 
 def draw_report(events: Path, out: Path, *, title: str) -> Path | None:
     """Draw the job's picture; None when it cannot be drawn (no matplotlib, no step ran)."""
-    from elastic.errors import UsageError
+    from elastic._shared.common.errors import UsageError
     from elastic.report import load_events, render
 
     try:

@@ -10,8 +10,8 @@ import pytest
 import warm
 from support import REPO, TINY_MODEL, standalone_command, worker_env
 
-from elastic.events import read_events
-from elastic.watchdog import EXIT_CODE
+from elastic._worker.observe.events import read_events
+from elastic._worker.control.watchdog import EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_a_stopped_then_a_deadlocked_worker_each_trip_the_watchdog_and_the_job_c
     done = warm.run(
         # Our launcher: its reaper ends the SIGSTOPped worker when the group stops, where
         # stock torchrun waits 30 s for it to act on SIGTERM.
-        standalone_command(2, args, max_restarts=2, launcher="elastic.launcher"),
+        standalone_command(2, args, max_restarts=2, launcher="elastic._agent.launcher"),
         timeout=240, cwd=REPO,
         env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:do=stop,after_step@20:rank=1:do=hang:restart=1"),
     )
@@ -82,7 +82,7 @@ def test_a_hang_without_snapshots_resumes_from_the_newest_checkpoint(tmp_path: P
         "--collective-timeout", "600", *TINY_MODEL,
     ]
     done = warm.run(
-        standalone_command(2, args, max_restarts=1, launcher="elastic.launcher"),
+        standalone_command(2, args, max_restarts=1, launcher="elastic._agent.launcher"),
         timeout=240, cwd=REPO,
         env=worker_env(ELASTIC_FAULT="after_step@12:rank=1:do=stop"),
     )
@@ -105,7 +105,7 @@ def test_more_faults_than_max_restarts_fail_with_a_summary_and_a_good_checkpoint
         "--data", str(tiny_corpus), "--max-steps", "40", "--eval-every", "0", "--ckpt-dir", str(ckpt),
         "--ckpt-every", "5", *TINY_MODEL,
     ]
-    command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    command = [sys.executable, "-m", "elastic._agent.launcher", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
                "--monitor-interval=0.5", str(REPO / "recipes" / "gpt.py"), *args]
     done = warm.run(command, timeout=240, cwd=REPO,
                           # @12+: a restart resumes from memory at step 11 or 12 and must die again.

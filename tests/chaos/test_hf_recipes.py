@@ -24,7 +24,7 @@ from elastic.chaos.harness import ChaosJob, JobSpec  # noqa: E402
 from elastic.chaos.verdict import verified_final_checkpoint  # noqa: E402
 from elastic.chaos.samples import audit  # noqa: E402
 from elastic.chaos.scenarios import run_scenario  # noqa: E402
-from elastic.checkpoint import read_checkpoint  # noqa: E402
+from elastic._worker.checkpoint import read_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

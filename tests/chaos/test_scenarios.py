@@ -31,9 +31,9 @@ from references import REFERENCE_STEPS, References, gpt_args
 
 from elastic.chaos.netns import VirtualNetwork
 from elastic.chaos.scenarios import run_scenario
-from elastic.checkpoint import read_checkpoint
-from elastic.events import read_events
-from elastic.storage.sharded import TENSORS_FILE
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.observe.events import read_events
+from elastic._shared.storage.sharded import TENSORS_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.launcher.keeper import SnapshotKeeper
+from elastic._agent.launcher.keeper import SnapshotKeeper
 from support import start_keeper
 
 

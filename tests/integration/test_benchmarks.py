@@ -30,7 +30,7 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tm
         timeout=240, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    from elastic.step_costs import PHASES
+    from elastic._worker.observe.step_costs import PHASES
 
     assert "per-step cost of the runtime on the loop" in result.stdout, result.stdout
     for phase in (*PHASES, "total", "end-to-end"):

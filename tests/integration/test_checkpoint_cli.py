@@ -19,8 +19,8 @@ from support import (
     worker_env,
 )
 
-from elastic.checkpoint import read_checkpoint
-from elastic.events import read_events
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

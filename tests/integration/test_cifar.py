@@ -37,7 +37,7 @@ from support import (
 )
 from torch import nn
 
-from elastic.events import read_events
+from elastic._worker.observe.events import read_events
 
 TRAIN_IMAGES, TEST_IMAGES, BATCH = 320, 80, 16
 STEPS_PER_EPOCH = TRAIN_IMAGES // (BATCH * 2)  # at world size 2

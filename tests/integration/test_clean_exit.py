@@ -1,13 +1,13 @@
 """Clean exits: the shortest real job (GPT recipe, tiny, 2 workers, gloo on CPU) never ends its
 workers with SIGABRT ("terminate called without an active exception", exit -6).
 
-That abort (elastic/threads.py says why) takes two things: a Python thread still alive when the
+That abort (elastic/_shared/common/threads.py says why) takes two things: a Python thread still alive when the
 interpreter starts finalizing, and that thread waking inside a torch C++ call before the process is
 gone. The second is a race of the scheduler's: it hit 1 run in 4 under load when the checkpoint
 heartbeat outlived the run, and a test that waits for it (many runs beside a CPU burner) catches a
 regression only by chance. The first is certain and can be seen: each worker here runs the recipe
 under a wrapper whose atexit handler, registered before anything else and so run after every other
-one (the library's own `elastic.threads` hook included), right before finalization, writes down
+one (the library's own `elastic._shared.common.threads` hook included), right before finalization, writes down
 which threads are alive then. There must be none, in every worker, on every run. It must also have
 seen the library's threads start, or the test would prove nothing. (With that bug put back, a
 heartbeat that neither the claim's stop nor any atexit hook ends, this test failed on every run,
@@ -93,7 +93,7 @@ def test_the_shortest_job_leaves_no_thread_alive_for_the_interpreter_to_finalize
 GROUP_LEFT = '''\
 import gc, json, os, sys
 import torch
-from elastic.runtime import worker_context  # the only import of the runtime: nothing else imported first
+from elastic._worker.runtime.context import worker_context  # the only import of the runtime: nothing else imported first
 
 def threads():
     return len(os.listdir("/proc/self/task"))

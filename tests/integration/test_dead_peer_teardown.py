@@ -23,7 +23,7 @@ WORKER = textwrap.dedent(f"""
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from elastic.runtime import worker_context
+    from elastic._worker.runtime.context import worker_context
 
     rank, how = int(os.environ["RANK"]), sys.argv[1]
     try:

@@ -13,14 +13,14 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStateError,
 )
 
-from elastic.rendezvous.etcd import (
+from elastic._agent.rendezvous.etcd import (
     BACKEND_NAME,
     create_backend,
     decode_state,
     encode_state,
 )
-from elastic.rendezvous.etcd_client import EtcdClient
-from elastic.rendezvous.etcd_options import EtcdOptions
+from elastic._agent.rendezvous.etcd_client import EtcdClient
+from elastic._agent.rendezvous.etcd_options import EtcdOptions
 
 
 def params(endpoint: str, run_id: str | None = None, **conf: object) -> RendezvousParameters:
@@ -195,7 +195,7 @@ def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd) -> None:
     import sys
 
     script = (
-        "import elastic.rendezvous.etcd\n"  # first, as a training script might: no import cycle
+        "import elastic._agent.rendezvous.etcd\n"  # first, as a training script might: no import cycle
         "from torch.distributed.elastic.rendezvous import registry\n"
         "from torch.distributed.elastic.rendezvous.api import RendezvousParameters\n"
         f"p = RendezvousParameters('etcd-v3', '{shared_etcd.endpoint}', 'entry-point', 1, 1)\n"
@@ -238,8 +238,8 @@ def test_runs_with_nested_prefixes_never_see_each_others_keys(shared_etcd) -> No
     """Before run ids were checked, run `a/agents/x` wrote under run `a`'s agents/ range (a live
     agent to `a` for ever) and `a/store` into `a`'s store. Such ids are refused now, and nested
     prefixes that are accepted keep apart: counts, agent lists and a reopen see one run only."""
-    from elastic.rendezvous.etcd import AgentPresence, RunKeys, _live_agents, _remove_closed_run
-    from elastic.rendezvous.etcd_options import EtcdOptionsError
+    from elastic._agent.rendezvous.etcd import AgentPresence, RunKeys, _live_agents, _remove_closed_run
+    from elastic._agent.rendezvous.etcd_options import EtcdOptionsError
 
     outer_id = uuid.uuid4().hex
     for nested in (f"{outer_id}/agents/x", f"{outer_id}/store"):

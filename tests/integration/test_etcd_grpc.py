@@ -19,16 +19,16 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
 )
 
-from elastic.rendezvous.etcd import create_backend
-from elastic.rendezvous.etcd_client import EtcdClient
-from elastic.rendezvous.etcd_messages import (
+from elastic._agent.rendezvous.etcd import create_backend
+from elastic._agent.rendezvous.etcd_client import EtcdClient
+from elastic._agent.rendezvous.etcd_messages import (
     encode,
     key_values,
     prefix_end,
     txn_range_results,
 )
-from elastic.rendezvous.etcd_options import EtcdOptions
-from elastic.rendezvous.etcd_store import EtcdStore
+from elastic._agent.rendezvous.etcd_options import EtcdOptions
+from elastic._agent.rendezvous.etcd_store import EtcdStore
 
 
 def params(endpoint: str, **conf: object) -> RendezvousParameters:
@@ -172,7 +172,7 @@ def test_an_etcd_restart_shorter_than_the_budget_is_invisible(etcd, caplog) -> N
     etcd.stop()
     restart = threading.Thread(target=etcd.start)
     restart.start()
-    with caplog.at_level(logging.WARNING, logger="elastic.rendezvous.etcd_client"):
+    with caplog.at_level(logging.WARNING, logger="elastic._agent.rendezvous.etcd_client"):
         assert client.get(b"/nothing") is None
     restart.join()
     assert "reconnected to" in caplog.text

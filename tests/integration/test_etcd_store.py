@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-from elastic.rendezvous.etcd import create_backend
-from elastic.rendezvous.etcd_store import EtcdStore
+from elastic._agent.rendezvous.etcd import create_backend
+from elastic._agent.rendezvous.etcd_store import EtcdStore
 
 TIMEOUT = timedelta(seconds=1)
 

@@ -28,9 +28,9 @@ from support import (
 from text_data import split_corpus
 
 from elastic.chaos.samples import audit
-from elastic.checkpoint import read_checkpoint
-from elastic.events import read_events
-from elastic.storage.sharded import SHARD_PREFIX
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.observe.events import read_events
+from elastic._shared.storage.sharded import SHARD_PREFIX
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ PROBE = textwrap.dedent("""
     from torch.distributed.tensor import DTensor
 
     import elastic
-    from elastic.checkpoint.state import live_tensors
+    from elastic._worker.checkpoint.state import live_tensors
 
     original_start = elastic.Run.start
 
@@ -228,7 +228,7 @@ WRAPPED = textwrap.dedent("""
     import torch.distributed as dist
 
     import elastic
-    from elastic.cli import run_main
+    from elastic._shared.common.cli import run_main
 
     warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
 

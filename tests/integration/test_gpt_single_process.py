@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from support import TINY_MODEL, run_recipe
 
-from elastic.events import read_events
+from elastic._worker.observe.events import read_events
 
 
 def test_runs_five_steps_on_default_data_without_torchrun(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`elastic.Run` heals in place (elastic.healing): the GPT recipe, unchanged, under torchrevive-run with
+"""`elastic.Run` heals in place (elastic._worker.survivors.healing): the GPT recipe, unchanged, under torchrevive-run with
 TORCHREVIVE_SURVIVORS=keep. A SIGKILLed worker's step is void on the survivors, who keep their
 processes and their state; only the failed worker is started again, and it takes the state from a
 survivor's memory ("source": "live"). Also: a second death, of that replacement while it catches up."""
@@ -16,11 +16,11 @@ from support import (
     wait_all, worker_env, workers_started,
 )
 
-from elastic import heal_env
-from elastic.checkpoint import read_checkpoint
-from elastic.events import read_events
-from elastic.sampler import ElasticSampler
-from elastic.storage.directory import CheckpointStore
+from elastic._shared.protocol import heal_env
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.observe.events import read_events
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.storage.directory import CheckpointStore
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_a_replacement_that_dies_while_it_catches_up_is_replaced_again(tmp_path:
     assert any("in place (heal 2)" in log for log in logs), everything
     restores = [e for e in events if e["event"] == "restore"]
     assert [(e["source"], e["step"], e["source_rank"], e["restart"]) for e in restores] == [("live", KILL_AFTER, 1, 2)]
-    # Rank 0 writes the events: its last step lines before the kill may be lost with it (elastic.events).
+    # Rank 0 writes the events: its last step lines before the kill may be lost with it (elastic._worker.observe.events).
     stepped = [e["step"] for e in events if e["event"] == "step"]
     assert stepped == sorted(set(stepped)) and set(range(KILL_AFTER + 1, STEPS + 1)) <= set(stepped), stepped
     (end,) = [e for e in events if e["event"] == "end"]
@@ -123,7 +123,7 @@ def test_a_lost_node_falls_back_to_a_new_round_of_the_nodes_left(tmp_path: Path,
 
     from support import stop_all, wait_for
 
-    from elastic.launcher.proctree import descendants
+    from elastic._agent.launcher.proctree import descendants
 
     events = tmp_path / "events.jsonl"
     port = free_port()
@@ -135,7 +135,7 @@ def test_a_lost_node_falls_back_to_a_new_round_of_the_nodes_left(tmp_path: Path,
             "--eval-every", "0", "--sample-tokens", "0", "--heal-wait", "2", *TINY_MODEL,
         ],
     )
-    command[2] = "elastic.launcher"
+    command[2] = "elastic._agent.launcher"
     env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
     agents = start_agents(3, command, tmp_path, env=env)
     try:

@@ -16,8 +16,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import get_args_parser
 
-from elastic.rendezvous.etcd import create_backend
-from elastic.rendezvous.etcd_options import EtcdOptionsError
+from elastic._agent.rendezvous.etcd import create_backend
+from elastic._agent.rendezvous.etcd_options import EtcdOptionsError
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian package etcd-server)")
 

@@ -22,17 +22,17 @@ import torch
 from support import keeper_request
 from test_snapshots import Job, assert_same, keeper_job, keeper_key
 
-from elastic.checkpoint import keeper_client
-from elastic.launcher import keeper as keeper_module
-from elastic.launcher import keeper_files
-from elastic.launcher.keeper import SnapshotKeeper
-from elastic.launcher.keeper_endpoint import MAX_CONNECTIONS
-from elastic.storage import claim, parts, peer_auth
-from elastic.storage.chunks import block_checksums
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.keeper_address import LOCAL, REPLICA
-from elastic.storage.parts import PartHeader
-from elastic.storage.peer_auth import PeerKey
+from elastic._worker.checkpoint import keeper_client
+from elastic._agent.launcher import keeper as keeper_module
+from elastic._agent.launcher import keeper_files
+from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._agent.launcher.keeper_endpoint import MAX_CONNECTIONS
+from elastic._shared.storage import claim, parts, peer_auth
+from elastic._shared.storage.chunks import block_checksums
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.keeper_address import LOCAL, REPLICA
+from elastic._shared.storage.parts import PartHeader
+from elastic._shared.storage.peer_auth import PeerKey
 
 STRANGER = PeerKey(b"not-the-jobs-secret-at-all-0123")
 
@@ -345,7 +345,7 @@ def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_cl
 
 
 def test_headers_that_trickle_in_are_cut_off(tmp_path: Path, keeper: SnapshotKeeper, monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic.launcher import keeper_endpoint
+    from elastic._agent.launcher import keeper_endpoint
 
     monkeypatch.setattr(keeper_endpoint, "HEADER_SECONDS", 2.0)
     host, port = keeper.url.removeprefix("http://").rsplit(":", 1)

@@ -10,10 +10,10 @@ import sys
 import pytest
 from support import REPO, worker_env
 
-from elastic.launcher.warm_start import DEFAULT_PRELOAD
+from elastic._agent.launcher.warm_start import DEFAULT_PRELOAD
 
 
-# Runs `python -m elastic.launcher ARGS` once per case in this one interpreter (a torch import each
+# Runs `python -m elastic._agent.launcher ARGS` once per case in this one interpreter (a torch import each
 # would cost more than all of them), each case with its own working directory, variables, and stdout
 # and stderr (file descriptors 1 and 2: what C code writes too). The first case runs in a fresh
 # interpreter, so anything an import prints shows in its output.
@@ -30,7 +30,7 @@ for case in json.loads(sys.argv[1]):
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            runpy.run_module("elastic.launcher", run_name="__main__", alter_sys=True)
+            runpy.run_module("elastic._agent.launcher", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
@@ -126,9 +126,9 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
         LocalElasticAgent,
     )
 
-    from elastic.launcher import launch
-    from elastic.storage.keeper_address import KeeperAddress
-    from elastic.storage.peer_auth import SECRET_ENV
+    from elastic._agent.launcher import launch
+    from elastic._shared.storage.keeper_address import KeeperAddress
+    from elastic._shared.storage.peer_auth import SECRET_ENV
 
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_BASE", str(tmp_path))
     monkeypatch.setattr(LocalElasticAgent, "_stop_workers", lambda self, group: "stopped")
@@ -155,7 +155,7 @@ def test_a_worker_that_exits_on_bad_input_is_not_restarted() -> None:
     """Exit 2 (a bad flag) would come back on every restart: the agent ends the job at once, with
     one line and the worker's status."""
     done = subprocess.run(
-        [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=1", "--max-restarts=3",
+        [sys.executable, "-m", "elastic._agent.launcher", "--standalone", "--nproc-per-node=1", "--max-restarts=3",
          "recipes/gpt.py", "--max-steps", "-3"],
         cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120,
     )

@@ -12,14 +12,14 @@ import torch
 from support import Jittered, replay
 from torch.utils.data import DataLoader
 
-from elastic.data import (
+from elastic._worker.data.feed import (
     SafeWorkerInit,
     StepBatchSampler,
     _die_with,
     seeded_samples,
 )
-from elastic.launcher.proctree import status
-from elastic.sampler import ElasticSampler
+from elastic._agent.launcher.proctree import status
+from elastic._worker.data.sampler import ElasticSampler
 
 
 def test_loader_output_does_not_depend_on_its_worker_count() -> None:

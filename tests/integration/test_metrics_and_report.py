@@ -34,8 +34,8 @@ from support import (
     worker_rank,
 )
 
-from elastic.events import read_events
-from elastic.launcher.proctree import descendants
+from elastic._worker.observe.events import read_events
+from elastic._agent.launcher.proctree import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
                 *TINY_MODEL,
             ],
         )
-        cmd[cmd.index("torch.distributed.run")] = "elastic.launcher"  # fast recovery, same flags
+        cmd[cmd.index("torch.distributed.run")] = "elastic._agent.launcher"  # fast recovery, same flags
         return cmd
 
     # Two agents on one machine share its address: each gets its own base port here

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import context, free_port, samples
 
-from elastic.events import EventLog
-from elastic.metrics import start_metrics
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.metrics import start_metrics
 
 
 def scrape(port: int) -> str:
@@ -42,7 +42,7 @@ def test_a_taken_port_is_one_warning_naming_it_and_training_goes_on(caplog: pyte
         taken.listen()
         port = taken.getsockname()[1]
         log = EventLog(None, restart=0)
-        with caplog.at_level(logging.WARNING, logger="elastic.metrics"):
+        with caplog.at_level(logging.WARNING, logger="elastic._worker.observe.metrics"):
             with start_metrics(context(), log, port=port, samples_per_step=4) as metrics:
                 log.emit("step", step=1, world_size=4, loss=1.0)  # the stream still flows
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]

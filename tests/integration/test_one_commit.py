@@ -2,7 +2,7 @@
 
 The keeper (in the agent) persists the newest in-memory snapshot when the
 workers stop; rank 0 commits its final save. Both go through
-`elastic.storage.commit.commit_checkpoint`, so both honour the claim, and the
+`elastic._shared.storage.commit.commit_checkpoint`, so both honour the claim, and the
 one whose rename finds the step already there verifies that copy and discards
 its own (it used to fail with ENOTEMPTY, and a final save that failed stopped the job).
 """
@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointManager
-from elastic.config import RunConfig
-from elastic.events import EventLog, read_events
-from elastic.launcher.keeper import SnapshotKeeper
-from elastic.runtime import init_worker
-from elastic.sampler import ElasticSampler
-from elastic.storage import commit, directory
-from elastic.storage.claim import WriterIdentity
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.manifest import checkpoint_name
+from elastic._worker.checkpoint import CheckpointManager
+from elastic._worker.config import RunConfig
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._worker.runtime.context import init_worker
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.storage import commit, directory
+from elastic._shared.storage.claim import WriterIdentity
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.manifest import checkpoint_name
 
 
 def train(tmp_path: Path, steps: int) -> tuple[CheckpointManager, EventLog]:
@@ -80,8 +80,8 @@ def test_the_keeper_and_rank_0_publish_the_same_step_through_one_commit(
         return one_commit(store, stage, **kwargs)
 
     monkeypatch.setattr(commit, "commit_checkpoint", counted)
-    monkeypatch.setattr("elastic.checkpoint.saver.commit_checkpoint", counted)
-    monkeypatch.setattr("elastic.launcher.keeper.commit_checkpoint", counted)
+    monkeypatch.setattr("elastic._worker.checkpoint.saver.commit_checkpoint", counted)
+    monkeypatch.setattr("elastic._agent.launcher.keeper.commit_checkpoint", counted)
     order = renames_meet(monkeypatch, checkpoint_name(6))
 
     persisted: list[int] = []

@@ -26,8 +26,8 @@ TRAINER = textwrap.dedent(
 
     import torch
 
-    from elastic.preemption import PreemptionHandler
-    from elastic.runtime import WorkerContext, parse_launch_env
+    from elastic._worker.control.preemption import PreemptionHandler
+    from elastic._worker.runtime.context import WorkerContext, parse_launch_env
 
     mode, grace = sys.argv[1], float(sys.argv[2])
     launch = parse_launch_env({})

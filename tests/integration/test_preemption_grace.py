@@ -16,12 +16,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from elastic.preemption import DEFAULT_GRACE_SECONDS
+from elastic._worker.control.preemption import DEFAULT_GRACE_SECONDS
 
 PRELUDE = (
     "import os, sys, time\n"
-    "from elastic.runtime import worker_context\n"
-    "from elastic.preemption import PreemptionHandler\n"
+    "from elastic._worker.runtime.context import worker_context\n"
+    "from elastic._worker.control.preemption import PreemptionHandler\n"
     "ctx_manager = worker_context('cpu')\n"
     "ctx = ctx_manager.__enter__()\n"
     "handler = PreemptionHandler(ctx, grace={grace!r})\n"

@@ -1,4 +1,4 @@
-"""Quick rendezvous rounds (elastic.rendezvous.quick_rounds) on torch's own handler and c10d backend.
+"""Quick rendezvous rounds (elastic._agent.rendezvous.quick_rounds) on torch's own handler and c10d backend.
 
 Several handlers in one process play the agents of a job, on a real TCPStore. The
 rounds whose close would otherwise wait for the last call use `last_call_timeout`
@@ -23,9 +23,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic.recovery_defaults import FRESH_STORE_ENV
-from elastic.rendezvous import quick_rounds
-from elastic.rendezvous.quick_rounds import (
+from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV
+from elastic._agent.rendezvous import quick_rounds
+from elastic._agent.rendezvous.quick_rounds import (
     DEPARTED,
     LAST_ROUND,
     ChangeSignal,
@@ -141,7 +141,7 @@ def test_a_wait_without_a_change_ends_at_its_timeout(store, watch) -> None:
 
 
 def test_on_etcd_a_waiter_watches_and_reading_the_counter_writes_nothing(shared_etcd) -> None:
-    from elastic.rendezvous.etcd import create_backend
+    from elastic._agent.rendezvous.etcd import create_backend
 
     params = RendezvousParameters(backend="etcd-v3", endpoint=shared_etcd.endpoint, run_id="quick-watch",
                                   min_nodes=1, max_nodes=1)

@@ -8,8 +8,8 @@ import signal
 import subprocess
 import time
 
-from elastic.launcher.proctree import descendants, worker_rank
-from elastic.launcher.reaper import Reaper, stopped_with_sigterm_pending
+from elastic._agent.launcher.proctree import descendants, worker_rank
+from elastic._agent.launcher.reaper import Reaper, stopped_with_sigterm_pending
 
 # What the reaper reads of a worker (its state, pending signals, RANK) is the same for any program:
 # coreutils' sleep stands in for a Python worker without an interpreter's start.

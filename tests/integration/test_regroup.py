@@ -1,4 +1,4 @@
-"""Survivors keep their processes (elastic.regroup): a worker SIGKILLed while its peers
+"""Survivors keep their processes (elastic._worker.survivors.regroup): a worker SIGKILLed while its peers
 wait on it in the gradient all-reduce is replaced by one new process; the others turn
 the failed step into a void one, form the next group in place, hand their state to the
 replacement and train on. Three real processes on gloo; the test stands in for the agent
@@ -18,13 +18,14 @@ import pytest
 import torch.distributed as dist
 from support import REPO, free_port, start_agents, torchrun_command, wait_all, worker_env
 
-from elastic import heal_env, regroup
+from elastic._shared.protocol import heal_env
+from elastic._worker.survivors import regroup
 
 pytestmark = pytest.mark.slow
 
 WORLD, STEPS, KILLED_RANK = 4, 24, 3  # ranks 1 and 2 are no ring neighbours of 3
 
-WORKER = REPO / "benchmarks" / "heal_worker.py"  # a DDP script on elastic.regroup
+WORKER = REPO / "benchmarks" / "heal_worker.py"  # a DDP script on elastic._worker.survivors.regroup
 
 
 NAMESPACE = "test"
@@ -101,7 +102,7 @@ def test_a_death_before_any_optimizer_step_is_healed_in_place(tmp_path: Path) ->
 def test_a_death_mid_run_is_healed_in_place_and_the_job_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> None:
     """Killed at step 9: the survivors keep their processes and the replacement takes their state; the
     same batches, each trained once: the weights match an uninterrupted run's up to the summation
-    order of the one step after the heal (a fresh bucket layout; see elastic.regroup)."""
+    order of the one step after the heal (a fresh bucket layout; see elastic._worker.survivors.regroup)."""
     import torch
 
     healed, healed_exits, printed = run_job(tmp_path, 9)
@@ -122,7 +123,7 @@ def test_under_torchrevive_run_only_the_failed_worker_is_replaced_and_no_round_i
         nnodes=f"{WORLD}:{WORLD}", port=free_port(), run_id=tmp_path.name, max_restarts=1, script=script,
         script_args=[str(STEPS), str(kill_at), str(KILLED_RANK), str(report)],
     )
-    command[2] = "elastic.launcher"  # torchrevive-run, not torchrun
+    command[2] = "elastic._agent.launcher"  # torchrevive-run, not torchrun
     env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
     agents = start_agents(WORLD, command, tmp_path, env=env)
     assert wait_all(agents, timeout=240) == [0] * WORLD, logs_of(tmp_path)
@@ -173,7 +174,8 @@ GIVES_UP = textwrap.dedent("""
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from elastic import heal_env, regroup
+    from elastic._shared.protocol import heal_env
+    from elastic._worker.survivors import regroup
 
     started_path, mode = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -199,13 +201,13 @@ GIVES_UP = textwrap.dedent("""
 @pytest.mark.parametrize("mode", ["heals", "plain"])
 def test_a_failure_that_cannot_heal_makes_the_agents_hold_a_new_round(tmp_path: Path, mode: str) -> None:
     """Exit status 76 (the heal's peers never came), or a script that never counted itself a healer
-    (an ordinary failure of a script without elastic.regroup), is not healed in place: the agents
+    (an ordinary failure of a script without elastic._worker.survivors.regroup), is not healed in place: the agents
     meet in a new round and every worker starts again, as under torchrun."""
     script, started = tmp_path / "worker.py", tmp_path / "started.jsonl"
     script.write_text(GIVES_UP)
     command = torchrun_command(nnodes="2:2", port=free_port(), run_id=tmp_path.name, max_restarts=1, script=script,
                                script_args=[str(started), mode])
-    command[2] = "elastic.launcher"
+    command[2] = "elastic._agent.launcher"
     env = worker_env(PYTHONPATH=str(REPO), **{heal_env.SURVIVORS_ENV: "keep"})
     assert wait_all(start_agents(2, command, tmp_path, env=env), timeout=180) == [0, 0], logs_of(tmp_path)
     starts = [json.loads(line) for line in started.read_text().splitlines()]

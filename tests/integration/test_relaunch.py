@@ -3,7 +3,7 @@
 torch closes the rendezvous when a job ends. On etcd-v3 the closed state outlives
 the job (it lives in etcd); the backend reopens a closed run once none of its
 agents is alive, in one compare-and-set transaction, and the last agent of a job
-that ends cleanly removes the run's keys itself (see `elastic.rendezvous.etcd`).
+that ends cleanly removes the run's keys itself (see `elastic._agent.rendezvous.etcd`).
 The torchrun tests run real jobs; the others drive the backend's handlers in this
 process (and one in a process that is SIGKILLed) against a real etcd.
 """
@@ -37,8 +37,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from elastic.events import read_events
-from elastic.rendezvous.etcd import (
+from elastic._worker.observe.events import read_events
+from elastic._agent.rendezvous.etcd import (
     RunKeys,
     _remove_closed_run,
     create_backend,
@@ -119,7 +119,7 @@ def test_c10d_job_relaunched_with_the_same_id_resumes(tmp_path: Path, tiny_corpu
 CLOSE_AND_HANG = """
 import sys, time
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
-from elastic.rendezvous.etcd import create_handler_v3, create_backend
+from elastic._agent.rendezvous.etcd import create_handler_v3, create_backend
 p = RendezvousParameters("etcd-v3", sys.argv[1], sys.argv[2], 1, 2, read_timeout="10", liveness_ttl="2")
 handler = create_handler_v3(p)
 _, store = create_backend(p)

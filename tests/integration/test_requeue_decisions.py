@@ -1,7 +1,7 @@
 """When a task started by `srun python recipes/gpt.py` requeues its job, and when it must not: with a
 fake `scontrol` on PATH that records its calls (the real one is in tests/integration/test_slurm.py).
 
-The decision after a committed preemption (elastic.slurm.requeue) is called here directly, once per
+The decision after a committed preemption (elastic._shared.slurm.requeue) is called here directly, once per
 answer it can give. Each way a task's stop takes through the recipe runs once for real: a one-task
 Slurm step (Slurm's variables, no torchrun's) that trains paced steps until it is signalled."""
 
@@ -19,8 +19,8 @@ import pytest
 import warm
 from support import REPO, free_port, make_text, steps_seen, wait_for, worker_env
 
-from elastic.events import read_events
-from elastic.slurm.requeue import NOTES_ENV, after_preemption_commit, note_commit, noted_commits
+from elastic._worker.observe.events import read_events
+from elastic._shared.slurm.requeue import NOTES_ENV, after_preemption_commit, note_commit, noted_commits
 
 FAKE_SCONTROL = """#!/bin/sh
 echo "$*" >> "$FAKE_SCONTROL_LOG"
@@ -60,7 +60,7 @@ def test_after_a_committed_preemption_only_rank_0_of_a_job_without_an_agent_requ
         log.unlink(missing_ok=True)
         return after_preemption_commit(said=said, **given), calls(log)  # type: ignore[arg-type]
 
-    caplog.set_level(logging.WARNING, logger="elastic.slurm.requeue")
+    caplog.set_level(logging.WARNING, logger="elastic._shared.slurm.requeue")
     assert decide(rank=0, job_id=77, committed=True) == (f"; {REQUEUED}", ["show job -o 77", "requeue 77"])
     # the line is logged at once (the requeue's SIGTERM may end the process before its exit line)
     assert f"stopped {said}; {REQUEUED}" in caplog.messages
@@ -133,7 +133,7 @@ def test_only_a_committed_preemption_by_the_requeue_signal_requeues(tmp_path: Pa
 
 def start_task(where: Path, corpus: Path, **extra: str) -> warm.WarmProcess:
     """The recipe as the one task of Slurm job 77's step 0, in `where` (a fake scontrol, its notes folder
-    as an agent gives its workers: elastic.slurm.requeue.note_commit), paced unless `extra` says otherwise.
+    as an agent gives its workers: elastic._shared.slurm.requeue.note_commit), paced unless `extra` says otherwise.
     Forked warm (tests/warm.py: torch imported once), as `python recipes/gpt.py` with that environment."""
     where.mkdir()
     bin_dir, log = fake_scontrol(where)

@@ -1,4 +1,4 @@
-"""The Slurm requeue signal in a worker (elastic.preemption): it stops the job like SIGTERM and marks
+"""The Slurm requeue signal in a worker (elastic._worker.control.preemption): it stops the job like SIGTERM and marks
 it for requeueing; it never kills at once (Slurm may send it twice), SIGTERMs after it (the agent
 stopping its workers, slurmstepd's own within 2 s) change nothing, a SIGTERM after that window ends
 the process; children forked after the install ignore it (Slurm signals every process of a step,
@@ -24,9 +24,9 @@ SCRIPT = textwrap.dedent("""
     import torch
 
     def preempt():
-        from elastic.preemption import PreemptionHandler
-        from elastic.runtime import WorkerContext
-        from elastic.slurm.requeue import preemption_settings
+        from elastic._worker.control.preemption import PreemptionHandler
+        from elastic._worker.runtime.context import WorkerContext
+        from elastic._shared.slurm.requeue import preemption_settings
 
         ctx = WorkerContext(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="t",
                             device=torch.device("cpu"), backend=None)

@@ -10,9 +10,9 @@ from pathlib import Path
 import warm
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
-from elastic.events import read_events
-from elastic.storage.claim import WriterIdentity
-from elastic.storage.directory import CheckpointStore
+from elastic._worker.observe.events import read_events
+from elastic._shared.storage.claim import WriterIdentity
+from elastic._shared.storage.directory import CheckpointStore
 
 
 def recipe_args(corpus: Path, ckpt: Path, steps: int, *extra: str) -> list[str]:
@@ -89,7 +89,7 @@ def test_a_peer_dying_mid_restore_is_a_failure_the_launcher_restarts(tmp_path: P
     # rank 0's restore fails on a dead peer. Not exit 75 (storage): the group restarts and resumes.
     done = warm.run(
         standalone_command(2, recipe_args(tiny_corpus, ckpt, 6, "--events", str(tmp_path / "events.jsonl")),
-                           max_restarts=1, launcher="elastic.launcher"),
+                           max_restarts=1, launcher="elastic._agent.launcher"),
         timeout=300, cwd=REPO,
         env=worker_env(ELASTIC_FAULT="during_read@3:rank=1"),
     )

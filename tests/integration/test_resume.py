@@ -33,8 +33,8 @@ from support import (
 from text_data import split_corpus
 
 from elastic.chaos.samples import audit
-from elastic.checkpoint import read_checkpoint
-from elastic.events import read_events
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.round_store import (
+from elastic._worker.runtime.round_store import (
     HELLOS,
     PREFIX,
     RoundStoreError,
@@ -25,7 +25,7 @@ from elastic.round_store import (
     recovery_hint,
     round_store,
 )
-from elastic.runtime import log_recovery_hint
+from elastic._worker.runtime.context import log_recovery_hint
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -203,7 +203,7 @@ def test_the_hint_leads_plain_torchrun_with_default_settings_to_the_fast_path() 
     hint = recovery_hint(PLAIN_TORCHRUN, ELASTIC)
     assert hint is not None and "\n" not in hint and hint.startswith("run j7: under plain torchrun ")
     assert "joins after the first round" in hint and "30 s last call" in hint
-    assert hint.endswith(f"use torchrevive-run (python -m elastic.launcher, same flags), or "
+    assert hint.endswith(f"use torchrevive-run (python -m elastic._agent.launcher, same flags), or "
                          f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun {FAST_CONF}")
     assert "hang" not in hint and "stale" not in hint, "stale addresses are no longer a reason"
 
@@ -256,7 +256,7 @@ def test_the_runtime_logs_the_hint_in_one_line_and_no_store_warning(caplog) -> N
 
 
 def test_init_worker_under_the_shared_agent_store_builds_every_group_in_the_round_namespace(server) -> None:
-    from elastic.runtime import init_worker, shutdown_worker
+    from elastic._worker.runtime.context import init_worker, shutdown_worker
 
     environ = {
         "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "job",

@@ -31,9 +31,9 @@ from slurm_cluster import SlurmCluster, SlurmUnavailable
 from support import REPO, free_port, logs, make_text, steps_seen, wait_for, worker_env
 
 from elastic.chaos.verdict import verified_final_checkpoint
-from elastic.checkpoint import read_checkpoint
-from elastic.events import read_events
-from elastic.slurm.hostlist import expand_hostlist
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.observe.events import read_events
+from elastic._shared.slurm.hostlist import expand_hostlist
 
 pytestmark = pytest.mark.slow
 
@@ -338,7 +338,7 @@ def test_a_lost_node_shrinks_the_job_and_a_replacement_allocation_joins_it(
 
     wait_for(lambda: starts_of(events)[-1][0] == 1, 120, f"job {job} going on alone ({log})")
     replacement = subprocess.Popen(
-        ["srun", "-w", "n2", "-N1", "-n1", "-c1", sys.executable, "-m", "elastic.launcher",
+        ["srun", "-w", "n2", "-N1", "-n1", "-c1", sys.executable, "-m", "elastic._agent.launcher",
          f"--rdzv-endpoint=slurm:{job}", "--nproc-per-node=1", "recipes/gpt.py", *data_args(corpus, steps),
          "--ckpt-dir", str(ckpt), "--events", str(events)],
         cwd=REPO, env=slurm.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -11,8 +11,8 @@ import pytest
 import warm
 from support import TINY_MODEL, make_text, standalone_command, worker_env
 
-from elastic.checkpoint import CheckpointStore
-from elastic.events import read_events
+from elastic._worker.checkpoint import CheckpointStore
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_under_plain_torchrun_a_failure_resumes_from_disk_and_says_why(tmp_path:
 def test_a_failure_that_ends_the_job_leaves_the_newest_snapshot_on_disk(tmp_path: Path, corpus: Path) -> None:
     """No restarts left: the job ends at the kill, with --ckpt-every 50 nothing periodic was
     committed, yet the keeper wrote the newest snapshot; a new launch resumes from it."""
-    failed = job(tmp_path, corpus, launcher="elastic.launcher", steps=30, max_restarts=0, fault="after_step@12:rank=1",
+    failed = job(tmp_path, corpus, launcher="elastic._agent.launcher", steps=30, max_restarts=0, fault="after_step@12:rank=1",
                  ckpt_every=50)
     assert failed.returncode != 0
     store = CheckpointStore(tmp_path / "ckpt")
@@ -64,7 +64,7 @@ def test_a_failure_that_ends_the_job_leaves_the_newest_snapshot_on_disk(tmp_path
     assert manifest.reason == "breakpoint" and manifest.step in (11, 12), manifest
     assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]
     assert not list((tmp_path / "shm").glob("torchrevive-snapshots-*/*")), "the keeper left its shared memory behind"
-    again = job(tmp_path, corpus, launcher="elastic.launcher", steps=30, max_restarts=0, fault="", ckpt_every=50)
+    again = job(tmp_path, corpus, launcher="elastic._agent.launcher", steps=30, max_restarts=0, fault="", ckpt_every=50)
     assert again.returncode == 0, again.stderr[-3000:]
     (restore,) = restores(tmp_path)
     assert (restore["source"], restore["step"]) == ("disk", manifest.step)
@@ -72,7 +72,7 @@ def test_a_failure_that_ends_the_job_leaves_the_newest_snapshot_on_disk(tmp_path
 
 def test_snapshots_off_under_our_launcher(tmp_path: Path, corpus: Path) -> None:
     """TORCHREVIVE_SNAPSHOTS=0: no keeper, and a failure resumes from disk as before."""
-    done = job(tmp_path, corpus, launcher="elastic.launcher", steps=14, max_restarts=1, fault="after_step@12:rank=1",
+    done = job(tmp_path, corpus, launcher="elastic._agent.launcher", steps=14, max_restarts=1, fault="after_step@12:rank=1",
                TORCHREVIVE_SNAPSHOTS="0")
     assert done.returncode == 0, done.stderr[-3000:]
     # (Step 10's checkpoint may still be in flight at the kill: then step 5's is the newest.)
@@ -83,7 +83,7 @@ def test_snapshots_off_under_our_launcher(tmp_path: Path, corpus: Path) -> None:
 def test_auto_snapshots_agree_on_an_interval_and_a_failure_resumes_from_memory(tmp_path: Path, corpus: Path) -> None:
     """The default: every step until measured, then Young/Daly's interval, here capped at --ckpt-every 6;
     every rank snapshots the same steps, so a kill after step 14 resumes from step 12's snapshot."""
-    done = job(tmp_path, corpus, launcher="elastic.launcher", steps=20, max_restarts=1, fault="after_step@14:rank=1",
+    done = job(tmp_path, corpus, launcher="elastic._agent.launcher", steps=20, max_restarts=1, fault="after_step@14:rank=1",
                ckpt_every=6, snapshot_every="auto")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "in-memory snapshots every 6 steps (--snapshot-every auto: a snapshot costs the loop" in done.stderr, (

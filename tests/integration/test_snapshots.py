@@ -19,23 +19,23 @@ import torch.multiprocessing as mp
 from support import free_port, keeper_request
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic.checkpoint import (
+from elastic._worker.checkpoint import (
     CheckpointManager,
     CheckpointStore,
     part_files,
     read_checkpoint,
 )
-from elastic.checkpoint.memory import MemorySnapshots
-from elastic.checkpoint.part_files import PartFetchError, PartFiles
-from elastic.config import RunConfig
-from elastic.errors import CorruptCheckpoint
-from elastic.events import EventLog, read_events
-from elastic.launcher.keeper import SnapshotKeeper
-from elastic.runtime import init_worker
-from elastic.sampler import ElasticSampler
-from elastic.storage import parts, sharded
-from elastic.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
-from elastic.storage.peer_auth import PeerKey
+from elastic._worker.checkpoint.memory import MemorySnapshots
+from elastic._worker.checkpoint.part_files import PartFetchError, PartFiles
+from elastic._worker.config import RunConfig
+from elastic._shared.common.errors import CorruptCheckpoint
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._worker.runtime.context import init_worker
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.storage import parts, sharded
+from elastic._shared.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
+from elastic._shared.storage.peer_auth import PeerKey
 
 
 class Job:

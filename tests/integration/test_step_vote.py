@@ -17,8 +17,8 @@ import warm
 from support import REPO, free_port, worker_env
 from thread_ranks import run_ranks
 
-from elastic.runtime import WorkerContext
-from elastic.step_vote import MAX_EVERY, StepVote
+from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.control.step_vote import MAX_EVERY, StepVote
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ PREEMPTED = textwrap.dedent("""
     import os, signal, sys
     import torch
     import elastic
-    from elastic.errors import Preempted
+    from elastic._shared.common.errors import Preempted
 
     rank, ckpt = int(os.environ["RANK"]), sys.argv[1]
     try:
@@ -129,7 +129,7 @@ PREEMPTED = textwrap.dedent("""
 
 
 def test_a_sigterm_to_one_rank_stops_every_rank_at_one_step_within_two_votes(tmp_path: Path) -> None:
-    from elastic.events import read_events
+    from elastic._worker.observe.events import read_events
 
     ckpt = tmp_path / "ckpt"
     rank0, rank1 = run_pair(tmp_path, PREEMPTED, str(ckpt))

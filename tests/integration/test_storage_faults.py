@@ -16,9 +16,9 @@ from store_helpers import describe, temporaries
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
 from elastic.chaos.verdict import verified_final_checkpoint
-from elastic.events import read_events
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.durable import SaveFailed
+from elastic._worker.observe.events import read_events
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.durable import SaveFailed
 
 
 def recipe_args(corpus: Path, tmp_path: Path, steps: int, *extra: str) -> list[str]:
@@ -49,7 +49,7 @@ def test_a_full_disk_stops_a_single_process_with_one_line(tmp_path: Path, tiny_c
 def test_our_launcher_does_not_restart_a_job_whose_storage_fails(tmp_path: Path, tiny_corpus: Path) -> None:
     done = warm.run(
         standalone_command(2, recipe_args(tiny_corpus, tmp_path, 60, "--ckpt-max-failures", "2"),
-                           max_restarts=3, launcher="elastic.launcher"),
+                           max_restarts=3, launcher="elastic._agent.launcher"),
         timeout=300, cwd=REPO,
         # The fault is injected in the workers only: their launcher's snapshot keeper would find
         # the disk fine and commit the newest snapshot (a really full disk refuses it too).

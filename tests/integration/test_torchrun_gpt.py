@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from support import TINY_MODEL, start_agents, torchrun_command, wait_all
 
-from elastic.events import read_events
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import run_healing_job, workers_started
 
-from elastic import heal_env
+from elastic._shared.protocol import heal_env
 from elastic.chaos.samples import audit, read_records
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def test_survivors_train_on_while_the_replacement_starts_and_it_joins_later(tmp_
     heals = [e for e in events if e["event"] == "heal"]
     assert [(e["change"], e["world_size"]) for e in heals] == [("shrink", 2), ("grow", 3)], heals
     assert heals[0]["step"] == KILL_AFTER
-    # (Rank 0's last step lines before the kill may be lost with it: elastic.events.)
+    # (Rank 0's last step lines before the kill may be lost with it: elastic._worker.observe.events.)
     sizes = {e["step"]: e["world_size"] for e in events if e["event"] == "step"}
     assert sizes[KILL_AFTER + 1] == 2 and sizes[STEPS] == 3, sizes
     restores = [e for e in events if e["event"] == "restore"]

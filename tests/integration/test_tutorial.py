@@ -35,7 +35,7 @@ from support import (
 )
 
 from elastic.chaos.samples import audit
-from elastic.events import read_events
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

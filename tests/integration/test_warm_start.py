@@ -1,4 +1,4 @@
-"""`elastic.launcher` starts workers warm (forked from a fork server that imported torch)
+"""`elastic._agent.launcher` starts workers warm (forked from a fork server that imported torch)
 and a script must not be able to tell, except by the time it saves: what it sees,
 how it ends and what runs at its end are those of `python -u script.py`."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from support import REPO, wait_for, worker_env
 
-from elastic.launcher.launch import describe_exit
-from elastic.launcher.proctree import descendants, worker_rank
+from elastic._agent.launcher.launch import describe_exit
+from elastic._agent.launcher.proctree import descendants, worker_rank
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def out(tmp_path: Path) -> Path:
 def launch(
     *args: str, env: dict[str, str] | None = None, nproc: int = 2, cwd: Path = REPO, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "elastic.launcher", f"--nproc-per-node={nproc}", "--monitor-interval=0.2", *args]
+    command = [sys.executable, "-m", "elastic._agent.launcher", f"--nproc-per-node={nproc}", "--monitor-interval=0.2", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or worker_env())
 
 
@@ -196,7 +196,7 @@ def test_a_preload_module_that_initialises_cuda_makes_the_workers_start_cold(
 
 def test_workers_do_not_outlive_a_killed_agent(out: Path, probe: Path) -> None:
     """The agent dies by SIGKILL (OOM killer, node drain): its warm workers notice and exit."""
-    command = [sys.executable, "-m", "elastic.launcher", "--standalone", "--nproc-per-node=2", str(probe), str(out), "sleep"]
+    command = [sys.executable, "-m", "elastic._agent.launcher", "--standalone", "--nproc-per-node=2", str(probe), str(out), "sleep"]
     agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=worker_env())
     tree: list[int] = []
     try:

@@ -6,13 +6,13 @@ import sys
 
 import warm
 
-from elastic.watchdog import EXIT_CODE
+from elastic._worker.control.watchdog import EXIT_CODE
 
 
 def test_a_stuck_main_thread_ends_the_process_with_124_and_a_stack() -> None:
     script = (
         "import threading\n"
-        "from elastic.watchdog import watchdog\n"
+        "from elastic._worker.control.watchdog import watchdog\n"
         "dog = watchdog(0.5)\n"
         "dog.beat(7)\n"
         "threading.Event().wait()  # the main thread is stuck, as in a dead collective\n"

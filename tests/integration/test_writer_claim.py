@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from store_helpers import claim_of, leftovers, save
 
-from elastic.errors import CheckpointStorageError
-from elastic.storage.claim import WRITER, WriterIdentity
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.durable import SaveFailed
-from elastic.storage.manifest import checkpoint_name
+from elastic._shared.common.errors import CheckpointStorageError
+from elastic._shared.storage.claim import WRITER, WriterIdentity
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.durable import SaveFailed
+from elastic._shared.storage.manifest import checkpoint_name
 
 
 def live_pid() -> subprocess.Popen:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from support import GPT_RECIPE, REPO, TINY_MODEL, wait_for, worker_env
 
-from elastic.storage.claim import WRITER
-from elastic.storage.directory import CheckpointStore
+from elastic._shared.storage.claim import WRITER
+from elastic._shared.storage.directory import CheckpointStore
 
 pytestmark = pytest.mark.skipif(
     shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare (util-linux) and root for pid namespaces"

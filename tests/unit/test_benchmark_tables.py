@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from support import REPO
 
-from elastic.step_costs import PHASES
+from elastic._worker.observe.step_costs import PHASES
 
 BENCHMARKS = REPO / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())

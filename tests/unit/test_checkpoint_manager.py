@@ -10,18 +10,18 @@ import pytest
 import torch
 from support import checkpoints_fingerprint
 
-from elastic.checkpoint import (
+from elastic._worker.checkpoint import (
     CheckpointManager,
     CheckpointStore,
     Manifest,
     read_checkpoint,
 )
-from elastic.config import RunConfig
-from elastic.errors import CheckpointError, CheckpointMismatchError
-from elastic.events import EventLog, read_events
-from elastic.runtime import init_worker
-from elastic.sampler import ElasticSampler
-from elastic.storage.manifest import versions
+from elastic._worker.config import RunConfig
+from elastic._shared.common.errors import CheckpointError, CheckpointMismatchError
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._worker.runtime.context import init_worker
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.storage.manifest import versions
 
 
 class Job:
@@ -164,7 +164,7 @@ def test_a_checkpoint_of_another_model_or_data_set_is_refused(tmp_path: Path, ch
 
 def test_a_format_1_checkpoint_of_an_older_release_still_restores(tmp_path: Path) -> None:
     """Releases before 0.3 wrote model.pt, optimizer.pt and trainer.pt from rank 0 (sha256s)."""
-    from elastic.rng import get_rng_state
+    from elastic._worker.runtime.rng import get_rng_state
 
     first = Job(tmp_path / "unused")
     first.run(5)
@@ -223,7 +223,7 @@ def test_a_save_whose_group_broke_is_one_warning_when_the_manager_is_left_twice(
     """A heal in place drops the manager of the broken group (`close(wait=0)`) while a save is in flight,
     and an error on the way out closes it again: the save's error (a collective that met the dead peer)
     is one warning, never an exception out of either close, and nothing is committed."""
-    import elastic.checkpoint.saver as saver_module
+    import elastic._worker.checkpoint.saver as saver_module
 
     job = Job(tmp_path / "ckpt")
     job.ckpt.restore()

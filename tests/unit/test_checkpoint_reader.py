@@ -12,16 +12,16 @@ import torch
 from gpt_model import GPT, GPTConfig, configure_optimizer, encode_text
 from support import fingerprint
 
-from elastic.checkpoint import (
+from elastic._worker.checkpoint import (
     CheckpointManager,
     CheckpointStore,
     load_newest_model_state,
 )
-from elastic.config import RunConfig
-from elastic.errors import CheckpointError
-from elastic.runtime import init_worker
-from elastic.sampler import ElasticSampler
-from elastic.storage.manifest import Manifest, versions
+from elastic._worker.config import RunConfig
+from elastic._shared.common.errors import CheckpointError
+from elastic._worker.runtime.context import init_worker
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.storage.manifest import Manifest, versions
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 
@@ -108,7 +108,7 @@ def test_a_corrupt_newest_falls_back_and_is_left_in_place(
     ckpt_dir, _ = trained
     damage(ckpt_dir / "step_00000006", damaged)
     before = fingerprint(ckpt_dir)
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.reader"):
+    with caplog.at_level(logging.WARNING, logger="elastic._worker.checkpoint.reader"):
         name, step, _ = load_newest_model_state(ckpt_dir)
     assert (name, step) == ("step_00000004", 4)
     assert "step_00000006 is corrupt" in caplog.text

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.checkpoint import CheckpointManager, read_checkpoint
-from elastic.checkpoint import state as live_state
-from elastic.checkpoint.snapshot import BufferPool, plan_copies
-from elastic.config import RunConfig
-from elastic.errors import CheckpointMismatchError
-from elastic.runtime import init_worker
-from elastic.sampler import ElasticSampler
+from elastic._worker.checkpoint import CheckpointManager, read_checkpoint
+from elastic._worker.checkpoint import state as live_state
+from elastic._worker.checkpoint.snapshot import BufferPool, plan_copies
+from elastic._worker.config import RunConfig
+from elastic._shared.common.errors import CheckpointMismatchError
+from elastic._worker.runtime.context import init_worker
+from elastic._worker.data.sampler import ElasticSampler
 
 
 class Tied(nn.Module):

@@ -1,4 +1,4 @@
-"""The checkpoint directory's safety rules (elastic/storage/directory.py, claim.py): the writer claim,
+"""The checkpoint directory's safety rules (elastic/_shared/storage/directory.py, claim.py): the writer claim,
 `latest` read before the listing, replacing a step without a gap, bounded quarantine,
 and format-2 checkpoints written with begin/write_state_file/finish."""
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from store_helpers import claim_of, leftovers, save, weights
 
-from elastic.errors import CheckpointStorageError, CorruptCheckpoint
-from elastic.storage import directory as store_module
-from elastic.storage import sharded
-from elastic.storage.claim import WRITER, WriterIdentity
-from elastic.storage.directory import LATEST, CheckpointStore
-from elastic.storage.durable import SaveFailed, replace_small
-from elastic.storage.manifest import MANIFEST, Manifest, checkpoint_name
+from elastic._shared.common.errors import CheckpointStorageError, CorruptCheckpoint
+from elastic._shared.storage import directory as store_module
+from elastic._shared.storage import sharded
+from elastic._shared.storage.claim import WRITER, WriterIdentity
+from elastic._shared.storage.directory import LATEST, CheckpointStore
+from elastic._shared.storage.durable import SaveFailed, replace_small
+from elastic._shared.storage.manifest import MANIFEST, Manifest, checkpoint_name
 
 # -- format-2 checkpoints through the store --------------------------------------------------
 

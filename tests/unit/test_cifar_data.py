@@ -16,7 +16,7 @@ from cifar_data import (
 )
 from support import CIFAR_CLASSES, write_cifar10
 
-from elastic.errors import UsageError
+from elastic._shared.common.errors import UsageError
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import cifar
 import pytest
 from support import write_cifar10
 
-from elastic.cli import run_main
-from elastic.schedules import OneCycle, WarmupCosine
+from elastic._shared.common.cli import run_main
+from elastic._worker.run.schedules import OneCycle, WarmupCosine
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
@@ -67,7 +67,7 @@ def test_schedules_warm_up_over_a_share_of_the_run_unless_told() -> None:
 
 
 def test_after_a_resize_epochs_end_where_the_samples_left_run_out() -> None:
-    from elastic.sampler import ElasticSampler
+    from elastic._worker.data.sampler import ElasticSampler
 
     args = cifar.build_parser().parse_args(["--epochs", "2", "--batch-size", "16"])
     sampler = ElasticSampler(320, batch_size=16, seed=0)

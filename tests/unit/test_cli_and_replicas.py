@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic.cli import OneLineArgumentParser, positive_int, run_main
-from elastic.errors import UsageError
-from elastic.replicas import gather_digests, parameter_digest
-from elastic.runtime import init_worker
+from elastic._shared.common.cli import OneLineArgumentParser, positive_int, run_main
+from elastic._shared.common.errors import UsageError
+from elastic._worker.observe.replicas import gather_digests, parameter_digest
+from elastic._worker.runtime.context import init_worker
 
 
 def test_parser_errors_are_one_line_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

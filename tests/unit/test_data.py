@@ -11,14 +11,14 @@ import torch
 from support import Jittered, replay
 from torch.utils.data import DataLoader
 
-from elastic.data import (
+from elastic._worker.data.feed import (
     SampleKey,
     StepBatchSampler,
     StepSampler,
     seeded_samples,
     step_sampler_of,
 )
-from elastic.sampler import ElasticSampler
+from elastic._worker.data.sampler import ElasticSampler
 
 
 def keys(batches: list[list[SampleKey]]) -> list[list[tuple[int, int]]]:

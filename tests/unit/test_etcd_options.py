@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-from elastic.rendezvous import _create_etcd_v3_handler
-from elastic.rendezvous.etcd import RunKeys
-from elastic.rendezvous.etcd_messages import prefix_end
-from elastic.rendezvous.etcd_options import (
+from elastic._agent.rendezvous import _create_etcd_v3_handler
+from elastic._agent.rendezvous.etcd import RunKeys
+from elastic._agent.rendezvous.etcd_messages import prefix_end
+from elastic._agent.rendezvous.etcd_options import (
     LAYOUT_NAMES,
     EtcdOptions,
     EtcdOptionsError,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.events import EventLog, read_events
+from elastic._worker.observe.events import EventLog, read_events
 
 
 def test_every_event_carries_the_contract_fields(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_lines_are_compact_json(tmp_path: Path) -> None:
 
 
 def test_a_fast_loops_step_lines_are_written_together_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic import events
+    from elastic._worker.observe import events
 
     now = [100.0]
     monkeypatch.setattr(events, "monotonic", lambda: now[0])

@@ -215,7 +215,7 @@ def test_plot_writes_a_png(tmp_path):
 
 def test_the_models_snapshot_interval_is_the_runtimes(defaults):
     """goodput_at_scale.py runs without torch, so it writes Daly's formula again: it must be the runtime's."""
-    from elastic.checkpoint.snapshot_interval import daly_interval_s
+    from elastic._worker.checkpoint.snapshot_interval import daly_interval_s
 
     p = {k: v["value"] for k, v in defaults["params"].items()}
     cost = p["state_gb_per_gpu"] / p["pcie_gbps_per_gpu"]

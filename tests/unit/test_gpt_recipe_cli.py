@@ -7,7 +7,7 @@ from pathlib import Path
 import gpt
 import pytest
 
-from elastic.cli import run_main
+from elastic._shared.common.cli import run_main
 
 
 @pytest.fixture

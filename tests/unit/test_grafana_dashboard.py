@@ -7,8 +7,8 @@ import re
 
 from support import REPO
 
-from elastic.events import EventLog
-from elastic.metrics import METRICS, PREFIX, TrainingMetrics
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.metrics import METRICS, PREFIX, TrainingMetrics
 
 DASHBOARD = REPO / "deploy" / "grafana" / "torchrevive-dashboard.json"
 SERIES = re.compile(r"\b((?:torchrevive|process)_[a-z_]+)")

@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import context
 
-from elastic import heal_env, regroup
-from elastic.checkpoint import live_source
-from elastic.healing import Healing
-from elastic.launcher.in_place import raise_generation
+from elastic._shared.protocol import heal_env
+from elastic._worker.survivors import regroup
+from elastic._worker.checkpoint import live_source
+from elastic._worker.survivors.healing import Healing
+from elastic._agent.launcher.in_place import raise_generation
 
 
 def healing() -> Healing:
@@ -124,7 +125,7 @@ def test_any_header_is_either_read_or_refused_in_one_line(header: object) -> Non
 
 
 def test_a_worker_stopped_too_long_is_ended_unless_its_agent_was_stopped_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic.launcher import reaper
+    from elastic._agent.launcher import reaper
 
     now = [100.0]
     killed: list[int] = []

@@ -15,10 +15,10 @@ import transformers  # noqa: E402
 from support import REPO, make_text  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
-from elastic.config import RunConfig  # noqa: E402
-from elastic.errors import UsageError  # noqa: E402
-from elastic.hf.checks import check_accelerator  # noqa: E402
-from elastic.hf.trainer import Trainer, run_config_for, split_batch  # noqa: E402
+from elastic._worker.config import RunConfig  # noqa: E402
+from elastic._shared.common.errors import UsageError  # noqa: E402
+from elastic._worker.hf.checks import check_accelerator  # noqa: E402
+from elastic._worker.hf.trainer import Trainer, run_config_for, split_batch  # noqa: E402
 
 sys.path.insert(0, str(REPO / "recipes"))
 from hf_model import ByteWindows, byte_lm  # noqa: E402
@@ -160,7 +160,7 @@ def test_the_ported_stock_trainer_script_differs_in_at_most_5_lines() -> None:
 
 
 def test_a_process_outside_a_launched_job_joins_no_group() -> None:
-    from elastic.hf.group import join_before_accelerate
+    from elastic._worker.hf.group import join_before_accelerate
 
     assert join_before_accelerate({}) is False
     assert join_before_accelerate({"RANK": "0", "WORLD_SIZE": "2"}) is False  # no rendezvous address: not launched

@@ -17,8 +17,8 @@ import transformers  # noqa: E402
 from support import REPO, make_text  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from elastic.checkpoint import read_checkpoint  # noqa: E402
-from elastic.config import RunConfig  # noqa: E402
+from elastic._worker.checkpoint import read_checkpoint  # noqa: E402
+from elastic._worker.config import RunConfig  # noqa: E402
 from elastic.hf import Trainer  # noqa: E402
 
 sys.path.insert(0, str(REPO / "recipes"))

@@ -344,7 +344,7 @@ def test_no_password_in_any_manifest() -> None:
 
 
 def test_a_final_exit_idles_the_pod_not_ready_instead_of_restarting_it(rendered: list[dict[str, Any]]) -> None:
-    from elastic.errors import CheckpointStorageError, UsageError
+    from elastic._shared.common.errors import CheckpointStorageError, UsageError
 
     pod = trainer(rendered)
     env = pod.environment()

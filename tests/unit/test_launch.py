@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.errors import UsageError
-from elastic.launcher.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
-from elastic.recovery_defaults import RECOVERY_RDZV_CONF, merged_rdzv_conf
+from elastic._shared.common.errors import UsageError
+from elastic._agent.launcher.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
+from elastic._shared.protocol.recovery_defaults import RECOVERY_RDZV_CONF, merged_rdzv_conf
 
 
 def test_defaults_fill_an_empty_conf() -> None:
@@ -38,7 +38,7 @@ def test_preload_of_a_module_that_does_not_exist_is_a_usage_error() -> None:
 
 
 def test_standalone_is_settled_before_the_keeper_starts_so_it_knows_the_workers_run_id() -> None:
-    from elastic.launcher.launch import parse_args, settle_standalone
+    from elastic._agent.launcher.launch import parse_args, settle_standalone
 
     args = parse_args(["--standalone", "--nproc-per-node=2", "train.py"])
     settle_standalone(args)
@@ -50,7 +50,7 @@ def test_standalone_is_settled_before_the_keeper_starts_so_it_knows_the_workers_
 
 
 def test_a_quick_rounds_value_that_is_not_a_boolean_ends_the_launcher_in_one_line(capsys) -> None:
-    from elastic.launcher.launch import main
+    from elastic._agent.launcher.launch import main
 
     with pytest.raises(SystemExit) as info:
         main(["--nnodes=1:2", "--rdzv-conf=quick_rounds=maybe", "train.py"])
@@ -60,15 +60,15 @@ def test_a_quick_rounds_value_that_is_not_a_boolean_ends_the_launcher_in_one_lin
 
 
 def test_quick_rounds_0_and_1_are_taken() -> None:
-    from elastic.launcher.launch import check_rdzv_conf, parse_args
+    from elastic._agent.launcher.launch import check_rdzv_conf, parse_args
 
     for value in ("0", "1", "False", "yes"):
         check_rdzv_conf(parse_args([f"--rdzv-conf=join_timeout=60,quick_rounds={value}", "train.py"]))
 
 
 def test_the_failure_summary_names_a_heal_that_did_not_form() -> None:
-    from elastic.heal_env import HEAL_FAILED_EXIT
-    from elastic.launcher.launch import describe_exit
+    from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
+    from elastic._agent.launcher.launch import describe_exit
 
     assert describe_exit(HEAL_FAILED_EXIT) == "exit status 76, a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep or train-on)"
     assert describe_exit(-9) == "killed by SIGKILL"
@@ -84,7 +84,7 @@ def test_the_failure_summary_names_a_heal_that_did_not_form() -> None:
 def test_a_survivors_setting_the_launcher_cannot_honour_is_one_line(
     capsys, monkeypatch: pytest.MonkeyPatch, value: str, args: list[str], said: str
 ) -> None:
-    from elastic.launcher.launch import main
+    from elastic._agent.launcher.launch import main
 
     monkeypatch.setenv("TORCHREVIVE_SURVIVORS", value)
     with pytest.raises(SystemExit) as info:
@@ -95,8 +95,8 @@ def test_a_survivors_setting_the_launcher_cannot_honour_is_one_line(
 
 
 def test_train_on_takes_a_named_or_standalone_job() -> None:
-    from elastic.launcher import in_place
-    from elastic.launcher.launch import parse_args
+    from elastic._agent.launcher import in_place
+    from elastic._agent.launcher.launch import parse_args
 
     setting = {"TORCHREVIVE_SURVIVORS": "train-on"}
     assert in_place.check_setting(setting, parse_args(["--rdzv-id=job", "train.py"])) == "train-on"

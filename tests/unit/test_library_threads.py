@@ -1,4 +1,4 @@
-"""Clean exits: once `elastic.Run` closes, no library thread is left running (elastic.threads),
+"""Clean exits: once `elastic.Run` closes, no library thread is left running (elastic._shared.common.threads),
 and the registry's exit stops, joins, or ends the process without finalizing."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from support import free_port
 from torch.utils.data import TensorDataset
 
 import elastic
-from elastic import runtime, threads
-from elastic.preemption import PreemptionHandler
-from elastic.runtime import WorkerContext
+from elastic._worker.runtime import context as runtime
+from elastic._shared.common import threads
+from elastic._worker.control.preemption import PreemptionHandler
+from elastic._worker.runtime.context import WorkerContext
 
-# Names of the threads the library starts (prefixes), whether or not through elastic.threads.
+# Names of the threads the library starts (prefixes), whether or not through elastic._shared.common.threads.
 LIBRARY_THREADS = (
     "elastic-", "checkpoint-", "snapshot-", "crc32c", "etcd-", "metrics",
 )

@@ -7,8 +7,8 @@ import logging
 import pytest
 from support import context, free_port, samples
 
-from elastic.events import EventLog
-from elastic.metrics import METRICS, PREFIX, TrainingMetrics, start_metrics
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.metrics import METRICS, PREFIX, TrainingMetrics, start_metrics
 
 
 def test_steps_checkpoints_restores_and_evals_update_the_metrics() -> None:
@@ -60,7 +60,7 @@ def test_every_listed_metric_is_exported_with_rank_and_run_id(rank: int) -> None
 
 def test_an_address_that_cannot_be_bound_is_a_warning_too(caplog: pytest.LogCaptureFixture) -> None:
     log = EventLog(None, restart=0)
-    with caplog.at_level(logging.WARNING, logger="elastic.metrics"):
+    with caplog.at_level(logging.WARNING, logger="elastic._worker.observe.metrics"):
         with start_metrics(context(), log, port=free_port(), host="a" * 300, samples_per_step=4) as metrics:
             log.emit("step", step=1, world_size=4, loss=1.0)
     assert metrics.address is None and "without a metrics endpoint" in caplog.text

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from elastic import preemption
-from elastic.preemption import PreemptionHandler
-from elastic.runtime import WorkerContext
+from elastic._worker.control import preemption
+from elastic._worker.control.preemption import PreemptionHandler
+from elastic._worker.runtime.context import WorkerContext
 
 
 class Exited(Exception):

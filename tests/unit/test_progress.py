@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from elastic.progress import Progress
+from elastic._worker.observe.progress import Progress
 
 
 class FakeTerminal(io.StringIO):
@@ -24,7 +24,7 @@ def test_a_terminal_gets_a_bar_with_loss_and_throughput() -> None:
 
 
 def test_a_file_gets_a_log_line_every_n_steps(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="elastic.progress")
+    caplog.set_level(logging.INFO, logger="elastic._worker.observe.progress")
     progress = Progress(total=7, stream=io.StringIO(), log_every=3)
     for step in range(1, 8):
         progress.update(step, loss=1.0, tokens_per_s=10.0)
@@ -32,7 +32,7 @@ def test_a_file_gets_a_log_line_every_n_steps(caplog: pytest.LogCaptureFixture) 
 
 
 def test_other_ranks_report_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="elastic.progress")
+    caplog.set_level(logging.INFO, logger="elastic._worker.observe.progress")
     screen = FakeTerminal()
     progress = Progress(total=2, enabled=False, stream=screen, log_every=1)
     progress.update(1, loss=1.0, tokens_per_s=1.0)
@@ -41,7 +41,7 @@ def test_other_ranks_report_nothing(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_throughput_is_reported_in_the_unit_given(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="elastic.progress")
+    caplog.set_level(logging.INFO, logger="elastic._worker.observe.progress")
     screen = FakeTerminal()
     bar = Progress(total=1, stream=screen, unit="images")
     bar.update(1, loss=0.5, tokens_per_s=2048.0)

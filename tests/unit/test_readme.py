@@ -36,7 +36,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 def test_every_metric_is_listed_and_the_pictured_run_is_committed() -> None:
-    from elastic.metrics import METRICS, PREFIX
+    from elastic._worker.observe.metrics import METRICS, PREFIX
 
     page = METRICS_PAGE.read_text()
     section = page.split("\n## Prometheus metrics\n", 1)[1].split("\n## ", 1)[0]
@@ -141,10 +141,10 @@ def test_the_flag_table_is_runconfigs() -> None:
     import argparse
     from dataclasses import fields
 
-    from elastic.config import RunConfig, add_runtime_arguments, flag_table
+    from elastic._worker.config import RunConfig, add_runtime_arguments, flag_table
 
     page = (DOCS / "recipes.md").read_text()
-    assert flag_table() in page, "regenerate the table: python -c 'import elastic.config as c; print(c.flag_table())'"
+    assert flag_table() in page, "regenerate the table: python -c 'import elastic._worker.config as c; print(c.flag_table())'"
     parser = argparse.ArgumentParser()
     add_runtime_arguments(parser)
     defaults = vars(parser.parse_args([]))

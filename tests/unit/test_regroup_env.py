@@ -1,4 +1,4 @@
-"""Where a worker's heals meet (elastic.regroup.heal_point) is read from torchrevive-run's variables;
+"""Where a worker's heals meet (elastic._worker.survivors.regroup.heal_point) is read from torchrevive-run's variables;
 a malformed one is one line naming it; and `agree`'s ballots pick the most steps and, among the members
 that completed them, the lowest rank."""
 
@@ -9,8 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic import heal_env, regroup
-from elastic.errors import EnvironmentConfigError
+from elastic._shared.protocol import heal_env
+from elastic._worker.survivors import regroup
+from elastic._shared.common.errors import EnvironmentConfigError
 
 
 def env(store: str, namespace: str = "run/10.0.0.1:29500", generation: str = "0") -> dict[str, str]:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic.cli import run_main
+from elastic._shared.common.cli import run_main
 from elastic.report import main as report_main
-from elastic.run_history import recoveries, rounds
+from elastic.report.history import recoveries, rounds
 
 
 def event(kind: str, t: float, step: int, restart: int = 0, world: int = 2, **extra) -> dict:

@@ -1,6 +1,6 @@
 """A storage error at any step of a restore (claim, list, verify, read) is one
 `CheckpointStorageError` line, and every rank takes the same outcome of a read
-(elastic/checkpoint/planner.py, loader.py, directory_claim.py)."""
+(elastic/_worker/checkpoint/planner.py, loader.py, directory_claim.py)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointManager
-from elastic.checkpoint import loader as loader_module
-from elastic.checkpoint.sources import Offer
-from elastic.config import RunConfig
-from elastic.errors import (
+from elastic._worker.checkpoint import CheckpointManager
+from elastic._worker.checkpoint import loader as loader_module
+from elastic._worker.checkpoint.sources import Offer
+from elastic._worker.config import RunConfig
+from elastic._shared.common.errors import (
     CheckpointError,
     CheckpointStorageError,
     CorruptCheckpoint,
     RestoreTimedOut,
 )
-from elastic.runtime import init_worker
-from elastic.sampler import ElasticSampler
-from elastic.storage import claim as claims
-from elastic.storage import sharded
-from elastic.storage.directory import CheckpointStore
+from elastic._worker.runtime.context import init_worker
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.storage import claim as claims
+from elastic._shared.storage import sharded
+from elastic._shared.storage.directory import CheckpointStore
 
 
 def manager(ckpt: Path) -> CheckpointManager:

@@ -1,5 +1,5 @@
 """Retention counts only verified checkpoints of this run, and deletes nothing once the claim is
-lost (elastic/storage/retention.py, reached through CheckpointStore.finish and commit_checkpoint)."""
+lost (elastic/_shared/storage/retention.py, reached through CheckpointStore.finish and commit_checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from store_helpers import save
 
-from elastic.storage import retention
-from elastic.storage.claim import WRITER, WriterIdentity
-from elastic.storage.commit import commit_checkpoint
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.durable import SaveFailed, replace_small
-from elastic.storage.manifest import MANIFEST, Manifest, checkpoint_name
+from elastic._shared.storage import retention
+from elastic._shared.storage.claim import WRITER, WriterIdentity
+from elastic._shared.storage.commit import commit_checkpoint
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.durable import SaveFailed, replace_small
+from elastic._shared.storage.manifest import MANIFEST, Manifest, checkpoint_name
 
 
 def steps(store: CheckpointStore) -> list[int]:

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastic
-from elastic.config import RunConfig
-from elastic.data import StepBatchSampler
-from elastic.errors import CheckpointMismatchError, ElasticError, Preempted, UsageError
-from elastic.events import read_events
-from elastic.parallel import unwrap
-from elastic.sampler import ElasticSampler
+from elastic._worker.config import RunConfig
+from elastic._worker.data.feed import StepBatchSampler
+from elastic._shared.common.errors import CheckpointMismatchError, ElasticError, Preempted, UsageError
+from elastic._worker.observe.events import read_events
+from elastic._worker.runtime.parallel import unwrap
+from elastic._worker.data.sampler import ElasticSampler
 
 
 class Counter:
@@ -289,7 +289,7 @@ def test_sigterm_during_a_pause_waits_for_it_then_commits_the_step(tmp_path: Pat
 
 
 def test_the_summary_breaks_the_runtime_cost_down(tmp_path: Path) -> None:
-    from elastic.step_costs import PHASES
+    from elastic._worker.observe.step_costs import PHASES
 
     _, summary = train(tmp_path, 9)
     costs = summary["step_costs"]

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from support import free_port
 
 import elastic
-from elastic import run as run_module
-from elastic import runtime
+from elastic._worker.run import run as run_module
+from elastic._worker.runtime import context as runtime
 
 
 @pytest.fixture

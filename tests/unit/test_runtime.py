@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from support import free_port
 
-from elastic import runtime
-from elastic.errors import EnvironmentConfigError, UsageError
-from elastic.runtime import (
+from elastic._worker.runtime import context as runtime
+from elastic._shared.common.errors import EnvironmentConfigError, UsageError
+from elastic._worker.runtime.context import (
     SINGLE_PROCESS,
     error_teardown,
     init_worker,
@@ -192,7 +192,7 @@ def test_a_normal_exit_destroys_an_nccl_group(monkeypatch) -> None:
 def test_a_teardown_that_hangs_is_left_behind_after_the_deadline_with_one_line(monkeypatch, caplog) -> None:
     world = FakeNcclWorld(monkeypatch, abort_blocks=True)
     try:
-        with caplog.at_level(logging.WARNING, logger="elastic.runtime"):
+        with caplog.at_level(logging.WARNING, logger="elastic._worker.runtime.context"):
             shutdown_worker(failed=True, deadline=timedelta(seconds=0.2))  # returns: the test would time out otherwise
         assert world.calls == ["abort"]
         [record] = caplog.records
@@ -217,7 +217,7 @@ def test_a_worker_whose_teardown_overran_joins_no_new_group(monkeypatch) -> None
     """gloo's destroy clears the world at once, then its destructor waits for a collective still in
     flight (a peer blocked on this rank): the group's sockets stay open until it ends. A heal must not
     go on to a new group then; the worker leaves, and its exit closes them."""
-    from elastic import regroup
+    from elastic._worker.survivors import regroup
 
     world = FakeNcclWorld(monkeypatch)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
@@ -246,7 +246,7 @@ def test_a_teardown_that_fails_is_one_warning_line(monkeypatch, caplog) -> None:
         raise RuntimeError("NCCL error: remote process exited\nmore detail")
 
     monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", abort)
-    with caplog.at_level(logging.WARNING, logger="elastic.runtime"):
+    with caplog.at_level(logging.WARNING, logger="elastic._worker.runtime.context"):
         shutdown_worker(failed=True)
     [record] = caplog.records
     assert "failed (RuntimeError: NCCL error: remote process exited)" in record.getMessage()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from elastic.chaos.samples import append_record, audit
-from elastic.sampler import ElasticSampler
+from elastic._worker.data.sampler import ElasticSampler
 
 N, BATCH = 50, 4
 

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from elastic.sampler import ElasticSampler, epoch_permutation
+from elastic._worker.data.sampler import ElasticSampler, epoch_permutation
 
 
 def consume(sampler: ElasticSampler, world_size: int, steps: int) -> list[list[int]]:

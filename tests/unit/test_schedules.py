@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic.schedules import OneCycle, WarmupCosine
+from elastic._worker.run.schedules import OneCycle, WarmupCosine
 
 
 def test_warmup_rises_linearly_then_cosine_falls_to_the_floor() -> None:

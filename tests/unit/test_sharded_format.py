@@ -1,4 +1,4 @@
-"""The sharded tensor format (elastic/storage/sharded.py) and the flat live state (state.py).
+"""The sharded tensor format (elastic/_shared/storage/sharded.py) and the flat live state (state.py).
 
 Single-process round trips, corruption found by the per-block crc32c, no pickles,
 and a real FSDP2 job on gloo: saved by 2 ranks, loaded by 1, 2 and 3 ranks.
@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from elastic.checkpoint import state as live_state
-from elastic.errors import CheckpointMismatchError, CorruptCheckpoint, UsageError
-from elastic.storage import chunks, sharded
+from elastic._worker.checkpoint import state as live_state
+from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint, UsageError
+from elastic._shared.storage import chunks, sharded
 
 
 def assorted() -> dict[str, torch.Tensor]:

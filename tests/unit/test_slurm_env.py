@@ -1,5 +1,5 @@
 """Slurm's variables, in the formats Slurm writes them, read into a task's place in its step
-(elastic.slurm.step, elastic.slurm.hostlist) and into an agent's rendezvous
+(elastic._shared.slurm.step, elastic._shared.slurm.hostlist) and into an agent's rendezvous
 (`--rdzv-endpoint=slurm`); bad values are one line naming the variable."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.errors import EnvironmentConfigError, UsageError
-from elastic.launcher.launch import parse_args
-from elastic.launcher.slurm_launch import expand_endpoint
-from elastic.runtime import SINGLE_PROCESS, parse_launch_env
-from elastic.slurm.hostlist import MAX_EXPANDED, expand_hostlist, expand_tasks_per_node
-from elastic.slurm.requeue import requeue_signal
-from elastic.slurm.step import MASTER_PORT_BASE, in_step
+from elastic._shared.common.errors import EnvironmentConfigError, UsageError
+from elastic._agent.launcher.launch import parse_args
+from elastic._agent.launcher.slurm_launch import expand_endpoint
+from elastic._worker.runtime.context import SINGLE_PROCESS, parse_launch_env
+from elastic._shared.slurm.hostlist import MAX_EXPANDED, expand_hostlist, expand_tasks_per_node
+from elastic._shared.slurm.requeue import requeue_signal
+from elastic._shared.slurm.step import MASTER_PORT_BASE, in_step
 
 # Task 3 of `srun -N2 --ntasks-per-node=2` in job 2, as Slurm 22.05 set it (trimmed).
 SRUN_TASK = {
@@ -179,7 +179,7 @@ def test_a_stop_signal_in_torchs_metrics_wrapper_before_its_start_time_is_sent_a
 
     from torch.distributed.elastic.metrics.api import prof
 
-    from elastic.launcher import stop_signals
+    from elastic._agent.launcher import stop_signals
 
     seen: list[str] = []
     monkeypatch.setattr(stop_signals, "_send_again", lambda signum: seen.append("again"))
@@ -205,7 +205,7 @@ def test_the_agent_takes_the_requeue_signal_before_its_workers_start_as_a_stop_t
 ) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from elastic.launcher import slurm_launch
+    from elastic._agent.launcher import slurm_launch
 
     monkeypatch.setattr(slurm_launch.signal, "signal", lambda *args: None)  # no handler in the test process
     monkeypatch.setattr(slurm_launch.tempfile, "mkdtemp", lambda prefix: str(tmp_path))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from elastic.checkpoint.snapshot_interval import SnapshotInterval, daly_interval_s
+from elastic._worker.checkpoint.snapshot_interval import SnapshotInterval, daly_interval_s
 
 
 def test_daly_is_young_to_first_order_and_never_beyond_the_mtbf() -> None:
@@ -62,7 +62,7 @@ def test_small_changes_are_not_proposed_and_agree_logs_a_change_once(caplog) -> 
     interval, now = clocked(ckpt_every=100)
     run_steps(interval, now, 3, 0.3)
     interval.note_cost(0.005)
-    with caplog.at_level(logging.INFO, logger="elastic.checkpoint.snapshot_interval"):
+    with caplog.at_level(logging.INFO, logger="elastic._worker.checkpoint.snapshot_interval"):
         interval.agree(interval.proposal(), step=3)
         interval.agree(100, step=4)  # no change: no line
     assert interval.every == 100 and interval.chosen == [(3, 100)]

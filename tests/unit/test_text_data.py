@@ -6,7 +6,7 @@ import pytest
 import torch
 from text_data import load_corpus, split_corpus, stdlib_source_files
 
-from elastic.errors import UsageError
+from elastic._shared.common.errors import UsageError
 
 
 def test_default_corpus_is_stdlib_source_in_a_fixed_order() -> None:

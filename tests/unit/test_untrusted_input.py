@@ -25,17 +25,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
-from elastic.checkpoint import CheckpointManager, load_newest_model_state
-from elastic.checkpoint.memory import Inventory
-from elastic.checkpoint.memory_source import MemorySource
-from elastic.config import RunConfig
-from elastic.errors import CorruptCheckpoint
-from elastic.runtime import init_worker
-from elastic.sampler import ElasticSampler
-from elastic.storage import parts, sharded
-from elastic.storage.chunks import BLOCK, StoredChunk, block_checksums, read_chunk
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.manifest import (
+from elastic._worker.checkpoint import CheckpointManager, load_newest_model_state
+from elastic._worker.checkpoint.memory import Inventory
+from elastic._worker.checkpoint.memory_source import MemorySource
+from elastic._worker.config import RunConfig
+from elastic._shared.common.errors import CorruptCheckpoint
+from elastic._worker.runtime.context import init_worker
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.storage import parts, sharded
+from elastic._shared.storage.chunks import BLOCK, StoredChunk, block_checksums, read_chunk
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.manifest import (
     MANIFEST,
     TRAINER_FILE,
     Candidate,
@@ -251,7 +251,7 @@ def test_read_headers_skips_a_malformed_header_with_one_warning(tmp_path: Path, 
     bad_stem = parts.part_stem(0, "1a2b-c0ffee", 0)
     (tmp_path / (bad_stem + parts.DATA_SUFFIX)).write_bytes(data)
     (tmp_path / (bad_stem + parts.HEADER_SUFFIX)).write_text(json.dumps({**doc, "slot": 0, "step": []}))
-    with caplog.at_level(logging.WARNING, logger="elastic.storage.parts"):
+    with caplog.at_level(logging.WARNING, logger="elastic._shared.storage.parts"):
         assert parts.read_headers(tmp_path) == [good]
         assert parts.read_headers(tmp_path) == [good]  # the keeper's maintenance reads them every few seconds
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

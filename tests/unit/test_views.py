@@ -1,4 +1,4 @@
-"""Who trains together when the survivors train on (elastic.views), on an in-process store: a view closes
+"""Who trains together when the survivors train on (elastic._worker.survivors.views), on an in-process store: a view closes
 once and every worker reads the same list; after a failure it closes as soon as the dead are marked, or
 after the settle time without them; a late survivor and a passed-over joiner are taken in later; a
 malformed record in the store is one `ViewError` line (hypothesis); and the pieces around them: the
@@ -16,13 +16,14 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic import heal_env, views
-from elastic.data import Feed, StepBatchSampler
-from elastic.events import EventLog, read_events
-from elastic.launcher import exit_barrier
-from elastic.sampler import ElasticSampler
-from elastic.step_vote import Verdict
-from elastic.views import View, ViewError
+from elastic._shared.protocol import heal_env
+from elastic._worker.survivors import views
+from elastic._worker.data.feed import Feed, StepBatchSampler
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._agent.launcher import exit_barrier
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.control.step_vote import Verdict
+from elastic._worker.survivors.views import View, ViewError
 
 
 class Clock:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.launcher.warm_start import import_preload
+from elastic._agent.launcher.warm_start import import_preload
 
 _names = itertools.count()
 

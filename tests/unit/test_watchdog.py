@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from support import wait_for
 
-from elastic.watchdog import EXIT_CODE, NoWatchdog, Watchdog, watchdog
+from elastic._worker.control.watchdog import EXIT_CODE, NoWatchdog, Watchdog, watchdog
 
 TIMEOUT = 8.0  # seconds of fake time; this and every step below are exact in binary floating point
 NEVER = 3600.0  # the thread's own poll: it takes no look while a test runs, the test calls check()

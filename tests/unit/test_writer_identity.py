@@ -1,5 +1,5 @@
 """The writer claim names a process by what survives pid reuse (boot id, pid namespace, pid, start
-time) and a job by its run id; writer.json is untrusted input (elastic/storage/claim.py)."""
+time) and a job by its run id; writer.json is untrusted input (elastic/_shared/storage/claim.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic.errors import CheckpointStorageError
-from elastic.storage import claim as claims
-from elastic.storage.claim import WRITER, WriterIdentity
-from elastic.storage.directory import CheckpointStore
-from elastic.storage.durable import replace_small
+from elastic._shared.common.errors import CheckpointStorageError
+from elastic._shared.storage import claim as claims
+from elastic._shared.storage.claim import WRITER, WriterIdentity
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.durable import replace_small
 
 
 def written(root: Path, identity: WriterIdentity) -> None:
@@ -108,7 +108,7 @@ def test_an_invalid_claim_counts_as_none_with_one_warning(tmp_path: Path, caplog
     raw = json.loads(WriterIdentity.new("run-a").to_json())
     raw.update(change)
     (tmp_path / WRITER).write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
-    with caplog.at_level(logging.WARNING, logger="elastic.storage.claim"):
+    with caplog.at_level(logging.WARNING, logger="elastic._shared.storage.claim"):
         assert claims.current(tmp_path) is None
         assert claims.current(tmp_path) is None
     warnings = [r.getMessage() for r in caplog.records if WRITER in r.getMessage()]

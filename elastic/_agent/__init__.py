@@ -1,0 +1,8 @@
+"""Internal: the agent side, torchrun's agent process on each node.
+
+- `launcher`: `torchrevive-run` (torchrun with recovery defaults), warm starts,
+  the snapshot keeper, the reaper, heals in place, Slurm's signals;
+- `rendezvous`: the `etcd-v3` rendezvous backend and quick rounds.
+
+Nothing here imports the worker side (`elastic._worker`); both import `elastic._shared`.
+"""

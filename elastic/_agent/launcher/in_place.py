@@ -1,0 +1,262 @@
+"""Heals in place: an agent whose workers failed replaces them without a rendezvous round.
+
+torch's agent answers any failure of its workers with `_restart_workers`: stop
+them, join a new rendezvous round, start them again. A new round makes every
+other agent stop its healthy workers too (they see a node waiting), so one dead
+process stops the whole job (torch/distributed/elastic/agent/server/api.py,
+`_invoke_run`). With `TORCHREVIVE_SURVIVORS=keep` this module's `_restart_workers`
+instead, for a FAILED group:
+
+1. stops this agent's workers (torch's process context has already stopped the
+   failed one's local peers; the other nodes' workers are untouched);
+2. counts the heal on the rendezvous store (elastic._shared.protocol.heal_env), which gives
+   the replacements their generation;
+3. starts the replacements at the ranks, world size and store of the current
+   round, with that generation in their environment.
+
+The surviving workers (elastic._worker.survivors.regroup) void the step that failed, wait for
+the heal's count, form the next group with the replacements and hand them their
+state. Every worker of every round learns where heals meet
+(`heal_env.HEAL_STORE_ENV`, `HEAL_NAMESPACE_ENV`, `HEAL_GENERATION_ENV`).
+
+With `TORCHREVIVE_SURVIVORS=train-on` step 2 differs: the agent marks each of
+its workers failed in the store (the survivors, who form a smaller group at
+once, stop waiting for them) and draws the replacements' incarnation
+(`heal_env.INCARNATIONS_KEY`); the replacements join the survivors at a later
+step (elastic._worker.survivors.views). Workers also learn the fewest workers the job may train
+with (`heal_env.MIN_WORLD_ENV`: torchrun's minimum of nodes times the workers
+per node).
+
+Invariants:
+- Only a FAILED group heals in place, only while the rendezvous store is a TCP
+  store (c10d), only in a job of several nodes, and only once every worker of
+  the round counted itself a healer (elastic._worker.survivors.regroup): a membership change (a
+  node waiting), an etcd rendezvous, a script that does not heal, a store that
+  failed, or a worker that exited with `HEAL_FAILED_EXIT` (its heal's peers never
+  came) takes torch's way: a new round for every worker.
+- A round's heals meet in a namespace of their own (`namespace`), fixed at the
+  round's first start: torch's round number is in it.
+- A heal uses one of `--max-restarts`, as torch's restart would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic._shared.protocol import heal_env
+from elastic._agent.launcher import exit_barrier
+from elastic._shared.common.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+def mode(environ: Any) -> str:
+    """TORCHREVIVE_SURVIVORS (heal_env.MODES); one `UsageError` line for another value."""
+    try:
+        return heal_env.mode(environ)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def check_setting(environ: Any, args: Any) -> str:
+    """`mode`, and with `train-on` a job named by --rdzv-id (or --standalone): the checkpoint
+    directory's writer, rank 0, may move to another live process of the job, which the directory's
+    claim tells from another job by the run id only (torchrun's default id, "none", names no job)."""
+    chosen = mode(environ)
+    unnamed = (getattr(args, "rdzv_id", None) or "none") == "none" and not getattr(args, "standalone", False)
+    if chosen == heal_env.TRAIN_ON and unnamed:
+        raise UsageError(f"{heal_env.SURVIVORS_ENV}=train-on needs --rdzv-id naming the job (rank 0, which writes "
+                         "the checkpoints, may move to another process of it)")
+    return chosen
+
+
+def enabled(environ: Any) -> bool:
+    """Whether a failed worker is replaced in place (`keep` or `train-on`)."""
+    return heal_env.mode(environ) != heal_env.RESTART if environ.get(heal_env.SURVIVORS_ENV) else False
+
+
+def frozen_after(environ: Any) -> float:
+    """Seconds a worker may stay stopped before it is ended and replaced (heal_env.FROZEN_AFTER_ENV)."""
+    raw = environ.get(heal_env.FROZEN_AFTER_ENV, "")
+    if not raw:
+        return heal_env.DEFAULT_FROZEN_AFTER
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0.5 <= seconds <= 86400:
+        raise UsageError(f"{heal_env.FROZEN_AFTER_ENV}={raw!r} is not a number of seconds from 0.5 to 86400")
+    return seconds
+
+
+def install() -> None:
+    """Patch torch's local agent (in this process) as the module docstring says. Idempotent."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if getattr(LocalElasticAgent._restart_workers, "heals_in_place", False):
+        return
+    if heal_env.mode(os.environ) == heal_env.TRAIN_ON:
+        exit_barrier.install()  # a job may end without a node it lost: wait for the live ones only
+    restart_round = LocalElasticAgent._restart_workers
+    monitor = LocalElasticAgent._monitor_workers
+    start_workers = LocalElasticAgent._start_workers
+    start_processes = local_elastic_agent.start_processes
+
+    def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        self._torchrevive_last_result = result  # what _restart_workers acts on
+        return result
+
+    def restart_workers(self: LocalElasticAgent, worker_group: Any) -> None:
+        store = heal_store(worker_group.store)
+        result = getattr(self, "_torchrevive_last_result", None)
+        space = getattr(self, "_torchrevive_namespace", None)
+        if store is None or space is None or not _heals(worker_group, result, store, space) or not _heal(
+            self, worker_group, result, store, space
+        ):
+            self._torchrevive_generation = 0  # a new round: its heals count from 0 in a namespace of its own
+            self._torchrevive_namespace = None
+            restart_round(self, worker_group)
+
+    def start_workers_with_heal_env(self: LocalElasticAgent, worker_group: Any) -> Any:
+        store = heal_store(worker_group.store)
+        if getattr(self, "_torchrevive_namespace", None) is None:  # the first start of a round
+            self._torchrevive_namespace = namespace(worker_group)
+        if store is None or self._torchrevive_namespace is None:
+            return start_workers(self, worker_group)
+        extra = {
+            heal_env.HEAL_STORE_ENV: f"{store.host}:{store.port}",
+            heal_env.HEAL_NAMESPACE_ENV: self._torchrevive_namespace,
+            heal_env.HEAL_GENERATION_ENV: str(getattr(self, "_torchrevive_generation", 0)),
+            heal_env.MIN_WORLD_ENV: str(min_world(worker_group)),
+        }
+        _extra_env.update(extra)
+        try:
+            return start_workers(self, worker_group)
+        finally:
+            _extra_env.clear()
+
+    def start_processes_with_extra_env(*args: Any, **kwargs: Any) -> Any:
+        envs = kwargs.get("envs")
+        if envs is not None and _extra_env:
+            kwargs["envs"] = {local_rank: {**env, **_extra_env} for local_rank, env in envs.items()}
+        return start_processes(*args, **kwargs)
+
+    restart_workers.heals_in_place = True  # type: ignore[attr-defined]
+    LocalElasticAgent._restart_workers = restart_workers  # type: ignore[method-assign]
+    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
+    LocalElasticAgent._start_workers = start_workers_with_heal_env  # type: ignore[method-assign]
+    local_elastic_agent.start_processes = start_processes_with_extra_env
+
+
+_extra_env: dict[str, str] = {}
+"""Variables for the workers `_start_workers` is starting now (set only around that call)."""
+
+
+def heal_store(store: Any) -> dist.TCPStore | None:
+    """The TCP store under the round's (prefixed) rendezvous store; None for another kind (etcd)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def namespace(worker_group: Any) -> str | None:
+    """This round's heals' namespace, the same for every agent of the round and no other round of
+    the run: the run id, torch's round number and the round's worker store address. None when the
+    handler is not torch's dynamic one (no round number to read): then nothing heals in place."""
+    handler = worker_group.spec.rdzv_handler
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    number = getattr(state, "round", None)
+    if not isinstance(number, int):
+        return None
+    return f"{handler.get_run_id()}/{number}/{worker_group.master_addr}:{worker_group.master_port}"
+
+
+def min_world(worker_group: Any) -> int:
+    """The fewest workers the job may train with: torchrun's minimum of nodes times this node's workers."""
+    settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+    nodes = getattr(settings, "min_nodes", 1)
+    return max(1, int(nodes) if isinstance(nodes, int) else 1) * max(1, int(worker_group.spec.local_world_size))
+
+
+def _heals(worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
+    """Whether a failure of this agent's workers heals in place (the module docstring's rules)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    if not (
+        worker_group.state == WorkerState.FAILED
+        and worker_group.group_world_size > 1  # alone, no survivor would hold the state
+        and result is not None
+        and bool(result.failures)
+        and all(failure.exitcode != heal_env.HEAL_FAILED_EXIT for failure in result.failures.values())
+    ):
+        return False
+    world_size = worker_group.workers[0].world_size if worker_group.workers else 0
+    try:  # every worker of the round must be one that heals (elastic._worker.survivors.regroup counted it)
+        healers = dist.PrefixStore(heal_env.namespace_prefix(space), store).add(heal_env.HEALERS_KEY, 0)
+    except RuntimeError:
+        return False  # the store failed: torch's new round says so in its own words
+    return healers >= world_size > 0
+
+
+def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
+    """Replace this agent's workers in place; False (nothing started) when the store failed."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    ranks = ", ".join(str(rank) for rank in sorted(result.failures))
+    heals = dist.PrefixStore(heal_env.namespace_prefix(space), store)
+    started_in = getattr(agent, "_torchrevive_generation", 0)
+    train_on = heal_env.mode(os.environ) == heal_env.TRAIN_ON
+    if train_on:  # before they are stopped: the survivors stop waiting for any of this node's workers
+        try:
+            for worker in worker_group.workers:
+                heals.set(heal_env.failed_key(heal_env.member_id(worker.global_rank, started_in)), "1")
+        except RuntimeError:
+            pass  # the survivors' settle time covers it; the heal below fails on the store too
+    agent._stop_workers(worker_group)
+    worker_group.state = WorkerState.STOPPED
+    try:
+        if train_on:
+            generation = heals.add(heal_env.INCARNATIONS_KEY, 1)
+        else:
+            generation = raise_generation(heals, sorted(result.failures), started_in=started_in)
+    except RuntimeError:
+        return False
+    agent._torchrevive_generation = generation
+    print(
+        f"torchrevive-run: worker rank {ranks} failed; replacing this node's workers in place "
+        f"({'incarnation' if train_on else 'heal'} {generation}): the other nodes' workers keep their processes"
+        + ("; its replacement joins them at a later step" if train_on else ""),
+        file=sys.stderr, flush=True,
+    )
+    worker_ids = agent._start_workers(worker_group)
+    for local_rank, worker_id in worker_ids.items():
+        worker_group.workers[local_rank].id = worker_id
+    worker_group.state = WorkerState.HEALTHY
+    return True
+
+
+def raise_generation(store: dist.Store, failed_ranks: list[int], *, started_in: int) -> int:
+    """Raise the round's generation to the one that heals `failed_ranks` (heal_env.healed_generation;
+    a rank that never noted its generation is taken to be in `started_in`, the one this agent started
+    it in) and return it. A compare-and-set loop: agents healing at once agree."""
+    failed_in = []
+    for rank in failed_ranks:
+        key = heal_env.member_key(rank)
+        noted = store.get(key).decode(errors="replace") if store.check([key]) else ""
+        failed_in.append(int(noted) if noted.isdigit() else started_in)
+    current = store.add(heal_env.GENERATION_KEY, 0)
+    while True:
+        wanted = heal_env.healed_generation(current, failed_in)
+        if wanted == current:
+            return current
+        seen = int(store.compare_set(heal_env.GENERATION_KEY, str(current), str(wanted)).decode())
+        if seen == wanted:
+            return wanted
+        current = seen  # another agent moved it meanwhile

@@ -1,0 +1,438 @@
+"""The snapshot keeper: the launcher's side of the memory tier, on each node.
+
+It lives in the torchrun agent's process (`torchrevive-run`), which outlives
+every worker it starts, and:
+
+- owns a directory in shared memory (`/dev/shm/torchrevive-snapshots-<uid>/<node>/`,
+  or under `TORCHREVIVE_SNAPSHOT_BASE`; `private_directory`: mode 0700, this
+  user's, so no other local user can read or replace the parts or the secret) where this node's workers write their
+  snapshot parts (`elastic._worker.checkpoint.memory`), and tells the workers where it
+  is through the environment;
+- serves those parts to the other nodes' workers, and takes the parts a peer
+  node's workers copy to it, over HTTP on the address the agent was given
+  (`--local-addr`, or `TORCHREVIVE_SNAPSHOT_HOST`), port chosen by the system;
+- when its workers stop (a failure, or a restart for a membership change),
+  writes the newest snapshot it holds to the job's `--ckpt-dir` as a normal
+  committed checkpoint (`persist`), so a whole-job crash right after a failure
+  still loses at most one step;
+- removes what is no longer needed: the parts of dead workers once newer ones
+  exist, replicas beyond the newest two steps, and (at start) the directories
+  of keepers on this host whose agent is gone.
+
+Invariants:
+- Persisting goes through a staging directory in `--ckpt-dir` per step, shared
+  by every node's keeper: each copies in the parts it holds (its own workers'
+  and its peer's replicas), each part checked against its crc32c on the way;
+  whichever keeper finds every rank's part there commits it (one wins, by an
+  exclusively created file) through the one commit rank 0 uses too
+  (storage.commit), which honours the directory's claim: a keeper commits only
+  where its job writes. Only steps newer than the newest committed checkpoint
+  are written.
+- A part's files are never removed while a persist runs, nor while no newer
+  snapshot exists (a restore may still read them).
+- Its endpoint (keeper_endpoint.py) answers only requests signed with the job's
+  secret and serves part files by name only (no paths). A replica is kept only
+  when its tag verified, it belongs to this run, to the generation and world size
+  this node's workers run (`job.json`, which they write at each restore) and it
+  leaves `free_reserve` of the file system free; what it receives is data and
+  JSON, and nothing it serves or stores is ever executed.
+- No failure of one persist or prune stops the keeper's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import ssl
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from elastic._shared.common import threads
+from elastic._shared.common.errors import CorruptCheckpoint
+from elastic._agent.launcher.keeper_endpoint import Conflict, serve
+from elastic._agent.launcher.keeper_files import (
+    OWNER_FILE,
+    live_keepers_of,
+    pid_alive,
+    private_directory,
+    remove_orphans,
+    snapshot_base,
+)
+from elastic._shared.storage import parts, peer_auth
+from elastic._shared.storage.claim import check_may_commit
+from elastic._shared.storage.commit import commit_checkpoint
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.durable import SaveFailed
+from elastic._shared.storage.keeper_address import JOB_FILE, LOCAL, REPLICA, KeeperAddress
+from elastic._shared.storage.manifest import shard_file
+from elastic._shared.storage.parts import PartHeader
+from elastic._shared.storage.peer_auth import PeerKey
+
+logger = logging.getLogger(__name__)
+
+STAGE_PREFIX = ".snapshot."
+PRUNE_EVERY = 2.0
+STALE_UPLOAD = 60.0
+RESERVE_FRACTION = 0.10
+"""A replica is refused (507) when storing it would leave less than this share of the keeper's file
+system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""
+
+
+class SnapshotKeeper:
+    """One node's keeper (see the module docstring). `close()` removes its directory."""
+
+    def __init__(
+        self, host: str, *, key: PeerKey, run_id: str, base: Path | None = None, tls: ssl.SSLContext | None = None,
+        secret_file: Path | None = None,
+    ) -> None:
+        self.host = host
+        self.run_id = run_id
+        self.secret_file = secret_file
+        """Where the workers read the job's secret (None: they have it from the environment)."""
+        base = private_directory(base or snapshot_base())
+        remove_orphans(base)
+        self.node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.root = base / self.node
+        for name in (LOCAL, REPLICA):
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+        (self.root / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id}))
+        self._server = serve(self, host, key, tls)
+        port = self._server.server_address[1]
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+        self._lock = threading.Lock()  # persist and prune never overlap
+        self._closing = threading.Event()
+        self._persist_wanted = threading.Event()
+        self._checkpoint_dirs: set[Path] = set()  # where persists went: their stale stages go at close
+        self._staged: dict[Path, set[int]] = {}  # stage -> the ranks this keeper copied into it
+        self._stage_worlds: dict[Path, int] = {}
+        self.persisted: list[int] = []
+        """Steps this keeper committed to a checkpoint directory."""
+        self._threads = [
+            threads.start(self._server.serve_forever, name="snapshot-keeper-http", stop=self._server.shutdown),
+            threads.start(self._maintain, name="snapshot-keeper", stop=self._closing.set),
+            threads.start(self._watch_connections, name="snapshot-keeper-deadlines", stop=self._closing.set),
+        ]
+
+    @property
+    def address(self) -> KeeperAddress:
+        return KeeperAddress(self.root, self.url, self.node, self.secret_file)
+
+    # -- the agent's events --------------------------------------------------------
+
+    def workers_stopped(self) -> None:
+        """The agent stopped its workers: persist the newest snapshot (soon, on the keeper's thread)."""
+        self._persist_wanted.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no persist is wanted or running (the agent is about to exit)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._persist_wanted.is_set() and self._lock.acquire(timeout=0.1):
+                self._lock.release()
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self, timeout: float = 300.0) -> None:
+        """Finish a persist that is wanted, stop serving, remove the directory."""
+        if not self.wait_idle(timeout):
+            logger.warning("snapshot keeper: persisting the newest snapshot did not finish within %g s", timeout)
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+        with self._lock:
+            # In a job of this node alone (its own workers wrote every rank's parts), a stage it
+            # could not complete never will be; in any other, a peer's keeper may still complete it.
+            for stage, world_size in self._stage_worlds.items():
+                if stage.is_dir() and not (stage / ".commit").exists() and self._local_ranks(world_size) >= set(range(world_size)):
+                    shutil.rmtree(stage, ignore_errors=True)
+            shutil.rmtree(self.root, ignore_errors=True)
+            for root in self._checkpoint_dirs:
+                _remove_old_stages(root, _newest(_store(root)), self.run_id)
+            with contextlib.suppress(OSError):
+                if self.secret_file is not None and not live_keepers_of(self.root.parent, self.run_id):
+                    # The secret made for this run on this host: no keeper of the run is left to use it.
+                    self.secret_file.unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        self.secret_file.parent.rmdir()  # when no other run's secret is left in it
+
+    def _watch_connections(self) -> None:
+        """Shut connections whose headers are late (keeper_endpoint.HEADER_SECONDS), once a second."""
+        while not self._closing.wait(1.0):
+            self._server.shut_late_connections()  # type: ignore[attr-defined]
+
+    def _maintain(self) -> None:
+        while not self._closing.is_set():
+            wanted = self._persist_wanted.wait(PRUNE_EVERY)
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                if wanted:
+                    self._persist_wanted.clear()
+                    try:
+                        self.persisted += self.persist()
+                    except Exception:
+                        logger.exception("snapshot keeper: persisting the newest snapshot failed")
+                try:
+                    self.prune()
+                except Exception as exc:  # noqa: BLE001 - as above: a bad file is skipped, the keeper goes on
+                    logger.warning("snapshot keeper: removing old parts failed: %s: %s", type(exc).__name__, exc)
+
+    # -- persist -------------------------------------------------------------------
+
+    def _local_ranks(self, world_size: int) -> set[int]:
+        return {h.rank for path, h in self.held() if h.world_size == world_size and path.parent.name == LOCAL}
+
+    def held(self) -> list[tuple[Path, PartHeader]]:
+        """(data file, header) of every part in this node's memory, its own and its peer's."""
+        found = []
+        for where in (LOCAL, REPLICA):
+            for header in parts.read_headers(self.root / where):
+                found.append((self.root / where / (header.stem + parts.DATA_SUFFIX), header))
+        return found
+
+    def persist(self) -> list[int]:
+        """Write the newest snapshot held here into its job's checkpoint directory (see the module
+        docstring); the steps committed by this keeper."""
+        targets: dict[tuple[str, str, int, int, str], dict[int, list[tuple[Path, PartHeader]]]] = {}
+        held = self.held()
+        # Only where this node's own workers checkpoint: a peer's upload cannot name a directory.
+        declared = {(h.ckpt_dir, h.keep) for path, h in held if path.parent.name == LOCAL}
+        for path, header in held:
+            if (header.ckpt_dir, header.keep) not in declared:
+                continue
+            generation = str(header.extra.get("generation", ""))
+            steps = targets.setdefault((header.ckpt_dir, header.run_id, header.world_size, header.keep, generation), {})
+            steps.setdefault(header.step, []).append((path, header))
+        committed: list[int] = []
+        for (ckpt_dir, run_id, world_size, keep, generation), steps in targets.items():
+            root = Path(ckpt_dir)
+            if not root.is_dir() or run_id != self.run_id:
+                continue
+            try:
+                check_may_commit(root, self.run_id)  # nothing is staged, committed or pruned where another job writes
+            except SaveFailed as exc:
+                logger.warning("snapshot keeper: not persisting to %s: %s", root, exc)
+                continue
+            store = CheckpointStore(root, keep=keep)
+            self._checkpoint_dirs.add(root)
+            newest = _newest(store)
+            for step in sorted(steps, reverse=True):
+                if step <= newest:
+                    break
+                stage = root / f"{STAGE_PREFIX}step_{step:08d}.{_safe(run_id)}.w{world_size}.g{_safe(generation)}"
+                try:
+                    stage.mkdir(exist_ok=True)
+                    for path, header in steps[step]:
+                        self._stage_part(stage, path, header)
+                    self._stage_worlds[stage] = world_size
+                    if self._try_commit(store, stage, step, world_size):
+                        committed.append(step)
+                        logger.info("snapshot keeper: persisted the snapshot of step %d to %s", step, root)
+                        break
+                except (OSError, SaveFailed) as exc:
+                    logger.warning("snapshot keeper: cannot persist step %d to %s: %s", step, root, exc)
+            _remove_old_stages(root, _newest(store), self.run_id)
+        return committed
+
+    def _stage_part(self, stage: Path, path: Path, header: PartHeader) -> None:
+        done = stage / f"part_{header.rank:05d}.json"
+        if done.exists() or (stage / ".commit").exists():
+            return  # another keeper (or an earlier persist) copied this rank's part, or commits the stage
+        try:
+            data = parts.read_data(path, header)
+        except CorruptCheckpoint as exc:
+            logger.warning("snapshot keeper: not persisting a part: %s", exc)
+            return
+        tmp = stage / f".{header.stem}.{uuid.uuid4().hex[:6]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, stage / shard_file(header.rank))
+        finally:
+            tmp.unlink(missing_ok=True)
+        tmp_header = stage / f".{done.name}.{uuid.uuid4().hex[:6]}"
+        tmp_header.write_bytes(header.to_json())
+        os.replace(tmp_header, done)
+        self._staged.setdefault(stage, set()).add(header.rank)
+
+    def _try_commit(self, store: CheckpointStore, stage: Path, step: int, world_size: int) -> bool:
+        """Commit `stage` once every rank's part is in it, if this keeper is the one to (an exclusively
+        created `.commit` decides), through the one commit every writer uses (storage.commit)."""
+        from elastic._shared.storage import sharded  # DCP's metadata (about 1 s of import): only when a breakpoint is persisted
+
+        headers_files = [stage / f"part_{rank:05d}.json" for rank in range(world_size)]
+        if not all(path.exists() for path in headers_files):
+            return False
+        try:
+            os.close(os.open(stage / ".commit", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False  # another keeper commits it
+        try:
+            headers = [PartHeader.from_json(path.read_bytes()) for path in headers_files]
+            metadata = parts.merged_metadata(headers)
+            trainer = parts.merged_trainer(headers)
+        except CorruptCheckpoint as exc:
+            logger.warning("snapshot keeper: step %d cannot be persisted: %s", step, exc)
+            shutil.rmtree(stage, ignore_errors=True)
+            return False
+        for path in headers_files:
+            path.unlink()
+        if step <= _newest(store):
+            shutil.rmtree(stage, ignore_errors=True)
+            return False  # the workers committed this step or a newer one meanwhile
+        # `.commit` stays until the stage is published (other keepers leave a stage that has one alone).
+        final = commit_checkpoint(
+            store, stage, step=step, world_size=world_size,
+            shard_sizes={shard_file(h.rank): h.data_bytes for h in headers},
+            tensors_json=sharded.metadata_to_json(metadata).encode(), trainer=trainer, reason="breakpoint",
+            run_id=headers[0].run_id,
+        )
+        (final / ".commit").unlink(missing_ok=True)
+        return True
+
+    # -- housekeeping --------------------------------------------------------------
+
+    def prune(self) -> None:
+        """Remove parts nobody needs any more (see the module docstring)."""
+        local = self.root / LOCAL
+        headers = parts.read_headers(local)
+        live = [h for h in headers if pid_alive(parts.writer_pid(h.writer))]
+        for entry in os.scandir(local):
+            parsed = parts.parse_part_name(entry.name)
+            if parsed is None:
+                continue
+            _, writer, _, _ = parsed
+            if pid_alive(parts.writer_pid(writer)):
+                continue
+            own = [h for h in headers if h.writer == writer]
+            # A dead writer's parts go once a live writer of a later generation (a restore since) has
+            # written a newer snapshot: that restore is over. A live writer of the dead one's own
+            # generation (a peer rank, not yet stopped by its agent) does not count: the agent is
+            # about to persist that generation's newest step, which needs the dead writer's part.
+            newer = [h.step for h in live
+                     if not own or (_generation(h) != _generation(own[0]) and h.step >= max(o.step for o in own))]
+            if newer:
+                Path(entry.path).unlink(missing_ok=True)
+        self._prune_replicas()
+
+    def _prune_replicas(self) -> None:
+        replica = self.root / REPLICA
+        headers = parts.read_headers(replica)
+        keep: set[str] = set()
+        by_rank: dict[int, list[PartHeader]] = {}
+        for header in headers:
+            by_rank.setdefault(header.rank, []).append(header)
+        for group in by_rank.values():
+            steps = sorted({h.step for h in group}, reverse=True)[:2]
+            keep.update(h.stem for h in group if h.step in steps)
+        now = time.time()
+        for entry in os.scandir(replica):
+            parsed = parts.parse_part_name(entry.name)
+            if parsed is None:
+                if entry.name.startswith(".") and now - entry.stat().st_mtime > STALE_UPLOAD:
+                    Path(entry.path).unlink(missing_ok=True)  # an upload that died
+                continue
+            stem = entry.name.rsplit(".", 1)[0]
+            has_header = (replica / (stem + parts.HEADER_SUFFIX)).exists()
+            if stem not in keep and (has_header or now - entry.stat().st_mtime > STALE_UPLOAD):
+                Path(entry.path).unlink(missing_ok=True)
+
+    # -- receiving a peer's part ---------------------------------------------------
+
+    def receive(self, stem: str, head: bytes, body: Any, length: int, tag: Any) -> None:
+        """Store a peer's part (see keeper_endpoint.PartHolder): its header is checked first, its data
+        is written to a temporary file, and both are published (data, then header; the old header of
+        the slot goes first) only once the body's tag verified."""
+        header = PartHeader.from_json(head)
+        if header.stem != stem or header.data_bytes != length:
+            raise ValueError("the part's header does not match its name or length")
+        self._check_job(header)
+        replica = self.root / REPLICA
+        usage = shutil.disk_usage(replica)
+        if usage.free - length < RESERVE_FRACTION * usage.total:
+            raise OSError(f"storing {length} bytes would leave too little room in {replica}")
+        tmp = replica / f".{stem}.{uuid.uuid4().hex[:6]}"
+        try:
+            with open(tmp, "wb") as f:
+                remaining = length
+                while remaining:
+                    block = body.read(min(remaining, 2**20))
+                    if not block:
+                        raise ValueError("the part ended early")
+                    tag.update(block)
+                    f.write(block)
+                    remaining -= len(block)
+            if not peer_auth.check_tag(tag, body.read(peer_auth.TAG_BYTES)):
+                raise ValueError("the part's tag does not verify")
+            (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
+            os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
+        finally:
+            tmp.unlink(missing_ok=True)
+        parts.write_header(replica, header)
+
+    def _check_job(self, header: PartHeader) -> None:
+        """`Conflict` unless `header` is of this run, and of the generation and world size this node's
+        workers run (job.json, written at each restore): a part of an old timeline, or of another
+        job sharing the secret, is never kept."""
+        if header.run_id != self.run_id:
+            raise Conflict(f"a part of run {header.run_id[:64]!r}; this keeper serves run {self.run_id!r}")
+        try:
+            job = json.loads((self.root / JOB_FILE).read_bytes())
+        except (OSError, ValueError):
+            raise Conflict("this node's workers have not started a generation yet") from None
+        generation = str(header.extra.get("generation", ""))
+        if not isinstance(job, dict) or (job.get("generation"), job.get("world_size")) != (generation, header.world_size):
+            raise Conflict("a part of another generation or world size than this node's workers run")
+
+
+def _generation(header: PartHeader) -> str:
+    return str(header.extra.get("generation", ""))
+
+
+def _newest(store: Any) -> int:
+    try:
+        committed = store.committed()
+    except OSError:
+        return -1
+    return committed[0].step if committed else -1
+
+
+def _store(root: Path) -> CheckpointStore:
+    return CheckpointStore(root)
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:64]
+
+
+def _remove_old_stages(root: Path, newest: int, run_id: str) -> None:
+    """Staging directories of steps no newer than the newest committed checkpoint: never needed again
+    (nothing is removed where another job writes now)."""
+    try:
+        check_may_commit(root, run_id)
+    except (SaveFailed, OSError):
+        return
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(STAGE_PREFIX + "step_"):
+            continue
+        try:
+            step = int(entry.name[len(STAGE_PREFIX) + 5 :].split(".", 1)[0])
+        except ValueError:
+            continue
+        if step <= newest:
+            shutil.rmtree(entry.path, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""Where a host's snapshot keepers live: this user's private directory, its keepers' owners, and the secret.
+
+Layout, under the snapshot base (/dev/shm, or TORCHREVIVE_SNAPSHOT_BASE):
+
+    torchrevive-snapshots-<uid>/         mode 0700, this user's (`private_directory`)
+        <host>-<pid>-<tag>/owner.json    each keeper's directory and who runs it
+        .secrets/<run>-<hash>            a run's secret, made on this host (mode 0600)
+
+Invariants:
+- Nothing of a job lies where another local user can read or replace it: the
+  private directory is checked (lstat: a real directory, this user's, mode 0700)
+  before anything is put in it.
+- Whatever is read back from it is checked before use: owner.json only as a
+  small regular file holding an object, pids only within what Linux hands out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic._shared.common.errors import CorruptCheckpoint
+from elastic._shared.storage import peer_auth
+from elastic._shared.storage.peer_auth import PeerKey
+from elastic._shared.storage.validate import read_bounded
+
+BASE_ENV = "TORCHREVIVE_SNAPSHOT_BASE"
+DIRECTORY = "torchrevive-snapshots"
+"""Keepers' directories lie in `<base>/torchrevive-snapshots-<uid>` (`private_directory`)."""
+OWNER_FILE = "owner.json"
+SECRETS = peer_auth.SECRETS_DIRECTORY
+STALE_SECRET = 3600.0
+"""Seconds after which a secret made on this host for a run with no live keeper here is removed."""
+PID_MAX = 2**22
+"""The largest pid Linux hands out (pid_max's ceiling)."""
+
+
+def snapshot_base(environ: dict[str, str] | None = None) -> Path:
+    """Where keepers put their directories: TORCHREVIVE_SNAPSHOT_BASE, else /dev/shm (memory)."""
+    env = os.environ if environ is None else environ
+    given = env.get(BASE_ENV)
+    if given:
+        return Path(given)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def private_directory(base: Path) -> Path:
+    """This user's directory for keepers under `base` (a shared /dev/shm): made with mode 0700, and
+    refused (`SecretError`, a ValueError) unless it is a real directory of this user's, open to no one
+    else, so no other local user can read the weights or the secret, or swap them."""
+    directory = base / f"{DIRECTORY}-{os.geteuid()}"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise peer_auth.SecretError(f"cannot make the snapshot directory {directory}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise peer_auth.SecretError(f"{directory} is not a directory of this user's that only this user can open: "
+                                    "remove it, or set TORCHREVIVE_SNAPSHOT_BASE to a directory of your own")
+    return directory
+
+
+def job_key(run_id: str, base: Path | None = None) -> tuple[PeerKey, Path | None]:
+    """The secret run `run_id`'s keepers and workers sign snapshot traffic with, and the file the
+    workers read it from: TORCHREVIVE_SNAPSHOT_SECRET_FILE or TORCHREVIVE_SNAPSHOT_SECRET when set
+    (None: the workers inherit it), else one made for the run on this host, which agents on other
+    hosts lack (`peer_auth.host_secret_file`). `SecretError` (a ValueError) when it cannot be had."""
+    key = PeerKey.from_env()
+    if key is not None:
+        return key, None
+    secret_file = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
+    return PeerKey.from_file(secret_file), secret_file
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a pid no kernel hands out, read from a crafted file, does not)."""
+    if not 0 < pid <= PID_MAX:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_keepers_of(base: Path, run_id: str) -> bool:
+    """Whether a keeper of run `run_id` on this host is still running (its directory is under `base`)."""
+    host = socket.gethostname()
+    for entry in os.scandir(base):
+        owner = _owner(Path(entry.path))
+        if isinstance(owner, dict) and owner.get("host") == host and owner.get("run_id") == run_id \
+                and isinstance(owner.get("pid"), int) and pid_alive(owner["pid"]):
+            return True
+    return False
+
+
+def _owner(directory: Path) -> dict[str, Any]:
+    """A keeper directory's owner.json ({} when it is unreadable, not a small regular file, or not an object)."""
+    try:
+        owner = json.loads(read_bounded(directory / OWNER_FILE, OWNER_FILE, 4096))
+    except (OSError, ValueError, CorruptCheckpoint):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def remove_orphans(base: Path) -> None:
+    """Directories of keepers on this host whose process is gone (killed before it could clean up),
+    and the secrets made here for runs no live keeper serves that are older than `STALE_SECRET`
+    (a run's first agent makes its secret a moment before its keeper's directory exists)."""
+    host = socket.gethostname()
+    live_runs = set()
+    for entry in os.scandir(base):
+        owner = _owner(Path(entry.path))
+        if owner.get("host") != host or not isinstance(owner.get("pid"), int):
+            continue
+        if pid_alive(owner["pid"]):
+            live_runs.add(str(owner.get("run_id")))
+        else:
+            shutil.rmtree(entry.path, ignore_errors=True)
+    wanted = {peer_auth.host_secret_name(run) for run in live_runs}
+    try:
+        secrets = list(os.scandir(base / SECRETS))
+    except OSError:
+        return
+    for entry in secrets:
+        with contextlib.suppress(OSError):
+            if entry.name not in wanted and time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_SECRET:
+                os.unlink(entry.path)

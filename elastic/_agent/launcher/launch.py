@@ -1,0 +1,317 @@
+"""`python -m elastic._agent.launcher` (or `torchrevive-run`): torchrun with recovery-friendly defaults.
+
+It is torchrun: it takes every torchrun flag (torch's own parser reads the
+command line) and runs torch's own launcher. It only changes defaults the user
+did not set:
+
+- `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`. Stock torchrun keeps one worker store
+  for the whole job, hosted by the first round's rank-0 agent: a node that
+  joins after the first round (a scale-up, a replaced node) waits for a store
+  address nobody publishes and the rendezvous times out. (The dead round's gloo
+  addresses that the shared store also keeps are harmless to our workers:
+  `elastic._worker.runtime.round_store` gives every round a namespace of its own.)
+  A fresh store per round also spares the handshake.
+- `--rdzv-conf` gets `last_call_timeout=2` (torch: 30 s, paid by every round
+  once the minimum number of nodes is there), `keep_alive_interval=1` and
+  `keep_alive_max_attempt=3` (a node that died is declared dead after about 3 s
+  instead of 15 s). Values given in `--rdzv-conf` win.
+- Workers start warm (`elastic._agent.launcher.warm_start`): forked from a fork server that
+  imported torch once per agent, instead of a fresh `python -u script.py`
+  that imports torch on every restart. This is torchrun's own
+  `--start-method=forkserver` and `--run-path`; `--no-python`, a
+  `--start-method` other than forkserver, `PYTHON_EXEC`, or
+  `TORCHREVIVE_PRELOAD=` (empty) keep torch's way.
+
+Each node gets a snapshot keeper (`elastic._agent.launcher.keeper`): the process
+side of the memory tier, which holds the workers' in-memory snapshots in
+/dev/shm, serves them to peer nodes, and writes the newest one to the
+checkpoint directory when the workers stop. `TORCHREVIVE_SNAPSHOTS=0` leaves
+it out (the workers then checkpoint to disk only, as under plain torchrun).
+
+It also imports torch._dynamo in the agent at start (torch's log formatter
+imports it when the agent first logs a worker's traceback: 1-3 s on the first
+recovery's path), ends the job instead of restarting it when a worker exits
+with status 75 (checkpoint storage refuses writes: a restart would meet the
+same storage) or 2 (bad input: a restart would meet the same input), runs
+the stopped-worker reaper (`elastic._agent.launcher.reaper`: a stopped
+worker cannot act on the SIGTERM that stops its group, and torch would wait
+30 s before SIGKILL), and a script path that does not exist fails at once with
+one line instead of in every worker of every restart.
+
+docs/recovery.md ("Recovery settings") explains each trade-off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import uuid
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from elastic._shared.common.errors import CheckpointStorageError, UsageError
+from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
+from elastic._agent.launcher import in_place, slurm_launch, stop_signals, warm_start
+from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._agent.launcher.keeper_files import job_key
+from elastic._agent.launcher.keeper_endpoint import keeper_host
+from elastic._agent.launcher.reaper import start_reaper
+from elastic._agent.rendezvous import quick_rounds
+from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
+from elastic._shared.common.slow_imports import prefetch_slow_imports
+from elastic._shared.storage import peer_auth
+
+# Exit statuses the runtime gives its workers, for the failure summary.
+STORAGE_EXIT = CheckpointStorageError.exit_code
+USAGE_EXIT = UsageError.exit_code
+_KNOWN_EXITS = {
+    USAGE_EXIT: "bad input (a flag, a variable, a file)",
+    124: "the hang watchdog (no step completed in --hang-timeout)",
+    143: "SIGTERM (preemption)",
+    STORAGE_EXIT: "checkpoint storage refuses writes",
+    HEAL_FAILED_EXIT: "a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep or train-on)",
+}
+# Exits a restart cannot fix: the agent stops instead of training into the same failure.
+FINAL_EXITS = frozenset({USAGE_EXIT, STORAGE_EXIT})
+_WHAT_TO_FIX = {USAGE_EXIT: "input", STORAGE_EXIT: "storage"}
+
+
+def stop_restarts_on(exit_codes: frozenset[int]) -> None:
+    """Make torch's agent (in this process) end the job, not restart it, when a worker
+    exits with one of `exit_codes`.
+
+    torch restarts a FAILED worker group whatever its exit status while restarts
+    remain (torch/distributed/elastic/agent/server/api.py, `_invoke_run`: `if
+    self._remaining_restarts > 0: ... self._restart_workers(...)`); setting the
+    remaining restarts to 0 when such a failure is seen takes its other branch:
+    stop the workers and return FAILED. Idempotent.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
+
+    original = LocalElasticAgent._monitor_workers
+    if getattr(original, "stops_on", None) is not None:
+        return
+
+    def monitor(self: LocalElasticAgent, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        if result.is_failed() and any(f.exitcode in exit_codes for f in result.failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+    monitor.stops_on = exit_codes  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}" + (f", {_KNOWN_EXITS[exitcode]}" if exitcode in _KNOWN_EXITS else "")
+
+
+def failure_summary(error: ChildFailedError, max_restarts: int) -> str:
+    """One line for the end of a failed job: who failed first, how, and that the
+    restarts are used up (the checkpoints already committed stay as they are)."""
+    rank, failure = error.get_first_failure()
+    if failure.exitcode in FINAL_EXITS:
+        what = _WHAT_TO_FIX[failure.exitcode]
+        return (
+            f"torchrevive-run: job stopped: worker rank {rank} {describe_exit(failure.exitcode)} (its log says why); "
+            f"not restarted, since a restart would meet the same {what}; committed checkpoints are intact, "
+            f"fix the {what} and run the job again to resume from the newest one"
+        )
+    return (
+        f"torchrevive-run: job failed: worker rank {rank} {describe_exit(failure.exitcode)}, "
+        f"and this agent has used up --max-restarts={max_restarts}; committed checkpoints are kept, "
+        "run the job again to resume from the newest one"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        requeue = slurm_launch.RequeueSignal(os.environ)  # first: Slurm may send it any time from now
+        check_rdzv_conf(args)
+        slurm_launch.expand_endpoint(args, os.environ, nnodes_given=args.nnodes is not None)
+        if args.nnodes is None:
+            args.nnodes = "1:1"  # torchrun's default
+        preload = warm_start.preload_modules()
+        in_place.check_setting(os.environ, args)  # TORCHREVIVE_SURVIVORS: one of its choices, or one line, exit 2
+        check_script(args)
+        frozen_after = in_place.frozen_after(os.environ) if in_place.enabled(os.environ) else None
+    except UsageError as error:
+        print(f"torchrevive-run: error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)
+    # torch's log formatter imports torch._dynamo (1-3 s) the first time the agent
+    # logs a worker's traceback: on the path of the first recovery unless done now.
+    prefetch_slow_imports()
+    # A stopped worker would cost each restart torch's 30 s SIGTERM wait; with heals in place, one
+    # stopped `frozen_after` seconds is ended and replaced (its peers wait on it in a collective).
+    start_reaper(frozen_after=frozen_after)
+    args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
+    os.environ.setdefault(FRESH_STORE_ENV, "1")
+    stop_restarts_on(FINAL_EXITS)
+    quick_rounds.install()  # a round closes once every node of the last one is back
+    if in_place.enabled(os.environ):
+        in_place.install()  # TORCHREVIVE_SURVIVORS=keep or train-on: a failed worker is replaced without a round
+    stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
+    settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
+    keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
+    stopped_by: signal.Signals | None = None
+    try:
+        requeue.launching()  # raises the stop now if the requeue signal came already
+        record(launch)(args, preload)  # torch's own report of the failure comes first
+    except ChildFailedError as error:
+        print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
+        _, failure = error.get_first_failure()
+        requeue.close()
+        sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
+    except SignalException as stop:  # SIGTERM, SIGINT... or the requeue signal: the workers were stopped
+        stopped_by = stop.sigval
+        # Leaving now: another SIGTERM (Slurm ending the step) must not raise into the exit's handlers.
+        for each in (signal.SIGTERM, signal.SIGINT, requeue.signum):
+            if each is not None:
+                signal.signal(each, signal.SIG_IGN)
+    finally:
+        if keeper is not None:
+            keeper.close()  # the newest snapshot is persisted before the agent leaves (and before a requeue)
+    try:
+        if stopped_by is not None:
+            name = "the Slurm requeue signal" if requeue.received else stopped_by.name
+            told = ("the workers were told to commit this step and leave" if stopped_by == signal.SIGTERM
+                    else "the workers were stopped; committed checkpoints are kept")  # they commit on SIGTERM only
+            print(f"torchrevive-run: stopped by {name}; {told}", file=sys.stderr, flush=True)
+            line = requeue.requeue_if_first()
+            if line is not None:
+                print(f"torchrevive-run: {line}", file=sys.stderr, flush=True)
+    finally:
+        requeue.close()
+    if stopped_by is not None:
+        sys.exit(128 + int(stopped_by))
+
+
+SNAPSHOTS_ENV = "TORCHREVIVE_SNAPSHOTS"
+
+
+def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
+    """This node's snapshot keeper, its address in the environment the workers inherit, and the
+    agent told to call it whenever it stops its workers; None when TORCHREVIVE_SNAPSHOTS=0 or it
+    cannot start (one warning line: the job then checkpoints to disk only).
+
+    Its traffic is signed with the job's secret: TORCHREVIVE_SNAPSHOT_SECRET_FILE or
+    TORCHREVIVE_SNAPSHOT_SECRET when set, else one made for the run on this host
+    (peer_auth.host_secret_file), which agents on other hosts lack: they then need one of the two."""
+    if os.environ.get(SNAPSHOTS_ENV, "1") == "0":
+        return None
+    run_id = getattr(args, "rdzv_id", None) or "none"
+    try:
+        key, secret_file = job_key(run_id)
+        if secret_file is not None and _max_nodes(args) > 1:
+            print(f"torchrevive-run: snapshot traffic is signed with a secret made for run {run_id} on this host; "
+                  f"agents on other hosts need {peer_auth.SECRET_FILE_ENV} naming the same secret "
+                  "(docs/security.md)", file=sys.stderr, flush=True)
+        keeper = SnapshotKeeper(
+            keeper_host(getattr(args, "local_addr", None), getattr(args, "rdzv_endpoint", None)),
+            key=key, run_id=run_id, tls=peer_auth.server_tls(), secret_file=secret_file,
+        )
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"torchrevive-run: warning: no in-memory snapshots on this node: the snapshot keeper cannot start "
+              f"({why}); checkpoints go to disk only", file=sys.stderr, flush=True)
+        return None
+    os.environ.update(keeper.address.environ())
+    notify_on_stop(keeper)
+    return keeper
+
+
+def _max_nodes(args: argparse.Namespace) -> int:
+    """The most nodes `--nnodes` allows (1 when it cannot be read: torch reports that itself)."""
+    text = str(getattr(args, "nnodes", "1"))
+    try:
+        return int(text.split(":")[-1])
+    except ValueError:
+        return 1
+
+
+def notify_on_stop(keeper: SnapshotKeeper) -> None:
+    """Make torch's agent (in this process) tell `keeper` each time it has stopped its workers
+    (a failure, a restart for a new membership, the end of a failed job)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
+
+    original = getattr(LocalElasticAgent._stop_workers, "without_keeper", LocalElasticAgent._stop_workers)
+
+    def stop_workers(self: LocalElasticAgent, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            keeper.workers_stopped()
+
+    stop_workers.without_keeper = original  # type: ignore[attr-defined]
+    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
+
+
+def settle_standalone(args: argparse.Namespace) -> None:
+    """`--standalone` as torch's `run` would expand it (a c10d store on localhost, a fresh run id),
+    done here so that the snapshot keeper, started first, knows the run id its workers get."""
+    if getattr(args, "standalone", False):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        args.standalone = False
+
+
+def check_rdzv_conf(args: argparse.Namespace) -> None:
+    """A `quick_rounds` that is not a boolean is refused here, in one line (torch's handler would raise
+    in every agent). A password inside --rdzv-conf is refused here, before torch's agent logs its rendezvous
+    options (it logs them verbatim at INFO); the rendezvous refuses it too, for plain torchrun."""
+    for item in (getattr(args, "rdzv_conf", None) or "").split(","):
+        name, _, value = (part.strip() for part in item.partition("="))
+        if name == quick_rounds.QUICK_ROUNDS_CONF and value.lower() not in quick_rounds.BOOLEANS:
+            raise UsageError(f"--rdzv-conf {name}={value!r}: say 1 (rounds close once every node is back) or 0 "
+                             "(torch's rounds)")
+        if name.lower() == "password":
+            raise UsageError("--rdzv-conf password=... would be in torchrun's log and in `ps`: write the password "
+                             "to a file readable only by you and give password_file=PATH instead")
+
+
+def check_script(args: argparse.Namespace) -> None:
+    """A Python script that is not there fails now, once, rather than in every
+    worker of every restart."""
+    if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
+        raise UsageError(f"training script {args.training_script} does not exist")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """torchrun's own parser; `start_method` is None when neither the command line
+    nor PET_START_METHOD chose one (torch would take spawn), `nnodes` None when
+    neither `--nnodes` nor PET_NNODES did (torch would take 1:1)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"), nnodes=os.environ.get("PET_NNODES"))
+    return parser.parse_args(argv)
+
+
+def launch(args: argparse.Namespace, preload: tuple[str, ...]) -> None:
+    """torch's own `torch.distributed.run.run`, with warm worker starts when they apply."""
+    from torch.distributed.run import run
+
+    if warm_start.applies(args, preload):
+        warm_start.configure(args, preload)
+    elif args.start_method is None:
+        args.start_method = "spawn"  # torch's default
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

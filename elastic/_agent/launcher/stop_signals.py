@@ -1,0 +1,65 @@
+"""The agent's stop signals raised where torch's agent can take them.
+
+torch's agent turns SIGTERM (and SIGINT, SIGHUP, SIGQUIT) into a `SignalException` raised from the
+signal handler, wherever the main thread happens to be; it then stops its workers (SIGTERM to each,
+which commit their step) and leaves. One place breaks that: torch's metrics wrapper around the
+agent's steps (`torch.distributed.elastic.metrics.api.prof`) assigns its start time inside its
+`try`, so an exception raised before that assignment makes its `finally` fail with
+UnboundLocalError, which hides the signal: the agent dies without stopping its workers, and their
+preemption commit is lost. Seen under Slurm, whose `scancel` signals the agent while it polls its
+workers ten times a second.
+
+`raise_safely` is the fix: a stop signal that lands in that spot is sent again a moment later, when
+the wrapper has its start time. `install` puts it in front of torch's handler (the module global
+torch registers each time it starts workers) and the agent's requeue signal uses it too
+(elastic._agent.launcher.slurm_launch).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from elastic._shared.common import threads
+
+RETRY_SECONDS = 0.05
+
+
+def _in_unsafe_spot(frame: FrameType | None) -> bool:
+    """Whether `frame` is torch's metrics wrapper before it assigned `start`."""
+    if frame is None:
+        return False
+    code = frame.f_code
+    return (code.co_name == "wrapper" and code.co_filename.replace(os.sep, "/").endswith(
+        "torch/distributed/elastic/metrics/api.py") and "start" not in frame.f_locals)
+
+
+def _send_again(signum: int) -> None:
+    def later() -> None:
+        time.sleep(RETRY_SECONDS)
+        os.kill(os.getpid(), signum)
+
+    threads.start(later, name="torchrevive-stop-signal-again")
+
+
+def raise_safely(handler: Callable[[int, FrameType | None], None]) -> Callable[[int, FrameType | None], None]:
+    """`handler` (which raises), or, when the signal landed in torch's unsafe spot, the signal again shortly."""
+
+    def safe(signum: int, frame: FrameType | None) -> None:
+        if _in_unsafe_spot(frame):
+            _send_again(signum)
+            return
+        handler(signum, frame)
+
+    safe.raises_safely = True  # type: ignore[attr-defined]
+    return safe
+
+
+def install() -> None:
+    """Make torch's agent (in this process) raise its stop signals only where it can take them. Idempotent."""
+    import torch.distributed.elastic.multiprocessing.api as mp_api
+
+    if not getattr(mp_api._terminate_process_handler, "raises_safely", False):
+        mp_api._terminate_process_handler = raise_safely(mp_api._terminate_process_handler)

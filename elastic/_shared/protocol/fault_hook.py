@@ -1,0 +1,64 @@
+"""Named points on the step, save and restore paths where a fault may be injected, and the hook that fills them.
+
+    faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)
+    faults.at("before_commit", step)           # nothing happens, unless a fault plugin fills the hook
+
+The library only marks the points. A fault plugin fills them: in a worker
+whose environment sets ELASTIC_FAULT, `for_worker` loads the plugin registered
+under the entry point group `torchrevive.faults` (the chaos tooling registers
+`elastic.chaos.faults:FaultInjector`, which reads ELASTIC_FAULT). So the
+library never imports the chaos tooling, and a production run without
+ELASTIC_FAULT runs no fault code at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import Protocol
+
+from elastic._shared.common.errors import UsageError
+
+POINTS = (
+    "during_write", "before_commit", "after_step", "during_read", "during_snapshot", "during_catch_up",
+    "during_all_reduce",
+)
+"""Where faults can fire: writing a checkpoint (after its first item), just before its commit, after
+a step, reading a checkpoint (after its first chunk), copying an in-memory snapshot (data written,
+header not), taking the state from a live peer in a heal in place (the header received, no tensor),
+a step's gradient all-reduce (its first bucket, before it is sent; the step is the one being trained:
+heals in place only, whose comm hook marks it)."""
+ENV_VAR = "ELASTIC_FAULT"
+ENTRY_POINT_GROUP = "torchrevive.faults"
+
+
+class FaultHook(Protocol):
+    def at(self, point: str, step: int) -> None:
+        """Reached `point` (one of `POINTS`) at `step`: fire whatever fault is meant for here."""
+        ...
+
+
+class NoFaults:
+    """The hook when no fault is asked for: every point is a no-op."""
+
+    def at(self, point: str, step: int) -> None:
+        pass
+
+
+NO_FAULTS = NoFaults()
+
+
+def for_worker(rank: int, restart: int, environ: Mapping[str, str] | None = None) -> FaultHook:
+    """This worker's faults: none without ELASTIC_FAULT; else the installed fault plugin's, which
+    is called as `plugin(rank, restart, environ)`. One `UsageError` line when none is installed."""
+    env = os.environ if environ is None else environ
+    if not env.get(ENV_VAR):
+        return NO_FAULTS
+    plugins = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name)
+    if not plugins:
+        raise UsageError(
+            f"{ENV_VAR} is set, but no fault plugin is installed (entry point group {ENTRY_POINT_GROUP}); "
+            "install torchrevive with pip, whose chaos tooling is one, or unset it"
+        )
+    return plugins[0].load()(rank, restart, dict(env))

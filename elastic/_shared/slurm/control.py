@@ -1,0 +1,93 @@
+"""What a task asks of the Slurm controller, through `scontrol`: a node's address, whether its job
+may be requeued, and the requeue itself.
+
+Invariants:
+- `scontrol` runs with an argument list (no shell) and a time bound; it failing, hanging or being
+  absent is a `SlurmControlError` with one line saying which and why, never a traceback.
+- Nothing here decides *whether* to requeue: callers requeue only after a preemption's checkpoint
+  committed (elastic._worker.run.run, elastic._agent.launcher.slurm_launch), so an exit that must not be requeued
+  (bad input, exit 2; a storage stop, exit 75) never reaches `requeue`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+
+from elastic._shared.slurm.hostlist import expand_hostlist
+
+SCONTROL_TIMEOUT = 20.0
+"""Seconds a `scontrol` call may take (the controller answers in milliseconds; a busy one in seconds)."""
+
+
+class SlurmControlError(RuntimeError):
+    """scontrol is missing, failed or timed out."""
+
+
+def scontrol(*args: str) -> str:
+    """Run `scontrol ARGS`, return its stdout; `SlurmControlError` when it cannot."""
+    program = shutil.which("scontrol")
+    if program is None:
+        raise SlurmControlError("scontrol is not on PATH")
+    try:
+        done = subprocess.run([program, *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise SlurmControlError(f"scontrol {' '.join(args)} did not answer in {SCONTROL_TIMEOUT:g} s") from None
+    except OSError as exc:
+        raise SlurmControlError(f"scontrol {' '.join(args)} could not start ({exc.strerror})") from None
+    if done.returncode != 0:
+        why = next(iter(done.stderr.strip().splitlines()), f"exit status {done.returncode}")
+        raise SlurmControlError(f"scontrol {' '.join(args)} failed: {why}")
+    return done.stdout
+
+
+def _field(record: str, name: str) -> str | None:
+    """`NAME=value` from one line of `scontrol show ... -o` (values hold no spaces for these fields)."""
+    match = re.search(rf"(?:^|\s){re.escape(name)}=(\S*)", record)
+    return match.group(1) if match else None
+
+
+def node_address(node: str) -> str:
+    """Where `node` is reached: its name when that resolves (the usual case), else the NodeAddr
+    Slurm has for it (clusters whose node names are not host names)."""
+    try:
+        socket.getaddrinfo(node, None)
+        return node
+    except (OSError, UnicodeError):
+        pass
+    try:
+        address = _field(scontrol("show", "node", "-o", node), "NodeAddr")
+    except SlurmControlError as exc:
+        raise SlurmControlError(f"node {node} is not a host name this machine resolves, and {exc}") from None
+    if not address or address == "(null)":
+        raise SlurmControlError(f"node {node} is not a host name this machine resolves, and Slurm has no NodeAddr "
+                                "for it")
+    return address
+
+
+def nodes_of_job(job_id: int) -> list[str]:
+    """The nodes of running job `job_id`, in Slurm's order (for agents of another allocation joining it)."""
+    record = scontrol("show", "job", "-o", str(job_id))
+    node_list, state, user = _field(record, "NodeList"), _field(record, "JobState"), _field(record, "UserId")
+    uid = re.fullmatch(r"[^()]*\((\d+)\)", user or "")
+    if uid is None or int(uid.group(1)) != os.getuid():
+        raise SlurmControlError(f"Slurm job {job_id} is not yours (UserId={user}): its rendezvous is not joined")
+    if state != "RUNNING" or not node_list or node_list == "(null)":
+        raise SlurmControlError(f"Slurm job {job_id} is not running (JobState={state}): there is no rendezvous to join")
+    try:
+        return expand_hostlist(node_list)
+    except ValueError as exc:
+        raise SlurmControlError(f"Slurm job {job_id}: NodeList {exc}") from None
+
+
+def requeue_allowed(job_id: int) -> bool:
+    """Whether job `job_id` may be requeued (`sbatch --requeue`, or the cluster's JobRequeue=1)."""
+    return _field(scontrol("show", "job", "-o", str(job_id)), "Requeue") == "1"
+
+
+def requeue(job_id: int) -> None:
+    """`scontrol requeue JOB`: Slurm ends this run of the job and queues it again."""
+    scontrol("requeue", str(job_id))

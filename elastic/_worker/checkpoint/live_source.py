@@ -1,0 +1,182 @@
+"""Restoring from a live peer: the catch-up of a heal in place (elastic._worker.survivors.healing).
+
+The members of a group formed in place hold different states: a survivor the
+state of the last step it completed, a replacement only what its script built
+(the model as seeded, an empty optimizer). One member, the source (the lowest
+rank of those that completed the most steps: `elastic._worker.survivors.regroup.agree`), sends
+its whole training state over the new group, as a checkpoint would hold it:
+
+1. a header, the source's `torch.save` of plain values: every tensor's stable
+   key, shape and dtype (`state.live_tensors`), and the trainer state (step,
+   sampler position, scheduler, scaler, extra objects, optimizer settings,
+   modules' extra state);
+2. every tensor, one broadcast each, in the header's order.
+
+Invariants:
+- Nothing is unpickled: the header loads with `weights_only=True` and every
+  field of it is checked (types, sizes, the model's keys and shapes, the
+  optimizer's groups) before anything live changes; a header over
+  `MAX_HEADER_BYTES` is refused before it is received.
+- A member that already holds the source's step (`take=False`) changes
+  nothing; it only takes part in the broadcasts (they are collectives).
+- A replacement's RNG is seeded from (seed, step, rank), as a rank a grown
+  job has no saved state for (`TrainingState.apply_trainer`): its random
+  stream (dropout) is not the dead worker's. A survivor keeps its own.
+- Only plain (replicated) tensors travel: a sharded (FSDP2) model has no live
+  source here; its shards are restored from a snapshot or the disk.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from elastic._worker.checkpoint import state as live_state
+from elastic._worker.checkpoint.training_state import TrainingState
+from elastic._shared.protocol import heal_env
+from elastic._shared.common.errors import CheckpointMismatchError, ElasticError
+from elastic._worker.runtime.rng import get_rng_state, set_rng_state
+from elastic._worker.runtime.context import WorkerContext
+
+MAX_HEADER_BYTES = 64 << 20
+"""A header is a few KB (a name, a shape and a dtype per tensor, plus the trainer state); 64 MiB is
+far past any real one, and bounds what a broken peer can make this worker allocate."""
+
+
+class LivePeerError(ElasticError):
+    """The source's header is malformed or does not fit this run (one line). The worker exits with
+    the status of a heal that did not form: its agent then takes a new round (a restore)."""
+
+    exit_code = heal_env.HEAL_FAILED_EXIT
+
+
+@dataclass(frozen=True)
+class Received:
+    """What a member took from the source."""
+
+    step: int
+    """The source's step: where every member goes on from."""
+    bytes_received: int
+    """Bytes this member received (0 when it held the source's step already)."""
+    extras: dict[str, Any]
+    """The source's `extras` (the caller's own plain values, e.g. the checkpoint tag)."""
+
+
+def share(
+    ctx: WorkerContext, state: TrainingState, *, source: int, step: int, take: bool, extras: dict[str, Any],
+    replacement: bool, fault: Callable[[str, int], None] = lambda point, step: None,
+) -> Received:
+    """Make this member's state the source's (see the module docstring); a collective on the default group.
+
+    `step`: the source's completed steps (every member learned it from `regroup.agree`);
+    `take`: this member applies what it receives; `extras`: plain values the source sends
+    along (ignored elsewhere); `replacement`: this member's RNG is seeded, not kept."""
+    if any(isinstance(t, DTensor) for t in state.model.state_dict().values()):
+        raise LivePeerError("a sharded (FSDP2) model has no live source: restore it from a snapshot or the disk")
+    is_source = ctx.rank == source
+    tensors = state.layout.tensors() if is_source else {}
+    header = _receive_header(_encode_header(state, step, tensors, extras) if is_source else None, source)
+    entries, trainer, extras_received = _check_header(header, step)
+    if not is_source:
+        _check_fits(state, entries, trainer, source)
+    fault("during_catch_up", step)
+    received: dict[str, torch.Tensor] = {}
+    for key, shape, dtype in entries:
+        buffer = tensors[key].detach().cpu() if is_source else torch.empty(shape, dtype=dtype)
+        dist.broadcast(buffer, source)
+        received[key] = buffer
+    if is_source or not take:
+        return Received(step=step, bytes_received=0, extras=extras_received)
+    _apply(ctx, state, step, received, trainer, replacement=replacement)
+    size = sum(t.numel() * t.element_size() for t in received.values())
+    return Received(step=step, bytes_received=size, extras=extras_received)
+
+
+def _encode_header(state: TrainingState, step: int, tensors: dict[str, torch.Tensor], extras: dict[str, Any]) -> bytes:
+    trainer = state.trainer_state(step, 0, [], state.extra_state(), state.optimizer_settings())
+    entries = [[key, list(t.shape), str(t.dtype).removeprefix("torch.")] for key, t in tensors.items()]
+    out = io.BytesIO()
+    torch.save({"step": step, "tensors": entries, "trainer": trainer, "extras": extras}, out)
+    return out.getvalue()
+
+
+def _receive_header(encoded: bytes | None, source: int) -> Any:
+    size = torch.tensor([len(encoded) if encoded is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, source)
+    length = int(size.item())
+    if not 0 < length <= MAX_HEADER_BYTES:
+        raise LivePeerError(f"rank {source} announced a state header of {length} bytes (at most {MAX_HEADER_BYTES})")
+    data = (torch.frombuffer(bytearray(encoded), dtype=torch.uint8) if encoded is not None
+            else torch.empty(length, dtype=torch.uint8))
+    dist.broadcast(data, source)
+    try:
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - whatever a malformed header raises is one line
+        raise LivePeerError(f"rank {source}'s state header does not load: {type(error).__name__}: {error}") from None
+
+
+def _check_header(header: Any, step: int) -> tuple[list[tuple[str, torch.Size, torch.dtype]], dict, dict]:
+    """The header's entries, trainer state and extras, every field checked for its type."""
+    if not isinstance(header, dict) or not {"step", "tensors", "trainer", "extras"} <= set(header):
+        raise LivePeerError("the live source's state header lacks its fields")
+    if header["step"] != step:
+        raise LivePeerError(f"the live source sent the state of step {header['step']}, not of step {step}")
+    if not isinstance(header["trainer"], dict) or not isinstance(header["extras"], dict):
+        raise LivePeerError("the live source's trainer state is not a mapping")
+    entries = []
+    for entry in header["tensors"] if isinstance(header["tensors"], list) else [None]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and all(isinstance(d, int) and d >= 0 for d in entry[1])
+                and isinstance(entry[2], str)):
+            raise LivePeerError(f"the live source's tensor entry {entry!r} is not [key, shape, dtype]")
+        dtype = getattr(torch, entry[2], None)
+        if not isinstance(dtype, torch.dtype):
+            raise LivePeerError(f"the live source's tensor {entry[0]} has no dtype {entry[2]!r}")
+        entries.append((entry[0], torch.Size(entry[1]), dtype))
+    return entries, header["trainer"], header["extras"]
+
+
+def _check_fits(state: TrainingState, entries: list, trainer: dict, source: int) -> None:
+    """The source's model and optimizer are this run's: same keys, shapes and dtypes, same groups."""
+    name = f"of the live peer rank {source}"
+    saved = {key: (shape, dtype) for key, shape, dtype in entries}
+    live = state.layout.tensors()
+    live_state.check_shapes(name, live, saved, live_state.MODEL_PREFIX)
+    for key, (shape, dtype) in saved.items():
+        if key.startswith(live_state.MODEL_PREFIX) and live[key].dtype != dtype:
+            raise CheckpointMismatchError(f"the state {name} has {key} as {dtype}, this run as {live[key].dtype}")
+        if not key.startswith((live_state.MODEL_PREFIX, live_state.OPTIM_PREFIX)):
+            raise LivePeerError(f"the live peer rank {source} sent {key!r}, which is neither model nor optimizer state")
+    for field in ("optimizer", "sampler"):
+        if not isinstance(trainer.get(field), dict):
+            raise LivePeerError(f"the trainer state of the live peer rank {source} has no {field}")
+    live_state.check_groups(name, state.optimizer, state.model, trainer["optimizer"])
+
+
+def _apply(
+    ctx: WorkerContext, state: TrainingState, step: int, received: dict[str, torch.Tensor], trainer: dict,
+    *, replacement: bool,
+) -> None:
+    """Everything received and checked: only now does live state change (extra objects first: their
+    own code may refuse the state, and then nothing else has changed)."""
+    state.apply_extra(step, trainer)
+    live = state.layout.tensors()
+    with torch.no_grad():
+        for key, tensor in received.items():
+            if key.startswith(live_state.MODEL_PREFIX):
+                live[key].copy_(tensor)
+    optimizer_tensors = {k: v for k, v in received.items() if k.startswith(live_state.OPTIM_PREFIX)}
+    state.optimizer.load_state_dict(
+        live_state.optimizer_state_dict(state.model, state.optimizer, optimizer_tensors, trainer["optimizer"])
+    )
+    live_state.set_module_extra_state(state.model, trainer.get("module_extra", {}))
+    kept = None if replacement else get_rng_state(ctx.device)
+    state.apply_trainer(ctx, step, trainer)
+    if kept is not None:
+        set_rng_state(kept, ctx.device)

@@ -1,0 +1,246 @@
+"""The runtime's settings, in one place: `RunConfig`, and the flags every recipe takes, made from it.
+
+    parser = elastic.ArgumentParser(prog="train.py", ckpt_every=50)   # the flags; this script's own default
+    parser.add_argument("--lr", type=float, default=1e-3)            # the script's own flags
+    with elastic.Run.from_args(parser.parse_args()) as run: ...
+
+Each field of `RunConfig` is a setting: its name is the flag (`ckpt_every` is
+`--ckpt-every`), its default the flag's default, its docstring the flag's help,
+and its rule (`_rules`) checks it both as a flag (argparse: one line, exit 2)
+and as a keyword (`elastic.Run(ckpt_every=-1)`: one `UsageError` line). A
+script may choose its own default for a flag, said where it builds its
+parser (`add_runtime_arguments(p, ckpt_every=200)`). docs/recipes.md's flag
+table is `flag_table()`, checked by a test.
+
+This module sits at the bottom of the worker side: it imports only the
+command-line helpers and the errors, so every layer can take a `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import math
+import os
+import textwrap
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
+from functools import cache
+from typing import Any
+
+from elastic._shared.common.cli import (
+    OneLineArgumentParser,
+    int_at_least,
+    non_negative_float,
+    port_number,
+    positive_float,
+)
+from elastic._shared.common.errors import UsageError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEFAULT_METRICS_HOST = "127.0.0.1"
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """How the runtime behaves. Every field is also a flag (see the module docstring)."""
+
+    seed: int = 0
+    """Seeds initial weights (the same on every rank), each rank's random stream and the data order."""
+    ckpt_dir: str | None = None
+    """Commit checkpoints here and resume from the newest good one (unset: no checkpoints)."""
+    ckpt_every: int = 50
+    """Steps between checkpoints (0: only the final one and on SIGTERM)."""
+    ckpt_keep: int = 3
+    """Committed checkpoints to keep; at least 2, so a torn newest one has a fallback."""
+    ckpt_max_failures: int = 3
+    """Checkpoints that may fail in a row (full disk, I/O errors) before the job stops with exit 75."""
+    ckpt_timeout: float = 600.0
+    """Seconds the final or a preemption checkpoint may take to commit before the job stops with exit 75."""
+    ckpt_restore_timeout: float = 600.0
+    """Seconds reading a checkpoint may take on restore before the job stops with exit 75 (not a restart loop)."""
+    snapshot_every: int | str = "auto"
+    """Steps between in-memory snapshots under torchrevive-run, which a failure resumes from (0: off; auto:
+    Young/Daly's interval from each snapshot's measured cost and --mtbf-hours, at most --ckpt-every)."""
+    mtbf_hours: float = 50_000.0
+    """Assumed mean hours between failures of one worker, for --snapshot-every auto (Llama 3: one
+    unexpected interruption per ~50,000 GPU-hours)."""
+    events: str | None = None
+    """Append the JSON-lines event log here (rank 0)."""
+    device: str = "auto"
+    """auto, cpu or cuda: cuda:LOCAL_RANK when the process sees a GPU per local worker, cuda:0 when it
+    sees exactly one (a GPU per task); auto takes cpu when no GPU is visible."""
+    metrics_port: int = 0
+    """Serve Prometheus /metrics on this port + LOCAL_RANK (0: off)."""
+    metrics_host: str = DEFAULT_METRICS_HOST
+    """Where the metrics endpoint binds (loopback unless told: it has no authentication; 0.0.0.0 in a pod)."""
+    collective_timeout: float = 300.0
+    """Seconds before a collective with a dead peer fails instead of hanging."""
+    term_grace: float = 15.0
+    """After SIGTERM, seconds to reach the step where every rank has learned of it (the next vote but one, within
+    a quarter of this) and checkpoint; a worker blocked past it exits at once."""
+    hang_timeout: float = 300.0
+    """Exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)."""
+    heal_wait: float = 30.0
+    """With TORCHREVIVE_SURVIVORS: seconds survivors wait for a failed worker's agent to start its replacement
+    (plus the time a stopped worker is given); past it the node is taken for lost and a new round of the
+    nodes left goes on (exit 76)."""
+    log_every: int = 10
+    """Steps between progress lines when stdout is not a terminal."""
+
+    def __post_init__(self) -> None:
+        for name in ("ckpt_dir", "events"):  # a pathlib.Path is a path too
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        for name, rule in _rules().items():
+            value = getattr(self, name)
+            if not rule.holds(value):
+                raise UsageError(rule.message(name, value))
+
+    @property
+    def ckpt_wait_slice(self) -> float:
+        """Seconds a wait for storage lasts before a short collective: far below the collective and hang timeouts."""
+        return min(5.0, self.collective_timeout / 4, (self.hang_timeout or math.inf) / 4)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunConfig:
+        """The fields present in `args` (argparse turns --ckpt-dir into ckpt_dir); defaults for the rest."""
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What values a setting takes: its flag's parser (one-line errors) and the same check on a keyword."""
+
+    parse: Callable[[str], Any]
+    holds: Callable[[Any], bool]
+    message: Callable[[str, Any], str]
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+def _at_least(low: int, metavar: str = "N") -> _Rule:
+    says = "0 or more" if low == 0 else f"at least {low}"
+    return _Rule(
+        int_at_least(low), lambda v: isinstance(v, int) and v >= low, lambda n, v: f"{n}={v} must be {says}", metavar
+    )
+
+
+_SECONDS_ABOVE_0 = _Rule(
+    positive_float, lambda v: isinstance(v, (int, float)) and 0 < v < math.inf,
+    lambda n, v: f"{n} must be above 0 (and finite), not {v}", "S",
+)
+_SECONDS_0_OR_MORE = _Rule(
+    non_negative_float, lambda v: isinstance(v, (int, float)) and 0 <= v < math.inf,
+    lambda n, v: f"{n} must be 0 or more (and finite), not {v}", "S",
+)
+def _snapshot_every(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int_at_least(0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto or a number of steps, 0 or more") from None
+
+
+_SNAPSHOT_EVERY = _Rule(
+    _snapshot_every, lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    lambda n, v: f"{n}={v!r} must be auto or a number of steps, 0 or more", "N",
+)
+_SECONDS_ABOVE_0_HOURS = _Rule(
+    positive_float, _SECONDS_ABOVE_0.holds, lambda n, v: f"{n} must be above 0 (and finite), not {v}", "H",
+)
+_PATH = _Rule(str, lambda v: v is None or isinstance(v, str), lambda n, v: f"{n}={v!r} is not a path", "PATH")
+
+
+@cache
+def _rules() -> dict[str, _Rule]:
+    return {
+        "seed": _at_least(0),
+        "ckpt_dir": _Rule(str, _PATH.holds, _PATH.message, "DIR"),
+        "ckpt_every": _at_least(0),
+        "ckpt_keep": _at_least(2, "K"),
+        "ckpt_max_failures": _at_least(1),
+        "ckpt_timeout": _SECONDS_ABOVE_0,
+        "ckpt_restore_timeout": _SECONDS_ABOVE_0,
+        "snapshot_every": _SNAPSHOT_EVERY,
+        "mtbf_hours": _SECONDS_ABOVE_0_HOURS,
+        "events": _PATH,
+        "device": _Rule(
+            str, lambda v: v in DEVICE_CHOICES, lambda n, v: f"{n}={v!r} is not one of {', '.join(DEVICE_CHOICES)}",
+            choices=DEVICE_CHOICES,
+        ),
+        "metrics_port": _Rule(
+            port_number, lambda v: isinstance(v, int) and 0 <= v <= 65535, lambda n, v: f"{n}={v} is not a port number",
+            "N",
+        ),
+        "metrics_host": _Rule(str, lambda v: isinstance(v, str) and bool(v), lambda n, v: f"{n}={v!r} is no address", "ADDR"),
+        "collective_timeout": _SECONDS_ABOVE_0,
+        "term_grace": _SECONDS_ABOVE_0,
+        "hang_timeout": _SECONDS_0_OR_MORE,
+        "heal_wait": _SECONDS_ABOVE_0,
+        "log_every": _at_least(1),
+    }
+
+
+@cache
+def field_help() -> dict[str, str]:
+    """Each field's docstring, as one line (read from this module's source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(RunConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(following, ast.Expr):
+            value = following.value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs[node.target.id] = " ".join(value.value.split())
+    return docs
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add every `RunConfig` field to `parser` as a flag; `defaults` are this script's own
+    defaults for some of them (`ckpt_every=200`), checked by the same rules."""
+    known = {f.name: f for f in fields(RunConfig)}
+    unknown = sorted(set(defaults) - set(known))
+    if unknown:
+        raise TypeError(f"no runtime setting named {', '.join(unknown)}; they are {', '.join(known)}")
+    rules, docs = _rules(), field_help()
+    for name, spec in known.items():
+        default = defaults.get(name, spec.default if spec.default is not MISSING else None)
+        rule = rules[name]
+        if default is not None and not rule.holds(default):
+            raise UsageError(f"the script's default {rule.message(name, default)}")
+        parser.add_argument(
+            flag(name), type=rule.parse, default=default, choices=rule.choices, metavar=rule.metavar,
+            help=docs.get(name, "").replace("%", "%%"),
+        )
+
+
+class ArgumentParser(OneLineArgumentParser):
+    """An argument parser that already holds the runtime flags (`add_runtime_arguments`) and
+    reports a bad value in one line with exit status 2; a script adds its own flags. Keyword
+    arguments named after `RunConfig` fields are this script's defaults for those flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        names = {f.name for f in fields(RunConfig)}
+        defaults = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        super().__init__(*args, **kwargs)
+        add_runtime_arguments(self, **defaults)
+
+
+def flag_table() -> str:
+    """The markdown table of every runtime flag, its default and its meaning (docs/recipes.md)."""
+    rules, docs = _rules(), field_help()
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for spec in fields(RunConfig):
+        rule = rules[spec.name]
+        shape = "{" + ",".join(rule.choices) + "}" if rule.choices else rule.metavar
+        default = "unset" if spec.default is None else spec.default
+        rows.append(f"| `{flag(spec.name)} {shape}` | {default} | {docs.get(spec.name, '')} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,1 @@
+"""What every rank agrees on at the same step: the step vote, agreement helpers, preemption, the hang watchdog."""

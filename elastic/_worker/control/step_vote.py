@@ -1,0 +1,179 @@
+"""The vote steps end with: about once a second, and read one vote later, so the loop never waits for it.
+
+At the end of a step the ranks must agree on what to do: stop because some
+rank was preempted (SIGTERM: commit and leave), stop because rank 0's
+checkpoint saves keep failing (exit 75), change the in-memory snapshot
+interval. That is one collective, an element-wise MAX of a few ints on the
+gloo control group. Taken blocking at every step it costs every step a round
+trip through gloo's threads: on a busy 2-core host 0.3 ms at the median and
+1.3 ms on average, waiting for cores (benchmarks/control_cost.py), 0.4 % of
+the GPT recipe's step.
+
+So a vote is started at the end of a step and read at the end of the next
+vote step, and vote steps are `every` steps apart: the number of steps in
+about `VOTE_SECONDS` (at most `MAX_EVERY`, and few enough that a signal's
+two votes fit in a quarter of `--term-grace`). The ranks agree on `every`
+through the vote itself. `every` at most doubles per vote (1, 2, 4, 8, 10):
+what a loop measures in its first steps (the first snapshot's cost, which
+sets the snapshot interval) is agreed a few steps later, not a second's
+worth of steps later.
+
+    vote = StepVote(ctx, ballot=lambda: (signalled, requeue, storage_failing, snapshot_every_proposal), grace=15.0)
+    for each step:
+        ...forward, backward, optimizer.step()...
+        verdict = vote.step_ended(step)     # every rank: the same Verdict at the same step
+
+Invariants:
+- Every rank reads the same verdict at the same step: the vote steps follow
+  from the loop's first step end and the agreed `every` alone, the same on
+  every rank; each starts one vote per vote step, in the same place of its
+  sequence of collectives on the control group, and reads it at the next vote
+  step (or at `fresh`, `settle`).
+- A flag raised during step N is acted on by every rank within two vote
+  intervals: at most 2 x `MAX_EVERY` steps and about 2 x `VOTE_SECONDS`
+  later, always within a quarter of `--term-grace` at the measured step time
+  (at once when the job has one process: no peer to wait for).
+- The first step end of a loop, and the first after `fresh`, is a vote step
+  that reads no vote: none was in flight, on any rank alike.
+- `fresh` (between steps: `Run.pause`) reads the vote in flight and takes a
+  new, blocking one, and merges them: a flag raised during the pause counts.
+- With `joiners` (TORCHREVIVE_SURVIVORS=train-on) the vote also carries the
+  newest ticket of the workers waiting to join (rank 0 reads it from the
+  store): every rank learns it at the same vote step, and they grow there. A
+  ticket learned by `fresh` (between steps) is carried to the next step end:
+  the group grows at a step's end, never in the middle of a pause.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from elastic._worker.control import agreement
+from elastic._worker.runtime.context import WorkerContext
+
+Ballot = Callable[[], tuple[bool, bool, bool, int]]
+"""This rank's (preempted, by the Slurm requeue signal, storage failing, proposed snapshot interval; 0: no
+opinion)."""
+
+STOP_BALLOT = 1
+"""A preempted rank's vote: commit and leave."""
+REQUEUE_BALLOT = 2
+"""One preempted by the Slurm requeue signal: commit, leave and requeue (the vote's MAX: one rank is enough)."""
+VOTE_SECONDS = 1.0
+MAX_EVERY = 10
+_WINDOW = 16  # recent steps the step time is measured on
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank acts on at the end of a step."""
+
+    preempted: bool = False
+    """Some rank received SIGTERM (or the Slurm requeue signal)."""
+    requeue: bool = False
+    """Some rank received the Slurm requeue signal: after the commit, the job requeues itself."""
+    storage_failing: bool = False
+    """Rank 0's periodic saves failed `ckpt_max_failures` times in a row."""
+    snapshot_every: int = 0
+    """The largest snapshot interval any rank proposed (0: no change)."""
+    vote_every: int = 0
+    """Steps between votes from now on (0: no change)."""
+    joiners: int = 0
+    """The newest ticket of a worker waiting to join (0: none, or no `joiners` given)."""
+
+    @classmethod
+    def of(cls, values: list[int]) -> Verdict:
+        preempted, storage_failing, snapshot_every, vote_every, joiners = values
+        return cls(preempted=bool(preempted), requeue=preempted >= REQUEUE_BALLOT,
+                   storage_failing=bool(storage_failing), snapshot_every=int(snapshot_every),
+                   vote_every=int(vote_every), joiners=int(joiners))
+
+
+NOTHING = Verdict()
+
+
+class StepVote:
+    """One rank's side of the vote (see the module docstring)."""
+
+    def __init__(
+        self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic,
+        joiners: Callable[[], int] | None = None, group: Any = agreement.DEFAULT_GROUP,
+    ) -> None:
+        """`group`: the ranks' group for the vote (default: the runtime's control group)."""
+        self._ctx = ctx
+        self._group = group
+        self._ballot = ballot
+        self._joiners = joiners
+        self._grace = grace
+        self._clock = clock
+        self._pending: agreement.PendingMax | None = None
+        self.every = 1
+        """Steps between vote steps, as agreed."""
+        self._next: int | None = None  # the next vote step; None: the next step end
+        self._last_end: float | None = None
+        self._step_seconds: deque[float] = deque(maxlen=_WINDOW)
+        self.votes = 0
+        self._joiners_seen = 0  # the newest joiner ticket any verdict carried, for the next step end
+
+    def proposal(self) -> int:
+        """This rank's ballot for `every`: about VOTE_SECONDS of steps, within the bounds, at most twice
+        the agreed `every`."""
+        if not self._step_seconds:
+            return 1
+        step = statistics.median(self._step_seconds)
+        if step <= 0:
+            return MAX_EVERY
+        within_grace = int(self._grace / 4 / (2 * step))  # a signal's two votes in a quarter of the grace
+        return max(1, min(round(VOTE_SECONDS / step), MAX_EVERY, within_grace, 2 * self.every))
+
+    def _cast(self) -> agreement.PendingMax:
+        preempted, requeue, storage_failing, snapshot_every = self._ballot()
+        preemption = (REQUEUE_BALLOT if requeue else STOP_BALLOT) if preempted else 0
+        joiners = self._joiners() if self._joiners is not None else 0
+        self.votes += 1
+        return agreement.start_max(
+            self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal(), joiners], self._group
+        )
+
+    def step_ended(self, step: int) -> Verdict:
+        """Step `step` ended: on a vote step, the verdict of the vote before, and a new vote starts."""
+        now = self._clock()
+        if self._last_end is not None:
+            self._step_seconds.append(now - self._last_end)
+        self._last_end = now
+        if not self._ctx.distributed:
+            return Verdict.of(self._cast().result())  # alone: the answer is this process's own, at once
+        if self._next is not None and step < self._next:
+            return replace(NOTHING, joiners=self._joiners_seen)
+        earlier = self.settle() or NOTHING
+        if earlier.vote_every:
+            self.every = earlier.vote_every
+        self._pending = self._cast()
+        self._next = step + self.every
+        self._joiners_seen = max(self._joiners_seen, earlier.joiners)
+        return replace(earlier, joiners=self._joiners_seen)
+
+    def fresh(self) -> Verdict:
+        """Between steps: a vote taken now, merged with the one in flight (read first); the next
+        step end is a vote step."""
+        earlier = self.settle() or NOTHING
+        now = Verdict.of(self._cast().result())
+        self._next = None
+        self.every = now.vote_every
+        self._joiners_seen = max(self._joiners_seen, now.joiners, earlier.joiners)  # acted on at the next step end
+        return Verdict(
+            preempted=earlier.preempted or now.preempted, requeue=earlier.requeue or now.requeue,
+            storage_failing=earlier.storage_failing or now.storage_failing,
+            snapshot_every=now.snapshot_every or earlier.snapshot_every, vote_every=now.vote_every,
+            joiners=max(now.joiners, earlier.joiners),
+        )
+
+    def settle(self) -> Verdict | None:
+        """Read the vote in flight (None if there is none): at `finish`, before the final save."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else Verdict.of(pending.result())

@@ -1,0 +1,1 @@
+"""Internal: the Hugging Face integration behind `elastic.hf` (transformers and accelerate are imported only here)."""
