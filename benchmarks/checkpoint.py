@@ -133,13 +133,17 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
+from elastic._shared.common.cli import (  # noqa: E402
+    OneLineArgumentParser,
+    non_negative_int,
+    positive_int,
+)
 from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
-from elastic._shared.common.cli import OneLineArgumentParser, non_negative_int, positive_int  # noqa: E402
 from elastic._worker.config import RunConfig  # noqa: E402
-from elastic._worker.runtime.rng import get_rng_state, seed_all  # noqa: E402
-from elastic._worker.runtime.context import WorkerContext, init_worker  # noqa: E402
 from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
 from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
+from elastic._worker.runtime.context import WorkerContext, init_worker  # noqa: E402
+from elastic._worker.runtime.rng import get_rng_state, seed_all  # noqa: E402
 
 TARGET = 0.05
 

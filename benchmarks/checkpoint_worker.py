@@ -42,10 +42,10 @@ sys.path.insert(0, str(TREE / "recipes"))
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
-from elastic._worker.runtime.rng import get_rng_state, seed_all  # noqa: E402
-from elastic._worker.runtime.context import WorkerContext, init_worker, shutdown_worker  # noqa: E402
 from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
 from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
+from elastic._worker.runtime.context import WorkerContext, init_worker, shutdown_worker  # noqa: E402
+from elastic._worker.runtime.rng import get_rng_state, seed_all  # noqa: E402
 
 # The two trees take the manager's settings differently: this checkout as a RunConfig
 # (elastic/_worker/config.py), 6ec689c's as keywords. Decided by the tree, never by trying an import

@@ -67,8 +67,8 @@ def worker(opts: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from elastic._worker.control import agreement
-    from elastic._worker.runtime.context import worker_context
     from elastic._worker.control.step_vote import StepVote
+    from elastic._worker.runtime.context import worker_context
 
     with worker_context("cpu") as ctx:
         torch.manual_seed(0)

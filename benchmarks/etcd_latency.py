@@ -34,10 +34,14 @@ import requests
 from etcd3gw.client import Etcd3Client
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-from elastic.chaos.etcd import EtcdServer
 from elastic._agent.rendezvous.etcd_client import EtcdClient
-from elastic._agent.rendezvous.etcd_messages import encode, txn_range_results, txn_revision
+from elastic._agent.rendezvous.etcd_messages import (
+    encode,
+    txn_range_results,
+    txn_revision,
+)
 from elastic._agent.rendezvous.etcd_options import EtcdOptions
+from elastic.chaos.etcd import EtcdServer
 
 REQUESTS = ("get", "put", "txn")
 

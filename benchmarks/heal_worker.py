@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic._shared.common.errors import EnvironmentConfigError
 from elastic._shared.protocol import heal_env
 from elastic._worker.survivors import regroup
-from elastic._shared.common.errors import EnvironmentConfigError
 
 TIMEOUT = timedelta(seconds=60)
 

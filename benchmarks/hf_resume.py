@@ -51,8 +51,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from elastic.chaos.netns import free_port
 from elastic._agent.launcher.proctree import descendants, worker_rank
+from elastic.chaos.netns import free_port
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = {"stock": HERE / "hf_resume_stock.py", "ours": HERE / "hf_resume_elastic.py"}

@@ -3,8 +3,9 @@
 import os
 
 from hf_resume_common import logged, model_and_data, parse, training_arguments
-from elastic.hf import Trainer
 from transformers.trainer_utils import get_last_checkpoint
+
+from elastic.hf import Trainer
 
 args = parse()
 model, train_set = model_and_data(args)

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from snapshot_auth import keeper_process  # noqa: E402 - a keeper with one part of random bytes
 
-from elastic._worker.checkpoint import keeper_client  # noqa: E402
 from elastic._shared.storage.keeper_address import LOCAL  # noqa: E402
 from elastic._shared.storage.peer_auth import PeerKey  # noqa: E402
+from elastic._worker.checkpoint import keeper_client  # noqa: E402
 
 
 def read_all(fetch, part_url: str, key: PeerKey, size: int, span: int) -> float:

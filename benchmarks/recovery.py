@@ -89,11 +89,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic._agent.launcher.launch import SNAPSHOTS_ENV
+from elastic._shared.protocol.heal_env import SURVIVORS_ENV
+from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 from elastic.chaos.harness import ChaosJob, JobSpec
 from elastic.chaos.verdict import draw_report
-from elastic._shared.protocol.heal_env import SURVIVORS_ENV
-from elastic._agent.launcher.launch import SNAPSHOTS_ENV
-from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]

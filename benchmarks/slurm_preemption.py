@@ -35,8 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.slurm_cluster import SlurmCluster, SlurmUnavailable  # noqa: E402
 from elastic._worker.observe.events import read_events  # noqa: E402
+from tests.slurm_cluster import SlurmCluster, SlurmUnavailable  # noqa: E402
 
 MODEL = ("--batch-size", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
          "--eval-every", "0", "--seed", "1", "--device", "cpu", "--sample-tokens", "0")

@@ -30,14 +30,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic._worker.checkpoint import keeper_client
-from elastic._worker.checkpoint.part_files import READ_MAX
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._shared.storage import parts, peer_auth
 from elastic._shared.storage.chunks import BLOCK, StoredChunk, block_checksums
 from elastic._shared.storage.keeper_address import LOCAL
 from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
+from elastic._worker.checkpoint import keeper_client
+from elastic._worker.checkpoint.part_files import READ_MAX
 
 RUN = "auth-bench"
 

@@ -74,14 +74,14 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
-from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
-from elastic._shared.common.cli import OneLineArgumentParser, positive_int  # noqa: E402
-from elastic._worker.config import RunConfig  # noqa: E402
-from elastic._worker.observe.events import EventLog, read_events  # noqa: E402
 from elastic._agent.launcher.keeper import SnapshotKeeper  # noqa: E402
 from elastic._agent.launcher.keeper_files import job_key  # noqa: E402
-from elastic._worker.runtime.context import init_worker  # noqa: E402
+from elastic._shared.common.cli import OneLineArgumentParser, positive_int  # noqa: E402
+from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
+from elastic._worker.config import RunConfig  # noqa: E402
 from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
+from elastic._worker.observe.events import EventLog, read_events  # noqa: E402
+from elastic._worker.runtime.context import init_worker  # noqa: E402
 
 TARGET = 0.02
 LR, WEIGHT_DECAY, GRAD_CLIP = 1e-3, 0.1, 1.0  # recipes/gpt.py defaults

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     set_optimizer_state_dict,
 )
 
-from elastic._worker.checkpoint import state as live_state  # noqa: E402
 from elastic._shared.common.cli import OneLineArgumentParser, positive_int  # noqa: E402
+from elastic._worker.checkpoint import state as live_state  # noqa: E402
 
 MODELS = {
     "recipe": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),

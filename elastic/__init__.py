@@ -29,8 +29,8 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
-from elastic._shared.slurm.requeue import catch_early
 from elastic._shared.common.version import __version__ as __version__
+from elastic._shared.slurm.requeue import catch_early
 
 # In a Slurm job, the requeue signal (USR1) reaches every process of a step, and its default action
 # ends a process: from here on it is remembered until the run's handler acts on it (elastic._shared.slurm.requeue).

@@ -73,10 +73,10 @@ from elastic._shared.common.cli import (  # noqa: E402
     run_main,
     unit_interval,
 )
+from elastic._shared.common.slow_imports import prefetch_slow_imports  # noqa: E402
 from elastic._worker.data.feed import seeded_samples  # noqa: E402
 from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
 from elastic._worker.run.schedules import OneCycle, WarmupCosine  # noqa: E402
-from elastic._shared.common.slow_imports import prefetch_slow_imports  # noqa: E402
 
 logger = logging.getLogger("cifar")
 

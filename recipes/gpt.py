@@ -37,7 +37,6 @@ from gpt_model import GPT, GPTConfig, configure_optimizer, decode_tokens, encode
 from text_data import TokenWindows, load_corpus, split_corpus  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic._worker.checkpoint import compat, load_newest_model_state  # noqa: E402
 from elastic._shared.common.cli import (  # noqa: E402
     OneLineArgumentParser,
     configure_logging,
@@ -49,9 +48,10 @@ from elastic._shared.common.cli import (  # noqa: E402
     unit_interval,
 )
 from elastic._shared.common.errors import CheckpointMismatchError, UsageError  # noqa: E402
-from elastic._worker.runtime.context import all_reduce_mean  # noqa: E402
-from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
 from elastic._shared.common.slow_imports import prefetch_slow_imports  # noqa: E402
+from elastic._worker.checkpoint import compat, load_newest_model_state  # noqa: E402
+from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
+from elastic._worker.runtime.context import all_reduce_mean  # noqa: E402
 
 logger = logging.getLogger("gpt")
 

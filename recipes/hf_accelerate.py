@@ -34,10 +34,16 @@ from text_data import load_corpus, split_corpus  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic._shared.common.cli import OneLineArgumentParser, configure_logging, positive_float, positive_int, run_main  # noqa: E402
+from elastic._shared.common.cli import (  # noqa: E402
+    OneLineArgumentParser,
+    configure_logging,
+    positive_float,
+    positive_int,
+    run_main,
+)
 from elastic._shared.common.errors import UsageError  # noqa: E402
-from elastic.hf import start_accelerated  # noqa: E402
 from elastic._worker.runtime.context import all_reduce_mean  # noqa: E402
+from elastic.hf import start_accelerated  # noqa: E402
 
 logger = logging.getLogger("hf_accelerate")
 

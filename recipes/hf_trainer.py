@@ -28,12 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # models beside the re
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from torch.utils.data import Subset  # noqa: E402
 from hf_model import ByteWindows, add_model_arguments, byte_lm  # noqa: E402
 from text_data import load_corpus, split_corpus  # noqa: E402
+from torch.utils.data import Subset  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic._shared.common.cli import OneLineArgumentParser, configure_logging, positive_float, positive_int, run_main  # noqa: E402
+from elastic._shared.common.cli import (  # noqa: E402
+    OneLineArgumentParser,
+    configure_logging,
+    positive_float,
+    positive_int,
+    run_main,
+)
 from elastic._shared.common.errors import UsageError  # noqa: E402
 from elastic.hf import Trainer  # noqa: E402
 

@@ -23,9 +23,9 @@ import torch
 import warm
 from support import GPT_RECIPE, make_text
 
+from elastic._worker.checkpoint import read_checkpoint
 from elastic.chaos.harness import ChaosJob, JobSpec
 from elastic.chaos.verdict import verified_final_checkpoint
-from elastic._worker.checkpoint import read_checkpoint
 
 REFERENCE_STEPS = 60
 """The steps of the shared GPT jobs: room for a chain of three faults, each after the last recovery."""

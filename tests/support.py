@@ -17,13 +17,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
-from elastic._worker.checkpoint import read_checkpoint
 from elastic._agent.launcher.proctree import children as children_of  # noqa: F401 - re-exported
 from elastic._agent.launcher.proctree import worker_rank  # noqa: F401 - re-exported
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.metrics import PREFIX, TrainingMetrics
 from elastic._worker.runtime.context import WorkerContext
-from elastic._worker.data.sampler import ElasticSampler
+from elastic.chaos.netns import free_port  # noqa: F401 - re-exported
 
 REPO = Path(__file__).resolve().parent.parent
 GPT_RECIPE = REPO / "recipes" / "gpt.py"
@@ -433,9 +433,9 @@ def run_healing_job(
     """The GPT recipe under torchrevive-run on `agents` agents of one worker each, with
     TORCHREVIVE_SURVIVORS=`survivors` and ELASTIC_FAULT=`fault` (and under the sample audit when
     `sample_log` is given); every agent must exit 0. Its events and each agent's log."""
-    from elastic.chaos.samples import LOG_ENV
-    from elastic._worker.observe.events import read_events
     from elastic._shared.protocol.heal_env import SURVIVORS_ENV
+    from elastic._worker.observe.events import read_events
+    from elastic.chaos.samples import LOG_ENV
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     events = tmp_path / "events.jsonl"

@@ -29,6 +29,9 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from elastic._shared.common.cli import OneLineArgumentParser, positive_int, run_main
+from elastic._shared.common.errors import ElasticError, UsageError
+from elastic._shared.protocol.heal_env import MODES, RESTART
 from elastic.chaos.etcd import EtcdServer
 from elastic.chaos.harness import find_recipe
 from elastic.chaos.netns import VirtualNetwork
@@ -39,9 +42,6 @@ from elastic.chaos.scenarios import (
     parse_chain,
     run_scenario,
 )
-from elastic._shared.common.cli import OneLineArgumentParser, positive_int, run_main
-from elastic._shared.common.errors import ElasticError, UsageError
-from elastic._shared.protocol.heal_env import MODES, RESTART
 
 
 def build_parser() -> OneLineArgumentParser:

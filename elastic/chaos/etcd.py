@@ -30,9 +30,9 @@ import grpc
 import requests
 from pyetcd import etcdrpc
 
-from elastic.chaos.netns import free_port
-from elastic._shared.common.errors import UsageError
 from elastic._agent.rendezvous.etcd_messages import prefix_end
+from elastic._shared.common.errors import UsageError
+from elastic.chaos.netns import free_port
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from elastic.chaos.etcd import EtcdServer
-from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
-from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
-from elastic._shared.common.errors import UsageError
 from elastic._agent.launcher.keeper_files import BASE_ENV as SNAPSHOT_BASE_ENV
 from elastic._agent.launcher.keeper_files import private_directory
 from elastic._agent.launcher.proctree import descendants, worker_rank
+from elastic._shared.common.errors import UsageError
 from elastic._shared.storage.peer_auth import SECRET_FILE_ENV
+from elastic.chaos.etcd import EtcdServer
+from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
+from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -225,8 +225,8 @@ def _record_samples(prefix: str) -> None:
     import torch.distributed as dist
 
     from elastic._worker.checkpoint import CheckpointManager
-    from elastic._worker.runtime.context import control_group
     from elastic._worker.data.sampler import ElasticSampler
+    from elastic._worker.runtime.context import control_group
 
     current = {"step": 1, "round": "", "round_start": 0}
     original_restore, original_local_batch = CheckpointManager.restore, ElasticSampler.local_batch

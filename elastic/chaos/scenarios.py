@@ -23,14 +23,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from elastic._shared.common.errors import UsageError
+from elastic._shared.protocol.heal_env import (
+    FROZEN_AFTER_ENV,
+    RESTART,
+    SURVIVORS_ENV,
+    TRAIN_ON,
+)
 from elastic.chaos.etcd import EtcdServer
 from elastic.chaos.faults import ONCE_DIR_ENV
 from elastic.chaos.harness import ChaosJob, JobSpec, find_recipe
 from elastic.chaos.netns import VirtualNetwork
 from elastic.chaos.samples import audit, kept_processes
 from elastic.chaos.verdict import ScenarioResult, draw_report, verified_final_checkpoint
-from elastic._shared.common.errors import UsageError
-from elastic._shared.protocol.heal_env import FROZEN_AFTER_ENV, RESTART, SURVIVORS_ENV, TRAIN_ON
 
 Scenario = Callable[[ChaosJob, random.Random], dict[int, int]]
 """Hurts a started job once the fault is due (`when_due`); returns the exit codes expected of the

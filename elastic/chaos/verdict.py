@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic.chaos.samples import SampleAudit
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage.directory import CheckpointStore
+from elastic.chaos.samples import SampleAudit
 
 logger = logging.getLogger(__name__)
 

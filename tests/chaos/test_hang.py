@@ -10,8 +10,8 @@ import pytest
 import warm
 from support import REPO, TINY_MODEL, standalone_command, worker_env
 
-from elastic._worker.observe.events import read_events
 from elastic._worker.control.watchdog import EXIT_CODE
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

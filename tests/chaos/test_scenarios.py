@@ -24,16 +24,16 @@ import json
 from pathlib import Path
 
 import pytest
-import warm
 import torch
+import warm
 from etcd_server import EtcdServer
 from references import REFERENCE_STEPS, References, gpt_args
 
-from elastic.chaos.netns import VirtualNetwork
-from elastic.chaos.scenarios import run_scenario
+from elastic._shared.storage.sharded import TENSORS_FILE
 from elastic._worker.checkpoint import read_checkpoint
 from elastic._worker.observe.events import read_events
-from elastic._shared.storage.sharded import TENSORS_FILE
+from elastic.chaos.netns import VirtualNetwork
+from elastic.chaos.scenarios import run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import start_keeper
 
 from elastic._agent.launcher.keeper import SnapshotKeeper
-from support import start_keeper
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-import warm
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import warm
 from cifar_model import CPUSyncBatchNorm
 from support import (
     CIFAR_RECIPE,

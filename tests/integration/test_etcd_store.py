@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import re
+import threading
 import time
 import uuid
 from datetime import timedelta

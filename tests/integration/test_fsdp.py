@@ -27,10 +27,10 @@ from support import (
 )
 from text_data import split_corpus
 
-from elastic.chaos.samples import audit
+from elastic._shared.storage.sharded import SHARD_PREFIX
 from elastic._worker.checkpoint import read_checkpoint
 from elastic._worker.observe.events import read_events
-from elastic._shared.storage.sharded import SHARD_PREFIX
+from elastic.chaos.samples import audit
 
 pytestmark = pytest.mark.slow
 

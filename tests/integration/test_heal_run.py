@@ -12,15 +12,24 @@ import pytest
 import torch
 from references import References
 from support import (
-    REPO, TINY_MODEL, free_port, healing_job_args, listens, run_healing_job, start_agents, torchrun_command,
-    wait_all, worker_env, workers_started,
+    REPO,
+    TINY_MODEL,
+    free_port,
+    healing_job_args,
+    listens,
+    run_healing_job,
+    start_agents,
+    torchrun_command,
+    wait_all,
+    worker_env,
+    workers_started,
 )
 
 from elastic._shared.protocol import heal_env
-from elastic._worker.checkpoint import read_checkpoint
-from elastic._worker.observe.events import read_events
-from elastic._worker.data.sampler import ElasticSampler
 from elastic._shared.storage.directory import CheckpointStore
+from elastic._worker.checkpoint import read_checkpoint
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

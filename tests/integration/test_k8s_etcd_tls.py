@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 from kube import K8S, PodProcess, build, find, local_executables
 from support import free_port, wait_for
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import get_args_parser
 

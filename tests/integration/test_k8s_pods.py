@@ -34,8 +34,8 @@ from kube import (
 )
 from support import free_port, wait_for
 
-from elastic._worker.observe.events import read_events
 from elastic._agent.launcher.proctree import descendants
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,6 @@ import torch
 from support import keeper_request
 from test_snapshots import Job, assert_same, keeper_job, keeper_key
 
-from elastic._worker.checkpoint import keeper_client
 from elastic._agent.launcher import keeper as keeper_module
 from elastic._agent.launcher import keeper_files
 from elastic._agent.launcher.keeper import SnapshotKeeper
@@ -33,6 +32,7 @@ from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.keeper_address import LOCAL, REPLICA
 from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
+from elastic._worker.checkpoint import keeper_client
 
 STRANGER = PeerKey(b"not-the-jobs-secret-at-all-0123")
 

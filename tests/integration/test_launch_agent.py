@@ -12,7 +12,6 @@ from support import REPO, worker_env
 
 from elastic._agent.launcher.warm_start import DEFAULT_PRELOAD
 
-
 # Runs `python -m elastic._agent.launcher ARGS` once per case in this one interpreter (a torch import each
 # would cost more than all of them), each case with its own working directory, variables, and stdout
 # and stderr (file descriptors 1 and 2: what C code writes too). The first case runs in a fresh

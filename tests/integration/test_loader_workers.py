@@ -12,13 +12,13 @@ import torch
 from support import Jittered, replay
 from torch.utils.data import DataLoader
 
+from elastic._agent.launcher.proctree import status
 from elastic._worker.data.feed import (
     SafeWorkerInit,
     StepBatchSampler,
     _die_with,
     seeded_samples,
 )
-from elastic._agent.launcher.proctree import status
 from elastic._worker.data.sampler import ElasticSampler
 
 

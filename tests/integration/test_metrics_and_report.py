@@ -34,8 +34,8 @@ from support import (
     worker_rank,
 )
 
-from elastic._worker.observe.events import read_events
 from elastic._agent.launcher.proctree import descendants
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic._worker.checkpoint import CheckpointManager
-from elastic._worker.config import RunConfig
-from elastic._worker.observe.events import EventLog, read_events
 from elastic._agent.launcher.keeper import SnapshotKeeper
-from elastic._worker.runtime.context import init_worker
-from elastic._worker.data.sampler import ElasticSampler
 from elastic._shared.storage import commit, directory
 from elastic._shared.storage.claim import WriterIdentity
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.manifest import checkpoint_name
+from elastic._worker.checkpoint import CheckpointManager
+from elastic._worker.config import RunConfig
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._worker.runtime.context import init_worker
 
 
 def train(tmp_path: Path, steps: int) -> tuple[CheckpointManager, EventLog]:

@@ -15,7 +15,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     _NodeDesc,
@@ -23,7 +25,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV
 from elastic._agent.rendezvous import quick_rounds
 from elastic._agent.rendezvous.quick_rounds import (
     DEPARTED,
@@ -34,6 +35,7 @@ from elastic._agent.rendezvous.quick_rounds import (
     expected_nodes,
     quicken,
 )
+from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV
 
 JOIN_TIMEOUT = 120  # what a round that waited for its 600 s last call would run into
 NO_TIMEOUT = 3600.0  # far beyond pytest's timeout: a lost wake fails the test instead of passing late

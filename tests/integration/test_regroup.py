@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import sys
 import textwrap
+import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from support import REPO, free_port, start_agents, torchrun_command, wait_all, worker_env
+from support import (
+    REPO,
+    free_port,
+    start_agents,
+    torchrun_command,
+    wait_all,
+    worker_env,
+)
 
 from elastic._shared.protocol import heal_env
 from elastic._worker.survivors import regroup

@@ -37,7 +37,6 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from elastic._worker.observe.events import read_events
 from elastic._agent.rendezvous.etcd import (
     RunKeys,
     _remove_closed_run,
@@ -45,6 +44,7 @@ from elastic._agent.rendezvous.etcd import (
     create_handler_v3,
     reopen_closed_run,
 )
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

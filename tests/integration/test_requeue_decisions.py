@@ -19,8 +19,13 @@ import pytest
 import warm
 from support import REPO, free_port, make_text, steps_seen, wait_for, worker_env
 
+from elastic._shared.slurm.requeue import (
+    NOTES_ENV,
+    after_preemption_commit,
+    note_commit,
+    noted_commits,
+)
 from elastic._worker.observe.events import read_events
-from elastic._shared.slurm.requeue import NOTES_ENV, after_preemption_commit, note_commit, noted_commits
 
 FAKE_SCONTROL = """#!/bin/sh
 echo "$*" >> "$FAKE_SCONTROL_LOG"

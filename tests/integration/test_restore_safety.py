@@ -10,9 +10,9 @@ from pathlib import Path
 import warm
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
-from elastic._worker.observe.events import read_events
 from elastic._shared.storage.claim import WriterIdentity
 from elastic._shared.storage.directory import CheckpointStore
+from elastic._worker.observe.events import read_events
 
 
 def recipe_args(corpus: Path, ckpt: Path, steps: int, *extra: str) -> list[str]:

@@ -32,9 +32,9 @@ from support import (
 )
 from text_data import split_corpus
 
-from elastic.chaos.samples import audit
 from elastic._worker.checkpoint import read_checkpoint
 from elastic._worker.observe.events import read_events
+from elastic.chaos.samples import audit
 
 pytestmark = pytest.mark.slow
 

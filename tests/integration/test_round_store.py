@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic._worker.runtime.context import log_recovery_hint
 from elastic._worker.runtime.round_store import (
     HELLOS,
     PREFIX,
@@ -25,7 +26,6 @@ from elastic._worker.runtime.round_store import (
     recovery_hint,
     round_store,
 )
-from elastic._worker.runtime.context import log_recovery_hint
 
 TIMEOUT = timedelta(seconds=20)
 

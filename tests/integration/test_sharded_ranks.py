@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
 )
 
-from elastic._worker.checkpoint import state as live_state
 from elastic._shared.common.errors import UsageError
 from elastic._shared.storage import sharded
+from elastic._worker.checkpoint import state as live_state
 
 
 def run_job(target: Callable[..., None], world_size: int, *args: Any, timeout: float = 120) -> None:

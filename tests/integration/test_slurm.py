@@ -30,10 +30,10 @@ from references import session_directory
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from support import REPO, free_port, logs, make_text, steps_seen, wait_for, worker_env
 
-from elastic.chaos.verdict import verified_final_checkpoint
+from elastic._shared.slurm.hostlist import expand_hostlist
 from elastic._worker.checkpoint import read_checkpoint
 from elastic._worker.observe.events import read_events
-from elastic._shared.slurm.hostlist import expand_hostlist
+from elastic.chaos.verdict import verified_final_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -19,6 +19,11 @@ import torch.multiprocessing as mp
 from support import free_port, keeper_request
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._shared.common.errors import CorruptCheckpoint
+from elastic._shared.storage import parts, sharded
+from elastic._shared.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
+from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import (
     CheckpointManager,
     CheckpointStore,
@@ -28,14 +33,9 @@ from elastic._worker.checkpoint import (
 from elastic._worker.checkpoint.memory import MemorySnapshots
 from elastic._worker.checkpoint.part_files import PartFetchError, PartFiles
 from elastic._worker.config import RunConfig
-from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._worker.observe.events import EventLog, read_events
-from elastic._agent.launcher.keeper import SnapshotKeeper
-from elastic._worker.runtime.context import init_worker
 from elastic._worker.data.sampler import ElasticSampler
-from elastic._shared.storage import parts, sharded
-from elastic._shared.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
-from elastic._shared.storage.peer_auth import PeerKey
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._worker.runtime.context import init_worker
 
 
 class Job:

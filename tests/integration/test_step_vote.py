@@ -17,8 +17,8 @@ import warm
 from support import REPO, free_port, worker_env
 from thread_ranks import run_ranks
 
-from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.control.step_vote import MAX_EVERY, StepVote
+from elastic._worker.runtime.context import WorkerContext
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ import warm
 from store_helpers import describe, temporaries
 from support import REPO, TINY_MODEL, run_recipe, standalone_command, worker_env
 
-from elastic.chaos.verdict import verified_final_checkpoint
-from elastic._worker.observe.events import read_events
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import SaveFailed
+from elastic._worker.observe.events import read_events
+from elastic.chaos.verdict import verified_final_checkpoint
 
 
 def recipe_args(corpus: Path, tmp_path: Path, steps: int, *extra: str) -> list[str]:

@@ -32,8 +32,8 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
 )
 
-from elastic._worker.observe.events import read_events
 from elastic._agent.rendezvous.etcd import create_backend
+from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -34,8 +34,8 @@ from support import (
     worker_env,
 )
 
-from elastic.chaos.samples import audit
 from elastic._worker.observe.events import read_events
+from elastic.chaos.samples import audit
 
 pytestmark = pytest.mark.slow
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 from store_helpers import describe, temporaries
 
-from elastic.chaos.faults import FaultInjector, parse_faults
-from elastic._worker.checkpoint import CheckpointManager
-from elastic._worker.config import RunConfig
 from elastic._shared.common.errors import CheckpointStorageError, UsageError
-from elastic._worker.observe.events import EventLog, read_events
-from elastic._worker.runtime.context import init_worker
-from elastic._worker.data.sampler import ElasticSampler
 from elastic._shared.storage import directory as store_module
 from elastic._shared.storage.directory import CheckpointStore
+from elastic._worker.checkpoint import CheckpointManager
+from elastic._worker.config import RunConfig
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._worker.runtime.context import init_worker
+from elastic.chaos.faults import FaultInjector, parse_faults
 
 
 class Job:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from support import checkpoints_fingerprint
 
+from elastic._shared.common.errors import CheckpointError, CheckpointMismatchError
+from elastic._shared.storage.manifest import versions
 from elastic._worker.checkpoint import (
     CheckpointManager,
     CheckpointStore,
@@ -17,11 +19,9 @@ from elastic._worker.checkpoint import (
     read_checkpoint,
 )
 from elastic._worker.config import RunConfig
-from elastic._shared.common.errors import CheckpointError, CheckpointMismatchError
+from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog, read_events
 from elastic._worker.runtime.context import init_worker
-from elastic._worker.data.sampler import ElasticSampler
-from elastic._shared.storage.manifest import versions
 
 
 class Job:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from elastic.chaos import Fault, FaultInjector, parse_faults
+from elastic._shared.common.errors import CheckpointMismatchError, UsageError
 from elastic._worker.checkpoint.compat import check_model, check_optimizer
 from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic._worker.checkpoint.writer import BackgroundWriter
-from elastic._shared.common.errors import CheckpointMismatchError, UsageError
 from elastic._worker.runtime.rng import get_rng_state, seed_all, set_rng_state
+from elastic.chaos import Fault, FaultInjector, parse_faults
 
 CPU = torch.device("cpu")
 

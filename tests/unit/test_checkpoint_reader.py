@@ -12,16 +12,16 @@ import torch
 from gpt_model import GPT, GPTConfig, configure_optimizer, encode_text
 from support import fingerprint
 
+from elastic._shared.common.errors import CheckpointError
+from elastic._shared.storage.manifest import Manifest, versions
 from elastic._worker.checkpoint import (
     CheckpointManager,
     CheckpointStore,
     load_newest_model_state,
 )
 from elastic._worker.config import RunConfig
-from elastic._shared.common.errors import CheckpointError
-from elastic._worker.runtime.context import init_worker
 from elastic._worker.data.sampler import ElasticSampler
-from elastic._shared.storage.manifest import Manifest, versions
+from elastic._worker.runtime.context import init_worker
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 

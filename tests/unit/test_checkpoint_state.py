@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic._shared.common.errors import CheckpointMismatchError
 from elastic._worker.checkpoint import CheckpointManager, read_checkpoint
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.snapshot import BufferPool, plan_copies
 from elastic._worker.config import RunConfig
-from elastic._shared.common.errors import CheckpointMismatchError
-from elastic._worker.runtime.context import init_worker
 from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.runtime.context import init_worker
 
 
 class Tied(nn.Module):

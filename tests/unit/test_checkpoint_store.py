@@ -10,11 +10,16 @@ import crc32c
 import pytest
 import torch
 
-from elastic._worker.checkpoint import read_checkpoint
 from elastic._shared.common.errors import CheckpointError, CorruptCheckpoint
 from elastic._shared.storage import sharded
 from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.manifest import MANIFEST, Manifest, checkpoint_name, versions
+from elastic._shared.storage.manifest import (
+    MANIFEST,
+    Manifest,
+    checkpoint_name,
+    versions,
+)
+from elastic._worker.checkpoint import read_checkpoint
 
 
 def describe_for(step: int):

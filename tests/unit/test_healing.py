@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import context
 
-from elastic._shared.protocol import heal_env
-from elastic._worker.survivors import regroup
-from elastic._worker.checkpoint import live_source
-from elastic._worker.survivors.healing import Healing
 from elastic._agent.launcher.in_place import raise_generation
+from elastic._shared.protocol import heal_env
+from elastic._worker.checkpoint import live_source
+from elastic._worker.survivors import regroup
+from elastic._worker.survivors.healing import Healing
 
 
 def healing() -> Healing:

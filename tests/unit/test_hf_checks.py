@@ -15,8 +15,8 @@ import transformers  # noqa: E402
 from support import REPO, make_text  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
-from elastic._worker.config import RunConfig  # noqa: E402
 from elastic._shared.common.errors import UsageError  # noqa: E402
+from elastic._worker.config import RunConfig  # noqa: E402
 from elastic._worker.hf.checks import check_accelerator  # noqa: E402
 from elastic._worker.hf.trainer import Trainer, run_config_for, split_batch  # noqa: E402
 

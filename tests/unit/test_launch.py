@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from elastic._agent.launcher.warm_start import (
+    DEFAULT_PRELOAD,
+    PRELOAD_ENV,
+    preload_modules,
+)
 from elastic._shared.common.errors import UsageError
-from elastic._agent.launcher.warm_start import DEFAULT_PRELOAD, PRELOAD_ENV, preload_modules
-from elastic._shared.protocol.recovery_defaults import RECOVERY_RDZV_CONF, merged_rdzv_conf
+from elastic._shared.protocol.recovery_defaults import (
+    RECOVERY_RDZV_CONF,
+    merged_rdzv_conf,
+)
 
 
 def test_defaults_fill_an_empty_conf() -> None:
@@ -67,8 +74,8 @@ def test_quick_rounds_0_and_1_are_taken() -> None:
 
 
 def test_the_failure_summary_names_a_heal_that_did_not_form() -> None:
-    from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
     from elastic._agent.launcher.launch import describe_exit
+    from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
 
     assert describe_exit(HEAL_FAILED_EXIT) == "exit status 76, a heal in place that did not form (TORCHREVIVE_SURVIVORS=keep or train-on)"
     assert describe_exit(-9) == "killed by SIGKILL"

@@ -14,9 +14,9 @@ from support import free_port
 from torch.utils.data import TensorDataset
 
 import elastic
-from elastic._worker.runtime import context as runtime
 from elastic._shared.common import threads
 from elastic._worker.control.preemption import PreemptionHandler
+from elastic._worker.runtime import context as runtime
 from elastic._worker.runtime.context import WorkerContext
 
 # Names of the threads the library starts (prefixes), whether or not through elastic._shared.common.threads.

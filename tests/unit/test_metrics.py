@@ -8,7 +8,12 @@ import pytest
 from support import context, free_port, samples
 
 from elastic._worker.observe.events import EventLog
-from elastic._worker.observe.metrics import METRICS, PREFIX, TrainingMetrics, start_metrics
+from elastic._worker.observe.metrics import (
+    METRICS,
+    PREFIX,
+    TrainingMetrics,
+    start_metrics,
+)
 
 
 def test_steps_checkpoints_restores_and_evals_update_the_metrics() -> None:

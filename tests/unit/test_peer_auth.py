@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from elastic._shared.storage import peer_auth
-from elastic._shared.storage.peer_auth import PeerKey, Refused, RequestVerifier, SecretError
+from elastic._shared.storage.peer_auth import (
+    PeerKey,
+    Refused,
+    RequestVerifier,
+    SecretError,
+)
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

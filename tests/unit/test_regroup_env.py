@@ -9,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elastic._shared.common.errors import EnvironmentConfigError
 from elastic._shared.protocol import heal_env
 from elastic._worker.survivors import regroup
-from elastic._shared.common.errors import EnvironmentConfigError
 
 
 def env(store: str, namespace: str = "run/10.0.0.1:29500", generation: str = "0") -> dict[str, str]:

@@ -11,21 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic._worker.checkpoint import CheckpointManager
-from elastic._worker.checkpoint import loader as loader_module
-from elastic._worker.checkpoint.sources import Offer
-from elastic._worker.config import RunConfig
 from elastic._shared.common.errors import (
     CheckpointError,
     CheckpointStorageError,
     CorruptCheckpoint,
     RestoreTimedOut,
 )
-from elastic._worker.runtime.context import init_worker
-from elastic._worker.data.sampler import ElasticSampler
 from elastic._shared.storage import claim as claims
 from elastic._shared.storage import sharded
 from elastic._shared.storage.directory import CheckpointStore
+from elastic._worker.checkpoint import CheckpointManager
+from elastic._worker.checkpoint import loader as loader_module
+from elastic._worker.checkpoint.sources import Offer
+from elastic._worker.config import RunConfig
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.runtime.context import init_worker
 
 
 def manager(ckpt: Path) -> CheckpointManager:

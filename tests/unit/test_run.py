@@ -16,12 +16,17 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastic
+from elastic._shared.common.errors import (
+    CheckpointMismatchError,
+    ElasticError,
+    Preempted,
+    UsageError,
+)
 from elastic._worker.config import RunConfig
 from elastic._worker.data.feed import StepBatchSampler
-from elastic._shared.common.errors import CheckpointMismatchError, ElasticError, Preempted, UsageError
+from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import read_events
 from elastic._worker.runtime.parallel import unwrap
-from elastic._worker.data.sampler import ElasticSampler
 
 
 class Counter:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from support import free_port
 
-from elastic._worker.runtime import context as runtime
 from elastic._shared.common.errors import EnvironmentConfigError, UsageError
+from elastic._worker.runtime import context as runtime
 from elastic._worker.runtime.context import (
     SINGLE_PROCESS,
     error_teardown,

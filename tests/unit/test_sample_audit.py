@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic.chaos.samples import append_record, audit
 from elastic._worker.data.sampler import ElasticSampler
+from elastic.chaos.samples import append_record, audit
 
 N, BATCH = 50, 4
 

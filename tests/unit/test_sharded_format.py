@@ -25,9 +25,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from elastic._worker.checkpoint import state as live_state
-from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint, UsageError
+from elastic._shared.common.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpoint,
+    UsageError,
+)
 from elastic._shared.storage import chunks, sharded
+from elastic._worker.checkpoint import state as live_state
 
 
 def assorted() -> dict[str, torch.Tensor]:

@@ -10,13 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic._shared.common.errors import EnvironmentConfigError, UsageError
 from elastic._agent.launcher.launch import parse_args
 from elastic._agent.launcher.slurm_launch import expand_endpoint
-from elastic._worker.runtime.context import SINGLE_PROCESS, parse_launch_env
-from elastic._shared.slurm.hostlist import MAX_EXPANDED, expand_hostlist, expand_tasks_per_node
+from elastic._shared.common.errors import EnvironmentConfigError, UsageError
+from elastic._shared.slurm.hostlist import (
+    MAX_EXPANDED,
+    expand_hostlist,
+    expand_tasks_per_node,
+)
 from elastic._shared.slurm.requeue import requeue_signal
 from elastic._shared.slurm.step import MASTER_PORT_BASE, in_step
+from elastic._worker.runtime.context import SINGLE_PROCESS, parse_launch_env
 
 # Task 3 of `srun -N2 --ntasks-per-node=2` in job 2, as Slurm 22.05 set it (trimmed).
 SRUN_TASK = {

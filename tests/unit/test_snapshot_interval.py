@@ -7,7 +7,10 @@ import math
 
 import pytest
 
-from elastic._worker.checkpoint.snapshot_interval import SnapshotInterval, daly_interval_s
+from elastic._worker.checkpoint.snapshot_interval import (
+    SnapshotInterval,
+    daly_interval_s,
+)
 
 
 def test_daly_is_young_to_first_order_and_never_beyond_the_mtbf() -> None:

@@ -25,15 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
-from elastic._worker.checkpoint import CheckpointManager, load_newest_model_state
-from elastic._worker.checkpoint.memory import Inventory
-from elastic._worker.checkpoint.memory_source import MemorySource
-from elastic._worker.config import RunConfig
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._worker.runtime.context import init_worker
-from elastic._worker.data.sampler import ElasticSampler
 from elastic._shared.storage import parts, sharded
-from elastic._shared.storage.chunks import BLOCK, StoredChunk, block_checksums, read_chunk
+from elastic._shared.storage.chunks import (
+    BLOCK,
+    StoredChunk,
+    block_checksums,
+    read_chunk,
+)
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.manifest import (
     MANIFEST,
@@ -42,6 +41,12 @@ from elastic._shared.storage.manifest import (
     Manifest,
     versions,
 )
+from elastic._worker.checkpoint import CheckpointManager, load_newest_model_state
+from elastic._worker.checkpoint.memory import Inventory
+from elastic._worker.checkpoint.memory_source import MemorySource
+from elastic._worker.config import RunConfig
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.runtime.context import init_worker
 
 PROPERTY = settings(
     max_examples=60, derandomize=True, deadline=None, database=None,

@@ -16,13 +16,13 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic._shared.protocol import heal_env
-from elastic._worker.survivors import views
-from elastic._worker.data.feed import Feed, StepBatchSampler
-from elastic._worker.observe.events import EventLog, read_events
 from elastic._agent.launcher import exit_barrier
-from elastic._worker.data.sampler import ElasticSampler
+from elastic._shared.protocol import heal_env
 from elastic._worker.control.step_vote import Verdict
+from elastic._worker.data.feed import Feed, StepBatchSampler
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.observe.events import EventLog, read_events
+from elastic._worker.survivors import views
 from elastic._worker.survivors.views import View, ViewError
 
 

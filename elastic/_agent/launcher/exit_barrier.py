@@ -34,7 +34,9 @@ _POLL_S = 0.05
 
 def install() -> None:
     """Replace torch's local agent's exit barrier (in this process) with `wait_for_live_nodes`. Idempotent."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
 
     if getattr(LocalElasticAgent._exit_barrier, "counts_live_nodes", False):
         return

@@ -48,9 +48,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic._shared.protocol import heal_env
 from elastic._agent.launcher import exit_barrier
 from elastic._shared.common.errors import UsageError
+from elastic._shared.protocol import heal_env
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ def frozen_after(environ: Any) -> float:
 def install() -> None:
     """Patch torch's local agent (in this process) as the module docstring says. Idempotent."""
     from torch.distributed.elastic.agent.server import local_elastic_agent
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
 
     if getattr(LocalElasticAgent._restart_workers, "heals_in_place", False):
         return

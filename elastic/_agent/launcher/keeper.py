@@ -54,8 +54,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from elastic._shared.common import threads
-from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._agent.launcher.keeper_endpoint import Conflict, serve
 from elastic._agent.launcher.keeper_files import (
     OWNER_FILE,
@@ -65,12 +63,19 @@ from elastic._agent.launcher.keeper_files import (
     remove_orphans,
     snapshot_base,
 )
+from elastic._shared.common import threads
+from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import parts, peer_auth
 from elastic._shared.storage.claim import check_may_commit
 from elastic._shared.storage.commit import commit_checkpoint
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import SaveFailed
-from elastic._shared.storage.keeper_address import JOB_FILE, LOCAL, REPLICA, KeeperAddress
+from elastic._shared.storage.keeper_address import (
+    JOB_FILE,
+    LOCAL,
+    REPLICA,
+    KeeperAddress,
+)
 from elastic._shared.storage.manifest import shard_file
 from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
@@ -269,7 +274,9 @@ class SnapshotKeeper:
     def _try_commit(self, store: CheckpointStore, stage: Path, step: int, world_size: int) -> bool:
         """Commit `stage` once every rank's part is in it, if this keeper is the one to (an exclusively
         created `.commit` decides), through the one commit every writer uses (storage.commit)."""
-        from elastic._shared.storage import sharded  # DCP's metadata (about 1 s of import): only when a breakpoint is persisted
+        from elastic._shared.storage import (
+            sharded,  # DCP's metadata (about 1 s of import): only when a breakpoint is persisted
+        )
 
         headers_files = [stage / f"part_{rank:05d}.json" for rank in range(world_size)]
         if not all(path.exists() for path in headers_files):

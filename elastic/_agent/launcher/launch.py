@@ -53,16 +53,16 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from elastic._shared.common.errors import CheckpointStorageError, UsageError
-from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
 from elastic._agent.launcher import in_place, slurm_launch, stop_signals, warm_start
 from elastic._agent.launcher.keeper import SnapshotKeeper
-from elastic._agent.launcher.keeper_files import job_key
 from elastic._agent.launcher.keeper_endpoint import keeper_host
+from elastic._agent.launcher.keeper_files import job_key
 from elastic._agent.launcher.reaper import start_reaper
 from elastic._agent.rendezvous import quick_rounds
-from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
+from elastic._shared.common.errors import CheckpointStorageError, UsageError
 from elastic._shared.common.slow_imports import prefetch_slow_imports
+from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
+from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 from elastic._shared.storage import peer_auth
 
 # Exit statuses the runtime gives its workers, for the failure summary.

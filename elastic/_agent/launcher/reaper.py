@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic._shared.common import threads
 from elastic._agent.launcher.proctree import descendants, status, worker_rank
+from elastic._shared.common import threads
 
 logger = logging.getLogger(__name__)
 

@@ -38,11 +38,17 @@ import tempfile
 from collections.abc import Mapping
 from types import FrameType
 
-from elastic._shared.common.errors import UsageError
 from elastic._agent.launcher.stop_signals import raise_safely
+from elastic._shared.common.errors import UsageError
 from elastic._shared.slurm import step as slurm_step
 from elastic._shared.slurm.control import SlurmControlError, node_address, nodes_of_job
-from elastic._shared.slurm.requeue import NOTES_ENV, arrived_early, noted_commits, requeue_after_preemption, requeue_signal
+from elastic._shared.slurm.requeue import (
+    NOTES_ENV,
+    arrived_early,
+    noted_commits,
+    requeue_after_preemption,
+    requeue_signal,
+)
 
 SLURM_ENDPOINT = "slurm"
 

@@ -68,9 +68,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from elastic._agent.launcher.proctree import WARM_WORKER_NAME
 from elastic._shared.common import threads
 from elastic._shared.common.errors import UsageError
-from elastic._agent.launcher.proctree import WARM_WORKER_NAME
 from elastic._shared.slurm.requeue import ignore_in_helper
 
 PRELOAD_ENV = "TORCHREVIVE_PRELOAD"

@@ -117,7 +117,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic._shared.common import threads
 from elastic._agent.rendezvous.etcd_client import EtcdClient
 from elastic._agent.rendezvous.etcd_messages import (
     KeyValue,
@@ -128,6 +127,7 @@ from elastic._agent.rendezvous.etcd_messages import (
 )
 from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 from elastic._agent.rendezvous.etcd_store import EtcdStore
+from elastic._shared.common import threads
 
 __all__ = [
     "BACKEND_NAME",

@@ -44,7 +44,6 @@ import grpc
 from pyetcd import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elastic._shared.common import threads
 from elastic._agent.rendezvous.etcd_messages import (
     CURRENT_LEASE,
     KeyValue,
@@ -59,6 +58,7 @@ from elastic._agent.rendezvous.etcd_messages import (
     txn_json,
 )
 from elastic._agent.rendezvous.etcd_options import Endpoint, EtcdOptions
+from elastic._shared.common import threads
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,18 @@ import crc32c
 
 from elastic._shared.storage.claim import WriterIdentity
 from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.durable import SaveFailed, describe_failure, write_bytes_durably
-from elastic._shared.storage.manifest import TENSORS_FILE, TRAINER_FILE, Manifest, checkpoint_name, versions
+from elastic._shared.storage.durable import (
+    SaveFailed,
+    describe_failure,
+    write_bytes_durably,
+)
+from elastic._shared.storage.manifest import (
+    TENSORS_FILE,
+    TRAINER_FILE,
+    Manifest,
+    checkpoint_name,
+    versions,
+)
 
 
 def commit_checkpoint(

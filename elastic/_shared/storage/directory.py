@@ -446,7 +446,9 @@ class CheckpointStore:
             if "sha256" in expected or "crc32c" in expected:
                 self.read_file(candidate, file_name, expected, keep=False)
         if manifest.format >= 2:
-            from elastic._shared.storage import sharded  # DCP, about 1 s of import: the agent's keeper rarely verifies
+            from elastic._shared.storage import (
+                sharded,  # DCP, about 1 s of import: the agent's keeper rarely verifies
+            )
 
             sharded.verify_tensors(candidate.path, self.tensor_metadata(candidate, manifest))
         return manifest

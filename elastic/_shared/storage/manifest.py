@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.storage import validate
 from elastic._shared.common.version import __version__
+from elastic._shared.storage import validate
 
 FORMAT_VERSION = 2
 """Format of the checkpoints written now (sharded, crc32c); format 1 (rank 0's files, sha256) still loads."""

@@ -38,9 +38,7 @@ import re
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import torch

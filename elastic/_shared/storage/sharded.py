@@ -77,7 +77,6 @@ from torch.futures import Future
 
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import validate
-from elastic._shared.storage.manifest import SHARD_PREFIX, TENSORS_FILE, shard_file  # noqa: F401 - the format's names, here too
 from elastic._shared.storage.chunks import (
     BLOCK,
     ChunkSource,
@@ -89,6 +88,7 @@ from elastic._shared.storage.chunks import (
     read_rows,
     tensor_declaration,
 )
+from elastic._shared.storage.manifest import SHARD_PREFIX, TENSORS_FILE, shard_file  # noqa: F401 - the format's names, here too
 
 TENSORS_FORMAT = 1
 MAX_TENSORS_JSON_BYTES = 2**30

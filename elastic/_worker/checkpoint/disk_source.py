@@ -18,14 +18,18 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from elastic._worker.checkpoint import fit
-from elastic._worker.checkpoint.sources import DISK, Offer, Opened
-from elastic._worker.checkpoint.training_state import TrainingState
-from elastic._shared.common.errors import CheckpointError, CheckpointStorageError, CorruptCheckpoint
+from elastic._shared.common.errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    CorruptCheckpoint,
+)
 from elastic._shared.storage import sharded
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import describe_failure
 from elastic._shared.storage.manifest import TRAINER_FILE, Candidate
+from elastic._worker.checkpoint import fit
+from elastic._worker.checkpoint.sources import DISK, Offer, Opened
+from elastic._worker.checkpoint.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint
+from elastic._shared.storage import sharded
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.training_state import TrainingState
-from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint
 from elastic._worker.runtime.rng import get_rng_state, set_rng_state
-from elastic._shared.storage import sharded
 
 
 def check_fits(name: str, metadata: Metadata | None, trainer: dict[str, Any], state: TrainingState) -> None:

@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from elastic._shared.common.errors import CheckpointMismatchError, ElasticError
+from elastic._shared.protocol import heal_env
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.training_state import TrainingState
-from elastic._shared.protocol import heal_env
-from elastic._shared.common.errors import CheckpointMismatchError, ElasticError
-from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 
 MAX_HEADER_BYTES = 64 << 20
 """A header is a few KB (a name, a shape and a dtype per tensor, plus the trainer state); 64 MiB is

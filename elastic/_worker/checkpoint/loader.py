@@ -31,14 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic._worker.control import agreement
 from elastic._shared.common import threads
-from elastic._worker.checkpoint import compat
-from elastic._worker.checkpoint import state as live_state
-from elastic._worker.checkpoint.part_files import PartFetchError
-from elastic._worker.checkpoint.snapshot import dtensor_like
-from elastic._worker.checkpoint.sources import Offer, Opened
-from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._shared.common.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -46,11 +39,23 @@ from elastic._shared.common.errors import (
     CorruptCheckpoint,
     RestoreTimedOut,
 )
-from elastic._worker.runtime.context import WorkerContext
 from elastic._shared.storage import sharded
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import describe_failure
-from elastic._shared.storage.manifest import MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE, Candidate
+from elastic._shared.storage.manifest import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_FILE,
+    Candidate,
+)
+from elastic._worker.checkpoint import compat
+from elastic._worker.checkpoint import state as live_state
+from elastic._worker.checkpoint.part_files import PartFetchError
+from elastic._worker.checkpoint.snapshot import dtensor_like
+from elastic._worker.checkpoint.sources import Offer, Opened
+from elastic._worker.checkpoint.training_state import TrainingState
+from elastic._worker.control import agreement
+from elastic._worker.runtime.context import WorkerContext
 
 
 class Loader:

@@ -42,8 +42,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic._worker.control import agreement
+from elastic._shared.common.errors import CheckpointError, CheckpointStorageError
 from elastic._shared.protocol import fault_hook
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.keeper_address import KeeperAddress
+from elastic._shared.storage.peer_auth import SECRET_FILE_ENV, PeerKey, SecretError
 from elastic._worker.checkpoint import live_source
 from elastic._worker.checkpoint.directory_claim import DirectoryClaim
 from elastic._worker.checkpoint.loader import Loader
@@ -55,13 +58,10 @@ from elastic._worker.checkpoint.snapshot_interval import SnapshotInterval
 from elastic._worker.checkpoint.sources import DISK
 from elastic._worker.checkpoint.training_state import Stateful, TrainingState
 from elastic._worker.config import RunConfig
-from elastic._shared.common.errors import CheckpointError, CheckpointStorageError
+from elastic._worker.control import agreement
+from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog
 from elastic._worker.runtime.context import WorkerContext, barrier
-from elastic._worker.data.sampler import ElasticSampler
-from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.keeper_address import KeeperAddress
-from elastic._shared.storage.peer_auth import SECRET_FILE_ENV, PeerKey, SecretError
 
 logger = logging.getLogger(__name__)
 

@@ -49,20 +49,26 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from elastic._worker.control import agreement
+from elastic._shared.storage import parts, sharded
+from elastic._shared.storage.chunks import BLOCK, StoredChunk, block_checksums
+from elastic._shared.storage.keeper_address import (
+    LOCAL,
+    PROGRESS,
+    REPLICA,
+    KeeperAddress,
+    part_url,
+)
+from elastic._shared.storage.parts import PartHeader
+from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.keeper_client import push_part
 from elastic._worker.checkpoint.part_files import PartFiles
 from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._worker.checkpoint.writer import BackgroundWriter
-from elastic._worker.runtime.rng import get_rng_state
+from elastic._worker.control import agreement
 from elastic._worker.runtime.context import WorkerContext
-from elastic._shared.storage import parts, sharded
-from elastic._shared.storage.chunks import BLOCK, StoredChunk, block_checksums
-from elastic._shared.storage.keeper_address import LOCAL, PROGRESS, REPLICA, KeeperAddress, part_url
-from elastic._shared.storage.parts import PartHeader
-from elastic._shared.storage.peer_auth import PeerKey
+from elastic._worker.runtime.rng import get_rng_state
 
 logger = logging.getLogger(__name__)
 

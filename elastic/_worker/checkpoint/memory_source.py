@@ -22,17 +22,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from elastic._worker.control import agreement
-from elastic._worker.checkpoint import fit
-from elastic._worker.checkpoint.memory import Inventory, MemorySnapshots
-from elastic._worker.checkpoint.sources import MEMORY, PEER, Offer, Opened
-from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint
-from elastic._worker.runtime.context import WorkerContext
 from elastic._shared.storage import parts, sharded
 from elastic._shared.storage.keeper_address import LOCAL, REPLICA
 from elastic._shared.storage.manifest import Manifest, checkpoint_name, versions
 from elastic._shared.storage.parts import PartHeader
+from elastic._worker.checkpoint import fit
+from elastic._worker.checkpoint.memory import Inventory, MemorySnapshots
+from elastic._worker.checkpoint.sources import MEMORY, PEER, Offer, Opened
+from elastic._worker.checkpoint.training_state import TrainingState
+from elastic._worker.control import agreement
+from elastic._worker.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
 

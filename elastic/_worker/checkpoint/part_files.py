@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from elastic._worker.checkpoint.keeper_client import KeeperConnections
 from elastic._shared.storage.chunks import MappedFiles
 from elastic._shared.storage.peer_auth import PeerKey
+from elastic._worker.checkpoint.keeper_client import KeeperConnections
 
 FETCH_TIMEOUT = 30.0
 """Seconds one request to another node's keeper may take."""

@@ -31,7 +31,15 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from elastic._worker.control import agreement
+from elastic._shared.common.errors import (
+    CheckpointError,
+    CheckpointStorageError,
+    CorruptCheckpoint,
+    RestoreTimedOut,
+)
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.durable import describe_failure
+from elastic._shared.storage.manifest import Candidate
 from elastic._worker.checkpoint.directory_claim import DirectoryClaim
 from elastic._worker.checkpoint.disk_source import DiskSource
 from elastic._worker.checkpoint.loader import Loader
@@ -46,16 +54,8 @@ from elastic._worker.checkpoint.sources import (
     RestoreSource,
 )
 from elastic._worker.checkpoint.training_state import TrainingState
-from elastic._shared.common.errors import (
-    CheckpointError,
-    CheckpointStorageError,
-    CorruptCheckpoint,
-    RestoreTimedOut,
-)
+from elastic._worker.control import agreement
 from elastic._worker.runtime.context import WorkerContext, barrier
-from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.durable import describe_failure
-from elastic._shared.storage.manifest import Candidate
 
 logger = logging.getLogger(__name__)
 

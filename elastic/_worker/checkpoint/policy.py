@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 
-from elastic._worker.observe.events import EventLog
-from elastic._worker.runtime.context import WorkerContext
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.manifest import checkpoint_name
+from elastic._worker.observe.events import EventLog
+from elastic._worker.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
 

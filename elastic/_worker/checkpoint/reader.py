@@ -29,12 +29,17 @@ from typing import Any
 
 import torch
 
-from elastic._worker.checkpoint.state import MODEL_PREFIX
 from elastic._shared.common.errors import CheckpointError, CorruptCheckpoint
 from elastic._shared.common.errors import first_line as _one_line
 from elastic._shared.storage import sharded
 from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.manifest import MODEL_FILE, TRAINER_FILE, Candidate, Manifest
+from elastic._shared.storage.manifest import (
+    MODEL_FILE,
+    TRAINER_FILE,
+    Candidate,
+    Manifest,
+)
+from elastic._worker.checkpoint.state import MODEL_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -34,21 +34,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.utils import CheckpointException
 
-from elastic._worker.control import agreement
+from elastic._shared.common.errors import CheckpointStorageError, first_line
+from elastic._shared.storage import sharded
+from elastic._shared.storage.commit import commit_checkpoint
+from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.durable import SaveFailed, describe_failure
+from elastic._shared.storage.manifest import checkpoint_name
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.directory_claim import DirectoryClaim
 from elastic._worker.checkpoint.policy import FailurePolicy
 from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._worker.checkpoint.writer import BackgroundWriter
-from elastic._shared.common.errors import CheckpointStorageError, first_line
+from elastic._worker.control import agreement
 from elastic._worker.observe.events import EventLog
 from elastic._worker.runtime.context import WorkerContext
-from elastic._shared.storage import sharded
-from elastic._shared.storage.commit import commit_checkpoint
-from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.durable import SaveFailed, describe_failure
-from elastic._shared.storage.manifest import checkpoint_name
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastic._worker.control import agreement
 from elastic._shared.common.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -33,6 +32,7 @@ from elastic._shared.common.errors import (
 )
 from elastic._shared.storage.chunks import ChunkSource
 from elastic._shared.storage.manifest import Manifest
+from elastic._worker.control import agreement
 
 MEMORY, PEER, DISK = "memory", "peer", "disk"
 

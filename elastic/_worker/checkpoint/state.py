@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from elastic._worker.checkpoint.snapshot import dtensor_like
 from elastic._shared.common.errors import CheckpointMismatchError, UsageError
+from elastic._worker.checkpoint.snapshot import dtensor_like
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"

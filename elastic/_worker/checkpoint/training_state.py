@@ -26,12 +26,12 @@ from typing import Any, Protocol
 
 import torch
 
-from elastic._worker.control import agreement
-from elastic._worker.checkpoint import state as live_state
 from elastic._shared.common.errors import CheckpointMismatchError, UsageError
-from elastic._worker.runtime.rng import get_rng_state, seed_all, set_rng_state
-from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.checkpoint import state as live_state
+from elastic._worker.control import agreement
 from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.runtime.rng import get_rng_state, seed_all, set_rng_state
 
 # Ranks a grown job has no saved RNG state for are seeded from (seed, step, rank).
 _RESEED_STRIDE = 1_000_003

@@ -54,10 +54,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from elastic._worker.control import agreement
 from elastic._shared.common import threads
-from elastic._worker.runtime.context import WorkerContext
 from elastic._shared.slurm.requeue import arrived_early
+from elastic._worker.control import agreement
+from elastic._worker.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
 

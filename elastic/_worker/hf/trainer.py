@@ -43,12 +43,21 @@ from typing import Any
 import torch
 import transformers
 from torch.utils.data import DataLoader
-from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback, TrainerState
+from transformers.trainer_callback import (
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerState,
+)
 from transformers.trainer_utils import TrainOutput
 
-from elastic._worker.config import RunConfig
 from elastic._shared.common.errors import UsageError
-from elastic._worker.hf.checks import check_dataset, check_train_call, check_training_arguments
+from elastic._worker.config import RunConfig
+from elastic._worker.hf.checks import (
+    check_dataset,
+    check_train_call,
+    check_training_arguments,
+)
 from elastic._worker.hf.exits import exit_on_elastic_error
 from elastic._worker.hf.group import join_before_accelerate
 from elastic._worker.run.run import Run

@@ -29,9 +29,9 @@ import json
 import logging
 import os
 import time
-from time import monotonic, perf_counter  # emit() has a parameter named time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from time import monotonic, perf_counter  # emit() has a parameter named time
 from typing import Any
 
 from elastic._shared.common.errors import UsageError

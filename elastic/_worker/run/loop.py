@@ -40,10 +40,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from elastic._worker.data.feed import Feed
 from elastic._shared.common.errors import CheckpointStorageError, UsageError, first_line
-from elastic._worker.observe.step_report import StepReport
 from elastic._worker.control.step_vote import Verdict
+from elastic._worker.data.feed import Feed
+from elastic._worker.observe.step_report import StepReport
 from elastic._worker.survivors.plugin import Survivors
 
 Batch = TypeVar("Batch")

@@ -60,21 +60,29 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from elastic._shared.common.cli import configure_logging
+from elastic._shared.common.errors import ElasticError, Preempted
 from elastic._shared.protocol import fault_hook
-from elastic._worker.runtime import parallel
+from elastic._shared.slurm.requeue import (
+    after_preemption_commit,
+    note_commit,
+    preemption_settings,
+)
 from elastic._worker.checkpoint import CheckpointManager
 from elastic._worker.checkpoint.training_state import Stateful
-from elastic._shared.common.cli import configure_logging
 from elastic._worker.config import RunConfig
-from elastic._worker.data.feed import StepBatchSampler, StepSampler
-from elastic._shared.common.errors import ElasticError, Preempted
-from elastic._worker.observe.events import EventLog
-from elastic._worker.survivors.healing import Healing, StepStart
-from elastic._worker.observe.metrics import start_metrics
-from elastic._worker.runtime.parallel import unwrap
 from elastic._worker.control.preemption import PreemptionHandler
+from elastic._worker.control.step_vote import StepVote
+from elastic._worker.control.watchdog import NoWatchdog, Watchdog, watchdog
+from elastic._worker.data.feed import StepBatchSampler, StepSampler
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.metrics import start_metrics
 from elastic._worker.observe.replicas import gather_digests, parameter_digest
-from elastic._worker.runtime.rng import seed_all
+from elastic._worker.observe.step_costs import StepCosts
+from elastic._worker.observe.step_report import StepReport
+from elastic._worker.run.loop import StepLoop
+from elastic._worker.runtime import parallel
 from elastic._worker.runtime.context import (
     WorkerContext,
     adopt_worker,
@@ -82,16 +90,12 @@ from elastic._worker.runtime.context import (
     init_worker,
     shutdown_worker,
 )
-from elastic._worker.data.sampler import ElasticSampler
-from elastic._shared.slurm.requeue import after_preemption_commit, note_commit, preemption_settings
-from elastic._worker.observe.step_costs import StepCosts
-from elastic._worker.observe.step_report import StepReport
-from elastic._worker.run.loop import StepLoop
-from elastic._worker.control.step_vote import StepVote
+from elastic._worker.runtime.parallel import unwrap
+from elastic._worker.runtime.rng import seed_all
+from elastic._worker.survivors.healing import Healing, StepStart
 from elastic._worker.survivors.plugin import Survivors
 from elastic._worker.survivors.regroup import RegroupError
 from elastic._worker.survivors.views import joiners_waiting
-from elastic._worker.control.watchdog import NoWatchdog, Watchdog, watchdog
 
 logger = logging.getLogger(__name__)
 

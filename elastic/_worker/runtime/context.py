@@ -46,11 +46,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401, E402 - imported for the side effect above
 
 from elastic._shared.common import threads
-from elastic._worker.config import DEVICE_CHOICES
 from elastic._shared.common.errors import EnvironmentConfigError, UsageError, first_line
-from elastic._worker.runtime.round_store import recovery_hint, round_store
 from elastic._shared.slurm import step as slurm_step
 from elastic._shared.slurm.control import SlurmControlError, node_address
+from elastic._worker.config import DEVICE_CHOICES
+from elastic._worker.runtime.round_store import recovery_hint, round_store
 
 logger = logging.getLogger(__name__)
 

@@ -47,12 +47,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic._shared.protocol import heal_env
-from elastic._worker.survivors import regroup
-from elastic._worker.survivors import views
 from elastic._shared.common.errors import first_line
-from elastic._worker.runtime.rng import get_rng_state, set_rng_state
+from elastic._shared.protocol import heal_env
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.runtime.rng import get_rng_state, set_rng_state
+from elastic._worker.survivors import regroup, views
 from elastic._worker.survivors.views import View
 
 logger = logging.getLogger(__name__)

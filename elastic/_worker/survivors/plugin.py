@@ -37,9 +37,9 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from elastic._shared.common.errors import first_line
+from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.survivors.healing import Healing, StepStart
 from elastic._worker.survivors.regroup import GroupBroken, RegroupError
-from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.survivors.views import View
 
 logger = logging.getLogger(__name__)

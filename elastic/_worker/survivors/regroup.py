@@ -65,9 +65,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic._shared.protocol import heal_env
 from elastic._shared.common.errors import ElasticError, EnvironmentConfigError
 from elastic._shared.common.errors import first_line as _first_line
+from elastic._shared.protocol import heal_env
 from elastic._worker.runtime.context import shutdown_worker, teardown_pending
 
 logger = logging.getLogger(__name__)

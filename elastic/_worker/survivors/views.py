@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from elastic._shared.protocol import heal_env
 from elastic._shared.common.errors import ElasticError
+from elastic._shared.protocol import heal_env
 
 SETTLE_SECONDS = 2.0
 """How long a survivor waits for members of the last view that neither arrived nor were marked failed:
