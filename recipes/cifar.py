@@ -63,20 +63,21 @@ from cifar_model import (  # noqa: E402
 )
 
 import elastic  # noqa: E402
-from elastic._shared.common.cli import (  # noqa: E402
+from elastic import (  # noqa: E402
+    ElasticSampler,
+    OneCycle,
     OneLineArgumentParser,
+    WarmupCosine,
     configure_logging,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
+    prefetch_slow_imports,
     run_main,
+    seeded_samples,
     unit_interval,
 )
-from elastic._shared.common.slow_imports import prefetch_slow_imports  # noqa: E402
-from elastic._worker.data.feed import seeded_samples  # noqa: E402
-from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
-from elastic._worker.run.schedules import OneCycle, WarmupCosine  # noqa: E402
 
 logger = logging.getLogger("cifar")
 

@@ -33,7 +33,7 @@ import torchvision
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from elastic._shared.common.errors import UsageError
+from elastic import UsageError
 
 BASE_FOLDER = torchvision.datasets.CIFAR10.base_folder  # "cifar-10-batches-py"
 TRAIN_FILES = tuple(name for name, _ in torchvision.datasets.CIFAR10.train_list)

@@ -37,21 +37,23 @@ from gpt_model import GPT, GPTConfig, configure_optimizer, decode_tokens, encode
 from text_data import TokenWindows, load_corpus, split_corpus  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic._shared.common.cli import (  # noqa: E402
+from elastic import (  # noqa: E402
+    CheckpointMismatchError,
     OneLineArgumentParser,
+    UsageError,
+    WarmupCosine,
+    all_reduce_mean,
+    check_model_state,
     configure_logging,
+    load_newest_model_state,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
+    prefetch_slow_imports,
     run_main,
     unit_interval,
 )
-from elastic._shared.common.errors import CheckpointMismatchError, UsageError  # noqa: E402
-from elastic._shared.common.slow_imports import prefetch_slow_imports  # noqa: E402
-from elastic._worker.checkpoint import compat, load_newest_model_state  # noqa: E402
-from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
-from elastic._worker.runtime.context import all_reduce_mean  # noqa: E402
 
 logger = logging.getLogger("gpt")
 
@@ -104,7 +106,7 @@ def evaluate(model: torch.nn.Module, val: TokenWindows, run: elastic.Run, batch_
         _, loss = model(x, y)
         total += torch.stack([loss.double() * len(chunk), torch.tensor(float(len(chunk)), device=run.device)])
     model.train()
-    total = all_reduce_mean(run.ctx, total)
+    total = all_reduce_mean(total)
     return (total[0] / total[1]).item()
 
 
@@ -170,7 +172,7 @@ def generate(args: argparse.Namespace) -> None:
     name, step, state = load_newest_model_state(args.ckpt_dir)
     model = GPT(model_config(args))
     try:
-        compat.check_model(name, model.state_dict(), state)
+        check_model_state(name, model.state_dict(), state)
     except CheckpointMismatchError as exc:
         raise CheckpointMismatchError(f"{exc}; pass the model flags the run was trained with") from None
     model.load_state_dict(state)

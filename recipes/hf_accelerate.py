@@ -34,15 +34,15 @@ from text_data import load_corpus, split_corpus  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic._shared.common.cli import (  # noqa: E402
+from elastic import (  # noqa: E402
     OneLineArgumentParser,
+    UsageError,
+    all_reduce_mean,
     configure_logging,
     positive_float,
     positive_int,
     run_main,
 )
-from elastic._shared.common.errors import UsageError  # noqa: E402
-from elastic._worker.runtime.context import all_reduce_mean  # noqa: E402
 from elastic.hf import start_accelerated  # noqa: E402
 
 logger = logging.getLogger("hf_accelerate")
@@ -73,7 +73,7 @@ def evaluate(model: torch.nn.Module, val: ByteWindows, run: elastic.Run, acceler
             loss = model(input_ids=ids, labels=ids).loss
         total += torch.stack([loss.double() * len(chunk), torch.tensor(float(len(chunk)), device=accelerator.device)])
     model.train()
-    total = all_reduce_mean(run.ctx, total)
+    total = all_reduce_mean(total)
     return (total[0] / total[1]).item()
 
 

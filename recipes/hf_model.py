@@ -18,7 +18,7 @@ from text_data import TokenWindows
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from elastic._shared.common.cli import (
+from elastic import (
     non_negative_int,
     positive_float,
     positive_int,

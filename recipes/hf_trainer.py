@@ -33,14 +33,14 @@ from text_data import load_corpus, split_corpus  # noqa: E402
 from torch.utils.data import Subset  # noqa: E402
 
 import elastic  # noqa: E402
-from elastic._shared.common.cli import (  # noqa: E402
+from elastic import (  # noqa: E402
     OneLineArgumentParser,
+    UsageError,
     configure_logging,
     positive_float,
     positive_int,
     run_main,
 )
-from elastic._shared.common.errors import UsageError  # noqa: E402
 from elastic.hf import Trainer  # noqa: E402
 
 logger = logging.getLogger("hf_trainer")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from elastic._shared.common.errors import UsageError
+from elastic import UsageError
 
 DEFAULT_CORPUS_LIMIT = 4 * 2**20
 """Bytes of stdlib source to gather by default: plenty for a CPU-sized model."""

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import elastic  # elastic
-from elastic._shared.common.cli import (  # elastic
+from elastic import (  # elastic
     non_negative_int,
     positive_float,
     positive_int,

@@ -480,10 +480,25 @@ def barrier(ctx: WorkerContext) -> None:
             dist.barrier()
 
 
-def all_reduce_mean(ctx: WorkerContext, value: torch.Tensor) -> torch.Tensor:
-    """Mean of `value` over ranks (returns a new tensor; the input is untouched)."""
+def mean_over_group(ctx: WorkerContext, value: torch.Tensor) -> torch.Tensor:
+    """Mean of `value` over the ranks of `ctx` (returns a new tensor; the input is untouched)."""
     out = value.detach().clone()
     if ctx.distributed:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         out /= ctx.world_size
+    return out
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean of `value` over every rank of the job's current group (`elastic.all_reduce_mean`).
+
+    A collective: every rank calls it with a tensor of the same shape. Returns a
+    new tensor, the input untouched; alone (no process group) a copy of it. The
+    group is the default one, which is the run's current one also after the
+    survivors changed it in place (elastic._worker.survivors rebuilds it).
+    """
+    out = value.detach().clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        out /= dist.get_world_size()
     return out
