@@ -83,7 +83,7 @@ class RunConfig:
     hang_timeout: float = 300.0
     """Exit (status 124) when no step completes for this long, so torchrun restarts the group (0: off)."""
     heal_wait: float = 30.0
-    """With TORCHREVIVE_SURVIVORS: seconds survivors wait for a failed worker's agent to start its replacement
+    """With torchrevive-run --survivors keep or train-on: seconds survivors wait for a failed worker's agent to start its replacement
     (plus the time a stopped worker is given); past it the node is taken for lost and a new round of the
     nodes left goes on (exit 76)."""
     log_every: int = 10

@@ -153,3 +153,14 @@ def test_the_flag_table_is_runconfigs() -> None:
     import elastic
 
     assert vars(elastic.ArgumentParser().parse_args([])) == defaults
+
+
+def test_the_launcher_tables_are_its_settings() -> None:
+    """docs/recipes.md's tables of torchrevive-run's settings and of its internal variables are the ones
+    `elastic._agent.launcher.settings` makes."""
+    from elastic._agent.launcher import settings
+
+    page = (DOCS / "recipes.md").read_text()
+    regenerate = "regenerate the table: python -c 'import elastic._agent.launcher.settings as s; print(s.{}())'"
+    assert settings.flag_table() in page, regenerate.format("flag_table")
+    assert settings.internal_table() in page, regenerate.format("internal_table")

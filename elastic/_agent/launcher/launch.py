@@ -1,8 +1,10 @@
 """`python -m elastic._agent.launcher` (or `torchrevive-run`): torchrun with recovery-friendly defaults.
 
 It is torchrun: it takes every torchrun flag (torch's own parser reads the
-command line) and runs torch's own launcher. It only changes defaults the user
-did not set:
+command line) and runs torch's own launcher. Its own settings (`--survivors`,
+the snapshot keeper's, ...) are flags in the same parser, each with an
+environment form (`elastic._agent.launcher.settings`, which `--help` lists
+after torchrun's flags). It only changes defaults the user did not set:
 
 - `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`. Stock torchrun keeps one worker store
   for the whole job, hosted by the first round's rank-0 agent: a node that
@@ -20,12 +22,12 @@ did not set:
   that imports torch on every restart. This is torchrun's own
   `--start-method=forkserver` and `--run-path`; `--no-python`, a
   `--start-method` other than forkserver, `PYTHON_EXEC`, or
-  `TORCHREVIVE_PRELOAD=` (empty) keep torch's way.
+  `--preload ''` (TORCHREVIVE_PRELOAD=) keep torch's way.
 
 Each node gets a snapshot keeper (`elastic._agent.launcher.keeper`): the process
 side of the memory tier, which holds the workers' in-memory snapshots in
 /dev/shm, serves them to peer nodes, and writes the newest one to the
-checkpoint directory when the workers stop. `TORCHREVIVE_SNAPSHOTS=0` leaves
+checkpoint directory when the workers stop. `--snapshots 0` (TORCHREVIVE_SNAPSHOTS=0) leaves
 it out (the workers then checkpoint to disk only, as under plain torchrun).
 
 It also imports torch._dynamo in the agent at start (torch's log formatter
@@ -53,7 +55,13 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from elastic._agent.launcher import in_place, slurm_launch, stop_signals, warm_start
+from elastic._agent.launcher import (
+    in_place,
+    settings,
+    slurm_launch,
+    stop_signals,
+    warm_start,
+)
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._agent.launcher.keeper_endpoint import keeper_host
 from elastic._agent.launcher.keeper_files import job_key
@@ -64,6 +72,8 @@ from elastic._shared.common.slow_imports import prefetch_slow_imports
 from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
 from elastic._shared.storage import peer_auth
+
+SNAPSHOTS_ENV = settings.SNAPSHOTS_ENV
 
 # Exit statuses the runtime gives its workers, for the failure summary.
 STORAGE_EXIT = CheckpointStorageError.exit_code
@@ -140,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        # Our flags, else their environment forms: checked, then in the environment the agent's
+        # modules and its workers read them from (one line and exit 2 for an invalid value).
+        settings.resolve(args, os.environ)
         requeue = slurm_launch.RequeueSignal(os.environ)  # first: Slurm may send it any time from now
         check_rdzv_conf(args)
         slurm_launch.expand_endpoint(args, os.environ, nnodes_given=args.nnodes is not None)
@@ -198,9 +211,6 @@ def main(argv: list[str] | None = None) -> None:
         requeue.close()
     if stopped_by is not None:
         sys.exit(128 + int(stopped_by))
-
-
-SNAPSHOTS_ENV = "TORCHREVIVE_SNAPSHOTS"
 
 
 def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
@@ -291,15 +301,27 @@ def check_script(args: argparse.Namespace) -> None:
         raise UsageError(f"training script {args.training_script} does not exist")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """torchrun's own parser; `start_method` is None when neither the command line
-    nor PET_START_METHOD chose one (torch would take spawn), `nnodes` None when
-    neither `--nnodes` nor PET_NNODES did (torch would take 1:1)."""
+def args_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser, with our settings in a group of their own (`settings.add_arguments`);
+    `start_method` is None when neither the command line nor PET_START_METHOD chose one (torch would
+    take spawn), `nnodes` None when neither `--nnodes` nor PET_NNODES did (torch would take 1:1)."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
+    parser.prog = settings.PROG
+    parser.description = (
+        "torchrun with recovery defaults: every torchrun flag, then torchrevive-run's own settings "
+        "(last in this help). docs/recovery.md explains each."
+    )
     parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"), nnodes=os.environ.get("PET_NNODES"))
-    return parser.parse_args(argv)
+    settings.add_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, read by `args_parser` (our settings' flags are still in it: `settings.resolve`
+    takes them out)."""
+    return args_parser().parse_args(argv)
 
 
 def launch(args: argparse.Namespace, preload: tuple[str, ...]) -> None:

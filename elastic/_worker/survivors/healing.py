@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic._shared.common.errors import first_line
 from elastic._shared.protocol import heal_env
+from elastic._worker.config import RunConfig
 from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 from elastic._worker.survivors import regroup, views
@@ -72,7 +73,7 @@ class Healing:
 
     def __init__(
         self, point: regroup.HealPoint, *, timeout: timedelta, frozen_after: float = 0.0,
-        heal_wait: timedelta = timedelta(seconds=30),
+        heal_wait: timedelta = timedelta(seconds=RunConfig.heal_wait),
     ) -> None:
         self.point = point
         self.generation = point.generation
@@ -92,7 +93,7 @@ class Healing:
 
     @classmethod
     def from_environ(
-        cls, environ: Mapping[str, str], *, timeout: timedelta, heal_wait: timedelta = timedelta(seconds=30)
+        cls, environ: Mapping[str, str], *, timeout: timedelta, heal_wait: timedelta = timedelta(seconds=RunConfig.heal_wait)
     ) -> Healing | None:
         """The worker's heals when its agent gave it a heal point; None otherwise."""
         point = regroup.heal_point(environ, timeout=timeout)
