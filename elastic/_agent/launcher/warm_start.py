@@ -75,6 +75,8 @@ from elastic._shared.slurm.requeue import ignore_in_helper
 
 PRELOAD_ENV = "TORCHREVIVE_PRELOAD"
 DEFAULT_PRELOAD = ("torch", "torch._dynamo", "elastic._worker.run.run")
+# TARGET_ENV, AGENT_PID_ENV and FORK_SERVER_PRELOAD_ENV are internal plumbing (settings.INTERNAL):
+# the agent sets them for its fork server. PRELOAD_ENV is a setting: torchrevive-run's --preload.
 TARGET_ENV = "TORCHREVIVE_WARM_TARGET"
 """What a warm worker runs: `script:/abs/path.py` or `module:package.name`."""
 AGENT_PID_ENV = "TORCHREVIVE_AGENT_PID"

@@ -45,6 +45,9 @@ FROZEN_AFTER_ENV = "TORCHREVIVE_FROZEN_WORKER_SECONDS"
 """With `keep`: seconds a worker may stay stopped (SIGSTOP) before its agent ends it and replaces
 it in place (elastic._agent.launcher.reaper); its peers wait on it meanwhile."""
 DEFAULT_FROZEN_AFTER = 3.0
+# Internal plumbing, not settings: the agent sets these for its workers (MIN_WORLD_ENV too;
+# elastic._agent.launcher.settings.INTERNAL lists every such variable). SURVIVORS_ENV and
+# FROZEN_AFTER_ENV are settings: torchrevive-run's --survivors and --frozen-worker-seconds.
 HEAL_STORE_ENV = "TORCHREVIVE_HEAL_STORE"
 HEAL_NAMESPACE_ENV = "TORCHREVIVE_HEAL_NAMESPACE"
 HEAL_GENERATION_ENV = "TORCHREVIVE_HEAL_GENERATION"

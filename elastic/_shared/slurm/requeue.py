@@ -35,7 +35,7 @@ from elastic._shared.slurm.control import SlurmControlError, requeue, requeue_al
 logger = logging.getLogger(__name__)
 
 REQUEUE_SIGNAL_ENV = "TORCHREVIVE_REQUEUE_SIGNAL"
-NOTES_ENV = "TORCHREVIVE_PREEMPTION_NOTES"
+NOTES_ENV = "TORCHREVIVE_PREEMPTION_NOTES"  # internal: the agent sets it for its workers (not a setting)
 """A folder the agent gives its workers: each writes `rank-N` there once its preemption commit is done."""
 ALLOWED = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2}
 DUPLICATE_SIGTERM_WINDOW = 2.0

@@ -27,6 +27,8 @@ from pathlib import Path
 from elastic._shared.storage.durable import replace_small
 from elastic._shared.storage.peer_auth import SECRET_FILE_ENV
 
+# Internal plumbing, not settings: the agent sets these for its workers (KeeperAddress.environ;
+# elastic._agent.launcher.settings.INTERNAL lists every such variable).
 ROOT_ENV = "TORCHREVIVE_SNAPSHOT_ROOT"
 URL_ENV = "TORCHREVIVE_SNAPSHOT_URL"
 NODE_ENV = "TORCHREVIVE_SNAPSHOT_NODE"
