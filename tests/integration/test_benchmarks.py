@@ -1,5 +1,5 @@
 """Each benchmark script runs end to end once, in its smallest form (tiny sizes; their figures are not
-asserted: timings live in the README).
+asserted: timings live in docs/results.md).
 
 A run here checks what only a real run shows: the jobs it starts end well, and what they measured holds
 (exact bytes read, restored states equal, processes counted, where a restore came from). The tables,
