@@ -90,7 +90,7 @@ def run(argv: list[str], env: dict[str, str], cwd: str) -> int:
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
             tb = tb.tb_next  # python's own traceback starts at the program
-        traceback.print_exception(type(exc), exc, tb)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # as python does: the program's own hook sees it
         code = 1
     atexit._run_exitfuncs()
     _flush()

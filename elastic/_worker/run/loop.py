@@ -1,10 +1,13 @@
-"""The step loop of `elastic.Run` (a part of the class, kept in a module of its own).
+"""The step loop of `elastic.Run`: one of the parts a `Run` is composed of.
 
-`StepLoop` holds `Run.batches` and the bookkeeping of every step; `Run`
-(elastic._worker.run.run) inherits it and owns the state it works on: the worker's
-context, the sampler, the step vote, the checkpoint manager, the watchdog,
-the fault hook and, under TORCHREVIVE_SURVIVORS, the survivors' side of a
-group that changes in place (elastic._worker.survivors.plugin).
+`StepLoop` runs `Run.batches` and the bookkeeping of every step, and owns
+what only the loop changes: the loss read one step late, the step report,
+the optimizer steps counted, where `due` counts from and the loop's seconds.
+`Run` (elastic._worker.run.run) owns the rest and hands it over as typed
+parts: the worker's context, the sampler, the per-group parts (the step
+vote and the checkpoint manager, elastic._worker.run.group), the watchdog,
+the fault hook and, under TORCHREVIVE_SURVIVORS, the survivors plug-in
+(elastic._worker.survivors.plugin), met only through its hooks.
 
 Invariants:
 - A step's bookkeeping runs when the loop asks for the next batch, i.e. after
@@ -36,163 +39,184 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from contextlib import ExitStack
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from elastic._shared.common.errors import CheckpointStorageError, UsageError, first_line
+from elastic._shared.common.errors import UsageError, first_line
+from elastic._shared.protocol.fault_hook import FaultHook
+from elastic._worker.config import RunConfig
 from elastic._worker.control.step_vote import Verdict
+from elastic._worker.control.watchdog import NoWatchdog, Watchdog
 from elastic._worker.data.feed import Feed
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.observe.step_report import StepReport
+from elastic._worker.run.group import GroupParts
+from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.survivors.plugin import Survivors
 
 Batch = TypeVar("Batch")
 
 
-class StepLoop:
-    """`Run.batches` and each step's bookkeeping (see the module docstring); mixed into `elastic.Run`."""
+class LoopOwner(Protocol):
+    """What the loop works on of the `Run` it is a part of (its own attributes, private ones included:
+    the loop is a part of the run, not a user of it)."""
 
-    # Owned by `Run`, which sets them in __init__, __enter__ and start.
     step: int
-    config: Any
-    sampler: Any
-    checkpoints: Any
-    watchdog: Any
-    step_costs: Any
-    _healing: Any
-    due_after: int
+    config: RunConfig
+    sampler: ElasticSampler
+    step_costs: StepCosts
+    events: EventLog
+    watchdog: Watchdog | NoWatchdog
+    rank: int
+    world_size: int
+    _stack: ExitStack
+    _faults: FaultHook
     _survivors: Survivors | None
-    _report: StepReport | None
+    _tokens_per_sample: int
 
-    def batches(self, loader: Iterable[Batch] | None = None, *, max_steps: int) -> Iterator[Batch]:
-        """This rank's batch of each step until `max_steps` steps are done.
+    @property
+    def _context(self) -> WorkerContext: ...
 
-        Without `loader`, the batch is this rank's sample indices (a tensor).
-        The step's bookkeeping runs when the next batch is asked for (see the
-        module docstring); a `break` after the body's optimizer step counts that step
-        as done, a `break` before it leaves the step untrained.
-        """
-        ctx = self._context
-        self._sampler_checked()
-        self._reporter().start_loop(
-            total=max_steps, initial=self.step, enabled=ctx.is_main, log_every=self.config.log_every,
-            per_step=self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1),
-            unit="tokens" if self._tokens_per_sample else "samples",
+    @property
+    def _parts(self) -> GroupParts: ...
+
+    def _sampler_checked(self) -> ElasticSampler: ...
+
+    def _act_on(self, verdict: Verdict) -> None: ...
+
+
+class StepLoop:
+    """`Run.batches` and each step's bookkeeping (see the module docstring); a part of one `Run`."""
+
+    def __init__(self, run: LoopOwner) -> None:
+        self._run = run
+        self.report: StepReport | None = None
+        self.loss: torch.Tensor | None = None
+        self.optimizer_steps = 0
+        """Counted by the optimizer's post-step hook: tells a `break` after optimizer.step() from one before it."""
+        self.seconds = 0.0
+        """Time spent inside `batches` by this process (the run's steps_per_s)."""
+        self.due_after = 0
+        """`due(n)` is true only past this step: not at the step a restart resumed from (evaluated before
+        the failure), nor again at the step of a void step trained again; a worker joining a group at a
+        step's bookkeeping counts from the step before, as the members that go on to that step's `due`."""
+
+    def batches(self, loader: Iterable[Batch] | None, max_steps: int) -> Iterator[Batch]:
+        run = self._run
+        ctx = run._context
+        sampler = run._sampler_checked()
+        self.reporter().start_loop(
+            total=max_steps, initial=run.step, enabled=ctx.is_main, log_every=run.config.log_every,
+            per_step=sampler.batch_size * ctx.world_size * (run._tokens_per_sample or 1),
+            unit="tokens" if run._tokens_per_sample else "samples",
         )
-        feed = Feed(loader if self.step < max_steps else None, self.sampler.batch_size)
-        if self._healing is not None and self._healing.train_on and not feed.resizable:
-            raise UsageError("TORCHREVIVE_SURVIVORS=train-on needs the loader driven by run.batch_sampler() or "
+        feed = Feed(loader if run.step < max_steps else None, sampler.batch_size)
+        survivors = run._survivors
+        if survivors is not None and survivors.train_on and not feed.resizable:
+            raise UsageError("--survivors train-on needs the loader driven by run.batch_sampler() or "
                              "run.sampler_for_loader(): after a resize each rank takes its new share from it")
-        self._loop_started = time.perf_counter()
+        started = time.perf_counter()
         try:
             yield from self._steps(feed, max_steps)
         finally:
-            self._loop_seconds += time.perf_counter() - self._loop_started
+            self.seconds += time.perf_counter() - started
 
     def _steps(self, feed: Feed, max_steps: int) -> Iterator[Any]:
-        sampler, costs = self.sampler, self.step_costs
+        run = self._run
+        sampler, costs, survivors = run.sampler, run.step_costs, run._survivors
         again: Any = None  # a void step's batch, trained again on a group of the same ranks
-        while self.step < max_steps:
-            ctx = self._context
+        while run.step < max_steps:
+            ctx = run._context
             with costs.timing("sampler"):
                 expected = sampler.local_batch(ctx.rank, ctx.world_size)
             batch: Any = again
             if again is None:  # the loader's own time is the script's, its check the runtime's
-                batch = feed.fetch(expected, step=self.step, max_steps=max_steps)
+                batch = feed.fetch(expected, step=run.step, max_steps=max_steps)
                 with costs.timing("sampler"):
-                    feed.check(expected, step=self.step, rank=ctx.rank)
+                    feed.check(expected, step=run.step, rank=ctx.rank)
             again = None
-            healing = self._healing if self._survivors is not None and self._healing.ready else None
-            started = healing.before_step(ctx.device, self._optimizer, self._scheduler, self._scaler) if healing else None
-            stepped_before = self._optimizer_steps
+            healing = survivors is not None and survivors.can_heal
+            started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
+            stepped_before = self.optimizer_steps
             try:
                 yield batch
             except GeneratorExit:  # the loop left with `break`
-                if self._optimizer_steps != stepped_before:  # ... after training on this batch
-                    self._count_step()
+                if self.optimizer_steps != stepped_before:  # ... after training on this batch
+                    self.count_step()
                 raise
-            if healing is None or not healing.void:
+            if not healing or not survivors.void:  # type: ignore[union-attr]
                 resized = self._end_step()
             else:
-                step = self.step
-                resized = self._in_place().failed(started, healing.guard.error)
-                if not resized and self.step == step:
+                step = run.step
+                resized = survivors.failed(started, survivors.void_reason)  # type: ignore[union-attr]
+                if not resized and run.step == step:
                     again = batch  # else it took the state of this very step from a peer that completed it
             if resized:  # this rank's share of the steps to come is another: the loader starts again
-                feed.reopen(self.rank, self.world_size)
-        self._report_pending()
+                feed.reopen(run.rank, run.world_size)
+        self.flush_report()
 
-    def _in_place(self) -> Survivors:
-        assert self._survivors is not None
-        return self._survivors
+    def count_optimizer_step(self) -> None:
+        self.optimizer_steps += 1
 
     def log(self, loss: torch.Tensor | float) -> None:
-        """The loss of the step being trained; read out one step later (no device sync now)."""
-        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
 
-    def _count_step(self) -> None:
+    def count_step(self) -> None:
         """This rank's part of a step's end: data position, step count, the loss read-outs."""
-        costs = self.step_costs
+        run = self._run
+        costs = run.step_costs
         with costs.timing("sampler"):
-            self.sampler.advance(self._context.world_size)
-        self.step += 1
+            run.sampler.advance(run._context.world_size)
+        run.step += 1
         costs.steps += 1
-        self._reporter().record(self.step, self._loss)
-        self._loss = None
+        self.reporter().record(run.step, self.loss)
+        self.loss = None
 
     def _end_step(self) -> bool:
         """The step's bookkeeping (see the module docstring); True when the group changed size."""
-        self._count_step()
-        costs = self.step_costs
+        self.count_step()
+        run = self._run
+        costs, survivors = run.step_costs, run._survivors
         resized = False
         try:
             with costs.timing("vote"):
-                verdict = self._vote.step_ended(self.step)
-            self._act_on(verdict)
+                verdict = run._parts.vote.step_ended(run.step)
+            run._act_on(verdict)
             with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
-                self.checkpoints.maybe_save(self.step)
-            healing = self._healing
-            if healing is not None and healing.train_on and verdict.joiners > healing.view.considered:
-                resized = self._in_place().grow(verdict.joiners)  # workers wait to join: take them in now
+                run._parts.checkpoints.maybe_save(run.step)
+            if survivors is not None and survivors.grow_due(verdict.joiners):
+                resized = survivors.grow(verdict.joiners)  # workers wait to join: take them in now
         except RuntimeError as error:  # a collective of the bookkeeping met the dead peer first
-            if self._survivors is None or not self._healing.ready:
+            if survivors is None or not survivors.can_heal:
                 raise
             why = first_line(error)
         else:
             why = None
         if why is not None:  # healed out of the `except` block (see `Survivors.failed`)
-            resized = self._in_place().failed(None, why)
+            resized = survivors.failed(None, why)  # type: ignore[union-attr]
         with costs.timing("watchdog"):
-            self._faults.at("after_step", self.step)
-            self.watchdog.beat(self.step)
+            run._faults.at("after_step", run.step)
+            run.watchdog.beat(run.step)
         return resized
 
-    def _act_on(self, verdict: Verdict) -> None:
-        """What every rank does with the step vote's verdict, at the same step."""
-        self.checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
-        if verdict.preempted:  # SIGTERM on any rank: commit this step, then leave
-            self._preemption.at_boundary()  # the checkpoint that follows may take its time
-            self._report_pending()
-            self._commit_and_stop(requeue=verdict.requeue)
-        if verdict.storage_failing:  # rank 0's saves keep failing: stop before more work is lost
-            self._report_pending()
-            raise CheckpointStorageError(self.checkpoints.share_stop_reason())
+    def reporter(self) -> StepReport:
+        if self.report is None:
+            run = self._run
+            self.report = StepReport(run.events, run.step_costs, world_size=run._context.world_size)
+            run._stack.callback(self.report.close)
+        return self.report
 
-    def _reporter(self) -> StepReport:
-        if self._report is None:
-            self._report = StepReport(self.events, self.step_costs, world_size=self._context.world_size)
-            self._stack.callback(self._report.close)
-        return self._report
-
-    def _report_pending(self) -> None:
-        if self._report is not None:
-            self._report.flush()
+    def flush_report(self) -> None:
+        if self.report is not None:
+            self.report.flush()
 
     @property
     def last_loss(self) -> float:
-        """The newest loss read (one step late; nan before any)."""
-        return self._report.last_loss if self._report is not None else math.nan
+        return self.report.last_loss if self.report is not None else math.nan
 
     def due(self, every: int) -> bool:
-        """Whether the step just done by this run is a multiple of `every` (0: never)."""
-        return every > 0 and self.step > self.due_after and self.step % every == 0
+        return every > 0 and self._run.step > self.due_after and self._run.step % every == 0

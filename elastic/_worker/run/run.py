@@ -28,8 +28,8 @@ Invariants (the ordering rules a recipe used to keep by hand):
   counts the run as started: a scrape sees the restore, a kill during restore
   loses nothing.
 - A step's bookkeeping runs when the loop asks for the next batch, after the
-  body's `optimizer.step()` and `scheduler.step()` (elastic._worker.run.loop, which
-  holds `batches`, says what it does and in which order).
+  body's `optimizer.step()` and `scheduler.step()` (elastic._worker.run.loop, the
+  part that runs `batches`, says what it does and in which order).
 - Saves block the loop only to copy the state; writing runs behind the next
   steps, and a save due while the previous one is still being written is
   skipped. `finish` and a preemption block until the checkpoint is committed
@@ -42,8 +42,14 @@ Invariants (the ordering rules a recipe used to keep by hand):
 - `pause()` marks work that is not a training step (evaluation, sampling):
   the watchdog does not count it, a SIGTERM during it waits for its end, and
   the preemption vote taken then commits the step (a collective).
-- With TORCHREVIVE_SURVIVORS=keep or train-on under torchrevive-run, a peer's
-  death stops no other worker: the group changes in place (elastic._worker.survivors.plugin).
+- With `--survivors keep|train-on` under torchrevive-run, a peer's death stops
+  no other worker: the group changes in place (elastic._worker.survivors.plugin,
+  which the run meets only through its hooks and a private adapter).
+
+A `Run` is composed of parts: the step loop (`StepLoop`, loop.py), the parts
+that live on one process group (`GroupParts`, group.py: the step vote and the
+checkpoint manager, built again when the group changes), and the optional
+survivors plug-in.
 """
 
 from __future__ import annotations
@@ -55,24 +61,24 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, NoReturn
+from types import TracebackType
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from elastic._shared.common.cli import configure_logging
-from elastic._shared.common.errors import ElasticError, Preempted
-from elastic._shared.protocol import fault_hook
-from elastic._shared.slurm.requeue import (
-    after_preemption_commit,
-    note_commit,
-    preemption_settings,
+from elastic._shared.common.errors import (
+    CheckpointStorageError,
+    ElasticError,
 )
+from elastic._shared.protocol import fault_hook
+from elastic._shared.slurm.requeue import preemption_settings
 from elastic._worker.checkpoint import CheckpointManager
 from elastic._worker.checkpoint.training_state import Stateful
 from elastic._worker.config import RunConfig
 from elastic._worker.control.preemption import PreemptionHandler
-from elastic._worker.control.step_vote import StepVote
+from elastic._worker.control.step_vote import Verdict
 from elastic._worker.control.watchdog import NoWatchdog, Watchdog, watchdog
 from elastic._worker.data.feed import StepBatchSampler, StepSampler
 from elastic._worker.data.sampler import ElasticSampler
@@ -80,8 +86,11 @@ from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.metrics import start_metrics
 from elastic._worker.observe.replicas import gather_digests, parameter_digest
 from elastic._worker.observe.step_costs import StepCosts
-from elastic._worker.observe.step_report import StepReport
+from elastic._worker.run.group import GroupParts, TrainingState
 from elastic._worker.run.loop import StepLoop
+from elastic._worker.run.script_exit import ScriptExit
+from elastic._worker.run.stopping import commit_and_stop
+from elastic._worker.run.survivors_host import SurvivorsHost
 from elastic._worker.runtime import parallel
 from elastic._worker.runtime.context import (
     WorkerContext,
@@ -92,15 +101,14 @@ from elastic._worker.runtime.context import (
 )
 from elastic._worker.runtime.parallel import unwrap
 from elastic._worker.runtime.rng import seed_all
-from elastic._worker.survivors.healing import Healing, StepStart
 from elastic._worker.survivors.plugin import Survivors
-from elastic._worker.survivors.regroup import RegroupError
-from elastic._worker.survivors.views import joiners_waiting
 
 logger = logging.getLogger(__name__)
 
+Batch = TypeVar("Batch")
 
-class Run(StepLoop):
+
+class Run:
     """A fault-tolerant training run of this worker; see the module docstring."""
 
     def __init__(self, config: RunConfig | None = None, **settings: Any) -> None:
@@ -110,25 +118,19 @@ class Run(StepLoop):
         self.ctx: WorkerContext | None = None
         self.step = 0
         """Steps completed by the whole job (restored ones included)."""
+        self.step_costs = StepCosts()
+        """Seconds per phase of the runtime's per-step work (elastic._worker.observe.step_costs)."""
         self._stack = ExitStack()
         self._owns_group = False
         self._started = self._finished = False
-        self._loss: torch.Tensor | None = None
-        self._loop_started: float | None = None
-        self._loop_seconds = 0.0
         self._first_step = 0
-        self.due_after = 0
-        """`due(n)` is true only past this step: not at the step a restart resumed from (evaluated before
-        the failure), nor again at the step of a void step trained again; a worker joining a group at a
-        step's bookkeeping counts from the step before, as the members that go on to that step's `due`."""
         self._leaving_failed = False
-        self.step_costs = StepCosts()
-        """Seconds per phase of the runtime's per-step work (elastic._worker.observe.step_costs)."""
-        self._report: StepReport | None = None
-        self._healing: Healing | None = None
+        self._loop = StepLoop(self)
+        self._group: GroupParts | None = None
+        """The step vote and checkpoint manager of the current process group (built in `start`)."""
         self._survivors: Survivors | None = None
-        """Set when this worker's group changes in place after a failure (TORCHREVIVE_SURVIVORS)."""
-        self.checkpoints: CheckpointManager | None = None
+        """The survivors plug-in, under torchrevive-run --survivors keep|train-on."""
+        self._script_exit: ScriptExit | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Run:
@@ -145,14 +147,15 @@ class Run(StepLoop):
         if dist.is_available() and dist.is_initialized():
             self.ctx = adopt_worker(cfg.device, timeout=timeout)
         else:
-            # Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep or train-on: heals in place (elastic._worker.survivors.healing).
-            self._healing = Healing.from_environ(os.environ, timeout=timeout, heal_wait=timedelta(seconds=cfg.heal_wait))
-            first_group = self._healing.first_group() if self._healing is not None else {}
+            # Under torchrevive-run --survivors keep|train-on: heals in place (elastic._worker.survivors).
+            self._survivors = Survivors.from_environ(
+                os.environ, timeout=timeout, heal_wait=timedelta(seconds=cfg.heal_wait))
+            first_group = self._survivors.first_group() if self._survivors is not None else {}
             self.ctx = init_worker(cfg.device, timeout=timeout, **first_group)
             self._owns_group = self.ctx.distributed
         try:
             seed_all(cfg.seed, self.ctx.device)  # the model built next is identical on every rank
-            joiner = self._healing is not None and self._healing.joiner  # rank 0 of a group of its own
+            joiner = self._survivors is not None and self._survivors.joiner  # rank 0 of a group of its own
             self.events = self._stack.enter_context(
                 EventLog(cfg.events if self.ctx.is_main and not joiner else None, restart=self.ctx.restart_count)
             )
@@ -163,7 +166,9 @@ class Run(StepLoop):
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         # Preempted and a storage stop are raised on every rank at the same step: they leave together.
         failed = exc_type is not None and not getattr(exc_type, "raised_everywhere", False)
         try:
@@ -174,6 +179,27 @@ class Run(StepLoop):
             raise
         finally:
             self._leave(failed=failed)
+
+    # -- a script written at module level, without a `with` block -----------------------------
+
+    def open(self) -> Run:
+        """Join the job as `with run:` would, for a script written at module level (no `with` block):
+
+            run = elastic.Run.from_args(args).open()
+            ...                                    # the script; `run.close()` at its end is optional
+
+        The guarantees at exit are the `with` block's (elastic._worker.run.script_exit says how).
+        """
+        self.__enter__()
+        self._script_exit = ScriptExit.install(self.__exit__)
+        return self
+
+    def close(self) -> None:
+        """Leave as the end of a `with` block does (see `open`); a second call does nothing."""
+        if self._script_exit is None or not self._script_exit.pending:
+            return
+        self._script_exit.uninstall()
+        self.__exit__(None, None, None)
 
     def _leave(self, *, failed: bool) -> None:
         self._leaving_failed = failed
@@ -222,14 +248,18 @@ class Run(StepLoop):
     def distributed(self) -> bool:
         return self._context.distributed
 
+    @property
+    def checkpoints(self) -> CheckpointManager | None:
+        """The state manager of the current process group (None before `start`)."""
+        return self._group.checkpoints if self._group is not None else None
+
     def ddp(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         """`model` under DistributedDataParallel in a job of several processes, as is alone."""
-        healing = self._healing
-        if healing is not None and healing.replacement:
-            kwargs.setdefault("init_sync", False)  # its state comes from a survivor in `start`
+        if self._survivors is not None:
+            self._survivors.prepare_ddp(kwargs)
         wrapped = parallel.ddp(self._context, model, **kwargs)
-        if healing is not None:
-            healing.attach(wrapped)
+        if self._survivors is not None:
+            self._survivors.attach(wrapped)
         return wrapped
 
     def fsdp(
@@ -270,23 +300,19 @@ class Run(StepLoop):
         num_samples = data if isinstance(data, int) else len(data)
         self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
         self._tokens_per_sample = tokens_per_sample
-        self._optimizer, self._scheduler, self._scaler, self._extra = optimizer, scheduler, scaler, extra
+        self._state = TrainingState(self.model, optimizer, self.sampler, scheduler, scaler, extra)
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
         self._stack.callback(lambda: self.checkpoints is not None and self.checkpoints.close(  # a clean end lets go
             wait=5.0 if self._leaving_failed else None, ended=not self._leaving_failed))
-        healing = self._healing
+        survivors = self._survivors
         # ELASTIC_FAULT, for the chaos suite: a fault names the rank a worker started as.
-        self._faults = fault_hook.for_worker(healing.point.rank if healing else ctx.rank, ctx.restart_count)
-        if healing is not None and healing.arm(ctx, optimizer):
-            self._survivors = Survivors(self, healing)
-            if self._faults is not fault_hook.NO_FAULTS:  # the chaos suite's kill inside a gradient all-reduce
-                healing.guard.before_reduce = lambda: self._faults.at("during_all_reduce", self.step + 1)
-        elif healing is not None and healing.joiner:
-            raise RegroupError("a replacement that cannot heal in place has no group to join")
-        joined = healing is not None and healing.joiner
+        self._faults = fault_hook.for_worker(survivors.fault_rank() if survivors else ctx.rank, ctx.restart_count)
+        if survivors is not None:
+            survivors.arm(SurvivorsHost(self), ctx, (optimizer, scheduler, scaler), self._faults)
+        joined = survivors is not None and survivors.joiner
         if joined:  # train-on: wait until the group admits this worker, then take a member's state
-            self._survivors.join()  # type: ignore[union-attr]
+            survivors.join()  # type: ignore[union-attr]
             ctx = self._context
         self._stack.enter_context(  # before restore, so a scrape sees the restore too
             start_metrics(
@@ -294,21 +320,19 @@ class Run(StepLoop):
                 tokens_per_sample=tokens_per_sample, watchdog=self.watchdog,
             )
         )
-        self._optimizer_steps = 0  # tells a `break` after optimizer.step() from one before it
-        hook = optimizer.register_step_post_hook(lambda *_: self._count_optimizer_step())
+        hook = optimizer.register_step_post_hook(lambda *_: self._loop.count_optimizer_step())
         self._stack.callback(hook.remove)
         self._preemption = PreemptionHandler(ctx, grace=cfg.term_grace, **preemption_settings(os.environ))
         self._stack.callback(self._preemption.uninstall)
         if not joined:
             seed_all(cfg.seed + ctx.rank, ctx.device)  # each rank its own stream (dropout); restore overrides it
-            self.rebuild_on_group(ctx, None)
-            if self._survivors is not None and healing is not None and healing.replacement:
-                self.step = self._survivors.catch_up_replacement()  # keep: a survivor's state, from its memory
+            self._rebuild_on_group(ctx, None)
+            if survivors is not None and survivors.replaces_a_worker:
+                self.step = survivors.catch_up_replacement()  # keep: a survivor's state, from its memory
             else:
-                self.step = self.checkpoints.restore()
+                self.step = self._parts.checkpoints.restore()
+            self._loop.due_after = self.step  # (a joiner's was set when it joined)
         self._first_step = self.step
-        if not joined:
-            self.due_after = self.step  # (a joiner's was set when it joined: elastic._worker.survivors.plugin)
         self._started = True
         parameters = sum(p.numel() for p in self.model.parameters())
         self.events.emit(
@@ -323,49 +347,30 @@ class Run(StepLoop):
             )
         return self.step
 
-    # -- the group changed in place (elastic._worker.survivors.plugin) ---------------------------------------
+    # -- the parts that live on one process group ---------------------------------------
 
-    def rebuild_on_group(self, ctx: WorkerContext, earlier: CheckpointManager | None) -> None:
+    @property
+    def _parts(self) -> GroupParts:
+        assert self._group is not None, "built in Run.start"
+        return self._group
+
+    def _rebuild_on_group(self, ctx: WorkerContext, earlier: CheckpointManager | None) -> None:
         """The default group is new (or the first): build the step vote and the checkpoint manager
-        on it, taking over from `earlier`; its rank 0 writes the event log."""
+        on it, taking over from `earlier`."""
         self.ctx = ctx
-        healing = self._healing
-        joiners = (lambda: joiners_waiting(healing.point.store)) if healing and healing.train_on and ctx.is_main else None
-        self._vote = StepVote(ctx, self._ballot, grace=self.config.term_grace, joiners=joiners)
-        self.checkpoints = CheckpointManager(
-            ctx, self.config, model=self.model, optimizer=self._optimizer, sampler=self.sampler,
-            scheduler=self._scheduler, scaler=self._scaler, extra=self._extra, events=self.events, faults=self._faults,
+        survivors = self._survivors
+        self._group = GroupParts.build(
+            ctx, self.config, self._state, ballot=self._ballot, events=self.events, faults=self._faults,
+            joiners=survivors.joiners_waiting(ctx) if survivors is not None else None, earlier=earlier,
         )
-        if earlier is not None:
-            self.checkpoints.take_over(earlier)
-        if healing is not None and healing.train_on:
-            self.events.write_to(self.config.events if ctx.is_main else None)
-        if self._report is not None:
-            per_step = self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1)
-            self._report.resize(ctx.world_size, per_step)
-
-    def drop_group_parts(self) -> None:
-        """Before leaving the group: saves in flight met on it (abandoned), and a vote in flight holds
-        its connections open (a peer waiting in it would wait its whole timeout, not fail at once)."""
-        if self.checkpoints is not None:
-            self.checkpoints.close(wait=0.0)
-        self._vote = StepVote(self._context, self._ballot, grace=self.config.term_grace)
-
-    def stopping(self) -> bool:
-        """SIGTERM reached this worker (elastic._worker.survivors.plugin: it then leaves a broken group, never joins the next)."""
-        return self._preemption.signalled
-
-    def undo_step(self, started: StepStart) -> None:
-        """A void step: put back what it changed besides the parameters (elastic._worker.survivors.healing.Healing.undo)."""
-        assert self._healing is not None
-        self._healing.undo(started, self._context.device, self._optimizer, self._scheduler, self._scaler)
-        self._loss = None
-
-    def _count_optimizer_step(self) -> None:
-        self._optimizer_steps += 1
+        if survivors is not None:
+            survivors.on_new_group(ctx, self.events, self.config.events)
+        report = self._loop.report
+        if report is not None:
+            report.resize(ctx.world_size, self.sampler.batch_size * ctx.world_size * (self._tokens_per_sample or 1))
 
     def _ballot(self) -> tuple[bool, bool, bool, int]:
-        stop, checkpoints = self._preemption, self.checkpoints
+        stop, checkpoints = self._preemption, self._parts.checkpoints
         return stop.signalled, stop.requeue_signalled, checkpoints.must_stop, checkpoints.snapshot_proposal()
 
     @property
@@ -384,7 +389,7 @@ class Run(StepLoop):
             raise RuntimeError("call Run.start() first")
         return self.sampler
 
-    # -- data -----------------------------------------------------------------------
+    # -- data and steps ---------------------------------------------------------------
 
     def batch_sampler(self) -> StepBatchSampler:
         """For `DataLoader(dataset, batch_sampler=...)`: this rank's share of each step, exactly once per epoch."""
@@ -394,35 +399,52 @@ class Run(StepLoop):
         """For `DataLoader(dataset, sampler=..., batch_size=B)` with B the batch size given to `start`."""
         return StepSampler(self._sampler_checked(), self.rank, self.world_size)
 
-    def _commit_and_stop(self, *, requeue: bool = False) -> NoReturn:
-        """Commit this step on every rank (a storage failure raises here: no requeue follows), then leave;
-        after the Slurm requeue signal, rank 0 of a job without an agent requeues it."""
-        with self.watchdog.paused():  # a slow filesystem is not a hang
-            self.checkpoints.save(self.step, reason="preemption")
-            self.checkpoints.flush()
-        saved = f"checkpoint committed in {self.checkpoints.store.root}" if self.checkpoints.enabled else None
-        said = f"after step {self.step}; {saved or 'no --ckpt-dir, nothing saved'}"
-        if self.checkpoints.enabled:
-            # Under an agent the commit is noted whatever stopped this worker: the agent may have taken
-            # Slurm's requeue signal first and stopped its workers with SIGTERM before Slurm's own
-            # requeue signal reached them. The agent requeues only when it had that signal.
-            note_commit(os.environ, self.rank, self.step)
-        if requeue:
-            said += after_preemption_commit(rank=self.rank, said=said, job_id=self._context.slurm_job_id,
-                                            committed=self.checkpoints.enabled)
-        raise Preempted(f"stopped by {'the Slurm requeue signal' if requeue else 'SIGTERM'} {said}")
+    def batches(self, loader: Iterable[Batch] | None = None, *, max_steps: int) -> Iterator[Batch]:
+        """This rank's batch of each step until `max_steps` steps are done.
+
+        Without `loader`, the batch is this rank's sample indices (a tensor).
+        The step's bookkeeping runs when the next batch is asked for (elastic._worker.run.loop);
+        a `break` after the body's optimizer step counts that step as done, a `break`
+        before it leaves the step untrained.
+        """
+        return self._loop.batches(loader, max_steps)
+
+    def log(self, loss: torch.Tensor | float) -> None:
+        """The loss of the step being trained; read out one step later (no device sync now)."""
+        self._loop.log(loss)
+
+    @property
+    def last_loss(self) -> float:
+        """The newest loss read (one step late; nan before any)."""
+        return self._loop.last_loss
+
+    def due(self, every: int) -> bool:
+        """Whether the step just done by this run is a multiple of `every` (0: never)."""
+        return self._loop.due(every)
+
+    def _act_on(self, verdict: Verdict) -> None:
+        """What every rank does with the step vote's verdict, at the same step (the loop calls it)."""
+        checkpoints = self._parts.checkpoints
+        checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
+        if verdict.preempted:  # SIGTERM on any rank: commit this step, then leave
+            self._preemption.at_boundary()  # the checkpoint that follows may take its time
+            self._loop.flush_report()
+            commit_and_stop(self._parts.checkpoints, self.watchdog, self._context, self.step, requeue=verdict.requeue)
+        if verdict.storage_failing:  # rank 0's saves keep failing: stop before more work is lost
+            self._loop.flush_report()
+            raise CheckpointStorageError(checkpoints.share_stop_reason())
 
     @contextmanager
     def pause(self) -> Iterator[None]:
         """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it."""
-        self._report_pending()
+        self._loop.flush_report()
         with self.watchdog.paused(), self._preemption.hold():
             yield
-        verdict = self._vote.fresh()
-        self.checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
+        verdict = self._parts.vote.fresh()
+        self._parts.checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
         if verdict.preempted:  # SIGTERM arrived meanwhile: commit this step, then leave
             self._preemption.at_boundary()
-            self._commit_and_stop(requeue=verdict.requeue)
+            commit_and_stop(self._parts.checkpoints, self.watchdog, self._context, self.step, requeue=verdict.requeue)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Append an event (e.g. "eval") at the current step to the event log (rank 0)."""
@@ -430,8 +452,9 @@ class Run(StepLoop):
 
     def print(self, message: str) -> None:
         """A line on rank 0's console that does not tear the progress bar."""
-        if self._report is not None and self._report.progress is not None:
-            self._report.progress.write(message)
+        report = self._loop.report
+        if report is not None and report.progress is not None:
+            report.progress.write(message)
         elif self.is_main:
             logger.info("%s", message)
 
@@ -447,25 +470,26 @@ class Run(StepLoop):
         if self._finished:
             raise RuntimeError("Run.finish() was already called")
         self._finished = True
-        self._report_pending()
-        self._vote.settle()  # the last step's vote: read it (the final save follows whatever it says)
+        parts = self._parts
+        self._loop.flush_report()
+        parts.vote.settle()  # the last step's vote: read it (the final save follows whatever it says)
         self.watchdog.close()  # what follows is not a training step
         with self._preemption.hold():  # a SIGTERM now waits for the final checkpoint
-            self.checkpoints.save(self.step, reason="final")
-            self.checkpoints.flush()
+            parts.checkpoints.save(self.step, reason="final")
+            parts.checkpoints.flush()
         digests = gather_digests(ctx, parameter_digest(self.model))
-        if self._healing is not None and self._healing.train_on and ctx.is_main:
-            self._healing.job_ended()  # workers still waiting to join leave
+        if self._survivors is not None:
+            self._survivors.job_ended(ctx)  # workers still waiting to join leave
         self.events.emit(
             "end", step=self.step, world_size=ctx.world_size, loss=self.last_loss, param_digests=digests, **end_fields
         )
-        if self._report is not None:
-            self._report.close()
+        if self._loop.report is not None:
+            self._loop.report.close()
         if len(set(digests)) != 1:
             raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
         steps = self.step - self._first_step
-        seconds = self._loop_seconds
-        for phase, spent in self.checkpoints.loop_seconds().items():  # the snapshot's parts of "checkpoint"
+        seconds = self._loop.seconds
+        for phase, spent in parts.checkpoints.loop_seconds().items():  # the snapshot's parts of "checkpoint"
             self.step_costs.add(phase, spent)
         return {
             "rank": ctx.rank, "step": self.step, "loss": self.last_loss,

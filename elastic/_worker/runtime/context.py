@@ -490,13 +490,8 @@ def mean_over_group(ctx: WorkerContext, value: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """Mean of `value` over every rank of the job's current group (`elastic.all_reduce_mean`).
-
-    A collective: every rank calls it with a tensor of the same shape. Returns a
-    new tensor, the input untouched; alone (no process group) a copy of it. The
-    group is the default one, which is the run's current one also after the
-    survivors changed it in place (elastic._worker.survivors rebuilds it).
-    """
+    """`elastic.all_reduce_mean`: the mean of `value` over the job's current group (the default one,
+    also after the survivors rebuilt it in place); a collective. A new tensor; alone, a copy."""
     out = value.detach().clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)

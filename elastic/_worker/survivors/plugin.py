@@ -1,8 +1,18 @@
-"""A Run's group changes in its own process: a peer died, or a worker waits to join.
+"""The survivors plug-in of a `Run`: its group changes in its own processes (a peer died, or a worker waits to join).
 
-`elastic.Run` hands these to `Survivors` under torchrevive-run with
-TORCHREVIVE_SURVIVORS=keep or train-on (elastic._worker.survivors.healing forms the groups,
-elastic._worker.survivors.views says who is in them with train-on):
+A `Run` under torchrevive-run with `--survivors keep|train-on` (TORCHREVIVE_SURVIVORS)
+holds one `Survivors` (`Survivors.from_environ`) and meets it only through
+the hooks below, in the order it calls them; what the plug-in needs of the
+run it gets through `RunHost`, a private adapter of the run (no public `Run`
+member exists for it). elastic._worker.survivors.healing forms the groups,
+elastic._worker.survivors.views says who is in them with train-on.
+
+Hooks: `first_group` (the first process group's arguments), `prepare_ddp` and
+`attach` (the model `run.ddp` builds), `fault_rank`, `arm` (in `Run.start`:
+count this worker a healer, or why not), `join` / `catch_up_replacement` (a
+replacement's state), `joiners_waiting` and `on_new_group` (what a group's
+parts need), then per step `can_heal`, `before_step`, `void`, `failed`,
+`grow_due` and `grow`, and `job_ended` in `Run.finish`. What they do:
 
 - `failed(started, why)`: a collective of this worker failed (the gradient
   all-reduce, which made the step void, or the step's bookkeeping). The void
@@ -33,14 +43,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
+
 from elastic._shared.common.errors import first_line
+from elastic._shared.protocol.fault_hook import NO_FAULTS
 from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.survivors.healing import Healing, StepStart
 from elastic._worker.survivors.regroup import GroupBroken, RegroupError
-from elastic._worker.survivors.views import View
+from elastic._worker.survivors.views import View, joiners_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +74,29 @@ class _Watchdog(Protocol):
     def paused(self) -> AbstractContextManager[None]: ...
 
 
-class RunParts(Protocol):
-    """What `Survivors` uses of an `elastic.Run` (the run implements these for it)."""
+class RunHost(Protocol):
+    """What `Survivors` needs of the run it serves; the run hands it a private adapter (elastic._worker.run.run)."""
 
-    ctx: WorkerContext | None
+    @property
+    def ctx(self) -> WorkerContext: ...
+
     step: int
-    due_after: int
-    """`Run.due` is true only past this step."""
-    checkpoints: Any
-    """The run's `CheckpointManager`."""
-    events: Any
-    watchdog: _Watchdog
+    """Steps completed by the whole job: set after a change to the step the new group goes on from."""
+
+    @property
+    def checkpoints(self) -> Any:
+        """The current group's `CheckpointManager` (its `restore_live` takes a member's state)."""
+        ...
+
+    @property
+    def events(self) -> Any: ...
+
+    @property
+    def watchdog(self) -> _Watchdog: ...
+
+    def count_due_from(self, step: int) -> None:
+        """`Run.due` is true only past `step`."""
+        ...
 
     def rebuild_on_group(self, ctx: WorkerContext, earlier: Any | None) -> None:
         """The default group is new: this worker's place in it is `ctx`; build the step vote and a
@@ -80,24 +107,137 @@ class RunParts(Protocol):
         """Before the group is left: the vote in flight is dropped and saves in flight abandoned."""
         ...
 
-    def undo_step(self, started: StepStart) -> None: ...
-
     def stopping(self) -> bool:
         """This worker received SIGTERM (its agent stops it, or its node is preempted)."""
+        ...
+
+    def forget_loss(self) -> None:
+        """A void step's loss is not reported."""
         ...
 
 
 class Survivors:
     """One worker's group changes in place (see the module docstring)."""
 
-    def __init__(self, run: RunParts, healing: Healing) -> None:
-        self.run = run
+    def __init__(self, healing: Healing) -> None:
         self.healing = healing
+        self._host: RunHost | None = None
+        self._training: tuple[torch.optim.Optimizer, Any, Any] | None = None
         self._admitted_at = 0.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str], *, timeout: timedelta, heal_wait: timedelta) -> Survivors | None:
+        """The plug-in when this worker's agent heals in place (it gave the worker a heal point); else None."""
+        healing = Healing.from_environ(environ, timeout=timeout, heal_wait=heal_wait)
+        return cls(healing) if healing is not None else None
+
+    # -- hooks, in the order a run calls them ------------------------------------------------------
+
+    @property
+    def train_on(self) -> bool:
+        return self.healing.train_on
+
+    @property
+    def joiner(self) -> bool:
+        """A replacement of train-on: rank 0 of a group of its own until a grow admits it (writes no events)."""
+        return self.healing.joiner
+
+    def first_group(self) -> dict[str, Any]:
+        """`init_worker`'s arguments for this worker's first process group."""
+        return self.healing.first_group()
+
+    def prepare_ddp(self, options: dict[str, Any]) -> None:
+        """A replacement's DDP skips DDP's first broadcast: its state comes from a survivor in `Run.start`."""
+        if self.healing.replacement:
+            options.setdefault("init_sync", False)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Reduce the gradients of `model` (run.ddp's) through the step guard."""
+        self.healing.attach(model)
+
+    def fault_rank(self) -> int:
+        """The rank this worker started as (a chaos fault names it, whatever the group made of it since)."""
+        return self.healing.point.rank
+
+    def arm(self, host: RunHost, ctx: WorkerContext, training: tuple[torch.optim.Optimizer, Any, Any],
+            faults: Any) -> None:
+        """In `Run.start`, before the first step: count this worker a healer when it can heal (else a
+        failure restarts every worker, as without the setting; a joiner that cannot has no group to join).
+        `training`: the optimizer, scheduler and grad scaler a void step's undo puts back."""
+        if not self.healing.arm(ctx, training[0]):
+            if self.healing.joiner:
+                raise RegroupError("a replacement that cannot heal in place has no group to join")
+            return
+        self._host, self._training = host, training
+        if faults is not NO_FAULTS:  # the chaos suite's kill inside a gradient all-reduce
+            self.healing.guard.before_reduce = lambda: faults.at("during_all_reduce", host.step + 1)
+
+    @property
+    def armed(self) -> bool:
+        return self._host is not None
+
+    @property
+    def replaces_a_worker(self) -> bool:
+        """Armed, and started by a heal (keep): its state comes from a survivor's memory."""
+        return self.armed and self.healing.replacement
+
+    def joiners_waiting(self, ctx: WorkerContext) -> Callable[[], int] | None:
+        """What rank 0's step vote asks each vote step (train-on): the newest ticket of a worker waiting to join."""
+        if self.healing.train_on and ctx.is_main:
+            store = self.healing.point.store
+            return lambda: joiners_waiting(store)
+        return None
+
+    def on_new_group(self, ctx: WorkerContext, events: Any, path: Any) -> None:
+        """With train-on the group's rank 0 writes the event log (rank 0 may be another worker now)."""
+        if self.healing.train_on:
+            events.write_to(path if ctx.is_main else None)
+
+    @property
+    def can_heal(self) -> bool:
+        """Armed and counted: a failed collective is healed in place, not a restart."""
+        return self.armed and self.healing.ready
+
+    def before_step(self, device: torch.device) -> StepStart:
+        """What a void step's undo puts back (the step's settings, scheduler, scaler and RNG states)."""
+        assert self._training is not None
+        optimizer, scheduler, scaler = self._training
+        return self.healing.before_step(device, optimizer, scheduler, scaler)
+
+    @property
+    def void(self) -> bool:
+        """The step just trained failed on this rank (its gradient all-reduce did)."""
+        return self.healing.void
+
+    @property
+    def void_reason(self) -> str | None:
+        return self.healing.guard.error
+
+    def grow_due(self, joiners: int) -> bool:
+        """At a vote step: workers waiting to join (tickets up to `joiners`) were not considered yet."""
+        return self.armed and self.healing.train_on and joiners > self.healing.view.considered
+
+    def job_ended(self, ctx: WorkerContext) -> None:
+        """In `Run.finish`: workers still waiting to join leave (train-on, rank 0)."""
+        if self.healing.train_on and ctx.is_main:
+            self.healing.job_ended()
+
+    # -- what the hooks do ---------------------------------------------------------------------------
+
+    @property
+    def run(self) -> RunHost:
+        assert self._host is not None, "Survivors.arm comes first"
+        return self._host
+
+    def _undo(self, started: StepStart) -> None:
+        """A void step: put back what it changed besides the parameters (Healing.undo); its loss is dropped."""
+        assert self._training is not None
+        optimizer, scheduler, scaler = self._training
+        self.healing.undo(started, self._ctx.device, optimizer, scheduler, scaler)
+        self.run.forget_loss()
 
     @property
     def _ctx(self) -> WorkerContext:
-        assert self.run.ctx is not None
         return self.run.ctx
 
     def failed(self, started: StepStart | None, why: str | None) -> bool:
@@ -108,7 +248,7 @@ class Survivors:
         if healing.train_on:
             healing.arrive(run.stopping)  # first: the survivors arrive at the next view close together
         if started is not None:
-            run.undo_step(started)
+            self._undo(started)
         logger.warning("rank %d: step %d %s (%s); %s", self._ctx.rank, run.step + 1,
                        "is void" if started is not None else "ended, its bookkeeping failed", why,
                        "training on without the failed workers" if healing.train_on else "healing in place")
@@ -121,7 +261,7 @@ class Survivors:
             else:
                 self._regroup()
                 run.step = self._catch_up(run.step, replacement=False)
-                run.due_after = run.step  # as every member of the healed group (see `_settle`)
+                run.count_due_from(run.step)  # as every member of the healed group (see `_settle`)
         grown = healing.train_on and healing.view.grown  # (it came late, and a grow admitted it)
         self._report(began, "grow" if grown else "shrink" if self._ctx.world_size < place[1] else "heal")
         return (self._ctx.rank, self._ctx.world_size) != place
@@ -191,9 +331,9 @@ class Survivors:
                         replacement=replacement, new_tag=True,
                     )
                     if not view.grown:
-                        run.due_after = run.step
+                        run.count_due_from(run.step)
                     elif joined:
-                        run.due_after = run.step - 1
+                        run.count_due_from(run.step - 1)
                     return
                 except (RuntimeError, GroupBroken) as error:
                     why = first_line(error)
