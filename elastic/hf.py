@@ -11,7 +11,7 @@ and, for a script that drives an `accelerate.Accelerator` itself:
     with elastic.Run.from_args(args) as run:
         accelerator = Accelerator()
         model, optimizer = accelerator.prepare(model, optimizer)
-        elastic._worker.hf.start_accelerated(run, accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+        elastic.hf.start_accelerated(run, accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                                      data=train_set, batch_size=B)
         loader = DataLoader(train_set, batch_sampler=run.batch_sampler(), collate_fn=collate)
         for batch in run.batches(loader, max_steps=N): ...
@@ -21,7 +21,7 @@ elastic sampler (exact at any world size, no batch skipping), the checkpoint
 holds model, optimizer, scheduler, grad scaler and every rank's RNG, saves are
 asynchronous, a SIGTERM commits on every rank and exits 143. What the
 integration cannot keep exact is refused at start in one line
-(`elastic._worker.hf.checks`). docs/huggingface.md is the user's page.
+(elastic/_worker/hf/checks.py). docs/huggingface.md is the user's page.
 
 This package sits on top of the front door: `transformers` and `accelerate`
 (the `hf` extra) are imported only here, and only when used.
