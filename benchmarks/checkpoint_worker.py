@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import importlib
 import io
 import json
 import os
@@ -41,16 +42,25 @@ sys.path.insert(0, str(TREE / "recipes"))
 
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
-from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
-from elastic._worker.data.sampler import ElasticSampler  # noqa: E402
-from elastic._worker.run.schedules import WarmupCosine  # noqa: E402
-from elastic._worker.runtime.context import WorkerContext, init_worker, shutdown_worker  # noqa: E402
-from elastic._worker.runtime.rng import get_rng_state, seed_all  # noqa: E402
+# The trees compared lay the package out differently (flat modules before the role packages of
+# elastic/_worker) and take the manager's settings differently (a RunConfig since elastic/config.py,
+# 6ec689c's as keywords). Decided by the tree, never by trying an import (an editable install could
+# hand this checkout's module to an old tree).
+PACKAGES = (TREE / "elastic" / "_worker").is_dir()
+SETTINGS_AS_CONFIG = (TREE / "elastic" / ("_worker/config.py" if PACKAGES else "config.py")).is_file()
 
-# The two trees take the manager's settings differently: this checkout as a RunConfig
-# (elastic/_worker/config.py), 6ec689c's as keywords. Decided by the tree, never by trying an import
-# (an editable install could hand this checkout's module to the old tree).
-SETTINGS_AS_CONFIG = (TREE / "elastic" / "config.py").is_file()
+
+def _from(packaged: str, flat: str) -> Any:
+    return importlib.import_module(packaged if PACKAGES else flat)
+
+
+CheckpointManager = _from("elastic._worker.checkpoint", "elastic.checkpoint").CheckpointManager
+ElasticSampler = _from("elastic._worker.data.sampler", "elastic.sampler").ElasticSampler
+WarmupCosine = _from("elastic._worker.run.schedules", "elastic.schedules").WarmupCosine
+_runtime = _from("elastic._worker.runtime.context", "elastic.runtime")
+WorkerContext, init_worker, shutdown_worker = _runtime.WorkerContext, _runtime.init_worker, _runtime.shutdown_worker
+_rng = _from("elastic._worker.runtime.rng", "elastic.rng")
+get_rng_state, seed_all = _rng.get_rng_state, _rng.seed_all
 
 
 def checkpoint_name(step: int) -> str:
@@ -265,7 +275,7 @@ class Job:
     def manager(self) -> CheckpointManager:
         state = {"model": self.raw, "optimizer": self.optimizer, "scheduler": self.scheduler, "sampler": self.sampler}
         if SETTINGS_AS_CONFIG:
-            from elastic._worker.config import RunConfig
+            RunConfig = _from("elastic._worker.config", "elastic.config").RunConfig  # noqa: N806
 
             config = RunConfig(ckpt_dir=self.opts.ckpt_dir, ckpt_every=0, ckpt_keep=2, seed=self.opts.seed, snapshot_every=0)
             return CheckpointManager(self.ctx, config, **state)

@@ -51,7 +51,7 @@ BOTH_NODES = {"MIN_NODES": "2"}
 """gpt.sbatch's agents train only on both nodes (`--nnodes 2:2`). With its default, 1:2, the first agent up
 trains alone when the other comes more than the rendezvous' last call (2 s) later, as on a busy machine,
 and the other joins it a few steps on: a world of one first, and other tensors."""
-REQUEUED_LINE = r"^(?:\S+ WARNING elastic\.slurm\.requeue: stopped|torchrevive-run: Slurm job).*requeued \(scontrol"
+REQUEUED_LINE = r"^(?:\S+ WARNING elastic\._shared\.slurm\.requeue: stopped|torchrevive-run: Slurm job).*requeued \(scontrol"
 """The line of the one process that requeues: worker rank 0 without an agent, the first node's agent with them."""
 
 

@@ -65,6 +65,15 @@ def test_abort_removes_the_temporary_directory(tmp_path: Path) -> None:
     assert not tmp.exists() and store.committed() == []
 
 
+def test_prepare_removes_every_save_that_never_committed_files_included(tmp_path: Path) -> None:
+    """A kill between writing the `latest` pointer's new copy and its rename leaves a file, not a
+    directory: the next start removes it too (found by a chaos job whose kill landed there)."""
+    (tmp_path / ".tmp.step_00000005.abc").mkdir()
+    (tmp_path / ".tmp.latest.a428b7eb").write_text("step_00000005\n")
+    CheckpointStore(tmp_path).prepare()
+    assert not list(tmp_path.glob(".tmp.*"))
+
+
 # -- latest is read first -------------------------------------------------------------------
 
 

@@ -136,7 +136,10 @@ class CheckpointStore:
         self._recover_replaced()
         for stale in self.root.glob(TMP_PREFIX + "*"):
             logger.info("removing %s: a save that never committed", stale.name)
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:  # the `latest` pointer's new copy, killed before its rename (rmtree leaves a file)
+                stale.unlink(missing_ok=True)
         self._probe()
 
     def writer(self) -> WriterIdentity | None:
