@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
-    p.add_argument("--output-dir", default="hf_accelerate_output", help="where the final model is saved")
+    p.add_argument("--output-dir", default=None,
+                   help="where the final model is saved (default: hf-model/ in --ckpt-dir, else ./hf_accelerate_output)")
     elastic.add_runtime_arguments(p, seed=1337)
     add_model_arguments(p)
     p.add_argument("--fsdp", action="store_true", help="shard the model with accelerate's FSDP2 plugin instead of DDP")
@@ -79,6 +80,8 @@ def evaluate(model: torch.nn.Module, val: ByteWindows, run: elastic.Run, acceler
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.output_dir is None:  # next to the checkpoints: a job leaves nothing in its working directory
+        args.output_dir = os.path.join(args.ckpt_dir, "hf-model") if args.ckpt_dir else "hf_accelerate_output"
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
     train_windows, val_windows = split_corpus(
         load_corpus(args.data), block_size=args.block_size, source=args.data or "the default corpus"

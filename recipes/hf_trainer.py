@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches each step's batch is split into")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--data", default=None, help="text file or folder (default: the Python stdlib's sources)")
-    p.add_argument("--output-dir", default="hf_trainer_output", help="where save_model writes the final model")
+    p.add_argument("--output-dir", default=None,
+                   help="where the final model is saved (default: hf-model/ in --ckpt-dir, else ./hf_trainer_output)")
     elastic.add_runtime_arguments(p, seed=1337)
     add_model_arguments(p)
     return p
@@ -78,6 +79,8 @@ def training_arguments(args: argparse.Namespace) -> transformers.TrainingArgumen
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.output_dir is None:  # next to the checkpoints: a job leaves nothing in its working directory
+        args.output_dir = os.path.join(args.ckpt_dir, "hf-model") if args.ckpt_dir else "hf_trainer_output"
     if args.batch_size % args.grad_accum:
         raise UsageError(f"--batch-size {args.batch_size} does not split into --grad-accum {args.grad_accum} equal micro-batches")
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)

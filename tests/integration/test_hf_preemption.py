@@ -29,9 +29,10 @@ def test_sigterm_commits_the_step_and_exits_143(recipe: str, tmp_path: Path) -> 
     data.write_text(make_text(random.Random(2), 20_000))
     events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
     command = [sys.executable, str(REPO / "recipes" / recipe), "--data", str(data), "--max-steps", "100000",
-               "--ckpt-dir", str(ckpt), "--ckpt-every", "1000", "--eval-every", "0", "--events", str(events),
-               "--output-dir", str(tmp_path / "model"), *MODEL]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env())
+               "--ckpt-dir", str(ckpt), "--ckpt-every", "1000", "--eval-every", "0", "--events", str(events), *MODEL]
+    cwd = tmp_path / "cwd"  # no --output-dir: the final model goes next to the checkpoints, not here
+    cwd.mkdir()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(), cwd=cwd)
     deadline = time.monotonic() + 120
     while not (events.exists() and any(json.loads(line)["event"] == "step" for line in events.read_text().splitlines()[:-1])):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -49,7 +50,9 @@ def test_sigterm_commits_the_step_and_exits_143(recipe: str, tmp_path: Path) -> 
     name, error = verified_final_checkpoint(ckpt, step)
     assert name, error
     again = subprocess.run([*command[:5], str(step + 2), *command[6:]], capture_output=True, text=True, timeout=180,
-                           env=worker_env())
+                           env=worker_env(), cwd=cwd)
     assert again.returncode == 0, again.stderr
+    assert list(cwd.iterdir()) == []  # the working directory is left as it was
+    assert (ckpt / "hf-model" / "config.json").is_file()
     starts = [json.loads(line) for line in events.read_text().splitlines()]
     assert [r["step"] for r in starts if r["event"] == "start"] == [0, step]
