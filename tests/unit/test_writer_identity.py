@@ -59,22 +59,47 @@ def test_a_live_writer_of_another_job_is_refused_and_the_same_named_run_takes_ov
     assert claims.current(tmp_path) == successor
 
 
-def test_a_previous_life_of_this_container_is_dead_another_container_lives_by_its_heartbeat(tmp_path: Path) -> None:
+def test_a_writer_out_of_sight_in_another_pid_namespace_is_never_dead_for_that_alone(tmp_path: Path) -> None:
     me = WriterIdentity.new("run-mine")
-    # Another pid namespace no process we see lives in, on this host name: a container restart
-    # (its pid 1 is this namespace's pid 1, alive and unrelated).
-    previous = replace(me, writer="prev1ous0000", run_id="local", pid=1, pid_ns=1, start_time=0)
+    assert me.token and me.net_ns == os.stat("/proc/self/ns/net").st_ino
+    # A container beside this one (docker --ipc=host --network=host): same kernel, same host name,
+    # another pid namespace no process we see lives in. Its pid means nothing here; its token does.
+    beside = replace(me, writer="bes1debes1de", run_id="local", pid=1, pid_ns=1, start_time=0)  # holds me's token
+    assert beside.alive(me)
+    assert beside.alive(me) == replace(beside, heartbeat=time.time() - 1801).alive(me)  # the token, not the heartbeat
+    written(tmp_path, beside)
+    with pytest.raises(CheckpointStorageError, match="written by another job"):
+        claims.claim(tmp_path, replace(me, writer="n3wn3wn3wn3w"))
+    # This container's previous life on the host's network: its token is free, so it is gone.
+    previous = replace(beside, writer="prev1ous0000", token="0" * 32)
     assert not previous.alive(me)
-    # The same, on another host name: another container on this kernel, alive while its heartbeat is fresh.
-    sibling = replace(previous, host="another-pod.invalid")
-    assert sibling.alive(me)
-    assert not replace(sibling, heartbeat=time.time() - 1801).alive(me)
-    written(tmp_path, sibling)
-    with pytest.raises(CheckpointStorageError, match="another-pod.invalid"):
-        claims.claim(tmp_path, me)
     written(tmp_path, previous)
     claims.claim(tmp_path, me)
     assert claims.current(tmp_path) == me
+    # In another network namespace (or of a release without tokens) only the heartbeat tells,
+    # on this host name as on any other.
+    for unseen in (replace(previous, net_ns=1), replace(previous, token="", net_ns=0),
+                   replace(previous, net_ns=1, host="another-pod.invalid")):
+        assert unseen.alive(me)
+        assert not replace(unseen, heartbeat=time.time() - 1801).alive(me)
+        written(tmp_path, unseen)
+        with pytest.raises(CheckpointStorageError, match=unseen.host):
+            claims.claim(tmp_path, replace(me, writer="n3wn3wn3wn3w"))
+
+
+def test_a_fifo_or_device_as_writer_json_is_refused_without_blocking(tmp_path: Path, caplog) -> None:
+    os.mkfifo(tmp_path / WRITER)  # a plain open() for reading would wait for a writer forever
+    with caplog.at_level(logging.WARNING):
+        assert claims.current(tmp_path) is None
+    assert "not a regular file" in caplog.text
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / WRITER).write_bytes(b" " * (claims.MAX_CLAIM_BYTES + 1))
+    assert claims.current(big) is None
+    device = tmp_path / "device"
+    device.mkdir()
+    (device / WRITER).symlink_to("/dev/zero")
+    assert claims.current(device) is None
 
 
 def test_a_writer_this_process_can_see_in_a_child_namespace_is_found(monkeypatch) -> None:
@@ -101,6 +126,7 @@ def test_a_claim_from_before_this_host_rebooted_is_dead_from_another_host_it_liv
         {"pid": "12"}, {"pid": True}, {"pid": 0}, {"pid": 2**40}, {"start_time": 1.5}, {"start_time": None},
         {"heartbeat": "soon"}, {"heartbeat": float("inf")}, {"stale_after": -1}, {"writer": ""}, {"writer": "a/b"},
         {"run_id": 7}, {"run_id": "x" * 300}, {"host": "a\nb"}, {"boot_id": "not-a-boot-id"}, {"pid_ns": -1},
+        {"token": "../x"}, {"net_ns": -1},
         {"start_time": None, "boot_id": None, "pid_ns": None},  # a claim of an older release
     ],
 )

@@ -10,10 +10,13 @@ Invariants:
   * same kernel (boot id), same pid namespace: alive exactly when that pid is
     a process that started at the recorded time;
   * same kernel, another pid namespace: alive when a process of that
-    namespace we can see (a child namespace) is it; a namespace out of our
-    sight on this host name is this container's previous life (a restart
-    kills every process of the old namespace), on another host name it is
-    another container, judged by its heartbeat;
+    namespace we can see (a child namespace) is it; else, from the same
+    network namespace, when its liveness token is still held (liveness.py:
+    a container restarted on the host's network finds its previous life's
+    token free); else (another network namespace: a container beside this
+    one, or this one's previous life) by its heartbeat. A writer out of
+    sight is never taken for dead for that alone: containers side by side
+    (`--ipc=host --network=host`) share a host name, not their pids;
   * another kernel: the same host name means this machine rebooted (dead);
     another host is judged by its heartbeat (`stale_after`).
 - Same run id (a real one, not the anonymous "local"/"none" of single-process
@@ -27,9 +30,11 @@ Invariants:
   rank 0 commits only while the claim is still its own; a snapshot keeper,
   which commits on behalf of its job's workers, only while the claim is its
   job's (same run id). A writer that lost the directory commits nothing there.
-- writer.json is untrusted input: a claim with a field of the wrong type or
-  out of range (or of an older release, lacking the process identity) counts
-  as none, with one warning. A claim is replaced atomically (durable.replace_small).
+- writer.json is untrusted input: read only as a small regular file (a FIFO
+  or a device there is refused without blocking, validate.read_bounded); a
+  claim with a field of the wrong type or out of range (or of an older
+  release, lacking the process identity) counts as none, with one warning.
+  A claim is replaced atomically (durable.replace_small).
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elastic._shared.common.errors import CheckpointStorageError
+from elastic._shared.common.errors import CheckpointStorageError, CorruptCheckpoint
+from elastic._shared.storage import liveness
 from elastic._shared.storage.durable import SaveFailed, replace_small
+from elastic._shared.storage.validate import read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,7 @@ ANONYMOUS_RUNS = frozenset({"", "local", "none"})
 _PID_MAX = 2**22  # the kernel's upper bound for pid_max
 _BOOT_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _WRITER_ID = re.compile(r"^[0-9A-Za-z_.-]{1,64}$")
+MAX_CLAIM_BYTES = 64 * 1024
 _warned: set[tuple[str, str]] = set()
 
 
@@ -153,12 +161,16 @@ class WriterIdentity:
     """The inode of the writer's pid namespace; 0 unknown."""
     start_time: int = -1
     """The writer's start time, clock ticks since boot (/proc/<pid>/stat field 22); -1 unknown."""
+    net_ns: int = 0
+    """The inode of the writer's network namespace, where its `token` can be judged; 0 unknown."""
+    token: str = ""
+    """The writer's liveness token (liveness.py), "" none."""
 
     @classmethod
     def new(cls, run_id: str, *, stale_after: float = 1800.0) -> WriterIdentity:
         return cls(
             uuid.uuid4().hex[:12], run_id, socket.gethostname(), os.getpid(), time.time(), stale_after,
-            boot_id(), pid_namespace(), _own_start_time(),
+            boot_id(), pid_namespace(), _own_start_time(), liveness.net_namespace(), liveness.own_token(),
         )
 
     @classmethod
@@ -192,8 +204,11 @@ class WriterIdentity:
                 seen = _seen_in_namespace(self.pid_ns, self.pid, self.start_time)
                 if seen is not None:
                     return seen
-                if self.host == observer.host:
-                    return False  # this container's previous life: its namespace is gone
+                if self.token and self.net_ns != 0 and self.net_ns == observer.net_ns:
+                    held = liveness.token_alive(self.token)
+                    if held is not None:
+                        return held
+                # Out of sight (a container beside this one shares our host name): only its heartbeat tells.
         elif self.boot_id and observer.boot_id and self.boot_id != observer.boot_id and self.host == observer.host:
             return False  # this host rebooted since
         return time.time() - self.heartbeat < self.stale_after
@@ -215,11 +230,16 @@ class WriterIdentity:
             pid=_integer(raw, "pid", 1, _PID_MAX), heartbeat=_number(raw, "heartbeat", 0.0, 1e11),
             stale_after=_number(raw, "stale_after", 1.0, 1e9), boot_id=_text(raw, "boot_id", 36),
             pid_ns=_integer(raw, "pid_ns", 0, 2**64 - 1), start_time=_integer(raw, "start_time", -1, 2**63 - 1),
+            # Optional: a claim of the release before them is judged by its heartbeat where they would count.
+            net_ns=_integer(raw, "net_ns", 0, 2**64 - 1) if "net_ns" in raw else 0,
+            token=_text(raw, "token", 32) if "token" in raw else "",
         )
         if not _WRITER_ID.match(identity.writer):
             raise ValueError("writer is not a writer id")
         if identity.boot_id and not _BOOT_ID.match(identity.boot_id):
             raise ValueError("boot_id is not a boot id")
+        if identity.token and not liveness.TOKEN.match(identity.token):
+            raise ValueError("token is not a liveness token")
         return identity
 
 
@@ -247,10 +267,11 @@ def _number(raw: dict, name: str, low: float, high: float) -> float:
 def current(root: Path) -> WriterIdentity | None:
     """Who claimed `root` last (None: nobody, or a claim that is unreadable or invalid: one warning each)."""
     try:
-        text = (root / WRITER).read_text(encoding="utf-8")
+        # Bounded: a FIFO, a device or a huge file there is refused without blocking or filling memory.
+        text = read_bounded(root / WRITER, WRITER, MAX_CLAIM_BYTES).decode("utf-8")
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, CorruptCheckpoint) as exc:
         _warn_once(root, f"cannot read it: {exc}")
         return None
     try:
