@@ -372,7 +372,7 @@ def keeper_request(
         body += b"\0" * peer_auth.TAG_BYTES
         extra.setdefault("X-Header-Bytes", str(len(head)))
     if sign:
-        signed = key.sign(method, path, content_length=len(body) if method == "PUT" else 0,
+        signed = key.sign(method, path, receiver=parsed.netloc, content_length=len(body) if method == "PUT" else 0,
                           header_bytes=int(extra["X-Header-Bytes"]) if "X-Header-Bytes" in extra else None)
         extra.update(signed)
         if method == "PUT":

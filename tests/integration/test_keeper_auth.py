@@ -25,7 +25,7 @@ from test_snapshots import Job, assert_same, keeper_job, keeper_key
 from elastic._agent.launcher import keeper as keeper_module
 from elastic._agent.launcher import keeper_files
 from elastic._agent.launcher.keeper import SnapshotKeeper
-from elastic._agent.launcher.keeper_endpoint import MAX_CONNECTIONS
+from elastic._agent.launcher.keeper_slots import MAX_CONNECTIONS
 from elastic._shared.storage import claim, parts, peer_auth
 from elastic._shared.storage.chunks import block_checksums
 from elastic._shared.storage.directory import CheckpointStore
@@ -85,16 +85,17 @@ def test_unsigned_bad_stale_and_replayed_requests_are_refused_before_any_body(tm
     assert keeper_request(keeper.url, key, "GET", path) == (200, data)  # the job itself reads it
     assert keeper_request(keeper.url, key, "GET", path, sign=False)[0] == 401
     assert keeper_request(keeper.url, STRANGER, "GET", path)[0] == 403
-    stale = key.sign("GET", path, now=0)
+    to = peer_auth.receiver_of(keeper.url)
+    stale = key.sign("GET", path, receiver=to, now=0)
     assert keeper_request(keeper.url, key, "GET", path, headers=stale, sign=False)[0] == 403
-    fresh = key.sign("GET", path)
+    fresh = key.sign("GET", path, receiver=to)
     assert keeper_request(keeper.url, key, "GET", path, headers=dict(fresh), sign=False)[0] == 200
     assert keeper_request(keeper.url, key, "GET", path, headers=dict(fresh), sign=False)[0] == 403  # replayed
     # A PUT that announces a gigabyte and sends none of it is answered at once: no body is read.
     path = f"/replica/{header.stem}"
     announced = {"Content-Length": str(2**30), "X-Header-Bytes": "100"}
     assert answer_to_headers(keeper, path, announced) == 401
-    assert answer_to_headers(keeper, path, {**announced, **STRANGER.sign("PUT", path, content_length=2**30, header_bytes=100)}) == 403
+    assert answer_to_headers(keeper, path, {**announced, **STRANGER.sign("PUT", path, receiver=to, content_length=2**30, header_bytes=100)}) == 403
     assert not list((keeper.root / REPLICA).iterdir())
 
 
@@ -129,7 +130,8 @@ def test_signed_parts_of_another_run_generation_or_size_and_tampered_bodies_are_
     fake, _ = forged(header, data, extra={"generation": generation})
     path = f"/replica/{fake.stem}"
     head = fake.to_json()
-    signed = key.sign("PUT", path, content_length=len(head) + len(data) + peer_auth.TAG_BYTES, header_bytes=len(head))
+    signed = key.sign("PUT", path, receiver=peer_auth.receiver_of(keeper.url),
+                      content_length=len(head) + len(data) + peer_auth.TAG_BYTES, header_bytes=len(head))
     tag = key.body_tag(signed[peer_auth.NONCE], peer_auth.put_what(path))
     tag.update(head + data)
     tampered = bytearray(data)
@@ -141,7 +143,7 @@ def test_signed_parts_of_another_run_generation_or_size_and_tampered_bodies_are_
     conn.close()
     # A header past 1 MiB is refused by its declared size, before any of it is read.
     length, head_bytes = 2**20 + 1 + len(data) + peer_auth.TAG_BYTES, 2**20 + 1
-    huge = key.sign("PUT", path, content_length=length, header_bytes=head_bytes)
+    huge = key.sign("PUT", path, receiver=peer_auth.receiver_of(keeper.url), content_length=length, header_bytes=head_bytes)
     assert answer_to_headers(keeper, path, {"Content-Length": str(length), "X-Header-Bytes": str(head_bytes), **huge}) == 400
     assert [p.name for p in (keeper.root / REPLICA).iterdir()] == []
     # The same part, untouched, is kept.
@@ -176,7 +178,7 @@ def test_a_recorded_or_altered_answer_is_never_data(tmp_path: Path, keeper: Snap
     path = url.split(keeper.url, 1)[1]
     host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
-    conn.request("GET", path, headers={"Range": "bytes=0-63", **key.sign("GET", path)})
+    conn.request("GET", path, headers={"Range": "bytes=0-63", **key.sign("GET", path, receiver=peer_auth.receiver_of(keeper.url))})
     response = conn.getresponse()
     body = response.read()
     headers = {k: v for k, v in response.getheaders() if k in ("Content-Range", "Content-Length")}
@@ -203,12 +205,19 @@ def test_connections_are_bounded_and_a_full_memory_refuses_replicas(
     key = keeper_key()
     path = f"/part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
     host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
-    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    # Every slot held by the job's own kept connections (each carried a signed request): 503.
+    kept = [http.client.HTTPConnection(host, int(port), timeout=10) for _ in range(MAX_CONNECTIONS)]
     try:
+        for conn in kept:
+            conn.request("GET", path, headers={"Range": "bytes=0-63", **key.sign("GET", path, receiver=f"{host}:{port}")})
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 206
+        assert keeper._server.slots.counts() == (MAX_CONNECTIONS, 0)
         assert keeper_request(keeper.url, key, "GET", path)[0] == 503
     finally:
-        for connection in idle:
-            connection.close()
+        for conn in kept:
+            conn.close()
     served = False
     for _ in range(200):  # the idle connections' handlers see them closed and leave
         if keeper_request(keeper.url, key, "GET", path)[0] == 200:

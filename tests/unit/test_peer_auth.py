@@ -17,10 +17,12 @@ from elastic._shared.storage.peer_auth import (
 )
 
 SECRET = b"0123456789abcdef0123456789abcdef"
+KEEPER = "10.0.0.1:4242"
+"""The keeper these tests' requests are signed for."""
 
 
 def headers_of(key: PeerKey, method: str, path: str, **kwargs: object) -> dict[str, str]:
-    signed = key.sign(method, path, **kwargs)  # type: ignore[arg-type]
+    signed = key.sign(method, path, **{"receiver": KEEPER, **kwargs})  # type: ignore[arg-type]
     extra = {}
     if "content_length" in kwargs:
         extra["Content-Length"] = str(kwargs["content_length"])
@@ -31,7 +33,7 @@ def headers_of(key: PeerKey, method: str, path: str, **kwargs: object) -> dict[s
 
 def test_a_signed_request_passes_once_and_every_change_fails() -> None:
     key = PeerKey(SECRET)
-    verifier = RequestVerifier(key)
+    verifier = RequestVerifier(key, KEEPER)
     good = headers_of(key, "PUT", "/replica/x", content_length=100, header_bytes=10)
     assert verifier.check("PUT", "/replica/x", good) == good[peer_auth.NONCE]
     with pytest.raises(Refused) as replayed:
@@ -43,11 +45,11 @@ def test_a_signed_request_passes_once_and_every_change_fails() -> None:
         {peer_auth.NONCE: "0" * 32}, {peer_auth.SIGNATURE: "0" * 64},
     ):
         with pytest.raises(Refused) as refused:
-            RequestVerifier(key).check("PUT", "/replica/x", {**fresh, **changed})
+            RequestVerifier(key, KEEPER).check("PUT", "/replica/x", {**fresh, **changed})
         assert refused.value.status == 403, changed
     for method, path in (("GET", "/replica/x"), ("PUT", "/replica/y")):
         with pytest.raises(Refused):
-            RequestVerifier(key).check(method, path, fresh)
+            RequestVerifier(key, KEEPER).check(method, path, fresh)
     with pytest.raises(Refused) as unsigned:
         verifier.check("GET", "/part/local/x", {})
     assert unsigned.value.status == 401
@@ -55,7 +57,7 @@ def test_a_signed_request_passes_once_and_every_change_fails() -> None:
     with pytest.raises(Refused, match="outside"):
         verifier.check("GET", "/p", old)
     with pytest.raises(Refused):
-        RequestVerifier(PeerKey(b"another secret of the right size")).check("GET", "/p", headers_of(key, "GET", "/p"))
+        RequestVerifier(PeerKey(b"another secret of the right size"), KEEPER).check("GET", "/p", headers_of(key, "GET", "/p"))
 
 
 def test_a_body_tag_is_bound_to_its_nonce_and_what_it_answers() -> None:
@@ -100,3 +102,68 @@ def test_a_hosts_secret_is_made_once_per_run_private_to_its_user(tmp_path: Path)
     os.chmod(first.parent, 0o755)
     with pytest.raises(SecretError, match="open to others"):
         peer_auth.host_secret_file(tmp_path, "run/b")
+
+
+def test_a_request_signed_for_one_keeper_is_refused_by_every_other() -> None:
+    key = PeerKey(SECRET)
+    url = "http://10.0.0.1:4242/part/local/x"
+    assert peer_auth.receiver_of(url) == KEEPER == peer_auth.receiver("10.0.0.1", 4242)
+    assert peer_auth.receiver_of("https://[FD00::1]:7/p") == peer_auth.receiver("fd00::1", 7) == "[fd00::1]:7"
+    signed = headers_of(key, "GET", "/part/local/x")
+    for other in ("10.0.0.2:4242", "10.0.0.1:4243", ""):  # another node's keeper, another agent's on the host
+        with pytest.raises(Refused, match="another keeper") as refused:
+            RequestVerifier(key, other).check("GET", "/part/local/x", signed)
+        assert refused.value.status == 403
+    assert RequestVerifier(key, KEEPER).check("GET", "/part/local/x", signed) == signed[peer_auth.NONCE]
+
+
+class Clock:
+    """Unix seconds the test moves."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_nonces_are_forgotten_with_their_window_and_many_requests_are_never_refused() -> None:
+    key = PeerKey(SECRET)
+    clock = Clock(1_700_000_000.0)
+    verifier = RequestVerifier(key, KEEPER, clock=clock)
+    first = headers_of(key, "GET", "/p", now=clock.now)
+    verifier.check("GET", "/p", first)
+    # Past 65,536 requests within the window (the old cache's limit): every fresh one is served.
+    for i in range(70_000):
+        clock.now += 0.001
+        verifier.check("GET", "/p", headers_of(key, "GET", "/p", now=clock.now))
+    assert verifier.remembered == 70_001
+    with pytest.raises(Refused, match="replayed"):
+        verifier.check("GET", "/p", first)
+    # Once the window has passed, what it remembered is forgotten: the time check refuses those now.
+    clock.now += peer_auth.WINDOW + 1
+    verifier.check("GET", "/p", headers_of(key, "GET", "/p", now=clock.now))
+    assert verifier.remembered == 1
+    with pytest.raises(Refused, match="outside"):
+        verifier.check("GET", "/p", first)
+
+
+def test_past_its_limit_the_memory_forgets_the_oldest_second_and_never_accepts_a_replay() -> None:
+    key = PeerKey(SECRET)
+    clock = Clock(1_700_000_000.0)
+    verifier = RequestVerifier(key, KEEPER, clock=clock, max_nonces=100)
+    old = [headers_of(key, "GET", "/p", now=clock.now - 60) for _ in range(50)]
+    for signed in old:
+        verifier.check("GET", "/p", signed)
+    for _ in range(200):  # a burst of fresh requests, twice the limit: all served
+        verifier.check("GET", "/p", headers_of(key, "GET", "/p", now=clock.now))
+    assert verifier.remembered <= 200
+    for signed in old[:3]:  # forgotten, but their second is below the floor: still refused
+        with pytest.raises(Refused, match="oldest second"):
+            verifier.check("GET", "/p", signed)
+    with pytest.raises(Refused, match="oldest second"):  # a new request as old as the forgotten ones
+        verifier.check("GET", "/p", headers_of(key, "GET", "/p", now=clock.now - 60))
+    clock.now += 1
+    for _ in range(150):  # the next second's: the burst's second goes, and nothing fresh is refused
+        verifier.check("GET", "/p", headers_of(key, "GET", "/p", now=clock.now))
+    assert verifier.remembered == 150

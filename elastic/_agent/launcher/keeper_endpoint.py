@@ -6,9 +6,10 @@
                                             the data, then a 16-byte tag
 
 Invariants:
-- Every request is signed with the job's secret (storage.peer_auth) and judged
-  before any of its body is read: unsigned is 401; a wrong signature, a stale
-  time or a replayed nonce is 403. Every body carries a tag, checked in full
+- Every request is signed with the job's secret for this keeper (storage.peer_auth:
+  the signature names the `host:port` of its URL) and judged before any of its
+  body is read: unsigned is 401; a wrong signature (one for another keeper
+  included), a stale time or a replayed nonce is 403. Every body carries a tag, checked in full
   before a byte of it is used; every answer carries one bound to its request.
 - Only part files are served, by name (no paths): a name that is not a part's is 404.
 - A PUT's header is at most `MAX_HEADER` bytes, its body exactly the declared
@@ -16,8 +17,12 @@ Invariants:
   before storing any data); a malformed request is 400 and its connection
   closed (the unread body is never parsed as a request); a store that would
   leave too little room is 507; a part for another run or generation is 409.
-- At most `MAX_CONNECTIONS` connections are served at once; more are answered
-  503 and closed. A connection's TLS handshake, request line and headers must
+- At most `keeper_slots.MAX_CONNECTIONS` connections are served at once, and
+  connections that have not yet carried a signed request give way to new ones
+  (keeper_slots.py: at most `MAX_UNPROVEN_PER_ADDRESS` per source address, the
+  oldest of the address holding the most evicted first); only when every slot
+  carries the job's signed traffic is a new one answered 503 and closed. A
+  connection's TLS handshake, request line and headers must
   arrive within `HEADER_SECONDS` of its start (or of the end of its previous
   request), however slowly they trickle, or it is shut down: only a signed
   request's body may take longer, and no read may stall `_Handler.timeout` seconds.
@@ -39,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from elastic._agent.launcher.keeper_slots import Slots
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import parts, peer_auth
 from elastic._shared.storage.keeper_address import HEADER_BYTES, LOCAL, REPLICA
@@ -50,7 +56,6 @@ HOST_ENV = "TORCHREVIVE_SNAPSHOT_HOST"
 """Where keepers bind, when set (else the agent's --local-addr, else the address that reaches the rendezvous)."""
 MAX_HEADER = 2**20
 """Bytes a part's JSON header may take."""
-MAX_CONNECTIONS = 32
 HEADER_SECONDS = 20.0
 
 
@@ -72,20 +77,22 @@ class PartHolder(Protocol):
 
 
 class _Server(ThreadingHTTPServer):
-    """A ThreadingHTTPServer that serves at most MAX_CONNECTIONS connections at once."""
+    """A ThreadingHTTPServer whose connections hold slots (keeper_slots.Slots): at most MAX_CONNECTIONS."""
 
     daemon_threads = True
+    request_queue_size = 128  # a burst of connections waits to be accepted (and judged) instead of being dropped
 
     def __init__(self, address: tuple[str, int], keeper: PartHolder, key: PeerKey, tls: ssl.SSLContext | None) -> None:
         self.keeper = keeper
         self.key = key
-        self.verifier = RequestVerifier(key)
         self.tls = tls
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.slots = Slots()
         self._deadlines: dict[socket.socket, float] = {}  # connection -> when its headers must be in
         self._deadline_lock = threading.Lock()
         self._raw = threading.local()  # the plain socket under this handler thread's connection
         super().__init__(address, _Handler)
+        # The name its peers sign for: the host as its URL spells it (not the address it resolved to).
+        self.verifier = RequestVerifier(key, peer_auth.receiver(address[0], self.server_address[1]))
 
     def expect_headers(self, by: float | None) -> None:
         """This thread's connection must have sent its headers by `by` (time.monotonic); None: it has."""
@@ -109,8 +116,19 @@ class _Server(ThreadingHTTPServer):
             with contextlib.suppress(OSError):
                 raw.shutdown(socket.SHUT_RDWR)  # its blocked read returns at once; the handler ends
 
+    def proven(self) -> None:
+        """This thread's connection carried a request signed by the job: it keeps its slot."""
+        raw = getattr(self._raw, "socket", None)
+        if raw is not None:
+            self.slots.prove(raw)
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        admission = self.slots.admit(request, str(client_address[0]))
+        for evicted in admission.evict:  # its blocked read returns at once; its handler ends
+            logger.debug("snapshot keeper: a connection that sent no signed request gave way to a new one")
+            with contextlib.suppress(OSError):
+                evicted.shutdown(socket.SHUT_RDWR)
+        if not admission.admitted:
             try:
                 request.settimeout(1.0)
                 request.sendall(b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
@@ -121,7 +139,7 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self.slots.release(request)
             raise
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -130,7 +148,7 @@ class _Server(ThreadingHTTPServer):
         logger.debug("snapshot keeper: a connection from %s ended: %s", client_address, sys.exc_info()[1])
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        self._raw.socket = request
+        request_socket = self._raw.socket = request
         try:
             self.expect_headers(time.monotonic() + HEADER_SECONDS)
             if self.tls is not None:
@@ -142,7 +160,7 @@ class _Server(ThreadingHTTPServer):
         finally:
             self.expect_headers(None)
             self._raw.socket = None
-            self._slots.release()
+            self.slots.release(request_socket)
 
 
 def serve(keeper: PartHolder, host: str, key: PeerKey, tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
@@ -174,7 +192,9 @@ class _Handler(BaseHTTPRequestHandler):
         """The request's nonce when it is signed by the job; else it is answered 401/403 here."""
         self.server.expect_headers(None)  # its headers are in
         try:
-            return self.server.verifier.check(method, self.path, self.headers)
+            nonce = self.server.verifier.check(method, self.path, self.headers)
+            self.server.proven()
+            return nonce
         except Refused as refused:
             logger.debug("snapshot keeper: refused %s %s from %s: %s", method, self.path, self.client_address[0], refused)
             self._refuse(refused.status)

@@ -9,8 +9,11 @@ A request to a keeper carries three headers:
 
     X-Torchrevive-Time        unix seconds when it was signed
     X-Torchrevive-Nonce       32 hex digits, never used twice
-    X-Torchrevive-Signature   HMAC-SHA256(secret, method, path, time, nonce, Content-Length,
-                              X-Header-Bytes), hex
+    X-Torchrevive-Signature   HMAC-SHA256(secret, receiver, method, path, time, nonce,
+                              Content-Length, X-Header-Bytes), hex
+
+(the receiver: the `host:port` of the keeper's URL, as its workers and peers learn it, so a
+request signed for one keeper is refused by every other keeper of the job)
 
 and every body (a PUT's header and data, a GET's range) ends in a 16-byte tag:
 Poly1305 under a one-time key, HMAC-SHA256(secret, what, nonce, and the response's
@@ -20,8 +23,15 @@ GB/s, so a restore's bytes are authenticated in full for little more than their 
 
 Invariants:
 - A request is judged before any of its body is read: unsigned is 401; a wrong
-  signature, a time outside +-`WINDOW` seconds of the keeper's clock, or a nonce
-  already seen within the window is 403 (`RequestVerifier`).
+  signature (one made for another keeper included), a time outside +-`WINDOW`
+  seconds of the keeper's clock, or a nonce already seen is 403 (`RequestVerifier`).
+- A nonce is remembered until its signed time leaves the window (then the time
+  check refuses it), so memory follows the job's own request rate (only requests
+  whose signature verified are remembered) and a valid request is never refused
+  for their number. Past `MAX_NONCES` the oldest signed second is forgotten and
+  every request signed at or before it is refused: a replay is never accepted,
+  and only a request signed before the newest `MAX_NONCES` of the window can be
+  refused (`NonceMemory`).
 - Nothing in a body is used before its tag verified: the keeper publishes a
   replica only after, and a reader returns a fetched range only after.
 - A response's tag is bound to the request's nonce, its status and its range: a
@@ -31,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import os
@@ -38,8 +49,9 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -54,8 +66,9 @@ TIME, NONCE, SIGNATURE = "X-Torchrevive-Time", "X-Torchrevive-Nonce", "X-Torchre
 TAG_BYTES = 16
 WINDOW = 120.0
 """Seconds a signed request stays valid either side of the receiver's clock (nodes' clocks may differ this much)."""
-MAX_NONCES = 1 << 16
-"""Nonces a verifier remembers at most; past it, it refuses new requests until old ones expire."""
+MAX_NONCES = 1 << 21
+"""Nonces a verifier remembers at most (about 200 MB): 8,700 signed requests a second for the whole
+window; past it the oldest second is forgotten (see `NonceMemory`)."""
 
 
 class SecretError(ValueError):
@@ -96,19 +109,21 @@ class PeerKey:
 
     # -- requests ----------------------------------------------------------------------
 
-    def _request_mac(self, method: str, path: str, when: str, nonce: str, length: str, head: str) -> str:
-        message = "\n".join(("torchrevive-request-1", method, path, when, nonce, length, head)).encode()
+    def _request_mac(self, receiver: str, method: str, path: str, when: str, nonce: str, length: str, head: str) -> str:
+        message = "\n".join(("torchrevive-request-2", receiver.lower(), method, path, when, nonce, length, head)).encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     def sign(
-        self, method: str, path: str, *, content_length: int = 0, header_bytes: int | None = None, now: float | None = None
+        self, method: str, path: str, *, receiver: str, content_length: int = 0, header_bytes: int | None = None,
+        now: float | None = None,
     ) -> dict[str, str]:
-        """The headers that sign a request (see the module docstring), at `now` (default: the clock)."""
+        """The headers that sign a request to the keeper `receiver` (`receiver_of` its URL; see the
+        module docstring), at `now` (default: the clock)."""
         when, nonce = str(int(time.time() if now is None else now)), secrets.token_hex(16)
         head = "" if header_bytes is None else str(header_bytes)
         return {
             TIME: when, NONCE: nonce,
-            SIGNATURE: self._request_mac(method, path, when, nonce, str(content_length), head),
+            SIGNATURE: self._request_mac(receiver, method, path, when, nonce, str(content_length), head),
         }
 
     # -- bodies ------------------------------------------------------------------------
@@ -129,6 +144,16 @@ def check_tag(mac: Poly1305, tag: bytes) -> bool:
     return True
 
 
+def receiver_of(url: str) -> str:
+    """Whom a request to `url` is signed for: its `host:port` (`[v6]:port`), as `receiver` names a keeper."""
+    return urlsplit(url).netloc.lower()
+
+
+def receiver(host: str, port: int) -> str:
+    """The name a keeper bound on `host` (as its URL spells it) and `port` checks requests against."""
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").lower()
+
+
 def put_what(path: str) -> str:
     return f"PUT {path}"
 
@@ -145,14 +170,66 @@ class Refused(Exception):
         self.status = status
 
 
-class RequestVerifier:
-    """A keeper's check of signed requests, with the nonces it has seen (thread-safe)."""
+class NonceMemory:
+    """The nonces of accepted requests, by the second they were signed (not thread-safe: the verifier locks).
 
-    def __init__(self, key: PeerKey, *, window: float = WINDOW) -> None:
-        self._key = key
+    Invariant: a nonce is remembered until `time + window` has passed (after it the time check refuses
+    the request), unless more than `limit` are held: then whole seconds go, oldest first, and `floor`
+    (the newest second forgotten) refuses every request signed at or before it."""
+
+    def __init__(self, window: float, limit: int = MAX_NONCES) -> None:
         self._window = window
-        self._seen: dict[str, float] = {}
+        self._limit = limit
+        self._by_second: dict[int, set[str]] = {}  # insertion order is not time order: `_oldest` sorts
+        self._seconds: list[int] = []  # the keys of _by_second, oldest first
+        self.count = 0
+        self.floor = -1
+
+    def add(self, nonce: str, when: int, now: float) -> str | None:
+        """Remember `nonce`, signed at `when`; why it must be refused instead (None: it is new)."""
+        self._expire(now)
+        if when <= self.floor:
+            return "signed before the oldest second the keeper still remembers (too many requests)"
+        seen = self._by_second.get(when)
+        if seen is not None and nonce in seen:
+            return "replayed request"
+        if seen is None:
+            seen = self._by_second[when] = set()
+            bisect.insort(self._seconds, when)
+        seen.add(nonce)
+        self.count += 1
+        while self.count > self._limit and len(self._seconds) > 1:
+            self._forget(self._seconds[0])  # never the newest second: a request of now is kept
+        return None
+
+    def _expire(self, now: float) -> None:
+        while self._seconds and self._seconds[0] + self._window < now:
+            self._forget(self._seconds[0], expired=True)
+
+    def _forget(self, second: int, expired: bool = False) -> None:
+        self._seconds.pop(0)
+        self.count -= len(self._by_second.pop(second))
+        if not expired:
+            self.floor = max(self.floor, second)
+
+
+class RequestVerifier:
+    """A keeper's check of signed requests, with the nonces it has seen (thread-safe). `receiver`: the
+    keeper's own name (`receiver`); `clock`: unix seconds (a test's own)."""
+
+    def __init__(self, key: PeerKey, receiver: str, *, window: float = WINDOW, clock: Callable[[], float] = time.time,
+                 max_nonces: int = MAX_NONCES) -> None:
+        self._key = key
+        self._receiver = receiver
+        self._window = window
+        self._clock = clock
+        self._nonces = NonceMemory(window, max_nonces)
         self._lock = threading.Lock()
+
+    @property
+    def remembered(self) -> int:
+        """How many nonces it holds now."""
+        return self._nonces.count
 
     def check(self, method: str, path: str, headers: Mapping[str, str]) -> str:
         """The request's nonce, once its signature, time and nonce pass; else `Refused`."""
@@ -164,20 +241,16 @@ class RequestVerifier:
             raise Refused(403, "malformed signature headers")
         length = (headers.get("Content-Length") or "0").strip()
         head = (headers.get("X-Header-Bytes") or "").strip()
-        expected = self._key._request_mac(method, path, when, nonce, length, head)
+        expected = self._key._request_mac(self._receiver, method, path, when, nonce, length, head)
         if not hmac.compare_digest(expected, signature):
-            raise Refused(403, "bad signature")
-        now = time.time()
+            raise Refused(403, "bad signature (or signed for another keeper)")
+        now = self._clock()
         if abs(now - int(when)) > self._window:
             raise Refused(403, f"signed {now - int(when):+.0f} s from now, outside +-{self._window:g} s")
         with self._lock:
-            if len(self._seen) >= MAX_NONCES // 2:
-                self._seen = {n: t for n, t in self._seen.items() if t > now}
-            if nonce in self._seen:
-                raise Refused(403, "replayed request")
-            if len(self._seen) >= MAX_NONCES:
-                raise Refused(403, "too many requests in the window")
-            self._seen[nonce] = now + 2 * self._window
+            why = self._nonces.add(nonce, int(when), now)
+        if why is not None:
+            raise Refused(403, why)
         return nonce
 
 
