@@ -58,12 +58,12 @@ from elastic._agent.launcher.keeper_endpoint import Conflict, serve
 from elastic._agent.launcher.keeper_files import (
     OWNER_FILE,
     live_keepers_of,
+    owner_record,
     pid_alive,
     private_directory,
     remove_orphans,
     snapshot_base,
 )
-from elastic._agent.launcher.keeper_space import UploadSpace
 from elastic._shared.common import threads
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import parts, peer_auth
@@ -80,12 +80,15 @@ from elastic._shared.storage.keeper_address import (
 from elastic._shared.storage.manifest import shard_file
 from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
+from elastic._shared.storage.validate import read_bounded
 
 logger = logging.getLogger(__name__)
 
 STAGE_PREFIX = ".snapshot."
 PRUNE_EVERY = 2.0
 STALE_UPLOAD = 60.0
+CLOSE_GRACE = 5.0
+"""Seconds `close` waits for its cleanup beyond its own timeout (the lock, the checkpoint directory's stages)."""
 RESERVE_FRACTION = 0.10
 """A replica is refused (507) when storing it would leave less than this share of the keeper's file
 system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""
@@ -108,8 +111,7 @@ class SnapshotKeeper:
         self.root = base / self.node
         for name in (LOCAL, REPLICA):
             (self.root / name).mkdir(parents=True, exist_ok=True)
-        (self.root / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id}))
-        self._upload_space = UploadSpace(self.root / REPLICA, RESERVE_FRACTION)
+        (self.root / OWNER_FILE).write_text(json.dumps(owner_record(run_id)))
         self._server = serve(self, host, key, tls)
         port = self._server.server_address[1]
         scheme = "https" if tls is not None else "http"
@@ -148,13 +150,26 @@ class SnapshotKeeper:
             time.sleep(0.05)
         return False
 
-    def close(self, timeout: float = 300.0) -> None:
-        """Finish a persist that is wanted, stop serving, remove the directory."""
+    def close(self, timeout: float = 300.0) -> bool:
+        """Finish a persist that is wanted, stop serving, remove the directory; all within `timeout`
+        seconds (and `CLOSE_GRACE` more for the cleanup), whatever hangs: a persist stuck on a dead
+        mount holds the lock, and the cleanup touches that mount too. False (one warning) when it
+        gave up; the directory then stays for the next keeper on this host (`remove_orphans`)."""
+        deadline = time.monotonic() + timeout
         if not self.wait_idle(timeout):
             logger.warning("snapshot keeper: persisting the newest snapshot did not finish within %g s", timeout)
         self._closing.set()
-        self._server.shutdown()
+        self._server.shutdown()  # serve_forever polls: bounded; handlers are daemon threads, never joined
         self._server.server_close()
+        cleanup = threads.start(self._clean_up, name="snapshot-keeper-close")
+        cleanup.join(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE)
+        if cleanup.is_alive():
+            logger.warning("snapshot keeper: gave up cleaning up after %g s (a persist or the storage hangs); "
+                           "%s stays until the next keeper on this host", timeout + CLOSE_GRACE, self.root)
+            return False
+        return True
+
+    def _clean_up(self) -> None:
         with self._lock:
             # In a job of this node alone (its own workers wrote every rank's parts), a stage it
             # could not complete never will be; in any other, a peer's keeper may still complete it.
@@ -172,9 +187,12 @@ class SnapshotKeeper:
                         self.secret_file.parent.rmdir()  # when no other run's secret is left in it
 
     def _watch_connections(self) -> None:
-        """Shut connections whose headers are late (keeper_endpoint.HEADER_SECONDS), once a second."""
+        """Shut connections whose headers are late (keeper_endpoint.HEADER_SECONDS), and touch owner.json
+        (the heartbeat keepers of other pid namespaces judge this one by), once a second."""
         while not self._closing.wait(1.0):
             self._server.shut_late_connections()  # type: ignore[attr-defined]
+            with contextlib.suppress(OSError):
+                os.utime(self.root / OWNER_FILE)
 
     def _maintain(self) -> None:
         while not self._closing.is_set():
@@ -288,7 +306,8 @@ class SnapshotKeeper:
         except FileExistsError:
             return False  # another keeper commits it
         try:
-            headers = [PartHeader.from_json(path.read_bytes()) for path in headers_files]
+            # Bounded: the stage lies in the shared checkpoint directory, where a FIFO would block a plain read.
+            headers = [PartHeader.from_json(read_bounded(path, path.name, parts.MAX_HEADER_BYTES)) for path in headers_files]
             metadata = parts.merged_metadata(headers)
             trainer = parts.merged_trainer(headers)
         except CorruptCheckpoint as exc:
@@ -368,26 +387,26 @@ class SnapshotKeeper:
             raise ValueError("the part's header does not match its name or length")
         self._check_job(header)
         replica = self.root / REPLICA
+        usage = shutil.disk_usage(replica)
+        if usage.free - length < RESERVE_FRACTION * usage.total:
+            raise OSError(f"storing {length} bytes would leave too little room in {replica}")
         tmp = replica / f".{stem}.{uuid.uuid4().hex[:6]}"
-        # The length is reserved before any byte is read, so uploads in flight together fit too (507 if not).
-        with self._upload_space.reserve(length) as reservation:
-            try:
-                with open(tmp, "wb") as f:
-                    remaining = length
-                    while remaining:
-                        block = body.read(min(remaining, 2**20))
-                        if not block:
-                            raise ValueError("the part ended early")
-                        tag.update(block)
-                        f.write(block)
-                        reservation.wrote(len(block))
-                        remaining -= len(block)
-                if not peer_auth.check_tag(tag, body.read(peer_auth.TAG_BYTES)):
-                    raise ValueError("the part's tag does not verify")
-                (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
-                os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
-            finally:
-                tmp.unlink(missing_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                remaining = length
+                while remaining:
+                    block = body.read(min(remaining, 2**20))
+                    if not block:
+                        raise ValueError("the part ended early")
+                    tag.update(block)
+                    f.write(block)
+                    remaining -= len(block)
+            if not peer_auth.check_tag(tag, body.read(peer_auth.TAG_BYTES)):
+                raise ValueError("the part's tag does not verify")
+            (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
+            os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
+        finally:
+            tmp.unlink(missing_ok=True)
         parts.write_header(replica, header)
 
     def _check_job(self, header: PartHeader) -> None:

@@ -4,17 +4,23 @@ Both sides of the protocol are in keeper_endpoint.py (the keeper's) and
 storage/peer_auth.py (the signatures and tags).
 
 Invariants:
-- Every request is signed with the job's secret for the keeper it is sent to (the
-  `host:port` of its URL), and every body carries its tag.
+- Every request is signed with the job's secret, and every body carries its tag.
 - A range is returned only once the keeper's tag over it, bound to this
   request's nonce, status and range, verified: bytes a forger or a stale
   answer sends are an `OSError`, never data.
+- A request's `timeout` bounds the whole of it, not each read: at its end a
+  watchdog shuts the connection (`_Watchdog`), so a peer that trickles its
+  answer a byte at a time, or stalls in the TLS handshake or the headers, is
+  an `OSError` then, never a wait without end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import socket
 import threading
+import time
 from urllib.parse import SplitResult, urlsplit
 
 from elastic._shared.storage import peer_auth
@@ -33,17 +39,56 @@ def _connection(url: SplitResult, timeout: float) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
 
 
+class _Watchdog:
+    """Shuts `conn`'s socket `seconds` from now unless `stop`ped first: the overall deadline of one
+    request, which per-read socket timeouts cannot give (each trickled byte restarts them)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.fired = False
+        self._stopped = False
+        self._timer = threading.Timer(max(0.0, seconds), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self.fired = True
+            sock = self._conn.sock  # the raw socket during a TLS handshake, so that ends too
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> bool:
+        """Stop it; whether it had fired (the connection is then unusable)."""
+        self._timer.cancel()
+        with self._lock:
+            self._stopped = True
+            return self.fired
+
+
+def _overall(watchdog: _Watchdog, seconds: float, exc: BaseException) -> BaseException:
+    """`exc` as a request's error: a `TimeoutError` naming the overall deadline when the watchdog fired."""
+    if watchdog.stop():
+        return TimeoutError(f"no complete answer within the request's {seconds:g} s")
+    return exc
+
+
 def push_part(keeper_url: str, key: PeerKey, stem: str, head: bytes, data: memoryview, timeout: float) -> None:
     """PUT a part (its JSON header `head`, then `data`) to the keeper at `keeper_url`; `OSError` or
     `http.client.HTTPException` unless it answered 204."""
     url = urlsplit(keeper_url)
     path = replica_path(stem)
     length = len(head) + len(data) + TAG_BYTES
-    signed = key.sign("PUT", path, receiver=url.netloc, content_length=length, header_bytes=len(head))
+    signed = key.sign("PUT", path, content_length=length, header_bytes=len(head))
     tag = key.body_tag(signed[NONCE], peer_auth.put_what(path))
     tag.update(head)
     tag.update(data)
     conn = _connection(url, timeout)
+    watchdog = _Watchdog(conn, timeout)
     try:
         conn.putrequest("PUT", path)
         conn.putheader("Content-Length", str(length))
@@ -58,7 +103,10 @@ def push_part(keeper_url: str, key: PeerKey, stem: str, head: bytes, data: memor
         response.read()
         if response.status != 204:
             raise OSError(f"HTTP {response.status} {response.reason}")
+    except (OSError, http.client.HTTPException) as exc:
+        raise _overall(watchdog, timeout, exc) from None
     finally:
+        watchdog.stop()
         conn.close()
 
 
@@ -68,9 +116,13 @@ def get_range(part_url: str, key: PeerKey, start: int, stop: int, timeout: float
     `KeeperConnections.get_range` does the same on kept connections."""
     url = urlsplit(part_url)
     conn = _connection(url, timeout)
+    watchdog = _Watchdog(conn, timeout)
     try:
         return _range_on(conn, url, key, start, stop)[0]
+    except (OSError, http.client.HTTPException) as exc:
+        raise _overall(watchdog, timeout, exc) from None
     finally:
+        watchdog.stop()
         conn.close()
 
 
@@ -98,6 +150,7 @@ class KeeperConnections:
     def get_range(self, part_url: str, key: PeerKey, start: int, stop: int, timeout: float) -> bytearray:
         url = urlsplit(part_url)
         where = (url.scheme, url.hostname or "", url.port or 0)
+        deadline = time.monotonic() + timeout  # for both tries together
         kept = self._take(where)
         if kept is not None:
             try:
@@ -106,7 +159,10 @@ class KeeperConnections:
                 pass
         with self._lock:
             self.opened += 1
-        return self._send(_connection(url, timeout), where, url, key, start, stop, timeout)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no complete answer within the request's {timeout:g} s")
+        return self._send(_connection(url, left), where, url, key, start, stop, left)
 
     def close(self) -> None:
         with self._lock:
@@ -123,13 +179,21 @@ class KeeperConnections:
     def _send(self, conn: http.client.HTTPConnection, where: tuple[str, str, int], url: SplitResult, key: PeerKey,
               start: int, stop: int, timeout: float) -> bytearray:
         reusable = False
+        watchdog = _Watchdog(conn, timeout)
         try:
             conn.timeout = timeout
             if conn.sock is not None:
                 conn.sock.settimeout(timeout)
             data, reusable = _range_on(conn, url, key, start, stop)
             return data
+        except _STALE as exc:
+            if watchdog.stop():
+                raise TimeoutError(f"no complete answer within the request's {timeout:g} s") from None
+            raise exc from None  # a kept connection the keeper closed: the caller tries a fresh one
+        except (OSError, http.client.HTTPException) as exc:
+            raise _overall(watchdog, timeout, exc) from None
         finally:
+            reusable = not watchdog.stop() and reusable
             with self._lock:
                 idle = self._idle.setdefault(where, [])
                 if reusable and len(idle) < MAX_IDLE_PER_KEEPER:
@@ -142,7 +206,7 @@ class KeeperConnections:
 def _range_on(conn: http.client.HTTPConnection, url: SplitResult, key: PeerKey, start: int,
               stop: int) -> tuple[bytearray, bool]:
     """One signed range request on `conn`: (the verified bytes, whether `conn` may carry another)."""
-    signed = key.sign("GET", url.path, receiver=url.netloc)  # only the keeper it is sent to accepts it
+    signed = key.sign("GET", url.path)
     conn.request("GET", url.path, headers={"Range": f"bytes={start}-{stop - 1}", **signed})
     response = conn.getresponse()
     if response.status != 206:  # a 416 (past the end) too: it carries no tag, so the next keeper is asked

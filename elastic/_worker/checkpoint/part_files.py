@@ -14,6 +14,10 @@ Invariants:
 - A keeper that fails is asked again only after the others holding the part;
   when all fail, or the deadline has passed, `PartFetchError` (an `OSError`):
   every rank then falls back to disk alike.
+- Every request has an overall deadline (keeper_client.py), not only one per
+  read: at most `FETCH_TIMEOUT`, and at most an equal share of the time left
+  among the keepers still to ask, so a slow or stalled keeper leaves time for
+  the next one, and the last one's failure for the disk.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint.keeper_client import KeeperConnections
 
 FETCH_TIMEOUT = 30.0
-"""Seconds one request to another node's keeper may take."""
+"""Seconds one request to another node's keeper may take in all (connect, headers, body)."""
 
 
 READ_GAP = 2**20
@@ -92,10 +96,12 @@ class PartFiles:
 
     def _fetch(self, file: str, start: int, stop: int) -> bytearray:
         errors = []
-        for url in sorted(self.remote[file], key=lambda u: u in self._failed):  # stable: failed ones last
+        urls = sorted(self.remote[file], key=lambda u: u in self._failed)  # stable: failed ones last
+        for tried, url in enumerate(urls):
             timeout = FETCH_TIMEOUT
             if self.deadline is not None:
-                timeout = min(timeout, self.deadline - time.monotonic())
+                # An equal share of what is left: a stalled keeper leaves time for the next.
+                timeout = min(timeout, (self.deadline - time.monotonic()) / (len(urls) - tried))
                 if timeout <= 0:
                     errors.append("the restore's time for fetching parts is spent")
                     break
