@@ -2,7 +2,8 @@
 
 - `launcher`: `torchrevive-run` (torchrun with recovery defaults), warm starts,
   the snapshot keeper, the reaper, heals in place, Slurm's signals;
-- `rendezvous`: the `etcd-v3` rendezvous backend and quick rounds.
+- `rendezvous`: the `etcd-v3` rendezvous backend, quick rounds, and the rendezvous state
+  checked before torch unpickles it (signed, read by a restricted unpickler).
 
 Nothing here imports the worker side (`elastic._worker`); both import `elastic._shared`.
 """

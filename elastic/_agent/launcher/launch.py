@@ -30,6 +30,10 @@ side of the memory tier, which holds the workers' in-memory snapshots in
 checkpoint directory when the workers stop. `--snapshots 0` (TORCHREVIVE_SNAPSHOTS=0) leaves
 it out (the workers then checkpoint to disk only, as under plain torchrun).
 
+The rendezvous state torch unpickles is checked first (`elastic._agent.rendezvous.guarded_c10d`):
+signed with the job's secret when the environment names one, and read by a restricted
+unpickler; under Slurm the first node takes the store's port before anything else starts.
+
 It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
 recovery's path), ends the job instead of restarting it when a worker exits
@@ -66,7 +70,8 @@ from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._agent.launcher.keeper_endpoint import keeper_host
 from elastic._agent.launcher.keeper_files import job_key
 from elastic._agent.launcher.reaper import start_reaper
-from elastic._agent.rendezvous import quick_rounds
+from elastic._agent.rendezvous import guarded_c10d, quick_rounds
+from elastic._agent.rendezvous.state_guard import job_key as rendezvous_key
 from elastic._shared.common.errors import CheckpointStorageError, UsageError
 from elastic._shared.common.slow_imports import prefetch_slow_imports
 from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
@@ -155,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
         settings.resolve(args, os.environ)
         requeue = slurm_launch.RequeueSignal(os.environ)  # first: Slurm may send it any time from now
         check_rdzv_conf(args)
-        slurm_launch.expand_endpoint(args, os.environ, nnodes_given=args.nnodes is not None)
+        hosted_port = slurm_launch.expand_endpoint(args, os.environ, nnodes_given=args.nnodes is not None)
+        if hosted_port is not None:
+            slurm_launch.hold_store_port(hosted_port)  # before anyone else can listen there
+        rdzv_key = signing_key()
         if args.nnodes is None:
             args.nnodes = "1:1"  # torchrun's default
         preload = warm_start.preload_modules()
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
+    guarded_c10d.install(rdzv_key)  # the rendezvous state checked before torch unpickles it; first: see install
     quick_rounds.install()  # a round closes once every node of the last one is back
     if in_place.enabled(os.environ):
         in_place.install()  # TORCHREVIVE_SURVIVORS=keep or train-on: a failed worker is replaced without a round
@@ -211,6 +220,16 @@ def main(argv: list[str] | None = None) -> None:
         requeue.close()
     if stopped_by is not None:
         sys.exit(128 + int(stopped_by))
+
+
+def signing_key() -> peer_auth.PeerKey | None:
+    """The job's secret that signs the rendezvous state (state_guard.job_key), or None when the
+    environment names none; a secret named but unreadable is `UsageError`: agents that sign would
+    refuse every state of this one."""
+    try:
+        return rendezvous_key(os.environ)
+    except peer_auth.SecretError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:

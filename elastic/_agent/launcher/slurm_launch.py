@@ -8,7 +8,9 @@ Slurm way of being preempted (commit on the requeue signal, then requeue the job
   20000 + job id mod 5000, the same for every agent without talking and for every run of a
   requeued job;
 - `--rdzv-backend c10d` (torchrun's default, static, has no endpoint to meet at) hosted by the
-  first node's agent (`is_host`, unless `--rdzv-conf` says otherwise);
+  first node's agent (`is_host`, unless `--rdzv-conf` says otherwise), which takes the port at once
+  (`hold_store_port`): a port another process holds (a local user who listened there first) is one
+  line and exit 2, never a store shared with a stranger's;
 - `--rdzv-id slurm-JOBID` unless given: a requeued job's agents are the same run;
 - `--nnodes 1:N` for an N-node step unless given (`--nnodes`, PET_NNODES): the job goes on with
   what is left of the allocation; give `--nnodes MIN:N` to ask for more.
@@ -18,7 +20,8 @@ there (a replacement node) join running job JOBID's training, within its --nnode
 
 Invariants:
 - Outside a Slurm job `--rdzv-endpoint=slurm` is one line and exit 2, as are a backend other
-  than c10d with it, and `slurm:JOBID` for a job that is not running.
+  than c10d with it, `slurm:JOBID` for a job that is not running, and, on the first node, a
+  rendezvous port that another process holds.
 - One agent per node: `--rdzv-endpoint=slurm` in a step with more tasks on a node is refused.
 - The requeue signal (elastic._shared.slurm.requeue) makes this agent stop its workers the way SIGTERM
   does (they commit this step and exit); then the step's first agent (SLURM_PROCID 0), and only
@@ -39,6 +42,8 @@ from collections.abc import Mapping
 from types import FrameType
 
 from elastic._agent.launcher.stop_signals import raise_safely
+from elastic._agent.rendezvous import guarded_c10d
+from elastic._agent.rendezvous.held_port import PortTaken
 from elastic._shared.common.errors import UsageError
 from elastic._shared.slurm import step as slurm_step
 from elastic._shared.slurm.control import SlurmControlError, node_address, nodes_of_job
@@ -53,13 +58,13 @@ from elastic._shared.slurm.requeue import (
 SLURM_ENDPOINT = "slurm"
 
 
-def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nnodes_given: bool) -> None:
+def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nnodes_given: bool) -> int | None:
     """Replace `--rdzv-endpoint=slurm` (this job's rendezvous) or `slurm:JOBID` (running job JOBID's, for
     agents of another allocation joining it) by the host and port (see the module docstring); other
-    endpoints stay."""
+    endpoints stay. The port this agent's store must take (`hold_store_port`) when it hosts it, else None."""
     endpoint = args.rdzv_endpoint or ""
     if endpoint != SLURM_ENDPOINT and not endpoint.startswith(f"{SLURM_ENDPOINT}:"):
-        return
+        return None
     if args.rdzv_backend not in ("static", "c10d"):
         raise UsageError(f"--rdzv-endpoint={endpoint} meets at a job's first node's c10d store; --rdzv-backend "
                          f"{args.rdzv_backend} needs an endpoint of its own (HOST:PORT)")
@@ -84,17 +89,29 @@ def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nno
         host = node_address(nodes[0])
     except (ValueError, SlurmControlError) as exc:
         raise UsageError(f"--rdzv-endpoint={endpoint}: {exc}") from None
-    args.rdzv_endpoint = f"{host}:{slurm_step.port_of(job_id, slurm_step.RENDEZVOUS_PORT_BASE)}"
+    port = slurm_step.port_of(job_id, slurm_step.RENDEZVOUS_PORT_BASE)
+    args.rdzv_endpoint = f"{host}:{port}"
     args.rdzv_backend = "c10d"
     if args.rdzv_id in (None, "", "none"):
         args.rdzv_id = f"slurm-{job_id}"
     if not nnodes_given:
         args.nnodes = f"1:{len(nodes)}"
     conf = args.rdzv_conf or ""
-    if "is_host" not in {item.split("=", 1)[0].strip() for item in conf.split(",")}:
+    ours = "is_host" not in {item.split("=", 1)[0].strip() for item in conf.split(",")}
+    if ours:
         args.rdzv_conf = ",".join(filter(None, [conf, f"is_host={str(hosts).lower()}"]))
     print(f"torchrevive-run: Slurm job {job_id}'s rendezvous at {args.rdzv_endpoint}, run id {args.rdzv_id}, "
           f"--nnodes {args.nnodes}", file=sys.stderr, flush=True)
+    return port if ours and hosts else None
+
+
+def hold_store_port(port: int) -> None:
+    """Take the rendezvous store's `port` on this node now, for the store this agent hosts
+    (elastic._agent.rendezvous.held_port); `UsageError` in one line when another process holds it."""
+    try:
+        guarded_c10d.hold(port)
+    except PortTaken as exc:
+        raise UsageError(f"--rdzv-endpoint=slurm: {exc}") from None
 
 
 class RequeueSignal:

@@ -1,5 +1,7 @@
 """torchrun rendezvous plugins. `etcd` holds the `etcd-v3` backend (see its docstring:
 its options, its keys, and how a job relaunched with the same id reopens a closed run).
+`state_guard` stands between torch and every store's rendezvous state (`state_seal`,
+`state_pickle`); `guarded_c10d` gives torchrevive-run its guarded handlers.
 
 This package's own module stays free of torch imports: torch loads the entry point
 below while it imports its rendezvous registry, which may happen in the middle of
@@ -31,9 +33,10 @@ def _create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     (a traceback would bury it, and torchrun would show it once per agent)."""
     from elastic._agent.rendezvous.etcd import create_handler_v3
     from elastic._agent.rendezvous.etcd_options import EtcdOptionsError
+    from elastic._shared.storage.peer_auth import SecretError
 
     try:
         return create_handler_v3(params)
-    except EtcdOptionsError as exc:
+    except (EtcdOptionsError, SecretError) as exc:  # SecretError: the job's secret, named, cannot be read
         print(f"torchrun: error: --rdzv-backend=etcd-v3: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

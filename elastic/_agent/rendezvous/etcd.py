@@ -42,7 +42,8 @@ With `--client-cert-auth` and auth both on, a client certificate and a
 
 Layout under the key prefix (default `/torchrevive/<run id>`):
 
-    <prefix>/rdzv/state      the dynamic rendezvous state (pickled by torch), framed
+    <prefix>/rdzv/state      the dynamic rendezvous state (pickled by torch, sealed
+                             and checked by `state_guard`), framed
     <prefix>/store/<key>     the agents' c10d store (`EtcdStore`)
     <prefix>/store.ops/<id>  the store's markers that make a retried add count once
     <prefix>/agents/<id>     one key per live agent, on a short lease of its own
@@ -62,8 +63,8 @@ again with the same `--rdzv-id` resumes:
   once on a clean exit. The long `ttl` never decides whether anyone is alive.
 - before it joins, an agent asks torch's own handler whether the state is closed
   (`is_closed()` of a handler on a read-only view of the backend that remembers
-  the token of the state it handed torch). Nothing is unpickled here that torch's
-  handler would not unpickle on its first sync anyway, and torch's flag, set by
+  the token of the state it handed torch). Only a state `state_guard` admitted is
+  unpickled, as on every read of torch's handler, and torch's flag, set by
   whichever agent closed the run and however it did, is the one source of truth:
   a marker written beside it could disagree after a crash between two writes.
 - a closed run is reopened by one transaction (`_remove_closed_run`):
@@ -127,6 +128,7 @@ from elastic._agent.rendezvous.etcd_messages import (
 )
 from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 from elastic._agent.rendezvous.etcd_store import EtcdStore
+from elastic._agent.rendezvous.state_guard import StateGuard, job_key
 from elastic._shared.common import threads
 
 __all__ = [
@@ -171,11 +173,13 @@ def decode_state(value: bytes, where: str) -> bytes:
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
-    """The dynamic rendezvous state in one etcd key, compare-and-set on its mod revision."""
+    """The dynamic rendezvous state in one etcd key, compare-and-set on its mod revision; what torch
+    writes is sealed by `guard`, and what it reads is what `guard` admitted."""
 
-    def __init__(self, client: EtcdClient, key: bytes) -> None:
+    def __init__(self, client: EtcdClient, key: bytes, guard: StateGuard) -> None:
         self._client = client
         self._key = key
+        self.guard = guard
         self._where = f"etcd {client.endpoints_text} key {key.decode(errors='replace')}"
 
     @property
@@ -199,13 +203,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 current = self.get_state()
                 return None if current is None else (*current, False)
             compare = {"key": _encode(self._key), "result": "EQUAL", "target": "MOD", "mod_revision": revision}
+        sealed, seq = self.guard.sealed(state)
         reply = self._client.txn(
             [compare],
-            success=[self._client.put_op(self._key, encode_state(state))],
+            success=[self._client.put_op(self._key, encode_state(sealed))],
             failure=[self._client.range_op(self._key)],
             what="write the rendezvous state",
         )
         if reply.get("succeeded"):
+            self.guard.won(state, seq)
             return state, txn_revision(reply), True
         # The failure branch read the key in the same transaction: what we return
         # is exactly the state that beat us, with its token.
@@ -213,7 +219,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return None if not kvs else (*self._decoded(kvs[0]), False)
 
     def _decoded(self, kv: KeyValue) -> tuple[bytes, Token]:
-        return decode_state(kv.value, self._where), kv.mod_revision
+        return self.guard.admit(decode_state(kv.value, self._where)), kv.mod_revision
 
 
 def _revision_of(token: Token) -> int | None:
@@ -228,12 +234,14 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     """The backend and agent store for one torchrun agent, like torch's built-in factories.
 
     Connects (and authenticates) at once, so an unreachable etcd fails here, within
-    `read_timeout`, with the endpoints named.
+    `read_timeout`, with the endpoints named. The state is signed with the job's secret when the
+    environment names one (`state_guard.job_key`: `peer_auth.SecretError` if it cannot be read).
     """
     options = EtcdOptions.from_params(params)
+    guard = StateGuard.for_run(params.run_id, job_key())
     client = EtcdClient(options)
     prefix = options.key_prefix.encode()
-    backend = EtcdRendezvousBackend(client, prefix + b"/rdzv/state")
+    backend = EtcdRendezvousBackend(client, prefix + b"/rdzv/state", guard)
     store = EtcdStore(client, prefix + b"/store/")
     return backend, store
 

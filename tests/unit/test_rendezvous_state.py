@@ -1,0 +1,206 @@
+"""The rendezvous state torch pickles, as a stranger may write it: the restricted unpickler, the
+job's signature, the guard on the backend's path (torch's own state holder over an in-process
+store), and the Slurm store's port taken before a squatter's."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _RendezvousState,
+)
+
+from elastic._agent.launcher.slurm_launch import hold_store_port
+from elastic._agent.rendezvous.guarded_c10d import C10dStateBackend
+from elastic._agent.rendezvous.held_port import holder_uid
+from elastic._agent.rendezvous.quick_rounds import DEPARTED, LAST_ROUND
+from elastic._agent.rendezvous.state_guard import GuardedBackend, StateGuard
+from elastic._agent.rendezvous.state_pickle import StateRefused, check_state
+from elastic._agent.rendezvous.state_seal import StateSeal
+from elastic._shared.common.errors import UsageError
+from elastic._shared.storage.peer_auth import PeerKey
+
+RUN = "slurm-1234"
+KEY = PeerKey(b"k" * 32)
+
+
+class Marker:
+    """A payload whose unpickling creates a file: what a stranger writes to run code in an agent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.path),))
+
+
+def genuine_state() -> _RendezvousState:
+    state = _RendezvousState()
+    node, other = _NodeDesc("n1", 10, 0), _NodeDesc("n2", 11, 0)
+    now = datetime.now(timezone.utc)
+    state.round, state.complete, state.deadline = 3, True, now + timedelta(seconds=5)
+    state.participants = {node: 0, other: 1}
+    state.wait_list, state.redundancy_list = {_NodeDesc("n3", 12, 1)}, set()
+    state.last_heartbeats = {node: now, other: now}
+    setattr(state, LAST_ROUND, (2, frozenset({node, other})))
+    setattr(state, DEPARTED, frozenset())
+    return state
+
+
+def test_a_genuine_torch_state_round_trips_through_the_restricted_unpickler_and_the_seal() -> None:
+    state = genuine_state()
+    payload = pickle.dumps(state)
+    assert vars(check_state(payload)) == vars(state)
+    seal = StateSeal(RUN, KEY)
+    assert seal.open(seal.seal(payload, 7)) == (7, payload)
+    assert StateSeal(RUN, None).open(payload) == (0, payload)  # no secret: torch's bare pickle
+
+
+def test_a_pickled_marker_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(Marker(marker))
+    for blob in (payload, StateSeal(RUN, KEY).seal(payload, 1)):  # even signed with the job's own secret
+        for seal in (StateSeal(RUN, None), StateSeal(RUN, KEY)):
+            with pytest.raises(StateRefused):
+                seal.open(blob)
+    with pytest.raises(StateRefused, match="posix.mkdir"):
+        check_state(payload)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("what", ["other class", "wrong type", "naive time", "extra field", "not a pickle", "huge"])
+def test_states_torch_could_load_but_not_use_are_refused(what: str) -> None:
+    state = genuine_state()
+    if what == "other class":
+        payload = pickle.dumps({"round": 1})
+    elif what == "wrong type":
+        state.round = "3"
+        payload = pickle.dumps(state)
+    elif what == "naive time":
+        state.last_heartbeats = {_NodeDesc("n1", 1, 0): datetime.now()}
+        payload = pickle.dumps(state)
+    elif what == "extra field":
+        state.command = "rm -rf /"
+        payload = pickle.dumps(state)
+    elif what == "not a pickle":
+        payload = b"\x80\x04garbage"
+    else:
+        payload = b"x" * (5 << 20)
+    with pytest.raises(StateRefused):
+        check_state(payload)
+
+
+def test_only_a_state_signed_with_the_jobs_secret_for_this_run_is_opened() -> None:
+    payload = pickle.dumps(genuine_state())
+    signed = StateSeal(RUN, KEY).seal(payload, 2)
+    refusals = {
+        "another secret": StateSeal(RUN, PeerKey(b"z" * 32)).seal(payload, 2),
+        "another run": StateSeal("slurm-9", KEY).seal(payload, 2),
+        "unsigned": payload,
+        "payload changed": signed[:-1] + bytes([signed[-1] ^ 1]),
+        "number changed": signed.replace(b" 2 ", b" 9 ", 1),
+        "garbage line": b"torchrevive-rdzv-signed/1 x\n" + payload,
+    }
+    for what, blob in refusals.items():
+        with pytest.raises(StateRefused):
+            StateSeal(RUN, KEY).open(blob)
+            pytest.fail(what)
+    with pytest.raises(StateRefused, match="no secret"):
+        StateSeal(RUN, None).open(signed)
+
+
+def holder(backend) -> _BackendRendezvousStateHolder:
+    settings = RendezvousSettings(RUN, 1, 2, RendezvousTimeout(), timedelta(seconds=1), 3)
+    return _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["signed", "no secret"])
+def test_a_marker_written_as_torchs_backend_writes_it_is_refused_once_and_then_replaced(
+    tmp_path: Path, key: PeerKey | None
+) -> None:
+    store, lines = dist.HashStore(), []
+    guard = StateGuard(StateSeal(RUN, key), warn=lines.append)
+    agent = holder(C10dStateBackend(store, RUN, guard))
+    agent.state.round = 4
+    agent.mark_dirty()
+    assert agent.sync() is True
+
+    marker = tmp_path / "ran"
+    stranger = C10dRendezvousBackend(store, RUN)  # torch's own writer: same key, same base64
+    stranger.set_state(pickle.dumps(Marker(marker)), stranger.get_state()[1])
+    for _ in range(3):
+        agent.sync()  # torch's own state holder: it unpickles what the backend hands it
+        assert agent.state.round == 4  # the last state it verified, not a fresh one
+    assert not marker.exists()
+    assert guard.refused == 3 and len(lines) == 1 and "never unpickled" in lines[0]
+
+    agent.mark_dirty()
+    assert agent.sync() is True  # the next write replaces the stranger's value
+    assert holder(C10dStateBackend(store, RUN, StateGuard.for_run(RUN, key))).sync() is None
+    store.set(f"torch.rendezvous.{RUN}", b"\xff not base64")  # torch's backend would raise: refused the same way
+    agent.sync()
+    assert agent.state.round == 4 and len(lines) == 2
+    assert not marker.exists()
+
+
+def test_a_signed_state_written_back_later_is_refused_as_a_replay() -> None:
+    store, lines = dist.HashStore(), []
+    agent = holder(C10dStateBackend(store, RUN, StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
+    agent.state.round = 1
+    agent.mark_dirty()
+    agent.sync()
+    recorded = store.get(f"torch.rendezvous.{RUN}")  # anyone can read the store
+    agent.state.round = 2
+    agent.mark_dirty()
+    agent.sync()
+    store.set(f"torch.rendezvous.{RUN}", recorded)
+    agent.sync()
+    assert agent.state.round == 2 and "older than write 2" in lines[0]
+
+
+def test_any_other_torch_backend_is_wrapped_with_the_guard(tmp_path: Path) -> None:
+    store, lines = dist.HashStore(), []
+    agent = holder(GuardedBackend(C10dRendezvousBackend(store, RUN), StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
+    agent.mark_dirty()
+    assert agent.sync() is True
+    stranger = C10dRendezvousBackend(store, RUN)
+    stranger.set_state(pickle.dumps(Marker(tmp_path / "ran")), stranger.get_state()[1])
+    agent.sync()
+    assert not (tmp_path / "ran").exists() and len(lines) == 1
+
+
+def test_the_slurm_store_port_held_by_another_socket_is_refused_in_one_line() -> None:
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # bound, as a squatter's server first is
+    squatter.bind(("0.0.0.0", 0))
+    try:
+        with pytest.raises(UsageError, match=r"port \d+ on this node.*already taken by") as refused:
+            hold_store_port(squatter.getsockname()[1])
+    finally:
+        squatter.close()
+    assert "\n" not in str(refused.value)
+
+
+def test_the_ports_holder_is_read_from_proc_net_defensively(tmp_path: Path) -> None:
+    table = tmp_path / "tcp"
+    table.write_text(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 00000000:5208 00000000:0000 0A 00000000:00000000 00:00000000 00000000  4242        0 1\n"
+        "   1: 0100007F:5209 0100007F:9999 01 00000000:00000000 00:00000000 00000000  1000        0 2\n"
+        "   2: garbage\n"
+        "   3: 00000000:ZZZZ 00000000:0000 0A 00000000:00000000 00:00000000 00000000  7 0 3\n"
+    )
+    assert holder_uid(0x5208, [str(table), str(tmp_path / "missing")]) == 4242
+    assert holder_uid(0x5209, [str(table)]) is None  # an established connection holds no port
