@@ -64,6 +64,7 @@ from elastic._agent.launcher.keeper_files import (
     remove_orphans,
     snapshot_base,
 )
+from elastic._agent.launcher.keeper_space import UploadSpace
 from elastic._shared.common import threads
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import parts, peer_auth
@@ -112,6 +113,7 @@ class SnapshotKeeper:
         for name in (LOCAL, REPLICA):
             (self.root / name).mkdir(parents=True, exist_ok=True)
         (self.root / OWNER_FILE).write_text(json.dumps(owner_record(run_id)))
+        self._upload_space = UploadSpace(self.root / REPLICA, RESERVE_FRACTION)
         self._server = serve(self, host, key, tls)
         port = self._server.server_address[1]
         scheme = "https" if tls is not None else "http"
@@ -387,26 +389,26 @@ class SnapshotKeeper:
             raise ValueError("the part's header does not match its name or length")
         self._check_job(header)
         replica = self.root / REPLICA
-        usage = shutil.disk_usage(replica)
-        if usage.free - length < RESERVE_FRACTION * usage.total:
-            raise OSError(f"storing {length} bytes would leave too little room in {replica}")
         tmp = replica / f".{stem}.{uuid.uuid4().hex[:6]}"
-        try:
-            with open(tmp, "wb") as f:
-                remaining = length
-                while remaining:
-                    block = body.read(min(remaining, 2**20))
-                    if not block:
-                        raise ValueError("the part ended early")
-                    tag.update(block)
-                    f.write(block)
-                    remaining -= len(block)
-            if not peer_auth.check_tag(tag, body.read(peer_auth.TAG_BYTES)):
-                raise ValueError("the part's tag does not verify")
-            (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
-            os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
-        finally:
-            tmp.unlink(missing_ok=True)
+        # The length is reserved before any byte is read, so uploads in flight together fit too (507 if not).
+        with self._upload_space.reserve(length) as reservation:
+            try:
+                with open(tmp, "wb") as f:
+                    remaining = length
+                    while remaining:
+                        block = body.read(min(remaining, 2**20))
+                        if not block:
+                            raise ValueError("the part ended early")
+                        tag.update(block)
+                        f.write(block)
+                        reservation.wrote(len(block))
+                        remaining -= len(block)
+                if not peer_auth.check_tag(tag, body.read(peer_auth.TAG_BYTES)):
+                    raise ValueError("the part's tag does not verify")
+                (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
+                os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
+            finally:
+                tmp.unlink(missing_ok=True)
         parts.write_header(replica, header)
 
     def _check_job(self, header: PartHeader) -> None:

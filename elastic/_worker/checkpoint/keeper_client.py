@@ -4,7 +4,8 @@ Both sides of the protocol are in keeper_endpoint.py (the keeper's) and
 storage/peer_auth.py (the signatures and tags).
 
 Invariants:
-- Every request is signed with the job's secret, and every body carries its tag.
+- Every request is signed with the job's secret for the keeper it is sent to (the
+  `host:port` of its URL), and every body carries its tag.
 - A range is returned only once the keeper's tag over it, bound to this
   request's nonce, status and range, verified: bytes a forger or a stale
   answer sends are an `OSError`, never data.
@@ -83,7 +84,7 @@ def push_part(keeper_url: str, key: PeerKey, stem: str, head: bytes, data: memor
     url = urlsplit(keeper_url)
     path = replica_path(stem)
     length = len(head) + len(data) + TAG_BYTES
-    signed = key.sign("PUT", path, content_length=length, header_bytes=len(head))
+    signed = key.sign("PUT", path, receiver=url.netloc, content_length=length, header_bytes=len(head))
     tag = key.body_tag(signed[NONCE], peer_auth.put_what(path))
     tag.update(head)
     tag.update(data)
@@ -206,7 +207,7 @@ class KeeperConnections:
 def _range_on(conn: http.client.HTTPConnection, url: SplitResult, key: PeerKey, start: int,
               stop: int) -> tuple[bytearray, bool]:
     """One signed range request on `conn`: (the verified bytes, whether `conn` may carry another)."""
-    signed = key.sign("GET", url.path)
+    signed = key.sign("GET", url.path, receiver=url.netloc)  # only the keeper it is sent to accepts it
     conn.request("GET", url.path, headers={"Range": f"bytes={start}-{stop - 1}", **signed})
     response = conn.getresponse()
     if response.status != 206:  # a 416 (past the end) too: it carries no tag, so the next keeper is asked
