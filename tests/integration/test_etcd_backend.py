@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 import uuid
 
@@ -12,6 +13,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
     RendezvousStateError,
 )
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from elastic._agent.rendezvous.etcd import (
     BACKEND_NAME,
@@ -90,10 +92,18 @@ def test_concurrent_writers_with_the_same_token_only_one_wins(shared_etcd) -> No
     run_id = uuid.uuid4().hex
     first, _ = create_backend(params(shared_etcd.endpoint, run_id))
     second, _ = create_backend(params(shared_etcd.endpoint, run_id))
-    _, token, _ = first.set_state(b"base")
-    outcomes = [first.set_state(b"from first", token), second.set_state(b"from second", token)]
+    # Real states: what the loser is told is what its guard admitted (elastic._agent.rendezvous.state_guard).
+    base, mine, theirs = (pickle.dumps(_state_of_round(n)) for n in (1, 2, 3))
+    _, token, _ = first.set_state(base)
+    outcomes = [first.set_state(mine, token), second.set_state(theirs, token)]
     assert [written for *_, written in outcomes] == [True, False]
     assert outcomes[1][:2] == outcomes[0][:2]  # the loser is told the winner's state and token
+
+
+def _state_of_round(number: int) -> _RendezvousState:
+    state = _RendezvousState()
+    state.round = number
+    return state
 
 
 def test_corrupted_value_raises_state_error(backend, shared_etcd) -> None:
