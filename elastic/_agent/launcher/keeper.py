@@ -93,6 +93,9 @@ CLOSE_GRACE = 5.0
 RESERVE_FRACTION = 0.10
 """A replica is refused (507) when storing it would leave less than this share of the keeper's file
 system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""
+MAX_JOB_BYTES = 4096
+"""The most of `job.json` read (it holds a run id, a generation and a world size): read as a
+small regular file only, so a FIFO or device put in its place is refused, never waited on."""
 
 
 class SnapshotKeeper:
@@ -418,8 +421,8 @@ class SnapshotKeeper:
         if header.run_id != self.run_id:
             raise Conflict(f"a part of run {header.run_id[:64]!r}; this keeper serves run {self.run_id!r}")
         try:
-            job = json.loads((self.root / JOB_FILE).read_bytes())
-        except (OSError, ValueError):
+            job = json.loads(read_bounded(self.root / JOB_FILE, JOB_FILE, MAX_JOB_BYTES))
+        except (OSError, ValueError, CorruptCheckpoint):
             raise Conflict("this node's workers have not started a generation yet") from None
         generation = str(header.extra.get("generation", ""))
         if not isinstance(job, dict) or (job.get("generation"), job.get("world_size")) != (generation, header.world_size):

@@ -173,10 +173,12 @@ class MappedFiles:
     file's size is checked when it is mapped, so a short file is a `CorruptCheckpoint`;
     the files must not shrink or change while mapped (snapshot parts at restore never
     do: their writers are gone, a replica is replaced by rename, pruning unlinks).
-    Close once no view of a chunk is left."""
+    Close once no view of a chunk is left. A symbolic link is refused unless `follow_links`
+    (a restore's own layout of links to this node's parts, memory.gather_files)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, follow_links: bool = False) -> None:
         self.directory = directory
+        self.follow_links = follow_links
         self._maps: dict[str, mmap.mmap | None] = {}
 
     def expect(self, spans: list[tuple[str, int, int]]) -> None:
@@ -185,7 +187,7 @@ class MappedFiles:
     def view(self, file: str, start: int, stop: int) -> memoryview | None:
         """Bytes [start, stop) of `file`, or None if the file is shorter (or empty)."""
         if file not in self._maps:
-            with validate.open_regular(self.directory / file, file) as f:
+            with validate.open_regular(self.directory / file, file, follow_link=self.follow_links) as f:
                 size = validate.file_size(f)
                 # ACCESS_COPY: writable to Python (torch.frombuffer wants that), never written back.
                 self._maps[file] = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None

@@ -17,10 +17,15 @@ Invariants:
   such as /dev/zero, a directory are refused without blocking), and never more
   than its size on disk or a stated limit: a declared length never becomes an
   allocation larger than the file.
+- A symbolic link is not followed (`O_NOFOLLOW`, `lstat`): a name in a document
+  reads only the file of that name in its directory, never one a link put there
+  points at. Only a caller reading links it laid out itself (a restore's parts,
+  memory.gather_files) passes `follow_link=True`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -121,11 +126,18 @@ def _show(value: Any) -> str:
 # -- files -----------------------------------------------------------------------------
 
 
-def open_regular(path: Path, what: str) -> BinaryIO:
-    """`path` opened for reading if it is a regular file (following links); `CorruptCheckpoint`
-    for a FIFO, a device, a directory, without blocking on any of them. `FileNotFoundError`
-    if it is missing, another `OSError` if it cannot be opened."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+def open_regular(path: Path, what: str, *, follow_link: bool = False) -> BinaryIO:
+    """`path` opened for reading if it is a regular file; `CorruptCheckpoint` for a FIFO, a
+    device, a directory, without blocking on any of them, and for a symbolic link unless
+    `follow_link` (then its target must be a regular file). `FileNotFoundError` if it is
+    missing, another `OSError` if it cannot be opened."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags if follow_link else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_link:
+            raise CorruptCheckpoint(f"{what} is a symbolic link, not a regular file") from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CorruptCheckpoint(f"{what} is not a regular file")
@@ -137,10 +149,12 @@ def open_regular(path: Path, what: str) -> BinaryIO:
 
 
 def regular_size(path: Path, what: str) -> int:
-    """The size of `path` (by stat, following links) if it is a regular file, inside its
-    directory (a bare name); `CorruptCheckpoint` otherwise, `FileNotFoundError` if missing."""
+    """The size of `path` (by lstat: a symbolic link is not followed) if it is a regular file,
+    inside its directory (a bare name); `CorruptCheckpoint` otherwise, `FileNotFoundError` if missing."""
     need_name(path.name, what)
-    info = path.stat()
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise CorruptCheckpoint(f"{what} is a symbolic link, not a regular file")
     if not stat.S_ISREG(info.st_mode):
         raise CorruptCheckpoint(f"{what} is not a regular file")
     return info.st_size

@@ -8,6 +8,8 @@ takes the bytes from.
 Invariants:
 - Nothing fetched is trusted: every range comes back only with the keeper's tag
   verified (keeper_client.py), and the reader checks every block's crc32c, as for a file.
+- This node's parts are read through the links the restore laid out (followed: they
+  are this rank's own), only as regular files and never past their size.
 - Only the spans this rank's plan reads are fetched (nearby spans joined,
   `READ_GAP`), one request at a time, each at most `READ_MAX` bytes: few round
   trips, bounded memory; the requests to one keeper share a kept connection.
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from elastic._shared.storage import validate
 from elastic._shared.storage.chunks import MappedFiles
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint.keeper_client import KeeperConnections
@@ -66,7 +69,7 @@ class PartFiles:
         self._failed: set[str] = set()
         # Maps only in memory: on a disk (TORCHREVIVE_SNAPSHOT_BASE may name one) a read
         # error through a map would be a SIGBUS, not an OSError.
-        self._maps = MappedFiles(directory) if in_memory(directory) else None
+        self._maps = MappedFiles(directory, follow_links=True) if in_memory(directory) else None
         self._requests: dict[str, list[tuple[int, int]]] = {}
         self._held: tuple[str, int, int, bytearray] | None = None
         self.connections = KeeperConnections()
@@ -142,7 +145,13 @@ def in_memory(path: Path) -> bool:
 
 
 def _read_span(path: Path, start: int, stop: int) -> bytearray | None:
-    with open(path, "rb") as f:
+    """Bytes [start, stop) of this node's part at `path` (a link the restore laid out), or None
+    if it is shorter. Read only as a regular file (`CorruptCheckpoint` otherwise, never a wait
+    on a FIFO or an endless device) and never past its size: no allocation larger than the file."""
+    with validate.open_regular(path, path.name, follow_link=True) as f:
+        if start < 0 or stop < start or validate.file_size(f) < stop:
+            return None
+        buffer = bytearray(stop - start)
         f.seek(start)
-        data = f.read(stop - start)
-    return bytearray(data) if len(data) == stop - start else None
+        got = f.readinto(buffer)
+    return buffer if got == stop - start else None
