@@ -18,6 +18,11 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=during_read@20:do=slow:for=40
                                             restoring step 20's checkpoint stalls 40 s
                                             after its first chunk (slow storage on restore)
+    ELASTIC_FAULT=before_read@0+:restart=1:do=hold:until=/tmp/go
+                                            after the first restart, rank 0 holds before
+                                            it reads any byte of the step it restores
+                                            (every rank agreed on it, the nodes' parts
+                                            are known) until /tmp/go exists
     ELASTIC_FAULT=during_snapshot@15:rank=1 die on rank 1 while it copies step 15's
                                             in-memory snapshot (data written, header not)
     ELASTIC_FAULT=during_catch_up@6:rank=1:restart=1

@@ -77,6 +77,7 @@ class Loader:
         is the same one on every rank (see the module docstring)."""
         error: Exception | None = None
         apply: Callable[[], int] | None = None
+        self._fault("before_read", offer.step)
         try:
             if offer.tensors_json is None:
                 apply = self._read_format1(offer, opened)
