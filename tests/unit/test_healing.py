@@ -16,6 +16,7 @@ from support import context
 
 from elastic._agent.launcher.in_place import raise_generation
 from elastic._shared.protocol import heal_env
+from elastic._shared.storage.store_records import Records
 from elastic._worker.checkpoint import live_source
 from elastic._worker.survivors import regroup
 from elastic._worker.survivors.healing import Healing
@@ -63,7 +64,7 @@ def test_a_heal_forms_one_past_the_newest_generation_its_failed_workers_joined(
 
 
 def test_agents_whose_workers_failed_together_raise_the_round_to_one_generation() -> None:
-    store = dist.PrefixStore(heal_env.namespace_prefix("run/0/host:1"), dist.HashStore())
+    store = Records(dist.PrefixStore(heal_env.namespace_prefix("run/0/host:1"), dist.HashStore()), world=4)
     for rank in range(4):
         regroup.count_healer(store, rank=rank, generation=0)
     assert raise_generation(store, [1], started_in=0) == 1
@@ -71,7 +72,7 @@ def test_agents_whose_workers_failed_together_raise_the_round_to_one_generation(
     regroup.count_healer(store, rank=1, generation=1)  # rank 1's replacement joined generation 1, then died
     assert raise_generation(store, [1], started_in=1) == 2
     assert raise_generation(store, [2], started_in=0) == 2, "rank 2 noted generation 0: it failed in the last heal"
-    assert store.add(heal_env.HEALERS_KEY, 0) == 5
+    assert store.store.add(heal_env.HEALERS_KEY, 0) == 5
 
 
 def encode(header: object) -> bytes:

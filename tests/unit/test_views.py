@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from elastic._agent.launcher import exit_barrier
 from elastic._shared.protocol import heal_env
+from elastic._shared.storage.store_records import Records
 from elastic._worker.control.step_vote import Verdict
 from elastic._worker.data.feed import Feed, StepBatchSampler
 from elastic._worker.data.sampler import ElasticSampler
@@ -39,6 +40,11 @@ class Clock:
         self.now += seconds
 
 
+def records(world: int = 8) -> Records:
+    """An in-process store's records, unsealed (test_store_records.py seals them)."""
+    return Records(dist.HashStore(), world=world)
+
+
 def ids(*ranks: int, incarnation: int = 0) -> tuple[str, ...]:
     return tuple(heal_env.member_id(rank, incarnation) for rank in ranks)
 
@@ -50,11 +56,10 @@ def test_the_first_view_is_every_rank_of_the_round() -> None:
 
 
 def test_survivors_close_the_next_view_once_the_dead_are_marked() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock = records(), Clock()
     first = views.first_view(3)
     store.set(heal_env.failed_key("1.0"), "1")  # rank 1's agent said it died
-    store.add("view/1/arrivals", 1)
-    store.set("view/1/arrival/1", "2.0")  # rank 2 arrived already
+    views.arrive(store, first, "2.0")  # rank 2 arrived already
     view = views.after_failure(store, first, "0.0", clock=clock, sleep=clock.sleep)
     assert (view.number, view.members, view.grown) == (1, ids(0, 2), False)
     assert clock.now == 0.0, "nobody left to wait for: closed at once"
@@ -63,7 +68,7 @@ def test_survivors_close_the_next_view_once_the_dead_are_marked() -> None:
 
 
 def test_a_worker_marked_failed_after_it_arrived_is_left_out_and_told_to_leave() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock = records(), Clock()
     first = views.first_view(3)
     views.arrive(store, first, "1.0")  # rank 2's node-mate: its agent stops it after rank 2 died
     store.set(heal_env.failed_key("1.0"), "1")
@@ -73,7 +78,7 @@ def test_a_worker_marked_failed_after_it_arrived_is_left_out_and_told_to_leave()
 
 
 def test_a_member_neither_arrived_nor_marked_is_waited_for_the_settle_time_then_left_out() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock = records(), Clock()
     view = views.after_failure(store, views.first_view(2), "0.0", settle=1.0, clock=clock, sleep=clock.sleep)
     assert view.members == ids(0) and 1.0 <= clock.now < 1.1  # a lost node: its agent never marks it
     late = views.after_failure(store, views.first_view(2), "1.0", clock=clock, sleep=clock.sleep)
@@ -81,7 +86,7 @@ def test_a_member_neither_arrived_nor_marked_is_waited_for_the_settle_time_then_
 
 
 def test_a_grow_admits_the_waiting_joiners_in_rank_order_and_skips_the_dead_and_the_taken() -> None:
-    store = dist.HashStore()
+    store = records()
     current = View(4, ids(0, 2), considered=0)
     assert views.joiners_waiting(store) == 0
     views.register_joiner(store, "3.1")
@@ -96,7 +101,7 @@ def test_a_grow_admits_the_waiting_joiners_in_rank_order_and_skips_the_dead_and_
 
 
 def test_a_joiner_passed_over_by_a_view_takes_a_new_ticket_and_is_admitted_by_the_next() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock = records(), Clock()
     first = views.first_view(2)
     ticket = views.register_joiner(store, "1.1")
     views._close(store, 1, ["0.0"], considered=ticket)  # a view that considered it without it
@@ -114,25 +119,25 @@ def test_a_joiner_passed_over_by_a_view_takes_a_new_ticket_and_is_admitted_by_th
 
 
 def test_a_joiner_leaves_when_the_job_ended_and_when_nobody_is_left_to_take_it_in() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock = records(), Clock()
     first = views.first_view(2)
     ticket = views.register_joiner(store, "1.1")
     views.mark_ended(store)
     assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, stale_after=60,
                                     clock=clock, sleep=clock.sleep) is None
-    orphaned = dist.HashStore()
+    orphaned = records()
     for member in first.members:
         orphaned.set(heal_env.failed_key(member), "1")
     with pytest.raises(ViewError, match="every worker of view 0 failed"):
         views.wait_for_admission(orphaned, "1.1", after=0, ticket=1, first=first, stale_after=60, clock=clock,
                                  sleep=clock.sleep)
     with pytest.raises(ViewError, match="no step vote for 30 s"):  # a lost node's workers are never marked
-        views.wait_for_admission(dist.HashStore(), "1.1", after=0, ticket=1, first=first, stale_after=30,
+        views.wait_for_admission(records(), "1.1", after=0, ticket=1, first=first, stale_after=30,
                                  clock=clock, sleep=clock.sleep)
 
 
 def test_a_joiner_waits_as_long_as_the_group_votes() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock = records(), Clock()
     ticket = views.register_joiner(store, "1.1")
     calls = itertools.count()
 
@@ -148,8 +153,8 @@ def test_a_joiner_waits_as_long_as_the_group_votes() -> None:
 
 
 def test_a_ticket_left_unwritten_is_voided_and_never_blocks_the_joiners_after_it() -> None:
-    store = dist.HashStore()
-    store.add(heal_env.JOINERS_KEY, 1)  # a joiner took ticket 1 and died before writing it
+    store = records()
+    store.store.add(heal_env.JOINERS_KEY, 1)  # a joiner took ticket 1 and died before writing it
     assert views.register_joiner(store, "3.1") == 2
     grown = views.admit(store, View(0, ids(0, 1)), upto=2)
     assert grown.members == ("0.0", "1.0", "3.1") and grown.considered == 2
@@ -157,15 +162,15 @@ def test_a_ticket_left_unwritten_is_voided_and_never_blocks_the_joiners_after_it
 
 
 def test_a_view_forms_when_all_its_members_came_and_every_member_learns_the_same_outcome() -> None:
-    store, clock = dist.HashStore(), Clock()
+    store, clock = records(), Clock()
     view = View(3, ids(0, 1))
-    assert not views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep), "rank 1 never came"
-    assert not views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep), "it came after the give-up"
-    store = dist.HashStore()
-    store.add("view/3/present", 1)  # rank 1 is there; it sees rank 0 counted too and says "formed" ...
-    assert views.gather(store, view, timeout=0.5, clock=clock, sleep=clock.sleep)
-    store.add("view/3/present", -1)  # ... and a member whose wait ran out after that still forms it
-    assert views.gather(store, view, timeout=0, clock=clock, sleep=clock.sleep)
+    assert not views.gather(store, view, "0.0", timeout=0.5, clock=clock, sleep=clock.sleep), "rank 1 never came"
+    assert not views.gather(store, view, "1.0", timeout=0.5, clock=clock, sleep=clock.sleep), "it came after the give-up"
+    store = records()
+    store.set("view/3/present/1.0", "1")  # rank 1 is there; it sees rank 0 there too and says "formed" ...
+    assert views.gather(store, view, "0.0", timeout=0.5, clock=clock, sleep=clock.sleep)
+    store.store.delete_key("view/3/present/1.0")  # ... and a member whose wait ran out after that still forms it
+    assert views.gather(store, view, "0.0", timeout=0, clock=clock, sleep=clock.sleep)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)

@@ -37,6 +37,12 @@ Invariants:
 - A round's heals meet in a namespace of their own (`namespace`), fixed at the
   round's first start: torch's round number is in it.
 - A heal uses one of `--max-restarts`, as torch's restart would.
+- What the agent writes to and reads from the store (failure marks, the
+  workers' member notes) is sealed with the job's secret (`records`,
+  elastic._shared.storage.store_records) and read back checked: a note that is
+  not the job's, or not a count, counts as the generation the agent started
+  the worker in (one warning), and a counter beyond `heal_env.MAX_GENERATION`
+  is a new round, never an exception in the agent.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ import torch.distributed as dist
 from elastic._agent.launcher import exit_barrier
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import heal_env
+from elastic._shared.storage.peer_auth import PeerKey, SecretError
+from elastic._shared.storage.store_records import Records, strict_count
 
 logger = logging.getLogger(__name__)
 
@@ -207,18 +215,31 @@ def _heals(worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> 
     return healers >= world_size > 0
 
 
+def records(store: dist.Store, space: str, world_size: int, environ: Any = None) -> Records:
+    """The round's records in `store` (its heal namespace), sealed with the job's secret: the file the
+    keeper handed over (TORCHREVIVE_SNAPSHOT_SECRET_FILE) when there is one, else unsealed."""
+    try:
+        key = PeerKey.from_env(os.environ if environ is None else environ)
+    except SecretError as error:
+        logger.warning("heal records go unsealed: %s", error)
+        key = None
+    return Records(dist.PrefixStore(heal_env.namespace_prefix(space), store), key=key, scope=space,
+                   world=max(world_size, 1))
+
+
 def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
     """Replace this agent's workers in place; False (nothing started) when the store failed."""
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     ranks = ", ".join(str(rank) for rank in sorted(result.failures))
-    heals = dist.PrefixStore(heal_env.namespace_prefix(space), store)
+    sealed = records(store, space, worker_group.workers[0].world_size if worker_group.workers else 1)
+    heals = sealed.store
     started_in = getattr(agent, "_torchrevive_generation", 0)
     train_on = heal_env.mode(os.environ) == heal_env.TRAIN_ON
     if train_on:  # before they are stopped: the survivors stop waiting for any of this node's workers
         try:
             for worker in worker_group.workers:
-                heals.set(heal_env.failed_key(heal_env.member_id(worker.global_rank, started_in)), "1")
+                sealed.set(heal_env.failed_key(heal_env.member_id(worker.global_rank, started_in)), "1")
         except RuntimeError:
             pass  # the survivors' settle time covers it; the heal below fails on the store too
     agent._stop_workers(worker_group)
@@ -227,8 +248,11 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
         if train_on:
             generation = heals.add(heal_env.INCARNATIONS_KEY, 1)
         else:
-            generation = raise_generation(heals, sorted(result.failures), started_in=started_in)
+            generation = raise_generation(sealed, sorted(result.failures), started_in=started_in)
     except RuntimeError:
+        return False
+    if not 0 < generation <= heal_env.MAX_GENERATION:  # a counter anyone may raise
+        logger.warning("the rendezvous store's heal count %d is not this job's: a new round instead", generation)
         return False
     agent._torchrevive_generation = generation
     print(
@@ -244,21 +268,36 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
     return True
 
 
-def raise_generation(store: dist.Store, failed_ranks: list[int], *, started_in: int) -> int:
+def raise_generation(records: Records, failed_ranks: list[int], *, started_in: int) -> int:
     """Raise the round's generation to the one that heals `failed_ranks` (heal_env.healed_generation;
-    a rank that never noted its generation is taken to be in `started_in`, the one this agent started
-    it in) and return it. A compare-and-set loop: agents healing at once agree."""
+    a rank that never noted its generation, or whose note is not the job's or not a count, is taken to
+    be in `started_in`, the one this agent started it in) and return it. A compare-and-set loop, one
+    try per agent that may move it: agents healing at once agree; 0 (no heal) when it never settles
+    or the count is not one."""
+    store = records.store
     failed_in = []
     for rank in failed_ranks:
         key = heal_env.member_key(rank)
-        noted = store.get(key).decode(errors="replace") if store.check([key]) else ""
-        failed_in.append(int(noted) if noted.isdigit() else started_in)
-    current = store.add(heal_env.GENERATION_KEY, 0)
-    while True:
+        noted = records.get(key)
+        generation = strict_count(noted, most=heal_env.MAX_GENERATION) if noted is not None else None
+        if noted is not None and generation is None:
+            records.warn_once(key, "is not a generation")
+        failed_in.append(started_in if generation is None else generation)
+    try:
+        current = store.add(heal_env.GENERATION_KEY, 0)
+    except ValueError:  # not a number: another process wrote it (a store error is the caller's RuntimeError)
+        return 0
+    for _ in range(4 * records.world + 4):
+        if not 0 <= current <= heal_env.MAX_GENERATION:
+            return 0
         wanted = heal_env.healed_generation(current, failed_in)
         if wanted == current:
             return current
-        seen = int(store.compare_set(heal_env.GENERATION_KEY, str(current), str(wanted)).decode())
+        seen = strict_count(store.compare_set(heal_env.GENERATION_KEY, str(current), str(wanted))
+                            .decode("ascii", errors="replace"), most=heal_env.MAX_GENERATION)
+        if seen is None:
+            return 0
         if seen == wanted:
             return wanted
         current = seen  # another agent moved it meanwhile
+    return 0

@@ -56,6 +56,8 @@ GENERATION_KEY = "generation"
 HEALERS_KEY = "healers"
 """Counted up by each worker that joined a group of the round through a heal point: the
 agent heals in place only when the count reached the round's world size."""
+MAX_GENERATION = 1 << 30
+"""The largest heal generation or incarnation: a counter in the store above it is not the job's."""
 HEAL_FAILED_EXIT = 76
 """A worker that could not regroup (a heal's peers never came): its agent starts a new round."""
 
@@ -85,7 +87,7 @@ def parse_member_id(text: str) -> tuple[int, int]:
     """(rank, incarnation) of a `member_id`; `ValueError` for anything else (it is read from a store)."""
     rank, dot, incarnation = text.partition(".")
     if not (dot and rank.isascii() and rank.isdigit() and incarnation.isascii() and incarnation.isdigit()
-            and len(text) <= 24):
+            and len(rank) <= 9 and len(incarnation) <= 10 and int(incarnation) <= MAX_GENERATION):
         raise ValueError(f"{text[:40]!r} is not a worker id RANK.INCARNATION")
     return int(rank), int(incarnation)
 

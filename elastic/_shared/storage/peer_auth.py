@@ -126,6 +126,12 @@ class PeerKey:
             SIGNATURE: self._request_mac(receiver, method, path, when, nonce, str(content_length), head),
         }
 
+    def record_tag(self, scope: str, name: str, value: str) -> str:
+        """The tag of a record kept in the rendezvous store (elastic._shared.storage.store_records):
+        HMAC-SHA256 over its scope, key and value, 32 hex digits."""
+        message = f"torchrevive-record-1\n{scope}\n{name}\n{value}".encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]
+
     # -- bodies ------------------------------------------------------------------------
 
     def body_tag(self, nonce: str, what: str) -> Poly1305:

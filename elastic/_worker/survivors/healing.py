@@ -153,7 +153,7 @@ class Healing:
             return False
         self.guard.guard(optimizer)
         try:
-            regroup.count_healer(self.point.store, rank=self.point.rank, generation=self.generation)
+            regroup.count_healer(self.point.signed_records, rank=self.point.rank, generation=self.generation)
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed: {first_line(error)}") from None
         self.ready = True
@@ -196,7 +196,7 @@ class Healing:
         self.generation = regroup.next_generation(self.point, after=self.generation, timeout=self.begin_timeout)
         regroup.rejoin(
             self.point.store, generation=self.generation, rank=ctx.rank, world_size=ctx.world_size,
-            backend="gloo", timeout=self._timeout,
+            backend="gloo", timeout=self._timeout, records=self.point.signed_records,
         )
         assert self._model is not None  # armed
         regroup.rebind(self._model, self.guard)
@@ -221,7 +221,7 @@ class Healing:
             self.leave_node()
         self.arrive_check()
         try:
-            views.arrive(self.point.store, self.view, self.me)
+            views.arrive(self.point.signed_records, self.view, self.me)
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed while the survivors regrouped: "
                                        f"{first_line(error)}") from None
@@ -230,7 +230,7 @@ class Healing:
     def arrive_check(self) -> None:
         """`RegroupError` when this worker's agent marked it failed (it is being replaced)."""
         try:
-            replaced = views.failed(self.point.store, self.me)
+            replaced = views.failed(self.point.signed_records, self.me)
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed: {first_line(error)}") from None
         if replaced:
@@ -244,7 +244,7 @@ class Healing:
         try:
             if leaving():
                 self.leave_node()
-            view = views.after_failure(self.point.store, self.view, self.me, arrived_already=arrived, leaving=leaving)
+            view = views.after_failure(self.point.signed_records, self.view, self.me, arrived_already=arrived, leaving=leaving)
             if view is None:
                 self.leave_node()
         except RuntimeError as error:
@@ -260,14 +260,14 @@ class Healing:
         point = self.point
         first = point.rank - point.local_rank
         for rank in range(first, first + point.local_world_size):
-            point.store.set(heal_env.failed_key(heal_env.member_id(rank, point.generation)), "1")
+            point.signed_records.set(heal_env.failed_key(heal_env.member_id(rank, point.generation)), "1")
         raise regroup.RegroupError("stopped by its agent while its group broke: a worker of its node failed")
 
     def grown(self, ctx: WorkerContext, upto: int) -> View | None:
         """The view that admits the joiners of tickets up to `upto` (rank 0 closes it, the others
         read it); every member of the current view calls this at the same step. None when rank 0
         wrote none in time (it died: the caller treats it as a failure and shrinks)."""
-        store = self.point.store
+        store = self.point.signed_records
         try:
             if ctx.rank == 0:
                 return views.admit(store, self.view, upto)
@@ -277,7 +277,7 @@ class Healing:
 
     def wait_to_join(self, after: int) -> View | None:
         """Wait until a grow admits this worker: the view that does; None when the job ended first."""
-        store = self.point.store
+        store = self.point.signed_records
         try:
             after = max(after, views.latest(store))
             ticket = views.register_joiner(store, self.me)
@@ -300,7 +300,7 @@ class Healing:
                 f"{self.point.min_world}: a new round waits for nodes")
         regroup.require_left(f"view {view.number}")
         try:
-            if not views.gather(self.point.store, view):
+            if not views.gather(self.point.signed_records, view, self.me):
                 return None
             # Formed within the gather's bound (a member that died after it came fails it), then
             # collectives get the job's own timeout.
@@ -322,7 +322,7 @@ class Healing:
     def job_ended(self) -> None:
         """The job finished (rank 0, train-on): workers still waiting to join leave."""
         try:
-            views.mark_ended(self.point.store)
+            views.mark_ended(self.point.signed_records)
         except RuntimeError as error:  # they find out from the store's end instead
             logger.warning("could not tell waiting workers the job ended: %s", first_line(error))
 

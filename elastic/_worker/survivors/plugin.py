@@ -184,8 +184,8 @@ class Survivors:
     def joiners_waiting(self, ctx: WorkerContext) -> Callable[[], int] | None:
         """What rank 0's step vote asks each vote step (train-on): the newest ticket of a worker waiting to join."""
         if self.healing.train_on and ctx.is_main:
-            store = self.healing.point.store
-            return lambda: joiners_waiting(store)
+            records = self.healing.point.signed_records
+            return lambda: joiners_waiting(records)
         return None
 
     def on_new_group(self, ctx: WorkerContext, events: Any, path: Any) -> None:

@@ -68,6 +68,8 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic._shared.common.errors import ElasticError, EnvironmentConfigError
 from elastic._shared.common.errors import first_line as _first_line
 from elastic._shared.protocol import heal_env
+from elastic._shared.storage.peer_auth import PeerKey, SecretError
+from elastic._shared.storage.store_records import Records, strict_count
 from elastic._worker.runtime.context import shutdown_worker, teardown_pending
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,12 @@ class HealPoint:
     local_rank: int = 0
     local_world_size: int = 1
     """This worker's place on its node: its agent started ranks `rank - local_rank` on, `local_world_size` of them."""
+    records: Records | None = None
+    """`store`'s records sealed with the job's secret (store_records); `signed_records` gives them."""
+
+    @property
+    def signed_records(self) -> Records:
+        return self.records if self.records is not None else Records(self.store, world=self.world_size)
 
 
 def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(seconds=60)) -> HealPoint | None:
@@ -130,20 +138,27 @@ def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(second
     host, _, port = address.rpartition(":")
     namespace = environ.get(heal_env.HEAL_NAMESPACE_ENV, "")
     generation = environ.get(heal_env.HEAL_GENERATION_ENV, "0")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 < int(port) < 65536:
         raise EnvironmentConfigError(f"{heal_env.HEAL_STORE_ENV}={address!r} is not HOST:PORT")
     if not namespace:
         raise EnvironmentConfigError(f"{heal_env.HEAL_NAMESPACE_ENV} is not set beside {heal_env.HEAL_STORE_ENV}")
-    if not generation.isdigit():
+    if strict_count(generation, most=heal_env.MAX_GENERATION) is None:
         raise EnvironmentConfigError(f"{heal_env.HEAL_GENERATION_ENV}={generation!r} is not a count")
+    try:  # the job's secret seals the round's records (the agent hands the workers a file: never the secret)
+        key = PeerKey.from_env(environ)
+    except SecretError as error:
+        raise EnvironmentConfigError(str(error)) from None
     try:
         store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     except RuntimeError as error:
         raise RegroupError(f"cannot reach the rendezvous store at {address}: {_first_line(error)}") from None
+    heals = dist.PrefixStore(heal_env.namespace_prefix(namespace), store)
+    world_size = max(place["WORLD_SIZE"], 1)
     return HealPoint(
-        dist.PrefixStore(heal_env.namespace_prefix(namespace), store), int(generation), mode=mode,
-        rank=place["RANK"], world_size=max(place["WORLD_SIZE"], 1), min_world=max(place[heal_env.MIN_WORLD_ENV], 1),
+        heals, int(generation), mode=mode,
+        rank=place["RANK"], world_size=world_size, min_world=max(place[heal_env.MIN_WORLD_ENV], 1),
         local_rank=min(place["LOCAL_RANK"], place["RANK"]), local_world_size=max(place["LOCAL_WORLD_SIZE"], 1),
+        records=Records(heals, key=key, scope=namespace, world=world_size),
     )
 
 
@@ -157,6 +172,8 @@ def next_generation(point: HealPoint, after: int, timeout: timedelta = timedelta
         except RuntimeError as error:  # the rendezvous store's agent is gone
             raise RegroupError(f"the rendezvous store failed while waiting for heal {after + 1}: "
                                f"{_first_line(error)}") from None
+        if generation > heal_env.MAX_GENERATION:  # a counter anyone may raise: one line, a new round
+            raise RegroupError(f"the round's heal count in the rendezvous store ({generation}) is not one")
         if generation > after:
             return generation
         if time.monotonic() > deadline:
@@ -267,14 +284,14 @@ def require_left(purpose: str) -> None:
 
 def rejoin(
     store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str = "gloo",
-    timeout: timedelta = timedelta(minutes=5),
+    timeout: timedelta = timedelta(minutes=5), records: Records | None = None,
 ) -> None:
     """Leave the current default group without waiting on a peer (it may be dead), then
     build the default group again on `store` under generation `generation`'s namespace.
 
     Every member of the new group calls this with the same generation; a replacement,
     which has no group yet, calls it too. Blocks until all `world_size` members joined
-    (torch's own store handshake), at most `timeout`."""
+    (torch's own store handshake), at most `timeout`. `records`: `store`'s, sealed (default: unsealed)."""
     if dist.is_initialized():
         leave()
     require_left(f"heal {generation}")
@@ -282,7 +299,8 @@ def rejoin(
         dist.init_process_group(
             backend, store=group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,
         )
-        count_healer(store, rank=rank, generation=generation)
+        count_healer(records if records is not None else Records(store, world=world_size), rank=rank,
+                     generation=generation)
     except RuntimeError as error:  # DistStoreError: a member never came; DistNetworkError: the store is gone
         raise RegroupError(f"rank {rank}: the group of heal {generation} did not form: {_first_line(error)}") from None
 
@@ -292,12 +310,12 @@ def group_store(store: dist.Store, generation: int) -> dist.Store:
     return dist.PrefixStore(f"group/{generation}", store)
 
 
-def count_healer(store: dist.Store, *, rank: int, generation: int) -> None:
-    """Note that this worker joined generation `generation`'s group, and count it among the
-    round's healers (it turns a failed step into a void one and heals): the agent heals in
-    place only when every worker of the round has counted itself."""
-    store.set(heal_env.member_key(rank), str(generation))
-    store.add(heal_env.HEALERS_KEY, 1)
+def count_healer(records: Records, *, rank: int, generation: int) -> None:
+    """Note that this worker joined generation `generation`'s group (a sealed record its agent reads),
+    and count it among the round's healers (it turns a failed step into a void one and heals): the
+    agent heals in place only when every worker of the round has counted itself."""
+    records.set(heal_env.member_key(rank), str(generation))
+    records.store.add(heal_env.HEALERS_KEY, 1)
 
 
 def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> None:

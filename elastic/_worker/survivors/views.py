@@ -20,11 +20,20 @@ A view follows another in one of two ways:
   tickets it saw; which tickets a view considered travels with it, so a joiner
   passed over by a shrink that closed first is admitted by a later grow.
 
+Every record here goes through `store_records.Records`: sealed with the job's
+secret (when the worker has one), and read back checked; one that is forged or
+invalid is ignored with one warning (a stranger who can reach the store can
+neither join a view, nor mark a member failed, nor end the job).
+
 Invariants:
 - A view number is closed once (compare-and-set) and views are numbered 1, 2,
   ... in the order they close; `LATEST_KEY` only grows.
 - A list read back from the store is checked (`parse`): ids that parse, each
-  start rank at most once, a count of tickets that is a count; else `ViewError`.
+  start rank at most once and below the round's world size, a count of tickets
+  that is a count; else `ViewError` (`read_view`: ignored with one warning).
+- No loop runs once per unit of a number read from the store: arrivals and
+  presence are one key per member of the view (at most the round's world size),
+  and a grow considers at most the round's world size of tickets (`admit`).
 - A view forms (`gather`) only once all its members are there, within a bound,
   and its members agree whether it formed (a compare-and-set of the outcome):
   a member that died after the view closed makes it given up, and the others
@@ -43,6 +52,7 @@ import torch.distributed as dist
 
 from elastic._shared.common.errors import ElasticError
 from elastic._shared.protocol import heal_env
+from elastic._shared.storage.store_records import Records, strict_count
 
 SETTLE_SECONDS = 2.0
 """How long a survivor waits for members of the last view that neither arrived nor were marked failed:
@@ -58,6 +68,7 @@ still trains."""
 _POLL_S = 0.005
 _IDLE_POLL_S = 0.02
 _MAX_MEMBERS = 1 << 16
+_MAX_VIEWS = 1 << 30
 
 
 class ViewError(ElasticError):
@@ -89,7 +100,7 @@ class View:
         return f"{self.considered}|{'grow' if self.grown else 'shrink'}|{','.join(self.members)}"
 
     @classmethod
-    def parse(cls, number: int, text: str) -> View:
+    def parse(cls, number: int, text: str, world: int = _MAX_MEMBERS) -> View:
         considered, bar, rest = text.partition("|")
         kind, bar2, listed = rest.partition("|")
         if not (bar and bar2 and kind in ("grow", "shrink") and considered.isascii() and considered.isdigit()
@@ -100,8 +111,10 @@ class View:
             ranks = [heal_env.parse_member_id(member)[0] for member in members]
         except ValueError as error:
             raise ViewError(f"view {number} in the store is malformed: {error}") from None
-        if not 0 < len(members) <= _MAX_MEMBERS or len(set(ranks)) != len(ranks) or ranks != sorted(ranks):
+        if not 0 < len(members) <= min(world, _MAX_MEMBERS) or len(set(ranks)) != len(ranks) or ranks != sorted(ranks):
             raise ViewError(f"view {number} in the store lists {len(members)} workers, not each rank once in order")
+        if ranks[-1] >= world:
+            raise ViewError(f"view {number} in the store names rank {ranks[-1]} of a round of {world}")
         return cls(number, members, int(considered), kind == "grow")
 
 
@@ -114,12 +127,12 @@ def _members_key(number: int) -> str:
     return f"view/{number}/members"
 
 
-def _arrivals_key(number: int) -> str:
-    return f"view/{number}/arrivals"
+def _arrival_key(number: int, member: str) -> str:
+    return f"view/{number}/arrived/{member}"
 
 
-def _arrival_key(number: int, ticket: int) -> str:
-    return f"view/{number}/arrival/{ticket}"
+def _present_key(number: int, member: str) -> str:
+    return f"view/{number}/present/{member}"
 
 
 def _joiner_key(ticket: int) -> str:
@@ -131,56 +144,62 @@ def group_store(store: dist.Store, view: View) -> dist.Store:
     return dist.PrefixStore(f"view/{view.number}/group", store)
 
 
-def read_view(store: dist.Store, number: int) -> View | None:
-    """View `number` if it closed, else None (does not wait)."""
-    key = _members_key(number)
-    if not store.check([key]):
+def _parse(records: Records, number: int, text: str | None) -> View | None:
+    """A view record's value as a view; None (one warning) when it is not one."""
+    if text is None:
         return None
-    return View.parse(number, store.get(key).decode(errors="replace"))
+    try:
+        return View.parse(number, text, records.world)
+    except ViewError as error:
+        return records.warn_once(_members_key(number), f"is not a view ({error})")
 
 
-def latest(store: dist.Store) -> int:
-    """The newest view closed in the round (0: none after the start)."""
-    if not store.check([LATEST_KEY]):
-        return 0
-    raw = store.get(LATEST_KEY).decode(errors="replace")
-    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
-        raise ViewError(f"the round's newest view in the store is malformed: {raw[:40]!r}")
-    return int(raw)
+def read_view(records: Records, number: int) -> View | None:
+    """View `number` if it closed, else None (does not wait); a forged or invalid record is not one."""
+    return _parse(records, number, records.get(_members_key(number)))
 
 
-def _close(store: dist.Store, number: int, members: list[str], considered: int, *, grown: bool = False) -> View:
+def latest(records: Records) -> int:
+    """The newest view closed in the round (0: none after the start, or a record that is not the job's)."""
+    text = records.get(LATEST_KEY)
+    newest = strict_count(text, most=_MAX_VIEWS) if text is not None else 0
+    return newest if newest is not None else records.warn_once(LATEST_KEY, "is not a count") or 0
+
+
+def _close(records: Records, number: int, members: list[str], considered: int, *, grown: bool = False) -> View:
     """Close view `number` with `members` unless another worker closed it first; the view as closed."""
     ordered = sorted(set(members), key=lambda member: heal_env.parse_member_id(member))
     proposal = View(number, tuple(ordered), considered, grown).encode()
-    closed = View.parse(number, store.compare_set(_members_key(number), "", proposal).decode(errors="replace"))
-    while (newest := latest(store)) < number:  # LATEST_KEY only grows (a compare-and-set loop)
-        store.compare_set(LATEST_KEY, str(newest) if newest else "", str(number))
+    closed = _parse(records, number, records.compare_set(_members_key(number), proposal))
+    if closed is None:  # another process took the slot: no view of this job can close under it
+        raise ViewError(f"view {number}'s record in the rendezvous store is not this job's")
+    for _ in range(4 * records.world + 4):  # LATEST_KEY only grows (a compare-and-set loop, one try per closer)
+        raw = records.raw(LATEST_KEY)
+        if latest(records) >= number and raw:
+            break
+        records.swap(LATEST_KEY, raw, str(number))
     return closed
 
 
-def _arrived(store: dist.Store, number: int) -> list[str]:
-    """The members that arrived at view `number` so far (one whose id is not written yet is not counted)."""
-    count = store.add(_arrivals_key(number), 0)
-    keys = [_arrival_key(number, ticket) for ticket in range(1, count + 1)]
-    return [store.get(key).decode(errors="replace") for key in keys if store.check([key])]
+def _arrived(records: Records, last: View) -> list[str]:
+    """The members of `last` that arrived at the view after it so far (one key per member: bounded by the view)."""
+    number = last.number + 1
+    return [m for m in last.members if records.get(_arrival_key(number, m)) == "1"]
 
 
-def arrive(store: dist.Store, last: View, me: str) -> None:
+def arrive(records: Records, last: View, me: str) -> None:
     """`me` survived `last`, which broke: count it in for the view after `last` (first thing, before any
     slow teardown, so that survivors arrive close together)."""
-    number = last.number + 1
-    ticket = store.add(_arrivals_key(number), 1)
-    store.set(_arrival_key(number, ticket), me)
+    records.set(_arrival_key(last.number + 1, me), "1")
 
 
-def failed(store: dist.Store, member: str) -> bool:
+def failed(records: Records, member: str) -> bool:
     """Whether `member`'s agent marked it failed (it replaces it: the worker, if alive, must leave)."""
-    return store.check([heal_env.failed_key(member)])
+    return records.get(heal_env.failed_key(member)) == "1"
 
 
 def after_failure(
-    store: dist.Store, last: View, me: str, *, settle: float = SETTLE_SECONDS, arrived_already: bool = False,
+    records: Records, last: View, me: str, *, settle: float = SETTLE_SECONDS, arrived_already: bool = False,
     leaving: Callable[[], bool] = lambda: False,
     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
 ) -> View | None:
@@ -190,59 +209,64 @@ def after_failure(
     being stopped: the caller marks it failed, and the view closes without it)."""
     number = last.number + 1
     if not arrived_already:
-        arrive(store, last, me)
+        arrive(records, last, me)
     deadline = clock() + settle
     while True:
-        closed = read_view(store, number)
+        closed = read_view(records, number)
         if closed is not None:
             return closed
         if leaving():
             return None
-        arrived = _arrived(store, number)
-        waiting = [m for m in last.members if m not in arrived and not failed(store, m)]
+        arrived = _arrived(records, last)
+        waiting = [m for m in last.members if m not in arrived and not failed(records, m)]
         if not waiting or clock() >= deadline:
-            alive = [m for m in arrived if not failed(store, m)]  # a worker its agent is stopping is not one
+            alive = [m for m in arrived if not failed(records, m)]  # a worker its agent is stopping is not one
             if not alive:  # every one that came is being replaced: nobody closes an empty view
                 raise ViewError(f"every worker that came to view {number} was marked failed")
-            return _close(store, number, alive, last.considered)
+            return _close(records, number, alive, last.considered)
         sleep(_POLL_S)
 
 
-def joiners_waiting(store: dist.Store) -> int:
+def joiners_waiting(records: Records) -> int:
     """The newest joiner's ticket (the step vote carries it: rank 0 of a view reads it at each vote, and
-    counts `HEARTBEAT_KEY` up: the group still trains)."""
-    store.add(HEARTBEAT_KEY, 1)
-    return store.add(heal_env.JOINERS_KEY, 0)
+    counts `HEARTBEAT_KEY` up: the group still trains). A counter: `admit` bounds what it does with it."""
+    records.store.add(HEARTBEAT_KEY, 1)
+    return records.store.add(heal_env.JOINERS_KEY, 0)
 
 
-def admit(store: dist.Store, current: View, upto: int) -> View:
+def admit(records: Records, current: View, upto: int) -> View:
     """Rank 0 of `current`: close the next view as `current`'s members plus the joiners of tickets
     after `current.considered` up to `upto`, less those marked failed and any whose start rank is
     taken. A ticket whose id is still unwritten (its joiner died, or stopped, between taking it and
     writing it: the vote saw it a vote earlier) is voided with `VOID`; a joiner that finds its ticket
-    voided takes another."""
+    voided takes another. At most the round's world size of tickets are considered per grow (the
+    count is anyone's to raise): the rest wait for the next grow, and a count beyond that is warned of."""
     joiners, considered = [], current.considered
     taken = {heal_env.parse_member_id(member)[0] for member in current.members}
+    if upto - considered > records.world:
+        records.warn_once(heal_env.JOINERS_KEY, f"counts {upto - considered} workers waiting to join a round "
+                          f"of {records.world}: {records.world} considered per grow")
+        upto = considered + records.world
     for ticket in range(current.considered + 1, upto + 1):
-        member = store.compare_set(_joiner_key(ticket), "", VOID).decode(errors="replace")
+        member = records.compare_set(_joiner_key(ticket), VOID)
         considered = ticket
-        if member == VOID:
+        if member is None or member == VOID:
             continue
         try:
             rank, _ = heal_env.parse_member_id(member)
         except ValueError:
             continue  # a malformed ticket is nobody's: skipped, never admitted
-        if rank not in taken and not store.check([heal_env.failed_key(member)]):
+        if rank < records.world and rank not in taken and not failed(records, member):
             joiners.append(member)
             taken.add(rank)
-    return _close(store, current.number + 1, [*current.members, *joiners], considered, grown=True)
+    return _close(records, current.number + 1, [*current.members, *joiners], considered, grown=True)
 
 
-def wait_view(store: dist.Store, number: int, *, timeout: float, clock: Callable[[], float] = time.monotonic,
+def wait_view(records: Records, number: int, *, timeout: float, clock: Callable[[], float] = time.monotonic,
               sleep: Callable[[float], None] = time.sleep) -> View | None:
     """View `number` once closed; None after `timeout` seconds."""
     deadline = clock() + timeout
-    while (view := read_view(store, number)) is None:
+    while (view := read_view(records, number)) is None:
         if clock() >= deadline:
             return None
         sleep(_POLL_S)
@@ -253,16 +277,18 @@ VOID = "-"
 """A ticket that rank 0 found unwritten: nobody's."""
 
 
-def register_joiner(store: dist.Store, me: str) -> int:
-    """Wait to join: the ticket a grow admits `me` by."""
-    while True:
-        ticket = store.add(heal_env.JOINERS_KEY, 1)
-        if store.compare_set(_joiner_key(ticket), "", me).decode(errors="replace") == me:
+def register_joiner(records: Records, me: str) -> int:
+    """Wait to join: the ticket a grow admits `me` by (`ViewError` when every try found its ticket taken:
+    rank 0 voids one only per grow, so only another process's writes take that many)."""
+    for _ in range(4 * records.world + 4):
+        ticket = records.store.add(heal_env.JOINERS_KEY, 1)
+        if records.compare_set(_joiner_key(ticket), me) == me:
             return ticket  # (else rank 0 voided it in between: take another)
+    raise ViewError(f"{4 * records.world + 4} tickets to join were taken by others: the rendezvous store is not the job's alone")
 
 
 def wait_for_admission(
-    store: dist.Store, me: str, *, after: int, ticket: int, first: View, stale_after: float,
+    records: Records, me: str, *, after: int, ticket: int, first: View, stale_after: float,
     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
 ) -> View | None:
     """The first view after view `after` that holds `me`; None when the job ended first. A view that
@@ -272,53 +298,54 @@ def wait_for_admission(
     seconds (a lost node's workers are never marked)."""
     seen = after
     checked_orphan = beat_seen_at = clock()
+    store = records.store
     beat = store.add(HEARTBEAT_KEY, 0)
     while True:
-        if store.check([heal_env.ENDED_KEY]):
+        if records.get(heal_env.ENDED_KEY) == "1":
             return None
-        newest = latest(store)
+        newest = latest(records)
         if clock() - checked_orphan >= SETTLE_SECONDS:
             checked_orphan = clock()
-            current = read_view(store, newest) if newest else first
-            if current is not None and all(failed(store, m) for m in current.members):
+            current = read_view(records, newest) if newest else first
+            if current is not None and all(failed(records, m) for m in current.members):
                 raise ViewError(f"every worker of view {newest} failed: none is left to take this one in")
             if (now_beat := store.add(HEARTBEAT_KEY, 0)) != beat:
                 beat, beat_seen_at = now_beat, clock()
             elif clock() - beat_seen_at > stale_after:
                 raise ViewError(f"no step vote for {stale_after:.0f} s: no group is left to take this one in")
         for number in range(seen + 1, newest + 1):
-            view = read_view(store, number)
+            view = read_view(records, number)
             if view is None:
                 newest = number - 1  # closed, not yet noted as the newest: read it next time
                 break
             if me in view.members:
                 return view
             if view.considered >= ticket:
-                ticket = register_joiner(store, me)
+                ticket = register_joiner(records, me)
         seen = newest
         sleep(_IDLE_POLL_S)
 
 
-def gather(store: dist.Store, view: View, *, timeout: float = GATHER_SECONDS,
+def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SECONDS,
            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
-    """Count this member present in `view` and wait for the others: True when the view forms, False when
+    """Note `me` present in `view` and wait for the others: True when the view forms, False when
     it was given up. One outcome for all (a compare-and-set): "formed" by the first member that saw
     every one present, or "given up" by the first whose `timeout` passed before; a member that gave
-    up after another saw everyone still forms it (it had counted itself present)."""
-    present, outcome = f"view/{view.number}/present", f"view/{view.number}/outcome"
+    up after another saw everyone still forms it (it had noted itself present). Presence is one key
+    per member (a count would be anyone's to raise); an outcome that is not the job's is not one."""
+    outcome = f"view/{view.number}/outcome"
     deadline = clock() + timeout
-    count = store.add(present, 1)
+    records.set(_present_key(view.number, me), "1")
     while True:
-        if count >= view.world_size:
-            return store.compare_set(outcome, "", "formed") == b"formed"
-        if store.check([outcome]):
-            return store.get(outcome) == b"formed"
+        if all(records.get(_present_key(view.number, m)) == "1" for m in view.members):
+            return records.compare_set(outcome, "formed") == "formed"
+        if (said := records.get(outcome)) in ("formed", "given up"):
+            return said == "formed"
         if clock() >= deadline:
-            return store.compare_set(outcome, "", "given up") == b"formed"
+            return records.compare_set(outcome, "given up") == "formed"
         sleep(_POLL_S)
-        count = store.add(present, 0)
 
 
-def mark_ended(store: dist.Store) -> None:
+def mark_ended(records: Records) -> None:
     """The job finished: workers still waiting to join leave."""
-    store.set(heal_env.ENDED_KEY, "1")
+    records.set(heal_env.ENDED_KEY, "1")
