@@ -146,3 +146,15 @@ def test_a_free_port_for_a_test_server_lies_below_the_ephemeral_range_and_is_bin
     assert len(ports) > 1, "each pick is random"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports.pop()))
+
+
+def test_only_the_main_threads_sys_exit_is_the_status_a_stuck_exit_ends_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's sys.exit(0) ends that thread only: a crash after it must not end with status 0 (issue 40)."""
+    monkeypatch.setattr(threads, "_exit_status", None)
+    other = threading.Thread(target=sys.exit, args=(0,))
+    other.start()
+    other.join()
+    assert threads._intended_status() == 1, "a crash after another thread's sys.exit(0) is still a failure"
+    with pytest.raises(SystemExit):
+        sys.exit(3)
+    assert threads._intended_status() == 3

@@ -153,8 +153,11 @@ _system_exit = sys.exit
 
 def _exit_noting_status(code: object = None) -> NoReturn:
     """`sys.exit`, with its status noted first: an atexit hook cannot read it, and an exit that must
-    end past a stuck library thread (`_at_exit`) should still end with the status the script chose."""
-    note_exit_status(_status_of(code))
+    end past a stuck library thread (`_at_exit`) should still end with the status the script chose.
+    Only the main thread's: another thread's `sys.exit` ends that thread, never the process, so a
+    `sys.exit(0)` on any thread must not turn a later crash into status 0."""
+    if threading.current_thread() is threading.main_thread():
+        note_exit_status(_status_of(code))
     _system_exit(code)
 
 
