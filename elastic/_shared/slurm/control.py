@@ -1,9 +1,12 @@
-"""What a task asks of the Slurm controller, through `scontrol`: a node's address, whether its job
-may be requeued, and the requeue itself.
+"""What a task asks of the Slurm controller, through `scontrol` and `squeue`: a node's address, another
+job's owner and nodes, whether its job may be requeued, and the requeue itself.
 
 Invariants:
-- `scontrol` runs with an argument list (no shell) and a time bound; it failing, hanging or being
-  absent is a `SlurmControlError` with one line saying which and why, never a traceback.
+- `scontrol` and `squeue` run with an argument list (no shell) and a time bound; one failing, hanging
+  or being absent is a `SlurmControlError` with one line saying which and why, never a traceback.
+- Another job's owner, state and nodes are read from `squeue`'s numeric uid, state and node list
+  (`JOB_FORMAT`), never from `scontrol show job`: its record holds free text (the job's name, its
+  command, its comment) that anyone may fill with `UserId=...` and so lie about whose job it is.
 - Nothing here decides *whether* to requeue: callers requeue only after a preemption's checkpoint
   committed (elastic._worker.run.run, elastic._agent.launcher.slurm_launch), so an exit that must not be requeued
   (bad input, exit 2; a storage stop, exit 75) never reaches `requeue`.
@@ -27,21 +30,32 @@ class SlurmControlError(RuntimeError):
     """scontrol is missing, failed or timed out."""
 
 
-def scontrol(*args: str) -> str:
-    """Run `scontrol ARGS`, return its stdout; `SlurmControlError` when it cannot."""
-    program = shutil.which("scontrol")
+JOB_FORMAT = "%i %U %T %N"
+"""What `squeue` prints of a job: its id, its owner's numeric uid, its state and its node list; no field
+a user chooses freely, and none that holds a space."""
+
+
+def _slurm(name: str, *args: str) -> str:
+    """Run Slurm's program `name` with ARGS, return its stdout; `SlurmControlError` when it cannot."""
+    program = shutil.which(name)
     if program is None:
-        raise SlurmControlError("scontrol is not on PATH")
+        raise SlurmControlError(f"{name} is not on PATH")
     try:
-        done = subprocess.run([program, *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT)
+        done = subprocess.run([program, *args], check=False, capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT)
     except subprocess.TimeoutExpired:
-        raise SlurmControlError(f"scontrol {' '.join(args)} did not answer in {SCONTROL_TIMEOUT:g} s") from None
+        raise SlurmControlError(f"{name} {' '.join(args)} did not answer in {SCONTROL_TIMEOUT:g} s") from None
     except OSError as exc:
-        raise SlurmControlError(f"scontrol {' '.join(args)} could not start ({exc.strerror})") from None
+        raise SlurmControlError(f"{name} {' '.join(args)} could not start ({exc.strerror})") from None
     if done.returncode != 0:
         why = next(iter(done.stderr.strip().splitlines()), f"exit status {done.returncode}")
-        raise SlurmControlError(f"scontrol {' '.join(args)} failed: {why}")
+        raise SlurmControlError(f"{name} {' '.join(args)} failed: {why}")
     return done.stdout
+
+
+def scontrol(*args: str) -> str:
+    """Run `scontrol ARGS`, return its stdout; `SlurmControlError` when it cannot."""
+    return _slurm("scontrol", *args)
 
 
 def _field(record: str, name: str) -> str | None:
@@ -69,14 +83,26 @@ def node_address(node: str) -> str:
 
 
 def nodes_of_job(job_id: int) -> list[str]:
-    """The nodes of running job `job_id`, in Slurm's order (for agents of another allocation joining it)."""
-    record = scontrol("show", "job", "-o", str(job_id))
-    node_list, state, user = _field(record, "NodeList"), _field(record, "JobState"), _field(record, "UserId")
-    uid = re.fullmatch(r"[^()]*\((\d+)\)", user or "")
-    if uid is None or int(uid.group(1)) != os.getuid():
-        raise SlurmControlError(f"Slurm job {job_id} is not yours (UserId={user}): its rendezvous is not joined")
-    if state != "RUNNING" or not node_list or node_list == "(null)":
-        raise SlurmControlError(f"Slurm job {job_id} is not running (JobState={state}): there is no rendezvous to join")
+    """The nodes of running job `job_id`, in Slurm's order (for agents of another allocation joining
+    it), once `squeue` says the job is this user's; `SlurmControlError` otherwise, or when its answer
+    is not one line of `JOB_FORMAT` for that very job."""
+    answer = _slurm("squeue", "--noheader", f"--jobs={job_id}", f"--format={JOB_FORMAT}")
+    lines = [line.split() for line in answer.splitlines() if line.strip()]
+    for fields in lines:
+        if len(fields) != 4 or not fields[1].isascii() or not fields[1].isdigit():
+            raise SlurmControlError(f"squeue gave an unexpected answer for Slurm job {job_id} "
+                                    f"(not '{JOB_FORMAT}': {' '.join(fields)[:120]!r})")
+    mine = [fields for fields in lines if fields[0] == str(job_id)]  # an array's tasks are JOB_TASK
+    if len(mine) > 1:
+        raise SlurmControlError(f"squeue lists Slurm job {job_id} more than once")
+    if not mine:
+        raise SlurmControlError(f"Slurm job {job_id} is not running (squeue does not list it): there is no "
+                                "rendezvous to join")
+    _, uid, state, node_list = mine[0]
+    if int(uid) != os.getuid():
+        raise SlurmControlError(f"Slurm job {job_id} is not yours (uid {uid}): its rendezvous is not joined")
+    if state != "RUNNING" or node_list == "(null)":
+        raise SlurmControlError(f"Slurm job {job_id} is not running (state {state}): there is no rendezvous to join")
     try:
         return expand_hostlist(node_list)
     except ValueError as exc:
