@@ -17,6 +17,15 @@ Invariants:
   field of it is checked (types, sizes, the model's keys and shapes, the
   optimizer's groups) before anything live changes; a header over
   `MAX_HEADER_BYTES` is refused before it is received.
+- Nothing is allocated at a size a peer chose: before the first receive
+  buffer, every tensor the header names (each once) has the shape and dtype of
+  the local tensor it will be loaded into: a model tensor its own; an
+  optimizer tensor the optimizer's state for that parameter where it holds
+  one (a survivor: the same names, shapes and dtypes), else (a replacement's
+  fresh optimizer) its parameter's shape in the parameter's dtype or float32,
+  or a scalar, at most `MAX_STATES_PER_PARAMETER` per parameter. So a
+  member receives at most that many times its model's size; anything else is
+  a `LivePeerError` (the heal fails in one line, and a new round restores).
 - A member that already holds the source's step (`take=False`) changes
   nothing; it only takes part in the broadcasts (they are collectives).
 - A replacement's RNG is seeded from (seed, step, rank), as a rank a grown
@@ -47,6 +56,9 @@ from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 MAX_HEADER_BYTES = 64 << 20
 """A header is a few KB (a name, a shape and a dtype per tensor, plus the trainer state); 64 MiB is
 far past any real one, and bounds what a broken peer can make this worker allocate."""
+MAX_STATES_PER_PARAMETER = 8
+"""Tensors of optimizer state per parameter a member with no state of its own for it accepts (Adam
+with amsgrad keeps 4: step, exp_avg, exp_avg_sq, max_exp_avg_sq)."""
 
 
 class LivePeerError(ElasticError):
@@ -146,7 +158,12 @@ def _check_fits(state: TrainingState, entries: list, trainer: dict, source: int)
     """The source's model and optimizer are this run's: same keys, shapes and dtypes, same groups."""
     name = f"of the live peer rank {source}"
     saved = {key: (shape, dtype) for key, shape, dtype in entries}
+    if len(saved) != len(entries):
+        seen: set[str] = set()
+        twice = next(key for key, _, _ in entries if key in seen or seen.add(key))
+        raise LivePeerError(f"the live peer rank {source} names {twice!r} more than once in its state header")
     live = state.layout.tensors()
+    _check_optimizer_tensors(state.model, live, saved, source)
     live_state.check_shapes(name, live, saved, live_state.MODEL_PREFIX)
     for key, (shape, dtype) in saved.items():
         if key.startswith(live_state.MODEL_PREFIX) and live[key].dtype != dtype:
@@ -157,6 +174,39 @@ def _check_fits(state: TrainingState, entries: list, trainer: dict, source: int)
         if not isinstance(trainer.get(field), dict):
             raise LivePeerError(f"the trainer state of the live peer rank {source} has no {field}")
     live_state.check_groups(name, state.optimizer, state.model, trainer["optimizer"])
+
+
+def _check_optimizer_tensors(
+    model: torch.nn.Module, live: dict[str, torch.Tensor], saved: dict[str, tuple[torch.Size, torch.dtype]], source: int,
+) -> None:
+    """Every optimizer tensor the source names fits what it will be loaded into (the module
+    docstring's rule): `LivePeerError` naming the first that does not, before any is allocated."""
+    params = dict(model.named_parameters())
+    held = {key[len(live_state.OPTIM_PREFIX):].rsplit("/", 1)[0] for key in live
+            if key.startswith(live_state.OPTIM_PREFIX)}
+    sent: dict[str, int] = {}
+    for key, (shape, dtype) in saved.items():
+        if not key.startswith(live_state.OPTIM_PREFIX):
+            continue
+        short = key[len(live_state.OPTIM_PREFIX):]
+        param = params.get(short.rsplit("/", 1)[0]) if "/" in short else None
+        if param is None:
+            raise LivePeerError(f"the live peer rank {source} sent optimizer state {short!r}, for a parameter "
+                                "this model lacks")
+        param_name = short.rsplit("/", 1)[0]
+        sent[param_name] = sent.get(param_name, 0) + 1
+        if param_name in held:
+            want = (live[key].shape, live[key].dtype) if key in live else None
+            if want != (shape, dtype):
+                here = "none" if want is None else f"{list(want[0])} {want[1]}"
+                raise LivePeerError(f"the live peer rank {source} sent optimizer state {short} as {list(shape)} "
+                                    f"{dtype}; this optimizer holds {here}")
+        elif sent[param_name] > MAX_STATES_PER_PARAMETER:
+            raise LivePeerError(f"the live peer rank {source} sent more than {MAX_STATES_PER_PARAMETER} tensors of "
+                                f"optimizer state for {param_name}")
+        elif shape != torch.Size([]) and (shape != param.shape or dtype not in (param.dtype, torch.float32)):
+            raise LivePeerError(f"the live peer rank {source} sent optimizer state {short} as {list(shape)} {dtype}; "
+                                f"its parameter is {list(param.shape)} {param.dtype}")
 
 
 def _apply(
