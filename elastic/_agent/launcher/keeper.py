@@ -186,7 +186,8 @@ class SnapshotKeeper:
                 _remove_old_stages(root, _newest(_store(root)), self.run_id)
             with contextlib.suppress(OSError):
                 if self.secret_file is not None and not live_keepers_of(self.root.parent, self.run_id):
-                    # The secret made for this run on this host: no keeper of the run is left to use it.
+                    # The run's secret file on this host (made, or given and written here): no keeper
+                    # of the run is left to use it.
                     self.secret_file.unlink(missing_ok=True)
                     with contextlib.suppress(OSError):
                         self.secret_file.parent.rmdir()  # when no other run's secret is left in it

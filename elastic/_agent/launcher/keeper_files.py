@@ -5,6 +5,7 @@ Layout, under the snapshot base (/dev/shm, or TORCHREVIVE_SNAPSHOT_BASE):
     torchrevive-snapshots-<uid>/         mode 0700, this user's (`private_directory`)
         <host>-<pid>-<tag>/owner.json    each keeper's directory and who runs it
         .secrets/<run>-<hash>            a run's secret, made on this host (mode 0600)
+        .secrets/<run>-<hash>.given      a run's secret given in TORCHREVIVE_SNAPSHOT_SECRET (mode 0600)
 
 Invariants:
 - Nothing of a job lies where another local user can read or replace it: the
@@ -83,15 +84,37 @@ def private_directory(base: Path) -> Path:
 
 
 def job_key(run_id: str, base: Path | None = None) -> tuple[PeerKey, Path | None]:
-    """The secret run `run_id`'s keepers and workers sign snapshot traffic with, and the file the
-    workers read it from: TORCHREVIVE_SNAPSHOT_SECRET_FILE or TORCHREVIVE_SNAPSHOT_SECRET when set
-    (None: the workers inherit it), else one made for the run on this host, which agents on other
-    hosts lack (`peer_auth.host_secret_file`). `SecretError` (a ValueError) when it cannot be had."""
-    key = PeerKey.from_env()
-    if key is not None:
-        return key, None
-    secret_file = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
-    return PeerKey.from_file(secret_file), secret_file
+    """The secret run `run_id`'s keepers and workers sign snapshot traffic with, and the file made
+    on this host the workers read it from (None: TORCHREVIVE_SNAPSHOT_SECRET_FILE names the job's own).
+    `SecretError` (a ValueError, never showing the secret) when it cannot be had.
+
+    - TORCHREVIVE_SNAPSHOT_SECRET_FILE set: that file, as it is.
+    - TORCHREVIVE_SNAPSHOT_SECRET set: written to a 0600 file in this user's 0700 directory
+      (`peer_auth.given_secret_file`), which TORCHREVIVE_SNAPSHOT_SECRET_FILE then names in this
+      process's environment, and TORCHREVIVE_SNAPSHOT_SECRET is removed from it: the workers (and
+      anything else started from here on) inherit the file's path, never the secret.
+    - neither: one made for the run on this host, which agents on other hosts lack
+      (`peer_auth.host_secret_file`).
+
+    Invariant: on return, os.environ holds no TORCHREVIVE_SNAPSHOT_SECRET; on `SecretError` it is
+    as it was (the agent's own records are then still sealed with the secret)."""
+    named, given = os.environ.get(peer_auth.SECRET_FILE_ENV), os.environ.get(peer_auth.SECRET_ENV)
+    if named:
+        key, secret_file = PeerKey.from_file(Path(named)), None
+    elif given:
+        secret_file = peer_auth.given_secret_file(private_directory(base or snapshot_base()), run_id, given.encode())
+        key = PeerKey.from_file(secret_file)
+        os.environ[peer_auth.SECRET_FILE_ENV] = str(secret_file)
+    else:
+        secret_file = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
+        key = PeerKey.from_file(secret_file)
+    os.environ.pop(peer_auth.SECRET_ENV, None)
+    return key, secret_file
+
+
+def made_here(secret_file: Path | None, run_id: str) -> bool:
+    """Whether `secret_file` (from `job_key`) is a secret this host made, which agents elsewhere lack."""
+    return secret_file is not None and secret_file.name == peer_auth.host_secret_name(run_id)
 
 
 def pid_alive(pid: int) -> bool:
@@ -172,7 +195,7 @@ def remove_orphans(base: Path) -> None:
             live_runs.add(str(owner.get("run_id")))
         else:
             shutil.rmtree(entry.path, ignore_errors=True)
-    wanted = {peer_auth.host_secret_name(run) for run in live_runs}
+    wanted = {name for run in live_runs for name in (peer_auth.host_secret_name(run), peer_auth.given_secret_name(run))}
     try:
         secrets = list(os.scandir(base / SECRETS))
     except OSError:

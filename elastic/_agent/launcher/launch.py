@@ -68,7 +68,7 @@ from elastic._agent.launcher import (
 )
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._agent.launcher.keeper_endpoint import keeper_host
-from elastic._agent.launcher.keeper_files import job_key
+from elastic._agent.launcher.keeper_files import job_key, made_here
 from elastic._agent.launcher.reaper import start_reaper
 from elastic._agent.rendezvous import guarded_c10d, quick_rounds
 from elastic._agent.rendezvous.state_guard import job_key as rendezvous_key
@@ -238,14 +238,15 @@ def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
     cannot start (one warning line: the job then checkpoints to disk only).
 
     Its traffic is signed with the job's secret: TORCHREVIVE_SNAPSHOT_SECRET_FILE or
-    TORCHREVIVE_SNAPSHOT_SECRET when set, else one made for the run on this host
-    (peer_auth.host_secret_file), which agents on other hosts lack: they then need one of the two."""
+    TORCHREVIVE_SNAPSHOT_SECRET when set (moved to a private file: `job_key`), else one made for the
+    run on this host (peer_auth.host_secret_file), which agents on other hosts lack: they then need
+    one of the two."""
     if os.environ.get(SNAPSHOTS_ENV, "1") == "0":
         return None
     run_id = getattr(args, "rdzv_id", None) or "none"
     try:
         key, secret_file = job_key(run_id)
-        if secret_file is not None and _max_nodes(args) > 1:
+        if made_here(secret_file, run_id) and _max_nodes(args) > 1:
             print(f"torchrevive-run: snapshot traffic is signed with a secret made for run {run_id} on this host; "
                   f"agents on other hosts need {peer_auth.SECRET_FILE_ENV} naming the same secret "
                   "(docs/security.md)", file=sys.stderr, flush=True)

@@ -192,6 +192,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "snapshot_secret", peer_auth.SECRET_ENV, "unset",
         "The job's secret itself, environment only (on a command line it would be in `ps` and the logs); "
+        "the agent moves it to a private file (mode 0600) its workers read, so they never inherit it; "
         "--snapshot-secret-file wins.",
         _nonempty("the secret"), "SECRET", flag_given=False,
     ),

@@ -47,6 +47,7 @@ import hmac
 import os
 import secrets
 import ssl
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -270,20 +271,52 @@ def host_secret_name(run_id: str) -> str:
     return f"{name}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
 
 
+def secrets_directory(base: Path) -> Path:
+    """`base`/.secrets, made mode 0700; `SecretError` unless it is a directory of this user's that
+    no one else can open (lstat: a link put in its place is refused)."""
+    directory = base / SECRETS_DIRECTORY
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise SecretError(f"cannot keep the snapshot secret in {directory}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise SecretError(f"{directory} belongs to another user or is open to others: "
+                          f"set {SECRET_FILE_ENV} to a file only this user can read")
+    return directory
+
+
+def given_secret_file(base: Path, run_id: str, secret: bytes) -> Path:
+    """`secret` (given in the environment) written for run `run_id`'s workers to read, mode 0600, in
+    `secrets_directory(base)`, under `given_secret_name`: whole or not at all (a new file renamed
+    into place), never through a link. `SecretError` (never showing the secret) when it cannot be."""
+    PeerKey(secret)  # its length checked before it is written anywhere
+    directory = secrets_directory(base)
+    path = directory / given_secret_name(run_id)
+    tmp = directory / f".{path.name}.{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise SecretError(f"cannot write the snapshot secret in {directory}: {exc.strerror or exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def given_secret_name(run_id: str) -> str:
+    """The file name of run `run_id`'s secret given in the environment (never a host-made one's)."""
+    return f"{host_secret_name(run_id)}.given"
+
+
 def host_secret_file(base: Path, run_id: str) -> Path:
     """The secret of run `run_id` on this host, made once (32 random bytes, mode 0600, in a 0700
     directory of this user's under `base`) and shared by the run's agents here.
 
     `SecretError` when the directory belongs to another user or is open to others."""
-    directory = base / SECRETS_DIRECTORY
-    try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = directory.stat()
-    except OSError as exc:
-        raise SecretError(f"cannot keep the snapshot secret in {directory}: {exc.strerror or exc}") from None
-    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise SecretError(f"{directory} belongs to another user or is open to others: "
-                          f"set {SECRET_FILE_ENV} to a file only this user can read")
+    directory = secrets_directory(base)
     path = directory / host_secret_name(run_id)
     if not path.exists():
         tmp = directory / f".{path.name}.{secrets.token_hex(4)}"

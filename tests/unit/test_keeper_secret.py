@@ -1,0 +1,91 @@
+"""The job's secret given as TORCHREVIVE_SNAPSHOT_SECRET never reaches the workers' environment:
+the agent's setup (keeper_files.job_key) moves it to a 0600 file in this user's 0700 snapshot
+directory and names that file in TORCHREVIVE_SNAPSHOT_SECRET_FILE, which the workers inherit."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic._agent.launcher import keeper_files
+from elastic._shared.storage import peer_auth
+from elastic._shared.storage.peer_auth import SECRET_ENV, SECRET_FILE_ENV, PeerKey
+
+SECRET = "s3cret-" + "x" * 40
+
+
+@pytest.fixture
+def environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process's environment as an agent's with the secret given in it; the snapshot base."""
+    base = tmp_path / "shm"
+    monkeypatch.setenv(keeper_files.BASE_ENV, str(base))
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.setenv(SECRET_FILE_ENV, "")
+    return base
+
+
+def signature(key: PeerKey) -> str:
+    return key.record_tag("round", "key", "value")
+
+
+def test_a_secret_given_in_the_environment_reaches_the_workers_as_a_private_file(environ: Path) -> None:
+    key, secret_file = keeper_files.job_key("run-a")
+    assert SECRET_ENV not in os.environ  # workers started from now on do not inherit it
+    assert secret_file is not None and os.environ[SECRET_FILE_ENV] == str(secret_file)
+    info = os.lstat(secret_file)
+    assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+    assert secret_file.read_text() == SECRET
+    assert secret_file.parent.parent == keeper_files.private_directory(environ)  # mode 0700, this user's
+    worker = PeerKey.from_env(dict(os.environ))  # how a worker finds it
+    assert worker is not None and signature(worker) == signature(key) == signature(PeerKey(SECRET.encode()))
+
+
+def test_the_given_secrets_file_outlives_the_hourly_cleanup_while_its_keeper_runs(
+        environ: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, secret_file = keeper_files.job_key("run-a")
+    old = time.time() - 2 * keeper_files.STALE_SECRET
+    os.utime(secret_file, (old, old))
+    keeper_files.remove_orphans(keeper_files.private_directory(environ))
+    assert not secret_file.exists()  # no keeper of run-a: removed
+    monkeypatch.setenv(SECRET_ENV, SECRET)  # another agent, of run-b
+    monkeypatch.setenv(SECRET_FILE_ENV, "")
+    _, secret_file = keeper_files.job_key("run-b")
+    os.utime(secret_file, (old, old))
+    keeper = keeper_files.private_directory(environ) / "keeper"
+    keeper.mkdir()
+    (keeper / keeper_files.OWNER_FILE).write_text(json.dumps(keeper_files.owner_record("run-b")))
+    keeper_files.remove_orphans(keeper_files.private_directory(environ))
+    assert secret_file.exists()
+
+
+def test_a_secret_file_given_is_handed_on_as_it_is(environ: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    given = tmp_path / "secret"
+    given.write_text("y" * 32)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(given))
+    key, secret_file = keeper_files.job_key("run-a")
+    assert secret_file is None and os.environ[SECRET_FILE_ENV] == str(given) and SECRET_ENV not in os.environ
+    assert signature(key) == signature(PeerKey(b"y" * 32))
+
+
+def test_a_bad_secret_in_the_environment_is_one_line_that_does_not_show_it(environ: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(peer_auth.SecretError) as raised:
+        keeper_files.job_key("run-a")
+    assert "short" not in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_secret_that_cannot_be_kept_in_a_file_stays_where_it_was(environ: Path) -> None:
+    """No private directory to write it to (another user's): the keeper does not start, and the
+    agent keeps sealing its records with the secret, from the environment as before."""
+    environ.mkdir(parents=True)
+    (environ / f"{keeper_files.DIRECTORY}-{os.geteuid()}").mkdir(mode=0o755)
+    with pytest.raises(peer_auth.SecretError, match="open to no one else|not a directory of this user's"):
+        keeper_files.job_key("run-a")
+    assert os.environ[SECRET_ENV] == SECRET and not os.environ[SECRET_FILE_ENV]
