@@ -341,7 +341,9 @@ def test_a_lost_node_shrinks_the_job_and_a_replacement_allocation_joins_it(
         ["srun", "-w", "n2", "-N1", "-n1", "-c1", sys.executable, "-m", "elastic._agent.launcher",
          f"--rdzv-endpoint=slurm:{job}", "--nproc-per-node=1", "recipes/gpt.py", *data_args(corpus, steps),
          "--ckpt-dir", str(ckpt), "--events", str(events)],
-        cwd=REPO, env=slurm.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # the job's secret (the batch script keeps it in the checkpoint directory): its rendezvous state is signed
+        cwd=REPO, env=slurm.env(TORCHREVIVE_SNAPSHOT_SECRET_FILE=str(ckpt / ".snapshot-secret")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         joined, _ = replacement.communicate(timeout=240)
