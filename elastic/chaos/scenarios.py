@@ -60,10 +60,22 @@ def _since(job: ChaosJob) -> float:
     return job.faults[-1][1] if job.faults else 0.0
 
 
+def _every_node_trains(job: ChaosJob) -> None:
+    """Wait until every live node trains again after the previous fault: a step at the full world size
+    after the job's last change since that fault (its recovery first; under train-on, the grow that
+    takes the replacement back). A step the job logged as the fault struck does not count: a chain's
+    next fault must not land while the last one's replacement is still on its way in."""
+    since = _since(job)
+    if job.faults:
+        job.wait_for_recovery(since)
+    changes = [r["time"] for r in job.records() if r["event"] in ("start", "heal") and r["time"] > since]
+    job.wait_for_world_size(job.live_agents(), after=max(changes, default=since))
+
+
 def kill_worker(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     # Every live node trains first (with --nnodes 1:3 the second may join late; in a chain under
     # train-on the replacement of the last fault's worker joins later).
-    job.wait_for_world_size(job.live_agents(), after=_since(job))
+    _every_node_trains(job)
     when_due(job, rng)
     job.signal_worker(signal.SIGKILL, rng=rng)
     return {}
@@ -96,7 +108,7 @@ def kill_during_snapshot(job: ChaosJob, rng: random.Random) -> dict[int, int]:
 def node_loss(job: ChaosJob, rng: random.Random) -> dict[int, int]:
     # Both nodes must be in the job before one is lost: on a busy machine the second
     # agent can miss the first round and join through a membership change later.
-    job.wait_for_world_size(job.live_agents(), after=_since(job))
+    _every_node_trains(job)
     when_due(job, rng)
     # Not agent 0: with c10d it hosts the rendezvous store, the one node a c10d job cannot lose.
     lost = job.last_live_agent()
@@ -113,7 +125,7 @@ def scale_up(job: ChaosJob, rng: random.Random) -> dict[int, int]:
 
 
 def hang(job: ChaosJob, rng: random.Random) -> dict[int, int]:
-    job.wait_for_world_size(job.live_agents(), after=_since(job))
+    _every_node_trains(job)
     when_due(job, rng)
     job.signal_worker(signal.SIGSTOP, rank=1)
     return {}

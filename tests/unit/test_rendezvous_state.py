@@ -29,7 +29,7 @@ from elastic._agent.rendezvous.held_port import holder_uid
 from elastic._agent.rendezvous.quick_rounds import DEPARTED, LAST_ROUND
 from elastic._agent.rendezvous.state_guard import GuardedBackend, StateGuard
 from elastic._agent.rendezvous.state_pickle import StateRefused, check_state
-from elastic._agent.rendezvous.state_seal import StateSeal
+from elastic._agent.rendezvous.state_seal import SecretMissing, StateSeal
 from elastic._shared.common.errors import UsageError
 from elastic._shared.storage.peer_auth import PeerKey
 
@@ -74,7 +74,7 @@ def test_a_pickled_marker_is_refused_and_never_runs(tmp_path: Path) -> None:
     payload = pickle.dumps(Marker(marker))
     for blob in (payload, StateSeal(RUN, KEY).seal(payload, 1)):  # even signed with the job's own secret
         for seal in (StateSeal(RUN, None), StateSeal(RUN, KEY)):
-            with pytest.raises(StateRefused):
+            with pytest.raises((StateRefused, SecretMissing)):  # (without the secret a signed one stops the agent)
                 seal.open(blob)
     with pytest.raises(StateRefused, match="posix.mkdir"):
         check_state(payload)
@@ -118,8 +118,14 @@ def test_only_a_state_signed_with_the_jobs_secret_for_this_run_is_opened() -> No
         with pytest.raises(StateRefused):
             StateSeal(RUN, KEY).open(blob)
             pytest.fail(what)
-    with pytest.raises(StateRefused, match="no secret"):
+    # An agent without the secret meets the job's own signed state: it stops in one line (a UsageError,
+    # exit 2) instead of going on from a fresh state, which would start a second job on the same run id.
+    with pytest.raises(SecretMissing, match="signed with the job's secret and this agent has none") as raised:
         StateSeal(RUN, None).open(signed)
+    assert isinstance(raised.value, UsageError) and "\n" not in str(raised.value)
+    guard = StateGuard.for_run(RUN, None)
+    with pytest.raises(SecretMissing):
+        guard.admit(signed)
 
 
 def holder(backend) -> _BackendRendezvousStateHolder:

@@ -26,8 +26,14 @@ from __future__ import annotations
 import secrets
 
 from elastic._agent.rendezvous.state_pickle import StateRefused, check_state
+from elastic._shared.common.errors import UsageError
 from elastic._shared.storage import peer_auth
 from elastic._shared.storage.peer_auth import PeerKey
+
+
+class SecretMissing(UsageError):
+    """A signed state met by an agent without the job's secret: one line, exit 2 (not a state to refuse)."""
+
 
 MAGIC = b"torchrevive-rdzv-signed/1"
 MAX_HEADER = 128
@@ -64,8 +70,10 @@ class StateSeal:
         is_signed = blob.startswith(MAGIC + b" ")
         if self._key is None:
             if is_signed:
-                raise StateRefused("it is signed, and this agent has no secret to check it with "
-                                   f"(give every agent {peer_auth.SECRET_FILE_ENV})")
+                # Not a stranger's to write over: the job's own agents sign. Going on from a fresh state
+                # would start a second job beside it on the same run id; this agent stops instead.
+                raise SecretMissing(f"the rendezvous state of run {self.run_id} is signed with the job's secret and "
+                                    f"this agent has none: give it the job's {peer_auth.SECRET_FILE_ENV}")
             check_state(blob)
             return 0, blob
         if not is_signed:
