@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         _, failure = error.get_first_failure()
         requeue.close()
         sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
+    except UsageError as error:  # met in the rendezvous: e.g. a signed state and no secret (state_seal)
+        print(f"torchrevive-run: error: {error}", file=sys.stderr, flush=True)
+        requeue.close()
+        sys.exit(error.exit_code)
     except SignalException as stop:  # SIGTERM, SIGINT... or the requeue signal: the workers were stopped
         stopped_by = stop.sigval
         # Leaving now: another SIGTERM (Slurm ending the step) must not raise into the exit's handlers.
