@@ -495,12 +495,17 @@ def launch(tree: Path, phase: str, row: DistRow, ckpt_dir: Path, out: Path, opts
                         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHREVIVE_PRELOAD"}}
     env.update(PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     os.sync()  # the previous job's writeback is not this one's cost (untimed)
-    started = time.perf_counter()
-    try:
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.dist_timeout, cwd=out)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{phase} job did not finish within {opts.dist_timeout} s (--dist-timeout)") from None
-    seconds = time.perf_counter() - started
+    for _attempt in range(3):
+        started = time.perf_counter()
+        try:
+            result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=opts.dist_timeout, cwd=out)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{phase} job did not finish within {opts.dist_timeout} s (--dist-timeout)") from None
+        seconds = time.perf_counter() - started
+        # `--standalone` frees the port it picked before its store binds it: another process on a busy
+        # machine may take it first. Nothing ran yet (the store comes before any worker): start again.
+        if result.returncode == 0 or "EADDRINUSE" not in result.stdout + result.stderr:
+            break
     if result.returncode != 0:
         text = result.stdout + result.stderr
         killed = "SIGKILL" in text or "exitcode  : -9" in text
