@@ -61,7 +61,7 @@ from elastic._worker.hf.checks import (
 from elastic._worker.hf.exits import exit_on_elastic_error
 from elastic._worker.hf.group import join_before_accelerate
 from elastic._worker.run.run import Run
-from elastic._worker.runtime.context import mean_over_group
+from elastic._worker.runtime.context import all_reduce_mean
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class _LossTally:
     def read(self, step: int, run: Run) -> tuple[float, float | None]:
         """(The mean loss over ranks of the steps since the last read, up to `step`; the last gradient norm.)"""
         steps = max(1, step - self.last_read)
-        value = mean_over_group(run.ctx, self.pending.clone()).item() if run.distributed else self.pending.item()
+        value = all_reduce_mean(self.pending).item() if run.distributed else self.pending.item()
         self.total += value
         self.pending.zero_()
         self.last_read = step

@@ -62,6 +62,8 @@ class ScriptExit:
         """`sys.excepthook` for the script: remembers the exception that ended it; a library error is one line."""
 
         def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> object:
+            if not self.pending:  # the run was left (`Run.close`): python's own report, as without a run
+                return previous(exc_type, exc, tb)
             self._uncaught = (exc_type, exc, tb)
             if isinstance(exc, ElasticError):
                 return None  # said in one line once the run has been left (`at_exit`)

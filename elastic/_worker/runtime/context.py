@@ -480,15 +480,6 @@ def barrier(ctx: WorkerContext) -> None:
             dist.barrier()
 
 
-def mean_over_group(ctx: WorkerContext, value: torch.Tensor) -> torch.Tensor:
-    """Mean of `value` over the ranks of `ctx` (returns a new tensor; the input is untouched)."""
-    out = value.detach().clone()
-    if ctx.distributed:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        out /= ctx.world_size
-    return out
-
-
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     """`elastic.all_reduce_mean`: the mean of `value` over the job's current group (the default one,
     also after the survivors rebuilt it in place); a collective. A new tensor; alone, a copy."""
