@@ -26,20 +26,22 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import warm
-from references import TINY_GPT
+from peer_restore import (
+    go_files,
+    job_spec,
+    node_memory,
+    only_on_peers,
+    restart_restore,
+    wait_settled,
+)
 from support import wait_for
 
-from elastic._agent.launcher.keeper_files import private_directory
-from elastic._agent.launcher.proctree import descendants
-from elastic._shared.storage import parts
-from elastic._shared.storage.keeper_address import LOCAL, REPLICA
 from elastic._worker.observe.events import read_events
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
 
 pytestmark = pytest.mark.slow
 
@@ -149,56 +151,34 @@ def listening(pid: int) -> list[tuple[str, int]]:
 
 
 def test_idle_strangers_at_both_keepers_do_not_stop_a_restore_from_memory(tmp_path: Path, tiny_corpus: Path) -> None:
-    crowd_held, held = tmp_path / "hold-for-crowd", tmp_path / "hold-after-step"
-    go = [tmp_path / f"go-{rank}" for rank in (0, 1)]
+    crowd_held, held, go = tmp_path / "hold-for-crowd", tmp_path / "hold-after-step", go_files(tmp_path)
     faults = [f"after_step@{CROWD_AFTER}:do=hold:until={crowd_held}", f"after_step@{HOLD_AFTER}:do=hold:until={held}"]
-    # The restarted group: each rank holds once it knows where every part is, before reading any.
-    faults += [f"before_read@0+:rank={rank}:restart=1:do=hold:until={go[rank]}" for rank in (0, 1)]
-    spec = JobSpec(
-        workdir=tmp_path, nnodes="2:3", run_id=f"crowd-{uuid.uuid4().hex[:8]}", start_process=warm.popen,
-        script_args=[
-            "--data", str(tiny_corpus), "--max-steps", str(STEPS), "--eval-every", "0", "--ckpt-dir", str(tmp_path / "ckpt"),
-            "--ckpt-every", "5", "--snapshot-every", "1", "--ckpt-restore-timeout", str(RESTORE_TIMEOUT), *TINY_GPT,
-        ],
-        env={"ELASTIC_FAULT": ",".join(faults)},
-    )
+    spec = job_spec(tmp_path, tiny_corpus, name="crowd", steps=STEPS, restore_timeout=RESTORE_TIMEOUT, faults=faults,
+                    start_process=warm.popen)
     crowd: IdleCrowd | None = None
     with ChaosJob(spec) as job:
         try:
             job.start()
             wait_for(lambda: Path(f"{crowd_held}.held").exists(), 240, f"rank 0 to hold after step {CROWD_AFTER}")
             agents = job.agents
-            workers = job.workers()
-            node_of = {rank: next(i for i, a in enumerate(agents) if pid in descendants(a.pid)) for rank, pid in workers.items()}
-            assert node_of == {0: 0, 1: 1}, f"ranks on other agents than expected: {node_of}\n{job.logs()}"
+            memory = node_memory(job)
             # The keeper serves in its agent's process, on its --local-addr (c10d's store has the endpoint's port).
             store_port = int(job.endpoint.rsplit(":", 1)[1])
             keepers = [[(h, p) for h, p in listening(a.pid) if h == "127.0.0.1" and p != store_port] for a in agents]
             assert all(len(k) == 1 for k in keepers), f"not one keeper port per agent: {keepers}"
             crowd = IdleCrowd([k[0] for k in keepers]).start()
-            memory = [next(private_directory(job.snapshot_base).glob(f"*-{a.pid}-*")) for a in agents]
             crowd_held.touch()  # the job trains on through the crowd to step HOLD_AFTER
             wait_for(lambda: Path(f"{held}.held").exists(), 240, f"rank 0 to hold after step {HOLD_AFTER}")
 
-            def settled() -> bool:  # step HOLD_AFTER's parts and their copies on the other node all written
-                have = {(where, i, h.rank) for i, d in enumerate(memory) for where in (LOCAL, REPLICA)
-                        for h in parts.read_headers(d / where) if h.step == HOLD_AFTER}
-                return {(LOCAL, 0, 0), (LOCAL, 1, 1), (REPLICA, 1, 0), (REPLICA, 0, 1)} <= have
-
-            wait_for(settled, 120, f"step {HOLD_AFTER}'s replicas copied through {IDLE} idle connections per keeper")
-            for directory in memory:  # each rank's part now lies only in the other node's memory
-                for part in (directory / LOCAL).iterdir():
-                    part.unlink()
+            wait_settled(memory, HOLD_AFTER, f"step {HOLD_AFTER}'s replicas copied through {IDLE} idle connections per keeper")
+            only_on_peers(memory)  # each rank's part now lies only in the other node's memory
             job.signal_worker(signal.SIGKILL, rank=0)
             wait_for(lambda: all(Path(f"{g}.held").exists() for g in go), 240, "the restarted group to be about to read")
             crowd.refresh()  # the keepers' newest connections when the group fetches
             for g in go:
                 g.touch()
 
-            def restored() -> dict | None:
-                return next((e for e in job.records() if e["event"] == "restore" and e.get("restart", 0) > 0), None)
-
-            restore = job.poll_for(restored, 240, "the restarted group's restore")
+            restore = job.poll_for(lambda: restart_restore(job), 240, "the restarted group's restore")
             print(f"restored: {restore}; the stranger's connections open: {crowd.count()} of {2 * IDLE}")
             codes = job.wait(300)
             logs = job.logs(tail=20000)
