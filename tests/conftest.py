@@ -18,6 +18,7 @@ from references import shared_corpus as write_shared_corpus  # noqa: E402
 from support import free_port, make_text  # noqa: E402
 
 from elastic.chaos.netns import NetworkUnavailable, VirtualNetwork  # noqa: E402
+from elastic.chaos.s3_server import S3Server  # noqa: E402
 
 
 @pytest.fixture
@@ -58,6 +59,15 @@ def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """An etcd of this test's own, for tests that stop, restart or reconfigure it."""
     server = EtcdServer(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A local S3 server (moto) for a test file; each test uses a bucket of its own."""
+    server = S3Server(log=tmp_path_factory.mktemp("s3") / "server.log")
     server.start()
     yield server
     server.stop()

@@ -13,7 +13,8 @@ parser (`add_runtime_arguments(p, ckpt_every=200)`). docs/recipes.md's flag
 table is `flag_table()`, checked by a test.
 
 This module sits at the bottom of the worker side: it imports only the
-command-line helpers and the errors, so every layer can take a `RunConfig`.
+command-line helpers, the errors and the parser of checkpoint locations
+(storage/location.py, which imports nothing heavy), so every layer can take a `RunConfig`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from elastic._shared.common.cli import (
     positive_float,
 )
 from elastic._shared.common.errors import UsageError
+from elastic._shared.storage import location
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DEFAULT_METRICS_HOST = "127.0.0.1"
@@ -49,7 +51,8 @@ class RunConfig:
     seed: int = 0
     """Seeds initial weights (the same on every rank), each rank's random stream and the data order."""
     ckpt_dir: str | None = None
-    """Commit checkpoints here and resume from the newest good one (unset: no checkpoints)."""
+    """Commit checkpoints here and resume from the newest good one: a directory, or s3://BUCKET/PREFIX
+    (docs/object-storage.md; unset: no checkpoints)."""
     ckpt_every: int = 50
     """Steps between checkpoints (0: only the final one and on SIGTERM)."""
     ckpt_keep: int = 3
@@ -155,11 +158,44 @@ _SECONDS_ABOVE_0_HOURS = _Rule(
 _PATH = _Rule(str, lambda v: v is None or isinstance(v, str), lambda n, v: f"{n}={v!r} is not a path", "PATH")
 
 
+def _checkpoint_location(text: str) -> str:
+    """A directory, or a supported bucket URL: any other `SCHEME://` is refused, never taken for a path."""
+    try:
+        location.check(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _location_holds(value: Any) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, str):
+        return False
+    try:
+        location.check(value)
+    except UsageError:
+        return False
+    return True
+
+
+def _location_message(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            location.check(value)
+        except UsageError as exc:
+            return str(exc)
+    return f"{name}={value!r} is not a directory or a bucket URL"
+
+
+_CKPT_LOCATION = _Rule(_checkpoint_location, _location_holds, _location_message, "DIR")
+
+
 @cache
 def _rules() -> dict[str, _Rule]:
     return {
         "seed": _at_least(0),
-        "ckpt_dir": _Rule(str, _PATH.holds, _PATH.message, "DIR"),
+        "ckpt_dir": _CKPT_LOCATION,
         "ckpt_every": _at_least(0),
         "ckpt_keep": _at_least(2, "K"),
         "ckpt_max_failures": _at_least(1),

@@ -28,7 +28,7 @@ def _refuse(what: str) -> Callable[..., Any]:
     return refuse
 
 
-SERVER_FIXTURES = {"shared_etcd", "etcd", "network", "keeper", "references"}
+SERVER_FIXTURES = {"shared_etcd", "etcd", "network", "keeper", "references", "s3_server"}
 """Fixtures that start a server or hosts (tests/conftest.py): a unit test may not ask for them."""
 
 

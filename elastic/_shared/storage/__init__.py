@@ -6,11 +6,14 @@
 - `directory`: a checkpoint directory (`CheckpointStore`): commit protocol, listing,
   verification, quarantine, retention;
 - `commit`: the one way a checkpoint is committed, by rank 0 and by a snapshot keeper;
+- `location`, `stores`: what `--ckpt-dir` names (a directory or `s3://BUCKET/PREFIX`) and its store;
+- `object_store`: checkpoints in a bucket (`BucketStore`), committed by a conditional write;
 - `chunks`, `sharded`: tensor bytes under torch.distributed.checkpoint (shard files,
   tensors.json, crc32c per block);
 - `parts`, `keeper_address`: in-memory snapshot parts, and where a node's keeper holds them.
 
 This package sits below both sides: the workers (elastic.checkpoint) write and
 restore through it, the agent's snapshot keeper (elastic._agent.launcher.keeper)
-persists through it. It imports only torch, elastic._shared.common.errors and elastic._shared.common.version.
+persists through it. It imports only torch, elastic._shared.common.errors and elastic._shared.common.version
+(and boto3, when a bucket is used: object_store/s3.py).
 """

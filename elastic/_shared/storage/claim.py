@@ -290,19 +290,25 @@ def _warn_once(root: Path, why: str) -> None:
 
 def claim(root: Path, identity: WriterIdentity) -> None:
     """Make `identity` the directory's writer; `CheckpointStorageError` if another live job writes here."""
-    holder = current(root)
+    judge_takeover(current(root), identity, str(root), str(root / WRITER))
+    replace_small(root, WRITER, identity.to_json())
+
+
+def judge_takeover(holder: WriterIdentity | None, identity: WriterIdentity, where: str, claim_file: str) -> None:
+    """Whether `identity` may claim `where`, which `holder` claimed last: `CheckpointStorageError`
+    if another live job writes there; a warning when it takes over from one that is gone.
+    (The same judgement for a directory and a bucket: object_store/bucket_claim.py.)"""
     if holder is not None and holder.writer != identity.writer:
         same_job = holder.run_id == identity.run_id and holder.run_id not in ANONYMOUS_RUNS
         # An earlier writer in this very process (a manager made again) is no other job.
         if not same_job and not holder.same_process(identity) and holder.alive(identity):
             raise CheckpointStorageError(
-                f"{root} is written by another job ({holder.describe()}, "
+                f"{where} is written by another job ({holder.describe()}, "
                 f"seen {max(0.0, time.time() - holder.heartbeat):.0f} s ago): give each job its own --ckpt-dir "
-                f"(or delete {root / WRITER} if that job is gone)"
+                f"(or delete {claim_file} if that job is gone)"
             )
         if not same_job and not holder.same_process(identity):
-            logger.warning("taking over %s from %s, which is gone", root, holder.describe())
-    replace_small(root, WRITER, identity.to_json())
+            logger.warning("taking over %s from %s, which is gone", where, holder.describe())
 
 
 def refresh(root: Path, identity: WriterIdentity) -> None:
@@ -330,14 +336,17 @@ def release(root: Path, identity: WriterIdentity) -> None:
 def check_may_commit(root: Path, run_id: str, owner: WriterIdentity | None = None) -> None:
     """`SaveFailed` unless the directory is still `owner`'s (rank 0), or, without an owner, still
     claimed by a writer of run `run_id` (a keeper committing for its job's workers)."""
-    holder = current(root)
+    judge_commit(current(root), str(root), run_id, owner)
+
+
+def judge_commit(holder: WriterIdentity | None, where: str, run_id: str, owner: WriterIdentity | None) -> None:
+    """`SaveFailed` unless `holder` (the claim on `where`) lets `owner`, or without one run `run_id`, commit."""
     if holder is None:
         return
     if owner is not None and holder.writer != owner.writer:
-        raise SaveFailed(f"{root} is now written by another writer ({holder.describe()}); this one stops writing there")
+        raise SaveFailed(f"{where} is now written by another writer ({holder.describe()}); this one stops writing there")
     if owner is None and holder.run_id != run_id:
         raise SaveFailed(
-            f"{root} is now written by another job (run {holder.run_id} on {holder.host}); "
+            f"{where} is now written by another job (run {holder.run_id} on {holder.host}); "
             f"nothing of run {run_id} is committed there"
         )
-

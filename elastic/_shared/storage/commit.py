@@ -1,6 +1,7 @@
 """The one way a format-2 checkpoint is committed, by rank 0's saver and by a snapshot keeper alike.
 
-Both arrive with a staging directory that holds every rank's shard file:
+Both arrive with a stage that holds every rank's shard file (a directory, or
+a bucket's attempt folder: object_store/bucket.py):
 rank 0's saver after the ranks wrote their shards through DCP
 (checkpoint/saver.py), a keeper after the keepers copied their nodes'
 snapshot parts in (launcher/keeper.py). `commit_checkpoint` then writes
@@ -25,17 +26,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
-
-import crc32c
+from typing import TYPE_CHECKING, Any
 
 from elastic._shared.storage.claim import WriterIdentity
 from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.durable import (
-    SaveFailed,
-    describe_failure,
-    write_bytes_durably,
-)
+
+if TYPE_CHECKING:
+    from elastic._shared.storage.object_store.bucket import BucketStage, BucketStore
+from elastic._shared.storage.durable import SaveFailed, describe_failure
 from elastic._shared.storage.manifest import (
     TENSORS_FILE,
     TRAINER_FILE,
@@ -46,8 +44,8 @@ from elastic._shared.storage.manifest import (
 
 
 def commit_checkpoint(
-    store: CheckpointStore,
-    stage: Path,
+    store: CheckpointStore | BucketStore,
+    stage: Path | BucketStage,
     *,
     step: int,
     world_size: int,
@@ -68,11 +66,10 @@ def commit_checkpoint(
     name = checkpoint_name(step)
     try:
         files: dict[str, dict[str, Any]] = {file: {"bytes": int(size)} for file, size in sorted(shard_sizes.items())}
-        write_bytes_durably(stage / TENSORS_FILE, tensors_json)
-        files[TENSORS_FILE] = {"bytes": len(tensors_json), "crc32c": crc32c.crc32c(tensors_json)}
+        files[TENSORS_FILE] = store.write_bytes(stage, TENSORS_FILE, tensors_json)
         files[TRAINER_FILE] = store.write_state_file(stage, TRAINER_FILE, trainer)
     except OSError as exc:
-        store.abort(stage)
+        store.abort(stage)  # type: ignore[arg-type]
         raise SaveFailed(f"cannot write {name} to {store.root}: {describe_failure(exc)}") from exc
     sampler = trainer["sampler"]
     manifest = Manifest(

@@ -154,6 +154,9 @@ class CheckpointStore:
         """Refresh the claim (a job that saves rarely still looks alive); `SaveFailed` if it was lost."""
         claims.refresh(self.root, identity)
 
+    def release(self, identity: WriterIdentity) -> None:
+        claims.release(self.root, identity)  # the job ended: its claim's heartbeat goes to 0
+
     def check_owner(self, identity: WriterIdentity) -> None:
         """`SaveFailed` unless the directory is still this writer's (another job or a newer rank 0 took it)."""
         claims.check_may_commit(self.root, identity.run_id, identity)
@@ -191,6 +194,14 @@ class CheckpointStore:
     def begin(self, step: int, tag: str) -> Path:
         """The temporary directory of a save of `step` (every rank of the save writes into it)."""
         return self.root / f"{TMP_PREFIX}{checkpoint_name(step)}.{tag}"
+
+    part_sink = chunk_source = staticmethod(lambda _: None)
+    """None: shards are written to and read from local files (a bucket streams them: object_store/bucket.py)."""
+
+    def write_bytes(self, tmp: Path, file_name: str, data: bytes) -> dict[str, Any]:
+        """`data` into `tmp/file_name`, fsynced; its size and crc32c."""
+        write_bytes_durably(tmp / file_name, data)
+        return {"bytes": len(data), "crc32c": crc32c.crc32c(data)}
 
     def write_state_file(self, tmp: Path, file_name: str, obj: Any) -> dict[str, Any]:
         """`obj` saved with torch.save into `tmp/file_name`, fsynced; its size and crc32c."""

@@ -70,9 +70,13 @@ class Manifest:
     versions: dict[str, str]
     format: int = FORMAT_VERSION
     """1: rank 0's model.pt/optimizer.pt/trainer.pt with sha256s; 2: sharded tensors (sharded.py) with crc32c."""
+    parts: str = ""
+    """In a bucket: the folder of the save attempt whose files this is (object_store/bucket.py);
+    "" in a directory, whose files lie beside the manifest (and then it is not written)."""
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, indent=1, sort_keys=True) + "\n"
+        fields = {k: v for k, v in self.__dict__.items() if k != "parts" or v}
+        return json.dumps(fields, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
@@ -105,6 +109,7 @@ class Manifest:
                 for k, v in stamped.items()
             },
             format=fmt,
+            parts=validate.need_str(raw.get("parts", ""), f"{MANIFEST}'s parts", max_len=64),
         )
 
     @property

@@ -186,10 +186,19 @@ def tensor_shapes(metadata: Metadata) -> dict[str, tuple[torch.Size, torch.dtype
 class ShardWriter(StorageWriter):
     """Each rank appends its items' raw bytes to its own file, checksumming as it goes."""
 
-    def __init__(self, directory: Path, *, after_first_item: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        after_first_item: Callable[[], None] = lambda: None,
+        sink: Callable[[str], Any] | None = None,
+    ) -> None:
         super().__init__()
-        self.directory = Path(directory)
+        self.directory = directory if sink is not None else Path(directory)
         self._after_first_item = after_first_item
+        self._sink = sink
+        """Opens a rank's file elsewhere than `directory` (a bucket's upload: a context manager whose
+        clean exit makes the file appear, object_store/transfer.py); None: a local file, fsynced."""
         self.bytes_written = 0
         self.file_sizes: dict[str, int] = {}
         """Coordinator, after `finish`: every rank's file and its size, from what the ranks reported."""
@@ -211,9 +220,10 @@ class ShardWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         file_name = plan.storage_data
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self._sink is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
         results: list[WriteResult] = []
-        with open(self.directory / file_name, "wb") as f:
+        with (open(self.directory / file_name, "wb") if self._sink is None else self._sink(file_name)) as f:
             offset = 0
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
@@ -229,8 +239,9 @@ class ShardWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=stored))
                 if len(results) == 1:
                     self._after_first_item()
-            f.flush()
-            os.fsync(f.fileno())
+            if self._sink is None:
+                f.flush()
+                os.fsync(f.fileno())
         self.bytes_written = offset
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -242,6 +253,8 @@ class ShardWriter(StorageWriter):
         for stored in metadata.storage_data.values():
             self.file_sizes[stored.file] = max(self.file_sizes[stored.file], stored.offset + stored.length)
         self.tensors_json = metadata_to_json(metadata)
+        if self._sink is not None:
+            return  # the commit uploads it (storage/commit.py)
         with open(self.directory / TENSORS_FILE, "w", encoding="utf-8") as f:
             f.write(self.tensors_json)
             f.flush()
@@ -268,13 +281,15 @@ def save_tensors(
     *,
     group: dist.ProcessGroup | None,
     after_first_item: Callable[[], None] = lambda: None,
+    sink: Callable[[str], Any] | None = None,
 ) -> ShardWriter:
     """Write this rank's `tensors` into `directory` (a collective over `group`); the writer
-    (`bytes_written` here; on the coordinator `file_sizes` of every rank's file).
+    (`bytes_written` here; on the coordinator `file_sizes` of every rank's file). `sink`: how
+    the rank's file is opened elsewhere (`store.part_sink`: a bucket's upload).
 
     Raises DCP's `CheckpointException` on every rank if any rank failed; `first_error` digs out the cause.
     """
-    writer = ShardWriter(directory, after_first_item=after_first_item)
+    writer = ShardWriter(directory, after_first_item=after_first_item, sink=sink)
     with warnings.catch_warnings():  # alone, DCP warns it saves "in a single process": that is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=group, no_dist=group is None)

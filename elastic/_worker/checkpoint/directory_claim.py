@@ -22,7 +22,6 @@ import threading
 
 from elastic._shared.common import threads
 from elastic._shared.common.errors import CheckpointStorageError
-from elastic._shared.storage import claim as claims
 from elastic._shared.storage.claim import WriterIdentity
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import SaveFailed, describe_failure
@@ -66,7 +65,7 @@ class DirectoryClaim:
         if not self._prepared:
             return
         try:
-            claims.release(self.store.root, self.identity)
+            self.store.release(self.identity)
         except OSError as exc:
             logger.warning("could not mark the claim on %s as ended: %s", self.store.root, describe_failure(exc))
 

@@ -86,7 +86,8 @@ class DiskSource:
 
     def open(self, offer: Offer) -> Opened:
         assert offer.directory is not None
-        return Opened(Path(offer.directory))
+        # A directory's files are read in place; a bucket's chunks through ranged requests.
+        return Opened(Path(offer.directory), chunks=self.store.chunk_source(offer.directory))
 
     def rejected(self, offer: Offer, reason: str) -> None:
         for candidate in self._candidates:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from elastic._shared.common.errors import CheckpointError, CheckpointStorageError
 from elastic._shared.protocol import fault_hook
 from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.stores import open_store
 from elastic._shared.storage.keeper_address import KeeperAddress
 from elastic._shared.storage.peer_auth import SECRET_FILE_ENV, PeerKey, SecretError
 from elastic._worker.checkpoint import live_source
@@ -88,7 +89,9 @@ class CheckpointManager:
         self._ctx = ctx
         self.config = config
         self.enabled = config.ckpt_dir is not None
-        self.store = CheckpointStore(config.ckpt_dir or ".", keep=config.ckpt_keep)
+        # A directory or a bucket (storage/stores.py): a bucket that cannot be used is one line, exit 2, here.
+        self.store = open_store(config.ckpt_dir, keep=config.ckpt_keep) if self.enabled else CheckpointStore(
+            ".", keep=config.ckpt_keep)
         self.state = TrainingState(
             model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler, extra=extra,
             seed=config.seed,

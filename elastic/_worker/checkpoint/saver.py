@@ -299,6 +299,7 @@ class Saver:
         try:
             writer = sharded.save_tensors(
                 tensors, tmp, group=self._group, after_first_item=lambda: self._fault("during_write", record.step),
+                sink=self.store.part_sink(tmp),
             )
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException (a BaseException), on every rank
             if ctx.is_main:
