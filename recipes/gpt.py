@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches per rank per validation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (torch.use_deterministic_algorithms; on CUDA cuBLAS's fixed workspace), "
+                        "so that a run repeats bit for bit on the same GPU; an op without one warns")
     p.add_argument("--generate", metavar="PROMPT", default=None, help="sample text from the newest checkpoint and exit")
     p.add_argument("--sample-tokens", type=non_negative_int, default=200, help="bytes to sample (0: no sample at the end)")
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="sampling temperature (0: greedy)")
@@ -180,12 +183,22 @@ def generate(args: argparse.Namespace) -> None:
     print(sample_text(model, args.generate, args.sample_tokens or 200, args.temperature, args.seed))
 
 
+def use_deterministic_kernels() -> None:
+    """--deterministic: before any CUDA work, since cuBLAS reads its workspace setting when it starts.
+    A setting the user made wins. CUDA's atomics-based kernels (an embedding's backward, attention's)
+    then take their deterministic forms; the few ops that have none warn instead of failing the run."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
     if args.generate is not None:
         generate(args)
         return 0
+    if args.deterministic:
+        use_deterministic_kernels()
     prefetch_slow_imports()  # overlaps loading data and joining the group
     # Check the data before joining the job: a bad path fails fast, alone, with exit 2.
     corpus = load_corpus(args.data)

@@ -232,3 +232,42 @@ def test_heal_in_place_benchmark_times_both_settings_and_counts_their_processes(
     assert re.search(r"^round: median [\d.]+ s \([\d.]+\); worker processes started per run: 4$", result.stdout, re.M), \
         result.stdout
     assert re.search(r"^heal in place / new round: [\d.]+ of the time \([\d.]+x faster\), 2 agents$", result.stdout, re.M)
+
+
+def test_gpu_check_dry_run_takes_every_path_cpu_allows_and_reports_the_cuda_ones_skipped(tmp_path: Path) -> None:
+    """Four small jobs of the GPT recipe under torchrevive-run, on gloo: 2 workers timed, a worker
+    SIGKILLed and its run compared bit for bit with an uninterrupted one, a hung worker. The figures'
+    arithmetic, the summary's lines and the refusals: tests/unit/test_gpu_check.py."""
+    out = tmp_path / "gpu-check.json"
+    result = warm.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--json", str(out), "--workdir", str(tmp_path / "work")],
+        timeout=300, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    parts = figures["parts"]
+    assert figures["dry_run"] is True and figures["device"]["peak_bf16_tflops"] is None
+    for name in ("ddp-gpu", "fsdp-gpu", "snapshot-copy", "snapshot-stall", "small-model"):
+        assert parts[name] == {"status": "skipped", "reason": "needs CUDA (dry run on CPU)"}, name
+    assert parts["fsdp-2"]["status"] == "skipped"
+    timed = parts["ddp-2"]
+    assert timed["status"] == "ok" and timed["world_size"] == 2 and timed["steps_per_s"] > 0 and timed["mfu"] is None
+    assert timed["tokens_per_step"] == 2 * 8 * 32  # 2 ranks x batch 8 x 32-token windows: what the job ran
+    kill = parts["kill"]
+    assert kill["status"] == "ok" and kill["kill_to_step_s"] > 0, kill
+    assert kill["restore_source"] == "memory" and kill["restored_step"] <= kill["killed_at_step"] == 4, kill
+    assert kill["final_step"] == 8
+    exact = parts["exactness"]
+    assert exact["status"] == "ok" and exact["identical"] is True and exact["tensors"] > 50, exact
+    assert exact["checkpoint"] == "step_00000008" and exact["nondeterministic_ops"] == []
+    hang = parts["hang"]
+    assert hang["status"] == "ok" and hang["world_size"] == 2 and hang["hung_rank"] == 1, hang
+    assert hang["hang_to_step_s"] > 0 and hang["restore_source"] == "memory", hang
+    assert any("watchdog" in line for line in hang["abort_evidence"]), hang  # what ended the hung group
+    # The summary: the device, a line per part as the JSON has it, then the count of failures.
+    lines = result.stdout.splitlines()
+    assert "gpu check on CPU (dry run, CPU); peak bf16 unknown: no GPU: no MFU" in lines, result.stdout
+    for name, part in parts.items():
+        assert any(re.match(rf"^  {re.escape(name)} +{part['status']} ", line) for line in lines), (name, result.stdout)
+    assert re.search(r"^  kill +ok +kill to step [\d.]+ s, restored from memory$", result.stdout, re.M), result.stdout
+    assert lines[-1] == f"0 part(s) failed; every figure: {out}"

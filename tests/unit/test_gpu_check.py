@@ -1,0 +1,182 @@
+"""benchmarks/gpu_check.py's figures from recorded inputs: the GPU peak table, MFU as nanoGPT computes
+it, step rates and recoveries from event logs, a failed job's one-line reason, the bit-for-bit
+comparison of two checkpoints, the summary, the snapshot copy on CPU, and its refusals.
+
+Its jobs run once, as `--dry-run`, in tests/integration/test_benchmarks.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+from support import REPO
+
+
+def load_gpu_check() -> ModuleType:
+    module = sys.modules.get("gpu_check")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = load_gpu_check()
+
+
+@pytest.mark.parametrize(("name", "peak"), [
+    ("NVIDIA H100 80GB HBM3", 989.0),
+    ("NVIDIA H200", 989.0),
+    ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA H100 NVL", None),
+    ("NVIDIA GeForce RTX 4090", None),
+    ("Tesla V100-SXM2-16GB", None),
+])
+def test_the_peak_is_looked_up_by_the_device_name_and_an_unknown_gpu_has_none(name, peak) -> None:
+    assert gpu_check.peak_bf16_tflops(name) == peak
+
+
+def test_mfu_is_the_models_flops_per_second_over_the_peak_of_the_gpus_used() -> None:
+    # nanoGPT's estimate_mfu for GPT-2 small: N = 124M, L = H = 12, Q = 64, T = 1024.
+    per_token = 6 * 124e6 + 12 * 12 * 12 * 64 * 1024
+    one = gpu_check.model_flops_utilisation(per_token, 12 * 1024, 2.0, 312.0, 1)
+    assert one == pytest.approx(per_token * 12 * 1024 * 2.0 / 312e12)
+    assert gpu_check.model_flops_utilisation(per_token, 12 * 1024, 2.0, 312.0, 2) == pytest.approx(one / 2)
+
+
+def test_the_large_model_has_about_125m_parameters_and_the_recipes_flop_count() -> None:
+    parameters, per_token = gpu_check.flops_per_token(gpu_check.LARGE_MODEL)
+    m = gpu_check.LARGE_MODEL
+    assert 120e6 < parameters < 135e6
+    non_embedding = parameters - m["block_size"] * m["n_embd"]  # nanoGPT leaves the position table out
+    assert per_token == 6 * non_embedding + 12 * m["n_layer"] * m["n_embd"] * m["block_size"]
+
+
+def step(n: int, t: float) -> dict:
+    return {"event": "step", "step": n, "time": t, "world_size": 1}
+
+
+def test_the_step_rate_leaves_out_the_warmup_steps_and_any_restarted_group() -> None:
+    records = [{"event": "start", "step": 0, "time": 0.0}, step(1, 5.0), step(2, 5.1), step(3, 5.6), step(4, 6.1),
+               step(5, 6.6), {"event": "start", "step": 5, "time": 9.0}, step(6, 20.0)]
+    assert gpu_check.steps_per_second(records, warmup=2) == pytest.approx(2 / 1.0)  # steps 3 to 5
+    assert gpu_check.steps_per_second(records, warmup=4) is None  # one step left to time
+    assert gpu_check.steps_per_second([], warmup=0) is None
+
+
+def test_a_recovery_ends_at_the_first_step_of_a_group_started_after_the_fault() -> None:
+    records = [{"event": "start", "step": 0, "time": 0.0}, step(1, 1.0), step(2, 2.0),
+               {"event": "restore", "step": 2, "time": 3.5, "source": "memory"},
+               {"event": "start", "step": 2, "time": 3.5}, step(2, 3.6), step(3, 3.8)]
+    assert gpu_check.first_step_after(records, 2.5) == step(3, 3.8)  # not a step the old group had finished
+    assert gpu_check.restore_after(records, 2.5)["source"] == "memory"
+    assert gpu_check.first_step_after(records, 4.0) is None and gpu_check.restore_after(records, 4.0) is None
+
+
+def test_a_failed_jobs_reason_is_its_last_error_without_torchs_prefix_or_the_launchers_wrapper() -> None:
+    log = "\n".join([
+        "W1127 13:57:02.675000 29489 torch/distributed/run.py:982] starting",
+        "E1127 13:57:02.675000 29489 torch/x/api.py:836]   File \"/work/x.py\", line 3, in <module>",
+        "E1127 13:57:02.675000 29489 torch/x/api.py:836] torch.distributed.DistBackendError: NCCL error: invalid usage",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "",
+    ])
+    assert gpu_check.failure_reason(log) == "torch.distributed.DistBackendError: NCCL error: invalid usage"
+    assert gpu_check.failure_reason("first\nlast line\n") == "last line"
+    assert gpu_check.failure_reason("") == "no output"
+    assert len(gpu_check.failure_reason("ValueError: " + "x" * 500)) == 240
+
+
+def test_the_abort_evidence_is_the_logs_lines_about_aborts_and_the_watchdog() -> None:
+    log = ("step 3\nwatchdog: no training step completed for 10 s after step 40\n"
+           "[PG 0 Rank 1] ProcessGroupNCCL aborting communicators\nfailed (exitcode: 124) local_rank: 1\nstep 41\n")
+    assert gpu_check.abort_lines(log) == [
+        "watchdog: no training step completed for 10 s after step 40",
+        "[PG 0 Rank 1] ProcessGroupNCCL aborting communicators", "failed (exitcode: 124) local_rank: 1",
+    ]
+
+
+def test_checkpoints_compare_bit_for_bit() -> None:
+    state = {"model/w": torch.tensor([1.0, -0.0, 2.5]), "optim/w/step": torch.tensor(3.0),
+             "model/b": torch.zeros(0, dtype=torch.bfloat16)}
+    same = {k: v.clone() for k, v in state.items()}
+    assert gpu_check.compare_states(state, same) == {"identical": True, "tensors": 3, "differing": []}
+    signed_zero = {**same, "model/w": torch.tensor([1.0, 0.0, 2.5])}  # equal as numbers, not as bits
+    assert gpu_check.compare_states(state, signed_zero)["differing"] == ["model/w"]
+    other_dtype = {**same, "optim/w/step": torch.tensor(3.0, dtype=torch.float64)}
+    assert gpu_check.compare_states(state, other_dtype)["differing"] == ["optim/w/step"]
+    missing = {k: v for k, v in same.items() if k != "model/b"}
+    assert gpu_check.compare_states(state, missing) == {"identical": False, "tensors": 3, "differing": ["model/b"]}
+
+
+def recorded_results() -> dict:
+    return {
+        "dry_run": False, "json": "runs/gpu-check.json",
+        "device": {"name": "NVIDIA H100 80GB HBM3", "count": 1, "peak_bf16_tflops": 989.0, "peak_note": None},
+        "parts": {
+            "ddp-gpu": {"status": "ok", "world_size": 1, "steps_per_s": 5.125, "mfu": 0.4123, "parameters_m": 127.6,
+                        "seconds": 41.0},
+            "ddp-2": {"status": "failed", "reason": "exit 1: DistBackendError: Duplicate GPU detected", "seconds": 20.0},
+            "fsdp-2": {"status": "skipped", "reason": "2 workers cannot run here (ddp-2: exit 1)"},
+            "snapshot-copy": {"status": "ok", "pinned_gb_s": 24.61, "pageable_gb_s": 7.03, "snapshot_slot_gb_s": 6.5,
+                              "megabytes": 1073.7},
+            "kill": {"status": "ok", "kill_to_step_s": 1.234, "restore_source": "memory", "redone": 0},
+            "exactness": {"status": "ok", "identical": True, "tensors": 113},
+        },
+    }
+
+
+def test_the_summary_has_a_line_per_part_with_its_figures_or_its_reason() -> None:
+    lines = gpu_check.summary_lines(recorded_results())
+    assert lines == [
+        "gpu check on NVIDIA H100 80GB HBM3 (CUDA); peak bf16 989 TFLOPS",
+        "  ddp-gpu         ok       world 1, 5.12 steps/s, MFU 41.2%, 128M params",
+        "  ddp-2           failed   exit 1: DistBackendError: Duplicate GPU detected",
+        "  fsdp-2          skipped  2 workers cannot run here (ddp-2: exit 1)",
+        "  snapshot-copy   ok       pinned 24.6 GB/s, pageable 7.0 GB/s, snapshot slot 6.5 GB/s",
+        "  kill            ok       kill to step 1.23 s, restored from memory",
+        "  exactness       ok       bit-identical: True, 113 tensors",
+        "1 part(s) failed: ddp-2; every figure: runs/gpu-check.json",
+    ]
+
+
+def test_an_unknown_gpu_is_said_so_and_shows_no_mfu() -> None:
+    results = recorded_results()
+    results["device"] = {"name": "NVIDIA L4", "peak_bf16_tflops": None, "peak_note": "'NVIDIA L4' is not in the peak table: no MFU"}
+    results["parts"]["ddp-gpu"]["mfu"] = None
+    lines = gpu_check.summary_lines(results)
+    assert lines[0] == "gpu check on NVIDIA L4 (CUDA); peak bf16 unknown: 'NVIDIA L4' is not in the peak table: no MFU"
+    assert "MFU" not in lines[1] and "5.12 steps/s" in lines[1]
+
+
+def test_the_snapshot_copy_on_cpu_measures_pageable_buffers_and_the_shared_memory_slot() -> None:
+    figures = gpu_check.measure_copy("cpu", megabytes=1, repeats=1)
+    assert figures["pinned_gb_s"] is None  # pinned memory needs CUDA
+    assert figures["megabytes"] == pytest.approx(2**20 / 1e6)
+    assert figures["pageable_gb_s"] > 0 and figures["snapshot_slot_gb_s"] > 0
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--only", "ddp-gpu,bogus"], "--only takes parts among ddp-gpu, ddp-2,"),
+    (["--budget", "-1"], "--budget"),
+    (["--dry-run", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ([], "no CUDA device is visible; run with --dry-run"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_anything_runs(argv, said, capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        status = gpu_check.main([*argv, "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "out.json")])
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and err.count("\n") == 1 and said in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written
