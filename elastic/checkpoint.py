@@ -1,7 +1,11 @@
 """`python -m elastic.checkpoint inspect DIR`: list checkpoints and verify each one.
 
+DIR is a directory or a bucket prefix (`s3://BUCKET/PREFIX`, credentials from
+the environment: docs/object-storage.md).
+
 Exit status: 0 when at least one checkpoint verifies (a job would resume from
-the newest of those), 1 when none does, 2 on bad usage (no such directory).
+the newest of those), 1 when none does, 2 on bad usage (no such directory, a
+bucket that cannot be read).
 Reading only: nothing in DIR is changed, corrupt checkpoints included.
 """
 
@@ -13,7 +17,8 @@ from pathlib import Path
 
 from elastic._shared.common.cli import OneLineArgumentParser, run_main
 from elastic._shared.common.errors import CheckpointError, CorruptCheckpoint, UsageError
-from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.location import is_url
+from elastic._shared.storage.stores import open_store
 
 
 def _size(n: int) -> str:
@@ -24,10 +29,10 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def inspect(directory: Path) -> int:
-    if not directory.is_dir():
+def inspect(directory: str) -> int:
+    if not is_url(directory) and not Path(directory).is_dir():
         raise UsageError(f"{directory} is not a directory")
-    store = CheckpointStore(directory)
+    store = open_store(directory)
     candidates = store.committed()
     if not candidates:
         raise CheckpointError(f"{directory} holds no committed checkpoint")
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(prog="python -m elastic.checkpoint", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     inspect_cmd = commands.add_parser("inspect", help="list checkpoints and verify each one")
-    inspect_cmd.add_argument("directory", type=Path)
+    inspect_cmd.add_argument("directory", help="a checkpoint directory, or s3://BUCKET/PREFIX")
     args = parser.parse_args(argv)
     return inspect(args.directory)
 

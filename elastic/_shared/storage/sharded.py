@@ -434,11 +434,14 @@ def verify_tensors(directory: Path, metadata: Metadata) -> int:
     return total
 
 
-def full_tensors(directory: Path, metadata: Metadata, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Whole CPU tensors for `keys`, assembled from their chunks in one process (no group)."""
+def full_tensors(
+    directory: Path, metadata: Metadata, keys: Sequence[str], *, source: ChunkSource | None = None
+) -> dict[str, torch.Tensor]:
+    """Whole CPU tensors for `keys`, assembled from their chunks in one process (no group);
+    `source`: where the bytes come from instead of `directory`'s files (a bucket's ranges)."""
     shapes = tensor_shapes(metadata)
     out = {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in keys}
-    load_tensors(out, directory, metadata, group=None)
+    load_tensors(out, directory, metadata, group=None, source=source)
     return out
 
 

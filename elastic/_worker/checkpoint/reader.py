@@ -33,6 +33,8 @@ from elastic._shared.common.errors import CheckpointError, CorruptCheckpoint
 from elastic._shared.common.errors import first_line as _one_line
 from elastic._shared.storage import sharded
 from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.object_store.bucket import BucketStore
+from elastic._shared.storage.stores import open_store
 from elastic._shared.storage.manifest import (
     MODEL_FILE,
     TRAINER_FILE,
@@ -53,10 +55,10 @@ def load_newest_model_state(
     raises `CheckpointError` when `directory` is missing, holds no committed
     checkpoint, or none of them verifies.
     """
-    store = CheckpointStore(directory)
-    if not store.root.exists():
+    store = open_store(os.fspath(directory))  # a directory, or a bucket (checked: one line if unusable)
+    if isinstance(store, CheckpointStore) and not store.root.exists():
         raise CheckpointError(f"checkpoint directory {store.root} does not exist")
-    if not store.root.is_dir():
+    if isinstance(store, CheckpointStore) and not store.root.is_dir():
         raise CheckpointError(f"checkpoint directory {store.root} is not a directory")
     try:
         candidates = store.committed()
@@ -69,7 +71,7 @@ def load_newest_model_state(
         try:
             state = _read_model(store, candidate, map_location)
         except CorruptCheckpoint as exc:
-            if not candidate.path.exists():
+            if candidate.name not in {c.name for c in store.committed()}:
                 # A running job retired it after we listed it: not damage, just gone.
                 logger.info("checkpoint %s was removed while being read; trying the previous one", candidate.name)
                 continue
@@ -83,7 +85,7 @@ def load_newest_model_state(
     raise CheckpointError(f"no checkpoint in {store.root} verifies ({len(corrupt)} corrupt, newest: {corrupt[0]})")
 
 
-def _read_model(store: CheckpointStore, candidate: Candidate, map_location: torch.device | str) -> dict[str, Any]:
+def _read_model(store: CheckpointStore | BucketStore, candidate: Candidate, map_location: torch.device | str) -> dict[str, Any]:
     """The verified model state of one checkpoint; `CorruptCheckpoint` if it is not one."""
     try:
         manifest = store.verify(candidate)
@@ -103,7 +105,7 @@ def _read_model(store: CheckpointStore, candidate: Candidate, map_location: torc
 
 
 def read_tensors(
-    store: CheckpointStore, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], *, prefix: str = ""
+    store: CheckpointStore | BucketStore, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], *, prefix: str = ""
 ) -> dict[str, Any]:
     """A format-2 checkpoint's state whose keys start with `prefix`, whole, on CPU (one process):
     every tensor, a tied one under each of its names, and modules' extra state."""
@@ -112,7 +114,8 @@ def read_tensors(
         raise CorruptCheckpoint(f"{candidate.name}/{TRAINER_FILE} is not a trainer state of this runtime")
     metadata = store.tensor_metadata(candidate, manifest)
     keys = [key for key in sharded.tensor_shapes(metadata) if key.startswith(prefix)]
-    state: dict[str, Any] = dict(sharded.full_tensors(candidate.path, metadata, keys))
+    source = store.chunk_source(candidate.path)  # a bucket's ranged reads; None: the files
+    state: dict[str, Any] = dict(sharded.full_tensors(candidate.path, metadata, keys, source=source))
     for alias, first in trainer.get("aliases", {}).items():
         if first in state:
             state[alias] = state[first]
