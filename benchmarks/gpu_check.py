@@ -39,8 +39,9 @@ steps) and records the others as skipped, with the reason.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
-import math
 import os
 import re
 import shutil
@@ -55,11 +56,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic import OneLineArgumentParser, non_negative_float, positive_int
+
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "gpt.py"
 sys.path.insert(0, str(REPO / "recipes"))  # the recipe's model, for its parameter and FLOP counts
-
-from elastic import OneLineArgumentParser, non_negative_float, positive_int  # noqa: E402
 
 PEAK_BF16_TFLOPS = (("H100 PCIE", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
 """Dense bf16 tensor-core peaks (no sparsity), by a piece of the device name, the first match winning:
@@ -162,8 +163,14 @@ def failure_reason(log: str) -> str:
 
 def abort_lines(log: str) -> list[str]:
     """The log's lines about communicators aborted or a watchdog ending a group."""
-    pattern = re.compile(r"abort|watchdog|exitcode\s*:\s*124|no step completed", re.I)
+    pattern = re.compile(r"abort|watchdog|exitcode\s*:\s*124|no step completed", re.IGNORECASE)
     return [line.strip() for line in log.splitlines() if pattern.search(line)]
+
+
+def snapshots_off(log: str) -> str | None:
+    """The runtime's line saying in-memory snapshots are off (a full /dev/shm, no keeper), if any."""
+    return next((_TORCH_LOG_PREFIX.sub("", line).strip() for line in log.splitlines()
+                 if "in-memory snapshots are off" in line), None)
 
 
 def compare_states(left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
@@ -259,7 +266,10 @@ class Job:
 
     def __init__(self, directory: Path, nproc: str, script_args: Sequence[str], *, max_restarts: int = 0,
                  env: dict[str, str] | None = None) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        # Run again in the same --workdir, a job would append to the old event log, resume from the old
+        # checkpoint and find the old fault's marks: each job starts in an empty folder.
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
         self.events = directory / "events.jsonl"
         self.log_path = directory / "launcher.log"
         environ = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -339,7 +349,7 @@ def flops_per_token(model: dict[str, int]) -> tuple[int, int]:
 
 
 def throughput(check: Check, name: str, nproc: str, model: dict[str, int], deadline: float, *extra: str,
-               steps: int = 60, warmup: int = 10) -> dict[str, Any]:
+               steps: int = 150, warmup: int = 30) -> dict[str, Any]:
     """Steps/s of the recipe after `warmup` steps, and its MFU where the GPU's peak is known."""
     if check.dry_run:
         steps, warmup = 8, 2
@@ -380,7 +390,8 @@ def part_snapshot_copy(check: Check, deadline: float) -> dict[str, Any]:
     out = check.workdir / "snapshot-copy.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--measure-copy", str(out)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=max(1.0, deadline - time.time()), cwd=REPO)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=max(1.0, deadline - time.time()), cwd=REPO,
+                              check=False)
     except subprocess.TimeoutExpired:
         raise PartFailed("the copy did not finish within the part's time limit") from None
     if done.returncode != 0:
@@ -418,18 +429,21 @@ def measure_copy(device_name: str = "cuda", megabytes: int = 1024, repeats: int 
             seconds.append(time.perf_counter() - started)
         return nbytes / statistics.median(seconds[1:]) / 1e9
 
+    figures: dict[str, Any] = {
+        "megabytes": nbytes / 1e6,
+        "pinned_gb_s": gb_per_s(BufferPool(pin_memory=True)) if cuda else None,
+        "pageable_gb_s": gb_per_s(BufferPool(pin_memory=False)),
+        "snapshot_slot_gb_s": None,
+    }
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
     slot_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=shm))
     try:
         entries, size = plan_layout(tensors)
         slot = _Slot(slot_dir / "slot.data", entries, size)
-        figures = {
-            "megabytes": nbytes / 1e6,
-            "pinned_gb_s": gb_per_s(BufferPool(pin_memory=True)) if cuda else None,
-            "pageable_gb_s": gb_per_s(BufferPool(pin_memory=False)),
-            "snapshot_slot_gb_s": gb_per_s(slot),
-        }
+        figures["snapshot_slot_gb_s"] = gb_per_s(slot)
         del slot
+    except OSError as exc:  # a /dev/shm smaller than the state: what the memory tier would meet too
+        figures["snapshot_slot_error"] = f"{slot_dir}: {exc.strerror or exc}"
     finally:
         shutil.rmtree(slot_dir, ignore_errors=True)
     return figures
@@ -445,6 +459,9 @@ def part_snapshot_stall(check: Check, deadline: float) -> dict[str, Any]:
                              "--ckpt-dir", str(ckpt), "--ckpt-every", "0", "--snapshot-every", "1")
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)  # a large model's final checkpoint: nothing reads it
+    off = snapshots_off((check.workdir / "snapshot-stall" / "launcher.log").read_text(errors="replace"))
+    if off is not None:
+        raise PartFailed(off)
     figures["stall_per_snapshot_s"] = 1 / figures["steps_per_s"] - 1 / plain["steps_per_s"]
     figures["mfu"] = None  # the model's MFU is ddp-gpu's
     return figures
@@ -466,7 +483,6 @@ def fault_steps(check: Check) -> tuple[int, int]:
 def part_kill(check: Check, deadline: float) -> dict[str, Any]:
     at, steps = fault_steps(check)
     hold = check.workdir / "kill" / "hold"
-    hold.parent.mkdir(parents=True, exist_ok=True)
     job = Job(check.workdir / "kill", check.per_gpu, fault_job_args(check, "kill", steps), max_restarts=3,
               env={"ELASTIC_FAULT": f"after_step@{at}:do=hold:until={hold}"})
     try:
@@ -538,7 +554,6 @@ def part_hang(check: Check, deadline: float) -> dict[str, Any]:
     world = 1 if check.two_ranks_fail else 2
     timeout = 2.0 if check.dry_run else 10.0
     hold = check.workdir / "hang" / "hold"
-    hold.parent.mkdir(parents=True, exist_ok=True)
     args = fault_job_args(check, "hang", steps, "--hang-timeout", f"{timeout:g}", "--collective-timeout", "30")
     job = Job(check.workdir / "hang", str(world), args, max_restarts=3,
               env={"ELASTIC_FAULT": held_then(hold, world - 1, at, ":do=hang")})
@@ -618,7 +633,12 @@ def describe_device() -> dict[str, Any]:
                 "peak_note": "no GPU: no MFU"}
     name = torch.cuda.get_device_name(0)
     peak = peak_bf16_tflops(name)
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+    try:
+        import torch.cuda.nccl
+
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as exc:  # noqa: BLE001 - a figure for the record only
+        nccl = f"unknown ({type(exc).__name__})"
     return {"name": name, "count": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": nccl, "peak_bf16_tflops": peak,
             "peak_note": None if peak else f"{name!r} is not in the peak table: no MFU"}
@@ -629,6 +649,22 @@ def write_corpus(directory: Path) -> Path:
     path = directory / "corpus.txt"
     path.write_text("".join(p.read_text() for p in sorted(REPO.glob("elastic/**/*.py"))))
     return path
+
+
+RUNTIME_MODULES = ("crc32c", "cryptography", "prometheus_client", "tqdm", "numpy")
+"""What the launcher and the workers import beyond torch (pyproject.toml's dependencies they use)."""
+
+
+def not_ready() -> str | None:
+    """Why the jobs cannot run here, in one line, before any starts: the package must be installed
+    (`pip install -e .`: its entry points carry ELASTIC_FAULT's injector) with its dependencies."""
+    missing = [name for name in RUNTIME_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"missing Python packages: {', '.join(missing)} (pip install -e . installs them)"
+    faults = {entry.name for entry in importlib.metadata.entry_points(group="torchrevive.faults")}
+    if "chaos" not in faults:
+        return "torchrevive is not installed (its fault injector's entry point is missing): pip install -e ."
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -655,6 +691,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not chosen:
         print(f"gpu_check.py: error: --only takes parts among {', '.join(known)}; not {', '.join(unknown) or 'nothing'}",
               file=sys.stderr)
+        return 2
+    why = not_ready()
+    if why is not None:
+        print(f"gpu_check.py: error: {why}", file=sys.stderr)
         return 2
     device = describe_device()
     if device["count"] == 0 and not args.dry_run:

@@ -104,6 +104,14 @@ def test_the_abort_evidence_is_the_logs_lines_about_aborts_and_the_watchdog() ->
     ]
 
 
+def test_snapshots_that_turned_themselves_off_are_found_in_the_log() -> None:
+    log = ("I1127 13:57:02.675000 1 x.py:1] step 3\n"
+           "14:01:02 WARNING [rank0] elastic._worker.checkpoint.memory: in-memory snapshots are off from now on: "
+           "cannot allocate the snapshot in /dev/shm/x (No space left on device); checkpoints go to disk only\n")
+    assert gpu_check.snapshots_off(log).endswith("(No space left on device); checkpoints go to disk only")
+    assert gpu_check.snapshots_off("step 3\n") is None
+
+
 def test_checkpoints_compare_bit_for_bit() -> None:
     state = {"model/w": torch.tensor([1.0, -0.0, 2.5]), "optim/w/step": torch.tensor(3.0),
              "model/b": torch.zeros(0, dtype=torch.bfloat16)}
@@ -164,6 +172,16 @@ def test_the_snapshot_copy_on_cpu_measures_pageable_buffers_and_the_shared_memor
     assert figures["pageable_gb_s"] > 0 and figures["snapshot_slot_gb_s"] > 0
 
 
+def test_a_machine_without_the_package_installed_is_told_how_in_one_line(capsys, tmp_path, monkeypatch) -> None:
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None if name == "crc32c" else real(name))
+    status = gpu_check.main(["--dry-run", "--workdir", str(tmp_path / "work")])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and err == (
+        "gpu_check.py: error: missing Python packages: crc32c (pip install -e . installs them)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["--only", "ddp-gpu,bogus"], "--only takes parts among ddp-gpu, ddp-2,"),
     (["--budget", "-1"], "--budget"),
@@ -180,3 +198,42 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_runs(argv, said, capsy
     out, err = capsys.readouterr()
     assert status == 2 and out == "" and err.count("\n") == 1 and said in err and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_part_that_fails_skips_or_runs_out_of_budget_is_recorded_and_the_check_goes_on(tmp_path, capsys) -> None:
+    import time
+
+    check = gpu_check.Check(workdir=tmp_path, dry_run=False, cuda=True, gpus=1, corpus=tmp_path / "c.txt",
+                            deadline=time.time() + 100)
+
+    def broken(check, deadline):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+
+    def skipping(check, deadline):
+        raise gpu_check.PartSkipped("needs ddp-gpu's step rate, which is missing")
+
+    def failing(check, deadline):
+        raise gpu_check.PartFailed("exit 1: NCCL error")
+
+    seen = []
+
+    def fine(check, limit):
+        seen.append(limit)
+        return {"steps_per_s": 3.0}
+
+    outcome = {name: gpu_check.run_part(check, gpu_check.Part(name, run, 30)) for name, run in
+               [("broken", broken), ("skipping", skipping), ("failing", failing), ("fine", fine)]}
+    assert outcome["broken"]["status"] == "failed"
+    assert outcome["broken"]["reason"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert {k: outcome["skipping"][k] for k in ("status", "reason")} == {
+        "status": "skipped", "reason": "needs ddp-gpu's step rate, which is missing"}
+    assert {k: outcome["failing"][k] for k in ("status", "reason")} == {"status": "failed", "reason": "exit 1: NCCL error"}
+    assert outcome["fine"]["status"] == "ok" and outcome["fine"]["steps_per_s"] == 3.0
+    assert seen[0] <= time.time() + 30  # the part's own limit, not the whole budget
+    check.deadline = time.time() + 5
+    assert gpu_check.run_part(check, gpu_check.Part("late", fine, 30)) == {
+        "status": "skipped", "reason": "the check's time budget ran out (--budget)"}
+    check.cuda = False
+    assert gpu_check.run_part(check, gpu_check.Part("gpu-only", fine, 30, needs_cuda=True)) == {
+        "status": "skipped", "reason": "needs CUDA"}
+    assert len(seen) == 1
