@@ -12,7 +12,9 @@ corpus is held out for validation and never trained on.
 
 from __future__ import annotations
 
+import os
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +27,33 @@ DEFAULT_CORPUS_LIMIT = 4 * 2**20
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def stdlib_source_files() -> list[Path]:
-    """The stdlib's `*.py` files in a deterministic order (installed packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts)]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+def stdlib_source_files() -> Iterator[Path]:
+    """The stdlib's `*.py` files, lazily, in sorted order of their path relative to the stdlib root
+    (installed packages and caches excluded; symlinked folders not followed). Lazily: a corpus of
+    the first few MB walks only the first few folders, so a replacement worker starts in a blink
+    instead of walking the whole library (about 0.4 s) on every restart."""
+    return _sorted_sources(Path(sysconfig.get_paths()["stdlib"]))
 
 
-def _read_concatenated(files: list[Path], limit: int | None) -> bytes:
+def _sorted_sources(folder: Path) -> Iterator[Path]:
+    # Depth first, entries by name, a folder's as "name/": the order of the full relative paths
+    # as strings (a folder's files all share the prefix "name/", so they sort together, where
+    # "name/" sorts among its siblings).
+    with os.scandir(folder) as scan:
+        entries = sorted(scan, key=lambda e: e.name + "/" if _is_folder(e) else e.name)
+    for entry in entries:
+        if _is_folder(entry):
+            if entry.name not in EXCLUDED_DIRS:
+                yield from _sorted_sources(Path(entry.path))
+        elif entry.name.endswith(".py"):
+            yield Path(entry.path)
+
+
+def _is_folder(entry: os.DirEntry[str]) -> bool:
+    return entry.is_dir() and not entry.is_symlink()
+
+
+def _read_concatenated(files: Iterable[Path], limit: int | None) -> bytes:
     chunks: list[bytes] = []
     size = 0
     for path in files:

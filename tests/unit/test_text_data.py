@@ -1,17 +1,23 @@
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+import text_data
 from text_data import load_corpus, split_corpus, stdlib_source_files
 
 from elastic._shared.common.errors import UsageError
 
 
 def test_default_corpus_is_stdlib_source_in_a_fixed_order() -> None:
-    files = stdlib_source_files()
+    files = list(stdlib_source_files())
     assert files and all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
+    root = Path(sysconfig.get_paths()["stdlib"])  # the walk's order is that of the relative paths, sorted:
+    assert files == sorted(  # the bytes of every corpus made before it walked lazily
+        (p for p in root.rglob("*.py") if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).as_posix())
     assert load_corpus(None, limit=100_000) == load_corpus(None, limit=100_000)
     assert len(load_corpus(None, limit=100_000)) == 100_000
 
@@ -51,3 +57,13 @@ def test_missing_or_empty_data_is_a_usage_error(tmp_path: Path) -> None:
         load_corpus(str(tmp_path / "missing"))
     with pytest.raises(UsageError, match="holds no files"):
         load_corpus(str(tmp_path))
+
+
+def test_the_walk_sorts_as_relative_paths_do_and_skips_caches_and_linked_folders(tmp_path: Path) -> None:
+    for name in ("abc.py", "abc/x.py", "ab/z.py", "abc_d.py", "a-b.py", "__pycache__/c.py", "site-packages/s.py",
+                 "B/y.py", "abc/__pycache__/w.py", "notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    (tmp_path / "linked").symlink_to(tmp_path / "B")
+    walked = [p.relative_to(tmp_path).as_posix() for p in text_data._sorted_sources(tmp_path)]
+    assert walked == ["B/y.py", "a-b.py", "ab/z.py", "abc.py", "abc/x.py", "abc_d.py"]
