@@ -6,6 +6,10 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=before_commit@20          die on rank 0 just before step 20's
                                             checkpoint is committed
     ELASTIC_FAULT=after_step@15:rank=1      die on rank 1 after step 15
+    ELASTIC_FAULT=after_step@8+:rank=any:restart=any
+                                            die after step 8 or later, whichever rank the
+                                            worker is, on every attempt (given to one agent
+                                            only: a node whose workers crash at every start)
     ELASTIC_FAULT=...:restart=any           fire on every attempt, not only the first
     ELASTIC_FAULT=after_step@15:do=stop     SIGSTOP itself (a frozen host) instead
     ELASTIC_FAULT=after_step@15:do=hang     block its main thread forever (a deadlock)
@@ -88,7 +92,8 @@ ONCE_DIR_ENV = "ELASTIC_FAULT_ONCE_DIR"
 class Fault:
     point: str
     step: int
-    rank: int = 0
+    rank: int | None = 0
+    """The rank it fires on; None: any (`rank=any`)."""
     restart: int | None = 0
     """The attempt (TORCHELASTIC_RESTART_COUNT) it fires on; None: every attempt."""
     action: str = "kill"
@@ -124,8 +129,8 @@ def parse_faults(text: str) -> list[Fault]:
             key, _, value = option.partition("=")
             if option == "once":
                 fields["once"] = True
-            elif key == "rank" and value.isdigit():
-                fields["rank"] = int(value)
+            elif key == "rank" and (value.isdigit() or value == "any"):
+                fields["rank"] = None if value == "any" else int(value)
             elif key == "restart" and (value.isdigit() or value == "any"):
                 fields["restart"] = None if value == "any" else int(value)
             elif key == "do" and value in ACTIONS:
@@ -138,7 +143,7 @@ def parse_faults(text: str) -> list[Fault]:
                 fields["world_size"] = int(value)
             else:
                 raise UsageError(
-                    f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N, restart=N|any, world=N, once, "
+                    f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N|any, restart=N|any, world=N, once, "
                     f"for=SECONDS, until=FILE or do={'|'.join(ACTIONS)}"
                 )
         if (fields.get("action") == "hold") != bool(fields.get("until")):
@@ -157,7 +162,7 @@ class FaultInjector:
         world_size = int(world) if world.isdigit() else None
         self._faults = [
             f for f in parse_faults(env.get(ENV_VAR, ""))
-            if f.rank == rank and f.restart in (None, restart) and f.world_size in (None, world_size)
+            if f.rank in (None, rank) and f.restart in (None, restart) and f.world_size in (None, world_size)
         ]
         self._once_dir = env.get(ONCE_DIR_ENV) or None
         if self._once_dir is None and any(f.once for f in self._faults):

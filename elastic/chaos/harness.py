@@ -90,6 +90,8 @@ class JobSpec:
     """The training script; None: the GPT recipe (`find_recipe`)."""
     rdzv_conf: str = "join_timeout=60,close_timeout=10"
     env: dict[str, str] = field(default_factory=dict)
+    agent_env: dict[int, dict[str, str]] = field(default_factory=dict)
+    """More environment for agent `index` alone (over `env`): e.g. a fault only one node's workers have."""
     run_id: str = "chaos"
     sample_log: Path | None = None
     """Record every rank's samples here (`elastic.chaos.samples`) for the exactly-once audit."""
@@ -103,7 +105,7 @@ class JobSpec:
 
 
 # torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
-_TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.M)
+_TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.MULTILINE)
 
 
 class ChaosJob:
@@ -192,7 +194,8 @@ class ChaosJob:
         if self.spec.network is not None and self.spec.network.hosts <= host:
             self.spec.network.add_host()
         with open(self.spec.workdir / f"agent{index}.log", "wb") as log:
-            agent = self.spec.start_process(self.command(host), stdout=log, stderr=subprocess.STDOUT, env=self.environment())
+            env = {**self.environment(), **self.spec.agent_env.get(index, {})}
+            agent = self.spec.start_process(self.command(host), stdout=log, stderr=subprocess.STDOUT, env=env)
         self.agents.append(agent)
         return agent
 

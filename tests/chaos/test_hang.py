@@ -71,6 +71,25 @@ def test_a_stopped_then_a_deadlocked_worker_each_trip_the_watchdog_and_the_job_c
         [("memory", first, True), ("memory", second, True)] for first in (11, 12) for second in (19, 20)
     ), restores
     assert [e["step"] for e in recorded if e["event"] == "end"] == [30]
+    # Each hang is named before the watchdog ends the group: rank 1, once silent (stopped), once blocked in
+    # Python (its stack top in the fault's wait), the others waiting in the next step's collectives.
+    hangs = [e for e in recorded if e["event"] == "hang"]
+    assert [h["culprits"] for h in hangs] == [[1], [1]], hangs
+    stopped, blocked = hangs
+    assert stopped["reasons"][0].startswith("no answer") and stopped["collective"] in (
+        "train step at step 13", "step vote at step 12"), stopped
+    assert blocked["reasons"][0].startswith("never entered it") and "faults.py" in blocked["stack_tops"][0], blocked
+    assert blocked["collective"] == "train step at step 21" and blocked["step"] == 21, blocked
+    assert all(h["nodes"][0] and h["hosts"][0] for h in hangs), hangs
+    lines = re.findall(r"torchrevive-run: hang: the job waits in [^\n]* for rank 1 on node [^\n]*", output)
+    assert len(lines) == 2 and "never entered it" in lines[1], output[-4000:]
+    # named before the watchdog tripped: the hang line precedes the group's failure in the agent's log
+    assert output.index(lines[0]) < output.index(WATCHDOG_TRIP.findall(output)[0]), output[-4000:]
+    # and every failure of the job in the event log, by the agent: rank, node, host, how, step, error
+    failures = [e for e in recorded if e["event"] == "failure"]
+    assert len(failures) >= 2 and all(f["node"] and f["host"] and f["error"] for f in failures), failures
+    assert {f["exitcode"] for f in failures} <= {EXIT_CODE, 1, -9}, failures
+    assert not [e for e in recorded if e["event"] in ("node_excluded", "crash_loop")]
 
 
 def test_a_hang_without_snapshots_resumes_from_the_newest_checkpoint(tmp_path: Path, tiny_corpus: Path) -> None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import uuid
@@ -58,9 +59,11 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic._agent.launcher import (
     in_place,
+    job_watch,
     settings,
     slurm_launch,
     stop_signals,
@@ -182,12 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
+    notes = job_watch.make_notes_directory()  # where the workers note their step, a named hang, the event log
     guarded_c10d.install(rdzv_key)  # the rendezvous state checked before torch unpickles it; first: see install
     quick_rounds.install()  # a round closes once every node of the last one is back
     if in_place.enabled(os.environ):
         in_place.install()  # TORCHREVIVE_SURVIVORS=keep or train-on: a failed worker is replaced without a round
+    job_watch.install()  # every failure named on every agent; a bad node set aside; a crash loop stopped
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
+    job_watch.wait_out_cool_off(os.environ, getattr(args, "rdzv_id", None) or "none")  # this host set aside?
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
     stopped_by: signal.Signals | None = None
     try:
@@ -198,6 +204,17 @@ def main(argv: list[str] | None = None) -> None:
         _, failure = error.get_first_failure()
         requeue.close()
         sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
+    except (job_watch.NodeSetAside, job_watch.CrashLoopStop) as decided:  # the job's failures decided it
+        print(f"torchrevive-run: {decided.line}", file=sys.stderr, flush=True)
+        requeue.close()
+        sys.exit(decided.exit_code)
+    except RendezvousClosedError:  # closed by an agent that stopped a crash loop: say so, with its status
+        line = job_watch.stopped_by_crash_loop()
+        requeue.close()
+        if line is None:
+            raise
+        print(f"torchrevive-run: {line}", file=sys.stderr, flush=True)
+        sys.exit(job_watch.CRASH_LOOP_EXIT)
     except UsageError as error:  # met in the rendezvous: e.g. a signed state and no secret (state_seal)
         print(f"torchrevive-run: error: {error}", file=sys.stderr, flush=True)
         requeue.close()
@@ -211,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if keeper is not None:
             keeper.close()  # the newest snapshot is persisted before the agent leaves (and before a requeue)
+        shutil.rmtree(notes, ignore_errors=True)
     try:
         if stopped_by is not None:
             name = "the Slurm requeue signal" if requeue.received else stopped_by.name

@@ -45,6 +45,7 @@ import os
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
+from elastic._agent.launcher import failure_policy
 from elastic._agent.launcher.keeper_endpoint import HOST_ENV
 from elastic._agent.launcher.keeper_files import BASE_ENV
 from elastic._agent.launcher.warm_start import (
@@ -57,6 +58,7 @@ from elastic._agent.launcher.warm_start import (
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import heal_env
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV
+from elastic._shared.protocol.worker_notes import NOTES_ENV as NOTES_ENV_WORKERS
 from elastic._shared.slurm.requeue import NOTES_ENV, REQUEUE_SIGNAL_ENV
 from elastic._shared.storage import keeper_address, peer_auth
 
@@ -107,6 +109,16 @@ def _seconds(low: float, high: float) -> Callable[[str], str]:
         if not low <= value <= high:
             raise ValueError(f"is not a number of seconds from {low:g} to {high:g}")
         return text.strip()
+
+    return parse
+
+
+def _count(low: int, high: int) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip()
+        if not (value.isascii() and value.isdigit() and low <= int(value) <= high):
+            raise ValueError(f"is not a whole number from {low} to {high}")
+        return str(int(value))
 
     return parse
 
@@ -217,6 +229,29 @@ SETTINGS: tuple[Setting, ...] = (
         _modules, "MODULES",
     ),
     Setting(
+        "set_aside_failures", failure_policy.SET_ASIDE_FAILURES_ENV, failure_policy.DEFAULTS[failure_policy.SET_ASIDE_FAILURES_ENV],
+        "A node whose workers fail first (or are named by a hang) this many times within --set-aside-window, "
+        "while no other node fails as often, is set aside: its agent leaves the job with one line (exit "
+        f"status {failure_policy.SET_ASIDE_EXIT}) and the others train on within --nnodes MIN; 0: never.",
+        _count(0, 1000), "K",
+    ),
+    Setting(
+        "set_aside_window", failure_policy.SET_ASIDE_WINDOW_ENV, failure_policy.DEFAULTS[failure_policy.SET_ASIDE_WINDOW_ENV],
+        "Seconds within which --set-aside-failures are counted.", _seconds(1, 30 * 86400), "S",
+    ),
+    Setting(
+        "set_aside_cool_off", failure_policy.SET_ASIDE_COOL_OFF_ENV, failure_policy.DEFAULTS[failure_policy.SET_ASIDE_COOL_OFF_ENV],
+        "Seconds a set-aside node's host waits before an agent started there joins the job again.",
+        _seconds(0, 30 * 86400), "S",
+    ),
+    Setting(
+        "crash_loop_attempts", failure_policy.CRASH_LOOP_ATTEMPTS_ENV, failure_policy.DEFAULTS[failure_policy.CRASH_LOOP_ATTEMPTS_ENV],
+        "A failure that repeats after the same completed step this many times in a row, with no step completed "
+        f"past it, stops the job with one line and exit status {failure_policy.CRASH_LOOP_EXIT} (final: not restarted, "
+        "not requeued) instead of spending --max-restarts; 0: never.",
+        _count(0, 1000), "R",
+    ),
+    Setting(
         "requeue_signal", REQUEUE_SIGNAL_ENV, "USR1",
         "In a Slurm job: the signal (sbatch --signal) on which the agents stop the workers, which "
         "commit a checkpoint, and rank 0's agent requeues the job; none: no requeue.",
@@ -239,6 +274,7 @@ INTERNAL: dict[str, str] = {
     FORK_SERVER_PRELOAD_ENV: "the agent, for the fork server only (taken out before a worker starts)",
     NOTES_ENV: "the agent, for its workers in a Slurm job: where they note their last commit for the requeue",
     FRESH_STORE_ENV: "torch's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the agent sets 1 unless the user chose",
+    NOTES_ENV_WORKERS: "the agent, for its workers: where they note their last step, a named hang and the event log's path",
 }
 """Variables the agent sets for its workers or its fork server: plumbing, not settings (who sets each, and why).
 A user who sets one is overridden. The chaos tooling's ELASTIC_FAULT, ELASTIC_FAULT_ONCE_DIR and

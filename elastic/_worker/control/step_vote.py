@@ -53,7 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from elastic._worker.control import agreement
+from elastic._worker.control import agreement, collective_record
+from elastic._worker.control.collective_record import CollectiveRecord
 from elastic._worker.runtime.context import WorkerContext
 
 Ballot = Callable[[], tuple[bool, bool, bool, int]]
@@ -103,8 +104,13 @@ class StepVote:
     def __init__(
         self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic,
         joiners: Callable[[], int] | None = None, group: Any = agreement.DEFAULT_GROUP,
+        record: CollectiveRecord | None = None,
     ) -> None:
-        """`group`: the ranks' group for the vote (default: the runtime's control group)."""
+        """`group`: the ranks' group for the vote (default: the runtime's control group); `record`: this
+        rank's record of collectives, where each wait for a vote's result is an entry (hang naming; default:
+        this process's, `collective_record.of_this_process`)."""
+        self._record = record if record is not None else collective_record.of_this_process()
+        self._step = 0  # the step the newest vote was read at
         self._ctx = ctx
         self._group = group
         self._ballot = ballot
@@ -143,11 +149,12 @@ class StepVote:
     def step_ended(self, step: int) -> Verdict:
         """Step `step` ended: on a vote step, the verdict of the vote before, and a new vote starts."""
         now = self._clock()
+        self._step = step
         if self._last_end is not None:
             self._step_seconds.append(now - self._last_end)
         self._last_end = now
         if not self._ctx.distributed:
-            return Verdict.of(self._cast().result())  # alone: the answer is this process's own, at once
+            return Verdict.of(self._cast().result())  # alone: the answer is this process's own, at once (no wait)
         if self._next is not None and step < self._next:
             return replace(NOTHING, joiners=self._joiners_seen)
         earlier = self.settle() or NOTHING
@@ -162,7 +169,7 @@ class StepVote:
         """Between steps: a vote taken now, merged with the one in flight (read first); the next
         step end is a vote step."""
         earlier = self.settle() or NOTHING
-        now = Verdict.of(self._cast().result())
+        now = Verdict.of(self._wait(self._cast()))
         self._next = None
         self.every = now.vote_every
         self._joiners_seen = max(self._joiners_seen, now.joiners, earlier.joiners)  # acted on at the next step end
@@ -176,4 +183,13 @@ class StepVote:
     def settle(self) -> Verdict | None:
         """Read the vote in flight (None if there is none): at `finish`, before the final save."""
         pending, self._pending = self._pending, None
-        return None if pending is None else Verdict.of(pending.result())
+        return None if pending is None else Verdict.of(self._wait(pending))
+
+    def _wait(self, pending: agreement.PendingMax) -> list[int]:
+        """A vote's result, its wait an entry of this rank's record of collectives."""
+        if self._record is None:
+            return pending.result()
+        seq = self._record.enter("step vote", self._step)
+        result = pending.result()
+        self._record.leave(seq)
+        return result

@@ -10,10 +10,18 @@ was stuck), and ends the process with `EXIT_CODE` through `os._exit`, the only
 exit that works while the main thread is blocked inside C++. Its thread is an
 `elastic._shared.common.threads` one: `close` (or the exit) stops and joins it.
 
+Before it trips, its thread names the culprit: each step is an entry of this
+rank's record of collectives (`step_began` enters it, `beat` leaves it), and
+after a fifth of `timeout` without a step the ranks that can still talk
+compare their records (elastic._worker.control.hang_names) and the rank(s) the
+job waits for are named on every agent and in the event log. `beat` also
+notes the step for the agent (elastic._shared.protocol.worker_notes), which
+names the step of a worker that died without a word.
+
 Invariants: the watchdog is disarmed until the first `beat()` (restore and the
 first step may be slow: compilation, data loading), and `paused()` suspends it
 around work that legitimately takes longer than a step (validation, a final
-checkpoint flush).
+checkpoint flush); the hang naming sees the same stall clock, paused alike.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from elastic._shared.common import threads
+from elastic._shared.protocol import worker_notes
+from elastic._worker.control import collective_record, hang_names
+from elastic._worker.control.collective_record import CollectiveRecord
 
 logger = logging.getLogger(__name__)
 
@@ -46,29 +57,57 @@ class Watchdog:
         on_trip: Callable[[str], None] | None = None,
         poll: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        record: CollectiveRecord | None = None,
+        namer: hang_names.HangNamer | None = None,
+        progress: worker_notes.ProgressNote | None = None,
     ) -> None:
         """`on_trip` gets the message (default: print it, dump the stacks, exit);
         `poll` is how often the thread looks; `clock` is the time source (tests
-        pass a fake one and call `check()` themselves)."""
+        pass a fake one and call `check()` themselves); `record` this rank's record of
+        collectives, `namer` the hang naming it feeds, `progress` the agent's note of the step."""
         if timeout <= 0:
             raise ValueError("watchdog timeout must be positive")
         self.timeout = timeout
         self._on_trip = on_trip or _exit_process
-        self._poll = poll if poll is not None else min(1.0, timeout / 10)
+        self._poll = poll if poll is not None else min(1.0, timeout / 20)
         self._clock = clock
         self._lock = threading.Lock()
         self._last_beat: float | None = None  # None: disarmed
         self._last_step: int | None = None
+        self._beats = 0
         self._pauses = 0
+        self.record = record if record is not None else CollectiveRecord(clock)
+        self._namer = namer
+        self._progress = progress
+        self._step_seq: int | None = None
         self._stop = threading.Event()
         self.tripped = False
         self._thread = threads.start(self._watch, name="elastic-watchdog", stop=self._stop.set)
+
+    def step_began(self, step: int) -> None:
+        """The loop hands step `step`'s batch to the script: it enters the step's collectives."""
+        self._step_seq = self.record.enter("train step", step)
+        if self._progress is not None and not self._beats:  # a start's first step: it resumed after step - 1
+            self._progress.write(step - 1)
 
     def beat(self, step: int) -> None:
         """The loop completed `step`; cheap enough to call every step."""
         with self._lock:
             self._last_beat = self._clock()
             self._last_step = step
+            self._beats += 1
+        if self._step_seq is not None:
+            self.record.leave(self._step_seq)
+            self._step_seq = None
+        if self._progress is not None:
+            self._progress.write(step)
+
+    def stalled(self) -> tuple[float | None, int]:
+        """Seconds since the last beat (None: disarmed or paused), and the beats so far."""
+        with self._lock:
+            if self._last_beat is None or self._pauses:
+                return None, self._beats
+            return self._clock() - self._last_beat, self._beats
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -86,6 +125,9 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
     def __enter__(self) -> Watchdog:
         return self
@@ -95,6 +137,8 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll):
+            if self._namer is not None:
+                self._namer.look(*self.stalled())
             if self.check():
                 return
 
@@ -132,6 +176,9 @@ class NoWatchdog:
 
     tripped = False
 
+    def step_began(self, step: int) -> None:
+        pass
+
     def beat(self, step: int) -> None:
         pass
 
@@ -143,6 +190,18 @@ class NoWatchdog:
         pass
 
 
-def watchdog(timeout: float) -> Watchdog | NoWatchdog:
-    """A started watchdog, or none when `timeout` is 0 (hang detection off)."""
-    return Watchdog(timeout) if timeout > 0 else NoWatchdog()
+def watchdog(timeout: float, *, distributed: bool = False) -> Watchdog | NoWatchdog:
+    """A started watchdog, or none when `timeout` is 0 (hang detection off); in a job of several
+    ranks (`distributed`) it names a hang's culprit first (`hang_names`)."""
+    if timeout <= 0:
+        return NoWatchdog()
+    record = CollectiveRecord()
+    collective_record.register(record)  # the step vote's waits are entries of it too
+    namer = None
+    if distributed:
+        after = hang_names.name_after(timeout)
+        namer = hang_names.HangNamer(
+            record, name_after=after, gather=after, store=hang_names.default_store, place=hang_names.this_rank,
+            report=hang_names.report_to_agent, main_thread=threading.main_thread().ident,
+        )
+    return Watchdog(timeout, record=record, namer=namer, progress=worker_notes.for_worker())

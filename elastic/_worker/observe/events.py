@@ -16,7 +16,10 @@ Invariants:
   written any more (a full disk) stops being written with one warning, and
   training goes on: events are a record, not state.
 - Only the main rank writes; every other rank holds a disabled log whose
-  `emit` writes nothing, so recipes call it unconditionally.
+  `emit` writes nothing, so recipes call it unconditionally. Under
+  torchrevive-run the main rank also notes the log's path for its agent
+  (elastic._shared.protocol.worker_notes), which appends the job's own events
+  (`hang`, `failure`, `node_excluded`, `crash_loop`) to it, whole lines alike.
 - Listeners (`subscribe`) see every event on every rank, written or not: the
   metrics of each worker are fed from the same stream as the file, so the two
   cannot disagree. A listener that raises is dropped with one warning; it
@@ -35,13 +38,17 @@ from time import monotonic, perf_counter  # emit() has a parameter named time
 from typing import Any
 
 from elastic._shared.common.errors import UsageError
+from elastic._shared.protocol import worker_notes
 
 logger = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 0.05  # a watcher of the log (a test waiting for a step) sees it at most this late
 EVENT_KINDS = (
     "start", "step", "eval", "checkpoint", "checkpoint_failed", "checkpoint_skipped", "restore", "heal", "end",
+    "hang", "failure", "node_excluded", "crash_loop",
 )
+"""The last four are the job's, written by torchrevive-run's agents (elastic._agent.launcher.job_notices):
+a named hang, a worker's failure, a node set aside, a crash loop that stopped the job."""
 
 
 class EventLog:
@@ -69,6 +76,7 @@ class EventLog:
                 self._fd = _open(path)
             except OSError as exc:
                 raise UsageError(f"--events {path}: cannot create the event log: {exc.strerror or exc}") from None
+            _note_for_agent(path)
 
     def write_to(self, path: str | os.PathLike[str] | None) -> None:
         """Write from now on to `path` (None: write nothing, listeners still see every event): a worker
@@ -82,6 +90,8 @@ class EventLog:
                 self._fd = _open(path)
             except OSError as exc:  # the log is a record, not state: training goes on without it
                 logger.warning("event log %s: %s; no events are written to it", path, exc.strerror or exc)
+            else:
+                _note_for_agent(path)
 
     @property
     def enabled(self) -> bool:
@@ -155,6 +165,13 @@ class EventLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _note_for_agent(path: str | os.PathLike[str]) -> None:
+    """Tell this node's agent where the log is, when it takes notes (torchrevive-run)."""
+    directory = os.environ.get(worker_notes.NOTES_ENV)
+    if directory:
+        worker_notes.note_events_path(directory, path)
 
 
 def _open(path: str | os.PathLike[str]) -> int:

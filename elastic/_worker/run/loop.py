@@ -142,6 +142,7 @@ class StepLoop:
             healing = survivors is not None and survivors.can_heal
             started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
             stepped_before = self.optimizer_steps
+            run.watchdog.step_began(run.step + 1)  # this rank enters the step's collectives (its hang record)
             try:
                 yield batch
             except GeneratorExit:  # the loop left with `break`

@@ -159,7 +159,7 @@ class Run:
             self.events = self._stack.enter_context(
                 EventLog(cfg.events if self.ctx.is_main and not joiner else None, restart=self.ctx.restart_count)
             )
-            self.watchdog: Watchdog | NoWatchdog = watchdog(cfg.hang_timeout)  # armed by the first step
+            self.watchdog: Watchdog | NoWatchdog = watchdog(cfg.hang_timeout, distributed=self.ctx.distributed)  # armed by the first step
             self._stack.callback(self.watchdog.close)
         except BaseException:
             self._leave(failed=True)

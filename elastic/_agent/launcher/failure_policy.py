@@ -1,0 +1,202 @@
+"""What the agents decide from the job's failures: set a bad node aside, stop a crash loop. Pure: no I/O.
+
+Every agent reads the same list of the job's failures and named hangs (elastic._agent.launcher.job_notices),
+so each comes to the same decision about its own node:
+
+- A **strike** against a node is a worker of it that failed first (a primary failure: not a peer's
+  collateral, `is_collateral`) or that a hang verdict named. A node with `limit` strikes within
+  `window` seconds while every other node has fewer (below `limit`, and below its count) is bad: it is
+  **set aside**, if the job can train without it (more nodes than --nnodes MIN). A failure that comes
+  once, or that strikes several nodes alike, sets no one aside.
+- A **crash loop** is a failure that repeats at the same step, with no step completed past it in
+  between: the last `attempts` primary failures of the job all died after the same completed step.
+  Restarting again would meet it again: the job stops with `CRASH_LOOP_EXIT`. Setting aside is decided
+  first: a loop that only one node has, in a job that can shrink, is that node's, and the job tries
+  on without it (a batch that crashes every node then loops on the next node, and stops).
+
+Invariants: `decide` depends only on its arguments; a failure whose step is unknown (-1) never counts
+towards a loop; `limit` or `attempts` of 0 turns its rule off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+CRASH_LOOP_EXIT = 78
+"""The job stopped because a failure repeats at the same step (distinct from 1, 2, 75, 76, 124, 143)."""
+SET_ASIDE_EXIT = 79
+"""This node's agent left the job: its workers failed too often while the rest stayed healthy."""
+
+SET_ASIDE_FAILURES_ENV = "TORCHREVIVE_SET_ASIDE_FAILURES"
+SET_ASIDE_WINDOW_ENV = "TORCHREVIVE_SET_ASIDE_WINDOW"
+SET_ASIDE_COOL_OFF_ENV = "TORCHREVIVE_SET_ASIDE_COOL_OFF"
+CRASH_LOOP_ATTEMPTS_ENV = "TORCHREVIVE_CRASH_LOOP_ATTEMPTS"
+DEFAULTS = {SET_ASIDE_FAILURES_ENV: "3", SET_ASIDE_WINDOW_ENV: "600", SET_ASIDE_COOL_OFF_ENV: "1800",
+            CRASH_LOOP_ATTEMPTS_ENV: "3"}
+"""The settings' defaults (elastic._agent.launcher.settings is their one source: flags, variables, help)."""
+
+MAX_TEXT = 300
+_COLLATERAL = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
+    "socket timeout", "read error", "connection refused", "gloo", "nccl communicator was aborted",
+)
+"""How a worker's error reads when it died of a peer's failure (a collective broken from the other end)."""
+_COLLATERAL_EXITS = frozenset({124, 76, 143, -15})
+"""The hang watchdog (every rank of a stuck group trips; the hang verdict names the culprit), a heal in
+place whose peers never came, and SIGTERM (the agent stopping its group)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One worker's failure, as its node's agent saw it."""
+
+    rank: int
+    node: str
+    host: str
+    exitcode: int
+    """The exit status, or minus the signal that killed it."""
+    step: int
+    """The last step it completed (-1: unknown)."""
+    error: str
+    """The first line of its exception, or how it ended."""
+    time: float
+    primary: bool
+    """Not a peer's collateral (`is_collateral`)."""
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def parse(cls, raw: object) -> Failure | None:
+        """A failure as the board carries it, checked; None for anything else."""
+        if not isinstance(raw, dict) or set(raw) != set(cls.__dataclass_fields__):
+            return None
+        ints, texts = ("rank", "exitcode", "step"), ("node", "host", "error")
+        if any(type(raw[k]) is not int or abs(raw[k]) >= 1 << 62 for k in ints):
+            return None
+        if any(not isinstance(raw[k], str) or len(raw[k]) > MAX_TEXT for k in texts):
+            return None
+        if not isinstance(raw["time"], (int, float)) or isinstance(raw["time"], bool) or not math.isfinite(raw["time"]):
+            return None
+        if type(raw["primary"]) is not bool or raw["rank"] < 0 or raw["step"] < -1:
+            return None
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class Strike:
+    """A mark against a node: a primary failure of its worker, or a hang that named it."""
+
+    node: str
+    time: float
+    what: str
+    """"failure" or "hang"."""
+
+
+def is_collateral(exitcode: int, error: str) -> bool:
+    """Whether a worker's failure reads as a peer's: a broken collective, the watchdog of a stuck group,
+    the agent's own stop."""
+    if exitcode in _COLLATERAL_EXITS:
+        return True
+    text = error.lower()
+    return any(mark in text for mark in _COLLATERAL)
+
+
+def how_it_ended(exitcode: int) -> str:
+    """"killed by SIGKILL", "exit status 1"."""
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}"
+
+
+def first_line(text: str) -> str:
+    """The first non-empty line of `text`, at most `MAX_TEXT` characters, printable."""
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    line = "".join(ch if ch.isprintable() else "?" for ch in line)
+    return line if len(line) <= MAX_TEXT else line[: MAX_TEXT - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str
+    """"restart" (as torch would), "set_aside" (this node leaves the job) or "stop" (a crash loop)."""
+    line: str = ""
+    strikes: int = 0
+    failure: Failure | None = None
+
+
+RESTART = Decision("restart")
+
+
+def strikes_of(failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]]) -> list[Strike]:
+    """The strikes in the job's failures and named hangs (each hang: a culprit's node and the time)."""
+    marks = [Strike(f.node, f.time, "failure") for f in failures if f.primary]
+    marks += [Strike(node, time, "hang") for node, time in hang_nodes if node]
+    return sorted(marks, key=lambda strike: strike.time)
+
+
+def bad_node(strikes: Sequence[Strike], node: str, now: float, *, limit: int, window: float) -> list[Strike] | None:
+    """`node`'s strikes within the window, when they are `limit` or more while every other node has fewer
+    than `limit` there and fewer than `node` (the rest of the job healthy: a one-off elsewhere does not
+    shield a bad node, and failures that strike several nodes alike set none aside); else None."""
+    if limit <= 0:
+        return None
+    recent = [s for s in strikes if now - window <= s.time <= now]
+    mine = [s for s in recent if s.node == node]
+    others: dict[str, int] = {}
+    for strike in recent:
+        if strike.node != node:
+            others[strike.node] = others.get(strike.node, 0) + 1
+    most_elsewhere = max(others.values(), default=0)
+    if len(mine) < limit or most_elsewhere >= limit or most_elsewhere >= len(mine):
+        return None
+    return mine
+
+
+def crash_loop(failures: Sequence[Failure], *, attempts: int) -> Failure | None:
+    """The newest failure when the last `attempts` primary failures died after the same completed step."""
+    if attempts <= 0:
+        return None
+    primaries = [f for f in failures if f.primary]
+    if len(primaries) < attempts:
+        return None
+    last = primaries[-attempts:]
+    step = last[-1].step
+    return last[-1] if step >= 0 and all(f.step == step for f in last) else None
+
+
+def decide(
+    failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]], *, node: str, now: float,
+    can_shrink: bool, limit: int, window: float, attempts: int,
+) -> Decision:
+    """What `node`'s agent does after a failure of the job (see the module docstring)."""
+    strikes = strikes_of(failures, hang_nodes)
+    marks = bad_node(strikes, node, now, limit=limit, window=window) if can_shrink else None
+    if marks is not None:
+        kinds = sorted({s.what + "s" for s in marks})
+        return Decision(
+            "set_aside", strikes=len(marks),
+            line=(f"node {node} is set aside: {len(marks)} {' and '.join(kinds)}s of its workers within "
+                  f"{window:g} s while the other nodes stayed healthy; its agent leaves the job, which trains "
+                  "on without it"),
+        )
+    looping = crash_loop(failures, attempts=attempts)
+    if looping is not None:
+        return Decision(
+            "stop", failure=looping,
+            line=(f"crash loop: the job failed {attempts} times in a row after step {looping.step} with no step "
+                  f"completed past it (last: rank {looping.rank} on node {looping.node}: {looping.error}); "
+                  f"stopping with exit status {CRASH_LOOP_EXIT} instead of restarting into it again"),
+        )
+    return RESTART
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))

@@ -1,0 +1,430 @@
+"""The agent's watch over the job's failures: each named on every agent, a bad node set aside, a crash loop stopped.
+
+`install` wraps torch's local agent (in this process). At every look at its workers (`_monitor_workers`)
+the agent:
+
+1. posts to the job's notice board (elastic._agent.launcher.notice_board) a `failure` entry for each of its
+   workers that failed: rank, node, host, exit status or signal, the last step it completed (from the
+   worker's progress note, elastic._shared.protocol.worker_notes, so a worker killed without a word is
+   named too) and the first line of its exception; and a `hang` entry for each verdict its workers noted
+   (elastic._worker.control.hang_names);
+2. reads the entries it has not read yet: prints each one's line, and, when its node holds the job's
+   event log (rank 0 noted the path), appends the entry as an event, once per entry across the job
+   (the board's claim);
+3. after a failure of its own workers, decides (elastic._agent.launcher.failure_policy.decide): restart
+   as torch would; set this node aside (`NodeSetAside`: one line, a `node_excluded` entry, a cool-off
+   mark, and the agent leaves the rendezvous without closing it, so the others train on); or stop a crash
+   loop (`CrashLoopStop`: one line, a `crash_loop` entry, the rendezvous closed, exit status
+   `CRASH_LOOP_EXIT` on every agent, since each reads the entry and stops too).
+
+Settings (elastic._agent.launcher.settings): `SET_ASIDE_FAILURES_ENV`, `SET_ASIDE_WINDOW_ENV`,
+`SET_ASIDE_COOL_OFF_ENV`, `CRASH_LOOP_ATTEMPTS_ENV`.
+
+Invariants: nothing here raises into torch's agent but the two decisions; a store that fails makes the
+board this agent's own for the rest of the run (one warning); every note and mark read is bounded and
+checked; a set-aside node's mark holds its agent back (`wait_out_cool_off`, at its next start on this
+host) until the cool-off ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from elastic._agent.launcher import failure_policy
+from elastic._agent.launcher.failure_policy import (
+    CRASH_LOOP_ATTEMPTS_ENV,
+    CRASH_LOOP_EXIT,
+    DEFAULTS,
+    SET_ASIDE_COOL_OFF_ENV,
+    SET_ASIDE_EXIT,
+    SET_ASIDE_FAILURES_ENV,
+    SET_ASIDE_WINDOW_ENV,
+    Failure,
+)
+from elastic._agent.launcher.notice_board import Entry, LocalBoard, StoreBoard
+from elastic._shared.protocol import worker_notes
+from elastic._shared.storage.keeper_address import NODE_ENV
+
+logger = logging.getLogger(__name__)
+
+PRIMARY_WAIT = 5.0
+"""Seconds an agent whose worker died of a peer's failure waits for that failure's own entry, and the
+agent that stops a crash loop waits for every agent to read it: a few monitor intervals and store trips."""
+
+
+
+class CrashLoopStop(Exception):
+    """The job stops: a failure repeats at the same step (its `line` says which)."""
+
+    exit_code = CRASH_LOOP_EXIT
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+class NodeSetAside(SignalException):
+    """This node leaves the job (its workers failed too often while the rest stayed healthy). A
+    SignalException to torch's launcher, which then leaves the rendezvous open for the others."""
+
+    exit_code = SET_ASIDE_EXIT
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line, signal.SIGTERM)
+        self.line = line
+
+
+def setting(environ: Any, name: str) -> float:
+    """A setting's value (checked by settings.resolve before the agent starts; the default when unset)."""
+    return float(environ.get(name) or DEFAULTS[name])
+
+
+def node_name(environ: Any = None) -> str:
+    """This node as the workers name it too: the snapshot keeper's node name, else the host name."""
+    env = os.environ if environ is None else environ
+    return (env.get(NODE_ENV) or socket.gethostname())[:200]
+
+
+def make_notes_directory(environ: Any = None) -> Path:
+    """A private directory for this agent's workers' notes, named in their environment."""
+    env = os.environ if environ is None else environ
+    directory = Path(tempfile.mkdtemp(prefix="torchrevive-notes-"))
+    env[worker_notes.NOTES_ENV] = str(directory)
+    return directory
+
+
+def failure_of(process_failure: Any, *, global_rank: int, notes: str | None, now: float) -> Failure:
+    """A worker's failure from torch's record of it (`ProcessFailure`) and the worker's progress note."""
+    message = process_failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = failure_policy.first_line(message if isinstance(message, str) else "")
+    if not text or text.startswith("To enable traceback"):
+        text = failure_policy.how_it_ended(process_failure.exitcode)
+    step = worker_notes.read_progress(notes, process_failure.local_rank) if notes else None
+    return Failure(
+        rank=global_rank, node=node_name(), host=socket.gethostname()[:200], exitcode=int(process_failure.exitcode),
+        step=-1 if step is None else step, error=text, time=now,
+        primary=not failure_policy.is_collateral(int(process_failure.exitcode), text),
+    )
+
+
+class JobWatch:
+    """One agent's side (see the module docstring)."""
+
+    def __init__(
+        self, agent: Any, worker_group: Any, environ: Any = None, board: Any = None,
+        clock: Any = time.monotonic, sleep: Any = time.sleep,
+    ) -> None:
+        """`board`: the job's notice board (default: in the rendezvous store, else this agent's own);
+        `clock` and `sleep` time its bounded waits (a test passes its own)."""
+        self._clock, self._sleep = clock, sleep
+        self._env = os.environ if environ is None else environ
+        self._agent = agent
+        self.notes = self._env.get(worker_notes.NOTES_ENV)
+        self.board: StoreBoard | LocalBoard = board if board is not None else _board(worker_group, self._env)
+        self.failures: list[Failure] = []
+        self.hangs: list[tuple[str, float]] = []
+        self.stop_line: str | None = None
+        self._posted: set[tuple[int, int]] = set()
+        self._decided = 0  # failures decided on so far
+
+    def look(self, worker_group: Any, result: Any) -> None:
+        """One look, after torch's (see the module docstring); raises a decision."""
+        try:
+            self._post_hangs(worker_group)
+            failed = self._post_failures(worker_group, result)
+            self.read_board(worker_group)
+        except (RuntimeError, OSError, ValueError) as error:  # the store failed: this agent's own board now
+            logger.warning("the job's notice board is out of reach (%s); this agent goes on with its own", error)
+            self.board = LocalBoard()
+            return
+        if self.stop_line is not None:
+            raise CrashLoopStop(self.stop_line)
+        if failed:
+            if not any(f.primary for f in self.failures[self._decided:]):
+                self._await_primary(worker_group)  # a peer's failure reached this node: wait for its own word
+            self._decided = len(self.failures)
+            self._decide(worker_group)
+
+    def _await_primary(self, worker_group: Any) -> None:
+        """Read the board until the failure that reached this node is posted by its own node's agent (at
+        most `PRIMARY_WAIT` seconds): every agent then decides on the same failures."""
+        deadline = self._clock() + PRIMARY_WAIT
+        while self._clock() < deadline and self.board.shared:
+            self._sleep(0.1)
+            self.read_board(worker_group)
+            if self.stop_line is not None or any(f.primary for f in self.failures[self._decided:]):
+                return
+
+    def _post_hangs(self, worker_group: Any) -> None:
+        if not self.notes:
+            return
+        for local_rank in range(int(worker_group.spec.local_world_size)):
+            path = worker_notes.hang_path(self.notes, local_rank)
+            note = worker_notes.read_json(path)
+            if note is None:
+                continue
+            path.unlink(missing_ok=True)
+            entry = _hang_entry(note, worker_group)
+            if entry is not None:
+                self.board.post(entry)
+
+    def _post_failures(self, worker_group: Any, result: Any) -> bool:
+        if result is None or not result.is_failed():
+            return False
+        now = time.time()
+        posted = False
+        for rank, process_failure in sorted(result.failures.items()):
+            key = (int(rank), int(process_failure.pid))
+            if key in self._posted:
+                continue
+            self._posted.add(key)
+            failure = failure_of(process_failure, global_rank=int(rank), notes=self.notes, now=now)
+            after = f"after step {failure.step}" if failure.step >= 0 else "before its first step"
+            line = (f"failure: worker rank {failure.rank} on node {failure.node} (host {failure.host}) "
+                    f"{failure_policy.how_it_ended(failure.exitcode)} {after}: {failure.error}"
+                    + ("" if failure.primary else " (a peer's failure reached it)"))
+            self.board.post(Entry("failure", line, now, failure.step, _world(worker_group), failure.node,
+                                  failure.to_json()))
+            posted = True
+        return posted
+
+    def read_board(self, worker_group: Any) -> None:
+        """Read the new entries: print each, keep the failures and hangs, write the events this node holds."""
+        events = worker_notes.read_events_path(self.notes) if self.notes else None
+        for number, entry in self.board.read_new():
+            print(f"torchrevive-run: {entry.line}", file=sys.stderr, flush=True)
+            if entry.kind == "failure":
+                failure = Failure.parse(entry.fields)
+                if failure is not None:
+                    self.failures.append(failure)
+            elif entry.kind == "hang":
+                nodes = entry.fields.get("nodes")
+                if isinstance(nodes, list):
+                    self.hangs += [(node, entry.time) for node in nodes[:64] if isinstance(node, str)]
+            elif entry.kind == "crash_loop":
+                self.stop_line = entry.line
+                self.board.acknowledge(number)  # the agent that decided it waits for every agent to know
+            if events is not None and self.board.claim(number):
+                _append_event(events, entry, restart=_restart(self._agent, worker_group))
+
+    def _decide(self, worker_group: Any) -> None:
+        env = self._env
+        settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+        min_nodes = getattr(settings, "min_nodes", 1)
+        can_shrink = int(worker_group.group_world_size) > (min_nodes if isinstance(min_nodes, int) else 1)
+        decision = failure_policy.decide(
+            self.failures, self.hangs, node=node_name(env), now=time.time(), can_shrink=can_shrink,
+            limit=int(setting(env, SET_ASIDE_FAILURES_ENV)), window=setting(env, SET_ASIDE_WINDOW_ENV),
+            attempts=int(setting(env, CRASH_LOOP_ATTEMPTS_ENV)),
+        )
+        if decision.kind == "set_aside":
+            cool_off = setting(env, SET_ASIDE_COOL_OFF_ENV)
+            line = f"{decision.line}; it does not rejoin for {cool_off:g} s (--set-aside-cool-off)"
+            fields = {"node": node_name(env), "host": socket.gethostname()[:200], "reason": decision.line,
+                      "failures": decision.strikes, "cool_off": cool_off}
+            self.board.post(Entry("node_excluded", line, time.time(), _last_step(self.failures),
+                                  _world(worker_group), node_name(env), fields))
+            self.read_board(worker_group)
+            mark_set_aside(env, line, cool_off)
+            _leave_rendezvous(worker_group.spec.rdzv_handler)
+            raise NodeSetAside(line)
+        if decision.kind == "stop":
+            failure = decision.failure
+            assert failure is not None
+            fields = {"rank": failure.rank, "node": failure.node, "host": failure.host, "error": failure.error,
+                      "attempts": int(setting(env, CRASH_LOOP_ATTEMPTS_ENV)), "exit_code": CRASH_LOOP_EXIT}
+            number = self.board.post(Entry("crash_loop", decision.line, time.time(), failure.step,
+                                           _world(worker_group), node_name(env), fields))
+            self.read_board(worker_group)
+            self._await_acknowledgements(number, int(worker_group.group_world_size))
+            raise CrashLoopStop(decision.line)
+
+    def _await_acknowledgements(self, number: int, agents: int) -> None:
+        """Until every agent of the round has read the stop (at most `PRIMARY_WAIT` seconds): this agent may
+        host the store the others read it from."""
+        deadline = self._clock() + PRIMARY_WAIT
+        while self.board.acknowledged(number) < agents and self._clock() < deadline:
+            self._sleep(0.1)
+
+
+def _board(worker_group: Any, environ: Any) -> StoreBoard | LocalBoard:
+    from elastic._agent.launcher.in_place import heal_store
+
+    store = heal_store(worker_group.store)
+    if store is None:
+        print("torchrevive-run: this rendezvous has no TCP store: each agent names only its own node's failures",
+              file=sys.stderr, flush=True)
+        return LocalBoard()
+    return StoreBoard(store, worker_group.spec.rdzv_handler.get_run_id(), environ)
+
+
+def _world(worker_group: Any) -> int:
+    return int(worker_group.workers[0].world_size) if worker_group.workers else 0
+
+
+def _restart(agent: Any, worker_group: Any) -> int:
+    remaining = getattr(agent, "_remaining_restarts", None)
+    return int(worker_group.spec.max_restarts) - remaining if isinstance(remaining, int) else 0
+
+
+def _last_step(failures: list[Failure]) -> int:
+    return failures[-1].step if failures else -1
+
+
+def _hang_entry(note: dict[str, Any], worker_group: Any) -> Entry | None:
+    """A worker's hang verdict as an entry; None when the note is not one (checked field by field)."""
+    line, step, culprits = note.get("line"), note.get("step"), note.get("culprits")
+    if not isinstance(line, str) or type(step) is not int or not isinstance(culprits, list):
+        return None
+    names = ("culprits", "nodes", "hosts", "collective", "stack_tops", "last_done", "reasons", "answered")
+    fields = {name: note[name] for name in names if name in note}
+    if any(type(rank) is not int for rank in culprits):
+        return None
+    text = "".join(ch if ch.isprintable() else " " for ch in line[:1400])
+    return Entry("hang", text, time.time(), step, _world(worker_group), node_name(), fields)
+
+
+def _append_event(path: str, entry: Entry, *, restart: int) -> None:
+    """The entry as one line of the job's event log (whole, appended; the log is a record, not state)."""
+    record = {"event": entry.kind, "time": entry.time, "step": entry.step, "world_size": entry.world_size,
+              "restart": restart, **entry.fields}
+    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+    except OSError as error:
+        logger.warning("event log %s: %s; the %s event is not written", path, error.strerror or error, entry.kind)
+        return
+    try:
+        os.write(fd, data)
+    except OSError as error:
+        logger.warning("event log %s: %s; the %s event is not written", path, error.strerror or error, entry.kind)
+    finally:
+        os.close(fd)
+
+
+def _leave_rendezvous(handler: Any) -> None:
+    """Leave torch's dynamic rendezvous without closing it: the other nodes see one node fewer at once
+    instead of after its keep-alive runs out (torch's own exit step; a handler without it: the keep-alive)."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            _RendezvousExitOp,
+        )
+
+        handler._stop_heartbeats()
+        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)
+    except Exception as error:  # noqa: BLE001 - the others still see it gone when its keep-alive runs out
+        logger.warning("leaving the rendezvous: %s; the other nodes see this one gone after its keep-alive", error)
+
+
+def _mark_path(environ: Any) -> Path:
+    run_id = environ.get("TORCHELASTIC_RUN_ID") or environ.get("PET_RDZV_ID") or "none"
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"torchrevive-{os.getuid()}" / f"set-aside-{digest}.json"
+
+
+def mark_set_aside(environ: Any, line: str, cool_off: float, *, run_id: str | None = None) -> None:
+    """Note on this host that the node is set aside from the run until the cool-off ends."""
+    path = _mark_path({**environ, "PET_RDZV_ID": run_id} if run_id else environ)
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        worker_notes.write_json(path, {"until": time.time() + cool_off, "why": line[:1000]})
+    except OSError as error:
+        logger.warning("cannot note the set-aside on this host (%s): a new agent here would rejoin at once", error)
+
+
+def set_aside_until(environ: Any, *, run_id: str, now: float | None = None) -> tuple[float, str] | None:
+    """(until, why) while this host's mark for `run_id` holds; None otherwise (no mark, an old one, not one)."""
+    note = worker_notes.read_json(_mark_path({**environ, "PET_RDZV_ID": run_id}))
+    if note is None:
+        return None
+    until, why = note.get("until"), note.get("why")
+    if not isinstance(until, (int, float)) or isinstance(until, bool) or not math.isfinite(until) or not isinstance(why, str):
+        return None
+    now = time.time() if now is None else now
+    cool_off = setting(environ, SET_ASIDE_COOL_OFF_ENV)
+    return (min(until, now + cool_off), why) if until > now else None
+
+
+def wait_out_cool_off(environ: Any, run_id: str, *, sleep: Any = time.sleep) -> None:
+    """Before joining: while this host is set aside from `run_id`, one line and a wait until the cool-off ends."""
+    held = set_aside_until(environ, run_id=run_id)
+    if held is None:
+        return
+    until, why = held
+    print(f"torchrevive-run: this host was set aside from run {run_id} ({why}); it rejoins in "
+          f"{until - time.time():.0f} s, when the cool-off ends", file=sys.stderr, flush=True)
+    sleep(max(0.0, until - time.time()))
+
+
+_watches: dict[int, JobWatch] = {}
+
+
+def watch_of(agent: Any, worker_group: Any) -> JobWatch:
+    watch = _watches.get(id(agent))
+    if watch is None:
+        watch = _watches[id(agent)] = JobWatch(agent, worker_group)
+    return watch
+
+
+def last_watch() -> JobWatch | None:
+    """This process's watch (one agent per process), for the launcher's last word."""
+    return next(iter(_watches.values()), None)
+
+
+def stopped_by_crash_loop() -> str | None:
+    """The crash-loop line another agent posted, read now (the rendezvous it closed ended this agent's
+    wait); None when there is none, or the board is out of reach."""
+    watch = last_watch()
+    if watch is None:
+        return None
+    if watch.stop_line is None:
+        try:
+            for _, entry in watch.board.read_new():
+                if entry.kind == "crash_loop":
+                    watch.stop_line = entry.line
+        except (RuntimeError, OSError, ValueError):
+            return None
+    return watch.stop_line
+
+
+def install() -> None:
+    """Wrap torch's local agent (in this process) as the module docstring says. Idempotent."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (
+        LocalElasticAgent,
+    )
+
+    if getattr(LocalElasticAgent._monitor_workers, "watches_job", False):
+        return
+    monitor = LocalElasticAgent._monitor_workers
+    start_workers = LocalElasticAgent._start_workers
+
+    def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        watch_of(self, worker_group).look(worker_group, result)
+        return result
+
+    def start_workers_afresh(self: LocalElasticAgent, worker_group: Any) -> Any:
+        notes = os.environ.get(worker_notes.NOTES_ENV)
+        if notes:  # a new start's progress is its own: an old note would name another attempt's step
+            for local_rank in range(int(worker_group.spec.local_world_size)):
+                worker_notes.progress_path(notes, local_rank).unlink(missing_ok=True)
+        return start_workers(self, worker_group)
+
+    monitor_workers.watches_job = True  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
+    LocalElasticAgent._start_workers = start_workers_afresh  # type: ignore[method-assign]

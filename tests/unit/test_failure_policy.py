@@ -1,0 +1,294 @@
+"""The agents' decisions from the job's failures: a bad node set aside, a crash loop stopped, a one-off
+forgotten; the notice board every agent reads; the agent's watch over its workers (torch's records of
+them and a store in this process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from elastic._agent.launcher import job_watch
+from elastic._agent.launcher.failure_policy import (
+    CRASH_LOOP_EXIT,
+    SET_ASIDE_EXIT,
+    Failure,
+    Strike,
+    bad_node,
+    crash_loop,
+    decide,
+    first_line,
+    is_collateral,
+)
+from elastic._agent.launcher.notice_board import (
+    MAX_PER_READ,
+    Entry,
+    LocalBoard,
+    StoreBoard,
+)
+from elastic._shared.protocol import worker_notes
+from elastic._shared.storage.store_records import MAX_VALUE
+
+
+def failure(node: str, step: int, time: float, *, primary: bool = True, rank: int = 1) -> Failure:
+    return Failure(rank=rank, node=node, host="h", exitcode=-9, step=step, error="Signal 9 (SIGKILL)", time=time,
+                   primary=primary)
+
+
+def test_a_node_failing_again_and_again_while_the_others_stay_healthy_is_set_aside() -> None:
+    failures = [failure("b", 8 + n, 100.0 + n) for n in range(3)]
+    failures += [failure("a", 9, 101.5, primary=False)]  # a peer's failure reached node a: no strike
+    decision = decide(failures, [], node="b", now=103.0, can_shrink=True, limit=3, window=60, attempts=3)
+    assert decision.kind == "set_aside" and decision.strikes == 3
+    assert "node b is set aside: 3 failures" in decision.line
+    # the same history read by a healthy node's agent decides nothing for it
+    assert decide(failures, [], node="a", now=103.0, can_shrink=True, limit=3, window=60, attempts=3).kind == "restart"
+
+
+def test_a_one_off_elsewhere_does_not_shield_a_bad_node_and_excludes_no_one() -> None:
+    one_off = [failure("a", 4, 90.0)]
+    assert decide(one_off, [], node="a", now=91.0, can_shrink=True, limit=3, window=600, attempts=3).kind == "restart"
+    history = one_off + [failure("b", 8 + n, 100.0 + n) for n in range(3)]
+    assert decide(history, [], node="b", now=103.0, can_shrink=True, limit=3, window=600, attempts=3).kind == "set_aside"
+
+
+def test_strikes_on_several_nodes_alike_set_no_one_aside() -> None:
+    strikes = [Strike("a", 1.0, "failure"), Strike("b", 2.0, "failure"), Strike("a", 3.0, "failure"),
+               Strike("b", 4.0, "failure"), Strike("a", 5.0, "failure"), Strike("b", 6.0, "failure")]
+    assert bad_node(strikes, "a", 7.0, limit=3, window=60) is None
+    assert bad_node(strikes, "a", 7.0, limit=0, window=60) is None  # off
+
+
+def test_strikes_outside_the_window_are_forgotten_and_hangs_count() -> None:
+    failures = [failure("b", 1, 10.0), failure("b", 2, 500.0)]
+    hangs = [("b", 510.0)]
+    assert decide(failures, hangs, node="b", now=520.0, can_shrink=True, limit=3, window=100, attempts=3).kind == "restart"
+    decision = decide(failures, hangs + [("b", 515.0)], node="b", now=520.0, can_shrink=True, limit=3, window=100,
+                      attempts=3)
+    assert decision.kind == "set_aside" and "failures and hangs" in decision.line
+
+
+def test_a_job_at_its_minimum_sets_no_one_aside_and_a_same_step_failure_stops_after_r_attempts() -> None:
+    failures = [failure("b", 14, 100.0 + n) for n in range(2)]
+    assert decide(failures, [], node="b", now=103, can_shrink=False, limit=3, window=60, attempts=3).kind == "restart"
+    failures.append(failure("b", 14, 102.0))
+    decision = decide(failures, [], node="b", now=103, can_shrink=False, limit=3, window=60, attempts=3)
+    assert decision.kind == "stop" and decision.failure == failures[-1]
+    assert "after step 14" in decision.line and "rank 1" in decision.line and "SIGKILL" in decision.line
+    assert str(CRASH_LOOP_EXIT) in decision.line
+    # a job that can shrink tries on without the node first
+    assert decide(failures, [], node="b", now=103, can_shrink=True, limit=3, window=60, attempts=3).kind == "set_aside"
+
+
+def test_a_crash_loop_needs_the_same_step_each_time_and_a_known_one() -> None:
+    assert crash_loop([failure("a", s, 1.0) for s in (14, 14, 15)], attempts=3) is None  # it moved on
+    assert crash_loop([failure("a", 14, 1.0), failure("a", 14, 2.0, primary=False), failure("a", 14, 3.0)],
+                      attempts=3) is None  # a peer's collateral failure is not an attempt
+    assert crash_loop([failure("a", -1, float(n)) for n in range(3)], attempts=3) is None  # unknown steps
+    assert crash_loop([failure("a", 14, float(n)) for n in range(5)], attempts=0) is None  # off
+    assert crash_loop([failure("a", 7, 1.0), *[failure("b", 14, float(n)) for n in range(3)]], attempts=3) is not None
+
+
+def test_collateral_failures_read_as_a_peers() -> None:
+    assert is_collateral(1, "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:5000")
+    assert is_collateral(124, "")  # the watchdog of a stuck group; the hang verdict names the culprit
+    assert is_collateral(-int(signal.SIGTERM), "")
+    assert not is_collateral(-9, "Signal 9 (SIGKILL) received by PID 12")
+    assert not is_collateral(1, "torch.OutOfMemoryError: CUDA out of memory")
+    assert first_line("\n  ValueError: bad batch\nTraceback...") == "ValueError: bad batch"
+    assert len(first_line("x" * 1000)) == 300 and first_line("a\x1bb") == "a?b"
+
+
+def test_a_failure_from_the_board_is_checked_field_by_field() -> None:
+    good = failure("a", 3, 1.0).to_json()
+    assert Failure.parse(good) == failure("a", 3, 1.0)
+    for bad in ({**good, "rank": "1"}, {**good, "step": -2}, {**good, "time": float("nan")}, {**good, "primary": 1},
+                {**good, "error": "e" * 301}, {k: v for k, v in good.items() if k != "host"}, [good]):
+        assert Failure.parse(bad) is None, bad
+
+
+def entry(kind: str = "failure", line: str = "failure: worker rank 1 ...", **fields: Any) -> Entry:
+    return Entry(kind, line, 1.0, 3, 2, "node-a", fields)
+
+
+def test_the_board_in_a_store_reads_entries_in_order_once_and_checks_them() -> None:
+    store = dist.HashStore()
+    poster, reader = StoreBoard(store, "run", {}), StoreBoard(store, "run", {})
+    numbers = [poster.post(entry(line=f"line {n}")) for n in range(3)]
+    assert numbers == [1, 2, 3]
+    assert [(n, e.line) for n, e in reader.read_new()] == [(1, "line 0"), (2, "line 1"), (3, "line 2")]
+    assert reader.read_new() == []
+    assert reader.claim(2) and not poster.claim(2)  # one agent writes each entry to the event log
+    # a stranger's value, an entry of another shape, a counter ahead of its entry
+    prefix = dist.PrefixStore("torchrevive/notices/run/", store)
+    prefix.add("count", 1)
+    prefix.set("n4", json.dumps({**entry().__dict__, "kind": "reboot"}))
+    assert reader.read_new() == []  # skipped, with one warning
+    prefix.add("count", 1)  # n5 counted but not written yet: read later, never waited for
+    assert reader.read_new() == []
+    prefix.set("n5", entry(line="late").dumps())
+    assert [e.line for _, e in reader.read_new()] == ["late"]
+
+
+def test_a_signed_board_ignores_what_the_secret_did_not_sign(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    store = dist.HashStore()
+    signed = StoreBoard(store, "run", {"TORCHREVIVE_SNAPSHOT_SECRET_FILE": str(secret)})
+    stranger = StoreBoard(store, "run", {})
+    stranger.post(entry(line="forged"))
+    signed.post(entry(line="real"))
+    assert [e.line for _, e in signed.read_new()] == ["real"]
+
+
+def test_a_long_entry_is_shortened_to_fit_and_reads_are_bounded() -> None:
+    board = StoreBoard(dist.HashStore(), "run", {})
+    board.post(entry(line="x" * 1400, stack_tops=["y" * 200] * 15))
+    (_, read), = board.read_new()
+    assert len(read.dumps()) <= MAX_VALUE and read.line.endswith("...")
+    for n in range(MAX_PER_READ + 5):
+        board.post(entry(line=str(n)))
+    assert len(board.read_new()) == MAX_PER_READ and len(board.read_new()) == 5
+    local = LocalBoard()
+    local.post(entry())
+    assert [n for n, _ in local.read_new()] == [1] and local.read_new() == [] and local.claim(1)
+
+
+class Process:
+    def __init__(self, local_rank: int, exitcode: int, message: Any, pid: int = 100) -> None:
+        self.local_rank, self.exitcode, self.message, self.pid = local_rank, exitcode, message, pid
+
+
+def group(nodes: int = 3, min_nodes: int = 2) -> Any:
+    handler = SimpleNamespace(_settings=SimpleNamespace(min_nodes=min_nodes), get_run_id=lambda: "run")
+    spec = SimpleNamespace(local_world_size=1, rdzv_handler=handler, max_restarts=10)
+    return SimpleNamespace(spec=spec, group_world_size=nodes, workers=[SimpleNamespace(world_size=nodes)])
+
+
+def failed(*processes: tuple[int, Process]) -> Any:
+    return SimpleNamespace(is_failed=lambda: True, failures=dict(processes))
+
+
+def watch(tmp_path: Path, node: str, board: Any, **env: str) -> job_watch.JobWatch:
+    notes = tmp_path / node
+    notes.mkdir()
+    environ = {worker_notes.NOTES_ENV: str(notes), "TORCHREVIVE_SNAPSHOT_NODE": node, **env}
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:  # the watch's bounded waits run on this clock
+        now[0] += seconds
+
+    return job_watch.JobWatch(SimpleNamespace(_remaining_restarts=8), group(), environ, board=board,
+                              clock=lambda: now[0], sleep=sleep)
+
+
+def test_the_agents_name_a_failure_write_it_once_and_set_the_bad_node_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    store = dist.HashStore()
+    events = tmp_path / "events.jsonl"
+    events.touch()
+    healthy = watch(tmp_path, "node-a", StoreBoard(store, "run", {}))
+    bad = watch(tmp_path, "node-b", StoreBoard(store, "run", {}), TORCHREVIVE_SET_ASIDE_COOL_OFF="60")
+    worker_notes.note_events_path(healthy.notes, events)  # node a holds the event log
+    monkeypatch.setattr(job_watch, "_mark_path", lambda environ: tmp_path / "mark.json")
+    left: list[Any] = []
+    monkeypatch.setattr(job_watch, "_leave_rendezvous", left.append)
+    note = worker_notes.ProgressNote(bad.notes, 0)
+    for attempt in range(3):
+        note.write(8 + attempt)
+        monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_NODE", "node-b")
+        result = failed((2, Process(0, -9, "", pid=200 + attempt)))
+        if attempt < 2:
+            bad.look(group(), result)
+        else:
+            with pytest.raises(job_watch.NodeSetAside) as raised:
+                bad.look(group(), result)
+        monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_NODE", "node-a")
+        healthy.look(group(), failed((0, Process(0, 1, {"message": "RuntimeError: Connection closed by peer"}, 300 + attempt))))
+    note.close()
+    assert raised.value.exit_code == SET_ASIDE_EXIT and "node node-b is set aside: 3 failures" in raised.value.line
+    assert "does not rejoin for 60 s" in raised.value.line and len(left) == 1
+    written = [json.loads(line) for line in events.read_text().splitlines()]
+    kinds = [e["event"] for e in written]
+    assert kinds.count("failure") == 6 and kinds.count("node_excluded") == 1  # each once, though two agents read them
+    first = next(e for e in written if e["event"] == "failure")
+    assert (first["rank"], first["node"], first["step"], first["exitcode"], first["primary"]) == (2, "node-b", 8, -9, True)
+    assert "Signal 9" in first["error"] or "SIGKILL" in first["error"]
+    excluded = next(e for e in written if e["event"] == "node_excluded")
+    assert (excluded["node"], excluded["failures"]) == ("node-b", 3) and excluded["reason"].startswith("node node-b")
+    err = capsys.readouterr().err
+    assert "torchrevive-run: failure: worker rank 2 on node node-b" in err and "killed by SIGKILL after step 8" in err
+    assert "(a peer's failure reached it)" in err
+    until = job_watch.set_aside_until({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "60"}, run_id="run")
+    assert until is not None and "set aside" in until[1]
+
+
+def test_a_crash_loop_stops_every_agent_with_its_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = dist.HashStore()
+    one, other = (watch(tmp_path, name, StoreBoard(store, "run", {})) for name in ("n1", "n2"))
+    monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_NODE", "n1")
+    note = worker_notes.ProgressNote(one.notes, 0)
+    note.write(14)
+    for attempt in range(3):
+        at_minimum = group(nodes=2, min_nodes=2)
+        result = failed((1, Process(0, 1, {"message": "ValueError: a batch that always fails"}, pid=attempt)))
+        if attempt < 2:
+            one.look(at_minimum, result)
+        else:
+            with pytest.raises(job_watch.CrashLoopStop) as raised:
+                one.look(at_minimum, result)
+    note.close()
+    assert raised.value.exit_code == CRASH_LOOP_EXIT
+    assert "after step 14" in raised.value.line and "ValueError: a batch that always fails" in raised.value.line
+    with pytest.raises(job_watch.CrashLoopStop):  # the other agent reads it and stops too
+        other.look(group(nodes=2, min_nodes=2), SimpleNamespace(is_failed=lambda: False))
+    assert one.board.acknowledged(3 * 1 + 1) == 2  # both read the stop (the deciding agent waited for it)
+
+
+def test_a_hang_note_becomes_one_entry_and_a_bad_note_none(tmp_path: Path) -> None:
+    board = LocalBoard()
+    agent_watch = watch(tmp_path, "n1", board)
+    verdict = {"line": "hang: the job waits in train step at step 21 for rank 1", "step": 21, "culprits": [1],
+               "nodes": ["n2"], "hosts": ["h"], "collective": "train step at step 21"}
+    worker_notes.write_json(worker_notes.hang_path(agent_watch.notes, 0), verdict)
+    agent_watch.look(group(), SimpleNamespace(is_failed=lambda: False))
+    assert agent_watch.hangs and agent_watch.hangs[0][0] == "n2"
+    assert not worker_notes.hang_path(agent_watch.notes, 0).exists()
+    worker_notes.write_json(worker_notes.hang_path(agent_watch.notes, 0), {**verdict, "culprits": ["1"]})
+    agent_watch.look(group(), SimpleNamespace(is_failed=lambda: False))
+    assert len(agent_watch.hangs) == 1
+
+
+def test_notes_and_marks_are_bounded_and_checked(tmp_path: Path) -> None:
+    assert worker_notes.read_progress(tmp_path, 0) is None
+    worker_notes.progress_path(tmp_path, 0).write_bytes(b"x" * 16)
+    assert worker_notes.read_progress(tmp_path, 0) is None  # not our magic
+    big = tmp_path / "big"
+    big.write_bytes(b"{" + b" " * worker_notes.MAX_NOTE + b"}")
+    assert worker_notes.read_json(big) is None
+    os.symlink(big, tmp_path / "link")
+    assert worker_notes.read_json(tmp_path / "link") is None
+    worker_notes.write_json(worker_notes.events_path_note(tmp_path), {"path": "relative/events"})
+    assert worker_notes.read_events_path(tmp_path) is None
+    worker_notes.note_events_path(tmp_path, tmp_path / "events.jsonl")
+    assert worker_notes.read_events_path(tmp_path) == str(tmp_path / "events.jsonl")
+
+
+def test_a_host_set_aside_waits_out_its_cool_off_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.setattr(job_watch, "_mark_path", lambda environ: tmp_path / "mark.json")
+    slept: list[float] = []
+    job_watch.wait_out_cool_off({}, "run", sleep=slept.append)
+    assert slept == []
+    job_watch.mark_set_aside({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "30"}, "node n set aside", 30)
+    job_watch.wait_out_cool_off({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "30"}, "run", sleep=slept.append)
+    assert len(slept) == 1 and 0 < slept[0] <= 30
+    assert "set aside from run run (node n set aside)" in capsys.readouterr().err
+    (tmp_path / "mark.json").write_text(json.dumps({"until": "soon", "why": "x"}))
+    assert job_watch.set_aside_until({}, run_id="run") is None
