@@ -353,7 +353,9 @@ def throughput(check: Check, name: str, nproc: str, model: dict[str, int], deadl
     """Steps/s of the recipe after `warmup` steps, and its MFU where the GPU's peak is known."""
     if check.dry_run:
         steps, warmup = 8, 2
-    result = run_job(check, name, nproc, check.recipe_args(model, steps, *extra), deadline)
+    # A group that cannot form (NCCL refusing two ranks on one GPU, say) errors within a minute.
+    args = check.recipe_args(model, steps, "--collective-timeout", "60", *extra)
+    result = run_job(check, name, nproc, args, deadline)
     rate = steps_per_second(result.records, warmup)
     start = next((r for r in result.records if r["event"] == "start"), None)
     if rate is None or start is None:
@@ -590,9 +592,9 @@ def parts() -> list[Part]:
     """In the order they run: the model's speed first, then the copy, then the faults."""
     return [
         Part("ddp-gpu", lambda c, d: throughput(c, "ddp-gpu", c.per_gpu, LARGE_MODEL, d), 150, needs_cuda=True),
-        Part("ddp-2", lambda c, d: part_two_workers(c, "ddp-2", TINY_MODEL if c.dry_run else LARGE_MODEL, d), 150),
+        Part("ddp-2", lambda c, d: part_two_workers(c, "ddp-2", TINY_MODEL if c.dry_run else LARGE_MODEL, d), 120),
         Part("fsdp-gpu", lambda c, d: throughput(c, "fsdp-gpu", c.per_gpu, LARGE_MODEL, d, "--fsdp"), 150, needs_cuda=True),
-        Part("fsdp-2", lambda c, d: part_two_workers(c, "fsdp-2", LARGE_MODEL, d, "--fsdp"), 150, in_dry_run=False),
+        Part("fsdp-2", lambda c, d: part_two_workers(c, "fsdp-2", LARGE_MODEL, d, "--fsdp"), 120, in_dry_run=False),
         Part("snapshot-copy", part_snapshot_copy, 120, needs_cuda=True),
         Part("snapshot-stall", part_snapshot_stall, 150, needs_cuda=True),
         Part("kill", part_kill, 150),

@@ -237,3 +237,107 @@ def test_a_part_that_fails_skips_or_runs_out_of_budget_is_recorded_and_the_check
     assert gpu_check.run_part(check, gpu_check.Part("gpu-only", fine, 30, needs_cuda=True)) == {
         "status": "skipped", "reason": "needs CUDA"}
     assert len(seen) == 1
+
+
+class FakeJob:
+    """A launcher job as gpu_check starts it, without processes: it checks the recipe takes the
+    arguments it was given (a typo there would only show on a GPU), and writes what such a job
+    writes: its log, its event log at 10 steps/s (8 with a snapshot every step), a final checkpoint,
+    and a restarted group when a fault was asked for. Two workers fail as NCCL fails them on one GPU."""
+
+    launched: list[FakeJob] = []
+
+    def __init__(self, directory, nproc, script_args, *, max_restarts=0, env=None) -> None:
+        import gpt  # recipes/gpt.py
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.nproc, self.env = directory, nproc, env or {}
+        self.args = gpt.build_parser().parse_args(list(script_args))
+        self.started = __import__("time").time()
+        self.process = type("Process", (), {"pid": 4242, "returncode": 0, "poll": lambda self: None})()
+        hold = next((part[len("until="):] for part in self.env.get("ELASTIC_FAULT", "").replace(",", ":").split(":")
+                     if part.startswith("until=")), None)
+        if hold:
+            open(f"{hold}.held", "w").close()
+        FakeJob.launched.append(self)
+
+    def worker_pid(self, rank):
+        return 4343
+
+    def wait(self, deadline):
+        import time
+
+        world = 1 if self.nproc == "gpu" else int(self.nproc)
+        if world == 2:
+            log = ("E1127 13:57:02.675000 1 api.py:836] torch.distributed.DistBackendError: NCCL error: invalid usage "
+                   "(Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0)\n")
+            (self.directory / "launcher.log").write_text(log)
+            return gpu_check.JobResult(1, [], log)
+        a = self.args
+        per_step = 0.125 if a.snapshot_every == 1 and a.ckpt_dir and "stall" in str(self.directory) else 0.1
+        tokens = a.batch_size * a.block_size * world
+        records = [{"event": "start", "step": 0, "world_size": world, "time": self.started, "tokens_per_step": tokens}]
+        records += [{"event": "step", "step": s, "world_size": world, "time": self.started + s * per_step}
+                    for s in range(1, a.max_steps + 1)]
+        if "ELASTIC_FAULT" in self.env:  # the group after the fault, from step 40
+            now = time.time()
+            records = [r for r in records if r["step"] <= 40 and r["event"] == "step" or r["event"] == "start"]
+            records += [{"event": "restore", "step": 40, "time": now + 0.5, "source": "memory", "redone": 0},
+                        {"event": "start", "step": 40, "time": now + 0.5, "world_size": world}]
+            records += [{"event": "step", "step": s, "world_size": world, "time": now + 0.5 + (s - 40) * 0.1}
+                        for s in range(41, a.max_steps + 1)]
+        if a.ckpt_dir:
+            (gpu_check.Path(a.ckpt_dir) / f"step_{a.max_steps:08d}").mkdir(parents=True)
+        (self.directory / "launcher.log").write_text("watchdog: no training step completed for 10 s\n")
+        return gpu_check.JobResult(0, records, "watchdog: no training step completed for 10 s\n")
+
+
+def test_on_one_gpu_every_part_launches_the_recipe_as_a_gpu_user_would(tmp_path, monkeypatch, capsys) -> None:
+    """The whole check on a pretend H100, its jobs faked (FakeJob): each part's command line, the
+    figures made from what its job wrote, and two workers failing on one GPU as NCCL fails them."""
+    import elastic
+
+    FakeJob.launched = []
+    monkeypatch.setattr(gpu_check, "Job", FakeJob)
+    monkeypatch.setattr(gpu_check, "describe_device", lambda: {
+        "name": "NVIDIA H100 80GB HBM3", "count": 1, "peak_bf16_tflops": 989.0, "peak_note": None})
+    killed = []
+    monkeypatch.setattr(gpu_check.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+
+    def measure_in_a_process(command, **kwargs):
+        assert command[2:4] == ["--measure-copy", command[3]]
+        gpu_check.Path(command[3]).write_text(gpu_check.json.dumps(gpu_check.measure_copy("cpu", 1, 1)))
+        return type("Done", (), {"returncode": 0, "stdout": "", "stderr": ""})()
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", measure_in_a_process)
+    monkeypatch.setattr(elastic, "read_checkpoint", lambda path: (None, {"model/w": torch.ones(3)}, {}))
+    out = tmp_path / "gpu.json"
+    assert gpu_check.main(["--json", str(out), "--workdir", str(tmp_path / "work")]) == 1  # ddp-2 failed
+    parts = gpu_check.json.loads(out.read_text())["parts"]
+    assert {name: part["status"] for name, part in parts.items()} == {
+        "ddp-gpu": "ok", "ddp-2": "failed", "fsdp-gpu": "ok", "fsdp-2": "skipped", "snapshot-copy": "ok",
+        "snapshot-stall": "ok", "kill": "ok", "exactness": "ok", "hang": "ok", "small-model": "ok"}
+    assert "Duplicate GPU detected" in parts["ddp-2"]["reason"] and "ddp-2: exit 1" in parts["fsdp-2"]["reason"]
+    launched = {job.directory.name: job for job in FakeJob.launched}
+    assert sorted(launched) == ["ddp-2", "ddp-gpu", "exactness", "fsdp-gpu", "hang", "kill", "small-model", "snapshot-stall"]
+    for name, job in launched.items():
+        assert job.args.device == "cuda", name
+        assert job.nproc == {"ddp-2": "2", "hang": "1"}.get(name, "gpu"), name
+    assert launched["fsdp-gpu"].args.fsdp and not launched["ddp-gpu"].args.fsdp
+    assert launched["ddp-gpu"].args.n_layer == 18 and launched["ddp-gpu"].args.ckpt_dir is None  # no checkpoints
+    assert launched["kill"].args.deterministic and launched["exactness"].args.deterministic
+    assert launched["kill"].env["ELASTIC_FAULT"].startswith("after_step@40:do=hold:until=")
+    assert launched["hang"].env["ELASTIC_FAULT"].endswith("after_step@40:rank=0:do=hang")  # one worker: rank 0
+    assert killed == [(4343, gpu_check.signal.SIGKILL)]
+    # The figures: 10 steps/s over the timed steps, nanoGPT's MFU against the H100's 989 TFLOPS.
+    ddp = parts["ddp-gpu"]
+    _, per_token = gpu_check.flops_per_token(gpu_check.LARGE_MODEL)
+    assert ddp["steps_per_s"] == pytest.approx(10.0) and ddp["tokens_per_step"] == 16 * 1024
+    assert ddp["mfu"] == pytest.approx(per_token * 16 * 1024 * 10.0 / 989e12)
+    assert parts["snapshot-stall"]["stall_per_snapshot_s"] == pytest.approx(0.125 - 0.1)
+    assert parts["kill"]["restore_source"] == "memory" and parts["kill"]["kill_to_step_s"] > 0
+    assert parts["exactness"]["identical"] is True and parts["exactness"]["checkpoint"] == "step_00000120"
+    assert parts["hang"]["world_size"] == 1 and "no peer to abort" in parts["hang"]["peer_note"]
+    assert parts["snapshot-copy"]["pageable_gb_s"] > 0
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[-1] == f"1 part(s) failed: ddp-2; every figure: {out}"
