@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from types import ModuleType
+from typing import ClassVar
 
 import pytest
 import torch
@@ -245,7 +246,7 @@ class FakeJob:
     writes: its log, its event log at 10 steps/s (8 with a snapshot every step), a final checkpoint,
     and a restarted group when a fault was asked for. Two workers fail as NCCL fails them on one GPU."""
 
-    launched: list[FakeJob] = []
+    launched: ClassVar[list[FakeJob]] = []
 
     def __init__(self, directory, nproc, script_args, *, max_restarts=0, env=None) -> None:
         import gpt  # recipes/gpt.py
