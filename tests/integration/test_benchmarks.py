@@ -165,6 +165,19 @@ def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
     assert [side for side, *_ in rows] == ["save", "restore"], result.stdout
 
 
+def test_object_store_benchmark_prints_ours_the_sequential_upload_and_dcps_fsspec_writer() -> None:
+    result = warm.run(
+        [sys.executable, "benchmarks/object_store.py", "--mb", "8", "--tensors", "4", "--repeats", "1"],
+        timeout=180, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^\| (ours|sequential|dcp-fsspec) \| (\d+) \| (\d+) \| ([\d.]+)x \| ([\d.]+)x \|$",
+                      result.stdout, re.M)
+    assert [name for name, *_ in rows] == ["ours", "sequential", "dcp-fsspec"], result.stdout
+    assert all(int(up) > 0 and int(down) > 0 for _, up, down, *_ in rows)
+    assert rows[1][3:] == ("1.00", "1.00"), "the sequential upload is the baseline"
+
+
 def test_snapshot_auth_benchmark_prints_signed_against_unsigned() -> None:
     result = warm.run(
         [sys.executable, "benchmarks/snapshot_auth.py", "--restore-mb", "8", "--part-mb", "2", "--pairs", "1"],

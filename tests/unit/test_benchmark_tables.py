@@ -708,3 +708,16 @@ def test_snapshot_restore_quick_is_the_tiny_model_only():
 def test_snapshot_restore_refuses_a_bad_flag_in_one_line(capsys):
     err = one_line(refused(capsys, lambda: script("snapshot_restore").main(["--models", "huge"])))
     assert "error: argument --models" in err
+
+
+def test_object_store_table_gives_each_system_its_rates_and_its_ratio_to_the_sequential_upload(capsys) -> None:
+    bench = script("object_store")
+    # 256 MB: ours 3 and 4 s up (median 3.5), 2 s down; sequential 2.56 s up, 0.64 s down.
+    text = bench.table(256, {"ours": [(3.0, 2.0), (4.0, 2.0)], "sequential": [(2.56, 0.64)], "dcp-fsspec": [(5.12, 3.2)]})
+    assert text.splitlines()[2:] == [
+        "| ours | 73 | 128 | 0.73x | 0.32x |",
+        "| sequential | 100 | 400 | 1.00x | 1.00x |",
+        "| dcp-fsspec | 50 | 80 | 0.50x | 0.20x |",
+    ]
+    assert "upload vs sequential" not in bench.table(1, {"ours": [(1.0, 1.0)]}).splitlines()[2]
+    assert "unknown nosuch" in refused(capsys, lambda: bench.main(["--systems", "ours,nosuch"]))

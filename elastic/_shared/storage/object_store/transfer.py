@@ -38,6 +38,10 @@ AHEAD_BYTES = 8 * PIECE
 """Bytes a download fetches ahead of its reader."""
 THREADS = 8
 """Requests of one process at once (uploads and downloads share them)."""
+JOIN_GAP = 2**20
+JOIN_MAX = 4 * PIECE
+"""Spans of one file at most JOIN_GAP apart are read as one range of up to JOIN_MAX bytes: few
+requests for many small chunks (a range is still fetched as `PIECE`-sized requests at once)."""
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -154,34 +158,41 @@ class PartUpload:
 
 class BucketChunks:
     """A checkpoint's files read from a bucket (a `chunks.ChunkSource`): `key_of(file)` is the
-    object of a file; see the module docstring for what it fetches ahead and how much."""
+    object of a file. The spans a reader expects are joined into ranges (spans of one file at
+    most `JOIN_GAP` apart, up to `JOIN_MAX` bytes), each fetched as `piece`-sized requests at
+    once, ranges ahead of the reader up to `AHEAD_BYTES`; see the module docstring."""
 
     def __init__(self, objects: Objects, key_of: Callable[[str], str], *, piece: int = PIECE) -> None:
         self._objects = objects
         self._key_of = key_of
         self._piece = piece
-        self._spans: list[tuple[str, int, int]] = []
+        self._ranges: list[tuple[str, int, int]] = []
         self._fetched: dict[int, Future[bytearray | None]] = {}
-        self._next = 0  # the first span not yet asked for
-        self._ahead = 0  # bytes fetched (or being fetched) past the reader
-        self._current = -1
+        self._next = 0  # the first range not yet fetched
+        self._current = 0  # the range the reader is in
         self.bytes_fetched = 0
 
     def expect(self, spans: list[tuple[str, int, int]]) -> None:
-        self._spans = list(spans)
-        self._fetched.clear()
-        self._next, self._ahead, self._current = 0, 0, -1
+        self.close()
+        for file, start, stop in spans:
+            last = self._ranges[-1] if self._ranges else None
+            if last and last[0] == file and 0 <= start - last[2] <= JOIN_GAP and stop - last[1] <= JOIN_MAX:
+                self._ranges[-1] = (file, last[1], max(last[2], stop))
+            else:
+                self._ranges.append((file, start, stop))
+        self._next = self._current = 0
         self._fill()
 
     def _fill(self) -> None:
-        while self._next < len(self._spans) and (self._ahead < AHEAD_BYTES or self._next <= self._current + 1):
-            file, start, stop = self._spans[self._next]
+        ahead = sum(hi - lo for i, (_, lo, hi) in enumerate(self._ranges) if self._current <= i < self._next)
+        while self._next < len(self._ranges) and (ahead < AHEAD_BYTES or self._next <= self._current):
+            file, start, stop = self._ranges[self._next]
             self._fetched[self._next] = self._fetch(file, start, stop)
-            self._ahead += stop - start
+            ahead += stop - start
             self._next += 1
 
     def _fetch(self, file: str, start: int, stop: int) -> Future[bytearray | None]:
-        """One span, in ranges of at most `piece` bytes fetched at once into one buffer."""
+        """One range, in requests of at most `piece` bytes sent at once into one buffer."""
         key = self._key_of(file)
         buffer = bytearray(stop - start)
         pool = transfer_pool()
@@ -212,14 +223,20 @@ class BucketChunks:
         return done
 
     def view(self, file: str, start: int, stop: int) -> memoryview | bytearray | None:
-        index = self._current + 1
-        if index < len(self._spans) and self._spans[index] == (file, start, stop):
-            self._current = index
-            self._ahead = max(0, self._ahead - (stop - start))
-            self._fill()
-            data = self._fetched.pop(index).result()
-        else:  # not the span expected next: fetched on its own
-            data = self._fetch(file, start, stop).result()
+        for index in range(self._current, len(self._ranges)):
+            name, lo, hi = self._ranges[index]
+            if name == file and lo <= start and stop <= hi:
+                for passed in range(self._current, index):  # the reader has left them: their memory goes
+                    self._fetched.pop(passed, None)
+                self._current = index
+                self._fill()
+                data = self._fetched[index].result()
+                if data is None:  # the object is shorter than the range: is it shorter than this span?
+                    data = self._fetch(file, start, stop).result()
+                    return data
+                self.bytes_fetched += stop - start
+                return memoryview(data)[start - lo : stop - lo]
+        data = self._fetch(file, start, stop).result()  # not a span it was told of: fetched on its own
         if data is not None:
             self.bytes_fetched += len(data)
         return data
@@ -228,7 +245,7 @@ class BucketChunks:
         for future in self._fetched.values():
             future.cancel()
         self._fetched.clear()
-        self._spans = []
+        self._ranges = []
 
 
 def _settle(future: Future[bytearray | None], *, value: bytearray | None = None, error: BaseException | None = None) -> None:
