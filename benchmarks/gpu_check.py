@@ -457,8 +457,9 @@ def part_snapshot_stall(check: Check, deadline: float) -> dict[str, Any]:
         raise PartSkipped("needs ddp-gpu's step rate, which is missing")
     ckpt = check.workdir / "snapshot-stall" / "ckpt"
     try:
+        # Fewer steps: each waits for the previous step's snapshot (~1.5 GB copied, checksummed).
         figures = throughput(check, "snapshot-stall", check.per_gpu, LARGE_MODEL, deadline,
-                             "--ckpt-dir", str(ckpt), "--ckpt-every", "0", "--snapshot-every", "1")
+                             "--ckpt-dir", str(ckpt), "--ckpt-every", "0", "--snapshot-every", "1", steps=60, warmup=10)
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)  # a large model's final checkpoint: nothing reads it
     off = snapshots_off((check.workdir / "snapshot-stall" / "launcher.log").read_text(errors="replace"))
