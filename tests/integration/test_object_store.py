@@ -145,3 +145,29 @@ def test_bad_credentials_a_missing_bucket_or_no_server_are_one_line_at_start(
     with pytest.raises(UsageError, match="Could not connect to the endpoint URL") as unreachable:
         open_store(bucket_url)
     assert "do-not-print-this-secret" not in str(unreachable.value) and "\n" not in str(unreachable.value)
+
+
+def test_the_memory_tier_and_the_keeper_work_in_front_of_a_bucket(keeper, bucket_url: str, monkeypatch) -> None:
+    """Snapshots still go to node memory; the keeper persists the newest through the bucket's one commit,
+    and a run without memory (a whole-job crash) resumes from the bucket, bit-identical."""
+    from test_snapshots import Job, assert_same
+
+    job = Job(bucket_url)
+    job.run(8)  # committed at step 5 in the bucket; snapshots of 7 and 8 in memory
+    job.ckpt.flush()
+    job.ckpt.memory.wait_previous()
+    want = job.state()
+    job.close()
+    assert keeper.persist() == [8]
+    store = open_store(bucket_url)
+    newest = store.committed()[0]
+    assert (newest.name, store.verify(newest).reason) == ("step_00000008", "breakpoint")
+    assert keeper.persist() == [], "nothing newer than what is committed"
+    folder = f"runs/gpt/step_00000008/{store.read_checked_manifest(newest).parts}/"
+    assert sorted(o.key[len(folder):] for o in store.objects.list(folder)) == [
+        "shard_00000.bin", "tensors.json", "trainer.pt"], "the keepers' markers and headers are gone"
+    monkeypatch.delenv("TORCHREVIVE_SNAPSHOT_ROOT")
+    fresh = Job(bucket_url, seed=2, snapshot_every=0)
+    assert fresh.ckpt.restore() == 8
+    assert_same(want, fresh.state())
+    fresh.close()

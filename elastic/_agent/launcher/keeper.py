@@ -54,6 +54,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from elastic._agent.launcher import keeper_bucket
 from elastic._agent.launcher.keeper_endpoint import Conflict, serve
 from elastic._agent.launcher.keeper_files import (
     OWNER_FILE,
@@ -78,6 +79,7 @@ from elastic._shared.storage.keeper_address import (
     REPLICA,
     KeeperAddress,
 )
+from elastic._shared.storage.location import is_url
 from elastic._shared.storage.manifest import shard_file
 from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
@@ -245,6 +247,11 @@ class SnapshotKeeper:
             steps.setdefault(header.step, []).append((path, header))
         committed: list[int] = []
         for (ckpt_dir, run_id, world_size, keep, generation), steps in targets.items():
+            if is_url(ckpt_dir):  # a bucket: the same commit through its own primitives
+                if run_id == self.run_id:
+                    committed += keeper_bucket.persist(ckpt_dir, run_id=run_id, world_size=world_size, keep=keep,
+                                                       generation=generation, steps=steps)
+                continue
             root = Path(ckpt_dir)
             if not root.is_dir() or run_id != self.run_id:
                 continue

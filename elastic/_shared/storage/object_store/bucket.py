@@ -76,6 +76,7 @@ from elastic._shared.storage.manifest import (
     Manifest,
     checkpoint_name,
 )
+from elastic._shared.storage.object_store import bucket_retention
 from elastic._shared.storage.object_store.bucket_claim import BucketClaim
 from elastic._shared.storage.object_store.objects import ConditionFailed, ObjectMissing, Objects, ObjectTooLarge
 from elastic._shared.storage.object_store.transfer import PIECE, BucketChunks, PartUpload
@@ -129,7 +130,7 @@ class BucketStore:
         """Claim the prefix for `identity` and delete the attempts no manifest names (saves that died)."""
         if identity is not None:
             self.claim(identity)
-        self._remove_orphans(up_to=None, keep_attempt=None)
+        self._remove_orphans(up_to=None)
 
     def writer(self) -> WriterIdentity | None:
         return self._claim.current()[0]
@@ -145,6 +146,10 @@ class BucketStore:
 
     def check_owner(self, identity: WriterIdentity) -> None:
         self._claim.check_may_commit(identity.run_id, identity)
+
+    def check_may_commit(self, run_id: str, owner: WriterIdentity | None = None) -> None:
+        """`SaveFailed` unless the prefix is `owner`'s, or without one (a keeper), its job's (`run_id`)."""
+        self._claim.check_may_commit(run_id, owner)
 
     def check_room(self, needed_bytes: int) -> None:
         """A bucket has no free-space figure: a save that finds no room fails and says so."""
@@ -220,6 +225,7 @@ class BucketStore:
         for attempt in range(2):
             try:
                 self.objects.put(key, text.encode("utf-8"), create_only=True)
+                self._manifests[name] = (text, manifest)
                 break
             except ConditionFailed:
                 there = self._commit_there(name, manifest.step)
@@ -230,13 +236,12 @@ class BucketStore:
                 if there is None:
                     raise SaveFailed(f"cannot commit {name} in {self.root}: its manifest keeps changing") from None
                 logger.info("%s was committed by another writer meanwhile and checks; this copy goes", name)
-                text = self._manifests[name][0]
                 break
             except OSError as exc:
                 self.abort(stage)
                 raise SaveFailed(f"cannot commit {name} in {self.root}: {describe_failure(exc)}") from None
         # Committed. What follows is housekeeping: a failure there is a warning, not a failed save.
-        self._checked.add((name, text))
+        self.mark_checked(name)
         try:
             self._write_latest(name)
             if owner is not None:
@@ -267,78 +272,25 @@ class BucketStore:
             return
         self.objects.put(self.root.key(LATEST), (name + "\n").encode("ascii"))
 
-    # -- retention and orphans --------------------------------------------------------
+    # -- retention and orphans (bucket_retention.py) ----------------------------------
 
     def retire_old(self, run_id: str, owner: WriterIdentity | None, *, newest: int) -> list[str]:
-        """Delete this run's checkpoints behind the newest `keep` of it that check, then the orphans up to
-        `newest` (see the module docstring); the names deleted."""
-        try:
-            self._claim.check_may_commit(run_id, owner)
-        except SaveFailed as exc:
-            logger.warning("not deleting old checkpoints: %s", exc)
-            return []
-        kept, deleted = 0, []
-        for old in self.committed():
-            try:
-                manifest = self.read_checked_manifest(old)
-            except (CorruptCheckpoint, OSError):
-                continue  # not recognisably a checkpoint: it stays
-            if manifest.run_id != run_id:
-                continue  # another run's: never counted, never deleted
-            if kept < self.keep:
-                kept += self._counts(old, manifest)
-                continue
-            self.objects.delete([self.root.key(old.name, MANIFEST)])  # first: never a manifest without its files
-            self.objects.delete([o.key for o in self.objects.list(self.root.key(old.name) + "/")])
-            self._manifests.pop(old.name, None)
-            deleted.append(old.name)
-            logger.debug("deleted %s (keeping the newest %d of run %s)", old.name, self.keep, run_id)
-        self._remove_orphans(up_to=newest, keep_attempt=None)
-        return deleted
+        """Delete this run's checkpoints behind the newest `keep` that check, then orphans up to `newest`."""
+        return bucket_retention.retire_old(self, run_id, owner, newest=newest)
 
-    def _counts(self, candidate: Candidate, manifest: Manifest) -> bool:
-        text = self._manifests[candidate.name][0]
-        if (candidate.name, text) in self._checked:
-            return True
-        try:
-            self.check_sizes(candidate, manifest)
-            for file_name, expected in manifest.files.items():
-                if "crc32c" in expected or "sha256" in expected:
-                    self.read_file(candidate, file_name, expected, keep=False)
-        except (CorruptCheckpoint, OSError) as exc:
-            logger.info("%s does not count towards keeping %d: %s", candidate.name, self.keep, exc)
-            return False
-        self._checked.add((candidate.name, text))
-        return True
+    def _remove_orphans(self, *, up_to: int | None) -> None:
+        bucket_retention.remove_orphans(self, up_to=up_to)
 
-    def _remove_orphans(self, *, up_to: int | None, keep_attempt: str | None) -> None:
-        """Delete attempt folders no committed manifest names, of steps up to `up_to` (None: all)."""
-        objects = self.objects.list(self.root.key() + "/" if self.root.prefix else "")
-        base = len(self.root.key()) + 1 if self.root.prefix else 0
-        split = [(info.key, info.key[base:].split("/")) for info in objects]
-        committed = {parts[0] for _, parts in split if len(parts) == 2 and parts[1] == MANIFEST and _STEP.match(parts[0])}
-        named: dict[str, str | None] = {}
-        """Step -> the attempt its manifest names (None: no manifest); a step whose manifest does not
-        read is left out, and its folders stay: nothing is deleted on a guess."""
-        unreadable: set[str] = set()
-        orphans: list[str] = []
-        for key, parts in split:
-            if len(parts) < 3 or not _STEP.match(parts[0]) or (up_to is not None and int(parts[0][5:]) > up_to):
-                continue
-            step = parts[0]
-            if step not in named and step not in unreadable:
-                named[step] = None
-                if step in committed:
-                    try:
-                        named[step] = self._manifest_of(Candidate(step, int(step[5:]), None)).parts  # type: ignore[arg-type]
-                    except (CorruptCheckpoint, OSError):
-                        del named[step]
-                        unreadable.add(step)
-            if step not in unreadable and parts[1] not in (named[step], keep_attempt):
-                orphans.append(key)
-        if orphans:
-            logger.info("deleting %d objects of saves that never committed in %s", len(orphans), self.root)
-            self.objects.delete(orphans)
+    def mark_checked(self, name: str) -> None:
+        """`name`'s checkpoint checks (or this process committed it): retention need not read it again."""
+        self._checked.add((name, self._manifests[name][0]))
+
+    def was_checked(self, name: str) -> bool:
+        cached = self._manifests.get(name)
+        return cached is not None and (name, cached[0]) in self._checked
+
+    def forget(self, name: str) -> None:
+        self._manifests.pop(name, None)
 
     # -- reading ---------------------------------------------------------------------
 
