@@ -65,3 +65,15 @@ def test_a_tensor_that_does_not_fit_the_local_state_is_one_line_before_any_alloc
     with pytest.raises(live_source.LivePeerError, match=why) as raised:
         live_source._check_fits(state, change(sources_entries()), trainer(state), 1)
     assert "\n" not in str(raised.value) and "rank 1" in str(raised.value)
+
+
+def test_the_state_travels_in_buckets_of_one_dtype_each_within_the_bound(monkeypatch) -> None:
+    monkeypatch.setattr(live_source, "BUCKET_BYTES", 100)
+    f32, i64 = torch.float32, torch.int64
+    entries = [("a", torch.Size([5]), f32), ("b", torch.Size([10]), f32), ("c", torch.Size([20]), f32),
+               ("d", torch.Size([]), f32), ("e", torch.Size([2]), i64), ("f", torch.Size([30]), f32),
+               ("g", torch.Size([0]), f32)]
+    buckets = [[key for key, _, _ in bucket] for bucket in live_source._buckets(entries)]
+    # 20 + 40 bytes fit, 80 more do not; an int64 run of its own; 120 bytes alone, over the bound
+    assert buckets == [["a", "b"], ["c", "d"], ["e"], ["f"], ["g"]]
+    assert [key for bucket in buckets for key in bucket] == [key for key, _, _ in entries], "the header's order"

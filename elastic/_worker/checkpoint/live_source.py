@@ -10,7 +10,10 @@ its whole training state over the new group, as a checkpoint would hold it:
    key, shape and dtype (`state.live_tensors`), and the trainer state (step,
    sampler position, scheduler, scaler, extra objects, optimizer settings,
    modules' extra state);
-2. every tensor, one broadcast each, in the header's order.
+2. every tensor, in the header's order, packed into flat buffers of one dtype and
+   at most `BUCKET_BYTES` each (a larger tensor alone): one broadcast per
+   buffer, not per tensor (a small model's state is some 200 tensors, and as
+   many broadcasts cost a heal 0.1 s of round trips).
 
 Invariants:
 - Nothing is unpickled: the header loads with `weights_only=True` and every
@@ -56,6 +59,9 @@ from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 MAX_HEADER_BYTES = 64 << 20
 """A header is a few KB (a name, a shape and a dtype per tensor, plus the trainer state); 64 MiB is
 far past any real one, and bounds what a broken peer can make this worker allocate."""
+BUCKET_BYTES = 64 << 20
+"""At most this many bytes of consecutive tensors of one dtype travel in one broadcast (a tensor
+larger than that travels alone): one copy of a bucket is all the packing costs in memory."""
 MAX_STATES_PER_PARAMETER = 8
 """Tensors of optimizer state per parameter a member with no state of its own for it accepts (Adam
 with amsgrad keeps 4: step, exp_avg, exp_avg_sq, max_exp_avg_sq)."""
@@ -99,15 +105,48 @@ def share(
         _check_fits(state, entries, trainer, source)
     fault("during_catch_up", step)
     received: dict[str, torch.Tensor] = {}
-    for key, shape, dtype in entries:
-        buffer = tensors[key].detach().cpu() if is_source else torch.empty(shape, dtype=dtype)
-        dist.broadcast(buffer, source)
-        received[key] = buffer
+    for bucket in _buckets(entries):
+        received.update(_broadcast_bucket(bucket, tensors if is_source else None, source))
     if is_source or not take:
         return Received(step=step, bytes_received=0, extras=extras_received)
     _apply(ctx, state, step, received, trainer, replacement=replacement)
     size = sum(t.numel() * t.element_size() for t in received.values())
     return Received(step=step, bytes_received=size, extras=extras_received)
+
+
+Entry = tuple[str, torch.Size, torch.dtype]
+
+
+def _buckets(entries: list[Entry]) -> list[list[Entry]]:
+    """`entries` in order, cut into runs of one dtype of at most `BUCKET_BYTES` (or one tensor)."""
+    buckets: list[list[Entry]] = []
+    size = 0
+    for entry in entries:
+        _, shape, dtype = entry
+        nbytes = shape.numel() * dtype.itemsize
+        if not buckets or buckets[-1][-1][2] != dtype or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(entry)
+        size += nbytes
+    return buckets
+
+
+def _broadcast_bucket(bucket: list[Entry], tensors: dict[str, torch.Tensor] | None, source: int) -> dict[str, torch.Tensor]:
+    """One broadcast of `bucket`'s tensors packed flat: the source sends its `tensors` (and gets
+    nothing back); a member (None) receives into one buffer of the sizes its checked header gave,
+    and gets each tensor as a copy of its own (a view would keep the whole buffer alive, and a
+    `torch.save` of it would write the whole buffer)."""
+    if tensors is not None:
+        dist.broadcast(torch.cat([tensors[key].detach().reshape(-1).cpu() for key, _, _ in bucket]), source)
+        return {}
+    flat = torch.empty(sum(shape.numel() for _, shape, _ in bucket), dtype=bucket[0][2])
+    dist.broadcast(flat, source)
+    out, offset = {}, 0
+    for key, shape, _ in bucket:
+        out[key] = flat[offset:offset + shape.numel()].view(shape).clone()
+        offset += shape.numel()
+    return out
 
 
 def _encode_header(state: TrainingState, step: int, tensors: dict[str, torch.Tensor], extras: dict[str, Any]) -> bytes:
