@@ -171,3 +171,53 @@ def test_the_memory_tier_and_the_keeper_work_in_front_of_a_bucket(keeper, bucket
     assert fresh.ckpt.restore() == 8
     assert_same(want, fresh.state())
     fresh.close()
+
+
+def test_throttling_is_retried_and_a_failing_store_follows_the_full_disk_policy(
+    s3_server: S3Server, bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flaky_s3 import FlakyS3
+    from test_snapshots import Job
+
+    with FlakyS3(s3_server.url) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = open_store(bucket_url)
+        owner = WriterIdentity.new("run-a")
+        store.prepare(owner)
+        # A throttled store (503 SlowDown) and a failing one (500): retried with backoff, the save goes through.
+        answers = iter([(503, "SlowDown"), (500, "InternalError")])
+
+        def twice(method: str, path: str) -> bool:
+            if method != "PUT":
+                return False
+            try:
+                proxy.status, proxy.code = next(answers)
+            except StopIteration:
+                return False
+            return True
+
+        proxy.fail = twice
+        save(store, 100, owner, 1.0, "a100")
+        assert proxy.failed == 2 and [c.step for c in store.committed()] == [100]
+
+        # Saves that keep failing: warnings, training goes on, then the storage stop; the last good checkpoint stays.
+        job = Job(bucket_url + "-job")
+        job.run(5)
+        job.ckpt.flush()
+        proxy.status, proxy.code = 403, "AccessDenied"  # not retried: each save fails at once
+        proxy.fail = lambda method, path: method in ("PUT", "POST")
+        step = 5
+        while not job.ckpt.must_stop and step < 40:
+            step = job.run(5, start=step)
+            job.ckpt.saver.collect(block=True)
+        assert job.ckpt.must_stop, "three failed saves in a row stop the job"
+        assert [h["step"] for h in job.ckpt.history] == [5]
+        assert "3 checkpoints in a row failed" in job.ckpt.stop_reason
+        assert "access denied" in job.ckpt.stop_reason
+        assert f"{bucket_url}-job/step_00000005, is intact" in job.ckpt.stop_reason
+        proxy.fail = lambda method, path: False
+        job.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    store = open_store(bucket_url + "-job")
+    assert [c.step for c in store.committed()][:1] == [5]
+    store.verify(store.committed()[0])

@@ -92,4 +92,4 @@ class FailurePolicy:
             committed = []
         if not committed:
             return "no checkpoint was committed"
-        return f"the newest committed checkpoint, {committed[0].path}, is intact"
+        return f"the newest committed checkpoint, {self.store.root / committed[0].name}, is intact"

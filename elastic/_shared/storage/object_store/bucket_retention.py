@@ -19,18 +19,35 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage.claim import WriterIdentity
 from elastic._shared.storage.durable import SaveFailed
+from elastic._shared.storage.location import BucketLocation
 from elastic._shared.storage.manifest import MANIFEST, Candidate, Manifest
-
-if TYPE_CHECKING:
-    from elastic._shared.storage.object_store.bucket import BucketStore
+from elastic._shared.storage.object_store.objects import Objects
 
 logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step_(\d{8})$")
+
+
+class BucketStore(Protocol):
+    """What retention needs of a bucket's store (bucket.BucketStore)."""
+
+    root: BucketLocation
+    objects: Objects
+    keep: int
+
+    def check_may_commit(self, run_id: str, owner: WriterIdentity | None = None) -> None: ...
+    def committed(self) -> list[Candidate]: ...
+    def read_manifest(self, candidate: Candidate) -> Manifest: ...
+    def read_checked_manifest(self, candidate: Candidate) -> Manifest: ...
+    def check_sizes(self, candidate: Candidate, manifest: Manifest) -> None: ...
+    def read_file(self, candidate: Candidate, file_name: str, expected: Any, *, keep: bool = True) -> bytes: ...
+    def was_checked(self, name: str) -> bool: ...
+    def mark_checked(self, name: str) -> None: ...
+    def forget(self, name: str) -> None: ...
 
 
 def retire_old(store: BucketStore, run_id: str, owner: WriterIdentity | None, *, newest: int) -> list[str]:
