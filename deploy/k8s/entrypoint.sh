@@ -14,7 +14,8 @@
 # the pod and the job resumes from its newest checkpoint.
 #
 # Except the final ones: a status listed in FINAL_EXIT_CODES (the trainer
-# manifest sets "2 75": bad input, checkpoint storage refuses writes) is one
+# manifest sets "2 75 78": bad input, checkpoint storage refuses writes, a
+# crash loop: the same failure after the same step attempt after attempt) is one
 # that every restart would meet again at the same check. The pod then says so
 # in one line, writes that line to STOPPED_MARK (its readiness probe turns the
 # pod not ready when the file exists) and idles until it is deleted or
@@ -47,6 +48,7 @@ for final in ${FINAL_EXIT_CODES:-}; do
         case $status in
             2) why="bad input (its first error line above says which)" ;;
             75) why="checkpoint storage refuses writes" ;;
+            78) why="a crash loop: the same failure after the same step, attempt after attempt (the line above names the step, the rank and the error)" ;;
             *) why="listed in FINAL_EXIT_CODES" ;;
         esac
         line="entrypoint: the job stopped with exit status $status, $why; a restart would stop the same way, so this pod idles, not ready: fix the cause, then kubectl rollout restart statefulset/trainer"

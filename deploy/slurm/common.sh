@@ -55,6 +55,12 @@ fi
 export TORCHREVIVE_SNAPSHOT_SECRET_FILE="$secret"
 echo "torchrevive: job $SLURM_JOB_ID run ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, checkpoints in $CKPT_DIR"
 
+# Final statuses: a restart or a requeue would meet the same stop (2: bad input, 75: checkpoint storage
+# refuses writes, 78: a crash loop, the same failure after the same step attempt after attempt). The
+# job is then made not requeueable (scontrol update Requeue=0), so neither a pending requeue signal nor
+# Slurm's own requeue (a node failure under --requeue) starts it again.
+FINAL_EXIT_CODES=${FINAL_EXIT_CODES:-"2 75 78"}
+
 run_step() {  # run_step SRUN_ARGS... COMMAND...: srun it in the background and wait, passing the signal on
   srun "$@" &
   local step=$!
@@ -62,4 +68,14 @@ run_step() {  # run_step SRUN_ARGS... COMMAND...: srun it in the background and 
     wait "$step"  # returns early when the trap runs: then wait again
   done
   wait "$step"  # srun's own exit status
+  local status=$?
+  local final
+  for final in $FINAL_EXIT_CODES; do
+    if [ "$status" = "$final" ]; then
+      echo "torchrevive: the job stopped with final exit status $status (2: bad input, 75: storage, 78: a crash loop); not requeued: fix the cause and submit again" >&2
+      scontrol update JobId="$SLURM_JOB_ID" Requeue=0 >/dev/null 2>&1 ||
+        echo "torchrevive: scontrol could not turn off the requeue of job $SLURM_JOB_ID" >&2
+    fi
+  done
+  return "$status"
 }

@@ -32,6 +32,8 @@ from elastic.report.history import (
     restores,
     rounds,
 )
+from elastic.report.incidents import incidents as incident_lines
+from elastic.report.incidents import set_aside
 
 SIZE = (1400, 1000)  # pixels, the default
 DPI = 100
@@ -199,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     found = render(events, out, title=args.title or Path(args.events).name, size=(args.width, args.height))
     for rec in found:
         print(rec.describe())
-    print(f"wrote {out} ({args.width}x{args.height}, {len(found)} recoveries)")
+    for line in incident_lines(events):  # named hangs, failures, nodes set aside, a crash loop (torchrevive-run's)
+        print(line)
+    aside = set_aside(events)
+    print(f"wrote {out} ({args.width}x{args.height}, {len(found)} recoveries"
+          + (f", nodes set aside: {', '.join(sorted(aside))})" if aside else ")"))
     return 0
 

@@ -23,12 +23,13 @@ def shell_env(tmp_path: Path) -> dict[str, str]:
         pytest.skip("no bash here: the batch scripts are bash scripts")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    # srun says it started, then runs until the test lets it end (or 30 s), and exits 7
+    # srun says it started, then runs until the test lets it end (or 30 s), and exits 7 (or SRUN_STATUS)
     (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {tmp_path / 'started'}\n"
-                                  f"for i in $(seq 600); do [ -e {tmp_path / 'go'} ] && exit 7; sleep 0.05; done\n"
-                                  "exit 7\n")
+                                  f"for i in $(seq 600); do [ -e {tmp_path / 'go'} ] && exit ${{SRUN_STATUS:-7}}; "
+                                  "sleep 0.05; done\nexit ${SRUN_STATUS:-7}\n")
     (bin_dir / "scancel").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path / 'scancel.log'}\n")
-    for tool in ("srun", "scancel"):
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path / 'scontrol.log'}\n")
+    for tool in ("srun", "scancel", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO),
             "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1", "CKPT_DIR": str(tmp_path / "ckpt")}
@@ -61,6 +62,18 @@ def test_the_requeue_signal_is_passed_on_and_sruns_status_comes_back(shell_env: 
     text = secret.read_text()
     assert len(text) == 64 and int(text, 16) >= 0 and (secret.stat().st_mode & 0o777) == 0o600  # 32 bytes as hex
     assert f"TORCHREVIVE_SNAPSHOT_SECRET_FILE={secret}" not in out + err  # named only in the environment
+    assert not (tmp_path / "scontrol.log").exists(), "a status that is not final leaves the requeue alone"
+
+
+def test_a_crash_loop_status_is_final_the_job_is_not_requeued(shell_env: dict[str, str], tmp_path: Path) -> None:
+    from elastic._agent.launcher.failure_policy import CRASH_LOOP_EXIT
+
+    (tmp_path / "go").touch()  # srun ends at once, with the crash loop's status
+    done = subprocess.run(["bash", "-c", SCRIPT, "bash", str(REPO)], capture_output=True, text=True, timeout=30,
+                          env={**shell_env, "SRUN_STATUS": str(CRASH_LOOP_EXIT)}, check=False)
+    assert f"status={CRASH_LOOP_EXIT}" in done.stdout, (done.stdout, done.stderr)
+    assert (tmp_path / "scontrol.log").read_text().split("\n")[0] == "update JobId=5 Requeue=0"
+    assert f"final exit status {CRASH_LOOP_EXIT}" in done.stderr and "not requeued" in done.stderr
 
 
 def test_a_misnamed_signal_or_a_shared_secret_stops_the_script(shell_env: dict[str, str], tmp_path: Path) -> None:

@@ -44,18 +44,22 @@ def failure(node: str, step: int, time: float, *, primary: bool = True, rank: in
 def test_a_node_failing_again_and_again_while_the_others_stay_healthy_is_set_aside() -> None:
     failures = [failure("b", 8 + n, 100.0 + n) for n in range(3)]
     failures += [failure("a", 9, 101.5, primary=False)]  # a peer's failure reached node a: no strike
-    decision = decide(failures, [], node="b", now=103.0, can_shrink=True, limit=3, window=60, attempts=3)
-    assert decision.kind == "set_aside" and decision.strikes == 3
-    assert "node b is set aside: 3 failures" in decision.line
-    # the same history read by a healthy node's agent decides nothing for it
-    assert decide(failures, [], node="a", now=103.0, can_shrink=True, limit=3, window=60, attempts=3).kind == "restart"
+    decision = decide(failures, [], now=103.0, can_shrink=True, limit=3, window=60, attempts=3)
+    assert decision.kind == "set_aside" and decision.strikes == 3 and decision.node == "b"
+    assert "node b is set aside: 3 failures of its workers" in decision.line
+    # once it is out, its failures count no more: not towards a crash loop of the others (same step 8-10 or not)
+    assert decide(failures, [], now=103.0, can_shrink=True, limit=3, window=60, attempts=3, excluded={"b"}).kind == "restart"
+    same_step = [failure("b", 7, 100.0 + n) for n in range(3)]
+    assert decide(same_step, [], now=103.0, can_shrink=True, limit=3, window=60, attempts=3).kind == "set_aside"
+    assert decide(same_step, [], now=103.0, can_shrink=True, limit=3, window=60, attempts=3, excluded={"b"}) \
+        .kind == "restart"
 
 
 def test_a_one_off_elsewhere_does_not_shield_a_bad_node_and_excludes_no_one() -> None:
     one_off = [failure("a", 4, 90.0)]
-    assert decide(one_off, [], node="a", now=91.0, can_shrink=True, limit=3, window=600, attempts=3).kind == "restart"
+    assert decide(one_off, [], now=91.0, can_shrink=True, limit=3, window=600, attempts=3).kind == "restart"
     history = one_off + [failure("b", 8 + n, 100.0 + n) for n in range(3)]
-    assert decide(history, [], node="b", now=103.0, can_shrink=True, limit=3, window=600, attempts=3).kind == "set_aside"
+    assert decide(history, [], now=103.0, can_shrink=True, limit=3, window=600, attempts=3).node == "b"
 
 
 def test_strikes_on_several_nodes_alike_set_no_one_aside() -> None:
@@ -68,22 +72,22 @@ def test_strikes_on_several_nodes_alike_set_no_one_aside() -> None:
 def test_strikes_outside_the_window_are_forgotten_and_hangs_count() -> None:
     failures = [failure("b", 1, 10.0), failure("b", 2, 500.0)]
     hangs = [("b", 510.0)]
-    assert decide(failures, hangs, node="b", now=520.0, can_shrink=True, limit=3, window=100, attempts=3).kind == "restart"
-    decision = decide(failures, hangs + [("b", 515.0)], node="b", now=520.0, can_shrink=True, limit=3, window=100,
+    assert decide(failures, hangs, now=520.0, can_shrink=True, limit=3, window=100, attempts=3).kind == "restart"
+    decision = decide(failures, hangs + [("b", 515.0)], now=520.0, can_shrink=True, limit=3, window=100,
                       attempts=3)
-    assert decision.kind == "set_aside" and "failures and hangs" in decision.line
+    assert decision.kind == "set_aside" and "3 failures and hangs of its workers" in decision.line
 
 
 def test_a_job_at_its_minimum_sets_no_one_aside_and_a_same_step_failure_stops_after_r_attempts() -> None:
     failures = [failure("b", 14, 100.0 + n) for n in range(2)]
-    assert decide(failures, [], node="b", now=103, can_shrink=False, limit=3, window=60, attempts=3).kind == "restart"
+    assert decide(failures, [], now=103, can_shrink=False, limit=3, window=60, attempts=3).kind == "restart"
     failures.append(failure("b", 14, 102.0))
-    decision = decide(failures, [], node="b", now=103, can_shrink=False, limit=3, window=60, attempts=3)
+    decision = decide(failures, [], now=103, can_shrink=False, limit=3, window=60, attempts=3)
     assert decision.kind == "stop" and decision.failure == failures[-1]
     assert "after step 14" in decision.line and "rank 1" in decision.line and "SIGKILL" in decision.line
     assert str(CRASH_LOOP_EXIT) in decision.line
     # a job that can shrink tries on without the node first
-    assert decide(failures, [], node="b", now=103, can_shrink=True, limit=3, window=60, attempts=3).kind == "set_aside"
+    assert decide(failures, [], now=103, can_shrink=True, limit=3, window=60, attempts=3).kind == "set_aside"
 
 
 def test_a_crash_loop_needs_the_same_step_each_time_and_a_known_one() -> None:
@@ -292,3 +296,20 @@ def test_a_host_set_aside_waits_out_its_cool_off_once(tmp_path: Path, monkeypatc
     assert "set aside from run run (node n set aside)" in capsys.readouterr().err
     (tmp_path / "mark.json").write_text(json.dumps({"until": "soon", "why": "x"}))
     assert job_watch.set_aside_until({}, run_id="run") is None
+
+
+def test_a_node_set_aside_elsewhere_makes_this_healthy_node_start_a_round_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    board = LocalBoard()
+    restarted: list[Any] = []
+    healthy = watch(tmp_path, "node-a", board)
+    healthy._agent = SimpleNamespace(_remaining_restarts=8, _restart_workers=restarted.append)
+    board.post(Entry("node_excluded", "node node-b is set aside: 3 failures", 1.0, 8, 3, "node-b",
+                     {"node": "node-b", "host": "h", "reason": "3 failures", "failures": 3}))
+    running = group()
+    healthy.look(running, SimpleNamespace(is_failed=lambda: False))
+    assert restarted == [running] and healthy.excluded == {"node-b"}
+    assert "start a new round without it" in capsys.readouterr().err
+    healthy.look(running, SimpleNamespace(is_failed=lambda: False))
+    assert len(restarted) == 1  # once

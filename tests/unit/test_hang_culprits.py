@@ -179,3 +179,26 @@ def test_a_store_that_fails_ends_the_comparison_with_a_warning(caplog: Any) -> N
 
 def test_naming_comes_well_before_the_watchdog() -> None:
     assert name_after(300) == 60 and 2 * name_after(3) < 3
+
+
+def test_the_stall_clock_runs_from_the_newest_progress_even_before_the_first_beat_and_not_while_paused() -> None:
+    from elastic._worker.control.watchdog import Watchdog
+
+    now = [100.0]
+    dog = Watchdog(30, on_trip=lambda message: None, poll=3600, clock=lambda: now[0])
+    try:
+        assert dog.stalled()[0] is None  # nothing yet
+        dog.step_began(9)  # a first step after a restore: the watchdog is not armed, the record is
+        now[0] = 104.0
+        waited, first = dog.stalled()
+        assert waited == 4.0
+        dog.beat(9)
+        assert dog.record.last_done().describe() == "train step at step 9"
+        waited, second = dog.stalled()
+        assert waited == 0.0 and second != first
+        now[0] = 107.0
+        with dog.paused():
+            assert dog.stalled()[0] is None
+        assert dog.stalled()[0] == 0.0  # the pause restarted the clock
+    finally:
+        dog.close()

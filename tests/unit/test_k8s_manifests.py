@@ -348,7 +348,12 @@ def test_a_final_exit_idles_the_pod_not_ready_instead_of_restarting_it(rendered:
 
     pod = trainer(rendered)
     env = pod.environment()
-    assert {str(UsageError.exit_code), str(CheckpointStorageError.exit_code)} <= set(env["FINAL_EXIT_CODES"].split())
+    from elastic._agent.launcher.failure_policy import CRASH_LOOP_EXIT, SET_ASIDE_EXIT
+
+    finals = set(env["FINAL_EXIT_CODES"].split())
+    assert {str(UsageError.exit_code), str(CheckpointStorageError.exit_code), str(CRASH_LOOP_EXIT)} <= finals
+    assert str(SET_ASIDE_EXIT) not in finals, "a node set aside restarts and rejoins after its cool-off"
+    assert f"{CRASH_LOOP_EXIT}) why=" in (REPO / "deploy" / "k8s" / "entrypoint.sh").read_text()
     mark = env["STOPPED_MARK"]
     assert any(mark.startswith(m["mountPath"] + "/") for m in pod.container["volumeMounts"]), "the mark is on a volume"
     assert pod.container["readinessProbe"]["exec"]["command"] == ["sh", "-c", 'test ! -e "$STOPPED_MARK"']

@@ -104,13 +104,38 @@ def report(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
 
 
 def test_the_cli_draws_a_png_of_the_asked_size_and_prints_each_recovery(tmp_path: Path, report: Callable[..., Done]) -> None:
-    log = write_log(tmp_path / "job.jsonl", job_with_a_failure_a_resize_and_a_relaunch())
+    set_aside = event("node_excluded", 10.5, 6, restart=1, node="n3", host="h3", reason="3 failures", failures=3)
+    log = write_log(tmp_path / "job.jsonl", [*job_with_a_failure_a_resize_and_a_relaunch(), set_aside])
     result = report(str(log), "-o", str(tmp_path / "out" / "job.png"), "--width", "800", "--height", "600")
     assert result.returncode == 0, result.stderr
+    assert "node set aside at step 6: n3 (host h3) after 3 failures: 3 failures" in result.stdout
+    assert "nodes set aside: n3)" in result.stdout
     assert png_size(tmp_path / "out" / "job.png") == (800, 600)
     assert "failure (restart 1): recovered in 4.5 s" in result.stdout
     assert "membership change (restart 1): recovered in 2.5 s, world size 2 -> 1" in result.stdout
     assert not list((tmp_path / "out").glob("*.tmp")), "written through a temporary and renamed"
+
+
+def test_the_report_names_hangs_failures_a_node_set_aside_and_a_crash_loop() -> None:
+    from elastic.report.incidents import incidents, set_aside
+
+    noted = [
+        event("hang", 6.0, 21, culprits=[1], nodes=["n2"], hosts=["h2"], collective="train step at step 21",
+              stack_tops=["faults.py:120 in at"]),
+        event("failure", 6.5, 7, rank=2, node="n3", host="h3", exitcode=-9, error="Signal 9 (SIGKILL)", primary=True),
+        event("failure", 6.6, 7, rank=0, node="n1", host="h1", exitcode=1, error="Connection closed", primary=False),
+        event("node_excluded", 7.0, 7, node="n3", host="h3", reason="node n3 is set aside: 3 failures", failures=3),
+        event("crash_loop", 8.0, 14, rank=1, node="n2", error="ValueError: bad batch"),
+        event("failure", 9.0, "x", rank=None, node=3),  # edited by hand: shown as "?"
+    ]
+    lines = incidents(noted)
+    assert lines[0] == "hang at step 21 in train step at step 21: rank 1 on node n2 (stack top faults.py:120 in at)"
+    assert lines[1].startswith("failure at step 7: rank 2 on node n3 (host h3), exit -9: Signal 9")
+    assert lines[2].endswith("(a peer's failure reached it)")
+    assert lines[3] == "node set aside at step 7: n3 (host h3) after 3 failures: node n3 is set aside: 3 failures"
+    assert lines[4] == "crash loop stopped the job after step 14: rank 1 on node n2, ValueError: bad batch"
+    assert lines[5].startswith("failure at step ?: rank ? on node ?")
+    assert set_aside(noted) == {"n3": "node n3 is set aside: 3 failures"}
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import signal
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
 CRASH_LOOP_EXIT = 78
@@ -126,10 +126,12 @@ def first_line(text: str) -> str:
 @dataclass(frozen=True)
 class Decision:
     kind: str
-    """"restart" (as torch would), "set_aside" (this node leaves the job) or "stop" (a crash loop)."""
+    """"restart" (as torch would), "set_aside" (`node` leaves the job) or "stop" (a crash loop)."""
     line: str = ""
     strikes: int = 0
     failure: Failure | None = None
+    node: str = ""
+    """The node set aside."""
 
 
 RESTART = Decision("restart")
@@ -173,17 +175,22 @@ def crash_loop(failures: Sequence[Failure], *, attempts: int) -> Failure | None:
 
 
 def decide(
-    failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]], *, node: str, now: float,
-    can_shrink: bool, limit: int, window: float, attempts: int,
+    failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]], *, now: float, can_shrink: bool,
+    limit: int, window: float, attempts: int, excluded: Collection[str] = (),
 ) -> Decision:
-    """What `node`'s agent does after a failure of the job (see the module docstring)."""
+    """What the job does after its newest failure (see the module docstring); every agent that reads the
+    same failures decides the same, and the agent of the node set aside acts on it. Failures and hangs
+    of nodes already `excluded` count no more."""
+    failures = [f for f in failures if f.node not in excluded]
+    hang_nodes = [(node, time) for node, time in hang_nodes if node not in excluded]
     strikes = strikes_of(failures, hang_nodes)
-    marks = bad_node(strikes, node, now, limit=limit, window=window) if can_shrink else None
-    if marks is not None:
+    culprit = strikes[-1].node if strikes else None
+    marks = bad_node(strikes, culprit, now, limit=limit, window=window) if can_shrink and culprit else None
+    if marks is not None and culprit is not None:
         kinds = sorted({s.what + "s" for s in marks})
         return Decision(
-            "set_aside", strikes=len(marks),
-            line=(f"node {node} is set aside: {len(marks)} {' and '.join(kinds)}s of its workers within "
+            "set_aside", strikes=len(marks), node=culprit,
+            line=(f"node {culprit} is set aside: {len(marks)} {' and '.join(kinds)} of its workers within "
                   f"{window:g} s while the other nodes stayed healthy; its agent leaves the job, which trains "
                   "on without it"),
         )

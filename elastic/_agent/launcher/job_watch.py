@@ -141,19 +141,27 @@ class JobWatch:
         self.stop_line: str | None = None
         self._posted: set[tuple[int, int]] = set()
         self._decided = 0  # failures decided on so far
+        self.excluded: set[str] = set()
+        """Nodes set aside: their failures count no more."""
 
     def look(self, worker_group: Any, result: Any) -> None:
         """One look, after torch's (see the module docstring); raises a decision."""
         try:
             self._post_hangs(worker_group)
             failed = self._post_failures(worker_group, result)
-            self.read_board(worker_group)
+            left = self.read_board(worker_group)
         except (RuntimeError, OSError, ValueError) as error:  # the store failed: this agent's own board now
             logger.warning("the job's notice board is out of reach (%s); this agent goes on with its own", error)
             self.board = LocalBoard()
             return
         if self.stop_line is not None:
             raise CrashLoopStop(self.stop_line)
+        if left and not failed and not (result is not None and result.is_failed()):
+            # A node of this round left the job: its workers are gone, so this node's wait in a collective
+            # for them; a new round of the nodes left, as torch's agent starts for a node that joins.
+            print("torchrevive-run: a node of this round was set aside: this node's workers start a new round "
+                  "without it", file=sys.stderr, flush=True)
+            self._agent._restart_workers(worker_group)
         if failed:
             if not any(f.primary for f in self.failures[self._decided:]):
                 self._await_primary(worker_group)  # a peer's failure reached this node: wait for its own word
@@ -203,11 +211,16 @@ class JobWatch:
             posted = True
         return posted
 
-    def read_board(self, worker_group: Any) -> None:
-        """Read the new entries: print each, keep the failures and hangs, write the events this node holds."""
+    def read_board(self, worker_group: Any) -> bool:
+        """Read the new entries: print each, keep the failures and hangs, write the events this node holds;
+        whether another node was set aside among them."""
+        left = False
         events = worker_notes.read_events_path(self.notes) if self.notes else None
         for number, entry in self.board.read_new():
-            print(f"torchrevive-run: {entry.line}", file=sys.stderr, flush=True)
+            if entry.kind == "crash_loop" or (entry.kind == "node_excluded" and entry.node == node_name(self._env)):
+                pass  # this agent stops on it: its last line says it (the launcher's)
+            else:
+                print(f"torchrevive-run: {entry.line}", file=sys.stderr, flush=True)
             if entry.kind == "failure":
                 failure = Failure.parse(entry.fields)
                 if failure is not None:
@@ -216,11 +229,15 @@ class JobWatch:
                 nodes = entry.fields.get("nodes")
                 if isinstance(nodes, list):
                     self.hangs += [(node, entry.time) for node in nodes[:64] if isinstance(node, str)]
+            elif entry.kind == "node_excluded" and isinstance(entry.fields.get("node"), str):
+                self.excluded.add(entry.fields["node"])
+                left = left or entry.fields["node"] != node_name(self._env)
             elif entry.kind == "crash_loop":
                 self.stop_line = entry.line
                 self.board.acknowledge(number)  # the agent that decided it waits for every agent to know
             if events is not None and self.board.claim(number):
                 _append_event(events, entry, restart=_restart(self._agent, worker_group))
+        return left
 
     def _decide(self, worker_group: Any) -> None:
         env = self._env
@@ -228,10 +245,13 @@ class JobWatch:
         min_nodes = getattr(settings, "min_nodes", 1)
         can_shrink = int(worker_group.group_world_size) > (min_nodes if isinstance(min_nodes, int) else 1)
         decision = failure_policy.decide(
-            self.failures, self.hangs, node=node_name(env), now=time.time(), can_shrink=can_shrink,
+            self.failures, self.hangs, now=time.time(), can_shrink=can_shrink, excluded=self.excluded,
             limit=int(setting(env, SET_ASIDE_FAILURES_ENV)), window=setting(env, SET_ASIDE_WINDOW_ENV),
             attempts=int(setting(env, CRASH_LOOP_ATTEMPTS_ENV)),
         )
+        if decision.kind == "set_aside" and decision.node != node_name(env):
+            self.excluded.add(decision.node)  # another node leaves (its agent says so): this one trains on
+            return
         if decision.kind == "set_aside":
             cool_off = setting(env, SET_ASIDE_COOL_OFF_ENV)
             line = f"{decision.line}; it does not rejoin for {cool_off:g} s (--set-aside-cool-off)"
@@ -240,7 +260,7 @@ class JobWatch:
             self.board.post(Entry("node_excluded", line, time.time(), _last_step(self.failures),
                                   _world(worker_group), node_name(env), fields))
             self.read_board(worker_group)
-            mark_set_aside(env, line, cool_off)
+            mark_set_aside(env, line, cool_off, run_id=worker_group.spec.rdzv_handler.get_run_id())
             _leave_rendezvous(worker_group.spec.rdzv_handler)
             raise NodeSetAside(line)
         if decision.kind == "stop":
@@ -248,11 +268,12 @@ class JobWatch:
             assert failure is not None
             fields = {"rank": failure.rank, "node": failure.node, "host": failure.host, "error": failure.error,
                       "attempts": int(setting(env, CRASH_LOOP_ATTEMPTS_ENV)), "exit_code": CRASH_LOOP_EXIT}
-            number = self.board.post(Entry("crash_loop", decision.line, time.time(), failure.step,
-                                           _world(worker_group), node_name(env), fields))
-            self.read_board(worker_group)
-            self._await_acknowledgements(number, int(worker_group.group_world_size))
-            raise CrashLoopStop(decision.line)
+            if self.stop_line is None and self.board.claim("crash_loop"):  # the first agent to decide posts it
+                number = self.board.post(Entry("crash_loop", decision.line, time.time(), failure.step,
+                                               _world(worker_group), node_name(env), fields))
+                self.read_board(worker_group)
+                self._await_acknowledgements(number, int(worker_group.group_world_size))
+            raise CrashLoopStop(self.stop_line or decision.line)
 
     def _await_acknowledgements(self, number: int, agents: int) -> None:
         """Until every agent of the round has read the stop (at most `PRIMARY_WAIT` seconds): this agent may

@@ -117,8 +117,9 @@ class StoreBoard:
             found.append((number, entry))
         return found
 
-    def claim(self, number: int) -> bool:
-        """Whether this agent is the first to claim entry `number` (to write it to the event log)."""
+    def claim(self, number: int | str) -> bool:
+        """Whether this agent is the first to claim `number` (an entry, to write it to the event log; or a
+        name: the one decision of the job the first to claim it posts)."""
         return int(self._records.store.add(f"written{number}", 1)) == 1
 
     def acknowledge(self, number: int) -> int:
@@ -147,7 +148,7 @@ class LocalBoard:
         self._seen += len(found)
         return found
 
-    def claim(self, number: int) -> bool:
+    def claim(self, number: int | str) -> bool:
         return True
 
     def acknowledge(self, number: int) -> int:

@@ -77,7 +77,7 @@ class _Peer:
 
 @dataclass
 class _Comparison:
-    progress: int
+    progress: object
     deadline: float
     counter: int = 0
     peers: dict[int, _Peer] = field(default_factory=dict)
@@ -162,13 +162,13 @@ class HangNamer:
         self._main_thread = main_thread
         self._clock = clock
         self._comparison: _Comparison | None = None
-        self._said_where: tuple[int, int] | None = None
+        self._said_where: tuple[int, int, int] | None = None
         self.verdicts: list[Verdict] = []
         """The verdicts this rank computed (tests and the metrics read them)."""
 
-    def look(self, stalled: float | None, progress: int) -> None:
-        """One look: `stalled` is how long this rank's training made no progress (None: disarmed or
-        paused), `progress` a count that moves whenever it makes some (the watchdog's beats)."""
+    def look(self, stalled: float | None, progress: object) -> None:
+        """One look: `stalled` is how long this rank made no progress (None: paused, or nothing yet),
+        `progress` a mark that changes whenever it makes some (`Watchdog.stalled`)."""
         try:
             self._look(stalled, progress)
         except (RuntimeError, OSError, ValueError) as error:  # a store that failed: the watchdog still acts
@@ -176,16 +176,16 @@ class HangNamer:
             if self._comparison is not None:
                 self._comparison.done = True
 
-    def _look(self, stalled: float | None, progress: int) -> None:
-        if stalled is None:
-            return
+    def _look(self, stalled: float | None, progress: object) -> None:
         place = self._place()
-        store = self._store()
+        store = self._store() if place is not None else None
         if place is None or store is None:
             return
-        if self._said_where != (place.rank, place.world_size):
+        if self._said_where != (place.rank, place.world_size, id(store)):  # once per group, before any stall
             store.set(f"{PREFIX}who/{place.rank}", json.dumps([place.node, place.host]))
-            self._said_where = (place.rank, place.world_size)
+            self._said_where = (place.rank, place.world_size, id(store))
+        if stalled is None:
+            return
         comparison = self._comparison
         if comparison is not None and comparison.progress != progress:
             comparison = self._comparison = None  # it moved: a new stall may come

@@ -102,12 +102,21 @@ class Watchdog:
         if self._progress is not None:
             self._progress.write(step)
 
-    def stalled(self) -> tuple[float | None, int]:
-        """Seconds since the last beat (None: disarmed or paused), and the beats so far."""
+    def stalled(self) -> tuple[float | None, tuple[int, int, bool]]:
+        """Seconds since this rank last made progress (a beat, or entering or leaving a collective: a
+        first step after a restore counts too, before the watchdog is armed; None: paused, or nothing
+        yet), and a mark of that progress that changes whenever it does."""
+        newest = self.record.newest()
         with self._lock:
-            if self._last_beat is None or self._pauses:
-                return None, self._beats
-            return self._clock() - self._last_beat, self._beats
+            beats, last_beat, paused = self._beats, self._last_beat, self._pauses
+        mark = (beats, newest.seq if newest else 0, bool(newest and newest.left is not None))
+        if paused:
+            return None, mark
+        moments = [t for t in (last_beat, newest.left if newest else None, newest.entered if newest else None)
+                   if t is not None]
+        if not moments:
+            return None, mark
+        return self._clock() - max(moments), mark
 
     @contextmanager
     def paused(self) -> Iterator[None]:
