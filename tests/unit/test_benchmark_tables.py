@@ -721,3 +721,20 @@ def test_object_store_table_gives_each_system_its_rates_and_its_ratio_to_the_seq
     ]
     assert "upload vs sequential" not in bench.table(1, {"ours": [(1.0, 1.0)]}).splitlines()[2]
     assert "unknown nosuch" in refused(capsys, lambda: bench.main(["--systems", "ours,nosuch"]))
+
+
+def test_object_store_soak_verdict_names_every_loss() -> None:
+    soak = script("object_store_soak")
+    good = [{"restored": 0, "committed_before": [], "corrupt": []},
+            {"restored": 4, "committed_before": [2, 4], "corrupt": []}]
+    assert soak.verdict(good, True, []) == (True, [])
+    ok, problems = soak.verdict(
+        [*good, {"restored": 2, "committed_before": [2, 4, 6], "corrupt": ["checkpoint step_00000006 is corrupt (x)"]}],
+        False, ["soak/step_00000008/t1/shard_00000.bin"],
+    )
+    assert not ok and problems == [
+        "start 2 resumed from step 2, the newest committed was 6",
+        "start 2 met a corrupt checkpoint: checkpoint step_00000006 is corrupt (x)",
+        "the final checkpoint differs from the uninterrupted run's",
+        "1 objects no committed manifest names, e.g. soak/step_00000008/t1/shard_00000.bin",
+    ]
