@@ -232,6 +232,15 @@ def test_the_agents_name_a_failure_write_it_once_and_set_the_bad_node_aside(
     assert "(a peer's failure reached it)" in err
     until = job_watch.set_aside_until({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "60"}, run_id="run")
     assert until is not None and "set aside" in until[1]
+    # the counts the workers' metrics serve: primary failures only, the node set aside
+    assert worker_notes.read_incidents(healthy.notes) == {"job_failures": 3, "job_hangs_named": 0, "nodes_set_aside": 1}
+    from elastic._worker.observe.metrics import AgentNotesCollector
+
+    served = {f.name: f.samples[0] for f in AgentNotesCollector({"rank": "0", "run_id": "run"}, healthy.notes).collect()}
+    assert served["torchrevive_job_failures"].value == 3 and served["torchrevive_nodes_set_aside"].value == 1
+    assert served["torchrevive_job_failures"].labels == {"rank": "0", "run_id": "run"}
+    worker_notes.incidents_path(healthy.notes).write_text('{"job_failures": "lots", "nodes_set_aside": -1}')
+    assert set(worker_notes.read_incidents(healthy.notes).values()) == {0}
 
 
 def test_a_crash_loop_stops_every_agent_with_its_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """What the agents decide from the job's failures: set a bad node aside, stop a crash loop. Pure: no I/O.
 
-Every agent reads the same list of the job's failures and named hangs (elastic._agent.launcher.job_notices),
+Every agent reads the same list of the job's failures and named hangs (elastic._agent.launcher.job_watch),
 so each comes to the same decision about its own node:
 
 - A **strike** against a node is a worker of it that failed first (a primary failure: not a peer's

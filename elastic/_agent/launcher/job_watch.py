@@ -143,6 +143,8 @@ class JobWatch:
         self._decided = 0  # failures decided on so far
         self.excluded: set[str] = set()
         """Nodes set aside: their failures count no more."""
+        self.counts = dict.fromkeys(worker_notes.INCIDENTS, 0)
+        """The job's primary failures, named hangs and nodes set aside read so far (the metrics' note)."""
 
     def look(self, worker_group: Any, result: Any) -> None:
         """One look, after torch's (see the module docstring); raises a decision."""
@@ -216,7 +218,8 @@ class JobWatch:
         whether another node was set aside among them."""
         left = False
         events = worker_notes.read_events_path(self.notes) if self.notes else None
-        for number, entry in self.board.read_new():
+        entries = self.board.read_new()
+        for number, entry in entries:
             if entry.kind == "crash_loop" or (entry.kind == "node_excluded" and entry.node == node_name(self._env)):
                 pass  # this agent stops on it: its last line says it (the launcher's)
             else:
@@ -237,6 +240,10 @@ class JobWatch:
                 self.board.acknowledge(number)  # the agent that decided it waits for every agent to know
             if events is not None and self.board.claim(number):
                 _append_event(events, entry, restart=_restart(self._agent, worker_group))
+            if entry.kind in _COUNTED:
+                self.counts[_COUNTED[entry.kind]] += int(entry.kind != "failure" or bool(entry.fields.get("primary")))
+        if entries and self.notes:  # the workers' metrics serve these (elastic._worker.observe.metrics)
+            worker_notes.note_incidents(self.notes, self.counts)
         return left
 
     def _decide(self, worker_group: Any) -> None:
@@ -281,6 +288,9 @@ class JobWatch:
         deadline = self._clock() + PRIMARY_WAIT
         while self.board.acknowledged(number) < agents and self._clock() < deadline:
             self._sleep(0.1)
+
+
+_COUNTED = {"failure": "job_failures", "hang": "job_hangs_named", "node_excluded": "nodes_set_aside"}
 
 
 def _board(worker_group: Any, environ: Any) -> StoreBoard | LocalBoard:

@@ -12,6 +12,9 @@ workers. A worker writes there:
   this node's agent can append the job-level events (`failure`, `hang`, `node_excluded`,
   `crash_loop`) to the same file.
 
+The agent writes one note for its workers: `incidents`, the job's counts of failures, named hangs and
+nodes set aside as it has read them, which the workers' metrics serve (`read_incidents`).
+
 Invariants: every read is bounded (`MAX_NOTE` bytes), takes no lock and never blocks (a regular file,
 opened without following a link); what it returns is checked (the magic and a step of 0 or more; a JSON
 object; a path of printable text) or None. Notes are replaced whole (a temporary file renamed over the
@@ -135,3 +138,20 @@ def read_events_path(directory: str | os.PathLike[str]) -> str | None:
     if not isinstance(path, str) or not path.startswith("/") or len(path) > 4096 or not path.isprintable():
         return None
     return path
+
+
+INCIDENTS = ("job_failures", "job_hangs_named", "nodes_set_aside")
+
+
+def incidents_path(directory: str | os.PathLike[str]) -> Path:
+    return Path(directory) / "incidents"
+
+
+def note_incidents(directory: str | os.PathLike[str], counts: dict[str, int]) -> None:
+    write_json(incidents_path(directory), {name: int(counts.get(name, 0)) for name in INCIDENTS})
+
+
+def read_incidents(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """The agent's counts (each a whole number from 0 to 2**31; any other value reads as 0)."""
+    value = read_json(incidents_path(directory)) or {}
+    return {name: count if type(count := value.get(name)) is int and 0 <= count < 1 << 31 else 0 for name in INCIDENTS}

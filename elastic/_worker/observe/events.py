@@ -47,7 +47,7 @@ EVENT_KINDS = (
     "start", "step", "eval", "checkpoint", "checkpoint_failed", "checkpoint_skipped", "restore", "heal", "end",
     "hang", "failure", "node_excluded", "crash_loop",
 )
-"""The last four are the job's, written by torchrevive-run's agents (elastic._agent.launcher.job_notices):
+"""The last four are the job's, written by torchrevive-run's agents (elastic._agent.launcher.job_watch):
 a named hang, a worker's failure, a node set aside, a crash loop that stopped the job."""
 
 

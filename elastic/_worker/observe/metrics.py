@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -39,8 +40,9 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
+from elastic._shared.protocol import worker_notes
 from elastic._worker.config import DEFAULT_METRICS_HOST
 from elastic._worker.observe.events import EventLog
 from elastic._worker.runtime.context import WorkerContext
@@ -83,7 +85,14 @@ METRICS: dict[str, tuple[str, str]] = {
     "restore_seconds": ("gauge", "Seconds this worker spent loading the checkpoint it resumed from (0: fresh start)."),
     "restored_step": ("gauge", "Step this worker resumed from (0: fresh start)."),
     "watchdog_timeout_seconds": ("gauge", "Hang watchdog limit: a stall this long ends the worker (0: watchdog off)."),
+    "job_failures": ("gauge", ("Workers of the job that failed first (not of a peer's failure), as this node's agent "
+                               "has read them (torchrevive-run).")),
+    "job_hangs_named": ("gauge", "Hangs of the job whose culprit the ranks named, as this node's agent has read them."),
+    "nodes_set_aside": ("gauge", "Nodes the job has set aside (too many failures while the others stayed healthy)."),
 }
+NOTED = ("job_failures", "job_hangs_named", "nodes_set_aside")
+"""Series read at each scrape from this node's agent's note (elastic._shared.protocol.worker_notes), not
+from the worker's own events: the agents, not the workers, learn of the job's failures."""
 
 
 class LabelledProcessCollector:
@@ -103,6 +112,21 @@ class LabelledProcessCollector:
             for sample in family.samples:
                 labelled.add_sample(sample.name, {**sample.labels, **self._labels}, sample.value, sample.timestamp)
             yield labelled
+
+
+class AgentNotesCollector:
+    """The `NOTED` series: the counts this node's agent keeps in its note (0 without an agent that notes)."""
+
+    def __init__(self, labels: dict[str, str], directory: str | None = None) -> None:
+        self._labels = labels
+        self._directory = directory if directory is not None else os.environ.get(worker_notes.NOTES_ENV)
+
+    def collect(self) -> Iterator[Metric]:
+        counts = worker_notes.read_incidents(self._directory) if self._directory else {}
+        for name in NOTED:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", METRICS[name][1], labels=LABELS)
+            family.add_metric([self._labels["rank"], self._labels["run_id"]], counts.get(name, 0))
+            yield family
 
 
 class TrainingMetrics:
@@ -130,6 +154,8 @@ class TrainingMetrics:
         for name, (kind, doc) in METRICS.items():
             if name.startswith(COMMITTER_ONLY) and rank != 0:
                 continue  # only rank 0 commits checkpoints: elsewhere the series would be a constant lie
+            if name in NOTED:
+                continue  # read at each scrape (AgentNotesCollector)
             full = f"{PREFIX}_{name}"
             if kind == "counter":
                 metric = Counter(full.removesuffix("_total"), doc, LABELS, registry=self.registry)
@@ -144,6 +170,7 @@ class TrainingMetrics:
             self._m[name] = metric if name == "eval" else metric.labels(**labels)
         self._labels = labels
         self.registry.register(LabelledProcessCollector(labels))  # process_cpu_seconds_total, memory, ...
+        self.registry.register(AgentNotesCollector(labels))  # the job's failures, hangs, nodes set aside
         self._m["restarts"].set(restarts)
         self._m["world_size"].set(world_size)
         self._m["watchdog_timeout_seconds"].set(watchdog_timeout)
