@@ -3,6 +3,7 @@
     with FlakyS3(server.url) as proxy:
         proxy.fail = lambda method, path: method == "PUT"      # every upload refused
         proxy.status, proxy.code = 503, "SlowDown"             # as a throttled S3 answers
+        proxy.drop = lambda method, path: True                 # the server gone: connections closed
         ... point AWS_ENDPOINT_URL at proxy.url ...
 
 Runs in the test's process (threads), on a loopback port; `failed` counts the errors it served.
@@ -23,6 +24,9 @@ class FlakyS3:
         self.fail: Callable[[str, str], bool] = lambda method, path: False
         self.status, self.code = 503, "SlowDown"
         self.failed = 0
+        self.drop: Callable[[str, str], bool] = lambda method, path: False
+        """Requests answered by closing the connection, as a server that went away mid-request."""
+        self.dropped = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -37,6 +41,11 @@ class FlakyS3:
                 body = self.rfile.read(length) if length else b""
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
                     body = self._read_chunked()
+                if proxy.drop(self.command, self.path):
+                    with proxy._lock:
+                        proxy.dropped += 1
+                    self.close_connection = True
+                    return
                 if proxy.fail(self.command, self.path):
                     with proxy._lock:
                         proxy.failed += 1

@@ -221,3 +221,33 @@ def test_throttling_is_retried_and_a_failing_store_follows_the_full_disk_policy(
     store = open_store(bucket_url + "-job")
     assert [c.step for c in store.committed()][:1] == [5]
     store.verify(store.committed()[0])
+
+
+def test_the_server_gone_in_the_middle_of_a_save_is_retried_and_the_save_commits(
+    s3_server: S3Server, bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart of the server (moto keeps nothing across one: here its window of closed connections)
+    between the shard's parts and the commit: every request retried, nothing torn, the save commits."""
+    from flaky_s3 import FlakyS3
+
+    with FlakyS3(s3_server.url) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = open_store(bucket_url)
+        owner = WriterIdentity.new("run-a")
+        store.prepare(owner)
+        gone = {"after": None}
+
+        def outage(method: str, path: str) -> bool:
+            if "partNumber=2" in path and gone["after"] is None:
+                gone["after"] = 0  # the second part of the shard: from here the server is gone for 4 requests
+            if gone["after"] is not None and gone["after"] < 4:
+                gone["after"] += 1
+                return True
+            return False
+
+        proxy.drop = outage
+        save(store, 100, owner, 2.5, "a100")
+        assert proxy.dropped == 4
+        assert torch.equal(restored(store, 100), torch.full((5 * 2**20,), 2.5))
+        assert [o.key.rsplit("/", 1)[-1] for o in store.objects.list("runs/gpt/step_00000100/")] == [
+            "shard_00000.bin", "tensors.json", "trainer.pt", "manifest.json"]
