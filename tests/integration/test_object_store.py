@@ -251,3 +251,25 @@ def test_the_server_gone_in_the_middle_of_a_save_is_retried_and_the_save_commits
         assert torch.equal(restored(store, 100), torch.full((5 * 2**20,), 2.5))
         assert [o.key.rsplit("/", 1)[-1] for o in store.objects.list("runs/gpt/step_00000100/")] == [
             "shard_00000.bin", "tensors.json", "trainer.pt", "manifest.json"]
+
+
+def test_a_restore_skips_a_damaged_checkpoint_in_the_bucket_and_moves_it_aside(bucket_url: str) -> None:
+    from test_snapshots import Job
+
+    job = Job(bucket_url + "-restore", snapshot_every=0)
+    job.run(10)  # committed at 5 and 10
+    job.ckpt.flush()
+    job.close()
+    store = open_store(bucket_url + "-restore")
+    newest = store.committed()[0]
+    shard = f"runs/gpt-restore/step_00000010/{store.read_checked_manifest(newest).parts}/shard_00000.bin"
+    data = bytearray(store.objects.get(shard, limit=2**30)[0])
+    data[len(data) // 2] ^= 0xFF
+    store.objects.delete([shard])
+    store.objects.put(shard, bytes(data))
+    fresh = Job(bucket_url + "-restore", seed=2, snapshot_every=0)
+    assert fresh.ckpt.restore() == 5, "the damaged step 10 is skipped for step 5"
+    fresh.close()
+    assert [c.step for c in store.committed()] == [5]
+    assert [o.key.rsplit("/", 1)[-1].split(".")[0] for o in store.objects.list("runs/gpt-restore/corrupt/")] == [
+        "step_00000010"]

@@ -426,9 +426,10 @@ class BucketStore:
                 source.close()
         return manifest
 
-    def quarantine(self, candidate: Candidate) -> str:
+    def quarantine(self, candidate: Candidate) -> PurePosixPath:
         """Move a checkpoint that failed verification aside: its manifest goes to `corrupt/` (the
-        newest `keep_corrupt` stay), so it is no longer committed; its files become orphans."""
+        newest `keep_corrupt` stay), so it is no longer committed; its files become orphans. The key it
+        went to, as a path (`.name`, as a directory's quarantine returns)."""
         key = self.root.key(candidate.name, MANIFEST)
         target = self.root.key(CORRUPT, f"{candidate.name}.{time.time_ns()}.json")
         try:
@@ -442,7 +443,7 @@ class BucketStore:
         stale = [o.key for o in aside[self.keep_corrupt :]]
         if stale:
             self.objects.delete(stale)
-        return target
+        return PurePosixPath(target)
 
 
 def _step_of(name: str) -> int:
