@@ -322,3 +322,27 @@ def test_a_node_set_aside_elsewhere_makes_this_healthy_node_start_a_round_withou
     assert "start a new round without it" in capsys.readouterr().err
     healthy.look(running, SimpleNamespace(is_failed=lambda: False))
     assert len(restarted) == 1  # once
+
+
+def test_this_nodes_worker_named_by_a_hang_is_ended_and_its_death_counts_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    board = LocalBoard()
+    agent = watch(tmp_path, "n1", board)
+    agent._agent = SimpleNamespace(_remaining_restarts=8, _torchrevive_workers_started=100.0)
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+    running = group()
+    running.workers = [SimpleNamespace(world_size=3, global_rank=1, id=4242),
+                       SimpleNamespace(world_size=3, global_rank=2, id=4343)]
+    hang = {"culprits": [1], "nodes": ["n1"], "collective": "train step at step 21"}
+    board.post(Entry("hang", "hang: ... rank 1", 99.0, 21, 3, "n0", hang))  # an earlier group's: left alone
+    agent.look(running, SimpleNamespace(is_failed=lambda: False))
+    assert killed == []
+    board.post(Entry("hang", "hang: ... rank 1", 101.0, 21, 3, "n0", hang))
+    agent.look(running, SimpleNamespace(is_failed=lambda: False))
+    assert killed == [(4242, signal.SIGKILL)]
+    assert "ending worker rank 1 (pid 4242), the hang's culprit" in capsys.readouterr().err
+    agent.look(running, failed((1, Process(0, -9, "", pid=4242))))
+    assert [f.primary for f in agent.failures] == [False]  # the hang is its strike, not this death too
+    assert [node for node, _ in agent.hangs] == ["n1", "n1"]

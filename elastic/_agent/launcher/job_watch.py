@@ -11,7 +11,9 @@ the agent:
 2. reads the entries it has not read yet: prints each one's line, and, when its node holds the job's
    event log (rank 0 noted the path), appends the entry as an event, once per entry across the job
    (the board's claim);
-3. after a failure of its own workers, decides (elastic._agent.launcher.failure_policy.decide): restart
+3. ends its own workers that a hang of their group named (SIGKILL): the job recovers from the culprit
+   now, not at --hang-timeout, and under --survivors keep or train-on only the culprit is replaced;
+4. after a failure of its own workers, decides (elastic._agent.launcher.failure_policy.decide): restart
    as torch would; set this node aside (`NodeSetAside`: one line, a `node_excluded` entry, a cool-off
    mark, and the agent leaves the rendezvous without closing it, so the others train on); or stop a crash
    loop (`CrashLoopStop`: one line, a `crash_loop` entry, the rendezvous closed, exit status
@@ -38,6 +40,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +144,7 @@ class JobWatch:
         self.stop_line: str | None = None
         self._posted: set[tuple[int, int]] = set()
         self._decided = 0  # failures decided on so far
+        self._ended: set[int] = set()  # workers this agent ended as a hang's culprits
         self.excluded: set[str] = set()
         """Nodes set aside: their failures count no more."""
         self.counts = dict.fromkeys(worker_notes.INCIDENTS, 0)
@@ -204,6 +208,8 @@ class JobWatch:
                 continue
             self._posted.add(key)
             failure = failure_of(process_failure, global_rank=int(rank), notes=self.notes, now=now)
+            if int(process_failure.pid) in self._ended:  # the hang that named it counts already
+                failure = replace(failure, error="ended as a hang's culprit", primary=False)
             after = f"after step {failure.step}" if failure.step >= 0 else "before its first step"
             line = (f"failure: worker rank {failure.rank} on node {failure.node} (host {failure.host}) "
                     f"{failure_policy.how_it_ended(failure.exitcode)} {after}: {failure.error}"
@@ -232,6 +238,7 @@ class JobWatch:
                 nodes = entry.fields.get("nodes")
                 if isinstance(nodes, list):
                     self.hangs += [(node, entry.time) for node in nodes[:64] if isinstance(node, str)]
+                self._end_culprits(worker_group, entry)
             elif entry.kind == "node_excluded" and isinstance(entry.fields.get("node"), str):
                 self.excluded.add(entry.fields["node"])
                 left = left or entry.fields["node"] != node_name(self._env)
@@ -245,6 +252,25 @@ class JobWatch:
         if entries and self.notes:  # the workers' metrics serve these (elastic._worker.observe.metrics)
             worker_notes.note_incidents(self.notes, self.counts)
         return left
+
+    def _end_culprits(self, worker_group: Any, entry: Entry) -> None:
+        """End this node's workers a hang of their group named (SIGKILL: a stopped one too), so the
+        recovery starts now rather than at --hang-timeout, from the culprit alone: its peers' collective
+        fails at once (under --survivors keep or train-on they heal in place and keep their processes)."""
+        culprits = entry.fields.get("culprits")
+        started = getattr(self._agent, "_torchrevive_workers_started", None)
+        if not isinstance(culprits, list) or not isinstance(started, float) or entry.time < started:
+            return  # not a list, or a hang of a group before this one
+        for worker in getattr(worker_group, "workers", None) or ():
+            pid = worker.id
+            if worker.global_rank in culprits and type(pid) is int and pid > 0:
+                print(f"torchrevive-run: ending worker rank {worker.global_rank} (pid {pid}), the hang's culprit, "
+                      "so that the job recovers from it now", file=sys.stderr, flush=True)
+                self._ended.add(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError as error:  # gone already
+                    logger.info("worker %d: %s", pid, error)
 
     def _decide(self, worker_group: Any) -> None:
         env = self._env
@@ -450,6 +476,7 @@ def install() -> None:
         return result
 
     def start_workers_afresh(self: LocalElasticAgent, worker_group: Any) -> Any:
+        self._torchrevive_workers_started = time.time()  # a hang posted before names an earlier group
         notes = os.environ.get(worker_notes.NOTES_ENV)
         if notes:  # a new start's progress is its own: an old note would name another attempt's step
             for local_rank in range(int(worker_group.spec.local_world_size)):
