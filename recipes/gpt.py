@@ -155,9 +155,9 @@ def train(args: argparse.Namespace, train_set: TokenWindows, val_set: TokenWindo
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            run.log(loss)  # before the update: --numeric-guard reads this step's loss, not only its gradients
             optimizer.step()
             scheduler.step()
-            run.log(loss)
         if args.eval_every:
             validate()
         summary = run.finish()

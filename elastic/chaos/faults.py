@@ -41,6 +41,15 @@ torchrun starts without any change to the command line:
                                             it begins to (a test's fault outside the
                                             job, e.g. an etcd outage, lands mid-run
                                             however fast the job trains)
+    ELASTIC_FAULT=after_step@12:rank=1:do=flip
+                                            one bit of one parameter of rank 1 flips after
+                                            step 12's update (silent corruption: only the
+                                            replica checks see it); once per worker, so a
+                                            replay of step 12 runs clean; with restart=any
+                                            at every attempt, replays included (a faulty node)
+    ELASTIC_FAULT=after_step@7:rank=0:do=nan
+                                            rank 0's loss of step 7 is NaN (its forward pass's
+                                            outputs), before the update: for the numeric guard
     ELASTIC_FAULT=after_step@1+:do=slow:for=0.3:restart=any:world=1
                                             rank 0 paces every step to 0.3 s while the
                                             job trains at world size 1 (a job that must
@@ -83,7 +92,9 @@ from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol.fault_hook import ENV_VAR
 from elastic._shared.protocol.fault_hook import POINTS as FAULT_POINTS
 
-ACTIONS = ("kill", "stop", "hang", "enospc", "slow", "hold")
+ACTIONS = ("kill", "stop", "hang", "enospc", "slow", "hold", "flip", "nan")
+TAMPERING = ("flip", "nan")
+"""Actions the worker makes itself when `tamper` says they are due (elastic._shared.protocol.fault_hook)."""
 ONCE_DIR_ENV = "ELASTIC_FAULT_ONCE_DIR"
 """Where `once` faults leave a mark when they fire (one file each), so no other worker fires them."""
 
@@ -164,12 +175,29 @@ class FaultInjector:
             f for f in parse_faults(env.get(ENV_VAR, ""))
             if f.rank in (None, rank) and f.restart in (None, restart) and f.world_size in (None, world_size)
         ]
+        self._tampered: set[Fault] = set()  # flips and NaNs fired by this worker (restart=N: once each)
         self._once_dir = env.get(ONCE_DIR_ENV) or None
         if self._once_dir is None and any(f.once for f in self._faults):
             raise UsageError(f"{ENV_VAR} has a fault marked once, which needs {ONCE_DIR_ENV} (a folder every worker shares)")
 
+    def tamper(self, point: str, step: int, action: str) -> bool:
+        """Whether the flip or NaN `action` is due here: on the worker's first attempt at the step only
+        (a replay after a rollback runs clean), or at every attempt with restart=any."""
+        for fault in self._faults:
+            if fault.action != action or action not in TAMPERING or not fault.matches(point, step):
+                continue
+            if fault.restart is not None and fault in self._tampered:
+                continue
+            if fault.once and not self._first_to_fire(fault):
+                continue
+            self._tampered.add(fault)
+            return True
+        return False
+
     def at(self, point: str, step: int) -> None:
         for fault in self._faults:
+            if fault.action in TAMPERING:
+                continue  # made by the worker itself (`tamper`)
             if fault.matches(point, step) and (not fault.once or self._first_to_fire(fault)):
                 if fault.action == "hang":
                     threading.Event().wait()  # never set: this thread is stuck for good

@@ -7,8 +7,11 @@ step to `$ELASTIC_SAMPLE_LOG.rank<R>`: the step, the world size, the sampler's
 position and the sample indices the rank trained on. It wraps the calls
 every recipe of this project makes: `CheckpointManager.restore` (the step a
 worker starts from), `CheckpointManager.restore_live` (the step a group formed
-in place goes on from: TORCHREVIVE_SURVIVORS) and `ElasticSampler.local_batch`
-(once per step).
+in place goes on from: TORCHREVIVE_SURVIVORS), `RollbackPoint.restore` (the
+step every rank rolled back to after a replica check's mismatch or under
+--numeric-guard rollback: a round of its own), `ElasticSampler.local_batch`
+(once per step) and `NumericGuard.before_update` (a step whose update it
+skipped: a line marking the step skipped).
 
 `audit(prefix)` then rebuilds the job's history across restarts. Records
 carry their round (an id rank 0 draws after each restore and broadcasts, so all
@@ -25,6 +28,9 @@ rest were lost with it and trained again. Over the steps that survive:
   of the seed) puts there;
 - every complete epoch holds each sample exactly once, and no epoch holds a
   sample twice.
+
+A skipped step's samples count as trained on (the data position moved past
+them) and the audit lists the step in `skipped`: never silently lost.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class SampleAudit:
     samples: int = 0
     """Samples trained on in that history."""
     epochs_complete: int = 0
+    skipped: list[int] = field(default_factory=list)
+    """Steps of the final history whose update the numeric guard skipped (their samples were not learned from)."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -64,7 +72,9 @@ class SampleAudit:
             return "samples: " + ("; ".join(self.problems[:3]) or "no steps recorded")
         return (
             f"samples: each once (steps {self.first_step}-{self.last_step}, {self.samples} samples, "
-            f"{self.epochs_complete} complete epochs)"
+            f"{self.epochs_complete} complete epochs"
+            + (f"; step(s) {', '.join(map(str, self.skipped))} skipped by the numeric guard" if self.skipped else "")
+            + ")"
         )
 
 
@@ -104,8 +114,9 @@ def audit(prefix: Path) -> SampleAudit:
     """Check the sample records under `prefix` (see the module docstring)."""
     result = SampleAudit()
     rounds: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    skips: list[dict[str, Any]] = []
     for record in read_records(prefix):
-        rounds[record["round"]].append(record)
+        (skips if record.get("skipped") else rounds[record["round"]]).append(record)
     if not rounds:
         result.problems.append(f"no sample records under {prefix}")
         return result
@@ -127,6 +138,9 @@ def audit(prefix: Path) -> SampleAudit:
 
     result.first_step = ordered[0][0]["round_start"] + 1
     result.last_step = max(kept, default=0)
+    # A skip survives as its step does: recorded by the round the kept records of its step belong to.
+    kept_rounds = {step: {r["round"] for r in records} for step, records in kept.items()}
+    result.skipped = sorted({s["step"] for s in skips if s["round"] in kept_rounds.get(s["step"], ())})
     stream = _check_steps(kept, result)
     if stream is not None:
         _check_epochs(stream, result)
@@ -226,11 +240,14 @@ def _record_samples(prefix: str) -> None:
 
     from elastic._worker.checkpoint import CheckpointManager
     from elastic._worker.data.sampler import ElasticSampler
+    from elastic._worker.integrity.numeric_guard import NumericGuard
+    from elastic._worker.integrity.rollback import RollbackPoint
     from elastic._worker.runtime.context import control_group
 
     current = {"step": 1, "round": "", "round_start": 0}
     original_restore, original_local_batch = CheckpointManager.restore, ElasticSampler.local_batch
     original_restore_live = CheckpointManager.restore_live
+    original_rollback, original_before_update = RollbackPoint.restore, NumericGuard.before_update
 
     def new_round(resumed: int) -> int:
         round_id = [uuid.uuid4().hex]
@@ -244,6 +261,17 @@ def _record_samples(prefix: str) -> None:
 
     def restore_live(self: CheckpointManager, **kwargs: Any) -> int:
         return new_round(original_restore_live(self, **kwargs))  # a group changed in place: a round of its own
+
+    def rollback(self: RollbackPoint) -> int:
+        return new_round(original_rollback(self))  # every rank rolls back at the same step: a round of its own
+
+    def before_update(self: NumericGuard, step: int, *args: Any, **kwargs: Any) -> str | None:
+        action = original_before_update(self, step, *args, **kwargs)
+        if action is not None:  # skipped (rollback: skipped, and trained again from the point, skipped then too)
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            append_record(prefix, rank, {"skipped": True, "step": step, "round": current["round"],
+                                         "time": time.time(), "rank": rank, "action": action})
+        return action
 
     def local_batch(self: ElasticSampler, rank: int, world_size: int):
         indices = original_local_batch(self, rank, world_size)
@@ -260,6 +288,8 @@ def _record_samples(prefix: str) -> None:
     CheckpointManager.restore = restore  # type: ignore[method-assign]
     CheckpointManager.restore_live = restore_live  # type: ignore[method-assign]
     ElasticSampler.local_batch = local_batch  # type: ignore[method-assign]
+    RollbackPoint.restore = rollback  # type: ignore[method-assign]
+    NumericGuard.before_update = before_update  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -34,10 +34,23 @@ ENV_VAR = "ELASTIC_FAULT"
 ENTRY_POINT_GROUP = "torchrevive.faults"
 
 
+TAMPERING = ("flip", "nan")
+"""Faults that change numbers, not processes: the plugin says whether one is due (`tamper`), the worker makes it
+(elastic._worker.integrity.tamper): `flip` one bit of one parameter after the step's update, `nan` the loss
+of the step."""
+
+
 class FaultHook(Protocol):
     def at(self, point: str, step: int) -> None:
         """Reached `point` (one of `POINTS`) at `step`: fire whatever fault is meant for here."""
         ...
+
+
+def tampering(hook: FaultHook, point: str, step: int, action: str) -> bool:
+    """Whether the tampering `action` (one of `TAMPERING`) is due at `point` and `step` (it counts as
+    fired); a hook without a `tamper` method (one that only kills) tampers with nothing."""
+    tamper = getattr(hook, "tamper", None)
+    return bool(tamper(point, step, action)) if tamper is not None else False
 
 
 class NoFaults:
@@ -45,6 +58,9 @@ class NoFaults:
 
     def at(self, point: str, step: int) -> None:
         pass
+
+    def tamper(self, point: str, step: int, action: str) -> bool:
+        return False
 
 
 NO_FAULTS = NoFaults()

@@ -17,7 +17,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint
 from elastic._shared.storage import sharded
 from elastic._worker.checkpoint import state as live_state
-from elastic._worker.checkpoint.training_state import TrainingState
+from elastic._worker.checkpoint.training_state import (
+    RUNTIME_EXTRA_PREFIX,
+    TrainingState,
+)
 from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 
 
@@ -102,6 +105,12 @@ def check_tensors(name: str, metadata: Metadata, trainer: dict[str, Any], state:
     live_state.check_groups(name, optimizer, model, trainer["optimizer"])
 
 
+def runtime_owned(name: str) -> bool:
+    """An extra object the runtime registers itself (training_state.RUNTIME_EXTRA_PREFIX): a run that
+    does not register it resumes a checkpoint that holds it, and the other way round."""
+    return name.startswith(RUNTIME_EXTRA_PREFIX)
+
+
 def check_trainer(name: str, trainer: dict[str, Any], state: TrainingState) -> None:
     """Same data set and seed, a grad scaler on both sides or neither, the same extra objects."""
     sampler_state = trainer["sampler"]
@@ -116,8 +125,10 @@ def check_trainer(name: str, trainer: dict[str, Any], state: TrainingState) -> N
             f"checkpoint {name} was saved {'without' if trainer['scaler'] is None else 'with'} a grad scaler"
         )
     saved_extra = trainer.get("extra", {})  # checkpoints before extra state have none
-    if set(saved_extra) != set(state.extra):
+    user_saved = sorted(k for k in saved_extra if not runtime_owned(k))
+    user_live = sorted(k for k in state.extra if not runtime_owned(k))
+    if user_saved != user_live:
         raise CheckpointMismatchError(
-            f"checkpoint {name} holds extra state {sorted(saved_extra)}, this run registers "
-            f"{sorted(state.extra)}; register the same objects to resume"
+            f"checkpoint {name} holds extra state {user_saved}, this run registers "
+            f"{user_live}; register the same objects to resume"
         )

@@ -36,6 +36,9 @@ from elastic._worker.runtime.rng import get_rng_state, seed_all, set_rng_state
 # Ranks a grown job has no saved RNG state for are seeded from (seed, step, rank).
 _RESEED_STRIDE = 1_000_003
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None))
+RUNTIME_EXTRA_PREFIX = "torchrevive."
+"""Extra objects the runtime registers itself (the numeric guard's skipped steps): optional in a checkpoint,
+so a run resumes one saved with or without them (fit.runtime_owned)."""
 
 
 class Stateful(Protocol):
@@ -147,6 +150,8 @@ class TrainingState:
     def apply_extra(self, step: int, trainer: dict[str, Any]) -> None:
         """First of all: the user's code may refuse the state, and then nothing else has changed."""
         for name, obj in self.extra.items():
+            if name.startswith(RUNTIME_EXTRA_PREFIX) and name not in trainer.get("extra", {}):
+                continue  # saved without it: the object keeps its own (fresh) state
             try:
                 obj.load_state_dict(trainer.get("extra", {})[name])
             except Exception as exc:  # noqa: BLE001 - whatever it raises is one line naming the object

@@ -153,6 +153,16 @@ def all_gather(ctx: WorkerContext, message: M, kind: type[M], group: Any = _UNSE
     return [_required(_decode(data, kind), rank) for rank, data in enumerate(gathered)]
 
 
+def all_gather_rows(ctx: WorkerContext, row: torch.Tensor, group: Any = _UNSET) -> list[torch.Tensor]:
+    """Every rank's `row` (a 1-D tensor of the same length and dtype on every rank), by rank: one
+    collective, for what is small, fixed in size and read often (a replica check's digests)."""
+    if not ctx.distributed:
+        return [row]
+    rows = [torch.empty_like(row) for _ in range(ctx.world_size)]
+    dist.all_gather(rows, row, group=_group(group))
+    return rows
+
+
 @dataclass(frozen=True)
 class Text(Message):
     """One line of text (a reason, an error) crossing ranks."""

@@ -16,7 +16,9 @@ unless the loop waits for it):
 - snapshot_copy: the loop's part of an in-memory snapshot's copy;
 - snapshot_wait: waiting for the previous snapshot (at the next one, and at
   the optimizer step, which may not change parameters a snapshot still copies);
-- watchdog: feeding the hang watchdog, the chaos fault hook.
+- watchdog: feeding the hang watchdog, the chaos fault hook;
+- integrity: replica checks (digests, their exchange, the rollback point's
+  copy) and the numeric guard's reading before the optimizer step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from time import perf_counter
 
-PHASES = ("sampler", "report", "metrics", "vote", "checkpoint", "snapshot_copy", "snapshot_wait", "watchdog")
+PHASES = ("sampler", "report", "metrics", "vote", "checkpoint", "snapshot_copy", "snapshot_wait", "watchdog", "integrity")
 
 
 class StepCosts:

@@ -51,6 +51,7 @@ from elastic._worker.control.step_vote import Verdict
 from elastic._worker.control.watchdog import NoWatchdog, Watchdog
 from elastic._worker.data.feed import Feed
 from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.observe.step_report import StepReport
@@ -77,6 +78,7 @@ class LoopOwner(Protocol):
     _faults: FaultHook
     _survivors: Survivors | None
     _tokens_per_sample: int
+    _integrity: Integrity | None
 
     @property
     def _context(self) -> WorkerContext: ...
@@ -129,6 +131,9 @@ class StepLoop:
         run = self._run
         sampler, costs, survivors = run.sampler, run.step_costs, run._survivors
         again: Any = None  # a void step's batch, trained again on a group of the same ranks
+        integrity = run._integrity
+        if integrity is not None:
+            integrity.loop_started(run.step)
         while run.step < max_steps:
             ctx = run._context
             with costs.timing("sampler"):
@@ -142,6 +147,8 @@ class StepLoop:
             healing = survivors is not None and survivors.can_heal
             started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
             stepped_before = self.optimizer_steps
+            if integrity is not None:
+                integrity.step_starting(run.step)
             run.watchdog.step_began(run.step + 1)  # this rank enters the step's collectives (its hang record)
             try:
                 yield batch
@@ -178,10 +185,18 @@ class StepLoop:
         self.loss = None
 
     def _end_step(self) -> bool:
-        """The step's bookkeeping (see the module docstring); True when the group changed size."""
+        """The step's bookkeeping (see the module docstring); True when the group changed size, or
+        when every rank rolled back to an earlier step (elastic._worker.integrity: the feed opens
+        again there)."""
         self.count_step()
         run = self._run
         costs, survivors = run.step_costs, run._survivors
+        if run._integrity is not None:  # before saves: a step is saved only once its check passed
+            with costs.timing("integrity"):
+                back_to = run._integrity.step_ended(run.step, run._context)
+            if back_to is not None:
+                run.step = back_to
+                return True
         resized = False
         try:
             with costs.timing("vote"):

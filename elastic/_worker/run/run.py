@@ -82,6 +82,7 @@ from elastic._worker.control.step_vote import Verdict
 from elastic._worker.control.watchdog import NoWatchdog, Watchdog, watchdog
 from elastic._worker.data.feed import StepBatchSampler, StepSampler
 from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.metrics import start_metrics
 from elastic._worker.observe.replicas import gather_digests, parameter_digest
@@ -300,7 +301,8 @@ class Run:
         num_samples = data if isinstance(data, int) else len(data)
         self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
         self._tokens_per_sample = tokens_per_sample
-        self._state = TrainingState(self.model, optimizer, self.sampler, scheduler, scaler, extra)
+        self._integrity = Integrity(ctx, cfg, self.events)  # replica checks, numeric guard (elastic._worker.integrity)
+        self._state = TrainingState(self.model, optimizer, self.sampler, scheduler, scaler, self._integrity.registered(extra))
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
         self._stack.callback(lambda: self.checkpoints is not None and self.checkpoints.close(  # a clean end lets go
@@ -332,6 +334,7 @@ class Run:
             else:
                 self.step = self._parts.checkpoints.restore()
             self._loop.due_after = self.step  # (a joiner's was set when it joined)
+        self._integrity.attach(self._parts.checkpoints.state, optimizer, self._faults, self._stack, lambda: self._loop.loss)
         self._first_step = self.step
         self._started = True
         parameters = sum(p.numel() for p in self.model.parameters())

@@ -1,0 +1,1 @@
+"""Silent corruption and numeric faults: caught, named and undone (replica checks, rollback, the numeric guard)."""

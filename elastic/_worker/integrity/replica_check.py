@@ -1,0 +1,274 @@
+"""Replica checks during training: every `every` steps the ranks compare parameter digests; a
+mismatch is undone by rolling every rank back to the last passing check and replaying, then named.
+
+    check = ReplicaCheck(ctx, state, model, setting="auto", events=events, faulty_exit=...)
+    check.start(step)                  # the loop's first step: the first rollback point
+    for each step's end:
+        back_to = check.after_step(step)   # None, or the step every rank was rolled back to
+
+What a check step does, on every rank (a collective on the control group):
+
+1. the digest of this rank's parameters (elastic._worker.observe.replicas.parameter_digest,
+   the digest `Run.finish` compares at the end), and one all-gather of every
+   rank's digest and its proposed interval (elastic._worker.integrity.check_interval);
+2. all equal: the check passes, and the rollback point moves to this step
+   (elastic._worker.integrity.rollback); a check that was a replay's names
+   what the mismatch was (`transient`: a `corruption` event, training goes on);
+3. a mismatch (elastic._worker.integrity.verdicts.compare names the odd rank
+   with three ranks or more): every rank rolls back to the point and the loop
+   replays the steps since, up to this step, where the check runs again;
+4. the replay differs again: the rank(s) it names sit on a faulty node
+   (`corruption`, kind `node`): each raises `FaultyNodeError` (exit
+   `FAULTY_NODE_EXIT`, one line naming its node), which its agent counts
+   against that node (set aside after --set-aside-failures strikes, issue 42's
+   failure policy); the other ranks wait in a collective that the faulty
+   rank's exit breaks, as a peer's failure breaks any collective. When nothing
+   names a rank (two ranks that each repeat their own digest), every rank stops
+   with one line.
+
+Invariants:
+- Every rank checks at the same steps and reads the same gathered digests, so
+  every rank takes the same branch at the same step: the interval changes
+  only through the gathered proposals (the largest is taken).
+- A rollback point always exists from the loop's first step on, and holds the
+  newest state a check found equal on every rank (or the loop's first step's:
+  restored from a verified checkpoint or seeded alike).
+- Under FSDP2 the shards differ by design: the digest covers what is
+  replicated (buffers aside, see parameter_digest), and a one-line notice says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic._shared.common.errors import ElasticError
+from elastic._worker.control import agreement
+from elastic._worker.integrity import verdicts
+from elastic._worker.integrity.check_interval import MAX_EVERY, CheckInterval
+from elastic._worker.integrity.rollback import RollbackPoint
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.replicas import parameter_digest
+from elastic._worker.runtime.context import WorkerContext
+
+logger = logging.getLogger(__name__)
+
+FAULTY_NODE_EXIT = 80
+"""A worker whose rank diverged again after a rollback: its node computes wrong (distinct from 1, 2, 75-79, 124, 143)."""
+_DIGEST_BYTES = 32
+
+
+class FaultyNodeError(ElasticError):
+    """This rank diverged from its replicas twice at the same step: its node is faulty."""
+
+    exit_code = FAULTY_NODE_EXIT
+
+
+class ReplicaDivergence(ElasticError):
+    """The replicas differ again after a replay, and nothing names the rank at fault."""
+
+
+def node_name(environ: Any = os.environ) -> str:
+    """This worker's node as the job knows it: the agent's node rank (GROUP_RANK) and the host."""
+    group_rank = environ.get("GROUP_RANK", "")
+    host = socket.gethostname()
+    return f"node {group_rank} ({host})" if group_rank.isdigit() else host
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """One check's exchange, every rank's part, checked."""
+
+    digests: list[str]
+    proposals: list[int]
+
+
+def encode_ballot(digest: str, every: int) -> torch.Tensor:
+    raw = bytes.fromhex(digest)
+    if len(raw) != _DIGEST_BYTES:
+        raise ValueError(f"a digest is {_DIGEST_BYTES} bytes, not {len(raw)}")
+    return torch.tensor(list(raw) + list(int(every).to_bytes(8, "little")), dtype=torch.uint8)
+
+
+def decode_ballots(rows: list[torch.Tensor]) -> Gathered:
+    """Every rank's (digest, proposal) from the gathered rows; a malformed row is a one-line error."""
+    digests, proposals = [], []
+    for rank, row in enumerate(rows):
+        data = bytes(row.tolist())
+        if len(data) != _DIGEST_BYTES + 8:
+            raise ElasticError(f"replica check: rank {rank} sent {len(data)} bytes, not {_DIGEST_BYTES + 8}")
+        every = int.from_bytes(data[_DIGEST_BYTES:], "little")
+        if not 1 <= every <= MAX_EVERY:
+            raise ElasticError(f"replica check: rank {rank} proposed an interval of {every} steps")
+        digests.append(data[:_DIGEST_BYTES].hex())
+        proposals.append(every)
+    return Gathered(digests, proposals)
+
+
+@dataclass
+class _Pending:
+    """A mismatch being replayed."""
+
+    step: int
+    digests: list[str]
+    back_to: int
+    detected: float
+    """perf_counter() at detection."""
+    wall: float
+    """Unix time of detection."""
+
+
+class ReplicaCheck:
+    """One rank's replica checks (see the module docstring)."""
+
+    def __init__(
+        self, ctx: WorkerContext, rollback: RollbackPoint, model: torch.nn.Module, setting: int | str, *,
+        events: EventLog, group: Any = agreement.DEFAULT_GROUP, node: str | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self._rollback = rollback
+        self._model = model
+        self._events = events
+        self._group = group
+        self._node = node if node is not None else node_name()
+        self.interval = CheckInterval(setting)
+        self.enabled = self.interval.every > 0 and ctx.distributed
+        self._next: int | None = None
+        self._pending: _Pending | None = None
+        self._paused = False
+        self.checks = 0
+        self.seconds = 0.0
+        """What the checks (digests, exchanges, rollback points) cost this rank's loop."""
+        self.replayed = 0
+        """Steps trained again after rollbacks."""
+        self.corruptions: list[dict[str, Any]] = []
+        """The `corruption` events' fields, in order (every rank's copy)."""
+        sharded = any(hasattr(p, "to_local") for p in model.parameters())
+        if self.enabled and sharded and ctx.is_main:
+            logger.info("replica checks under FSDP2 compare what every rank holds alike: the sharded parameters "
+                        "have no replica to compare with (a flipped bit in a shard is not caught)")
+
+    def on_new_group(self, ctx: WorkerContext) -> None:
+        """The group changed in place: the checks run on it (the caller takes a new rollback point)."""
+        self._ctx = ctx
+        self.enabled = self.interval.every > 0 and ctx.distributed
+
+    @property
+    def every(self) -> int:
+        return self.interval.every
+
+    def start(self, step: int) -> None:
+        """The loop starts at `step` (a restore's, or the first): the first rollback point, the next check."""
+        if not self.enabled:
+            return
+        if self._rollback.step != step:
+            started = time.perf_counter()
+            self._rollback.take(step)
+            self.seconds += time.perf_counter() - started
+        self._next = step + self.interval.every
+        self._pending = None
+        self._paused = True
+
+    def after_step(self, step: int) -> int | None:
+        """Step `step` completed on every rank: check when due. Returns None, or the step every rank
+        was rolled back to (the loop goes on from there)."""
+        if not self.enabled:
+            return None
+        self.interval.note_step_end(paused=self._paused)
+        self._paused = False
+        if self._next is None or step < self._next:
+            return None
+        started = time.perf_counter()
+        try:
+            return self._check(step, started)
+        finally:
+            self._paused = True  # the time until the next step's end holds this check
+            cost = time.perf_counter() - started
+            self.seconds += cost
+            if self._pending is None:
+                self.interval.note_cost(cost)
+
+    def _check(self, step: int, started: float) -> int | None:
+        self.checks += 1
+        mine = parameter_digest(self._model)
+        gathered = self._exchange(mine, self.interval.proposal())
+        if self.interval.agree(max(gathered.proposals)) and self._ctx.is_main and self.interval.auto:
+            logger.info("%s", self.interval.describe())
+        found = verdicts.compare(gathered.digests)
+        pending = self._pending
+        if found.agreed:
+            if pending is not None:
+                self._resolved(pending, gathered.digests, step)
+            self._rollback.take(step)
+            self._next = step + self.interval.every
+            return None
+        if pending is None:
+            return self._roll_back(step, gathered.digests, found, started)
+        self._pending = None
+        classified = verdicts.classify(pending.digests, gathered.digests)
+        nodes = self._nodes()
+        action = "node set aside" if classified.ranks else "stopped"
+        self._corruption(pending, step, verdicts.NODE, classified.ranks, nodes, action)
+        if self._ctx.rank in classified.ranks:
+            raise FaultyNodeError(
+                f"rank {self._ctx.rank} on {self._node} diverged from its replicas at step {step} again after "
+                f"rolling back to step {pending.back_to}: its node computes wrong and leaves the job"
+            )
+        if classified.ranks:  # a faulty rank leaves: this collective fails when it does, as any peer's failure
+            agreement.all_ok(self._ctx, True, self._group)
+            raise ReplicaDivergence(
+                f"rank(s) {', '.join(map(str, classified.ranks))} on {', '.join(nodes[r] for r in classified.ranks)} "
+                f"diverged again at step {step} after rolling back to step {pending.back_to} and leave the job"
+            )
+        raise ReplicaDivergence(
+            f"the replicas differ at step {step} again after rolling back to step {pending.back_to}, and each rank "
+            "repeated its own result: nothing tells the faulty one (two ranks); stopping"
+        )
+
+    def _roll_back(self, step: int, digests: list[str], found: verdicts.Comparison, started: float) -> int:
+        point = self._rollback.step
+        assert point is not None, "start() took the first rollback point"
+        self._pending = _Pending(step, digests, point, started, time.time())
+        named = f"rank(s) {', '.join(map(str, found.odd))} differ from the majority" if found.odd else (
+            "the ranks differ and no majority names one")
+        if self._ctx.is_main:
+            logger.warning("replica check at step %d: %s; rolling every rank back to step %d and replaying %d step(s)",
+                           step, named, point, step - point)
+        back_to = self._rollback.restore()
+        self.replayed += step - back_to
+        self._next = step  # the replay meets this check again
+        return back_to
+
+    def _resolved(self, pending: _Pending, replay: list[str], step: int) -> None:
+        classified = verdicts.classify(pending.digests, replay)
+        self._pending = None
+        self._corruption(pending, step, classified.kind, classified.ranks, self._nodes(),
+                         f"rolled back to step {pending.back_to} and replayed {step - pending.back_to} step(s)")
+
+    def _corruption(self, pending: _Pending, step: int, kind: str, ranks: tuple[int, ...], nodes: list[str],
+                    action: str) -> None:
+        seconds = time.perf_counter() - pending.detected
+        for rank in ranks or (None,):
+            fields = {
+                "rank": rank, "node": nodes[rank] if rank is not None else None, "kind": kind, "action": action,
+                "detected_step": pending.step, "detected_time": pending.wall, "rolled_back_to": pending.back_to,
+                "steps_replayed": step - pending.back_to, "replay_seconds": seconds,
+            }
+            self.corruptions.append({"step": step, **fields})
+            self._events.emit("corruption", step=pending.step, world_size=self._ctx.world_size, **fields)
+            if self._ctx.is_main:
+                logger.warning("corruption at step %d: %s%s: %s", pending.step, kind,
+                               f" (rank {rank} on {fields['node']})" if rank is not None else "", action)
+
+    def _exchange(self, digest: str, proposal: int) -> Gathered:
+        return decode_ballots(agreement.all_gather_rows(self._ctx, encode_ballot(digest, proposal), self._group))
+
+    def _nodes(self) -> list[str]:
+        names = agreement.all_gather(self._ctx, agreement.Text(self._node[:200]), agreement.Text, self._group)
+        return [n.text if isinstance(n.text, str) else "?" for n in names]
