@@ -21,6 +21,7 @@ optimizer state sharded, checkpoints saved in shards).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,13 @@ def test_c10d_kill_term_and_stop_in_one_job(tmp_path: Path, shared_corpus: Path,
     assert "closes now: all" in agent_logs(tmp_path), result.logs
     sources = [e["source"] for e in restores_after_faults(tmp_path)]
     assert sources and sources[0] == "memory", f"the kill's restore was not from memory: {sources}"
+    # The SIGSTOP (at a random moment, its peer left waiting in a collective) is named from its silence
+    # before the watchdog's limit, on the agents and in the log, and its agent ends it (issue 42).
+    hangs = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "hang"]
+    assert len(hangs) == 1 and len(hangs[0]["culprits"]) == 1, hangs
+    assert hangs[0]["reasons"][0].startswith("no answer") and hangs[0]["nodes"][0], hangs
+    assert re.search(rf"ending worker rank {hangs[0]['culprits'][0]} \(pid \d+\), the hang's culprit",
+                     agent_logs(tmp_path)), result.logs
 
 
 def test_c10d_torn_snapshot_then_torn_save(tmp_path: Path, shared_corpus: Path, references: References) -> None:
