@@ -34,6 +34,7 @@ from elastic.report.history import (
 )
 from elastic.report.incidents import incidents as incident_lines
 from elastic.report.incidents import set_aside
+from elastic.report.integrity import lines as integrity_lines
 
 SIZE = (1400, 1000)  # pixels, the default
 DPI = 100
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     for rec in found:
         print(rec.describe())
     for line in incident_lines(events):  # named hangs, failures, nodes set aside, a crash loop (torchrevive-run's)
+        print(line)
+    for line in integrity_lines(events):  # corruption undone, numeric faults caught (the workers')
         print(line)
     aside = set_aside(events)
     print(f"wrote {out} ({args.width}x{args.height}, {len(found)} recoveries"

@@ -320,3 +320,42 @@ def test_the_guards_state_is_optional_in_a_checkpoint_both_ways() -> None:
     assert guard.skipped == set()
     guarded.apply_extra(10, saved)
     assert guard.skipped == {4, 9}  # a resumed run skips them again
+
+
+# -- what the report and the metrics say ------------------------------------------------------
+
+
+def test_the_report_gives_a_line_each_and_the_time_to_detect() -> None:
+    from elastic.report import integrity as report
+
+    events = [
+        {"event": "step", "step": 12, "time": 100.0}, {"event": "step", "step": 15, "time": 101.5},
+        {"event": "corruption", "step": 15, "kind": "transient", "ranks": [1], "nodes": ["node 1 (b)"],
+         "rolled_back_to": 10, "steps_replayed": 5, "action": "rolled back to step 10 and replayed 5 step(s)",
+         "detected_step": 15, "detected_time": 101.75},
+        {"event": "step", "step": 12, "time": 102.0},  # the replay ends step 12 again
+        {"event": "numeric", "step": 18, "why": "non-finite loss", "value": math.nan, "action": "skip"},
+        {"event": "corruption", "step": "x", "ranks": "?", "nodes": None},  # torn by hand: "?", no exception
+    ]
+    assert report.lines(events) == [
+        "corruption found at step 15: transient (rank 1 on node 1 (b)); rolled back to step 10, 5 step(s) replayed: "
+        "rolled back to step 10 and replayed 5 step(s)",
+        "numeric fault at step 18: non-finite loss (nan) caught before the update: skip",
+        "corruption found at step ?: ? (no rank named); rolled back to step ?, ? step(s) replayed: ?",
+    ]
+    assert report.detection(events, 12) == (3, 1.75)
+    assert report.detection(events, 20) is None
+
+
+def test_the_metrics_count_corruptions_replays_and_numeric_faults() -> None:
+    from elastic._worker.observe.metrics import TrainingMetrics
+
+    metrics = TrainingMetrics(rank=0, run_id="r", restarts=0, world_size=3, samples_per_step=8)
+    metrics.observe({"event": "corruption", "step": 15, "steps_replayed": 5})
+    metrics.observe({"event": "corruption", "step": 30, "steps_replayed": "five"})  # a bad field adds nothing
+    metrics.observe({"event": "numeric", "step": 18})
+
+    def value(name: str) -> float:
+        return metrics.registry.get_sample_value(f"torchrevive_{name}", {"rank": "0", "run_id": "r"})
+
+    assert (value("corruptions_total"), value("steps_replayed_total"), value("numeric_faults_total")) == (2, 5, 1)

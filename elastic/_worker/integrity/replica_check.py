@@ -253,18 +253,19 @@ class ReplicaCheck:
 
     def _corruption(self, pending: _Pending, step: int, kind: str, ranks: tuple[int, ...], nodes: list[str],
                     action: str) -> None:
-        seconds = time.perf_counter() - pending.detected
-        for rank in ranks or (None,):
-            fields = {
-                "rank": rank, "node": nodes[rank] if rank is not None else None, "kind": kind, "action": action,
-                "detected_step": pending.step, "detected_time": pending.wall, "rolled_back_to": pending.back_to,
-                "steps_replayed": step - pending.back_to, "replay_seconds": seconds,
-            }
-            self.corruptions.append({"step": step, **fields})
-            self._events.emit("corruption", step=pending.step, world_size=self._ctx.world_size, **fields)
-            if self._ctx.is_main:
-                logger.warning("corruption at step %d: %s%s: %s", pending.step, kind,
-                               f" (rank {rank} on {fields['node']})" if rank is not None else "", action)
+        """One `corruption` event per mismatch: `rank` and `node` the first named (None: none could be),
+        `ranks` and `nodes` all of them."""
+        fields = {
+            "rank": ranks[0] if ranks else None, "node": nodes[ranks[0]] if ranks else None,
+            "ranks": list(ranks), "nodes": [nodes[r] for r in ranks], "kind": kind, "action": action,
+            "detected_step": pending.step, "detected_time": pending.wall, "rolled_back_to": pending.back_to,
+            "steps_replayed": step - pending.back_to, "replay_seconds": time.perf_counter() - pending.detected,
+        }
+        self.corruptions.append({"step": pending.step, **fields})
+        self._events.emit("corruption", step=pending.step, world_size=self._ctx.world_size, **fields)
+        if self._ctx.is_main:
+            named = ", ".join(f"rank {r} on {nodes[r]}" for r in ranks) or "no rank named"
+            logger.warning("corruption found at step %d: %s (%s): %s", pending.step, kind, named, action)
 
     def _exchange(self, digest: str, proposal: int) -> Gathered:
         return decode_ballots(agreement.all_gather_rows(self._ctx, encode_ballot(digest, proposal), self._group))

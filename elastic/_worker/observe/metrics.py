@@ -89,6 +89,9 @@ METRICS: dict[str, tuple[str, str]] = {
                                "has read them (torchrevive-run).")),
     "job_hangs_named": ("gauge", "Hangs of the job whose culprit the ranks named, as this node's agent has read them."),
     "nodes_set_aside": ("gauge", "Nodes the job has set aside (too many failures while the others stayed healthy)."),
+    "corruptions_total": ("counter", "Replica checks that found the ranks' parameters differ (each undone by a rollback)."),
+    "steps_replayed_total": ("counter", "Steps trained again after rolling back to the last passing replica check."),
+    "numeric_faults_total": ("counter", "Steps the numeric guard caught before their update (non-finite or spiking)."),
 }
 NOTED = ("job_failures", "job_hangs_named", "nodes_set_aside")
 """Series read at each scrape from this node's agent's note (elastic._shared.protocol.worker_notes), not
@@ -197,6 +200,13 @@ class TrainingMetrics:
             self._m["checkpoint_failures_total"].inc()
         elif kind == "checkpoint_skipped" and "checkpoint_skipped_total" in self._m:
             self._m["checkpoint_skipped_total"].inc()
+        elif kind == "corruption":
+            self._m["corruptions_total"].inc()
+            replayed = record.get("steps_replayed")
+            if isinstance(replayed, int) and not isinstance(replayed, bool) and replayed > 0:
+                self._m["steps_replayed_total"].inc(replayed)
+        elif kind == "numeric":
+            self._m["numeric_faults_total"].inc()
         elif kind == "restore":
             self._m["restore_seconds"].set(record.get("seconds", 0.0))
             self._m["restored_step"].set(record["step"])
