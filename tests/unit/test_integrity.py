@@ -359,3 +359,20 @@ def test_the_metrics_count_corruptions_replays_and_numeric_faults() -> None:
         return metrics.registry.get_sample_value(f"torchrevive_{name}", {"rank": "0", "run_id": "r"})
 
     assert (value("corruptions_total"), value("steps_replayed_total"), value("numeric_faults_total")) == (2, 5, 1)
+
+
+def test_a_worker_that_proved_its_node_wrong_gets_it_set_aside_at_once() -> None:
+    from elastic._agent.launcher.failure_policy import Failure, decide
+    from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
+    from elastic._worker.integrity.replica_check import FaultyNodeError
+
+    assert FaultyNodeError("x").exit_code == FAULTY_NODE_EXIT
+
+    def failure(node: str, exitcode: int, time: float) -> Failure:
+        return Failure(rank=1, node=node, host="h", exitcode=exitcode, step=15, error="diverged", time=time, primary=True)
+
+    settings = {"now": 10.0, "limit": 3, "window": 600.0, "attempts": 3}
+    proven = decide([failure("b", FAULTY_NODE_EXIT, 9.0)], [], can_shrink=True, **settings)
+    assert proven.kind == "set_aside" and proven.node == "b" and "diverged from its replicas" in proven.line
+    assert decide([failure("b", 1, 9.0)], [], can_shrink=True, **settings).kind == "restart"  # one crash: a strike
+    assert decide([failure("b", FAULTY_NODE_EXIT, 9.0)], [], can_shrink=False, **settings).kind == "restart"

@@ -8,6 +8,9 @@ so each comes to the same decision about its own node:
   `window` seconds while every other node has fewer (below `limit`, and below its count) is bad: it is
   **set aside**, if the job can train without it (more nodes than --nnodes MIN). A failure that comes
   once, or that strikes several nodes alike, sets no one aside.
+- A worker that exits with `FAULTY_NODE_EXIT` proved its own node wrong (its parameters diverged from
+  its replicas again after every rank rolled back and replayed: elastic._worker.integrity): that one
+  failure is `limit` strikes, so its node is set aside at once where the job can shrink.
 - A **crash loop** is a failure that repeats at the same step, with no step completed past it in
   between: the last `attempts` primary failures of the job all died after the same completed step.
   Restarting again would meet it again: the job stops with `CRASH_LOOP_EXIT`. Setting aside is decided
@@ -25,6 +28,8 @@ import math
 import signal
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
+
+from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
 
 CRASH_LOOP_EXIT = 78
 """The job stopped because a failure repeats at the same step (distinct from 1, 2, 75, 76, 124, 143)."""
@@ -137,9 +142,13 @@ class Decision:
 RESTART = Decision("restart")
 
 
-def strikes_of(failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]]) -> list[Strike]:
-    """The strikes in the job's failures and named hangs (each hang: a culprit's node and the time)."""
-    marks = [Strike(f.node, f.time, "failure") for f in failures if f.primary]
+def strikes_of(
+    failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]], *, limit: int = 1,
+) -> list[Strike]:
+    """The strikes in the job's failures and named hangs (each hang: a culprit's node and the time); a
+    failure with `FAULTY_NODE_EXIT` is `limit` of them (a node proven wrong)."""
+    marks = [Strike(f.node, f.time, "failure") for f in failures if f.primary
+             for _ in range(max(1, limit) if f.exitcode == FAULTY_NODE_EXIT else 1)]
     marks += [Strike(node, time, "hang") for node, time in hang_nodes if node]
     return sorted(marks, key=lambda strike: strike.time)
 
@@ -183,11 +192,16 @@ def decide(
     of nodes already `excluded` count no more."""
     failures = [f for f in failures if f.node not in excluded]
     hang_nodes = [(node, time) for node, time in hang_nodes if node not in excluded]
-    strikes = strikes_of(failures, hang_nodes)
+    strikes = strikes_of(failures, hang_nodes, limit=limit)
     culprit = strikes[-1].node if strikes else None
     marks = bad_node(strikes, culprit, now, limit=limit, window=window) if can_shrink and culprit else None
     if marks is not None and culprit is not None:
         kinds = sorted({s.what + "s" for s in marks})
+        if any(f.node == culprit and f.primary and f.exitcode == FAULTY_NODE_EXIT for f in failures):
+            return Decision("set_aside", strikes=len(marks), node=culprit, line=(
+                f"node {culprit} is set aside: its worker's parameters diverged from its replicas again after "
+                "every rank rolled back and replayed (exit 80: it computes wrong); its agent leaves the job, "
+                "which trains on without it"))
         return Decision(
             "set_aside", strikes=len(marks), node=culprit,
             line=(f"node {culprit} is set aside: {len(marks)} {' and '.join(kinds)} of its workers within "

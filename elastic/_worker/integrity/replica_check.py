@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from elastic._shared.common.errors import ElasticError
+from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
 from elastic._worker.control import agreement
 from elastic._worker.integrity import verdicts
 from elastic._worker.integrity.check_interval import MAX_EVERY, CheckInterval
@@ -59,8 +60,6 @@ from elastic._worker.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-FAULTY_NODE_EXIT = 80
-"""A worker whose rank diverged again after a rollback: its node computes wrong (distinct from 1, 2, 75-79, 124, 143)."""
 _DIGEST_BYTES = 32
 
 

@@ -1,0 +1,12 @@
+"""Exit statuses a worker ends with that its agent reads as a verdict, not as a crash.
+
+Invariant: distinct from the statuses the rest of the runtime gives (1, 2, 75 storage, 76 a heal that
+did not form, 78 a crash loop, 79 a node set aside, 124 the hang watchdog, 143 SIGTERM).
+"""
+
+from __future__ import annotations
+
+FAULTY_NODE_EXIT = 80
+"""A worker whose parameters diverged from its replicas again after every rank rolled back to the last
+passing replica check and replayed (elastic._worker.integrity.replica_check): its node computes wrong.
+Its agent's failure policy sets the node aside at once (elastic._agent.launcher.failure_policy)."""
