@@ -202,3 +202,18 @@ def test_the_stall_clock_runs_from_the_newest_progress_even_before_the_first_bea
         assert dog.stalled()[0] == 0.0  # the pause restarted the clock
     finally:
         dog.close()
+
+
+def test_with_the_jobs_secret_a_strangers_record_is_not_heard(tmp_path: Any, monkeypatch: Any) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("k" * 32)
+    monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_SECRET_FILE", str(secret))
+    store, now, reports = DictStore(), [0.0], []
+    (namer, kept), _ = namers(2, store, now, reports)
+    kept.enter("train step", 13)
+    for tick in range(30):  # rank 1 is silent; a stranger keeps writing a record in its name, behind
+        now[0] = tick * 0.5
+        store.set(f"{PREFIX}rec/1", json.dumps({"n": tick, "r": record(1, 1, inside=False).dumps()}))
+        namer.look(now[0], progress=12)
+    assert [v.culprits[0].why for v in reports] == [NO_ANSWER]  # named from its silence, not as "behind"
+    assert store.values[f"{PREFIX}rec/0"].count(b"~") >= 1  # this rank's own went in sealed

@@ -16,8 +16,10 @@ takes part in a comparison through the job's store (the default process group's,
    named dumps its Python stacks to stderr with faulthandler.
 
 Invariants: a comparison happens at most once per stall (a new one only after this rank's progress
-moved); every store call is `check` before `get` (no call waits on a key that is not there) and every
-value read is bounded and parsed (`culprits.RankRecord.parse`, `_envelope`); nothing here raises into the
+moved); every value goes into the store sealed with the job's secret (TORCHREVIVE_SNAPSHOT_SECRET_FILE,
+elastic._shared.storage.store_records: a stranger cannot name a false culprit, whose agent would end
+it), every read is `check` before `get` (no call waits on a key that is not there) and every value
+read is verified, bounded and parsed (`culprits.RankRecord.parse`, `_envelope`); nothing here raises into the
 watchdog thread: a store that fails ends this comparison with one warning. The watchdog's own exit at
 --hang-timeout is untouched: naming comes first (at most `name_after + gather`, two fifths of it).
 """
@@ -37,6 +39,8 @@ from typing import Any
 
 from elastic._shared.protocol import worker_notes
 from elastic._shared.storage.keeper_address import NODE_ENV
+from elastic._shared.storage.peer_auth import PeerKey, SecretError
+from elastic._shared.storage.store_records import Records
 from elastic._worker.control.collective_record import CollectiveRecord
 from elastic._worker.control.culprits import (
     MAX_RECORD,
@@ -48,6 +52,7 @@ from elastic._worker.control.culprits import (
 logger = logging.getLogger(__name__)
 
 PREFIX = "torchrevive/hang/"
+_UNREAD = object()
 NAME_FRACTION = 5
 """A stall is compared after --hang-timeout / NAME_FRACTION seconds, for at most as long again."""
 
@@ -163,6 +168,8 @@ class HangNamer:
         self._clock = clock
         self._comparison: _Comparison | None = None
         self._said_where: tuple[int, int, int] | None = None
+        self._key: Any = _UNREAD
+        self._records: Records | None = None
         self.verdicts: list[Verdict] = []
         """The verdicts this rank computed (tests and the metrics read them)."""
 
@@ -181,9 +188,10 @@ class HangNamer:
         store = self._store() if place is not None else None
         if place is None or store is None:
             return
-        if self._said_where != (place.rank, place.world_size, id(store)):  # once per group, before any stall
+        store = self._sealed(store)
+        if self._said_where != (place.rank, place.world_size, id(store.store)):  # once per group, before any stall
             store.set(f"{PREFIX}who/{place.rank}", json.dumps([place.node, place.host]))
-            self._said_where = (place.rank, place.world_size, id(store))
+            self._said_where = (place.rank, place.world_size, id(store.store))
         if stalled is None:
             return
         comparison = self._comparison
@@ -211,12 +219,24 @@ class HangNamer:
         verdict = name_culprits(talked, place.world_size, self._whereabouts(store, place, talked))
         self.verdicts.append(verdict)
         mine_text = f"{place.rank}:{verdict.collective}:{','.join(map(str, verdict.culprits_ranks()))}"
-        settled = store.compare_set(f"{PREFIX}verdict", "", mine_text)
-        if settled == mine_text.encode():
+        if store.compare_set(f"{PREFIX}verdict", mine_text) == mine_text:
             self._report(verdict)
         if place.rank in verdict.culprits_ranks():
             print(f"hang: this rank ({place.rank}) is named as the culprit; its Python stacks:", file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    def _sealed(self, store: Any) -> Records:
+        """`store` with every value sealed with the job's secret and checked when read (a stranger's
+        record would name a false culprit, whose agent then ends it)."""
+        if self._records is None or self._records.store is not store:
+            if self._key is _UNREAD:
+                try:
+                    self._key = PeerKey.from_env()
+                except SecretError as error:
+                    logger.warning("hang naming: its records go unsealed: %s", error)
+                    self._key = None
+            self._records = Records(store, key=self._key, scope=PREFIX)
+        return self._records
 
     def _own_record(self, place: Place) -> RankRecord:
         newest, done = self._record.newest(), self._record.last_done()
@@ -232,7 +252,8 @@ class HangNamer:
             if rank == place.rank:
                 continue
             key = f"{PREFIX}rec/{rank}"
-            parsed = _envelope(store.get(key), place.world_size) if store.check([key]) else None
+            text = store.get(key)
+            parsed = _envelope(text.encode(), place.world_size) if text is not None else None
             counter, record = parsed if parsed is not None and parsed[1].rank == rank else (None, None)
             peer = comparison.peers.setdefault(rank, _Peer(first=counter))  # the first read of this comparison
             if counter is not None:
@@ -242,10 +263,10 @@ class HangNamer:
         known: dict[int, tuple[str, str]] = {}
         for rank in range(place.world_size):
             key = f"{PREFIX}who/{rank}"
-            if rank not in talked and store.check([key]):
-                where = _whereabouts(store.get(key))
-                if where is not None:
-                    known[rank] = where
+            text = store.get(key) if rank not in talked else None
+            where = _whereabouts(text.encode()) if text is not None else None
+            if where is not None:
+                known[rank] = where
         return known
 
 
