@@ -196,6 +196,7 @@ def test_the_agents_name_a_failure_write_it_once_and_set_the_bad_node_aside(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     store = dist.HashStore()
+    tmp_path.chmod(0o700)
     events = tmp_path / "events.jsonl"
     events.touch()
     healthy = watch(tmp_path, "node-a", StoreBoard(store, "run", {}))
@@ -295,6 +296,7 @@ def test_notes_and_marks_are_bounded_and_checked(tmp_path: Path) -> None:
 
 
 def test_a_host_set_aside_waits_out_its_cool_off_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    tmp_path.chmod(0o700)
     monkeypatch.setattr(job_watch, "_mark_path", lambda environ: tmp_path / "mark.json")
     slept: list[float] = []
     job_watch.wait_out_cool_off({}, "run", sleep=slept.append)
@@ -305,6 +307,11 @@ def test_a_host_set_aside_waits_out_its_cool_off_once(tmp_path: Path, monkeypatc
     assert "set aside from run run (node n set aside)" in capsys.readouterr().err
     (tmp_path / "mark.json").write_text(json.dumps({"until": "soon", "why": "x"}))
     assert job_watch.set_aside_until({}, run_id="run") is None
+    job_watch.mark_set_aside({}, "again", 30)
+    tmp_path.chmod(0o777)  # a directory others may write: a mark there is not believed
+    assert job_watch.set_aside_until({}, run_id="run") is None
+    tmp_path.chmod(0o700)
+    assert job_watch.set_aside_until({}, run_id="run") is not None
 
 
 def test_a_node_set_aside_elsewhere_makes_this_healthy_node_start_a_round_without_it(

@@ -37,6 +37,7 @@ import math
 import os
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -394,19 +395,34 @@ def _mark_path(environ: Any) -> Path:
     return Path(tempfile.gettempdir()) / f"torchrevive-{os.getuid()}" / f"set-aside-{digest}.json"
 
 
+def _private(directory: Path) -> bool:
+    """Whether `directory` is this user's own and no one else's to write (a stranger's, made first under
+    the shared temporary directory, could plant a mark that holds this host back)."""
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
 def mark_set_aside(environ: Any, line: str, cool_off: float, *, run_id: str | None = None) -> None:
     """Note on this host that the node is set aside from the run until the cool-off ends."""
     path = _mark_path({**environ, "PET_RDZV_ID": run_id} if run_id else environ)
     try:
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        worker_notes.write_json(path, {"until": time.time() + cool_off, "why": line[:1000]})
     except OSError as error:
         logger.warning("cannot note the set-aside on this host (%s): a new agent here would rejoin at once", error)
+        return
+    if not _private(path.parent) or not worker_notes.write_json(path, {"until": time.time() + cool_off,
+                                                                        "why": line[:1000]}):
+        logger.warning("cannot note the set-aside in %s (not this user's private directory, or not writable): "
+                       "a new agent here would rejoin at once", path.parent)
 
 
 def set_aside_until(environ: Any, *, run_id: str, now: float | None = None) -> tuple[float, str] | None:
     """(until, why) while this host's mark for `run_id` holds; None otherwise (no mark, an old one, not one)."""
-    note = worker_notes.read_json(_mark_path({**environ, "PET_RDZV_ID": run_id}))
+    path = _mark_path({**environ, "PET_RDZV_ID": run_id})
+    note = worker_notes.read_json(path) if _private(path.parent) else None
     if note is None:
         return None
     until, why = note.get("until"), note.get("why")
