@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from elastic._agent.launcher import job_watch
+from elastic._agent.launcher import job_watch, set_aside_mark
 from elastic._agent.launcher.failure_policy import (
     CRASH_LOOP_EXIT,
     SET_ASIDE_EXIT,
@@ -202,7 +202,7 @@ def test_the_agents_name_a_failure_write_it_once_and_set_the_bad_node_aside(
     healthy = watch(tmp_path, "node-a", StoreBoard(store, "run", {}))
     bad = watch(tmp_path, "node-b", StoreBoard(store, "run", {}), TORCHREVIVE_SET_ASIDE_COOL_OFF="60")
     worker_notes.note_events_path(healthy.notes, events)  # node a holds the event log
-    monkeypatch.setattr(job_watch, "_mark_path", lambda environ: tmp_path / "mark.json")
+    monkeypatch.setattr(set_aside_mark, "_mark_path", lambda environ: tmp_path / "mark.json")
     left: list[Any] = []
     monkeypatch.setattr(job_watch, "_leave_rendezvous", left.append)
     note = worker_notes.ProgressNote(bad.notes, 0)
@@ -231,7 +231,7 @@ def test_the_agents_name_a_failure_write_it_once_and_set_the_bad_node_aside(
     err = capsys.readouterr().err
     assert "torchrevive-run: failure: worker rank 2 on node node-b" in err and "killed by SIGKILL after step 8" in err
     assert "(a peer's failure reached it)" in err
-    until = job_watch.set_aside_until({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "60"}, run_id="run")
+    until = set_aside_mark.held_until({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "60"}, run_id="run")
     assert until is not None and "set aside" in until[1]
     # the counts the workers' metrics serve: primary failures only, the node set aside
     assert worker_notes.read_incidents(healthy.notes) == {"job_failures": 3, "job_hangs_named": 0, "nodes_set_aside": 1}
@@ -297,21 +297,21 @@ def test_notes_and_marks_are_bounded_and_checked(tmp_path: Path) -> None:
 
 def test_a_host_set_aside_waits_out_its_cool_off_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     tmp_path.chmod(0o700)
-    monkeypatch.setattr(job_watch, "_mark_path", lambda environ: tmp_path / "mark.json")
+    monkeypatch.setattr(set_aside_mark, "_mark_path", lambda environ: tmp_path / "mark.json")
     slept: list[float] = []
-    job_watch.wait_out_cool_off({}, "run", sleep=slept.append)
+    set_aside_mark.wait_out_cool_off({}, "run", sleep=slept.append)
     assert slept == []
-    job_watch.mark_set_aside({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "30"}, "node n set aside", 30)
-    job_watch.wait_out_cool_off({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "30"}, "run", sleep=slept.append)
+    set_aside_mark.write({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "30"}, "node n set aside", 30)
+    set_aside_mark.wait_out_cool_off({"TORCHREVIVE_SET_ASIDE_COOL_OFF": "30"}, "run", sleep=slept.append)
     assert len(slept) == 1 and 0 < slept[0] <= 30
     assert "set aside from run run (node n set aside)" in capsys.readouterr().err
     (tmp_path / "mark.json").write_text(json.dumps({"until": "soon", "why": "x"}))
-    assert job_watch.set_aside_until({}, run_id="run") is None
-    job_watch.mark_set_aside({}, "again", 30)
+    assert set_aside_mark.held_until({}, run_id="run") is None
+    set_aside_mark.write({}, "again", 30)
     tmp_path.chmod(0o777)  # a directory others may write: a mark there is not believed
-    assert job_watch.set_aside_until({}, run_id="run") is None
+    assert set_aside_mark.held_until({}, run_id="run") is None
     tmp_path.chmod(0o700)
-    assert job_watch.set_aside_until({}, run_id="run") is not None
+    assert set_aside_mark.held_until({}, run_id="run") is not None
 
 
 def test_a_node_set_aside_elsewhere_makes_this_healthy_node_start_a_round_without_it(

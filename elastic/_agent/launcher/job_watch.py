@@ -24,20 +24,17 @@ Settings (elastic._agent.launcher.settings): `SET_ASIDE_FAILURES_ENV`, `SET_ASID
 
 Invariants: nothing here raises into torch's agent but the two decisions; a store that fails makes the
 board this agent's own for the rest of the run (one warning); every note and mark read is bounded and
-checked; a set-aside node's mark holds its agent back (`wait_out_cool_off`, at its next start on this
-host) until the cool-off ends.
+checked; a set-aside node's mark (elastic._agent.launcher.set_aside_mark) holds an agent started on its
+host back until the cool-off ends.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import socket
-import stat
 import sys
 import tempfile
 import time
@@ -47,7 +44,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic._agent.launcher import failure_policy
+from elastic._agent.launcher import failure_policy, set_aside_mark
 from elastic._agent.launcher.failure_policy import (
     CRASH_LOOP_ATTEMPTS_ENV,
     CRASH_LOOP_EXIT,
@@ -294,7 +291,7 @@ class JobWatch:
             self.board.post(Entry("node_excluded", line, time.time(), _last_step(self.failures),
                                   _world(worker_group), node_name(env), fields))
             self.read_board(worker_group)
-            mark_set_aside(env, line, cool_off, run_id=worker_group.spec.rdzv_handler.get_run_id())
+            set_aside_mark.write(env, line, cool_off, run_id=worker_group.spec.rdzv_handler.get_run_id())
             _leave_rendezvous(worker_group.spec.rdzv_handler)
             raise NodeSetAside(line)
         if decision.kind == "stop":
@@ -387,61 +384,6 @@ def _leave_rendezvous(handler: Any) -> None:
         handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)
     except Exception as error:  # noqa: BLE001 - the others still see it gone when its keep-alive runs out
         logger.warning("leaving the rendezvous: %s; the other nodes see this one gone after its keep-alive", error)
-
-
-def _mark_path(environ: Any) -> Path:
-    run_id = environ.get("TORCHELASTIC_RUN_ID") or environ.get("PET_RDZV_ID") or "none"
-    digest = hashlib.sha256(run_id.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"torchrevive-{os.getuid()}" / f"set-aside-{digest}.json"
-
-
-def _private(directory: Path) -> bool:
-    """Whether `directory` is this user's own and no one else's to write (a stranger's, made first under
-    the shared temporary directory, could plant a mark that holds this host back)."""
-    try:
-        info = os.lstat(directory)
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
-
-
-def mark_set_aside(environ: Any, line: str, cool_off: float, *, run_id: str | None = None) -> None:
-    """Note on this host that the node is set aside from the run until the cool-off ends."""
-    path = _mark_path({**environ, "PET_RDZV_ID": run_id} if run_id else environ)
-    try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-    except OSError as error:
-        logger.warning("cannot note the set-aside on this host (%s): a new agent here would rejoin at once", error)
-        return
-    if not _private(path.parent) or not worker_notes.write_json(path, {"until": time.time() + cool_off,
-                                                                        "why": line[:1000]}):
-        logger.warning("cannot note the set-aside in %s (not this user's private directory, or not writable): "
-                       "a new agent here would rejoin at once", path.parent)
-
-
-def set_aside_until(environ: Any, *, run_id: str, now: float | None = None) -> tuple[float, str] | None:
-    """(until, why) while this host's mark for `run_id` holds; None otherwise (no mark, an old one, not one)."""
-    path = _mark_path({**environ, "PET_RDZV_ID": run_id})
-    note = worker_notes.read_json(path) if _private(path.parent) else None
-    if note is None:
-        return None
-    until, why = note.get("until"), note.get("why")
-    if not isinstance(until, (int, float)) or isinstance(until, bool) or not math.isfinite(until) or not isinstance(why, str):
-        return None
-    now = time.time() if now is None else now
-    cool_off = setting(environ, SET_ASIDE_COOL_OFF_ENV)
-    return (min(until, now + cool_off), why) if until > now else None
-
-
-def wait_out_cool_off(environ: Any, run_id: str, *, sleep: Any = time.sleep) -> None:
-    """Before joining: while this host is set aside from `run_id`, one line and a wait until the cool-off ends."""
-    held = set_aside_until(environ, run_id=run_id)
-    if held is None:
-        return
-    until, why = held
-    print(f"torchrevive-run: this host was set aside from run {run_id} ({why}); it rejoins in "
-          f"{until - time.time():.0f} s, when the cool-off ends", file=sys.stderr, flush=True)
-    sleep(max(0.0, until - time.time()))
 
 
 _watches: dict[int, JobWatch] = {}

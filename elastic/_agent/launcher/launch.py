@@ -64,6 +64,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from elastic._agent.launcher import (
     in_place,
     job_watch,
+    set_aside_mark,
     settings,
     slurm_launch,
     stop_signals,
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     job_watch.install()  # every failure named on every agent; a bad node set aside; a crash loop stopped
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
-    job_watch.wait_out_cool_off(os.environ, getattr(args, "rdzv_id", None) or "none")  # this host set aside?
+    set_aside_mark.wait_out_cool_off(os.environ, getattr(args, "rdzv_id", None) or "none")  # this host set aside?
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
     stopped_by: signal.Signals | None = None
     try:
