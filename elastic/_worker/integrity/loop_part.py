@@ -103,8 +103,9 @@ class Integrity:
         if self.nan is not None and fault_hook.tampering(self.faults, "after_step", step + 1, "nan"):
             self.nan.armed = True
 
-    def step_ended(self, step: int, ctx: WorkerContext) -> int | None:
-        """Step `step` ended on the group of `ctx`: None, or the step every rank rolled back to."""
+    def step_ended(self, step: int, ctx: WorkerContext, settle: Callable[[], None] = lambda: None) -> int | None:
+        """Step `step` ended on the group of `ctx`: None, or the step every rank rolled back to.
+        `settle()`: every rank's saves in flight committed, before a faulty rank leaves (a collective)."""
         if ctx is not self.ctx:  # a group formed in place (survivors): its state is agreed, as a restore's
             self.on_new_group(ctx, step)
             return None
@@ -118,7 +119,7 @@ class Integrity:
             if self.check.enabled:
                 self.check.start(back_to)  # type: ignore[arg-type]
         else:
-            back_to = self.check.after_step(step)
+            back_to = self.check.after_step(step, settle)
         if back_to is not None:
             self.guard.skipped |= kept
         return back_to

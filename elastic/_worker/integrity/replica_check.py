@@ -43,6 +43,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ import torch
 
 from elastic._shared.common.errors import ElasticError
 from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
+from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._worker.control import agreement
 from elastic._worker.integrity import verdicts
 from elastic._worker.integrity.check_interval import MAX_EVERY, CheckInterval
@@ -74,10 +76,9 @@ class ReplicaDivergence(ElasticError):
 
 
 def node_name(environ: Any = os.environ) -> str:
-    """This worker's node as the job knows it: the agent's node rank (GROUP_RANK) and the host."""
-    group_rank = environ.get("GROUP_RANK", "")
-    host = socket.gethostname()
-    return f"node {group_rank} ({host})" if group_rank.isdigit() else host
+    """This worker's node as the job's agents name it (their failures, hangs and nodes set aside:
+    the snapshot keeper's node name, which torchrevive-run gives its workers); else the host."""
+    return (environ.get(NODE_ENV) or socket.gethostname())[:200]
 
 
 @dataclass(frozen=True)
@@ -174,9 +175,10 @@ class ReplicaCheck:
         self._pending = None
         self._paused = True
 
-    def after_step(self, step: int) -> int | None:
+    def after_step(self, step: int, settle: Callable[[], None] = lambda: None) -> int | None:
         """Step `step` completed on every rank: check when due. Returns None, or the step every rank
-        was rolled back to (the loop goes on from there)."""
+        was rolled back to (the loop goes on from there). `settle()`, a collective, runs on every rank
+        before a faulty rank leaves (the saves in flight commit: they hold states checks passed)."""
         if not self.enabled:
             return None
         self.interval.note_step_end(paused=self._paused)
@@ -185,7 +187,7 @@ class ReplicaCheck:
             return None
         started = time.perf_counter()
         try:
-            return self._check(step, started)
+            return self._check(step, started, settle)
         finally:
             self._paused = True  # the time until the next step's end holds this check
             cost = time.perf_counter() - started
@@ -193,7 +195,7 @@ class ReplicaCheck:
             if self._pending is None:
                 self.interval.note_cost(cost)
 
-    def _check(self, step: int, started: float) -> int | None:
+    def _check(self, step: int, started: float, settle: Callable[[], None]) -> int | None:
         self.checks += 1
         mine = parameter_digest(self._model)
         gathered = self._exchange(mine, self.interval.proposal())
@@ -214,6 +216,7 @@ class ReplicaCheck:
         nodes = self._nodes()
         action = "node set aside" if classified.ranks else "stopped"
         self._corruption(pending, step, verdicts.NODE, classified.ranks, nodes, action)
+        settle()
         if self._ctx.rank in classified.ranks:
             raise FaultyNodeError(
                 f"rank {self._ctx.rank} on {self._node} diverged from its replicas at step {step} again after "

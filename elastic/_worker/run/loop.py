@@ -193,7 +193,7 @@ class StepLoop:
         costs, survivors = run.step_costs, run._survivors
         if run._integrity is not None:  # before saves: a step is saved only once its check passed
             with costs.timing("integrity"):
-                back_to = run._integrity.step_ended(run.step, run._context)
+                back_to = run._integrity.step_ended(run.step, run._context, run._parts.checkpoints.flush)
             if back_to is not None:
                 run.step = back_to
                 return True
