@@ -353,3 +353,24 @@ def test_this_nodes_worker_named_by_a_hang_is_ended_and_its_death_counts_once(
     agent.look(running, failed((1, Process(0, -9, "", pid=4242))))
     assert [f.primary for f in agent.failures] == [False]  # the hang is its strike, not this death too
     assert [node for node, _ in agent.hangs] == ["n1", "n1"]
+
+
+def test_a_peers_failure_waits_for_its_own_entry_only_when_it_could_close_a_crash_loop(tmp_path: Path) -> None:
+    board = StoreBoard(dist.HashStore(), "run", {})
+    agent = watch(tmp_path, "n1", board)
+    waited: list[float] = []
+    advance = agent._sleep  # the watch's own clock moves as it sleeps
+
+    def sleep(seconds: float) -> None:
+        waited.append(seconds)
+        advance(seconds)
+
+    agent._sleep = sleep
+    collateral = Process(0, 1, {"message": "RuntimeError: Connection closed by peer"}, pid=1)
+    agent.look(group(), failed((0, collateral)))  # a lost node: no history, no entry will come
+    assert waited == []
+    for n in range(2):  # two failures after the same step: a third would close the loop
+        board.post(Entry("failure", "f", 1.0, 14, 3, "n2", failure("n2", 14, float(n)).to_json()))
+    agent.look(group(), SimpleNamespace(is_failed=lambda: False))  # read
+    agent.look(group(), failed((0, Process(0, 1, {"message": "RuntimeError: Connection reset by peer"}, pid=2))))
+    assert sum(waited) >= job_watch.PRIMARY_WAIT > sum(waited[:-1])  # it waited, bounded, for the primary's entry

@@ -141,7 +141,7 @@ class JobWatch:
         self.hangs: list[tuple[str, float]] = []
         self.stop_line: str | None = None
         self._posted: set[tuple[int, int]] = set()
-        self._decided = 0  # failures decided on so far
+        self._new_from = 0  # the failures read since the look that saw this node's workers fail
         self._ended: set[int] = set()  # workers this agent ended as a hang's culprits
         self.excluded: set[str] = set()
         """Nodes set aside: their failures count no more."""
@@ -150,6 +150,7 @@ class JobWatch:
 
     def look(self, worker_group: Any, result: Any) -> None:
         """One look, after torch's (see the module docstring); raises a decision."""
+        known = len(self.failures)  # the failures this look reads come after these
         try:
             self._post_hangs(worker_group)
             failed = self._post_failures(worker_group, result)
@@ -167,10 +168,20 @@ class JobWatch:
                   "without it", file=sys.stderr, flush=True)
             self._agent._restart_workers(worker_group)
         if failed:
-            if not any(f.primary for f in self.failures[self._decided:]):
+            self._new_from = known
+            if not any(f.primary for f in self.failures[known:]) and self._loop_may_close():
                 self._await_primary(worker_group)  # a peer's failure reached this node: wait for its own word
-            self._decided = len(self.failures)
             self._decide(worker_group)
+
+    def _loop_may_close(self) -> bool:
+        """Whether the failure that reached this node could be the one that makes a crash loop (the ones
+        before it already died after the same step): only then is it worth waiting for its own entry, and a
+        lost node (whose agent posts nothing) costs the others no wait."""
+        attempts = int(setting(self._env, CRASH_LOOP_ATTEMPTS_ENV))
+        primaries = [f for f in self.failures if f.primary and f.node not in self.excluded]
+        if attempts <= 0 or len(primaries) < attempts - 1:
+            return False
+        return attempts == 1 or len({f.step for f in primaries[-(attempts - 1):]} - {-1}) == 1
 
     def _await_primary(self, worker_group: Any) -> None:
         """Read the board until the failure that reached this node is posted by its own node's agent (at
@@ -179,7 +190,7 @@ class JobWatch:
         while self._clock() < deadline and self.board.shared:
             self._sleep(0.1)
             self.read_board(worker_group)
-            if self.stop_line is not None or any(f.primary for f in self.failures[self._decided:]):
+            if self.stop_line is not None or any(f.primary for f in self.failures[self._new_from:]):
                 return
 
     def _post_hangs(self, worker_group: Any) -> None:
