@@ -78,7 +78,7 @@ def test_a_flip_is_undone_bit_identical_and_a_node_flipping_every_time_is_set_as
         pids = [agent.pid for agent in job.agents]
         bad_log = job.agent_log(2)
     assert codes == [0, 0, SET_ASIDE_EXIT], (codes, job.logs())
-    assert [e["world_size"] for e in recorded if e["event"] == "start"][0] == 3
+    assert next(e["world_size"] for e in recorded if e["event"] == "start") == 3
     corruptions = [e for e in recorded if e["event"] == "corruption"]
     assert [(e["step"], e["kind"], e["rolled_back_to"], e["steps_replayed"]) for e in corruptions] == [
         (15, "transient", 10, 5), (25, "node", 20, 5)], corruptions

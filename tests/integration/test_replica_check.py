@@ -16,7 +16,11 @@ from elastic._worker.control import agreement
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity import tamper
 from elastic._worker.integrity.numeric_guard import NumericGuard
-from elastic._worker.integrity.replica_check import FaultyNodeError, ReplicaCheck, ReplicaDivergence
+from elastic._worker.integrity.replica_check import (
+    FaultyNodeError,
+    ReplicaCheck,
+    ReplicaDivergence,
+)
 from elastic._worker.integrity.rollback import RollbackPoint
 from elastic._worker.observe.events import EventLog
 from elastic._worker.runtime.context import WorkerContext
@@ -102,8 +106,9 @@ def test_two_ranks_that_each_repeat_their_result_stop_in_one_line() -> None:
         assert [e["kind"] for e in trainer.events] == ["node"] and trainer.events[0]["ranks"] == []
         return str(caught.value)
 
-    assert set(run_ranks(2, body)) == {"the replicas differ at step 4 again after rolling back to step 2, and each rank "
-                                       "repeated its own result: nothing tells the faulty one (two ranks); stopping"}
+    line = ("the replicas differ at step 4 again after rolling back to step 2, and each rank repeated its own "
+            "result: nothing tells the faulty one (two ranks); stopping")
+    assert set(run_ranks(2, body)) == {line}
 
 
 def test_one_ranks_nan_loss_makes_every_rank_skip_the_step() -> None:
