@@ -1,16 +1,28 @@
-"""Recovery after a SIGKILLed worker: plain torchrun (stock, tuned) versus ours, side by side.
+"""Recovery after a SIGKILLed worker at three model sizes: plain torchrun (stock, tuned) versus ours, side by side.
 
-    python benchmarks/recovery.py                   # 5 kills each, then goodput, ~35 min on 2 cores
-    python benchmarks/recovery.py --kills 3 --goodput-seconds 0
-    python benchmarks/recovery.py --kills 3 --settings ours,ours-disk   # in-memory snapshots vs disk only
+    python benchmarks/recovery.py --settings ours,ours-keep,ours-train-on --goodput-seconds 0   # the README's row
+    python benchmarks/recovery.py --sizes default --kills 3 --settings ours,ours-disk
+    python benchmarks/recovery.py        # every setting at every size, 5 kills each, then goodput: hours on 2 cores
 
 The job: two torchrun agents on this machine, `--nnodes=1:3 --nproc-per-node=1`,
-c10d rendezvous, the GPT recipe (tiny model, checkpoints every `--ckpt-every`
-steps: 50, the recipe's default, so that what a kill costs in steps is the
-cost at a realistic checkpoint interval; until the in-memory snapshots this
-benchmark checkpointed every 20 steps). Every setting runs the same job. One
-worker of a random rank is SIGKILLed, `--kills` times, each once the job has
-trained `--settle` seconds after the previous recovery.
+c10d rendezvous, the GPT recipe on its default data (the stdlib's sources) at
+each of `--sizes`: `default` (the recipe as a user runs it: 4 layers, width
+128, block 128, batch 16, 0.84 M parameters, about 4 steps/s on 2 cores),
+`tiny` (2 layers, width 64, block 32, batch 8: about 40 steps/s, the size the
+README's figures were measured at before) and `large` (8 layers, width 512,
+block 64, batch 4: 25 M parameters, 300 MB of state per rank), checkpoints
+every `--ckpt-every` steps (50, the recipe's default, so that what a kill costs
+in steps is the cost at a realistic checkpoint interval). Every setting runs the
+same job at every size. One worker of a random rank is SIGKILLed, `--kills`
+times, each once the job has trained `--settle` seconds after the previous
+recovery.
+
+What a kill costs is its stall: the longest gap between two steps around the
+kill, less a steady step (the median before it), i.e. the time the job stood
+still beyond the step it was in. Beside it: kill to the next step, and the time
+line (`kill_time_line`): detected (an agent noticed), the restore began and
+ended, the first step, and that first step's own duration against a steady one
+(what the first step after a change of group pays on top).
 
 - stock: `torchrun` as installed, its defaults (one worker store shared by
   every round, 30 s last call, 5 s keep-alive); the runtime builds each round's
@@ -45,10 +57,9 @@ trained `--settle` seconds after the previous recovery.
   on disk, as before the snapshots. stock and tuned have no keeper either
   (plain torchrun), so they restore from disk too.
 
-Per setting it prints recovery time (kill -> first completed step after the
-restarted group's start, from the event log) median and worst, where that
-time goes (an agent decides to restart, the new round's workers start, rank 0
-has restored the checkpoint, the first step), failed
+Per size and setting it prints the stall and the recovery time (kill -> first
+completed step after the restarted group's start, from the event log), median
+and worst, the median time line, failed
 rendezvous rounds (rounds beyond one per kill), restarts consumed (failures
 the agents counted against `--max-restarts`), and goodput with one kill every
 `--goodput-interval` seconds for `--goodput-seconds`: the samples the job trained
@@ -67,8 +78,9 @@ step (a step's event is written one step late, so this can be one short). It
 also says where each restore came from (the restore event's `source`: memory,
 peer or disk; none: no checkpoint yet, the job started over), and the
 fault-free run's steps/s (what snapshots every step cost in throughput).
-Targets (ours): median <= 6 s, zero failed rounds, goodput >= 0.90; zero
-failed rounds for every setting; tuned within 1.5x of ours. Stock's median is
+Targets at the default size, 2 agents, idle machine: a median stall of at most
+0.8 s (ours), 0.5 s (ours-keep) and 0.3 s (ours-train-on); zero failed rounds
+for every setting; goodput >= 0.90. Stock's median is
 torch's 30 s last call plus about what tuned takes: only the agents' command
 line changes it (docs/recovery.md, "Recovery settings").
 
@@ -80,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import signal
@@ -97,8 +110,18 @@ from elastic.chaos.verdict import draw_report
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "8"]
+SIZES = {
+    "default": [],  # the GPT recipe as a user runs it: 4 layers, width 128, block 128, batch 16 (0.84 M parameters)
+    "tiny": TINY,  # 0.1 M parameters, about 40 steps/s on 2 cores: what the README's figures used to be
+    "large": ["--n-layer", "8", "--n-head", "8", "--n-embd", "512", "--block-size", "64", "--batch-size", "4"],  # 25 M
+}
+"""Model sizes the benchmark runs at (the recipe's flags); `--sizes` picks."""
 SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")
 OURS = ("ours", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")  # python -m elastic._agent.launcher
+
+
+PHASES = ("detected", "restore_began", "restored", "step", "first_step_s", "steady_step_s")
+"""The time line of a kill (`kill_time_line`), in the order its marks follow each other."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-seconds", type=float, default=180.0, help="length of the goodput runs (0: skip)")
     p.add_argument("--goodput-interval", type=float, default=60.0, help="seconds between kills in the goodput runs")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which to run, comma-separated")
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes, comma-separated, each with every setting: "
+                                                            f"{', '.join(SIZES)}")
     p.add_argument("--ckpt-every", type=int, default=50, help="the job's steps between checkpoints on disk")
     p.add_argument("--agents", type=int, default=2, help="agents of the job (one worker each), 2 or more")
     p.add_argument("--seed", type=int, default=0)
@@ -116,15 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def corpus(directory: Path) -> Path:
-    """Text the tiny model learns from: this repository's Python sources."""
-    path = directory / "corpus.txt"
-    path.write_text("".join(p.read_text() for p in sorted(REPO.glob("elastic/**/*.py"))))
-    return path
-
-
-def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: int = 10_000_000,
-              agents: int = 2) -> ChaosJob:
+def start_job(setting: str, workdir: Path, ckpt_every: int, steps: int = 10_000_000,
+              agents: int = 2, model: list[str] = TINY) -> ChaosJob:
     """Two agents of one long job; `stock` is torchrun with torch's defaults throughout,
     `tuned` plain torchrun with a store per round and our launcher's `--rdzv-conf`,
     `ours-disk` our launcher without its snapshot keeper."""
@@ -139,9 +157,9 @@ def start_job(setting: str, workdir: Path, data: Path, ckpt_every: int, steps: i
     spec = JobSpec(
         workdir=workdir, launcher="ours" if setting in OURS else "stock", max_restarts=100, agents=agents,
         nnodes=f"1:{agents + 1}", rdzv_conf=rdzv_conf, run_id=workdir.name, env=env,
-        script_args=["--data", str(data), "--max-steps", str(steps), "--eval-every", "0",
+        script_args=["--max-steps", str(steps), "--eval-every", "0",  # the recipe's default data (the stdlib)
                      "--ckpt-dir", str(workdir / "ckpt"), "--ckpt-every", str(ckpt_every), "--log-every", "1000",
-                     *snapshots, *TINY],
+                     *snapshots, *model],
     )
     return ChaosJob(spec).start()
 
@@ -197,15 +215,63 @@ def steps_redone(job: ChaosJob, killed_at: float, recovered_at: float) -> dict:
             "restored_step": first["step"], "before": before, "disk_bytes": disk_bytes}
 
 
+def kill_time_line(records: list[dict], agent_lines: list[tuple[float, str]], killed_at: float) -> dict[str, float] | None:
+    """Where one kill's time went, in seconds after the kill (None before the job trained again):
+
+    - `detected`: the first failure an agent noticed (its `failure` event, or torch's "will restart
+      worker group" line), when it logged one;
+    - `restore_began` and `restored`: the restore that followed (a restart's from a snapshot or the
+      disk, a heal's from a live peer): its event's time less its seconds, and its time;
+    - `step`: the first step the group completed after it, and `first_step_s`: that step's own
+      duration (from `restored`), against `steady_step_s`, the median step before the kill;
+    - `stall_s`: the longest gap between steps around the kill, less a steady step: the time the
+      job stood still. A step the killed rank 0 completed but never logged (its lines go out one
+      step late) counts as ended a steady step after the last one logged: the newest step completed
+      is the restored one plus those the restore says were redone.
+    """
+    steps = sorted((r for r in records if r["event"] == "step"), key=lambda r: r["time"])
+    before = [r for r in steps if r["time"] <= killed_at]
+    recent = before[-11:]
+    gaps = [b["time"] - a["time"] for a, b in zip(recent, recent[1:]) if b["step"] == a["step"] + 1]
+    resumed, first = None, None
+    for r in records:  # as ChaosJob.recovery_seconds: the first step of a group started or healed after the kill
+        if r["time"] <= killed_at:
+            continue
+        if r["event"] in ("start", "heal"):
+            resumed = r["step"]
+        elif r["event"] == "step" and resumed is not None and r["step"] > resumed:
+            first = r
+            break
+    if first is None or not before or not gaps:
+        return None
+    steady = statistics.median(gaps)
+    restore = next((r for r in records if r["event"] == "restore" and killed_at < r["time"] <= first["time"]), None)
+    newest = before[-1]["step"]
+    if restore is not None and "redone" in restore:
+        newest = max(newest, restore["step"] + int(restore["redone"]))
+    last_end = before[-1]["time"] + (newest - before[-1]["step"]) * steady
+    line = {"steady_step_s": steady, "stall_s": max(0.0, first["time"] - last_end - steady)}
+    noticed = [r["time"] for r in records if r["event"] == "failure" and killed_at < r["time"] <= first["time"]]
+    noticed += [t for t, what in agent_lines if killed_at < t <= first["time"] and "will restart worker group" in what]
+    if noticed:
+        line["detected"] = min(noticed) - killed_at
+    if restore is not None:
+        line["restore_began"] = restore["time"] - float(restore.get("seconds", 0.0)) - killed_at
+        line["restored"] = restore["time"] - killed_at
+    line["step"] = first["time"] - killed_at
+    line["first_step_s"] = first["time"] - (restore["time"] if restore is not None else last_end)
+    return line
+
+
 def picture(job: ChaosJob, args: argparse.Namespace, title: str) -> None:
     out = draw_report(job.events_path, Path(args.pictures) / f"{job.spec.workdir.name}.png", title=title)
     if out is not None:
         print(f"  picture: {out}", flush=True)
 
 
-def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Namespace) -> dict:
+def measure_recovery(setting: str, size: str, workdir: Path, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    job = start_job(setting, workdir, data, args.ckpt_every, agents=args.agents)
+    job = start_job(setting, workdir, args.ckpt_every, agents=args.agents, model=SIZES[size])
     times: list[float] = []
     redone: list[dict] = []
     phases: list[dict[str, float]] = []
@@ -229,10 +295,10 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
                 times.append(back)
             paused.append(times[-1] * rate)  # the steps the job would have made in the time it stood still
             failed_rounds += max(0, rounds_completed(job) - rounds_before - 1)  # one round per kill is the price
-            breakdown = job.recovery_phases(killed_at) if back is not None else None
+            breakdown = kill_time_line(job.records(), job.agent_log_times(), killed_at) if back is not None else None
             if breakdown:
                 phases.append(breakdown)
-            where = ", ".join(f"{k} {v:.1f}" for k, v in (breakdown or {}).items())
+            where = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in (breakdown or {}).items())
             lost = ""
             if back is not None:
                 redone.append(steps_redone(job, killed_at, killed_at + back))
@@ -248,19 +314,24 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
                 if grow is not None:
                     joins.append(grow["seconds"])
                     joined = f"; joined back at step {grow['step']} after {grow['time'] - killed_at:.1f} s, pausing {grow['seconds']:.2f} s"
-            print(f"  {setting}: kill {len(times)}: recovered in {times[-1]:.1f} s ({where or 'no breakdown'}){lost}{joined}",
+            print(f"  {size} {setting}: kill {len(times)}: recovered in {times[-1]:.2f} s ({where or 'no breakdown'}){lost}{joined}",
                   flush=True)
     finally:
         job.close()
-    picture(job, args, f"{setting}: {args.kills} SIGKILLs")
+    picture(job, args, f"{setting}, {size} model: {args.kills} SIGKILLs")
+    stalls = [p["stall_s"] for p in phases]
     return {
+        "stall_s": stalls,
+        "stall_median_s": statistics.median(stalls) if stalls else math.nan,
+        "stall_worst_s": max(stalls) if stalls else math.nan,
         "recovery_s": times,
         "median_s": statistics.median(times),
         "worst_s": max(times),
         "unrecovered": failures,
         "failed_rounds": failed_rounds,
         "restarts_consumed": restarts_consumed(job),
-        "median_phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {},
+        "median_phases_s": {k: statistics.median(p[k] for p in phases if k in p) for k in PHASES
+                            if any(k in p for p in phases)},
         "redone": [r["redone"] for r in redone],
         "redone_estimated": any(r["estimated"] for r in redone),
         "restore_sources": [r["source"] for r in redone],
@@ -270,11 +341,11 @@ def measure_recovery(setting: str, workdir: Path, data: Path, args: argparse.Nam
     }
 
 
-def measure_goodput(setting: str, workdir: Path, data: Path, args: argparse.Namespace, faults: bool) -> float:
+def measure_goodput(setting: str, size: str, workdir: Path, args: argparse.Namespace, faults: bool) -> float:
     """Samples per second of wall time the job keeps, from its first step at full size on (a step
     counts as many per-rank batches as its world size: the batch size is the same for every setting)."""
     rng = random.Random(args.seed + 1)
-    job = start_job(setting, workdir, data, args.ckpt_every, agents=args.agents)
+    job = start_job(setting, workdir, args.ckpt_every, agents=args.agents, model=SIZES[size])
     try:
         wait_for_all_workers(job)
         first = next(r for r in job.records() if r["event"] == "step" and r["world_size"] == args.agents)
@@ -307,70 +378,78 @@ def kept_steps(records: list[dict], *, after: int, until: float) -> dict[int, in
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = set(settings) - set(SETTINGS)
-    if unknown or args.kills < 1 or args.agents < 2:
-        print(f"recovery.py: error: --settings takes {', '.join(SETTINGS)}; --kills >= 1; --agents >= 2",
-              file=sys.stderr)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if set(settings) - set(SETTINGS) or set(sizes) - set(SIZES) or not sizes or args.kills < 1 or args.agents < 2:
+        print(f"recovery.py: error: --settings takes {', '.join(SETTINGS)}; --sizes {', '.join(SIZES)}; "
+              "--kills >= 1; --agents >= 2", file=sys.stderr)
         return 2
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         root = Path(tmp)
-        data = corpus(root)
-        for setting in settings:
-            print(f"{setting}: {args.kills} kills", flush=True)
-            results[setting] = measure_recovery(setting, root / f"{setting}-recovery", data, args)
-            if args.goodput_seconds > 0:
-                clean = measure_goodput(setting, root / f"{setting}-clean", data, args, faults=False)
-                faulty = measure_goodput(setting, root / f"{setting}-faulty", data, args, faults=True)
-                results[setting]["goodput"] = faulty / clean
-                results[setting]["steps_per_s_clean"] = clean
+        for size in sizes:
+            results[size] = {}
+            for setting in settings:
+                print(f"{size} model, {setting}: {args.kills} kills", flush=True)
+                r = results[size][setting] = measure_recovery(setting, size, root / f"{size}-{setting}-recovery", args)
+                if args.goodput_seconds > 0:
+                    clean = measure_goodput(setting, size, root / f"{size}-{setting}-clean", args, faults=False)
+                    faulty = measure_goodput(setting, size, root / f"{size}-{setting}-faulty", args, faults=True)
+                    r["goodput"] = faulty / clean
+                    r["steps_per_s_clean"] = clean
     report(results, args)
     return 0
 
 
-def report(results: dict[str, dict], args: argparse.Namespace) -> None:
-    """The tables, the time lines and the ratios of every setting measured (`measure_recovery`'s dicts,
-    with `goodput` and `steps_per_s_clean` when the goodput runs ran), then all of it as JSON."""
+def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
+    """Per model size (`results[size][setting]`: `measure_recovery`'s dicts, with `goodput` and
+    `steps_per_s_clean` when the goodput runs ran): the tables, the time lines and the ratios of every
+    setting measured, the sizes side by side; then all of it as JSON."""
     print()
-    print(f"{'setting':17} {'median s':>9} {'worst s':>8} {'failed rounds':>14} {'restarts used':>14} {'goodput':>8}")
-    for setting, r in results.items():
-        goodput = f"{r['goodput']:.2f}" if "goodput" in r else "-"
-        print(
-            f"{setting:17} {r['median_s']:9.1f} {r['worst_s']:8.1f} {r['failed_rounds']:14d} "
-            f"{'/'.join(map(str, r['restarts_consumed'])):>14} {goodput:>8}"
-        )
+    print(f"{'size':8} {'setting':17} {'stall s':>8} {'worst':>6} {'kill-step s':>11} {'worst':>6} "
+          f"{'failed rounds':>13} {'restarts used':>13} {'goodput':>8}")
+    for size, by_setting in results.items():
+        for setting, r in by_setting.items():
+            goodput = f"{r['goodput']:.2f}" if "goodput" in r else "-"
+            print(f"{size:8} {setting:17} {r['stall_median_s']:8.2f} {r['stall_worst_s']:6.2f} {r['median_s']:11.2f} "
+                  f"{r['worst_s']:6.2f} {r['failed_rounds']:13d} {'/'.join(map(str, r['restarts_consumed'])):>13} "
+                  f"{goodput:>8}")
     print()
     print(f"checkpoint every {args.ckpt_every} steps; steps redone per kill "
           "(* from the event log: the runtime has no figure without a keeper)")
-    print(f"{'setting':17} {'redone mean':>12} {'redone max':>11} {'paused':>7} {'join s':>7} {'disk MB':>8} "
-          f"{'steps/s':>8}  restored from")
-    for setting, r in results.items():
-        mark = "*" if r["redone_estimated"] else ""
-        mean = f"{statistics.fmean(r['redone']):.1f}{mark}" if r["redone"] else "-"
-        worst = f"{max(r['redone'])}{mark}" if r["redone"] else "-"
-        rate = f"{r['steps_per_s_clean']:.1f}" if "steps_per_s_clean" in r else "-"
-        sources = ", ".join(f"{s} {r['restore_sources'].count(s)}" for s in dict.fromkeys(r["restore_sources"])) or "-"
-        paused = f"{statistics.median(r['steps_paused']):.1f}" if r["steps_paused"] else "-"
-        disk = f"{statistics.fmean(r['disk_bytes']) / 1e6:.1f}" if r["disk_bytes"] else "-"
-        join = f"{statistics.median(r['join_pause_s']):.2f}" if r.get("join_pause_s") else "-"
-        print(f"{setting:17} {mean:>12} {worst:>11} {paused:>7} {join:>7} {disk:>8} {rate:>8}  {sources}")
-    for setting, r in results.items():
-        if r["median_phases_s"]:
-            marks = ", ".join(f"{k} at {v:.1f} s" for k, v in r["median_phases_s"].items())
-            print(f"{setting}: median time line after a kill: {marks}")
-    for other in ("stock", "tuned", "ours-disk", "ours-torch-rounds", "ours"):
-        if {other, "ours-train-on"} <= results.keys():
-            print(f"median recovery, {other} / ours-train-on: "
-                  f"{results[other]['median_s'] / results['ours-train-on']['median_s']:.1f}x")
-        if {other, "ours-keep"} <= results.keys():
-            print(f"median recovery, {other} / ours-keep: "
-                  f"{results[other]['median_s'] / results['ours-keep']['median_s']:.1f}x")
-        if other != "ours" and {other, "ours"} <= results.keys():
-            print(f"median recovery, {other} / ours: {results[other]['median_s'] / results['ours']['median_s']:.1f}x")
-    if {"ours", "ours-disk"} <= results.keys() and "goodput" in results["ours"]:
-        print(f"goodput (one kill per {args.goodput_interval:g} s), ours / ours-disk: "
-              f"{results['ours']['goodput']:.2f} / {results['ours-disk']['goodput']:.2f}")
+    print(f"{'size':8} {'setting':17} {'redone mean':>12} {'redone max':>11} {'paused':>7} {'join s':>7} "
+          f"{'disk MB':>8} {'steps/s':>8}  restored from")
+    for size, by_setting in results.items():
+        for setting, r in by_setting.items():
+            mark = "*" if r["redone_estimated"] else ""
+            mean = f"{statistics.fmean(r['redone']):.1f}{mark}" if r["redone"] else "-"
+            worst = f"{max(r['redone'])}{mark}" if r["redone"] else "-"
+            rate = f"{r['steps_per_s_clean']:.1f}" if "steps_per_s_clean" in r else "-"
+            sources = ", ".join(f"{s} {r['restore_sources'].count(s)}" for s in dict.fromkeys(r["restore_sources"])) or "-"
+            paused = f"{statistics.median(r['steps_paused']):.1f}" if r["steps_paused"] else "-"
+            disk = f"{statistics.fmean(r['disk_bytes']) / 1e6:.1f}" if r["disk_bytes"] else "-"
+            join = f"{statistics.median(r['join_pause_s']):.2f}" if r.get("join_pause_s") else "-"
+            print(f"{size:8} {setting:17} {mean:>12} {worst:>11} {paused:>7} {join:>7} {disk:>8} {rate:>8}  {sources}")
+    for size, by_setting in results.items():
+        for setting, r in by_setting.items():
+            line = r["median_phases_s"]
+            marks = ", ".join(f"{k.replace('_', ' ')} at {line[k]:.2f} s" for k in PHASES[:4] if k in line)
+            if marks:
+                print(f"{size} {setting}: median time line after a kill: {marks}; the first step took "
+                      f"{line['first_step_s']:.2f} s, a steady one {line['steady_step_s']:.2f} s")
+    for size, by_setting in results.items():
+        for other in ("stock", "tuned", "ours-disk", "ours-torch-rounds", "ours"):
+            for fast in ("ours-train-on", "ours-keep", "ours"):
+                if other != fast and {other, fast} <= by_setting.keys():
+                    print(f"{size}: median stall, {other} / {fast}: "
+                          f"{ratio(by_setting[other]['stall_median_s'], by_setting[fast]['stall_median_s'])}")
+        if {"ours", "ours-disk"} <= by_setting.keys() and "goodput" in by_setting["ours"]:
+            print(f"{size}: goodput (one kill per {args.goodput_interval:g} s), ours / ours-disk: "
+                  f"{by_setting['ours']['goodput']:.2f} / {by_setting['ours-disk']['goodput']:.2f}")
     print(json.dumps(results))
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.1f}x" if b > 0 else "-"
 
 
 if __name__ == "__main__":

@@ -385,7 +385,7 @@ class ChaosJob:
         step = self.recovery_seconds(fault_time)
         if step is None:
             return None
-        logged = self._agent_log_times()
+        logged = self.agent_log_times()
         restart = [t for t, what in logged if t > fault_time and "will restart worker group" in what]
         started = [t for t, what in logged if restart and t > restart[0] and "Starting worker group" in what]
         restored = [r["time"] for r in self.records() if r["event"] == "start" and r["time"] > fault_time]
@@ -398,7 +398,7 @@ class ChaosJob:
             "step": step,
         }
 
-    def _agent_log_times(self) -> list[tuple[float, str]]:
+    def agent_log_times(self) -> list[tuple[float, str]]:
         """(unix time, line) of every timestamped line torch logged in the agents' logs."""
         year = time.localtime().tm_year
         found = []

@@ -110,49 +110,43 @@ def test_checkpoint_benchmark_measures_the_stall_and_compares_todays_rank0_path_
         assert int(got) == int(checkpoint) * (1 if path == "new" else int(ranks)), f"{path} {mode} {ranks}"
 
 
-def test_recovery_benchmark_measures_a_kill_with_snapshots_disk_only_torchs_rounds_and_training_on(
+def test_recovery_benchmark_measures_a_kill_at_every_model_size_and_restarting_against_training_on(
     tmp_path: Path,
 ) -> None:
-    """One run of recovery.py, four settings side by side (it used to run once per setting)."""
-    result = warm.run(
-        [sys.executable, "benchmarks/recovery.py", "--settings", "ours,ours-disk,ours-torch-rounds,ours-train-on",
-         "--kills", "1",
-         "--settle", "1",
-         "--goodput-seconds", "0", "--recovery-limit", "120", "--ckpt-every", "5", "--pictures", str(tmp_path)],
-        timeout=400, cwd=REPO, env=worker_env(),
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    for setting in ("ours", "ours-disk", "ours-torch-rounds", "ours-train-on"):
-        row = re.search(rf"^{setting} +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$", result.stdout, flags=re.M)
-        assert row and float(row.group(1)) < 120, result.stdout
-    assert re.search(r"^checkpoint every 5 steps; steps redone per kill", result.stdout, re.M), result.stdout
+    """recovery.py in its quick form: a heal in place at the three model sizes side by side, then a
+    new round against training on (the tiny size): one kill each."""
+    quick = ["--kills", "1", "--settle", "1", "--goodput-seconds", "0", "--recovery-limit", "120", "--ckpt-every", "5",
+             "--pictures", str(tmp_path)]
+    sizes = warm.run([sys.executable, "benchmarks/recovery.py", "--settings", "ours-keep", "--sizes",
+                      "tiny,default,large", *quick], timeout=400, cwd=REPO, env=worker_env())
+    assert sizes.returncode == 0, sizes.stdout[-2000:] + sizes.stderr[-3000:]
+    settings = warm.run([sys.executable, "benchmarks/recovery.py", "--settings", "ours,ours-train-on", "--sizes", "tiny",
+                         *quick], timeout=400, cwd=REPO, env=worker_env())
+    assert settings.returncode == 0, settings.stdout[-2000:] + settings.stderr[-3000:]
+    out = sizes.stdout + settings.stdout
     columns = r" +(\d+\.\d)\*? +(\d+)\*? +([\d.]+) +(-|[\d.]+) +([\d.]+) +- +(.+)$"  # redone, max, paused, join, disk
-    ours_redone = re.search(r"^ours" + columns, result.stdout, re.M)
-    disk_redone = re.search(r"^ours-disk" + columns, result.stdout, re.M)
-    assert ours_redone and disk_redone, result.stdout
-    # Without a keeper the restore comes from disk (or from nothing, before the first checkpoint).
-    assert re.fullmatch(r"(disk|none) 1", disk_redone.group(6)), result.stdout
-    assert (float(disk_redone.group(5)) > 0) == (disk_redone.group(6) == "disk 1"), result.stdout
-    # With a keeper the worker's state of (nearly) the step it was killed at is in memory: nothing read from disk.
-    assert re.fullmatch(r"(memory|peer) 1", ours_redone.group(6)), result.stdout
-    assert float(ours_redone.group(5)) == 0, result.stdout
-    # Training on, the survivor restores nothing: the replacement takes a live member's state when it joins.
-    train_on = re.search(r"^ours-train-on" + columns, result.stdout, re.M)
-    assert train_on and train_on.group(6) == "live 1" and float(train_on.group(5)) == 0, result.stdout
-    assert train_on.group(1) == "0.0" and train_on.group(4) != "-", "no step redone; the join's pause measured"
-    for other in ("ours-disk", "ours-torch-rounds"):
-        assert re.search(rf"^median recovery, {other} / ours: [\d.]+x$", result.stdout, re.M), result.stdout
-    assert re.search(r"^median recovery, ours / ours-train-on: [\d.]+x$", result.stdout, re.M), result.stdout
-    row = re.search(r"^ours +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$", result.stdout, flags=re.M)
-    assert row, result.stdout
-    assert float(row.group(1)) < 120, "the kill was not recovered from"
-    assert row.group(3) == "0", "a rendezvous round failed"
-    line = re.search(r"^ours: median time line after a kill: detected at ([\d.]+) s, rendezvous at ([\d.]+) s, "
-                     r"restored at ([\d.]+) s, step at ([\d.]+) s$", result.stdout, flags=re.M)
-    assert line, result.stdout
-    marks = [float(x) for x in line.groups()]
-    assert marks == sorted(marks) and marks[-1] == float(row.group(1)), "the phases follow each other up to the recovery"
-    assert (tmp_path / "ours-recovery.png").read_bytes().startswith(b"\x89PNG"), "the job's picture was not drawn"
+    for size, setting in [("tiny", "ours-keep"), ("default", "ours-keep"), ("large", "ours-keep"), ("tiny", "ours"),
+                          ("tiny", "ours-train-on")]:
+        row = re.search(rf"^{size} +{setting} +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$",
+                        out, flags=re.M)
+        assert row, out
+        stall, kill_to_step = float(row.group(1)), float(row.group(3))
+        assert stall <= kill_to_step < 120 and row.group(5) == "0", "recovered, and no rendezvous round failed"
+        line = re.search(rf"^{size} {setting}: median time line after a kill: (?:detected at ([\d.]+) s, )?restore "
+                         r"began at ([\d.]+) s, restored at ([\d.]+) s, step at ([\d.]+) s; the first step took "
+                         r"([\d.]+) s, a steady one ([\d.]+) s$", out, flags=re.M)
+        assert line, out
+        marks = [float(x) for x in line.groups()[:4] if x is not None]
+        assert marks == sorted(marks) and marks[-1] == kill_to_step, "the marks follow each other up to the step"
+        assert (tmp_path / f"{size}-{setting}-recovery.png").read_bytes().startswith(b"\x89PNG"), "no picture drawn"
+        found = re.search(rf"^{size} +{setting}" + columns, out, re.M)
+        assert found and float(found.group(5)) == 0, "restored from memory or a live peer: nothing read from disk"
+        # A heal or a shrink takes a live member's state; a new round the snapshot of its node's keeper (or a peer's).
+        assert re.fullmatch(r"(memory|peer) 1" if setting == "ours" else "live 1", found.group(6)), out
+        assert setting == "ours" or found.group(1) == "0.0", "a heal in place or training on redoes no step"
+    assert re.search(r"^checkpoint every 5 steps; steps redone per kill", out, re.M), out
+    assert re.search(r"^tiny +ours-train-on" + columns, out, re.M).group(4) != "-", "the join's pause measured"
+    assert re.search(r"^tiny: median stall, ours / ours-train-on: [\d.]+x$", out, re.M), out
 
 
 def test_state_walk_benchmark_prints_ours_against_dcps() -> None:

@@ -439,9 +439,11 @@ def test_checkpoint_refuses_a_bad_flag_in_one_line(capsys):
 
 def recovery_result(median: float, *, redone: list[int], sources: list[str], disk_bytes: list[int],
                     estimated: bool = False, joins: list[float] | None = None,
-                    phases: dict[str, float] | None = None) -> dict[str, Any]:
+                    phases: dict[str, float] | None = None, stall: float | None = None) -> dict[str, Any]:
     """`measure_recovery`'s figures for one setting after one kill (goodput runs skipped)."""
+    stall = median / 2 if stall is None else stall
     return {
+        "stall_s": [stall], "stall_median_s": stall, "stall_worst_s": stall,
         "recovery_s": [median], "median_s": median, "worst_s": median, "unrecovered": 0, "failed_rounds": 0,
         "restarts_consumed": [1, 0], "median_phases_s": phases or {}, "redone": redone,
         "redone_estimated": estimated, "restore_sources": sources, "steps_paused": [median * 9.5],
@@ -449,41 +451,71 @@ def recovery_result(median: float, *, redone: list[int], sources: list[str], dis
     }
 
 
+LINE = {"detected": 0.05, "restore_began": 0.4, "restored": 0.55, "step": 0.9, "first_step_s": 0.35, "steady_step_s": 0.25}
 RECOVERY_RESULTS = {
-    "ours": recovery_result(3.4, redone=[1], sources=["memory"], disk_bytes=[0],
-                            phases={"detected": 0.6, "rendezvous": 1.9, "restored": 2.8, "step": 3.4}),
-    "ours-disk": recovery_result(4.1, redone=[4], sources=["disk"], disk_bytes=[10_402_816], estimated=True,
-                                 phases={"detected": 0.6, "rendezvous": 2.0, "restored": 3.5, "step": 4.1}),
-    "ours-torch-rounds": recovery_result(5.6, redone=[1], sources=["peer"], disk_bytes=[0]),
-    "ours-train-on": recovery_result(1.2, redone=[0], sources=["live"], disk_bytes=[0], joins=[0.84]),
+    "default": {
+        "ours": recovery_result(0.9, redone=[1], sources=["memory"], disk_bytes=[0], phases=LINE, stall=0.7),
+        "ours-disk": recovery_result(4.1, redone=[4], sources=["disk"], disk_bytes=[10_402_816], estimated=True,
+                                     stall=3.5),
+        "ours-torch-rounds": recovery_result(5.6, redone=[1], sources=["peer"], disk_bytes=[0]),
+        "ours-train-on": recovery_result(0.4, redone=[0], sources=["live"], disk_bytes=[0], joins=[0.84], stall=0.25),
+    },
+    "large": {"ours": recovery_result(6.0, redone=[0], sources=["memory"], disk_bytes=[0], stall=3.0)},
 }
 RECOVERY_COLUMNS = r" +(\d+\.\d)\*? +(\d+)\*? +([\d.]+) +(-|[\d.]+) +([\d.]+) +- +(.+)$"  # redone, max, paused, join, disk
 
 
-def test_recovery_tables_time_line_and_ratios(capsys):
+def test_recovery_tables_time_line_and_ratios_per_model_size(capsys):
     recovery = script("recovery")
     recovery.report(RECOVERY_RESULTS, recovery.parse_args(["--ckpt-every", "5", "--goodput-seconds", "0"]))
     out = capsys.readouterr().out
-    for setting, r in RECOVERY_RESULTS.items():
-        row = re.search(rf"^{setting} +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$", out, flags=re.M)
-        assert row and float(row.group(1)) == r["median_s"] and row.group(3) == "0", out
+    for size, by_setting in RECOVERY_RESULTS.items():
+        for setting, r in by_setting.items():
+            row = re.search(rf"^{size} +{setting} +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$",
+                            out, flags=re.M)
+            assert row, out
+            assert (float(row.group(1)), float(row.group(3)), row.group(5)) == (r["stall_median_s"], r["median_s"], "0")
     assert re.search(r"^checkpoint every 5 steps; steps redone per kill", out, re.M), out
-    found = {s: re.search(rf"^{s}" + RECOVERY_COLUMNS, out, re.M) for s in RECOVERY_RESULTS}
+    found = {s: re.search(rf"^default +{s}" + RECOVERY_COLUMNS, out, re.M) for s in RECOVERY_RESULTS["default"]}
     assert found["ours"].group(6) == "memory 1" and float(found["ours"].group(5)) == 0
     assert found["ours-disk"].group(6) == "disk 1" and float(found["ours-disk"].group(5)) == pytest.approx(10.4)
-    assert re.search(r"^ours-disk +4\.0\* +4\* ", out, re.M), out  # no keeper: from the event log
+    assert re.search(r"^default +ours-disk +4\.0\* +4\* ", out, re.M), out  # no keeper: from the event log
     assert found["ours-torch-rounds"].group(6) == "peer 1"
     train_on = found["ours-train-on"]
     assert train_on.group(6) == "live 1" and train_on.group(1) == "0.0" and train_on.group(4) == "0.84", out
-    for other in ("ours-disk", "ours-torch-rounds"):
-        assert re.search(rf"^median recovery, {other} / ours: [\d.]+x$", out, re.M), out
-    assert re.search(r"^median recovery, ours-disk / ours: 1\.2x$", out, re.M), out
-    assert re.search(r"^median recovery, ours / ours-train-on: 2\.8x$", out, re.M), out
-    line = re.search(r"^ours: median time line after a kill: detected at ([\d.]+) s, rendezvous at ([\d.]+) s, "
-                     r"restored at ([\d.]+) s, step at ([\d.]+) s$", out, flags=re.M)
-    assert line and [float(x) for x in line.groups()] == [0.6, 1.9, 2.8, 3.4], out
-    assert not re.search(r"^ours-torch-rounds: median time line", out, re.M)  # no breakdown: no line
+    assert re.search(r"^default: median stall, ours-disk / ours: 5\.0x$", out, re.M), out
+    assert re.search(r"^default: median stall, ours / ours-train-on: 2\.8x$", out, re.M), out
+    assert not re.search(r"^large: median stall", out, re.M), "one setting at that size: nothing to compare"
+    line = re.search(r"^default ours: median time line after a kill: detected at ([\d.]+) s, restore began at ([\d.]+) s, "
+                     r"restored at ([\d.]+) s, step at ([\d.]+) s; the first step took ([\d.]+) s, a steady one ([\d.]+) s$",
+                     out, flags=re.M)
+    assert line and [float(x) for x in line.groups()] == list(LINE.values()), out
+    assert not re.search(r"^default ours-torch-rounds: median time line", out, re.M)  # no time line: no line
     assert json.loads(out.strip().splitlines()[-1]) == RECOVERY_RESULTS
+
+
+def test_a_kills_stall_and_time_line_from_the_event_log():
+    recovery = script("recovery")
+    steps = [{"event": "step", "step": s, "time": 10.0 + s * 0.25, "world_size": 2} for s in range(1, 21)]
+    killed_at = 15.1  # during step 21: step 20 ended at 15.0
+    heal = [{"event": "failure", "step": 21, "time": 15.15},
+            {"event": "restore", "step": 20, "time": 15.5, "seconds": 0.1, "redone": 0, "source": "live"},
+            {"event": "heal", "step": 20, "time": 15.5},
+            {"event": "step", "step": 21, "time": 15.85}, {"event": "step", "step": 22, "time": 16.1}]
+    line = recovery.kill_time_line(steps + heal, [], killed_at)
+    assert line == pytest.approx({"steady_step_s": 0.25, "stall_s": 0.85 - 0.25, "detected": 0.05,
+                                  "restore_began": 0.3, "restored": 0.4, "step": 0.75, "first_step_s": 0.35})
+    # Rank 0 killed: its line of step 20 never went out (written one step late); the restore says the job had
+    # completed it, so it counts as ended a steady step after step 19's line.
+    line = recovery.kill_time_line(steps[:-1] + heal, [(15.2, "[default] Worker group FAILED. will restart worker group")],
+                                   killed_at)
+    assert line["stall_s"] == pytest.approx(0.6) and line["detected"] == pytest.approx(0.05)
+    # A restart from an older snapshot: the steps it redoes are its own column, the stall counts from the newest.
+    restart = [{"event": "restore", "step": 18, "time": 16.0, "seconds": 0.2, "redone": 2, "source": "memory"},
+               {"event": "start", "step": 18, "time": 16.0}, {"event": "step", "step": 19, "time": 16.4}]
+    line = recovery.kill_time_line(steps + restart, [(15.3, "will restart worker group")], killed_at)
+    assert line["stall_s"] == pytest.approx(1.4 - 0.25) and line["detected"] == pytest.approx(0.2)
+    assert recovery.kill_time_line(steps, [], killed_at) is None, "not trained again yet"
 
 
 class RecordedJob:

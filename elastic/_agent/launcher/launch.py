@@ -62,6 +62,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic._agent.launcher import (
+    death_watch,
     in_place,
     job_watch,
     set_aside_mark,
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         in_place.install()  # TORCHREVIVE_SURVIVORS=keep or train-on: a failed worker is replaced without a round
     job_watch.install()  # every failure named on every agent; a bad node set aside; a crash loop stopped
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
+    death_watch.install(args.monitor_interval)  # last, outermost: a worker's death ends the wait for the next look
+    args.monitor_interval = death_watch.TORCH_SLEEP
     settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     set_aside_mark.wait_out_cool_off(os.environ, getattr(args, "rdzv_id", None) or "none")  # this host set aside?
     keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is

@@ -1,0 +1,94 @@
+"""An agent that notices a worker's death the moment it happens, not at its next look.
+
+torch's agent looks at its workers every `--monitor-interval` seconds (0.1 by
+default): it sleeps, then polls. A worker killed just after a look is noticed
+up to a whole interval later, and every kind of recovery (a new round, a heal
+in place, a shrink) starts only then: on average half an interval, at worst a
+whole one, added to every failure.
+
+`install(interval)` keeps the looks at the same pace but spends the time
+between them waiting on the workers' process descriptors (Linux `pidfd`,
+which works for processes that are not this agent's children: warm workers
+are the fork server's) instead of sleeping: a death ends the wait at once and
+the look that follows finds it. torch's own sleep is cut to `TORCH_SLEEP`,
+and the interval the user gave bounds each wait.
+
+Invariants:
+- A look is never later than without this (the wait ends at the interval).
+- A worker already seen gone (exited and not yet reaped or replaced, e.g.
+  one that finished before its peers) is not waited on again, so the agent
+  never spins on it; a worker group started again gets new descriptors.
+- Where descriptors cannot be opened (an old kernel, another pid namespace),
+  the wait is a plain sleep of the interval: torch's behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from typing import Any
+
+TORCH_SLEEP = 0.001
+"""What torch's loop sleeps between looks once the wait is ours (it sleeps before each look)."""
+
+
+class ExitWaiter:
+    """Waits until one of a set of processes exits, or a timeout (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, int] = {}  # pid -> its descriptor, for pids still running when last seen
+        self._gone: set[int] = set()
+
+    def wait(self, pids: set[int], timeout: float) -> None:
+        """Return once a process of `pids` not seen gone before exits, or after `timeout` seconds."""
+        self._forget(pids)
+        for pid in pids - self._open.keys() - self._gone:
+            try:
+                self._open[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._gone.add(pid)
+                return  # gone before we looked: the look that follows finds it
+            except (OSError, AttributeError):
+                time.sleep(timeout)  # no descriptors here: torch's plain sleep
+                return
+        if not self._open:
+            time.sleep(timeout)
+            return
+        ready, _, _ = select.select(list(self._open.values()), [], [], timeout)
+        for descriptor in ready:
+            pid = next(p for p, fd in self._open.items() if fd == descriptor)
+            os.close(self._open.pop(pid))
+            self._gone.add(pid)
+
+    def _forget(self, pids: set[int]) -> None:
+        """Let go of processes no longer in the group (replaced, or a new group started)."""
+        for pid in list(self._open):
+            if pid not in pids:
+                os.close(self._open.pop(pid))
+        self._gone &= pids
+
+    def close(self) -> None:
+        self._forget(set())
+
+
+def install(interval: float) -> None:
+    """Wrap torch's local agent's look at its workers (in this process) so that the `interval`
+    seconds before each look wait on the workers' exits; the caller then cuts torch's own sleep to
+    `TORCH_SLEEP` (its `--monitor-interval`). Idempotent."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if getattr(LocalElasticAgent._monitor_workers, "wakes_on_exit", False):
+        return
+    monitor = LocalElasticAgent._monitor_workers
+    wait_for = max(0.0, interval - TORCH_SLEEP)
+
+    def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
+        waiter = self.__dict__.setdefault("_torchrevive_exit_waiter", ExitWaiter())
+        context = getattr(self, "_pcontext", None)
+        pids = set(context.pids().values()) if context is not None else set()
+        waiter.wait({pid for pid in pids if isinstance(pid, int) and pid > 0}, wait_for)
+        return monitor(self, worker_group)
+
+    monitor_workers.wakes_on_exit = True  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
