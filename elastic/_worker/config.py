@@ -100,6 +100,14 @@ class RunConfig:
     nodes left goes on (exit 76)."""
     log_every: int = 10
     """Steps between progress lines when stdout is not a terminal."""
+    slow_ranks: str = "report"
+    """What a rank whose own work per step stays --slow-factor times the others' median does: off (not
+    measured), report (named: a line, a `straggler` event, a metric; the math unchanged)."""
+    slow_factor: float = 1.25
+    """A rank is a straggler when the median of its work per step over the others' median, over the last
+    --slow-window votes (about one a second), is at least this."""
+    slow_window: int = 5
+    """Votes (about one a second) a rank's slowdown is judged over: its median over them decides."""
 
     def __post_init__(self) -> None:
         for name in ("ckpt_dir", "events"):  # a pathlib.Path is a path too
@@ -175,6 +183,16 @@ _REPLICA_CHECK_EVERY = _Rule(
     lambda n, v: f"{n}={v!r} must be auto or a number of steps, 0 or more", "N",
 )
 NUMERIC_GUARD_CHOICES = ("off", "stop", "skip", "rollback")
+SLOW_RANKS_CHOICES = ("off", "report")
+
+
+def _factor_above_1(text: str) -> float:
+    value = positive_float(text)
+    if not value > 1:
+        raise argparse.ArgumentTypeError(f"{value} must be above 1")
+    return value
+
+
 _SECONDS_ABOVE_0_HOURS = _Rule(
     positive_float, _SECONDS_ABOVE_0.holds, lambda n, v: f"{n} must be above 0 (and finite), not {v}", "H",
 )
@@ -250,6 +268,15 @@ def _rules() -> dict[str, _Rule]:
         "hang_timeout": _SECONDS_0_OR_MORE,
         "heal_wait": _SECONDS_ABOVE_0,
         "log_every": _at_least(1),
+        "slow_ranks": _Rule(
+            str, lambda v: v in SLOW_RANKS_CHOICES,
+            lambda n, v: f"{n}={v!r} is not one of {', '.join(SLOW_RANKS_CHOICES)}", choices=SLOW_RANKS_CHOICES,
+        ),
+        "slow_factor": _Rule(
+            _factor_above_1, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 1 < v < math.inf,
+            lambda n, v: f"{n} must be above 1 (and finite), not {v}", "F",
+        ),
+        "slow_window": _at_least(1),
     }
 
 

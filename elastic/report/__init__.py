@@ -35,6 +35,8 @@ from elastic.report.history import (
 from elastic.report.incidents import incidents as incident_lines
 from elastic.report.incidents import set_aside
 from elastic.report.integrity import lines as integrity_lines
+from elastic.report.stragglers import episodes as straggler_episodes
+from elastic.report.stragglers import lines as straggler_lines
 
 SIZE = (1400, 1000)  # pixels, the default
 DPI = 100
@@ -157,6 +159,14 @@ def render(
             xytext=(4, 6 + 22 * (k % 2)), textcoords="offset points", fontsize=8, color="tab:red",
         )
 
+    # Slow ranks: each straggler episode shaded on the throughput against wall time (to the end if unended).
+    last = rel(max(e["time"] for e in events))
+    for episode in straggler_episodes(events):
+        end = rel(episode.end_time) if episode.end_time is not None else last
+        tput_time.axvspan(rel(episode.start_time), end, color="tab:orange", alpha=0.15)
+        tput_time.annotate(f"rank {episode.rank} slow", xy=(rel(episode.start_time), 1.0),
+                           xycoords=("data", "axes fraction"), fontsize=7, color="tab:orange", va="top")
+
     loss_step.set(title="loss against step (blue ticks: checkpointed steps)", xlabel="step", ylabel="loss")
     loss_time.set(title="loss against wall time", xlabel="seconds since the first event", ylabel="loss")
     tput_step.set(title=f"throughput ({unit}) against step", xlabel="step", ylabel=unit)
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in incident_lines(events):  # named hangs, failures, nodes set aside, a crash loop (torchrevive-run's)
         print(line)
     for line in integrity_lines(events):  # corruption undone, numeric faults caught (the workers')
+        print(line)
+    for line in straggler_lines(events):  # slow ranks named, and their recoveries (the workers')
         print(line)
     aside = set_aside(events)
     print(f"wrote {out} ({args.width}x{args.height}, {len(found)} recoveries"

@@ -105,11 +105,15 @@ def report(capsys: pytest.CaptureFixture[str]) -> Callable[..., Done]:
 
 def test_the_cli_draws_a_png_of_the_asked_size_and_prints_each_recovery(tmp_path: Path, report: Callable[..., Done]) -> None:
     set_aside = event("node_excluded", 10.5, 6, restart=1, node="n3", host="h3", reason="3 failures", failures=3)
-    log = write_log(tmp_path / "job.jsonl", [*job_with_a_failure_a_resize_and_a_relaunch(), set_aside])
+    slow = [event("straggler", 3.0, 3, rank=1, node="n2", host="h2", slowdown=2.0),  # shaded on the picture
+            event("straggler_recovered", 4.0, 4, rank=1, node="n2", host="h2", slowdown=1.02)]
+    log = write_log(tmp_path / "job.jsonl", [*job_with_a_failure_a_resize_and_a_relaunch(), set_aside, *slow])
     result = report(str(log), "-o", str(tmp_path / "out" / "job.png"), "--width", "800", "--height", "600")
     assert result.returncode == 0, result.stderr
     assert "node set aside at step 6: n3 (host h3) after 3 failures: 3 failures" in result.stdout
     assert "nodes set aside: n3)" in result.stdout
+    assert "straggler from step 3: rank 1 on node n2 (host h2), 2.00x the other ranks' work per step" in result.stdout
+    assert "straggler recovered at step 4: rank 1 on node n2 (host h2), 1.02x" in result.stdout
     assert png_size(tmp_path / "out" / "job.png") == (800, 600)
     assert "failure (restart 1): recovered in 4.5 s" in result.stdout
     assert "membership change (restart 1): recovered in 2.5 s, world size 2 -> 1" in result.stdout

@@ -42,6 +42,10 @@ Invariants:
   store): every rank learns it at the same vote step, and they grow there. A
   ticket learned by `fresh` (between steps) is carried to the next step end:
   the group grows at a step's end, never in the middle of a pause.
+- With `figures` (`--slow-ranks`, elastic._worker.observe.slow_ranks) the vote also carries one slot
+  per rank, each rank's own figure in its slot and 0 in the others': the MAX hands every rank every
+  rank's figure (`Verdict.work`, empty when the slots do not match the group's size). The figures
+  ride on the collective the vote takes anyway.
 """
 
 from __future__ import annotations
@@ -86,13 +90,15 @@ class Verdict:
     """Steps between votes from now on (0: no change)."""
     joiners: int = 0
     """The newest ticket of a worker waiting to join (0: none, or no `joiners` given)."""
+    work: tuple[int, ...] = ()
+    """Each rank's figure, by rank (`figures`; empty without them)."""
 
     @classmethod
     def of(cls, values: list[int]) -> Verdict:
-        preempted, storage_failing, snapshot_every, vote_every, joiners = values
+        preempted, storage_failing, snapshot_every, vote_every, joiners = values[:5]
         return cls(preempted=bool(preempted), requeue=preempted >= REQUEUE_BALLOT,
                    storage_failing=bool(storage_failing), snapshot_every=int(snapshot_every),
-                   vote_every=int(vote_every), joiners=int(joiners))
+                   vote_every=int(vote_every), joiners=int(joiners), work=tuple(int(v) for v in values[5:]))
 
 
 NOTHING = Verdict()
@@ -104,7 +110,7 @@ class StepVote:
     def __init__(
         self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic,
         joiners: Callable[[], int] | None = None, group: Any = agreement.DEFAULT_GROUP,
-        record: CollectiveRecord | None = None,
+        record: CollectiveRecord | None = None, figures: Callable[[], list[int] | None] | None = None,
     ) -> None:
         """`group`: the ranks' group for the vote (default: the runtime's control group); `record`: this
         rank's record of collectives, where each wait for a vote's result is an entry (hang naming; default:
@@ -115,6 +121,7 @@ class StepVote:
         self._group = group
         self._ballot = ballot
         self._joiners = joiners
+        self._figures = figures
         self._grace = grace
         self._clock = clock
         self._pending: agreement.PendingMax | None = None
@@ -142,8 +149,12 @@ class StepVote:
         preemption = (REQUEUE_BALLOT if requeue else STOP_BALLOT) if preempted else 0
         joiners = self._joiners() if self._joiners is not None else 0
         self.votes += 1
+        figures = (self._figures() if self._figures is not None else None) or []
+        if len(figures) != self._ctx.world_size:
+            figures = []  # every rank's ballot is as long: a rank's figures are all there or none are
         return agreement.start_max(
-            self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal(), joiners], self._group
+            self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal(), joiners, *figures],
+            self._group,
         )
 
     def step_ended(self, step: int) -> Verdict:
@@ -164,6 +175,11 @@ class StepVote:
         self._next = step + self.every
         self._joiners_seen = max(self._joiners_seen, earlier.joiners)
         return replace(earlier, joiners=self._joiners_seen)
+
+    def rewound(self) -> None:
+        """Every rank went back to an earlier step (a rollback, elastic._worker.integrity): the next step
+        end is a vote step, so the steps replayed keep the vote's rhythm (its steps follow the step count)."""
+        self._next = None
 
     def fresh(self) -> Verdict:
         """Between steps: a vote taken now, merged with the one in flight (read first); the next

@@ -92,6 +92,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "corruptions_total": ("counter", "Replica checks that found the ranks' parameters differ (each undone by a rollback)."),
     "steps_replayed_total": ("counter", "Steps trained again after rolling back to the last passing replica check."),
     "numeric_faults_total": ("counter", "Steps the numeric guard caught before their update (non-finite or spiking)."),
+    "rank_slowdown": ("gauge", "This rank's work per step over the other ranks' median while it is a straggler (0: not one)."),
 }
 NOTED = ("job_failures", "job_hangs_named", "nodes_set_aside")
 """Series read at each scrape from this node's agent's note (elastic._shared.protocol.worker_notes), not
@@ -153,6 +154,7 @@ class TrainingMetrics:
         self._samples_per_step = samples_per_step
         self._tokens_per_sample = tokens_per_sample
         labels = {"rank": str(rank), "run_id": run_id}
+        self._rank = rank
         self._m: dict[str, Any] = {}
         for name, (kind, doc) in METRICS.items():
             if name.startswith(COMMITTER_ONLY) and rank != 0:
@@ -207,6 +209,10 @@ class TrainingMetrics:
                 self._m["steps_replayed_total"].inc(replayed)
         elif kind == "numeric":
             self._m["numeric_faults_total"].inc()
+        elif kind in ("straggler", "straggler_recovered") and record.get("rank") == self._rank:
+            slowdown = record.get("slowdown")
+            started = kind == "straggler" and isinstance(slowdown, (int, float)) and not isinstance(slowdown, bool)
+            self._m["rank_slowdown"].set(slowdown if started else 0.0)
         elif kind == "restore":
             self._m["restore_seconds"].set(record.get("seconds", 0.0))
             self._m["restored_step"].set(record["step"])

@@ -58,8 +58,9 @@ class GroupParts:
         faults: FaultHook,
         joiners: Callable[[], int] | None,
         earlier: CheckpointManager | None,
+        figures: Callable[[], list[int] | None] | None = None,
     ) -> GroupParts:
-        vote = StepVote(ctx, ballot, grace=config.term_grace, joiners=joiners)
+        vote = StepVote(ctx, ballot, grace=config.term_grace, joiners=joiners, figures=figures)
         checkpoints = CheckpointManager(
             ctx, config, model=state.model, optimizer=state.optimizer, sampler=state.sampler,
             scheduler=state.scheduler, scaler=state.scaler, extra=state.extra, events=events, faults=faults,

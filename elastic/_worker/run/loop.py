@@ -53,6 +53,7 @@ from elastic._worker.data.feed import Feed
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.observe.step_report import StepReport
 from elastic._worker.run.group import GroupParts
@@ -79,6 +80,7 @@ class LoopOwner(Protocol):
     _survivors: Survivors | None
     _tokens_per_sample: int
     _integrity: Integrity | None
+    _slow_ranks: SlowRanks
 
     @property
     def _context(self) -> WorkerContext: ...
@@ -136,6 +138,7 @@ class StepLoop:
             integrity.loop_started(run.step)
         while run.step < max_steps:
             ctx = run._context
+            run._slow_ranks.step_started()  # this rank's own work from here to the gradient all-reduce
             with costs.timing("sampler"):
                 expected = sampler.local_batch(ctx.rank, ctx.world_size)
             batch: Any = again
@@ -190,17 +193,20 @@ class StepLoop:
         again there)."""
         self.count_step()
         run = self._run
+        run._slow_ranks.step_ended()
         costs, survivors = run.step_costs, run._survivors
         if run._integrity is not None:  # before saves: a step is saved only once its check passed
             with costs.timing("integrity"):
                 back_to = run._integrity.step_ended(run.step, run._context, run._parts.checkpoints.flush)
             if back_to is not None:
                 run.step = back_to
+                run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
                 return True
         resized = False
         try:
             with costs.timing("vote"):
                 verdict = run._parts.vote.step_ended(run.step)
+                run._slow_ranks.verdict(verdict.work, run.step)
             run._act_on(verdict)
             with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
                 run._parts.checkpoints.maybe_save(run.step)

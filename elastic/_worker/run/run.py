@@ -86,6 +86,7 @@ from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.metrics import start_metrics
 from elastic._worker.observe.replicas import gather_digests, parameter_digest
+from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.run.group import GroupParts, TrainingState
 from elastic._worker.run.loop import StepLoop
@@ -302,6 +303,8 @@ class Run:
         self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
         self._tokens_per_sample = tokens_per_sample
         self._integrity = Integrity(ctx, cfg, self.events)  # replica checks, numeric guard (elastic._worker.integrity)
+        self._slow_ranks = SlowRanks(ctx, cfg, self.events, self.model)  # --slow-ranks: stragglers named
+        self._stack.callback(self._slow_ranks.close)
         self._state = TrainingState(self.model, optimizer, self.sampler, scheduler, scaler, self._integrity.registered(extra))
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
@@ -365,7 +368,9 @@ class Run:
         self._group = GroupParts.build(
             ctx, self.config, self._state, ballot=self._ballot, events=self.events, faults=self._faults,
             joiners=survivors.joiners_waiting(ctx) if survivors is not None else None, earlier=earlier,
+            figures=self._slow_ranks.figures,
         )
+        self._slow_ranks.on_new_group(ctx)
         if survivors is not None:
             survivors.on_new_group(ctx, self.events, self.config.events)
         report = self._loop.report

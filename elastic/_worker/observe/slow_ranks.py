@@ -1,0 +1,137 @@
+"""A `Run`'s part that finds slow ranks (`--slow-ranks`) and names them: one line, one event per episode.
+
+    slow = SlowRanks(ctx, config, events, model)   # hooks on the model's gradients measure the work
+    # the loop: slow.step_started() ... slow.step_ended(); the vote carries slow.figures()
+    slow.verdict(verdict.work, step)               # every rank, at the same vote step
+
+Invariants:
+- Off (`--slow-ranks off`) it measures nothing and the vote carries no figures.
+- A rank's figure is its own work per step (elastic._worker.observe.stragglers.WorkClock): the
+  gradient hooks mark its arrival at the all-reduce, so waiting for a slower peer is not work.
+- Every rank decides on the same figures (the vote's MAX of one slot per rank), so every rank
+  learns of an episode at the same vote step: naming the ranks' places (node and host) is then a
+  collective every rank takes, once per group, at the first episode.
+- An episode is reported once when it starts (`straggler` event: rank, node, host, slowdown, step;
+  one warning line on rank 0) and once when it ends (`straggler_recovered`); the events feed the
+  per-rank metric `rank_slowdown` on the rank named.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from elastic._shared.storage.keeper_address import NODE_ENV
+from elastic._worker.config import RunConfig
+from elastic._worker.control import agreement
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.stragglers import Episode, StragglerWatch, WorkClock
+from elastic._worker.runtime.context import WorkerContext
+
+logger = logging.getLogger(__name__)
+
+_TEXT_LIMIT = 200
+
+
+@dataclass(frozen=True)
+class Place(agreement.Message):
+    """Where a rank runs, as its peers name it."""
+
+    node: str
+    host: str
+
+    def checked(self) -> Place:
+        if not (isinstance(self.node, str) and isinstance(self.host, str)):
+            raise ValueError(f"a rank's place from a peer is not two names: {self!r}")
+        return Place(self.node[:_TEXT_LIMIT], self.host[:_TEXT_LIMIT])
+
+
+def this_place() -> Place:
+    host = socket.gethostname()
+    return Place((os.environ.get(NODE_ENV) or host)[:_TEXT_LIMIT], host[:_TEXT_LIMIT])
+
+
+class SlowRanks:
+    """Measures this rank's work per step and reports straggler episodes (see the module docstring)."""
+
+    def __init__(
+        self, ctx: WorkerContext, config: RunConfig, events: EventLog, model: torch.nn.Module | None,
+        *, group: Any = agreement.DEFAULT_GROUP, clock: Callable[[], float] = perf_counter,
+    ) -> None:
+        """`group`: the ranks' group for naming places (default: the control group); `clock`: the work's clock."""
+        self.enabled = config.slow_ranks != "off"
+        self.ctx, self.events, self.group = ctx, events, group
+        self.clock = WorkClock(clock)
+        self.watch = StragglerWatch(factor=config.slow_factor, window=config.slow_window)
+        self._places: list[Place] | None = None
+        self._hooks: list[Any] = []
+        if self.enabled and model is not None:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._arrived)
+                           for p in model.parameters() if p.requires_grad]
+
+    def _arrived(self, _parameter: torch.Tensor) -> None:
+        self.clock.arrived()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def on_new_group(self, ctx: WorkerContext, group: Any = agreement.DEFAULT_GROUP) -> None:
+        """The group changed in place: other ranks, so new histories and places."""
+        self.ctx, self.group = ctx, group
+        self.watch.reset()
+        self._places = None
+
+    def step_started(self) -> None:
+        if self.enabled:
+            self.clock.started()
+
+    def step_ended(self) -> None:
+        if self.enabled:
+            self.clock.ended()
+
+    def figures(self) -> list[int] | None:
+        """This rank's ballot: its work per step since its last vote in its own slot, 0 in the others'."""
+        if not self.enabled:
+            return None
+        slots = [0] * self.ctx.world_size
+        slots[self.ctx.rank] = self.clock.take()
+        return slots
+
+    def verdict(self, work: tuple[int, ...], step: int) -> list[Episode]:
+        """A vote's figures (every rank, the same ones at the same step): report the episodes they start or end."""
+        if not self.enabled or len(work) != self.ctx.world_size:
+            return []
+        episodes = self.watch.observe(work)
+        if episodes:
+            places = self._gathered_places()
+            for episode in episodes:
+                self._report(episode, places[episode.rank], step)
+        return episodes
+
+    def _gathered_places(self) -> list[Place]:
+        if self._places is None:
+            gathered = agreement.all_gather(self.ctx, this_place(), Place, self.group)
+            self._places = [place.checked() for place in gathered]
+        return self._places
+
+    def _report(self, episode: Episode, place: Place, step: int) -> None:
+        fields = dict(rank=episode.rank, node=place.node, host=place.host, slowdown=round(episode.slowdown, 3))
+        if episode.started:
+            self.events.emit("straggler", step=step, world_size=self.ctx.world_size, **fields)
+            if self.ctx.is_main:
+                logger.warning("rank %d (node %s, host %s) is a straggler: %.2fx the median of the others' work "
+                               "per step, from step %d", episode.rank, place.node, place.host, episode.slowdown, step)
+        else:
+            self.events.emit("straggler_recovered", step=step, world_size=self.ctx.world_size, **fields)
+            if self.ctx.is_main:
+                logger.info("rank %d (node %s, host %s) is no longer a straggler: %.2fx the median, at step %d",
+                            episode.rank, place.node, place.host, episode.slowdown, step)

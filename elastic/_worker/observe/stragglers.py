@@ -1,0 +1,133 @@
+"""Which rank is a straggler: the decision, from each rank's own work per step as the step vote carried it.
+
+Every rank measures its own work per step: from the step's start to its arrival at the gradient
+all-reduce (`WorkClock`), so the time a fast rank waits there for a slow one is not counted. Each
+vote carries every rank's mean work per step since its previous vote, in microseconds (0: no
+figure). `StragglerWatch.observe` turns the figures of one vote into episodes.
+
+Invariants:
+- A rank's slowdown in a vote is its work per step over the median of the other ranks' (ranks
+  without a figure left out); with fewer than two figures nobody is compared.
+- A rank becomes a straggler when the median of its slowdowns over the last `window` votes is at
+  least `factor`, and recovers when that median falls below `recover_below` (between 1 and
+  `factor`: no flapping around the threshold). Each episode is reported once when it starts and
+  once when it ends: `observe` returns only changes.
+- The decision is a function of the figures alone: every rank, fed the same verdicts, reaches the
+  same episodes at the same vote step (what a collective acting on them needs).
+- A figure that is not an int in 0..MAX_FIGURE (a peer's bad value) is taken for "no figure".
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from time import perf_counter
+
+MAX_FIGURE = 10**12
+"""The largest work per step a vote carries, in microseconds (about 11.5 days)."""
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A change in a rank's state: `started` a straggler episode, or ended it (recovered)."""
+
+    rank: int
+    started: bool
+    slowdown: float
+    """The median slowdown over the window at the change (work per step over the others' median)."""
+
+
+def slowdowns(figures: Sequence[int]) -> list[float | None]:
+    """Each rank's work per step over the median of the other ranks' (None: no figure, or no other figure)."""
+    valid = [f if isinstance(f, int) and not isinstance(f, bool) and 0 < f <= MAX_FIGURE else None for f in figures]
+    result: list[float | None] = []
+    for rank, figure in enumerate(valid):
+        others = [f for other, f in enumerate(valid) if other != rank and f is not None]
+        result.append(None if figure is None or not others else figure / statistics.median(others))
+    return result
+
+
+class StragglerWatch:
+    """Straggler episodes from the votes' figures (see the module docstring)."""
+
+    def __init__(self, *, factor: float, window: int, recover_below: float | None = None) -> None:
+        if not factor > 1.0:
+            raise ValueError(f"factor={factor} must be above 1")
+        if window < 1:
+            raise ValueError(f"window={window} must be at least 1")
+        self.factor = factor
+        self.window = window
+        self.recover_below = recover_below if recover_below is not None else 1.0 + (factor - 1.0) / 2
+        if not 1.0 <= self.recover_below <= factor:
+            raise ValueError(f"recover_below={self.recover_below} must be between 1 and factor={factor}")
+        self._history: dict[int, deque[float]] = {}
+        self.slow: dict[int, float] = {}
+        """The ranks in a straggler episode now, with their slowdown when it started."""
+
+    def reset(self) -> None:
+        """The group changed (ranks are others): forget every history; episodes in progress end unreported."""
+        self._history.clear()
+        self.slow.clear()
+
+    def current(self, rank: int) -> float | None:
+        """The median slowdown of `rank` over its window (None: a window not yet full)."""
+        history = self._history.get(rank)
+        return statistics.median(history) if history is not None and len(history) == self.window else None
+
+    def observe(self, figures: Sequence[int]) -> list[Episode]:
+        """One vote's figures (one per rank): the episodes that started or ended with it."""
+        changes: list[Episode] = []
+        for rank, slowdown in enumerate(slowdowns(figures)):
+            if slowdown is None:
+                continue
+            self._history.setdefault(rank, deque(maxlen=self.window)).append(slowdown)
+            level = self.current(rank)
+            if level is None:
+                continue
+            if rank not in self.slow and level >= self.factor:
+                self.slow[rank] = level
+                changes.append(Episode(rank, True, level))
+            elif rank in self.slow and level < self.recover_below:
+                del self.slow[rank]
+                changes.append(Episode(rank, False, level))
+        for rank in [r for r in self._history if r >= len(figures)]:
+            del self._history[rank]
+            self.slow.pop(rank, None)
+        return changes
+
+
+class WorkClock:
+    """One rank's work per step: from the step's start to its arrival at the gradient all-reduce.
+
+    `started` at the step's start, `arrived` by each gradient a backward pass accumulates (the last
+    one counts: the all-reduce waits for it); a step with no backward pass counts to `ended`.
+    `take` is the mean over the steps since the last `take`, in whole microseconds (0: none)."""
+
+    def __init__(self, clock=perf_counter) -> None:
+        self._clock = clock
+        self._start: float | None = None
+        self._arrival: float | None = None
+        self._seconds = 0.0
+        self._steps = 0
+
+    def started(self) -> None:
+        self._start, self._arrival = self._clock(), None
+
+    def arrived(self) -> None:
+        if self._start is not None:
+            self._arrival = self._clock()
+
+    def ended(self) -> None:
+        if self._start is None:
+            return
+        end = self._arrival if self._arrival is not None else self._clock()
+        self._seconds += max(0.0, end - self._start)
+        self._steps += 1
+        self._start = self._arrival = None
+
+    def take(self) -> int:
+        steps, seconds = self._steps, self._seconds
+        self._steps, self._seconds = 0, 0.0
+        return min(MAX_FIGURE, max(0, round(seconds / steps * 1e6))) if steps else 0

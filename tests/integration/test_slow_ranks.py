@@ -1,0 +1,80 @@
+"""Slow ranks named on the step vote, with ranks as threads on real gloo groups (tests/thread_ranks.py):
+every rank's own work per step rides on the vote, every rank reaches the same straggler episode at
+the same vote step, and the slow rank is named once, with its node and host, then its recovery."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+from thread_ranks import run_ranks
+
+from elastic._worker.config import RunConfig
+from elastic._worker.control.step_vote import StepVote
+from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.slow_ranks import SlowRanks
+from elastic._worker.runtime.context import WorkerContext
+
+pytestmark = pytest.mark.slow
+
+SLOW_RANK, STEPS, RECOVERS_AT = 1, 40, 20
+
+
+def rank_body(ctx: WorkerContext, group: Any) -> dict[str, Any]:
+    """A loop of STEPS steps on this rank's own clocks: the step vote's (one second per step, so it votes
+    at every step) and the work's (rank 1's work is 2.5 times the others' until step RECOVERS_AT)."""
+    work_now, vote_now = [0.0], [0.0]
+    seen: list[dict[str, Any]] = []
+    events = EventLog(None, restart=0)
+    events.subscribe(seen.append)
+    slow = SlowRanks(ctx, RunConfig(slow_factor=1.5, slow_window=3), events, None, group=group,
+                     clock=lambda: work_now[0])
+    vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0, clock=lambda: vote_now[0], group=group,
+                    figures=slow.figures)
+    lengths = set()
+    for step in range(1, STEPS + 1):
+        slow.step_started()
+        work_now[0] += 0.025 if ctx.rank == SLOW_RANK and step < RECOVERS_AT else 0.010
+        slow.step_ended()
+        vote_now[0] += 1.0
+        verdict = vote.step_ended(step)
+        lengths.add(len(verdict.work))
+        slow.verdict(verdict.work, step)
+    vote.settle()
+    return {"seen": seen, "lengths": lengths, "every": vote.every}
+
+
+def test_every_rank_names_the_slow_rank_once_at_the_same_step_and_its_recovery() -> None:
+    results = run_ranks(3, rank_body)
+    first = [(r["event"], r["step"], r["rank"], r["slowdown"]) for r in results[0]["seen"]]
+    for result in results:
+        assert [(r["event"], r["step"], r["rank"], r["slowdown"]) for r in result["seen"]] == first
+        assert result["lengths"] <= {0, 3} and 3 in result["lengths"]  # the first vote step reads no vote
+        assert result["every"] == 1
+    assert [(kind, rank) for kind, _, rank, _ in first] == [("straggler", SLOW_RANK), ("straggler_recovered", SLOW_RANK)]
+    started, recovered = results[0]["seen"]
+    assert started["slowdown"] == 2.5 and started["step"] <= 1 + 3 + 1  # a full window, read one vote late
+    assert started["host"] == socket.gethostname() and started["node"]
+    assert RECOVERS_AT < recovered["step"] <= RECOVERS_AT + 3 + 1 and recovered["slowdown"] == 1.0
+
+
+def test_off_carries_no_figures_and_names_nobody() -> None:
+    def body(ctx: WorkerContext, group: Any) -> tuple[int, list[dict[str, Any]]]:
+        seen: list[dict[str, Any]] = []
+        events = EventLog(None, restart=0)
+        events.subscribe(seen.append)
+        slow = SlowRanks(ctx, RunConfig(slow_ranks="off"), events, None, group=group)
+        vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0, group=group, figures=slow.figures)
+        widths = set()
+        for step in range(1, 6):
+            slow.step_started()
+            slow.step_ended()
+            verdict = vote.step_ended(step)
+            widths.add(len(verdict.work))
+            slow.verdict(verdict.work, step)
+        vote.settle()
+        return len(widths - {0}), seen
+
+    for extra, seen in run_ranks(2, body):
+        assert extra == 0 and seen == []
