@@ -101,10 +101,12 @@ class RunConfig:
     log_every: int = 10
     """Steps between progress lines when stdout is not a terminal."""
     slow_ranks: str = "report"
-    """What a rank whose own work per step stays --slow-factor times the others' median does: off (not
-    measured), report (named: a line, a `straggler` event, a metric; the math unchanged)."""
+    """What a rank whose own work per sample stays --slow-factor times the others' median does: off (not
+    measured), report (named: a line, a `straggler` event, a metric; the math unchanged), rebalance (also
+    each rank's share of the global batch follows its speed, its gradient weighted by its share: the same
+    update, every sample once, but other samples per rank than an even split)."""
     slow_factor: float = 1.25
-    """A rank is a straggler when the median of its work per step over the others' median, over the last
+    """A rank is a straggler when the median of its work per sample over the others' median, over the last
     --slow-window votes (about one a second), is at least this."""
     slow_window: int = 5
     """Votes (about one a second) a rank's slowdown is judged over: its median over them decides."""
@@ -183,7 +185,7 @@ _REPLICA_CHECK_EVERY = _Rule(
     lambda n, v: f"{n}={v!r} must be auto or a number of steps, 0 or more", "N",
 )
 NUMERIC_GUARD_CHOICES = ("off", "stop", "skip", "rollback")
-SLOW_RANKS_CHOICES = ("off", "report")
+SLOW_RANKS_CHOICES = ("off", "report", "rebalance")
 
 
 def _factor_above_1(text: str) -> float:

@@ -2,7 +2,7 @@
 the spans the run's picture shades on the throughput against wall time.
 
 The workers write these events (elastic._worker.observe.slow_ranks): `straggler` (rank, node, host,
-slowdown: its work per step over the other ranks' median, step) when an episode starts, and
+slowdown: its work per sample over the other ranks' median, step) when an episode starts, and
 `straggler_recovered` (the same fields) when it ends.
 
 Invariant: a field of the wrong type (a log edited or torn by hand) is shown as "?", never an exception;
@@ -38,7 +38,7 @@ def describe(event: dict[str, Any]) -> str | None:
            f"(host {_text(event.get('host'))})")
     if kind == "straggler":
         return (f"straggler from step {_number(event.get('step'))}: {who}, {_slowdown(event.get('slowdown'))} "
-                "the other ranks' work per step")
+                "the other ranks' work per sample")
     return f"straggler recovered at step {_number(event.get('step'))}: {who}, {_slowdown(event.get('slowdown'))}"
 
 

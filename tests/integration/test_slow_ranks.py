@@ -12,6 +12,7 @@ from thread_ranks import run_ranks
 
 from elastic._worker.config import RunConfig
 from elastic._worker.control.step_vote import StepVote
+from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.runtime.context import WorkerContext
@@ -21,28 +22,34 @@ pytestmark = pytest.mark.slow
 SLOW_RANK, STEPS, RECOVERS_AT = 1, 40, 20
 
 
-def rank_body(ctx: WorkerContext, group: Any) -> dict[str, Any]:
+def rank_body(ctx: WorkerContext, group: Any, mode: str = "report") -> dict[str, Any]:
     """A loop of STEPS steps on this rank's own clocks: the step vote's (one second per step, so it votes
-    at every step) and the work's (rank 1's work is 2.5 times the others' until step RECOVERS_AT)."""
+    at every step) and the work's (rank 1 takes 2.5 ms a sample until step RECOVERS_AT, the others 1 ms)."""
     work_now, vote_now = [0.0], [0.0]
     seen: list[dict[str, Any]] = []
     events = EventLog(None, restart=0)
     events.subscribe(seen.append)
-    slow = SlowRanks(ctx, RunConfig(slow_factor=1.5, slow_window=3), events, None, group=group,
-                     clock=lambda: work_now[0])
+    sampler = ElasticSampler(10_000, batch_size=8, seed=0)
+    slow = SlowRanks(ctx, RunConfig(slow_ranks=mode, slow_factor=1.5, slow_window=3), events, None,
+                     sampler=sampler, group=group, clock=lambda: work_now[0])
     vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0, clock=lambda: vote_now[0], group=group,
                     figures=slow.figures)
-    lengths = set()
+    lengths, trained, changed_at = set(), 0, []
     for step in range(1, STEPS + 1):
         slow.step_started()
-        work_now[0] += 0.025 if ctx.rank == SLOW_RANK and step < RECOVERS_AT else 0.010
+        share = len(sampler.local_batch(ctx.rank, ctx.world_size))
+        trained += share
+        work_now[0] += share * (0.0025 if ctx.rank == SLOW_RANK and step < RECOVERS_AT else 0.001)
+        sampler.advance(ctx.world_size)
         slow.step_ended()
         vote_now[0] += 1.0
         verdict = vote.step_ended(step)
         lengths.add(len(verdict.work))
-        slow.verdict(verdict.work, step)
+        if slow.verdict(verdict.work, step):
+            changed_at.append((step, sampler.shares))
     vote.settle()
-    return {"seen": seen, "lengths": lengths, "every": vote.every}
+    return {"seen": seen, "lengths": lengths, "every": vote.every, "trained": trained, "changed_at": changed_at,
+            "consumed": sampler.state_dict()}
 
 
 def test_every_rank_names_the_slow_rank_once_at_the_same_step_and_its_recovery() -> None:
@@ -53,6 +60,7 @@ def test_every_rank_names_the_slow_rank_once_at_the_same_step_and_its_recovery()
         assert result["lengths"] <= {0, 3} and 3 in result["lengths"]  # the first vote step reads no vote
         assert result["every"] == 1
     assert [(kind, rank) for kind, _, rank, _ in first] == [("straggler", SLOW_RANK), ("straggler_recovered", SLOW_RANK)]
+    assert all(r["changed_at"] == [] and r["trained"] == 8 * STEPS for r in results)  # report: even shares
     started, recovered = results[0]["seen"]
     assert started["slowdown"] == 2.5 and started["step"] <= 1 + 3 + 1  # a full window, read one vote late
     assert started["host"] == socket.gethostname() and started["node"]
@@ -78,3 +86,18 @@ def test_off_carries_no_figures_and_names_nobody() -> None:
 
     for extra, seen in run_ranks(2, body):
         assert extra == 0 and seen == []
+
+
+def test_rebalancing_ranks_take_the_same_shares_at_the_same_step_and_the_slow_one_trains_fewer() -> None:
+    results = run_ranks(3, lambda ctx, group: rank_body(ctx, group, "rebalance"))
+    changes = results[0]["changed_at"]
+    assert [r["changed_at"] for r in results] == [changes] * 3 and [r["consumed"] for r in results] == [
+        results[0]["consumed"]] * 3
+    assert len(changes) == 2, changes  # one cut for the slow rank, one back after it recovered
+    (cut_at, cut), (back_at, back) = changes
+    assert cut == (10, 4, 10) and cut_at <= 1 + 3 + 1  # 2.5 times slower: 4 of 24 samples, not 8
+    assert RECOVERS_AT < back_at and back == (8, 8, 8)
+    assert sum(r["trained"] for r in results) == 24 * STEPS  # the global batch never changed
+    assert results[SLOW_RANK]["trained"] < 8 * STEPS < results[0]["trained"]
+    rebalanced = [e["shares"] for e in results[0]["seen"] if e["event"] == "rebalance"]
+    assert rebalanced == [[10, 4, 10], [8, 8, 8]]

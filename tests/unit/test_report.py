@@ -112,7 +112,7 @@ def test_the_cli_draws_a_png_of_the_asked_size_and_prints_each_recovery(tmp_path
     assert result.returncode == 0, result.stderr
     assert "node set aside at step 6: n3 (host h3) after 3 failures: 3 failures" in result.stdout
     assert "nodes set aside: n3)" in result.stdout
-    assert "straggler from step 3: rank 1 on node n2 (host h2), 2.00x the other ranks' work per step" in result.stdout
+    assert "straggler from step 3: rank 1 on node n2 (host h2), 2.00x the other ranks' work per sample" in result.stdout
     assert "straggler recovered at step 4: rank 1 on node n2 (host h2), 1.02x" in result.stdout
     assert png_size(tmp_path / "out" / "job.png") == (800, 600)
     assert "failure (restart 1): recovered in 4.5 s" in result.stdout

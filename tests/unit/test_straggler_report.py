@@ -17,8 +17,8 @@ def test_each_episode_is_a_line_and_a_span_an_unended_one_to_the_end() -> None:
         event("straggler_recovered", 7.0, 20, rank=3, node="n2", host="h2", slowdown=1.01),
     ]
     assert lines(log) == [
-        "straggler from step 5: rank 3 on node n2 (host h2), 2.50x the other ranks' work per step",
-        "straggler from step 6: rank 1 on node n1 (host h1), 1.40x the other ranks' work per step",
+        "straggler from step 5: rank 3 on node n2 (host h2), 2.50x the other ranks' work per sample",
+        "straggler from step 6: rank 1 on node n1 (host h1), 1.40x the other ranks' work per sample",
         "straggler recovered at step 20: rank 3 on node n2 (host h2), 1.01x",
     ]
     assert episodes(log) == [Episode(3, 2.0, 7.0), Episode(1, 2.5, None)]
@@ -28,7 +28,7 @@ def test_a_log_edited_by_hand_shows_question_marks_and_draws_nothing_it_cannot_p
     log = [event("straggler", "noon", "x", rank="one", node=3, slowdown=True),
            event("straggler_recovered", 4.0, 9, rank=2)]  # no episode of rank 2 began
     assert lines(log) == [
-        "straggler from step ?: rank ? on node ? (host ?), ? the other ranks' work per step",
+        "straggler from step ?: rank ? on node ? (host ?), ? the other ranks' work per sample",
         "straggler recovered at step 9: rank 2 on node ? (host ?), ?",
     ]
     assert episodes(log) == []

@@ -94,8 +94,8 @@ def test_work_ends_at_the_last_gradient_not_at_the_step_end() -> None:
         clock.now += 0.020
         work.arrived()  # the last gradient: the all-reduce waits for it
         clock.now += 0.500  # waiting for a slower peer in the all-reduce, the optimizer step
-        work.ended()
-    assert work.take() == 30_000
+        work.ended(samples=4)
+    assert work.take() == 30_000_000 // 4  # nanoseconds per sample
     assert work.take() == 0  # nothing since the last take
 
 
@@ -103,9 +103,9 @@ def test_a_step_without_backward_counts_to_its_end_and_a_stray_arrival_counts_no
     clock = FakeClock()
     work = WorkClock(clock)
     work.arrived()  # outside a step (evaluation's backward, say)
-    work.ended()
+    work.ended(samples=2)
     assert work.take() == 0
     work.started()
     clock.now += 0.004
-    work.ended()
-    assert work.take() == 4_000
+    work.ended(samples=2)
+    assert work.take() == 2_000_000

@@ -93,13 +93,14 @@ class StepBatchSampler(Sampler[list[SampleKey]]):
         replay = ElasticSampler(self.sampler.num_samples, batch_size=self.batch_size, seed=self.sampler.seed)
         replay.load_state_dict(self.sampler.state_dict())
         self.issued.clear()  # a new pass over the loader starts from the sampler's position
-        start, num_samples = self.rank * self.batch_size, self.sampler.num_samples
+        # This rank's share as it stands: the loop opens the loader again when the shares change.
+        (start, count), num_samples = self.sampler.share(self.rank, self.world_size), self.sampler.num_samples
         produced = 0
         while self.steps is None or produced < self.steps:
             epoch, consumed = replay.state.epoch, replay.state.consumed
             # Sliced from the global batch, not local_batch(): that call means "the loop trains on
             # this now" to whoever observes it (the chaos suite's sample audit).
-            indices = replay.global_batch(self.world_size)[start : start + self.batch_size].tolist()
+            indices = replay.global_batch(self.world_size)[start : start + count].tolist()
             self.issued.append(indices)
             yield [
                 SampleKey(index, epoch + (consumed + start + offset) // num_samples)
@@ -257,6 +258,12 @@ class Feed:
     def __init__(self, loader: Iterable[Any] | None, batch_size: int) -> None:
         self.loader, self.batch_size = loader, batch_size
         self.source, self.issued = open_loader(loader, batch_size)
+
+    @property
+    def takes_shares(self) -> bool:
+        """Whether this rank's batches can change size with its share (`ElasticSampler.shares`): a
+        `StepBatchSampler` reopened, or the sampler's own indices; not a DataLoader of a fixed batch size."""
+        return self.loader is None or isinstance(self.issued, StepBatchSampler)
 
     @property
     def resizable(self) -> bool:

@@ -15,11 +15,18 @@ Invariants:
   batch that crosses the end of an epoch is completed with the first samples
   of the next epoch's permutation. Every batch is full and every rank gets
   exactly `batch_size` samples, at any world size.
+- Shares (`--slow-ranks rebalance`): the global batch may be split unevenly,
+  rank r taking the r-th block of `shares[r]` samples (each at least 1, their sum
+  `batch_size * world_size`): the global batch, and so the stream, stay the same,
+  only the cut between ranks moves. Shares hold at the world size they were set
+  for; at any other, the split is even again. They are part of the state (only
+  when set: a state without them is exactly as before).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +63,30 @@ class ElasticSampler:
         self.seed = seed
         self._state = SamplerState()
         self._perm_cache: dict[int, torch.Tensor] = {}
+        self.shares: tuple[int, ...] | None = None
+        """Each rank's samples of a global batch (None: `batch_size` each); see the module docstring."""
+
+    def check_shares(self, shares: object) -> tuple[int, ...]:
+        """`shares` as a split of a global batch of this sampler (ValueError, one line, if it is none)."""
+        if not isinstance(shares, (list, tuple)) or not shares or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shares):
+            raise ValueError(f"shares {shares!r} are not a list of sample counts of at least 1")
+        if sum(shares) != self.batch_size * len(shares):
+            raise ValueError(f"shares {list(shares)} sum to {sum(shares)}, not the global batch "
+                             f"{self.batch_size} x {len(shares)} ranks")
+        return tuple(shares)
+
+    def set_shares(self, shares: tuple[int, ...] | None) -> None:
+        """Split the global batches to come by `shares` (None: evenly). Every rank must set the same, at the same step."""
+        self.shares = None if shares is None else self.check_shares(shares)
+
+    def share(self, rank: int, world_size: int) -> tuple[int, int]:
+        """Where rank `rank`'s samples sit in a global batch at `world_size`: (first, count)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if self.shares is not None and len(self.shares) == world_size:
+            return sum(self.shares[:rank]), self.shares[rank]
+        return rank * self.batch_size, self.batch_size
 
     @property
     def state(self) -> SamplerState:
@@ -93,25 +124,26 @@ class ElasticSampler:
         return indices
 
     def local_batch(self, rank: int, world_size: int) -> torch.Tensor:
-        """This rank's `batch_size` indices of the next step (does not advance)."""
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
-        start = rank * self.batch_size
-        return self.global_batch(world_size)[start : start + self.batch_size]
+        """This rank's indices of the next step: `batch_size` of them, or its share (does not advance)."""
+        start, count = self.share(rank, world_size)
+        return self.global_batch(world_size)[start : start + count]
 
     def advance(self, world_size: int) -> None:
         """Mark the next global batch as consumed by the whole job."""
         _, self._state = self._take(self._state, self.batch_size * world_size)
 
-    def state_dict(self) -> dict[str, int]:
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
             "seed": self.seed,
             "epoch": self._state.epoch,
             "consumed": self._state.consumed,
             "num_samples": self.num_samples,
         }
+        if self.shares is not None:
+            state["shares"] = list(self.shares)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position; the data set and seed must be the ones it was taken with."""
         if int(state["num_samples"]) != self.num_samples:
             raise ValueError(
@@ -122,5 +154,7 @@ class ElasticSampler:
         consumed = int(state["consumed"])
         if not 0 <= consumed < self.num_samples:
             raise ValueError(f"sampler state consumed={consumed} is outside 0..{self.num_samples - 1}")
+        shares = self.check_shares(state["shares"]) if "shares" in state else None
         self._state = SamplerState(int(state["epoch"]), consumed)
+        self.shares = shares
         self._perm_cache.clear()

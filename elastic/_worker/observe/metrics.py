@@ -92,7 +92,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "corruptions_total": ("counter", "Replica checks that found the ranks' parameters differ (each undone by a rollback)."),
     "steps_replayed_total": ("counter", "Steps trained again after rolling back to the last passing replica check."),
     "numeric_faults_total": ("counter", "Steps the numeric guard caught before their update (non-finite or spiking)."),
-    "rank_slowdown": ("gauge", "This rank's work per step over the other ranks' median while it is a straggler (0: not one)."),
+    "rank_slowdown": ("gauge", "This rank's work per sample over the other ranks' median while it is a straggler (0: not one)."),
 }
 NOTED = ("job_failures", "job_hangs_named", "nodes_set_aside")
 """Series read at each scrape from this node's agent's note (elastic._shared.protocol.worker_notes), not

@@ -6,11 +6,15 @@
 
 Invariants:
 - Off (`--slow-ranks off`) it measures nothing and the vote carries no figures.
-- A rank's figure is its own work per step (elastic._worker.observe.stragglers.WorkClock): the
+- A rank's figure is its own work per sample (elastic._worker.observe.stragglers.WorkClock): the
   gradient hooks mark its arrival at the all-reduce, so waiting for a slower peer is not work.
 - Every rank decides on the same figures (the vote's MAX of one slot per rank), so every rank
   learns of an episode at the same vote step: naming the ranks' places (node and host) is then a
   collective every rank takes, once per group, at the first episode.
+- Under `rebalance` the same figures move the cut of the global batch between ranks
+  (elastic._worker.observe.rebalance): every rank sets the same shares at the same vote step, and
+  `verdict` says so, so the loop opens a loader again at the new shares. Under `off` and `report`
+  the shares stay even and no gradient is touched: the run's math and samples are as without this part.
 - An episode is reported once when it starts (`straggler` event: rank, node, host, slowdown, step;
   one warning line on rank 0) and once when it ends (`straggler_recovered`); the events feed the
   per-rank metric `rank_slowdown` on the rank named.
@@ -31,7 +35,9 @@ import torch
 from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._worker.config import RunConfig
 from elastic._worker.control import agreement
+from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.rebalance import GradientWeights, Rebalancer
 from elastic._worker.observe.stragglers import Episode, StragglerWatch, WorkClock
 from elastic._worker.runtime.context import WorkerContext
 
@@ -59,18 +65,29 @@ def this_place() -> Place:
 
 
 class SlowRanks:
-    """Measures this rank's work per step and reports straggler episodes (see the module docstring)."""
+    """Measures this rank's work per sample and reports straggler episodes (see the module docstring)."""
 
     def __init__(
         self, ctx: WorkerContext, config: RunConfig, events: EventLog, model: torch.nn.Module | None,
-        *, group: Any = agreement.DEFAULT_GROUP, clock: Callable[[], float] = perf_counter,
+        *, sampler: ElasticSampler | None = None, group: Any = agreement.DEFAULT_GROUP,
+        clock: Callable[[], float] = perf_counter,
     ) -> None:
-        """`group`: the ranks' group for naming places (default: the control group); `clock`: the work's clock."""
+        """`sampler`: the run's (its shares: what a step's samples are, what rebalancing moves); `group`: the
+        ranks' group for naming places (default: the control group); `clock`: the work's clock."""
         self.enabled = config.slow_ranks != "off"
+        self.sampler = sampler
+        self.rebalancing = config.slow_ranks == "rebalance"
+        if self.rebalancing and sampler is None:
+            raise ValueError("rebalancing moves a sampler's shares: give it the run's sampler")
+        self.weights = GradientWeights(model if self.rebalancing else None)
+        self.rebalancer = Rebalancer(sampler, window=config.slow_window) if sampler is not None else None
+        self._samples = 0
         self.ctx, self.events, self.group = ctx, events, group
         self.clock = WorkClock(clock)
         self.watch = StragglerWatch(factor=config.slow_factor, window=config.slow_window)
         self._places: list[Place] | None = None
+        self.episodes: list[Episode] = []
+        """The episodes the newest vote started or ended."""
         self._hooks: list[Any] = []
         if self.enabled and model is not None:
             self._hooks = [p.register_post_accumulate_grad_hook(self._arrived)
@@ -80,6 +97,7 @@ class SlowRanks:
         self.clock.arrived()
 
     def close(self) -> None:
+        self.weights.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -88,34 +106,55 @@ class SlowRanks:
         """The group changed in place: other ranks, so new histories and places."""
         self.ctx, self.group = ctx, group
         self.watch.reset()
+        if self.rebalancer is not None:
+            self.rebalancer.reset()
         self._places = None
 
     def step_started(self) -> None:
-        if self.enabled:
-            self.clock.started()
+        """A step starts: its samples (this rank's share in effect) and the weight of its gradient."""
+        if not self.enabled:
+            return
+        self.clock.started()
+        if self.sampler is not None:
+            self._samples = self.sampler.share(self.ctx.rank, self.ctx.world_size)[1]
+            if self.rebalancing:
+                self.weights.scale = self._samples / self.sampler.batch_size
+        else:
+            self._samples = 1
 
     def step_ended(self) -> None:
         if self.enabled:
-            self.clock.ended()
+            self.clock.ended(self._samples)
 
     def figures(self) -> list[int] | None:
-        """This rank's ballot: its work per step since its last vote in its own slot, 0 in the others'."""
+        """This rank's ballot: its work per sample since its last vote in its own slot, 0 in the others'."""
         if not self.enabled:
             return None
         slots = [0] * self.ctx.world_size
         slots[self.ctx.rank] = self.clock.take()
         return slots
 
-    def verdict(self, work: tuple[int, ...], step: int) -> list[Episode]:
-        """A vote's figures (every rank, the same ones at the same step): report the episodes they start or end."""
+    def verdict(self, work: tuple[int, ...], step: int) -> bool:
+        """A vote's figures (every rank, the same ones at the same step): report the episodes they start or
+        end and, rebalancing, set new shares; True when the shares changed (every rank alike)."""
         if not self.enabled or len(work) != self.ctx.world_size:
-            return []
-        episodes = self.watch.observe(work)
-        if episodes:
+            return False
+        self.episodes = self.watch.observe(work)
+        if self.episodes:
             places = self._gathered_places()
-            for episode in episodes:
+            for episode in self.episodes:
                 self._report(episode, places[episode.rank], step)
-        return episodes
+        if not self.rebalancing or self.rebalancer is None or self.sampler is None:
+            return False
+        shares = self.rebalancer.observe(work)
+        if shares is None:
+            return False
+        self.sampler.set_shares(shares)
+        self.events.emit("rebalance", step=step, world_size=self.ctx.world_size, shares=list(shares))
+        if self.ctx.is_main:
+            logger.info("step %d: the global batch of %d is split %s between the ranks (by their speed)",
+                        step, sum(shares), "/".join(map(str, shares)))
+        return True
 
     def _gathered_places(self) -> list[Place]:
         if self._places is None:
@@ -129,7 +168,7 @@ class SlowRanks:
             self.events.emit("straggler", step=step, world_size=self.ctx.world_size, **fields)
             if self.ctx.is_main:
                 logger.warning("rank %d (node %s, host %s) is a straggler: %.2fx the median of the others' work "
-                               "per step, from step %d", episode.rank, place.node, place.host, episode.slowdown, step)
+                               "per sample, from step %d", episode.rank, place.node, place.host, episode.slowdown, step)
         else:
             self.events.emit("straggler_recovered", step=step, world_size=self.ctx.world_size, **fields)
             if self.ctx.is_main:

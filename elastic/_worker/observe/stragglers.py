@@ -2,11 +2,13 @@
 
 Every rank measures its own work per step: from the step's start to its arrival at the gradient
 all-reduce (`WorkClock`), so the time a fast rank waits there for a slow one is not counted. Each
-vote carries every rank's mean work per step since its previous vote, in microseconds (0: no
-figure). `StragglerWatch.observe` turns the figures of one vote into episodes.
+vote carries every rank's work per sample since its previous vote, in nanoseconds (0: no figure):
+per sample, so a figure means the same whatever share of the global batch the rank trains
+(`--slow-ranks rebalance` changes the shares; a rank rebalanced is still as slow).
+`StragglerWatch.observe` turns the figures of one vote into episodes.
 
 Invariants:
-- A rank's slowdown in a vote is its work per step over the median of the other ranks' (ranks
+- A rank's slowdown in a vote is its work per sample over the median of the other ranks' (ranks
   without a figure left out); with fewer than two figures nobody is compared.
 - A rank becomes a straggler when the median of its slowdowns over the last `window` votes is at
   least `factor`, and recovers when that median falls below `recover_below` (between 1 and
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from time import perf_counter
 
 MAX_FIGURE = 10**12
-"""The largest work per step a vote carries, in microseconds (about 11.5 days)."""
+"""The largest work per sample a vote carries, in nanoseconds (about 17 minutes)."""
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,11 @@ class Episode:
     rank: int
     started: bool
     slowdown: float
-    """The median slowdown over the window at the change (work per step over the others' median)."""
+    """The median slowdown over the window at the change (work per sample over the others' median)."""
 
 
 def slowdowns(figures: Sequence[int]) -> list[float | None]:
-    """Each rank's work per step over the median of the other ranks' (None: no figure, or no other figure)."""
+    """Each rank's work per sample over the median of the other ranks' (None: no figure, or no other figure)."""
     valid = [f if isinstance(f, int) and not isinstance(f, bool) and 0 < f <= MAX_FIGURE else None for f in figures]
     result: list[float | None] = []
     for rank, figure in enumerate(valid):
@@ -99,18 +101,19 @@ class StragglerWatch:
 
 
 class WorkClock:
-    """One rank's work per step: from the step's start to its arrival at the gradient all-reduce.
+    """One rank's work per sample: from each step's start to its arrival at the gradient all-reduce,
+    over the samples of the step.
 
     `started` at the step's start, `arrived` by each gradient a backward pass accumulates (the last
-    one counts: the all-reduce waits for it); a step with no backward pass counts to `ended`.
-    `take` is the mean over the steps since the last `take`, in whole microseconds (0: none)."""
+    one counts: the all-reduce waits for it); a step with no backward pass counts to `ended(samples)`.
+    `take` is the work per sample over the steps since the last `take`, in whole nanoseconds (0: none)."""
 
     def __init__(self, clock=perf_counter) -> None:
         self._clock = clock
         self._start: float | None = None
         self._arrival: float | None = None
         self._seconds = 0.0
-        self._steps = 0
+        self._samples = 0
 
     def started(self) -> None:
         self._start, self._arrival = self._clock(), None
@@ -119,15 +122,16 @@ class WorkClock:
         if self._start is not None:
             self._arrival = self._clock()
 
-    def ended(self) -> None:
-        if self._start is None:
+    def ended(self, samples: int) -> None:
+        if self._start is None or samples < 1:
+            self._start = self._arrival = None
             return
         end = self._arrival if self._arrival is not None else self._clock()
         self._seconds += max(0.0, end - self._start)
-        self._steps += 1
+        self._samples += samples
         self._start = self._arrival = None
 
     def take(self) -> int:
-        steps, seconds = self._steps, self._seconds
-        self._steps, self._seconds = 0, 0.0
-        return min(MAX_FIGURE, max(0, round(seconds / steps * 1e6))) if steps else 0
+        samples, seconds = self._samples, self._seconds
+        self._samples, self._seconds = 0, 0.0
+        return min(MAX_FIGURE, max(0, round(seconds / samples * 1e9))) if samples else 0

@@ -120,6 +120,9 @@ class StepLoop:
         )
         feed = Feed(loader if run.step < max_steps else None, sampler.batch_size)
         survivors = run._survivors
+        if run._slow_ranks.rebalancing and not feed.takes_shares:
+            raise UsageError("--slow-ranks rebalance needs the loader driven by run.batch_sampler() (its batches "
+                             "change size with the ranks' shares) or run.batches() without a loader")
         if survivors is not None and survivors.train_on and not feed.resizable:
             raise UsageError("--survivors train-on needs the loader driven by run.batch_sampler() or "
                              "run.sampler_for_loader(): after a resize each rank takes its new share from it")
@@ -188,9 +191,9 @@ class StepLoop:
         self.loss = None
 
     def _end_step(self) -> bool:
-        """The step's bookkeeping (see the module docstring); True when the group changed size, or
-        when every rank rolled back to an earlier step (elastic._worker.integrity: the feed opens
-        again there)."""
+        """The step's bookkeeping (see the module docstring); True when the group changed size, when
+        every rank rolled back to an earlier step (elastic._worker.integrity: the feed opens again there),
+        or when the ranks' shares of the global batch changed (--slow-ranks rebalance)."""
         self.count_step()
         run = self._run
         run._slow_ranks.step_ended()
@@ -202,11 +205,11 @@ class StepLoop:
                 run.step = back_to
                 run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
                 return True
-        resized = False
+        resized = rebalanced = False
         try:
             with costs.timing("vote"):
                 verdict = run._parts.vote.step_ended(run.step)
-                run._slow_ranks.verdict(verdict.work, run.step)
+                rebalanced = run._slow_ranks.verdict(verdict.work, run.step)  # new shares: the loader opens again
             run._act_on(verdict)
             with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
                 run._parts.checkpoints.maybe_save(run.step)
@@ -223,7 +226,7 @@ class StepLoop:
         with costs.timing("watchdog"):
             run._faults.at("after_step", run.step)
             run.watchdog.beat(run.step)
-        return resized
+        return resized or rebalanced
 
     def reporter(self) -> StepReport:
         if self.report is None:

@@ -303,7 +303,8 @@ class Run:
         self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
         self._tokens_per_sample = tokens_per_sample
         self._integrity = Integrity(ctx, cfg, self.events)  # replica checks, numeric guard (elastic._worker.integrity)
-        self._slow_ranks = SlowRanks(ctx, cfg, self.events, self.model)  # --slow-ranks: stragglers named
+        self._slow_ranks = SlowRanks(  # --slow-ranks: stragglers named, shares rebalanced
+            ctx, cfg, self.events, self.model, sampler=self.sampler)
         self._stack.callback(self._slow_ranks.close)
         self._state = TrainingState(self.model, optimizer, self.sampler, scheduler, scaler, self._integrity.registered(extra))
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in

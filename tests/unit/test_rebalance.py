@@ -1,0 +1,83 @@
+"""`--slow-ranks rebalance` in one process (elastic._worker.observe.rebalance): the shares follow the
+figures, and a gradient weighted by its share averages to the even split's."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.observe.rebalance import GradientWeights, Rebalancer
+
+
+def model_copies(count: int) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    copies = []
+    for _ in range(count):
+        copy = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+        copy.load_state_dict(base.state_dict())
+        copies.append(copy)
+    return copies
+
+
+def test_weighted_gradients_averaged_as_ddp_does_are_the_global_batch_mean_gradient() -> None:
+    torch.manual_seed(1)
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
+    batch_size, shares = 4, (2, 7, 3)  # three ranks, a global batch of 12 split unevenly
+    reference, *ranks = [m.double() for m in model_copies(4)]
+    torch.nn.functional.mse_loss(reference(x), y).backward()  # a loss that is a mean over the batch
+    start, weights = 0, []
+    for model, share in zip(ranks, shares):
+        weighted = GradientWeights(model)
+        weighted.scale = share / batch_size
+        part = slice(start, start + share)
+        torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
+        weights.append(weighted)
+        start += share
+    for name, expected in reference.named_parameters():
+        averaged = sum(dict(m.named_parameters())[name].grad for m in ranks) / len(ranks)  # DDP's mean
+        torch.testing.assert_close(averaged, expected.grad, rtol=1e-12, atol=1e-12)
+    unweighted = model_copies(1)[0].double()
+    torch.nn.functional.mse_loss(unweighted(x[:4]), y[:4]).backward()
+    assert not all(torch.allclose(p.grad, q.grad) for p, q in zip(unweighted.parameters(), ranks[0].parameters()))
+
+
+def test_at_the_even_share_the_gradient_is_left_alone_and_close_removes_the_hooks() -> None:
+    plain, hooked = model_copies(2)
+    weighted = GradientWeights(hooked)
+    x = torch.randn(4, 5)
+    for model in (plain, hooked):
+        model(x).sum().backward()
+    for p, q in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    weighted.scale = 3.0
+    weighted.close()
+    hooked.zero_grad()
+    hooked(x).sum().backward()
+    for p, q in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_shares_follow_the_figures_once_every_window_is_full_and_noise_moves_nothing() -> None:
+    sampler = ElasticSampler(1000, batch_size=8, seed=0)
+    rebalancer = Rebalancer(sampler, window=3)
+    assert rebalancer.observe([2000, 1000]) is None
+    assert rebalancer.observe([2000, 0]) is None  # no figure from rank 1: its window is not full
+    assert rebalancer.observe([2000, 1000]) is None
+    assert rebalancer.observe([2000, 1000]) == (5, 11)  # rank 0 at half speed: about half the samples
+    sampler.set_shares((5, 11))
+    rng = random.Random(3)
+    for _ in range(200):  # the same speeds, measured with noise: the cut stays
+        assert rebalancer.observe([round(2000 * rng.uniform(0.95, 1.05)), round(1000 * rng.uniform(0.95, 1.05))]) is None
+    for _ in range(3):  # rank 0 recovered: back to even
+        changed = rebalancer.observe([1000, 1000])
+    assert changed == (8, 8)
+
+
+def test_a_bad_figure_from_a_peer_is_no_figure() -> None:
+    rebalancer = Rebalancer(ElasticSampler(100, batch_size=4), window=1)
+    assert rebalancer.observe([-1, 1000]) is None
+    assert rebalancer.observe([10**13, 1000]) is None
+    assert rebalancer.observe([True, 1000]) is None  # type: ignore[list-item]
