@@ -1,0 +1,278 @@
+"""A slow rank, side by side: plain DDP, the runtime naming it (`--slow-ranks report`) and rebalancing
+its work (`--slow-ranks rebalance`), against the same job with no rank throttled.
+
+    python benchmarks/slow_rank.py                          # 2 and 4 ranks on CPU, one at half speed
+    python benchmarks/slow_rank.py --ranks 2 --stopped 0.8 --stop-when-named --modes none,report,rebalance
+
+Each (world size, mode) is one job of `benchmarks/slow_rank_worker.py` processes (gloo, a small MLP,
+64 samples per rank per step). The last rank is throttled from outside its process, once rank 0 has
+logged `--throttle-after` steps: a SIGSTOP/SIGCONT duty cycle (stopped `--stopped` of every
+`--period` seconds: 0.5 is half speed). A slowdown the runtime injected itself could be shaped to suit
+it; this one is the kernel's. Mode `none` runs `report` with no rank throttled: its straggler events
+are false alarms.
+
+Per job: throughput in samples/s over the steps from `--throttle-after` + `--settle` to the end (from
+rank 0's step times), its ratio to the ideal (the sum of the ranks' speeds: the unthrottled job's
+throughput x (W - 1 + (1 - stopped)) / W), the seconds from the throttle to the first `straggler`
+event and the rank it names, the straggler events of the unthrottled job, and exactly-once from the
+sample audit (elastic.chaos.samples) of every job under the runtime. `--stop-when-named` ends each
+job under the runtime with SIGTERM (every rank stops at one step) once the event it waits for is
+logged (report: the straggler; rebalance: the first `rebalance` and `--settle` x 2 steps after it;
+none: `--steps` steps), so a short form depends on no timing: `--steps` is then the cap.
+`--json FILE` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "slow_rank_worker.py"
+MODES = ("none", "ddp", "report", "rebalance")
+BATCH = 64
+
+
+@dataclass
+class Row:
+    world_size: int
+    mode: str
+    samples_per_s: float
+    steps: int
+    named_rank: int | None = None
+    seconds_to_named: float | None = None
+    false_alarms: int | None = None
+    rebalanced: list[int] | None = None
+    exactly_once: bool | None = None
+    audit: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}, comma-separated")
+    p.add_argument("--steps", type=int, default=600, help="steps per job (with --stop-when-named: the cap)")
+    p.add_argument("--throttle-after", type=int, default=30, help="steps before the throttle starts")
+    p.add_argument("--settle", type=int, default=60, help="steps after the throttle before the throughput counts")
+    p.add_argument("--stopped", type=float, default=0.5, help="share of each period the throttled rank is stopped")
+    p.add_argument("--period", type=float, default=0.02, help="seconds of one stop/continue cycle (well below a step)")
+    p.add_argument("--stop-when-named", action="store_true", help="end each job once what it waits for is logged")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a job may take")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--workdir", default=None, help="keep each job's files here (default: a temporary directory)")
+    opts = p.parse_args(argv)
+    try:
+        opts.world_sizes = [int(n) for n in opts.ranks.split(",")]
+    except ValueError:
+        p.error(f"--ranks takes world sizes, comma-separated, not {opts.ranks!r}")
+    opts.mode_list = opts.modes.split(",")
+    if not opts.world_sizes or min(opts.world_sizes) < 2:
+        p.error("--ranks: every world size must be at least 2 (a slow rank needs a peer)")
+    if not opts.mode_list or any(m not in MODES for m in opts.mode_list):
+        p.error(f"--modes takes {', '.join(MODES)}, comma-separated, not {opts.modes!r}")
+    if not 0 < opts.stopped < 1 or not opts.period > 0:
+        p.error("--stopped must be between 0 and 1 and --period above 0")
+    if opts.throttle_after < 1 or opts.settle < 1 or opts.steps <= opts.throttle_after + opts.settle:
+        p.error("--steps must exceed --throttle-after + --settle, each at least 1")
+    return opts
+
+
+class DutyCycle:
+    """Stops `pid` for `stopped` of every `period` seconds (SIGSTOP, SIGCONT) until `stop()`."""
+
+    def __init__(self, pid: int, stopped: float, period: float) -> None:
+        self.pid, self.stopped, self.period = pid, stopped, period
+        self.started_at: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="duty-cycle", daemon=True)
+
+    def start(self) -> None:
+        self.started_at = time.time()
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(self.period * self.stopped)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(self.period * (1 - self.stopped))
+        except ProcessLookupError:
+            pass
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def read_lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return out
+
+
+def throughput(steps: list[dict], first: int, samples_per_step: int) -> tuple[float, int]:
+    """Samples/s from step `first` to the last step logged: (samples/s, steps counted)."""
+    times = {s["step"]: s["time"] for s in steps if isinstance(s.get("step"), int)}
+    last = max(times, default=0)
+    if first not in times or last <= first or times[last] <= times[first]:
+        return float("nan"), 0
+    return (last - first) * samples_per_step / (times[last] - times[first]), last - first
+
+
+def run_job(world: int, mode: str, opts: argparse.Namespace, workdir: Path) -> Row:
+    job = workdir / f"w{world}-{mode}"
+    job.mkdir(parents=True)
+    steps_file, events = job / "steps.jsonl", job / "events.jsonl"
+    runtime = mode != "ddp"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
+               ELASTIC_SAMPLE_LOG=str(job / "samples"))
+    worker_mode = "report" if mode == "none" else mode
+    command = [sys.executable, *(["-m", "elastic.chaos.samples"] if runtime else []), str(WORKER),
+               "--mode", worker_mode, "--steps", str(opts.steps), "--batch-size", str(BATCH),
+               "--steps-file", str(steps_file), *(["--events", str(events)] if runtime else [])]
+    procs = []
+    for rank in range(world):
+        with open(job / f"out{rank}", "wb") as out:
+            procs.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stdout=out, stderr=subprocess.STDOUT, cwd=job))
+    throttle = DutyCycle(procs[-1].pid, opts.stopped, opts.period) if mode != "none" else None
+    deadline = time.monotonic() + opts.timeout
+    stopped_early = False
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"slow_rank.py: the {mode} job of {world} ranks ran past --timeout {opts.timeout:g} s")
+            done = max((s.get("step", 0) for s in read_lines(steps_file)), default=0)
+            if throttle is not None and throttle.started_at is None and done >= opts.throttle_after:
+                throttle.start()
+            if runtime and opts.stop_when_named and not stopped_early and waited_for(mode, read_lines(events), done, opts):
+                for p in procs:
+                    p.send_signal(signal.SIGTERM)  # every rank stops at one step (the step vote)
+                stopped_early = True
+            time.sleep(0.05)
+    finally:
+        if throttle is not None:
+            throttle.stop()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    codes = [p.wait() for p in procs]
+    allowed = {0, 143} if stopped_early else {0}
+    if set(codes) - allowed:
+        tail = (job / "out0").read_text()[-2000:] + (job / f"out{world - 1}").read_text()[-2000:]
+        raise SystemExit(f"slow_rank.py: the {mode} job of {world} ranks exited {codes}:\n{tail}")
+    return summarize(world, mode, read_lines(steps_file), read_lines(events), throttle, opts,
+                     audit_of(job / "samples") if runtime else None)
+
+
+def waited_for(mode: str, events: list[dict], done: int, opts: argparse.Namespace) -> bool:
+    if mode == "none":
+        return done >= opts.throttle_after + opts.settle * 2
+    kind = "straggler" if mode == "report" else "rebalance"
+    found = [e for e in events if e.get("event") == kind]
+    if not found:
+        return False
+    return mode == "report" or done >= found[0]["step"] + opts.settle * 2
+
+
+def audit_of(prefix: Path) -> tuple[bool, str]:
+    from elastic.chaos.samples import audit
+
+    result = audit(prefix)
+    return not result.problems, f"{result.steps} steps, {result.samples} samples" + (
+        f"; {result.problems[0]}" if result.problems else "")
+
+
+def summarize(world: int, mode: str, steps: list[dict], events: list[dict], throttle: DutyCycle | None,
+              opts: argparse.Namespace, audited: tuple[bool, str] | None) -> Row:
+    """One job's row, from rank 0's step times, the event log and the audit."""
+    rate, counted = throughput(steps, opts.throttle_after + opts.settle, BATCH * world)
+    row = Row(world, mode, rate, counted)
+    stragglers = [e for e in events if e.get("event") == "straggler"]
+    if mode == "none":
+        row.false_alarms = len(stragglers)
+    elif stragglers and throttle is not None and throttle.started_at is not None:
+        row.named_rank = stragglers[0].get("rank")
+        row.seconds_to_named = stragglers[0]["time"] - throttle.started_at
+    rebalanced = [e for e in events if e.get("event") == "rebalance"]
+    if rebalanced:
+        row.rebalanced = rebalanced[-1].get("shares")
+    if audited is not None:
+        row.exactly_once, row.audit = audited
+    return row
+
+
+def table(rows: list[Row], stopped: float) -> list[str]:
+    """The rows as a table: throughput, ratio to the ideal (the unthrottled job's throughput scaled by the
+    sum of the ranks' speeds), time to the straggler event, false alarms, the audit."""
+    lines = [f"{'ranks':>5} {'mode':<10} {'samples/s':>10} {'of ideal':>9} {'named':>12} {'false':>6} "
+             f"{'shares':>12} {'exactly-once':>13}"]
+    for world in sorted({r.world_size for r in rows}):
+        base = next((r.samples_per_s for r in rows if r.world_size == world and r.mode == "none"), None)
+        ideal = base * (world - 1 + (1 - stopped)) / world if base else None
+        for row in (r for r in rows if r.world_size == world):
+            ratio = f"{row.samples_per_s / ideal:.2f}" if ideal and row.mode != "none" else "-"
+            named = (f"rank {row.named_rank} {row.seconds_to_named:.1f} s" if row.seconds_to_named is not None
+                     else ("none" if row.mode in ("report", "rebalance") else "-"))
+            false = str(row.false_alarms) if row.false_alarms is not None else "-"
+            shares = "/".join(map(str, row.rebalanced)) if row.rebalanced else "-"
+            once = {True: "yes", False: "NO", None: "-"}[row.exactly_once]
+            lines.append(f"{world:>5} {row.mode:<10} {row.samples_per_s:>10.0f} {ratio:>9} {named:>12} {false:>6} "
+                         f"{shares:>12} {once:>13}")
+    return lines
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="slow-rank-") as tmp:
+        for world in opts.world_sizes:
+            for mode in opts.mode_list:
+                row = run_job(world, mode, opts, Path(opts.workdir or tmp))
+                rows.append(row)
+                print(f"ranks {world}, {mode}: {row.samples_per_s:.0f} samples/s over {row.steps} steps"
+                      + (f"; audit: {row.audit}" if row.audit else ""), flush=True)
+    print(f"\none rank stopped {opts.stopped:.0%} of every {opts.period:g} s (SIGSTOP/SIGCONT) after step "
+          f"{opts.throttle_after}; throughput from step {opts.throttle_after + opts.settle}")
+    for line in table(rows, opts.stopped):
+        print(line)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0 if all(r.exactly_once is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

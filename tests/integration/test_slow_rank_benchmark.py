@@ -1,0 +1,44 @@
+"""benchmarks/slow_rank.py in its short form: three jobs of two ranks (3 job starts), the last rank
+stopped 80 % of the time from outside its process (SIGSTOP/SIGCONT), each job ended by SIGTERM once
+what it waits for is in its event log, so nothing here waits on a clock: the runtime names the
+throttled rank, rebalancing gives it the smaller share, and the sample audit finds every sample of
+every job trained exactly once. The throughput figures are the benchmark's (docs/results.md), not
+asserted; the table is checked on recorded rows in tests/unit/test_slow_rank_table.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import warm
+from support import REPO, worker_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_throttled_rank_is_named_rebalanced_and_every_sample_trained_once(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    result = warm.run(
+        [sys.executable, "benchmarks/slow_rank.py", "--ranks", "2", "--modes", "none,report,rebalance",
+         "--stopped", "0.8", "--stop-when-named", "--steps", "3000", "--throttle-after", "10", "--settle", "10",
+         "--json", str(out), "--workdir", str(tmp_path / "jobs")],
+        timeout=600, cwd=REPO, env=worker_env(),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"none", "report", "rebalance"}
+    for mode, row in rows.items():
+        assert row["exactly_once"] is True and row["steps"] > 0, (mode, row)
+    for mode in ("report", "rebalance"):
+        assert rows[mode]["named_rank"] == 1 and rows[mode]["seconds_to_named"] is not None, rows[mode]
+    assert rows["report"]["rebalanced"] is None  # report changes nobody's samples
+    fast, slow = rows["rebalance"]["rebalanced"]
+    assert fast + slow == 2 * 64 and slow < fast, rows["rebalance"]
+    assert isinstance(rows["none"]["false_alarms"], int) and rows["none"]["named_rank"] is None
+    events = [json.loads(line) for line in (tmp_path / "jobs" / "w2-report" / "events.jsonl").read_text().splitlines()]
+    named = [e for e in events if e["event"] == "straggler"]
+    assert named[0]["rank"] == 1 and named[0]["slowdown"] >= 1.25 and named[0]["host"] and named[0]["node"]
+    assert len([e for e in named if e["rank"] == 1]) == 1, named  # once per episode, not at every vote
+    assert "ranks mode" in result.stdout and "exactly-once" in result.stdout
