@@ -72,6 +72,12 @@ or without snapshots: each serves on a port block of its own) holds the baton
 in a timed turn (the worker raises that loop's flag file, which the scraper
 reads), so the scraping is charged to that recipe alone.
 
+(3) The replica checks' `auto` interval: a run measures its step as the wall
+time between step ends, which here would hold the other loops' turns too (four
+times its own step), and pick checks four times too often. Each loop's thread
+reads a clock that stops while its loop waits for the baton (the gate's
+waits), as its wall clock would run in a job of its own.
+
 Statistics: steps are grouped in blocks of `--block-steps` steps per loop
 (10; the timed steps hold whole `--ckpt-every` intervals, the runtime's 50 by
 default, so one block in five of a recipe holds a save); the loops' blocks are
@@ -290,6 +296,8 @@ class Gate:
         self._at = 0  # index of the next turn end in `ends`
         self._step_started = 0.0
         self._thread: int | None = None
+        self.waited = 0.0
+        """Seconds this loop has waited for the baton (its own clock stops meanwhile: `own_clock`)."""
 
     @property
     def max_steps(self) -> int:
@@ -317,8 +325,10 @@ class Gate:
             return
         if timing and self.on_timed_turn is not None:
             self.on_timed_turn(False)
+        waiting = time.monotonic()
         self.turns.done(self.name)
         self.turns.wait(self.name)
+        self.waited += time.monotonic() - waiting
         self._at += 1
         if 0 < self._at < len(self.ends) and self.on_timed_turn is not None:
             self.on_timed_turn(True)
@@ -422,6 +432,7 @@ def track_snapshots() -> dict[int, list]:
 
 
 def worker(opts: argparse.Namespace) -> None:
+    from elastic._worker.integrity import check_interval
     from elastic._worker.observe.events import read_events
     from elastic._worker.runtime.context import barrier, worker_context
 
@@ -459,6 +470,14 @@ def worker(opts: argparse.Namespace) -> None:
             for name in names
         }
         max_steps = gates["recipe"].max_steps
+        by_thread: dict[int, Gate] = {}
+
+        def own_clock() -> float:
+            """Monotonic seconds less the baton waits of the calling loop (see the module docstring, (3))."""
+            gate = by_thread.get(threading.get_ident())
+            return time.monotonic() - (gate.waited if gate is not None else 0.0)
+
+        check_interval.now = own_clock  # type: ignore[assignment]
 
         def events(name: str) -> str:
             return os.path.join(tmp, f"{name}.jsonl")
@@ -470,6 +489,7 @@ def worker(opts: argparse.Namespace) -> None:
             )
 
         def recipe(name: str, metrics_port: int) -> None:
+            by_thread[threading.get_ident()] = gates[name]
             # This loop's keeper (or none): read once, when the run builds its checkpoint manager, in
             # this loop's first turn, while every other loop waits for the baton.
             for key in {k for env in keepers.values() for k in env}:

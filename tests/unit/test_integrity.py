@@ -99,6 +99,8 @@ def test_the_interval_is_measured_as_the_run_goes_and_agreed() -> None:
     clock.now += 5.0  # a check's time is not a step's
     interval.note_step_end(paused=True)
     assert interval.step_s() == pytest.approx(0.1)
+    interval.estimate(0.01)  # before the first check: the first rollback point's copy, twice
+    assert interval.proposal() == 20
     interval.note_cost(0.02)  # 20 ms a check: 40 steps of 100 ms
     assert interval.proposal() == 40
     assert interval.agree(40) and interval.every == 40 and not interval.agree(40)

@@ -12,8 +12,10 @@ Invariants:
 - `every` changes only through `agree`, with the largest interval any rank
   proposed (carried by the check's own exchange of digests), so every rank
   checks at the same steps.
-- Under auto, the first check comes `FIRST_AUTO` steps into the loop (its cost
-  is not known before); from then on every interval is the measured one.
+- Under auto, the first check comes `FIRST_AUTO` steps into the loop; its
+  proposal rests on an estimate (`estimate`: the first rollback point's copy,
+  twice: the digest reads every byte once more), every later one on the
+  checks measured.
 - A proposal within 25 % of the current interval is the current interval:
   the measurements' noise does not move it at every check.
 """
@@ -24,6 +26,7 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 
 AUTO = "auto"
 BUDGET = 0.005
@@ -33,6 +36,12 @@ HYSTERESIS = 1.25
 WINDOW = 32
 MAX_EVERY = 1 << 30
 """The largest interval a rank may propose (a peer's larger one is refused as malformed)."""
+
+
+def now() -> float:
+    """The clock a step's wall time is read from (monotonic seconds). A benchmark that runs several
+    loops in turns in one process replaces it with one that stops while a loop waits for its turn."""
+    return time.monotonic()
 
 
 def auto_every(cost_s: float, step_s: float, budget: float = BUDGET) -> int:
@@ -46,13 +55,14 @@ def auto_every(cost_s: float, step_s: float, budget: float = BUDGET) -> int:
 class CheckInterval:
     """One rank's replica check interval (see the module docstring)."""
 
-    def __init__(self, setting: int | str, *, clock=time.monotonic) -> None:
+    def __init__(self, setting: int | str, *, clock: Callable[[], float] | None = None) -> None:
         self.auto = setting == AUTO
         self.every = FIRST_AUTO if self.auto else int(setting)
-        self._clock = clock
+        self._clock = clock if clock is not None else lambda: now()  # looked up at each call
         self._last_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=WINDOW)
         self._costs: deque[float] = deque(maxlen=WINDOW)
+        self._estimate: float | None = None
 
     def note_step_end(self, *, paused: bool = False) -> None:
         """Every step's end; `paused`: the time since the last one held a check or a rollback (not a step's)."""
@@ -64,8 +74,12 @@ class CheckInterval:
     def note_cost(self, seconds: float) -> None:
         self._costs.append(seconds)
 
+    def estimate(self, seconds: float) -> None:
+        """A check's cost before any is measured (the measured ones replace it)."""
+        self._estimate = seconds
+
     def cost_s(self) -> float | None:
-        return statistics.median(self._costs) if self._costs else None
+        return statistics.median(self._costs) if self._costs else self._estimate
 
     def step_s(self) -> float | None:
         return statistics.median(self._step_seconds) if self._step_seconds else None

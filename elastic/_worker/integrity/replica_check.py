@@ -170,7 +170,10 @@ class ReplicaCheck:
         if self._rollback.step != step:
             started = time.perf_counter()
             self._rollback.take(step)
-            self.seconds += time.perf_counter() - started
+            copied = time.perf_counter() - started
+            self.seconds += copied
+            if self.interval.cost_s() is None:
+                self.interval.estimate(2 * copied)  # a copy, and a digest that reads every byte again
         self._next = step + self.interval.every
         self._pending = None
         self._paused = True
