@@ -203,6 +203,15 @@ class Healing:
         self.guard.clear()
         self.heals += 1
 
+    def settle_buckets(self) -> None:
+        """DDP's one-time bucket work, now (`regroup.settle_buckets`): a collective of the new group,
+        before its members agree. Every member rebinds its DDP alike first (a survivor's was rebound
+        at the heal, a replacement's just built: both in definition order)."""
+        if self._model is None:
+            return
+        regroup.rebind(self._model, self.guard, reverse=True)
+        regroup.settle_buckets(self._model)
+
     def agree(self, completed: int) -> regroup.Agreement:
         """Every member's steps (a replacement gives -1: it completed none of its own)."""
         return regroup.agree(completed)

@@ -323,6 +323,7 @@ class Survivors:
                 try:
                     run.rebuild_on_group(ctx, earlier)  # (its process groups are collectives: a member may be gone)
                     earlier = run.checkpoints
+                    healing.settle_buckets()
                     agreed = healing.agree(completed)
                     if agreed.most < 0:
                         raise RegroupError(f"view {view.number}: no member holds any state; a new round restores it")
@@ -371,6 +372,7 @@ class Survivors:
         healing = self.healing
         for attempt in range(1, ATTEMPTS + 1):
             try:
+                healing.settle_buckets()
                 agreed = healing.agree(completed)
                 if agreed.most < 0:  # every member is a replacement: nobody holds the state
                     raise RegroupError(f"heal {healing.generation}: no member holds any state (every worker was "

@@ -318,12 +318,19 @@ def count_healer(records: Records, *, rank: int, generation: int) -> None:
     records.store.add(heal_env.HEALERS_KEY, 1)
 
 
-def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> None:
+def rebind(model: DistributedDataParallel, guard: StepGuard | None = None, *, reverse: bool = False) -> None:
     """Point `model` (a DDP module) at the current default group with a fresh reducer,
     as a new `DistributedDataParallel(..., init_sync=False)` would have it, and reduce
-    through `guard` again. The old reducer's gradient hooks go with it."""
+    through `guard` again. The old reducer's gradient hooks go with it.
+
+    `reverse`: the reducer holds the parameters in reverse definition order (the order a
+    sequential model's gradients become ready in), for `settle_buckets`. A reducer's order
+    must be the same on every member (a bucket is the parameters' gradients end to end):
+    a fresh DDP's is the definition order, so only members that all settle reverse it."""
     model.process_group = dist.group.WORLD
     parameters, expect_sparse = model._build_params_for_reducer()
+    if reverse:
+        parameters, expect_sparse = parameters[::-1], expect_sparse[::-1]
     model._ddp_init_helper(
         parameters, expect_sparse, model._build_debug_param_to_name_mapping(parameters), model.static_graph
     )
@@ -333,6 +340,23 @@ def rebind(model: DistributedDataParallel, guard: StepGuard | None = None) -> No
     model._comm_hooks = []  # the old reducer's hook goes with it
     if guard is not None:
         guard.attach(model)
+
+
+def settle_buckets(model: DistributedDataParallel) -> None:
+    """Do now, during a heal, the one-time work a fresh reducer would do in its first two steps: a
+    collective of every member of the new group, each with a `rebind(reverse=True)` reducer. Left to torch, the
+    first step reduces the whole gradient as one bucket after the backward pass (nothing overlaps)
+    and the second lays the buckets out again from the order the gradients came in, broadcasting
+    the layout from rank 0 first. Here the buckets are laid out by size over the reducer's order
+    (reverse definition order) and the layout is broadcast from rank 0 now, so the steps
+    after the heal run a steady step's all-reduces and nothing else. A reducer that never rebuilds
+    (`find_unused_parameters`) or a static graph (its first step records the graph) is left as it
+    is, on every member alike."""
+    reducer = model.reducer
+    if model.static_graph or reducer is None:
+        return
+    reducer._push_all_rebuilt_params()  # (nothing when the reducer does not rebuild its buckets)
+    reducer._rebuild_buckets()
 
 
 @dataclass(frozen=True)
