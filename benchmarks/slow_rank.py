@@ -230,8 +230,8 @@ def summarize(world: int, mode: str, steps: list[dict], events: list[dict], thro
 def table(rows: list[Row], stopped: float) -> list[str]:
     """The rows as a table: throughput, ratio to the ideal (the unthrottled job's throughput scaled by the
     sum of the ranks' speeds), time to the straggler event, false alarms, the audit."""
-    lines = [f"{'ranks':>5} {'mode':<10} {'samples/s':>10} {'of ideal':>9} {'named':>12} {'false':>6} "
-             f"{'shares':>12} {'exactly-once':>13}"]
+    lines = [(f"{'ranks':>5} {'mode':<10} {'samples/s':>10} {'of ideal':>9} {'named':>12} {'false':>6} "
+              f"{'shares':>12} {'exactly-once':>13}")]
     for world in sorted({r.world_size for r in rows}):
         base = next((r.samples_per_s for r in rows if r.world_size == world and r.mode == "none"), None)
         ideal = base * (world - 1 + (1 - stopped)) / world if base else None

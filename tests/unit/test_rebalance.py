@@ -81,3 +81,28 @@ def test_a_bad_figure_from_a_peer_is_no_figure() -> None:
     assert rebalancer.observe([-1, 1000]) is None
     assert rebalancer.observe([10**13, 1000]) is None
     assert rebalancer.observe([True, 1000]) is None  # type: ignore[list-item]
+
+
+def test_rebalancing_a_sharded_model_is_refused_in_one_line() -> None:
+    import pytest
+
+    from elastic._shared.common.errors import UsageError
+    from elastic._worker.config import RunConfig
+    from elastic._worker.observe import slow_ranks
+    from elastic._worker.observe.events import EventLog
+    from elastic._worker.runtime.context import WorkerContext
+
+    ctx = WorkerContext(rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="t",
+                        device=torch.device("cpu"), backend=None)
+    model = torch.nn.Linear(2, 2)
+    sampler = ElasticSampler(10, batch_size=2)
+    events = EventLog(None, restart=0)
+    original = slow_ranks._sharded
+    slow_ranks._sharded = lambda p: True  # as FSDP2's DTensor parameters are
+    try:
+        with pytest.raises(UsageError, match="sharded"):
+            slow_ranks.SlowRanks(ctx, RunConfig(slow_ranks="rebalance"), events, model, sampler=sampler)
+    finally:
+        slow_ranks._sharded = original
+    assert not slow_ranks._sharded(model.weight)
+    slow_ranks.SlowRanks(ctx, RunConfig(slow_ranks="report"), events, model, sampler=sampler).close()

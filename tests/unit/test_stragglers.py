@@ -6,7 +6,12 @@ import random
 
 import pytest
 
-from elastic._worker.observe.stragglers import MAX_FIGURE, StragglerWatch, WorkClock, slowdowns
+from elastic._worker.observe.stragglers import (
+    MAX_FIGURE,
+    StragglerWatch,
+    WorkClock,
+    slowdowns,
+)
 
 
 def test_slowdown_is_work_over_the_median_of_the_others() -> None:

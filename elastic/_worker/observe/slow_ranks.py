@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from elastic._shared.common.errors import UsageError
 from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._worker.config import RunConfig
 from elastic._worker.control import agreement
@@ -42,6 +43,13 @@ from elastic._worker.observe.stragglers import Episode, StragglerWatch, WorkCloc
 from elastic._worker.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
+
+
+def _sharded(parameter: torch.Tensor) -> bool:
+    """A parameter FSDP2 shards (a DTensor): its gradient is reduce-scattered, not averaged by DDP."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(parameter, DTensor)
 
 _TEXT_LIMIT = 200
 
@@ -79,6 +87,9 @@ class SlowRanks:
         self.rebalancing = config.slow_ranks == "rebalance"
         if self.rebalancing and sampler is None:
             raise ValueError("rebalancing moves a sampler's shares: give it the run's sampler")
+        if self.rebalancing and model is not None and any(_sharded(p) for p in model.parameters()):
+            raise UsageError("--slow-ranks rebalance weights each rank's gradient before DDP's mean, which a "
+                             "sharded (FSDP) model does not take; use --slow-ranks report")
         self.weights = GradientWeights(model if self.rebalancing else None)
         self.rebalancer = Rebalancer(sampler, window=config.slow_window) if sampler is not None else None
         self._samples = 0
@@ -95,6 +106,12 @@ class SlowRanks:
 
     def _arrived(self, _parameter: torch.Tensor) -> None:
         self.clock.arrived()
+
+    def __enter__(self) -> SlowRanks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self.weights.close()
@@ -163,7 +180,7 @@ class SlowRanks:
         return self._places
 
     def _report(self, episode: Episode, place: Place, step: int) -> None:
-        fields = dict(rank=episode.rank, node=place.node, host=place.host, slowdown=round(episode.slowdown, 3))
+        fields = {"rank": episode.rank, "node": place.node, "host": place.host, "slowdown": round(episode.slowdown, 3)}
         if episode.started:
             self.events.emit("straggler", step=step, world_size=self.ctx.world_size, **fields)
             if self.ctx.is_main:

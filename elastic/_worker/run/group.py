@@ -23,6 +23,7 @@ from elastic._worker.config import RunConfig
 from elastic._worker.control.step_vote import StepVote
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.runtime.context import WorkerContext
 
 
@@ -58,8 +59,12 @@ class GroupParts:
         faults: FaultHook,
         joiners: Callable[[], int] | None,
         earlier: CheckpointManager | None,
-        figures: Callable[[], list[int] | None] | None = None,
+        slow_ranks: SlowRanks | None = None,
     ) -> GroupParts:
+        """`slow_ranks`: the run's part behind --slow-ranks, told of the new group; its figures ride on the vote."""
+        if slow_ranks is not None:
+            slow_ranks.on_new_group(ctx)
+        figures = slow_ranks.figures if slow_ranks is not None else None
         vote = StepVote(ctx, ballot, grace=config.term_grace, joiners=joiners, figures=figures)
         checkpoints = CheckpointManager(
             ctx, config, model=state.model, optimizer=state.optimizer, sampler=state.sampler,

@@ -68,10 +68,7 @@ import torch
 import torch.distributed as dist
 
 from elastic._shared.common.cli import configure_logging
-from elastic._shared.common.errors import (
-    CheckpointStorageError,
-    ElasticError,
-)
+from elastic._shared.common.errors import CheckpointStorageError, ElasticError
 from elastic._shared.protocol import fault_hook
 from elastic._shared.slurm.requeue import preemption_settings
 from elastic._worker.checkpoint import CheckpointManager
@@ -303,9 +300,7 @@ class Run:
         self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
         self._tokens_per_sample = tokens_per_sample
         self._integrity = Integrity(ctx, cfg, self.events)  # replica checks, numeric guard (elastic._worker.integrity)
-        self._slow_ranks = SlowRanks(  # --slow-ranks: stragglers named, shares rebalanced
-            ctx, cfg, self.events, self.model, sampler=self.sampler)
-        self._stack.callback(self._slow_ranks.close)
+        self._slow_ranks = self._stack.enter_context(SlowRanks(ctx, cfg, self.events, self.model, sampler=self.sampler))
         self._state = TrainingState(self.model, optimizer, self.sampler, scheduler, scaler, self._integrity.registered(extra))
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
@@ -369,9 +364,8 @@ class Run:
         self._group = GroupParts.build(
             ctx, self.config, self._state, ballot=self._ballot, events=self.events, faults=self._faults,
             joiners=survivors.joiners_waiting(ctx) if survivors is not None else None, earlier=earlier,
-            figures=self._slow_ranks.figures,
+            slow_ranks=self._slow_ranks,
         )
-        self._slow_ranks.on_new_group(ctx)
         if survivors is not None:
             survivors.on_new_group(ctx, self.events, self.config.events)
         report = self._loop.report
