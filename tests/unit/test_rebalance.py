@@ -106,3 +106,23 @@ def test_rebalancing_a_sharded_model_is_refused_in_one_line() -> None:
         slow_ranks._sharded = original
     assert not slow_ranks._sharded(model.weight)
     slow_ranks.SlowRanks(ctx, RunConfig(slow_ranks="report"), events, model, sampler=sampler).close()
+
+
+def test_rebalance_refuses_a_fixed_size_loader_in_one_line_and_report_trains_as_before() -> None:
+    import pytest
+    from torch.utils.data import DataLoader
+
+    import elastic
+
+    with elastic.Run(device="cpu", slow_ranks="rebalance") as run:
+        model = torch.nn.Linear(2, 1)
+        run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=16, batch_size=2)
+        loader = DataLoader(list(range(16)), sampler=run.sampler_for_loader(), batch_size=2)
+        with pytest.raises(elastic.UsageError, match="--slow-ranks rebalance needs the loader driven by run.batch_sampler"):
+            next(iter(run.batches(loader, max_steps=2)))
+    with elastic.Run(device="cpu", slow_ranks="report") as run:  # the same loader trains under report
+        model = torch.nn.Linear(2, 1)
+        run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=16, batch_size=2)
+        loader = DataLoader(list(range(16)), sampler=run.sampler_for_loader(), batch_size=2)
+        seen = [len(batch) for batch in run.batches(loader, max_steps=3)]
+        assert seen == [2, 2, 2] and run.step == 3

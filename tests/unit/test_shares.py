@@ -56,3 +56,50 @@ def test_shares_are_saved_and_checked_on_load_and_a_state_without_them_is_as_bef
         with pytest.raises(ValueError, match=why):
             again.load_state_dict({**state, "shares": bad})
     assert again.shares == (2, 6)  # a refused state changes nothing
+
+
+def test_a_batch_sampler_loader_opened_again_at_new_shares_gives_each_rank_its_share_every_sample_once() -> None:
+    from torch.utils.data import DataLoader
+
+    from elastic._worker.data.feed import Feed, StepBatchSampler
+
+    world, steps, change_at = 2, 12, 5
+    samplers = [ElasticSampler(30, batch_size=4, seed=1) for _ in range(world)]  # each rank's own copy, as in a job
+    feeds = [Feed(DataLoader(list(range(30)), batch_sampler=StepBatchSampler(s, rank, world)), 4)
+             for rank, s in enumerate(samplers)]
+    trained: list[list[int]] = [[] for _ in range(world)]
+    stream: list[int] = []
+    for step in range(steps):
+        if step == change_at:  # a vote step: every rank takes the same shares, and its loader opens again
+            for rank, (sampler, feed) in enumerate(zip(samplers, feeds)):
+                sampler.set_shares((6, 2))
+                feed.reopen(rank, world)
+        whole = samplers[0].global_batch(world).tolist()
+        for rank, (sampler, feed) in enumerate(zip(samplers, feeds)):
+            expected = sampler.local_batch(rank, world)
+            batch = feed.fetch(expected, step=step, max_steps=steps)
+            feed.check(expected, step=step, rank=rank)  # raises when the loader's batch is not the sampler's
+            trained[rank].append(len(batch))
+            stream += batch.tolist()
+        assert stream[-8:] == whole  # the ranks' batches, in rank order, are the step's global batch
+        for sampler in samplers:
+            sampler.advance(world)
+    assert trained == [[4] * change_at + [6] * (steps - change_at), [4] * change_at + [2] * (steps - change_at)]
+    assert sorted(stream[:30]) == list(range(30)) and sorted(stream[30:60]) == list(range(30))  # 2 epochs, each once
+    assert all(s.state_dict() == samplers[0].state_dict() for s in samplers)
+
+
+def test_a_loader_not_opened_again_at_new_shares_is_caught_at_its_next_batch() -> None:
+    from torch.utils.data import DataLoader
+
+    from elastic._shared.common.errors import ElasticError
+    from elastic._worker.data.feed import Feed, StepBatchSampler
+
+    sampler = ElasticSampler(30, batch_size=4, seed=1)
+    feed = Feed(DataLoader(list(range(30)), batch_sampler=StepBatchSampler(sampler, 0, 2)), 4)
+    feed.fetch(sampler.local_batch(0, 2), step=0, max_steps=5)
+    sampler.set_shares((6, 2))
+    expected = sampler.local_batch(0, 2)
+    feed.fetch(expected, step=0, max_steps=5)
+    with pytest.raises(ElasticError, match="other samples than the sampler assigns"):
+        feed.check(expected, step=0, rank=0)
