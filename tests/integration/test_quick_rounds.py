@@ -9,6 +9,7 @@ early, which needs no clock in the assertion.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -312,3 +313,22 @@ def test_a_node_asking_to_join_is_in_the_next_round(store) -> None:
         assert [w for _, w in worlds] == [3, 3]
     finally:
         leave([*first, newcomer])
+
+
+def test_a_node_that_joins_the_wait_list_is_seen_at_the_next_look_not_a_cached_second_later(store) -> None:
+    """After a round completed, a node that comes back (its worker failed) waits for the next round;
+    the other agents ask `num_nodes_waiting` at every look at their workers. torch serves it from a state
+    cached for 1 s (here: for an hour); once the change was announced it is read afresh."""
+    first, second, third = agents(store, 3, max_nodes=3, last_call=1)
+    try:
+        join_all([first, second])  # a round of two of at most three: it closes at its last call
+        assert first.num_nodes_waiting() == 0  # read now, then cached
+        first._state_holder._cache_duration = 3600  # the cache alone would answer 0 from here on,
+        first._stop_heartbeats()  # and no keep-alive of its own reads the state meanwhile
+        threading.Thread(target=third.next_rendezvous, daemon=True).start()  # a completed round: the wait list
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while first.num_nodes_waiting() == 0:
+            assert time.monotonic() < deadline, "the waiting node was never seen"
+            time.sleep(0.05)
+    finally:
+        leave([first, second, third])

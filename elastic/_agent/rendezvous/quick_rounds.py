@@ -14,6 +14,9 @@ both waits are most of what a restart costs.
   expired), and nobody else asked to join. A node that was not in the previous
   round (a scale-up, a replacement) still gets torch's last call, since others
   may be arriving with it. The first round is torch's.
+- An agent's look for nodes waiting to join (`num_nodes_waiting`, at every look at its
+  workers) reads the state afresh once a change was announced, not torch's copy cached for 1 s:
+  the agents of a failed worker's peers restart theirs at their next look.
 - A node waiting for others wakes as soon as another node changes the
   membership (or after 1 s, torch's poll interval, so keep-alives and dead-node
   detection go on as before): every membership write bumps a counter in the
@@ -299,7 +302,28 @@ def quicken(handler: Any, params: Any) -> Any:
     # TCPStore's wait prints a warning whenever it times out: poll its counter instead.
     signal = ChangeSignal(handler._store, handler._settings.run_id, watch=not isinstance(handler._store, TCPStore))
     handler._op_executor = QuickRoundsExecutor(handler._this_node, holder, handler._settings, signal)
+    handler.num_nodes_waiting = fresh_when_changed(handler.num_nodes_waiting, holder, signal)
     return handler
+
+
+def fresh_when_changed(num_nodes_waiting: Callable[[], int], holder: Any, signal: ChangeSignal) -> Callable[[], int]:
+    """torch's `num_nodes_waiting` (the agent asks it at every look at its workers, every
+    --monitor-interval), served from the state torch cached up to 1 s ago only while no membership
+    change was announced since: a node that failed and joins the next round is on the wait list, and
+    the other agents restart their workers at their next look instead of up to a second later (their
+    workers meanwhile train on, or wait in a collective with the dead one). One read of the change
+    counter per look."""
+    seen: list[int | None] = [None]
+
+    def num_nodes_waiting_now() -> int:
+        generation = signal.generation()
+        if generation != seen[0]:
+            holder._last_sync_time = -1  # read the state now, not torch's cached copy
+        waiting = num_nodes_waiting()
+        seen[0] = generation
+        return waiting
+
+    return num_nodes_waiting_now
 
 
 def install() -> None:
