@@ -38,3 +38,16 @@ def test_a_worker_gone_before_the_look_ends_the_wait_at_once() -> None:
     waiter = ExitWaiter()
     waiter.wait({gone.pid}, timeout=600)
     assert waiter._gone == {gone.pid}
+
+
+def test_after_a_death_the_look_is_taken_again_until_torch_has_heard_of_it() -> None:
+    """A warm worker is the fork server's child: torch hears of its exit a little after it happened."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    from elastic._agent.launcher.death_watch import look_until_heard
+
+    answers = [RunResult(WorkerState.HEALTHY), RunResult(WorkerState.HEALTHY), RunResult(WorkerState.FAILED)]
+    looks = iter(answers)
+    assert look_until_heard(lambda: next(looks), died=True).state == WorkerState.FAILED
+    looks = iter(answers)
+    assert look_until_heard(lambda: next(looks), died=False).state == WorkerState.HEALTHY, "no death: one look"

@@ -10,8 +10,9 @@ whole one, added to every failure.
 between them waiting on the workers' process descriptors (Linux `pidfd`,
 which works for processes that are not this agent's children: warm workers
 are the fork server's) instead of sleeping: a death ends the wait at once and
-the look that follows finds it. torch's own sleep is cut to `TORCH_SLEEP`,
-and the interval the user gave bounds each wait.
+the look that follows finds it (looking again for up to `REAP_SECONDS` until
+torch has heard of it). torch's own sleep is cut to `TORCH_SLEEP`, and the
+interval the user gave bounds each wait.
 
 Invariants:
 - A look is never later than without this (the wait ends at the interval).
@@ -27,10 +28,16 @@ from __future__ import annotations
 import os
 import select
 import time
+from collections.abc import Callable
 from typing import Any
 
 TORCH_SLEEP = 0.001
 """What torch's loop sleeps between looks once the wait is ours (it sleeps before each look)."""
+REAP_SECONDS = 0.1
+"""After a death, how long a look goes on finding the workers healthy before it gives up for this
+interval: a warm worker is the fork server's child, and torch learns of its exit only once the fork
+server has reaped it and reported its status (a few milliseconds, more on a busy machine)."""
+REAP_POLL = 0.005
 
 
 class ExitWaiter:
@@ -40,26 +47,27 @@ class ExitWaiter:
         self._open: dict[int, int] = {}  # pid -> its descriptor, for pids still running when last seen
         self._gone: set[int] = set()
 
-    def wait(self, pids: set[int], timeout: float) -> None:
-        """Return once a process of `pids` not seen gone before exits, or after `timeout` seconds."""
+    def wait(self, pids: set[int], timeout: float) -> bool:
+        """Return once a process of `pids` not seen gone before exits (True), or after `timeout` seconds."""
         self._forget(pids)
         for pid in pids - self._open.keys() - self._gone:
             try:
                 self._open[pid] = os.pidfd_open(pid)
             except ProcessLookupError:
                 self._gone.add(pid)
-                return  # gone before we looked: the look that follows finds it
+                return True  # gone before we looked: the look that follows finds it
             except (OSError, AttributeError):
                 time.sleep(timeout)  # no descriptors here: torch's plain sleep
-                return
+                return False
         if not self._open:
             time.sleep(timeout)
-            return
+            return False
         ready, _, _ = select.select(list(self._open.values()), [], [], timeout)
         for descriptor in ready:
             pid = next(p for p, fd in self._open.items() if fd == descriptor)
             os.close(self._open.pop(pid))
             self._gone.add(pid)
+        return bool(ready)
 
     def _forget(self, pids: set[int]) -> None:
         """Let go of processes no longer in the group (replaced, or a new group started)."""
@@ -70,6 +78,19 @@ class ExitWaiter:
 
     def close(self) -> None:
         self._forget(set())
+
+
+def look_until_heard(look: Callable[[], Any], *, died: bool) -> Any:
+    """`look()`'s result; after a wait that a death ended (`died`), looked at again while it finds the
+    workers healthy, for up to `REAP_SECONDS` (see there)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    result = look()
+    deadline = time.monotonic() + REAP_SECONDS
+    while died and getattr(result, "state", None) == WorkerState.HEALTHY and time.monotonic() < deadline:
+        time.sleep(REAP_POLL)
+        result = look()
+    return result
 
 
 def install(interval: float) -> None:
@@ -87,8 +108,8 @@ def install(interval: float) -> None:
         waiter = self.__dict__.setdefault("_torchrevive_exit_waiter", ExitWaiter())
         context = getattr(self, "_pcontext", None)
         pids = set(context.pids().values()) if context is not None else set()
-        waiter.wait({pid for pid in pids if isinstance(pid, int) and pid > 0}, wait_for)
-        return monitor(self, worker_group)
+        died = waiter.wait({pid for pid in pids if isinstance(pid, int) and pid > 0}, wait_for)
+        return look_until_heard(lambda: monitor(self, worker_group), died=died)
 
     monitor_workers.wakes_on_exit = True  # type: ignore[attr-defined]
     LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
