@@ -76,8 +76,10 @@ def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(
     assert [e["step"] for e in healed if e["event"] == "step"] == list(range(1, STEPS + 1)), "no step lost or redone"
     # A save still being written when rank 1 died cannot commit (its part is gone): one line, and no more.
     assert all(e["step"] <= KILL_AFTER for e in healed if e["event"] == "checkpoint_failed")
-    others = [e["event"] for e in healed if e["event"] not in ("step", "checkpoint", "checkpoint_failed")]
+    others = [e["event"] for e in healed if e["event"] not in ("step", "checkpoint", "checkpoint_failed", "failure")]
     assert others == ["start", "restore", "heal", "end"]
+    # The failure, named once by the agent of its node (the worker could not write it).
+    assert [e["rank"] for e in healed if e["event"] == "failure"] == [1]
 
     (healed_end,) = [e for e in healed if e["event"] == "end"]
     assert len(set(healed_end["param_digests"])) == 1, "the ranks ended with different weights"

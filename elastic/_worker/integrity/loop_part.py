@@ -51,6 +51,7 @@ class Integrity:
     def __init__(self, ctx: WorkerContext, config: RunConfig, events: EventLog,
                  group: Any = agreement.DEFAULT_GROUP) -> None:
         self.ctx = ctx
+        self._regrouped = False
         self.config = config
         self.events = events
         self.group = group
@@ -84,19 +85,26 @@ class Integrity:
         stack.callback(self.close)
         return self
 
-    def loop_started(self, step: int) -> None:
+    def loop_started(self, step: int, *, group_from: int | None = None) -> None:
         self._training = step + 1
         if self.check.enabled:
-            self.check.start(step)
+            self.check.start(step, group_from=group_from)
         elif self.guard.policy == ROLLBACK and self.rollback.step is None:
             self.rollback.take(step)
 
+    def regrouped(self) -> None:
+        """A group formed in place took over from this member's last one (a heal keeps the ranks, and
+        so the context): the step that ends next on it is its first (`on_new_group`)."""
+        self._regrouped = True
+
     def on_new_group(self, ctx: WorkerContext, step: int) -> None:
-        """The group changed in place (survivors): checks run on the new one, from a point of `step`."""
+        """The group changed in place (survivors) and this member completed its first step on it,
+        `step`: checks run on the new one, from a point of `step`, at the steps a member that
+        joined it before that step checks at (the group went on from `step - 1`)."""
         self.ctx = ctx
         self.check.on_new_group(ctx)
         self.rollback.point = None
-        self.loop_started(step)
+        self.loop_started(step, group_from=step - 1)
 
     def step_starting(self, step: int) -> None:
         self._training = step + 1
@@ -106,7 +114,8 @@ class Integrity:
     def step_ended(self, step: int, ctx: WorkerContext, settle: Callable[[], None] = lambda: None) -> int | None:
         """Step `step` ended on the group of `ctx`: None, or the step every rank rolled back to.
         `settle()`: every rank's saves in flight committed, before a faulty rank leaves (a collective)."""
-        if ctx is not self.ctx:  # a group formed in place (survivors): its state is agreed, as a restore's
+        if ctx is not self.ctx or self._regrouped:  # a group formed in place (survivors): its state is agreed
+            self._regrouped = False
             self.on_new_group(ctx, step)
             return None
         if fault_hook.tampering(self.faults, "after_step", step, "flip"):

@@ -137,6 +137,7 @@ class ReplicaCheck:
         self._events = events
         self._group = group
         self._node = node if node is not None else node_name()
+        self._setting = setting
         self.interval = CheckInterval(setting)
         self.enabled = self.interval.every > 0 and ctx.distributed
         self._next: int | None = None
@@ -155,16 +156,22 @@ class ReplicaCheck:
                         "have no replica to compare with (a flipped bit in a shard is not caught)")
 
     def on_new_group(self, ctx: WorkerContext) -> None:
-        """The group changed in place: the checks run on it (the caller takes a new rollback point)."""
+        """The group changed in place: the checks run on it (the caller takes a new rollback point),
+        at the interval a member that just started has: a replacement's is the first one, and every
+        member must check at the same steps."""
         self._ctx = ctx
+        self.interval = CheckInterval(self._setting)
         self.enabled = self.interval.every > 0 and ctx.distributed
 
     @property
     def every(self) -> int:
         return self.interval.every
 
-    def start(self, step: int) -> None:
-        """The loop starts at `step` (a restore's, or the first): the first rollback point, the next check."""
+    def start(self, step: int, *, group_from: int | None = None) -> None:
+        """The loop starts at `step` (a restore's, or the first): the first rollback point, the next check,
+        `every` steps after `group_from` (default `step`): where the group went on from, the same on
+        every member (a survivor starts after its first step on a group formed in place, a
+        replacement before it)."""
         if not self.enabled:
             return
         if self._rollback.step != step:
@@ -174,7 +181,7 @@ class ReplicaCheck:
             self.seconds += copied
             if self.interval.cost_s() is None:
                 self.interval.estimate(2 * copied)  # a copy, and a digest that reads every byte again
-        self._next = step + self.interval.every
+        self._next = (step if group_from is None else group_from) + self.interval.every
         self._pending = None
         self._paused = True
 

@@ -22,6 +22,7 @@ from elastic._worker.checkpoint import CheckpointManager
 from elastic._worker.config import RunConfig
 from elastic._worker.control.step_vote import StepVote
 from elastic._worker.data.sampler import ElasticSampler
+from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.runtime.context import WorkerContext
@@ -60,10 +61,14 @@ class GroupParts:
         joiners: Callable[[], int] | None,
         earlier: CheckpointManager | None,
         slow_ranks: SlowRanks | None = None,
+        integrity: Integrity | None = None,
     ) -> GroupParts:
-        """`slow_ranks`: the run's part behind --slow-ranks, told of the new group; its figures ride on the vote."""
+        """`slow_ranks`: the run's part behind --slow-ranks, told of the new group; its figures ride on the vote.
+        `integrity`: the replica checks, told of a group that took over from `earlier` (formed in place)."""
         if slow_ranks is not None:
             slow_ranks.on_new_group(ctx)
+        if integrity is not None and earlier is not None:
+            integrity.regrouped()
         figures = slow_ranks.figures if slow_ranks is not None else None
         vote = StepVote(ctx, ballot, grace=config.term_grace, joiners=joiners, figures=figures)
         checkpoints = CheckpointManager(

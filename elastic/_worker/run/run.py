@@ -364,7 +364,7 @@ class Run:
         self._group = GroupParts.build(
             ctx, self.config, self._state, ballot=self._ballot, events=self.events, faults=self._faults,
             joiners=survivors.joiners_waiting(ctx) if survivors is not None else None, earlier=earlier,
-            slow_ranks=self._slow_ranks,
+            slow_ranks=self._slow_ranks, integrity=self._integrity,
         )
         if survivors is not None:
             survivors.on_new_group(ctx, self.events, self.config.events)
