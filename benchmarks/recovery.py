@@ -102,6 +102,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic._agent.launcher.failure_policy import SET_ASIDE_FAILURES_ENV
 from elastic._agent.launcher.launch import SNAPSHOTS_ENV
 from elastic._shared.protocol.heal_env import SURVIVORS_ENV
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
@@ -147,6 +148,8 @@ def start_job(setting: str, workdir: Path, ckpt_every: int, steps: int = 10_000_
     `tuned` plain torchrun with a store per round and our launcher's `--rdzv-conf`,
     `ours-disk` our launcher without its snapshot keeper."""
     env = {FRESH_STORE_ENV: "1"} if setting == "tuned" else {}
+    if setting in OURS:  # the same nodes are killed again and again on purpose: not a bad node to set aside
+        env[SET_ASIDE_FAILURES_ENV] = "0"
     snapshots = ["--snapshot-every", "1"]  # what "ours" measures: snapshots every step, not the auto interval
     if setting == "ours-disk":
         env[SNAPSHOTS_ENV] = "0"
