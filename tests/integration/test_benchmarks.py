@@ -131,7 +131,8 @@ def test_recovery_benchmark_measures_a_kill_at_every_model_size_and_restarting_a
                         out, flags=re.M)
         assert row, out
         stall, kill_to_step = float(row.group(1)), float(row.group(3))
-        assert stall <= kill_to_step < 120 and row.group(5) == "0", "recovered, and no rendezvous round failed"
+        # (a stall may exceed the kill-to-step time: the step the kill landed in may have run long)
+        assert 0 <= stall < 120 and kill_to_step < 120 and row.group(5) == "0", "recovered, no rendezvous round failed"
         line = re.search(rf"^{size} {setting}: median time line after a kill: (?:detected at ([\d.]+) s, )?restore "
                          r"began at ([\d.]+) s, restored at ([\d.]+) s, step at ([\d.]+) s; the first step took "
                          r"([\d.]+) s, a steady one ([\d.]+) s$", out, flags=re.M)
