@@ -171,19 +171,8 @@ _SNAPSHOT_EVERY = _Rule(
     _snapshot_every, lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     lambda n, v: f"{n}={v!r} must be auto or a number of steps, 0 or more", "N",
 )
-def _replica_check_every(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int_at_least(0)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not auto or a number of steps, 0 or more") from None
+_REPLICA_CHECK_EVERY = _SNAPSHOT_EVERY  # the same rule: auto, or a number of steps (0: off)
 
-
-_REPLICA_CHECK_EVERY = _Rule(
-    _replica_check_every, _SNAPSHOT_EVERY.holds,
-    lambda n, v: f"{n}={v!r} must be auto or a number of steps, 0 or more", "N",
-)
 NUMERIC_GUARD_CHOICES = ("off", "stop", "skip", "rollback")
 SLOW_RANKS_CHOICES = ("off", "report", "rebalance")
 
