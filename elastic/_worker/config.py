@@ -104,12 +104,17 @@ class RunConfig:
     """What a rank whose own work per sample stays --slow-factor times the others' median does: off (not
     measured), report (named: a line, a `straggler` event, a metric; the math unchanged), rebalance (also
     each rank's share of the global batch follows its speed, its gradient weighted by its share: the same
-    update, every sample once, but other samples per rank than an even split)."""
+    update, every sample once, but other samples per rank than an even split), evict (rebalance, and a rank
+    still --evict-factor times slower, or too slow for its smallest share, leaves the job with its node under
+    torchrevive-run --survivors train-on; without train-on it is reported and rebalanced)."""
     slow_factor: float = 1.25
     """A rank is a straggler when the median of its work per sample over the others' median, over the last
     --slow-window votes (about one a second), is at least this."""
     slow_window: int = 5
     """Votes (about one a second) a rank's slowdown is judged over: its median over them decides."""
+    evict_factor: float = 3.0
+    """With --slow-ranks evict: a rank whose median slowdown over the --slow-window votes is at least this
+    (above --slow-factor) is evicted."""
 
     def __post_init__(self) -> None:
         for name in ("ckpt_dir", "events"):  # a pathlib.Path is a path too
@@ -119,6 +124,9 @@ class RunConfig:
             value = getattr(self, name)
             if not rule.holds(value):
                 raise UsageError(rule.message(name, value))
+        if self.slow_ranks == "evict" and self.evict_factor <= self.slow_factor:
+            raise UsageError(f"--evict-factor ({self.evict_factor:g}) must be above --slow-factor "
+                             f"({self.slow_factor:g}): a rank is evicted only once it is a straggler")
 
     @property
     def ckpt_wait_slice(self) -> float:
@@ -174,7 +182,7 @@ _SNAPSHOT_EVERY = _Rule(
 _REPLICA_CHECK_EVERY = _SNAPSHOT_EVERY  # the same rule: auto, or a number of steps (0: off)
 
 NUMERIC_GUARD_CHOICES = ("off", "stop", "skip", "rollback")
-SLOW_RANKS_CHOICES = ("off", "report", "rebalance")
+SLOW_RANKS_CHOICES = ("off", "report", "rebalance", "evict")
 
 
 def _factor_above_1(text: str) -> float:
@@ -268,6 +276,10 @@ def _rules() -> dict[str, _Rule]:
             lambda n, v: f"{n} must be above 1 (and finite), not {v}", "F",
         ),
         "slow_window": _at_least(1),
+        "evict_factor": _Rule(
+            _factor_above_1, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 1 < v < math.inf,
+            lambda n, v: f"{n} must be above 1 (and finite), not {v}", "F",
+        ),
     }
 
 

@@ -3,7 +3,8 @@ the spans the run's picture shades on the throughput against wall time.
 
 The workers write these events (elastic._worker.observe.slow_ranks): `straggler` (rank, node, host,
 slowdown: its work per sample over the other ranks' median, step) when an episode starts, and
-`straggler_recovered` (the same fields) when it ends.
+`straggler_recovered` (the same fields) when it ends; `straggler_evicted` (also action, reason) when
+`--slow-ranks evict` names it, which ends the episode when the rank left (action `evicted`).
 
 Invariant: a field of the wrong type (a log edited or torn by hand) is shown as "?", never an exception;
 an episode whose times are not numbers is drawn nowhere.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("straggler", "straggler_recovered")
+KINDS = ("straggler", "straggler_recovered", "straggler_evicted")
 
 
 def _number(value: Any) -> str:
@@ -39,6 +40,9 @@ def describe(event: dict[str, Any]) -> str | None:
     if kind == "straggler":
         return (f"straggler from step {_number(event.get('step'))}: {who}, {_slowdown(event.get('slowdown'))} "
                 "the other ranks' work per sample")
+    if kind == "straggler_evicted":
+        return (f"straggler {_text(event.get('action'))} at step {_number(event.get('step'))}: {who}, "
+                f"{_text(event.get('reason'))}")
     return f"straggler recovered at step {_number(event.get('step'))}: {who}, {_slowdown(event.get('slowdown'))}"
 
 
@@ -65,7 +69,8 @@ def episodes(events: list[dict[str, Any]]) -> list[Episode]:
             continue
         if event.get("event") == "straggler" and rank not in open_since:
             open_since[rank] = float(time)
-        elif event.get("event") == "straggler_recovered" and rank in open_since:
+        elif rank in open_since and (event.get("event") == "straggler_recovered" or (
+                event.get("event") == "straggler_evicted" and event.get("action") == "evicted")):
             found.append(Episode(rank, open_since.pop(rank), float(time)))
     found += [Episode(rank, start, None) for rank, start in open_since.items()]
     return sorted(found, key=lambda e: e.start_time)

@@ -10,7 +10,9 @@ so each comes to the same decision about its own node:
   once, or that strikes several nodes alike, sets no one aside.
 - A worker that exits with `FAULTY_NODE_EXIT` proved its own node wrong (its parameters diverged from
   its replicas again after every rank rolled back and replayed: elastic._worker.integrity): that one
-  failure is `limit` strikes, so its node is set aside at once where the job can shrink.
+  failure is `limit` strikes, so its node is set aside at once where the job can shrink. So is a worker
+  that exits with `EVICTED_EXIT`: every rank agreed it is a straggler past --evict-factor
+  (elastic._worker.observe.eviction), and its node leaves so the job trains on without it.
 - A **crash loop** is a failure that repeats at the same step, with no step completed past it in
   between: the last `attempts` primary failures of the job all died after the same completed step.
   Restarting again would meet it again: the job stops with `CRASH_LOOP_EXIT`. Setting aside is decided
@@ -29,7 +31,7 @@ import signal
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
-from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
+from elastic._shared.protocol.exit_status import EVICTED_EXIT, FAULTY_NODE_EXIT
 
 CRASH_LOOP_EXIT = 78
 """The job stopped because a failure repeats at the same step (distinct from 1, 2, 75, 76, 124, 143)."""
@@ -140,15 +142,18 @@ class Decision:
 
 
 RESTART = Decision("restart")
+_AT_ONCE = frozenset({FAULTY_NODE_EXIT, EVICTED_EXIT})
+"""Exit statuses that set their node aside at the first failure (where the job can shrink)."""
 
 
 def strikes_of(
     failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]], *, limit: int = 1,
 ) -> list[Strike]:
     """The strikes in the job's failures and named hangs (each hang: a culprit's node and the time); a
-    failure with `FAULTY_NODE_EXIT` is `limit` of them (a node proven wrong)."""
+    failure with `FAULTY_NODE_EXIT` (a node proven wrong) or `EVICTED_EXIT` (a straggler the ranks evicted)
+    is `limit` of them."""
     marks = [Strike(f.node, f.time, "failure") for f in failures if f.primary
-             for _ in range(max(1, limit) if f.exitcode == FAULTY_NODE_EXIT else 1)]
+             for _ in range(max(1, limit) if f.exitcode in _AT_ONCE else 1)]
     marks += [Strike(node, time, "hang") for node, time in hang_nodes if node]
     return sorted(marks, key=lambda strike: strike.time)
 
@@ -202,6 +207,10 @@ def decide(
                 f"node {culprit} is set aside: its worker's parameters diverged from its replicas again after "
                 "every rank rolled back and replayed (exit 80: it computes wrong); its agent leaves the job, "
                 "which trains on without it"))
+        if any(f.node == culprit and f.primary and f.exitcode == EVICTED_EXIT for f in failures):
+            return Decision("set_aside", strikes=len(marks), node=culprit, line=(
+                f"node {culprit} is set aside: its worker was evicted as a straggler (exit {EVICTED_EXIT}: "
+                "--slow-ranks evict); its agent leaves the job, which trains on without it"))
         return Decision(
             "set_aside", strikes=len(marks), node=culprit,
             line=(f"node {culprit} is set aside: {len(marks)} {' and '.join(kinds)} of its workers within "

@@ -56,7 +56,7 @@ from elastic._agent.launcher.failure_policy import (
     Failure,
 )
 from elastic._agent.launcher.notice_board import Entry, LocalBoard, StoreBoard
-from elastic._shared.protocol import worker_notes
+from elastic._shared.protocol import heal_env, worker_notes
 from elastic._shared.storage.keeper_address import NODE_ENV
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class JobWatch:
         self._ended: set[int] = set()  # workers this agent ended as a hang's culprits
         self.excluded: set[str] = set()
         """Nodes set aside: their failures count no more."""
+        self._trains_on = self._env.get(heal_env.SURVIVORS_ENV) == heal_env.TRAIN_ON  # the launcher checked it
         self.counts = dict.fromkeys(worker_notes.INCIDENTS, 0)
         """The job's primary failures, named hangs and nodes set aside read so far (the metrics' note)."""
 
@@ -161,9 +162,11 @@ class JobWatch:
             return
         if self.stop_line is not None:
             raise CrashLoopStop(self.stop_line)
-        if left and not failed and not (result is not None and result.is_failed()):
+        if left and not failed and not (result is not None and result.is_failed()) and not self._trains_on:
             # A node of this round left the job: its workers are gone, so this node's wait in a collective
-            # for them; a new round of the nodes left, as torch's agent starts for a node that joins.
+            # for them; a new round of the nodes left, as torch's agent starts for a node that joins. Under
+            # --survivors train-on the workers form a smaller group in their own processes (as for a lost
+            # node): a round would only throw that away.
             print("torchrevive-run: a node of this round was set aside: this node's workers start a new round "
                   "without it", file=sys.stderr, flush=True)
             self._agent._restart_workers(worker_group)

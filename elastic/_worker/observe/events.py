@@ -45,12 +45,14 @@ logger = logging.getLogger(__name__)
 FLUSH_SECONDS = 0.05  # a watcher of the log (a test waiting for a step) sees it at most this late
 EVENT_KINDS = (
     "start", "step", "eval", "checkpoint", "checkpoint_failed", "checkpoint_skipped", "restore", "heal", "end",
-    "corruption", "numeric", "straggler", "straggler_recovered", "rebalance", "hang", "failure", "node_excluded", "crash_loop",
+    "corruption", "numeric", "straggler", "straggler_recovered", "straggler_evicted", "rebalance", "hang", "failure",
+    "node_excluded", "crash_loop",
 )
 """`corruption`: a replica check's mismatch, undone and named (elastic._worker.integrity.replica_check);
 `numeric`: a step the numeric guard caught before its update; `straggler`, `straggler_recovered`: a slow rank's
-episode began or ended (elastic._worker.observe.slow_ranks); `rebalance`: the global batch's new split between
-the ranks (`shares`, by rank). The last four are the job's, written by
+episode began or ended (elastic._worker.observe.slow_ranks); `straggler_evicted`: `--slow-ranks evict` named a
+rank for eviction (`action`: evicted, or kept and rebalanced; `reason`); `rebalance`: the global batch's new
+split between the ranks (`shares`, by rank). The last four are the job's, written by
 torchrevive-run's agents (elastic._agent.launcher.job_watch): a named hang, a worker's failure, a node set aside, a crash loop that stopped the job."""
 
 

@@ -59,9 +59,12 @@ class Rebalancer:
         self.window = window
         self.min_gain = min_gain
         self._history: list[deque[int]] = []
+        self.per_sample: list[float] | None = None
+        """Each rank's median work per sample over the window, once every window is full (else None)."""
 
     def reset(self) -> None:
         self._history = []
+        self.per_sample = None
 
     def observe(self, figures: Sequence[int]) -> tuple[int, ...] | None:
         """One vote's figures: the shares to take now, or None to keep those in effect."""
@@ -72,8 +75,9 @@ class Rebalancer:
             if isinstance(figure, int) and not isinstance(figure, bool) and 0 < figure <= MAX_FIGURE:
                 self._history[rank].append(figure)
         if world < 2 or any(len(h) < self.window for h in self._history):
+            self.per_sample = None
             return None
-        per_sample = [float(statistics.median(h)) for h in self._history]
+        per_sample = self.per_sample = [float(statistics.median(h)) for h in self._history]
         current = tuple(self.sampler.share(rank, world)[1] for rank in range(world))
         proposed = balanced_shares(per_sample, sum(current))
         if proposed == current or step_time(proposed, per_sample) > (1 - self.min_gain) * step_time(current, per_sample):

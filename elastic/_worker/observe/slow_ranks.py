@@ -11,13 +11,18 @@ Invariants:
 - Every rank decides on the same figures (the vote's MAX of one slot per rank), so every rank
   learns of an episode at the same vote step: naming the ranks' places (node and host) is then a
   collective every rank takes, once per group, at the first episode.
-- Under `rebalance` the same figures move the cut of the global batch between ranks
+- Under `rebalance` (and `evict`) the same figures move the cut of the global batch between ranks
   (elastic._worker.observe.rebalance): every rank sets the same shares at the same vote step, and
   `verdict` says so, so the loop opens a loader again at the new shares. Under `off` and `report`
   the shares stay even and no gradient is touched: the run's math and samples are as without this part.
 - An episode is reported once when it starts (`straggler` event: rank, node, host, slowdown, step;
   one warning line on rank 0) and once when it ends (`straggler_recovered`); the events feed the
   per-rank metric `rank_slowdown` on the rank named.
+- Under `evict` a rank past `--evict-factor` (or too slow for its smallest share) is evicted
+  (elastic._worker.observe.eviction): every rank decides it at the same vote step; a
+  `straggler_evicted` event and one line say so, and where it may leave (`can_leave`: --survivors
+  train-on, the job above its minimum without its node) the rank raises `EvictedError` (its worker
+  exits `EVICTED_EXIT`, its node is set aside) while the others train on; else it is kept, rebalanced.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from elastic._worker.config import RunConfig
 from elastic._worker.control import agreement
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog
+from elastic._worker.observe.eviction import EvictedError, Eviction, Evictions
 from elastic._worker.observe.rebalance import GradientWeights, Rebalancer
 from elastic._worker.observe.stragglers import Episode, StragglerWatch, WorkClock
 from elastic._worker.runtime.context import WorkerContext
@@ -84,7 +90,8 @@ class SlowRanks:
         ranks' group for naming places (default: the control group); `clock`: the work's clock."""
         self.enabled = config.slow_ranks != "off"
         self.sampler = sampler
-        self.rebalancing = config.slow_ranks == "rebalance"
+        self.rebalancing = config.slow_ranks in ("rebalance", "evict")
+        self.evictions = Evictions(factor=config.evict_factor) if config.slow_ranks == "evict" else None
         if self.rebalancing and sampler is None:
             raise ValueError("rebalancing moves a sampler's shares: give it the run's sampler")
         if self.rebalancing and model is not None and any(_sharded(p) for p in model.parameters()):
@@ -123,6 +130,8 @@ class SlowRanks:
         """The group changed in place: other ranks, so new histories and places."""
         self.ctx, self.group = ctx, group
         self.watch.reset()
+        if self.evictions is not None:
+            self.evictions.reset()
         if self.rebalancer is not None:
             self.rebalancer.reset()
         self._places = None
@@ -151,9 +160,11 @@ class SlowRanks:
         slots[self.ctx.rank] = self.clock.take()
         return slots
 
-    def verdict(self, work: tuple[int, ...], step: int) -> bool:
+    def verdict(self, work: tuple[int, ...], step: int, *, can_leave: bool = False) -> bool:
         """A vote's figures (every rank, the same ones at the same step): report the episodes they start or
-        end and, rebalancing, set new shares; True when the shares changed (every rank alike)."""
+        end, rebalancing set new shares, and under `evict` evict a rank; True when the shares changed
+        (every rank alike). `can_leave` (the same on every rank): an evicted rank may leave the job; the
+        evicted rank then raises `EvictedError` here, after the event."""
         if not self.enabled or len(work) != self.ctx.world_size:
             return False
         self.episodes = self.watch.observe(work)
@@ -164,6 +175,13 @@ class SlowRanks:
         if not self.rebalancing or self.rebalancer is None or self.sampler is None:
             return False
         shares = self.rebalancer.observe(work)
+        if self.evictions is not None:
+            in_effect = [self.sampler.share(rank, self.ctx.world_size)[1] for rank in range(self.ctx.world_size)]
+            evicted = self.evictions.observe(self.watch, in_effect, self.rebalancer.per_sample)
+            if evicted is not None:
+                self._evict(evicted, step, can_leave)
+                if can_leave:
+                    return False  # the group changes at the next collective: the split starts even again
         if shares is None:
             return False
         self.sampler.set_shares(shares)
@@ -172,6 +190,21 @@ class SlowRanks:
             logger.info("step %d: the global batch of %d is split %s between the ranks (by their speed)",
                         step, sum(shares), "/".join(map(str, shares)))
         return True
+
+    def _evict(self, evicted: Eviction, step: int, can_leave: bool) -> None:
+        place = self._gathered_places()[evicted.rank]
+        action = "evicted" if can_leave else "kept"
+        why = "" if can_leave else ("it stays, rebalanced: eviction needs torchrevive-run --survivors train-on "
+                                   "and a job above its minimum size without this rank's node")
+        self.events.emit("straggler_evicted", step=step, world_size=self.ctx.world_size, rank=evicted.rank,
+                         node=place.node, host=place.host, slowdown=round(evicted.slowdown, 3), action=action,
+                         reason=evicted.reason)
+        line = (f"rank {evicted.rank} (node {place.node}, host {place.host}) is {'evicted' if can_leave else 'too slow'} "
+                f"at step {step}: {evicted.reason}")
+        if self.ctx.is_main:
+            logger.warning("%s; %s", line, "its node leaves the job, which trains on without it" if can_leave else why)
+        if can_leave and evicted.rank == self.ctx.rank:
+            raise EvictedError(f"{line}; its node leaves the job, which trains on without it (--slow-ranks evict)")
 
     def _gathered_places(self) -> list[Place]:
         if self._places is None:
@@ -191,3 +224,13 @@ class SlowRanks:
             if self.ctx.is_main:
                 logger.info("rank %d (node %s, host %s) is no longer a straggler: %.2fx the median, at step %d",
                             episode.rank, place.node, place.host, episode.slowdown, step)
+
+
+def can_leave(survivors: Any, world_size: int) -> bool:
+    """Whether an evicted rank may leave the job: under --survivors train-on, healing in place, with the
+    job at least its minimum world size without the rank's node (its agent's workers). The same on every
+    rank (job-wide settings; nodes of one job start as many workers each)."""
+    if survivors is None or not survivors.train_on or not survivors.can_heal:
+        return False
+    point = survivors.healing.point
+    return world_size - point.local_world_size >= max(point.min_world, 1)

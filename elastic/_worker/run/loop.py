@@ -53,7 +53,7 @@ from elastic._worker.data.feed import Feed
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
-from elastic._worker.observe.slow_ranks import SlowRanks
+from elastic._worker.observe.slow_ranks import SlowRanks, can_leave
 from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.observe.step_report import StepReport
 from elastic._worker.run.group import GroupParts
@@ -209,7 +209,8 @@ class StepLoop:
         try:
             with costs.timing("vote"):
                 verdict = run._parts.vote.step_ended(run.step)
-                rebalanced = run._slow_ranks.verdict(verdict.work, run.step)  # new shares: the loader opens again
+                rebalanced = run._slow_ranks.verdict(  # new shares: the loader opens again
+                    verdict.work, run.step, can_leave=can_leave(survivors, run._context.world_size))
             run._act_on(verdict)
             with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
                 run._parts.checkpoints.maybe_save(run.step)
