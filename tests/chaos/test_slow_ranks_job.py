@@ -1,0 +1,103 @@
+"""Rebalanced shares on a real job (issue 43), one job start: two agents, one node at half speed
+(tests/slow_share_job.py sleeps 2 ms per sample there, 1 ms on the other), `--slow-ranks rebalance`.
+
+1. The ranks rebalance: the slow node's rank gets the smaller share, through the real vote.
+2. Once a checkpoint holds the shares, the fast node's worker is SIGKILLed: the agents restore it at
+   the same world size, the shares come back with the sampler's state, and every step replayed from
+   the checkpoint has the loss bit for bit of the step the uninterrupted run trained before the kill.
+3. Then the slow node is lost (its agent and worker SIGKILLed): the job resumes at one rank, whose
+   share is the whole global batch (shares hold only at the world size they were made for).
+
+The sample audit finds every sample of the final history trained exactly once across all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import warm
+from support import REPO
+
+from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.samples import audit
+
+pytestmark = pytest.mark.slow
+
+BATCH, STEPS = 8, 700
+
+
+def per_rank_counts(prefix: Path) -> dict[tuple[str, int], dict[int, int]]:
+    """(round, step) -> {rank: samples trained}, from the sample log's raw records."""
+    counts: dict[tuple[str, int], dict[int, int]] = {}
+    for path in sorted(prefix.parent.glob(prefix.name + ".rank*")):
+        rank = int(path.name.rsplit("rank", 1)[1])
+        for line in path.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if "indices" in record:
+                counts.setdefault((record["round"], record["step"]), {})[rank] = len(record["indices"])
+    return counts
+
+
+def test_rebalanced_shares_survive_a_kill_bit_for_bit_and_a_resize_each_sample_once(tmp_path: Path) -> None:
+    spec = JobSpec(
+        workdir=tmp_path, nnodes="1:2", agents=2, start_process=warm.popen, run_id=f"shares-{uuid.uuid4().hex[:8]}",
+        script=REPO / "tests" / "slow_share_job.py", sample_log=tmp_path / "samples",
+        script_args=["--max-steps", str(STEPS), "--batch-size", str(BATCH), "--slow-ranks", "rebalance",
+                     "--slow-window", "2", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "10",
+                     "--ckpt-keep", "100", "--snapshot-every", "0", "--hang-timeout", "60"],
+        env={"SLOW_SHARE_MS_PER_SAMPLE": "1"}, agent_env={1: {"SLOW_SHARE_MS_PER_SAMPLE": "2"}},
+    )
+    with ChaosJob(spec) as job:
+        job.start()
+        first = job.poll_for(lambda: next((e for e in job.records() if e["event"] == "rebalance"), None), 120,
+                             "a rebalance")
+        saved = job.poll_for(lambda: next((e["step"] for e in job.records() if e["event"] == "checkpoint"
+                                           and e["step"] > first["step"] + 10), None), 120, "a checkpoint of the shares")
+        job.wait_for_step(saved + 5)
+        killed_at = time.time()
+        job.signal_worker(signal.SIGKILL, rank=0)
+        restored = job.poll_for(lambda: next((e for e in job.records() if e["event"] == "restore"
+                                              and e["time"] > killed_at), None), 180, "the restore")
+        job.wait_for_step(restored["step"] + 30, after=restored["time"])
+        lost_at = time.time()
+        job.kill_agent(1)
+        job.wait_for_world_size(1, after=lost_at)
+        codes = job.wait(timeout=300)
+        recorded = job.records()
+    assert codes[0] == 0, job.logs()
+
+    rebalances = [e for e in recorded if e["event"] == "rebalance"]
+    shares = rebalances[0]["shares"]
+    assert len(shares) == 2 and sum(shares) == 2 * BATCH and min(shares) < BATCH, rebalances
+    # 2. the restore at two ranks: from a checkpoint that holds the shares in effect before the kill
+    assert restored["world_size"] == 2 and restored["step"] >= saved, restored
+    before_kill = [e for e in rebalances if e["time"] < killed_at]
+    in_effect = before_kill[-1]["shares"]
+    assert all(e["step"] <= restored["step"] for e in before_kill), ("shares changed after the checkpoint", before_kill)
+    counts = per_rank_counts(tmp_path / "samples")
+    after_restore = sorted((step, by_rank) for (_, step), by_rank in counts.items() if step == restored["step"] + 1)
+    assert len(after_restore) == 2, after_restore  # the step trained before the kill and again after the restore
+    for _, by_rank in after_restore:
+        assert sorted(by_rank.values()) == sorted(in_effect), (by_rank, in_effect)
+    # every step replayed from the checkpoint: the loss of the uninterrupted run, bit for bit
+    steps = [e for e in recorded if e["event"] == "step" and "loss" in e]
+    before = {e["step"]: e["loss"] for e in steps if e["time"] < killed_at and e["step"] > restored["step"]}
+    after = {e["step"]: e["loss"] for e in steps if e["time"] > restored["time"]}
+    replayed = sorted(set(before) & set(after))
+    assert len(replayed) >= 5, (before, restored)
+    assert [before[s] for s in replayed] == [after[s] for s in replayed], replayed
+    assert not [e for e in rebalances if killed_at < e["time"] and e["step"] <= max(replayed)]
+    # 3. the resize: one rank takes the whole global batch of its world size
+    resumed = [e for e in recorded if e["event"] == "restore" and e["time"] > lost_at]
+    assert [e["world_size"] for e in resumed] == [1], resumed
+    last = max(step for (_, step) in counts)
+    assert list(counts[next(k for k in counts if k[1] == last)].values()) == [BATCH]
+    ends = [e for e in recorded if e["event"] == "end"]
+    assert [(e["step"], e["world_size"]) for e in ends] == [(STEPS, 1)], ends
+    samples = audit(tmp_path / "samples")
+    assert samples.ok and (samples.first_step, samples.last_step) == (1, STEPS), samples.summary()
