@@ -21,7 +21,11 @@ from elastic._worker.config import ArgumentParser, RunConfig
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe import slow_ranks
 from elastic._worker.observe.events import EventLog
-from elastic._worker.observe.eviction import EvictedError, Evictions, too_slow_to_rebalance
+from elastic._worker.observe.eviction import (
+    EvictedError,
+    Evictions,
+    too_slow_to_rebalance,
+)
 from elastic._worker.observe.stragglers import StragglerWatch
 from elastic._worker.runtime.context import WorkerContext
 
