@@ -6,10 +6,13 @@ its work (`--slow-ranks rebalance`), against the same job with no rank throttled
 
 Each (world size, mode) is one job of `benchmarks/slow_rank_worker.py` processes (gloo, a small MLP,
 64 samples per rank per step). The last rank is throttled from outside its process, once rank 0 has
-logged `--throttle-after` steps: a SIGSTOP/SIGCONT duty cycle (stopped `--stopped` of every
-`--period` seconds: 0.5 is half speed). A slowdown the runtime injected itself could be shaped to suit
-it; this one is the kernel's. Mode `none` runs `report` with no rank throttled: its straggler events
-are false alarms.
+logged `--throttle-after` steps, to `1 - --stopped` of one CPU (0.5: half speed; each rank is given one
+thread): `--throttle cgroup` moves it into a cgroup of its own whose CPU quota says so (cgroup v2
+`cpu.max`, or v1 `cpu.cfs_quota_us`, under /sys/fs/cgroup: needs root); `--throttle stop` stops it
+`--stopped` of every `--period` seconds (SIGSTOP/SIGCONT); `auto` (the default) takes the cgroup where
+one can be made, else the duty cycle, and says which. A slowdown the runtime injected itself could be
+shaped to suit it; this one is the kernel's. Mode `none` runs `report` with no rank throttled: its
+straggler events are false alarms.
 
 Per job: throughput in samples/s over the steps from `--throttle-after` + `--settle` to the end (from
 rank 0's step times), its ratio to the ideal (the sum of the ranks' speeds: the unthrottled job's
@@ -35,11 +38,15 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "slow_rank_worker.py"
 MODES = ("none", "ddp", "report", "rebalance")
 BATCH = 64
+THROTTLES = ("auto", "cgroup", "stop")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_PERIOD_US = 100_000
 
 
 @dataclass
@@ -65,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=int, default=60, help="steps after the throttle before the throughput counts")
     p.add_argument("--stopped", type=float, default=0.5, help="share of each period the throttled rank is stopped")
     p.add_argument("--period", type=float, default=0.02, help="seconds of one stop/continue cycle (well below a step)")
+    p.add_argument("--throttle", choices=THROTTLES, default="auto",
+                   help="cgroup: a CPU quota of its own cgroup; stop: a SIGSTOP/SIGCONT duty cycle; auto: cgroup if possible")
     p.add_argument("--stop-when-named", action="store_true", help="end each job once what it waits for is logged")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a job may take")
     p.add_argument("--json", default=None, help="write the rows here")
@@ -83,11 +92,99 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stopped must be between 0 and 1 and --period above 0")
     if opts.throttle_after < 1 or opts.settle < 1 or opts.steps <= opts.throttle_after + opts.settle:
         p.error("--steps must exceed --throttle-after + --settle, each at least 1")
+    opts.cgroup = cgroup_layout(CGROUP_ROOT) if opts.throttle != "stop" else None
+    if opts.throttle == "cgroup" and opts.cgroup is None:
+        p.error(f"--throttle cgroup: no writable cgroup CPU controller under {CGROUP_ROOT} (v2 cpu.max or v1 "
+                "cpu.cfs_quota_us; root needed); --throttle stop uses a SIGSTOP/SIGCONT duty cycle")
     return opts
+
+
+class Throttle(Protocol):
+    started_at: float | None
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """Where a CPU quota can be set: `version` 2 (`cpu.max` in `parent`'s children) or 1 (`cpu.cfs_quota_us`)."""
+
+    version: int
+    parent: Path
+
+
+def cgroup_layout(root: Path) -> CgroupLayout | None:
+    """The cgroup hierarchy under `root` that takes a CPU quota and that this process may write to: v2 when
+    its root delegates the cpu controller to children, else v1's cpu hierarchy; None for neither."""
+    def has(path: Path, word: str) -> bool:
+        try:
+            return word in path.read_text().split()
+        except OSError:
+            return False
+
+    if has(root / "cgroup.controllers", "cpu") and has(root / "cgroup.subtree_control", "cpu") \
+            and os.access(root, os.W_OK):
+        return CgroupLayout(2, root)
+    for v1 in (root / "cpu", root / "cpu,cpuacct"):
+        if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
+            return CgroupLayout(1, v1)
+    return None
+
+
+def quota_files(layout: CgroupLayout, share: float, period_us: int = CGROUP_PERIOD_US) -> dict[str, str]:
+    """What to write in a new cgroup of `layout` to hold its processes to `share` of one CPU."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share={share} must be in (0, 1]")
+    quota = max(1000, round(share * period_us))  # the kernel's least quota is 1 ms
+    if layout.version == 2:
+        return {"cpu.max": f"{quota} {period_us}"}
+    return {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota)}
+
+
+class CgroupQuota:
+    """Holds `pid` to `share` of one CPU: a cgroup of its own under `layout.parent` with that CPU quota,
+    the process moved into it at `start()` and back to the parent at `stop()` (the cgroup removed)."""
+
+    name = "cgroup CPU quota"
+
+    def __init__(self, pid: int, share: float, layout: CgroupLayout) -> None:
+        self.pid, self.share, self.layout = pid, share, layout
+        self.path = layout.parent / f"torchrevive-slow-rank-{os.getpid()}-{pid}"
+        self.started_at: float | None = None
+
+    def start(self) -> None:
+        self.path.mkdir()
+        for name, value in quota_files(self.layout, self.share).items():
+            (self.path / name).write_text(value)
+        (self.path / "cgroup.procs").write_text(str(self.pid))  # every thread of the process moves
+        self.started_at = time.time()
+
+    def stop(self) -> None:
+        if not self.path.exists():
+            return
+        try:
+            (self.layout.parent / "cgroup.procs").write_text(str(self.pid))
+        except OSError:
+            pass  # it exited: the cgroup is empty already
+        try:
+            self.path.rmdir()
+        except OSError as error:
+            print(f"slow_rank.py: could not remove {self.path}: {error}", file=sys.stderr)
+
+
+def make_throttle(pid: int, opts: argparse.Namespace) -> Throttle:
+    """The throttle `--throttle` asks for: a cgroup quota where `parse_args` found one, else the duty cycle."""
+    if opts.cgroup is not None:
+        return CgroupQuota(pid, 1 - opts.stopped, opts.cgroup)
+    return DutyCycle(pid, opts.stopped, opts.period)
 
 
 class DutyCycle:
     """Stops `pid` for `stopped` of every `period` seconds (SIGSTOP, SIGCONT) until `stop()`."""
+
+    name = "SIGSTOP/SIGCONT duty cycle"
 
     def __init__(self, pid: int, stopped: float, period: float) -> None:
         self.pid, self.stopped, self.period = pid, stopped, period
@@ -160,7 +257,7 @@ def run_job(world: int, mode: str, opts: argparse.Namespace, workdir: Path) -> R
         with open(job / f"out{rank}", "wb") as out:
             procs.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                           stdout=out, stderr=subprocess.STDOUT, cwd=job))
-    throttle = DutyCycle(procs[-1].pid, opts.stopped, opts.period) if mode != "none" else None
+    throttle = make_throttle(procs[-1].pid, opts) if mode != "none" else None
     deadline = time.monotonic() + opts.timeout
     stopped_early = False
     try:
@@ -208,7 +305,7 @@ def audit_of(prefix: Path) -> tuple[bool, str]:
         f"; {result.problems[0]}" if result.problems else "")
 
 
-def summarize(world: int, mode: str, steps: list[dict], events: list[dict], throttle: DutyCycle | None,
+def summarize(world: int, mode: str, steps: list[dict], events: list[dict], throttle: Throttle | None,
               opts: argparse.Namespace, audited: tuple[bool, str] | None) -> Row:
     """One job's row, from rank 0's step times, the event log and the audit."""
     rate, counted = throughput(steps, opts.throttle_after + opts.settle, BATCH * world)
@@ -257,6 +354,9 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    print("throttle: " + (f"a cgroup v{opts.cgroup.version} CPU quota under {opts.cgroup.parent}" if opts.cgroup
+                          else "a SIGSTOP/SIGCONT duty cycle" + (" (no writable cgroup CPU controller)"
+                                                                 if opts.throttle == "auto" else "")), flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="slow-rank-") as tmp:
         for world in opts.world_sizes:
@@ -265,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"ranks {world}, {mode}: {row.samples_per_s:.0f} samples/s over {row.steps} steps"
                       + (f"; audit: {row.audit}" if row.audit else ""), flush=True)
-    print(f"\none rank stopped {opts.stopped:.0%} of every {opts.period:g} s (SIGSTOP/SIGCONT) after step "
-          f"{opts.throttle_after}; throughput from step {opts.throttle_after + opts.settle}")
+    how = (f"held to {1 - opts.stopped:.0%} of one CPU by a cgroup v{opts.cgroup.version} CPU quota"
+           if opts.cgroup is not None else f"stopped {opts.stopped:.0%} of every {opts.period:g} s (SIGSTOP/SIGCONT)")
+    print(f"\none rank {how} after step {opts.throttle_after}; throughput from step {opts.throttle_after + opts.settle}")
     for line in table(rows, opts.stopped):
         print(line)
     if opts.json:
