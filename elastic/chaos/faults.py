@@ -50,6 +50,13 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=after_step@7:rank=0:do=nan
                                             rank 0's loss of step 7 is NaN (its forward pass's
                                             outputs), before the update: for the numeric guard
+    ELASTIC_FAULT=after_step@12:sample=301:do=flip
+                                            one bit flips after step 12's update on whichever
+                                            rank trained sample 301 in that step (at every
+                                            attempt unless restart= says otherwise: a fault that
+                                            follows the batch, not the rank; no flip when the
+                                            step's update is skipped); with do=nan, that rank's
+                                            loss of step 12 is NaN
     ELASTIC_FAULT=after_step@1+:do=slow:for=0.3:restart=any:world=1
                                             rank 0 paces every step to 0.3 s while the
                                             job trains at world size 1 (a job that must
@@ -85,7 +92,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from elastic._shared.common.errors import UsageError
@@ -118,6 +125,8 @@ class Fault:
     """At most once in the whole job (a mark in ELASTIC_FAULT_ONCE_DIR)."""
     until: str = ""
     """The file `hold` waits for."""
+    sample: int | None = None
+    """flip/nan: the sample index whose rank it fires on (whichever trains it at the step), not a fixed rank."""
     entry: str = field(default="", compare=False)
     """The ELASTIC_FAULT entry it was parsed from (names its mark)."""
 
@@ -152,13 +161,21 @@ def parse_faults(text: str) -> list[Fault]:
                 fields["until"] = value
             elif key == "world" and value.isdigit() and int(value) > 0:
                 fields["world_size"] = int(value)
+            elif key == "sample" and value.isdigit():
+                fields["sample"] = int(value)
             else:
                 raise UsageError(
                     f"{ENV_VAR} option {option!r} in {entry!r} is not rank=N|any, restart=N|any, world=N, once, "
-                    f"for=SECONDS, until=FILE or do={'|'.join(ACTIONS)}"
+                    f"for=SECONDS, until=FILE, sample=N or do={'|'.join(ACTIONS)}"
                 )
         if (fields.get("action") == "hold") != bool(fields.get("until")):
             raise UsageError(f"{ENV_VAR} entry {entry!r}: do=hold goes with until=FILE, and until=FILE with do=hold")
+        if "sample" in fields:
+            if fields.get("action") not in TAMPERING or "rank" in fields:
+                raise UsageError(f"{ENV_VAR} entry {entry!r}: sample=N goes with do=flip or do=nan and no rank= "
+                                 "(it fires on whichever rank trains sample N)")
+            fields["rank"] = None
+            fields.setdefault("restart", None)  # a batch goes wrong at every attempt: that is what tells it from a node
         faults.append(Fault(point, int(step), entry=entry, **fields))  # type: ignore[arg-type]
     return faults
 
@@ -180,11 +197,14 @@ class FaultInjector:
         if self._once_dir is None and any(f.once for f in self._faults):
             raise UsageError(f"{ENV_VAR} has a fault marked once, which needs {ONCE_DIR_ENV} (a folder every worker shares)")
 
-    def tamper(self, point: str, step: int, action: str) -> bool:
+    def tamper(self, point: str, step: int, action: str, samples: Collection[int] = ()) -> bool:
         """Whether the flip or NaN `action` is due here: on the worker's first attempt at the step only
-        (a replay after a rollback runs clean), or at every attempt with restart=any."""
+        (a replay after a rollback runs clean), or at every attempt with restart=any. A `sample=` fault
+        is due only where `samples` (what this rank trains in the step) hold its sample."""
         for fault in self._faults:
             if fault.action != action or action not in TAMPERING or not fault.matches(point, step):
+                continue
+            if fault.sample is not None and fault.sample not in samples:
                 continue
             if fault.restart is not None and fault in self._tampered:
                 continue

@@ -60,6 +60,32 @@ def test_two_ranks_differing_again_name_the_one_that_changed_its_own_result() ->
         verdicts.classify([A, B], [A, B, A])
 
 
+def test_a_retry_with_the_blocks_rotated_tells_the_batch_from_the_node() -> None:
+    # three ranks: the replay's odd rank 1; rotated by one, block 1 is trained by rank 0
+    assert verdicts.retried([A, B, A], [C, A, A], 1) == verdicts.Classified(verdicts.BATCH, (1,), (1,))
+    assert verdicts.retried([A, B, A], [A, C, A], 1) == verdicts.Classified(verdicts.NODE, (1,))  # it stayed
+    assert verdicts.retried([A, B, A], [A, A, A], 1) == verdicts.Classified(verdicts.NODE, (1,))  # gone: still the rank's
+    assert verdicts.retried([A, B, A], [C, A, A], 0) == verdicts.Classified(verdicts.NODE, (1,))  # not rotated: no batch
+    # two ranks: the results swap places with the blocks (a healthy rank's sum of two gradients is the same either way)
+    assert verdicts.retried([A, B], [B, A], 1) == verdicts.Classified(verdicts.BATCH, (), (0, 1))
+    assert verdicts.retried([A, B], [A, C], 1) == verdicts.Classified(verdicts.NODE, (1,))  # only rank 1 changed its own
+    assert verdicts.retried([A, B], [A, B], 1) == verdicts.Classified(verdicts.NODE, ())  # each repeated: can't tell
+    assert verdicts.retried([A, B], [B, A], 0) == verdicts.Classified(verdicts.NODE, ())
+    with pytest.raises(ValueError):
+        verdicts.retried([A, B], [A, B, A], 1)
+
+
+def test_rotated_blocks_move_each_ranks_share_and_leave_the_stream_and_state_alone() -> None:
+    sampler = ElasticSampler(64, batch_size=4, seed=3)
+    batch = sampler.global_batch(3)
+    sampler.rotation = 1
+    assert [sampler.share(r, 3) for r in range(3)] == [(4, 4), (8, 4), (0, 4)]
+    assert torch.equal(sampler.local_batch(2, 3), batch[:4]) and torch.equal(sampler.global_batch(3), batch)
+    sampler.set_shares((2, 4, 6))
+    assert [sampler.share(r, 3) for r in range(3)] == [(2, 4), (6, 6), (0, 2)]
+    assert "rotation" not in str(sampler.state_dict())
+
+
 def test_ballots_cross_as_fixed_rows_and_a_malformed_one_is_one_line() -> None:
     rows = [encode_ballot(A, 7), encode_ballot(B, 12)]
     assert decode_ballots(rows) == decode_ballots([r.clone() for r in rows])
@@ -166,6 +192,30 @@ def test_a_peers_bad_reading_makes_every_rank_act_and_a_skipped_step_is_skipped_
     assert resumed.before_update(3, _params(1.0), torch.tensor(1.0)) == "skip" and asked == [False]
 
 
+def test_under_rollback_the_replay_judges_the_step_again_a_batch_or_transient() -> None:
+    guard = numeric_guard.NumericGuard("rollback", spike=0.0, agree=lambda bad: bad)
+    assert guard.before_update(3, _params(1.0), torch.tensor(math.nan)) == "rollback"
+    assert guard.skipped == {3} and guard.replaying == 3
+    params = _params(1.0)
+    assert guard.before_update(3, params, torch.tensor(math.nan)) == "skip" and params[0].grad is None  # again: the batch
+    assert guard.take_outcome() == "batch" and guard.take_outcome() is None
+    assert guard.caught[-1]["kind"] == "batch" and guard.skipped == {3}
+    assert guard.before_update(3, _params(1.0), torch.tensor(1.0)) == "skip"  # a further replay or resume: unjudged
+    transient = numeric_guard.NumericGuard("rollback", spike=0.0, agree=lambda bad: bad)
+    transient.before_update(5, _params(1.0), torch.tensor(math.nan))
+    params = _params(1.0)
+    assert transient.before_update(5, params, torch.tensor(1.0)) is None and params[0].grad is not None  # applied
+    assert transient.take_outcome() == "transient" and transient.skipped == set() and len(transient.caught) == 1
+
+
+def test_a_step_skipped_for_its_batch_is_skipped_with_the_guard_off() -> None:
+    guard = numeric_guard.NumericGuard("off", spike=0.0, agree=lambda bad: pytest.fail("no collective when off"))
+    guard.skipped.add(6)
+    params = _params(1.0)
+    assert guard.before_update(6, params, None) == "skip" and params[0].grad is None
+    assert guard.before_update(7, _params(math.nan), None) is None
+
+
 def test_off_reads_nothing_and_a_bad_state_is_refused() -> None:
     guard = numeric_guard.NumericGuard("off", spike=0.0, agree=lambda bad: pytest.fail("no collective when off"))
     assert guard.before_update(1, _params(math.nan), torch.tensor(math.nan)) is None
@@ -255,6 +305,22 @@ def test_a_point_before_the_first_step_empties_the_optimizer_again() -> None:
     assert _train(state, model, optimizer, scheduler, 2) == first
 
 
+def test_a_verified_point_that_changed_in_memory_is_named_not_restored() -> None:
+    from elastic._worker.integrity.rollback import PointChanged
+
+    state, model, optimizer, scheduler = _training_state()
+    point = RollbackPoint(state, torch.device("cpu"), verify=True, rank=2)
+    taken = point.take(4)
+    _train(state, model, optimizer, scheduler, 2)
+    assert point.restore() == 4  # intact: restored as taken
+    copy = next(t for k, t in taken.tensors.items() if "weight" in k)
+    copy.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << tamper.BIT)  # a bit flips in the kept copy
+    with pytest.raises(PointChanged, match="rank 2: its rollback point of step 4 changed in memory") as caught:
+        point.restore()
+    assert caught.value.exit_code == 80  # its node is set aside, as a node that computes wrong
+    assert RollbackPoint(state, torch.device("cpu")).take(1).digest is None  # DDP: the replicas vouch instead
+
+
 # -- tampering faults ---------------------------------------------------------------------
 
 
@@ -287,6 +353,23 @@ def test_flip_and_nan_fire_once_per_worker_unless_every_attempt() -> None:
     faults.at("after_step", 12)  # a tampering fault kills nothing
     assert not FaultInjector(0, 0, env).tamper("after_step", 12, "flip")
     assert parse_faults("after_step@3:do=flip")[0].action == "flip"
+
+
+def test_a_fault_that_follows_a_sample_fires_on_whichever_rank_trains_it_at_every_attempt() -> None:
+    (fault,) = parse_faults("after_step@5:sample=301:do=flip")
+    assert (fault.sample, fault.rank, fault.restart) == (301, None, None)
+    assert parse_faults("after_step@5:sample=301:do=nan:restart=0")[0].restart == 0
+    env = {"ELASTIC_FAULT": "after_step@5:sample=301:do=flip"}
+    faults = FaultInjector(2, 1, env)  # any rank, any attempt
+    assert not faults.tamper("after_step", 5, "flip")  # this rank trains other samples (or did not say)
+    assert not faults.tamper("after_step", 5, "flip", [300, 302])
+    assert faults.tamper("after_step", 5, "flip", [300, 301]) and faults.tamper("after_step", 5, "flip", [301])
+    assert not faults.tamper("after_step", 6, "flip", [301])
+    for bad, line in [("after_step@5:sample=3:do=kill", "sample=N goes with do=flip or do=nan and no rank="),
+                      ("after_step@5:sample=3:rank=1:do=flip", "sample=N goes with do=flip or do=nan and no rank="),
+                      ("after_step@5:sample=x:do=flip", "until=FILE, sample=N or do=kill")]:
+        with pytest.raises(UsageError, match=line.replace("|", r"\|")):
+            parse_faults(bad)
 
 
 # -- the flags ------------------------------------------------------------------------------

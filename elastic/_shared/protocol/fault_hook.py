@@ -14,7 +14,7 @@ ELASTIC_FAULT runs no fault code at all.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from importlib.metadata import entry_points
 from typing import Protocol
 
@@ -46,11 +46,14 @@ class FaultHook(Protocol):
         ...
 
 
-def tampering(hook: FaultHook, point: str, step: int, action: str) -> bool:
+def tampering(hook: FaultHook, point: str, step: int, action: str, samples: Collection[int] = ()) -> bool:
     """Whether the tampering `action` (one of `TAMPERING`) is due at `point` and `step` (it counts as
-    fired); a hook without a `tamper` method (one that only kills) tampers with nothing."""
+    fired); `samples`: the sample indices this rank trains in the step (a fault may follow a sample).
+    A hook without a `tamper` method (one that only kills) tampers with nothing."""
     tamper = getattr(hook, "tamper", None)
-    return bool(tamper(point, step, action)) if tamper is not None else False
+    if tamper is None:
+        return False
+    return bool(tamper(point, step, action, samples) if samples else tamper(point, step, action))
 
 
 class NoFaults:
@@ -59,7 +62,7 @@ class NoFaults:
     def at(self, point: str, step: int) -> None:
         pass
 
-    def tamper(self, point: str, step: int, action: str) -> bool:
+    def tamper(self, point: str, step: int, action: str, samples: Collection[int] = ()) -> bool:
         return False
 
 

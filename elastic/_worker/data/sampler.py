@@ -65,6 +65,10 @@ class ElasticSampler:
         self._perm_cache: dict[int, torch.Tensor] = {}
         self.shares: tuple[int, ...] | None = None
         """Each rank's samples of a global batch (None: `batch_size` each); see the module docstring."""
+        self.rotation = 0
+        """Rank r trains the block of rank (r + rotation) % world_size: a replica check's retry moves
+        the blocks across ranks for one step to tell a bad batch from a bad node
+        (elastic._worker.integrity.replica_check). Never part of the state."""
 
     def check_shares(self, shares: object) -> tuple[int, ...]:
         """`shares` as a split of a global batch of this sampler (ValueError, one line, if it is none)."""
@@ -84,9 +88,10 @@ class ElasticSampler:
         """Where rank `rank`'s samples sit in a global batch at `world_size`: (first, count)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
+        block = (rank + self.rotation) % world_size
         if self.shares is not None and len(self.shares) == world_size:
-            return sum(self.shares[:rank]), self.shares[rank]
-        return rank * self.batch_size, self.batch_size
+            return sum(self.shares[:block]), self.shares[block]
+        return block * self.batch_size, self.batch_size
 
     @property
     def state(self) -> SamplerState:

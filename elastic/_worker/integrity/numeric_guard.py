@@ -15,8 +15,10 @@ Policies: `off`; `stop` (every rank raises `NumericFault`, one line, exit
 `skip` (the update is not applied: every gradient is dropped, so the
 optimizer's step changes nothing; the step counts as done, its batch is
 recorded as skipped); `rollback` (the update is not applied, every rank rolls
-back to the rollback point, elastic._worker.integrity.rollback, and the
-replay skips the batch).
+back to the rollback point, elastic._worker.integrity.rollback, and replays;
+the caught step is judged once more: bad again, the `batch` is at fault and
+its update is skipped; good, the fault was `transient` and the step is applied,
+so the run ends bit-identical to one that never saw it).
 
 Invariants:
 - Every rank takes the same decision at the same step: each judges its own
@@ -43,6 +45,8 @@ import torch
 from elastic._shared.common.errors import ElasticError
 
 OFF, STOP, SKIP, ROLLBACK = "off", "stop", "skip", "rollback"
+BATCH, TRANSIENT = "batch", "transient"
+"""What a step caught under rollback was, once its replay was judged (verdicts.BATCH and verdicts.TRANSIENT)."""
 POLICIES = (OFF, STOP, SKIP, ROLLBACK)
 WINDOW = 50
 """Good losses the spike threshold compares with (their median)."""
@@ -108,6 +112,10 @@ class NumericGuard:
         self.rollback_due: int | None = None
         """The step whose bad reading asks for a rollback at its end (policy rollback)."""
         self.caught: list[dict[str, Any]] = []
+        self.replaying: int | None = None
+        """`rollback`: the caught step its replay judges once more (its verdict is then `batch` or `transient`)."""
+        self.outcome: str | None = None
+        """The kind the last replay judged (`batch` or `transient`), until read (`take_outcome`)."""
 
     @property
     def on(self) -> bool:
@@ -116,18 +124,28 @@ class NumericGuard:
     def before_update(self, step: int, parameters: list[torch.Tensor], loss: torch.Tensor | None) -> str | None:
         """Step `step` is about to be applied: None to apply it, else the action taken (`skip` or
         `rollback`: every gradient dropped, the update changes nothing); `stop` raises."""
-        if not self.on:
-            return None
-        if step in self.skipped:  # skipped before (a replay, a resumed run): again, without judging
+        if step in self.skipped and step != self.replaying:  # skipped before (a resumed run; a batch): again, unjudged
             _drop_gradients(parameters)
             return SKIP
+        if not self.on:  # the record above serves replica checks too (a batch they found at fault)
+            return None
         reading = Reading(float(grad_norm(parameters)), float(loss.detach().float().cpu()) if loss is not None else None)
         verdict = judge(reading, list(self._window), self.spike)
-        if not self._agree(verdict is not None):
+        bad = self._agree(verdict is not None)
+        why, value = verdict if verdict is not None else ("a peer's reading", math.nan)
+        if step == self.replaying:  # the replay of a step caught under rollback: what was at fault
+            self.replaying = None
+            self.outcome = BATCH if bad else TRANSIENT
+            if not bad:
+                self.skipped.discard(step)
+                return None
+            _drop_gradients(parameters)
+            self.caught.append({"step": step, "why": why, "value": value, "action": SKIP, "kind": BATCH})
+            return SKIP
+        if not bad:
             if reading.loss is not None:
                 self._window.append(reading.loss)
             return None
-        why, value = verdict if verdict is not None else ("a peer's reading", math.nan)
         self.caught.append({"step": step, "why": why, "value": value, "action": self.policy})
         if self.policy == STOP:
             raise NumericFault(f"step {step}: {why} ({value:g}) before the update; --numeric-guard stop")
@@ -135,8 +153,12 @@ class NumericGuard:
         if len(self.skipped) < MAX_SKIPPED:
             self.skipped.add(step)
         if self.policy == ROLLBACK:
-            self.rollback_due = step
+            self.rollback_due = self.replaying = step
         return self.policy
+
+    def take_outcome(self) -> str | None:
+        outcome, self.outcome = self.outcome, None
+        return outcome
 
     # -- its state in a checkpoint (an extra object) --------------------------------
 

@@ -16,15 +16,34 @@ What a check step does, on every rank (a collective on the control group):
    what the mismatch was (`transient`: a `corruption` event, training goes on);
 3. a mismatch (elastic._worker.integrity.verdicts.compare names the odd rank
    with three ranks or more): every rank rolls back to the point and the loop
-   replays the steps since, up to this step, where the check runs again;
-4. the replay differs again: the rank(s) it names sit on a faulty node
-   (`corruption`, kind `node`): each raises `FaultyNodeError` (exit
-   `FAULTY_NODE_EXIT`, one line naming its node), which its agent counts
-   against that node (set aside after --set-aside-failures strikes, issue 42's
-   failure policy); the other ranks wait in a collective that the faulty
-   rank's exit breaks, as a peer's failure breaks any collective. When nothing
-   names a rank (two ranks that each repeat their own digest), every rank stops
-   with one line.
+   replays the steps since, checking after every replayed step (a passing one
+   moves the point: it is a state every rank computed alike), up to this step;
+4. the replay agrees up to this step: `transient` (a `corruption` event);
+5. a replayed step differs again: the rank(s) computed that step wrong twice
+   from the same state and batch. Every rank rolls back to the step before it
+   and trains it a third time with the per-rank blocks of its global batch
+   rotated (rank r trains the block of rank r + 1; the sampler's `rotation`,
+   when the loader follows the sampler: `rotatable`), and
+   verdicts.retried reads the result:
+   - the divergence moved with the blocks: the `batch` is at fault. The
+     `corruption` event names it (the step, its place in the epoch stream, the
+     suspect block's sample indices), every rank rolls back once more and
+     trains the step with its update skipped (`skip`: the numeric guard's
+     record, so the sample audit and every later checkpoint say so and a
+     resumed run skips it again), and training goes on;
+   - it stayed with the rank: the rank(s) sit on a faulty `node`
+     (`corruption`, kind `node`): each raises `FaultyNodeError` (exit
+     `FAULTY_NODE_EXIT`, one line naming its node), which its agent counts
+     against that node (set aside after --set-aside-failures strikes, issue 42's
+     failure policy); the other ranks wait in a collective that the faulty
+     rank's exit breaks, as a peer's failure breaks any collective. When nothing
+     names a rank (two ranks that each repeat their own digest), every rank stops
+     with one line.
+
+A check also runs at every step a periodic checkpoint is due (`after_step`'s
+`save_due`), before the save: a checkpoint is only ever written of a state a
+check passed, so a fault between two checks never leaves a poisoned newest
+checkpoint behind.
 
 Invariants:
 - Every rank checks at the same steps and reads the same gathered digests, so
@@ -34,7 +53,11 @@ Invariants:
   newest state a check found equal on every rank (or the loop's first step's:
   restored from a verified checkpoint or seeded alike).
 - Under FSDP2 the shards differ by design: the digest covers what is
-  replicated (buffers aside, see parameter_digest), and a one-line notice says so.
+  replicated (buffers aside, see parameter_digest); each rank's own shards are
+  digested as its rollback point is taken and again when it is restored
+  (rollback.RollbackPoint's `verify`), and a one-line notice says so.
+- The blocks are rotated only for the one step of a retry; every path out of
+  a retry resets the rotation before the state is rolled back.
 """
 
 from __future__ import annotations
@@ -53,6 +76,7 @@ from elastic._shared.common.errors import ElasticError
 from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
 from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._worker.control import agreement
+from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity import verdicts
 from elastic._worker.integrity.check_interval import MAX_EVERY, CheckInterval
 from elastic._worker.integrity.rollback import RollbackPoint
@@ -111,9 +135,12 @@ def decode_ballots(rows: list[torch.Tensor]) -> Gathered:
     return Gathered(digests, proposals)
 
 
+REPLAY, RETRY = "replay", "retry"
+
+
 @dataclass
 class _Pending:
-    """A mismatch being replayed."""
+    """A mismatch being replayed (`REPLAY`), or the step its replay diverged at being tried again (`RETRY`)."""
 
     step: int
     digests: list[str]
@@ -122,6 +149,15 @@ class _Pending:
     """perf_counter() at detection."""
     wall: float
     """Unix time of detection."""
+    phase: str = REPLAY
+    at: int | None = None
+    """`RETRY`: the step the replay first diverged at."""
+    replay: list[str] | None = None
+    """`RETRY`: the replay's digests at that step."""
+    shift: int = 0
+    """`RETRY`: how far the blocks were rotated (0: the loader cannot move them)."""
+    replayed_before: int = 0
+    """`ReplicaCheck.replayed` at detection (the steps this mismatch trained again are the difference)."""
 
 
 class ReplicaCheck:
@@ -130,6 +166,7 @@ class ReplicaCheck:
     def __init__(
         self, ctx: WorkerContext, rollback: RollbackPoint, model: torch.nn.Module, setting: int | str, *,
         events: EventLog, group: Any = agreement.DEFAULT_GROUP, node: str | None = None,
+        sampler: ElasticSampler | None = None, skip: Callable[[int], bool] | None = None,
     ) -> None:
         self._ctx = ctx
         self._rollback = rollback
@@ -138,6 +175,11 @@ class ReplicaCheck:
         self._group = group
         self._node = node if node is not None else node_name()
         self._setting = setting
+        self._sampler = sampler
+        self._skip = skip
+        """Skips a step's update (True), or says it was skipped already (False): the numeric guard's record."""
+        self.rotatable = sampler is not None
+        """Whether the loader follows the sampler's blocks (the loop says so: elastic._worker.data.feed.Feed)."""
         self.interval = CheckInterval(setting)
         self.enabled = self.interval.every > 0 and ctx.distributed
         self._next: int | None = None
@@ -153,7 +195,8 @@ class ReplicaCheck:
         sharded = any(hasattr(p, "to_local") for p in model.parameters())
         if self.enabled and sharded and ctx.is_main:
             logger.info("replica checks under FSDP2 compare what every rank holds alike: the sharded parameters "
-                        "have no replica to compare with (a flipped bit in a shard is not caught)")
+                        "have no replica to compare with (a bit computed wrong in a shard is not caught); each "
+                        "rank's shards are digested as its rollback point is taken and checked when it is restored")
 
     def on_new_group(self, ctx: WorkerContext) -> None:
         """The group changed in place: the checks run on it (the caller takes a new rollback point),
@@ -174,6 +217,8 @@ class ReplicaCheck:
         replacement before it)."""
         if not self.enabled:
             return
+        if self._sampler is not None:
+            self._sampler.rotation = 0  # a retry cut short (a rollback of the numeric guard's, a new group)
         if self._rollback.step != step:
             started = time.perf_counter()
             self._rollback.take(step)
@@ -185,15 +230,16 @@ class ReplicaCheck:
         self._pending = None
         self._paused = True
 
-    def after_step(self, step: int, settle: Callable[[], None] = lambda: None) -> int | None:
-        """Step `step` completed on every rank: check when due. Returns None, or the step every rank
-        was rolled back to (the loop goes on from there). `settle()`, a collective, runs on every rank
-        before a faulty rank leaves (the saves in flight commit: they hold states checks passed)."""
+    def after_step(self, step: int, settle: Callable[[], None] = lambda: None, *, save_due: bool = False) -> int | None:
+        """Step `step` completed on every rank: check when due, or when a checkpoint is due at this step
+        (`save_due`, the same on every rank). Returns None, or the step every rank was rolled back to
+        (the loop goes on from there). `settle()`, a collective, runs on every rank before a faulty rank
+        leaves (the saves in flight commit: they hold states checks passed)."""
         if not self.enabled:
             return None
         self.interval.note_step_end(paused=self._paused)
         self._paused = False
-        if self._next is None or step < self._next:
+        if self._next is None or (step < self._next and not save_due):
             return None
         started = time.perf_counter()
         try:
@@ -213,17 +259,55 @@ class ReplicaCheck:
             logger.info("%s", self.interval.describe())
         found = verdicts.compare(gathered.digests)
         pending = self._pending
+        if pending is not None and pending.phase == RETRY:
+            return self._retried(pending, step, gathered.digests, settle)
         if found.agreed:
+            self._rollback.take(step)
+            if pending is not None and step < pending.step:  # a replayed step every rank computed alike
+                self._next = step + 1
+                return None
             if pending is not None:
                 self._resolved(pending, gathered.digests, step)
-            self._rollback.take(step)
             self._next = step + self.interval.every
             return None
         if pending is None:
             return self._roll_back(step, gathered.digests, found, started)
+        return self._retry(pending, step, gathered.digests)
+
+    def _retry(self, pending: _Pending, step: int, digests: list[str]) -> int:
+        """The replay diverged again, first at `step`: train it once more from the step before it
+        (the point: every replayed step before it passed), its blocks rotated when the loader allows."""
+        pending.phase, pending.at, pending.replay = RETRY, step, digests
+        pending.shift = 1 if self.rotatable and self._sampler is not None else 0
+        if self._sampler is not None:
+            self._sampler.rotation = pending.shift
+        back_to = self._rollback.restore()
+        self.replayed += step - back_to - (pending.step - step)  # the replay never reached the steps after this one
+        self._next = step
+        if self._ctx.is_main:
+            logger.warning("replica check at step %d: the replay differs again; training step %d once more%s",
+                           step, step, " with the ranks' blocks of its batch rotated" if pending.shift else "")
+        return back_to
+
+    def _retried(self, pending: _Pending, step: int, digests: list[str], settle: Callable[[], None]) -> int:
+        """The third try of step `step`: name the batch (and skip it: returns the step rolled back to) or
+        the node (raises)."""
+        assert pending.replay is not None
         self._pending = None
-        classified = verdicts.classify(pending.digests, gathered.digests)
+        if self._sampler is not None:
+            self._sampler.rotation = 0
+        classified = verdicts.retried(pending.replay, digests, pending.shift)
         nodes = self._nodes()
+        if classified.kind == verdicts.BATCH and self._skip is not None:
+            back_to = self._rollback.restore()  # the sampler back before the step: the batch's place in the stream
+            batch = self._batch(step, classified.blocks)
+            if self._skip(step):
+                self.replayed += 1  # the step once more, without its update
+                self._corruption(pending, step, verdicts.BATCH, classified.ranks, nodes,
+                                 f"step {step}'s batch skipped", batch=batch)
+                self._next = step  # the step trained without its update is checked at once
+                return back_to
+            classified = verdicts.Classified(verdicts.NODE, classified.ranks)  # skipped and still diverging
         action = "node set aside" if classified.ranks else "stopped"
         self._corruption(pending, step, verdicts.NODE, classified.ranks, nodes, action)
         settle()
@@ -243,10 +327,23 @@ class ReplicaCheck:
             "repeated its own result: nothing tells the faulty one (two ranks); stopping"
         )
 
+    def _batch(self, step: int, blocks: tuple[int, ...]) -> dict[str, Any]:
+        """Where step `step`'s batch sits (the sampler stands before it): its epoch and place in the
+        epoch stream, its size, and the sample indices of the suspect block(s)."""
+        sampler, world = self._sampler, self._ctx.world_size
+        assert sampler is not None
+        indices = sampler.global_batch(world)
+        suspect: list[int] = []
+        for block in blocks:
+            first, count = sampler.share(block, world)
+            suspect += indices[first:first + count].tolist()
+        return {"step": step, "epoch": sampler.state.epoch, "consumed": sampler.state.consumed,
+                "count": len(indices), "blocks": list(blocks), "indices": suspect}
+
     def _roll_back(self, step: int, digests: list[str], found: verdicts.Comparison, started: float) -> int:
         point = self._rollback.step
         assert point is not None, "start() took the first rollback point"
-        self._pending = _Pending(step, digests, point, started, time.time())
+        self._pending = _Pending(step, digests, point, started, time.time(), replayed_before=self.replayed)
         named = f"rank(s) {', '.join(map(str, found.odd))} differ from the majority" if found.odd else (
             "the ranks differ and no majority names one")
         if self._ctx.is_main:
@@ -254,7 +351,7 @@ class ReplicaCheck:
                            step, named, point, step - point)
         back_to = self._rollback.restore()
         self.replayed += step - back_to
-        self._next = step  # the replay meets this check again
+        self._next = back_to + 1  # the replay is checked at every step, up to this one
         return back_to
 
     def _resolved(self, pending: _Pending, replay: list[str], step: int) -> None:
@@ -264,14 +361,16 @@ class ReplicaCheck:
                          f"rolled back to step {pending.back_to} and replayed {step - pending.back_to} step(s)")
 
     def _corruption(self, pending: _Pending, step: int, kind: str, ranks: tuple[int, ...], nodes: list[str],
-                    action: str) -> None:
+                    action: str, batch: dict[str, Any] | None = None) -> None:
         """One `corruption` event per mismatch: `rank` and `node` the first named (None: none could be),
-        `ranks` and `nodes` all of them."""
+        `ranks` and `nodes` all of them; `batch`: the batch at fault (kind `batch`)."""
         fields = {
             "rank": ranks[0] if ranks else None, "node": nodes[ranks[0]] if ranks else None,
             "ranks": list(ranks), "nodes": [nodes[r] for r in ranks], "kind": kind, "action": action,
             "detected_step": pending.step, "detected_time": pending.wall, "rolled_back_to": pending.back_to,
-            "steps_replayed": step - pending.back_to, "replay_seconds": time.perf_counter() - pending.detected,
+            "steps_replayed": self.replayed - pending.replayed_before, "replay_seconds": time.perf_counter() - pending.detected,
+            **({"retried_step": pending.at} if pending.at is not None else {}),
+            **({"batch": batch} if batch is not None else {}),
         }
         self.corruptions.append({"step": pending.step, **fields})
         self._events.emit("corruption", step=pending.step, world_size=self._ctx.world_size, **fields)

@@ -24,17 +24,25 @@ Invariants:
 - `restore` changes live objects only from the copy, never the copy itself: a
   second rollback to the same point restores the same state.
 - A DTensor (an FSDP2 shard) is copied as its local shard and put back into the same shard.
+- With `verify` (on under FSDP2, where no replica can vouch for a shard), `take`
+  digests this rank's own parameters and buffers (their local shards) as it
+  copies them, and `restore` digests them again once put back: a bit that
+  changed in between (in the copy while it was kept, or on its way back) is
+  `PointChanged`, naming the rank and the step, never a silent restore.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from elastic._shared.common.errors import ElasticError
+from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.snapshot import BufferPool, copy_now
 from elastic._worker.checkpoint.training_state import TrainingState
@@ -51,14 +59,36 @@ class Point:
     rng: dict[str, Any]
     seconds: float
     """What taking it cost the loop."""
+    digest: str | None = None
+    """`verify`: this rank's own parameters and buffers as copied (`local_digest`)."""
+
+
+class PointChanged(ElasticError):
+    """A rank's rollback point no longer holds what was copied: its node's memory is suspect."""
+
+    exit_code = FAULTY_NODE_EXIT
+
+
+def local_digest(model: torch.nn.Module) -> str:
+    """sha256 over this rank's own parameters and buffers, bit for bit: a DTensor's local shard."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        digest.update(name.encode())
+        digest.update(local.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class RollbackPoint:
     """One rank's rollback point (see the module docstring)."""
 
-    def __init__(self, state: TrainingState, device: torch.device) -> None:
+    def __init__(self, state: TrainingState, device: torch.device, *, verify: bool = False, rank: int = 0) -> None:
         self._state = state
         self._device = device
+        self.verify = verify
+        self._rank = rank
         self._pool = BufferPool(pin_memory=device.type == "cuda")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.point: Point | None = None
@@ -76,6 +106,7 @@ class RollbackPoint:
         """Copy the state of `step` (the step just completed) off the live objects."""
         started = time.perf_counter()
         state = self._state
+        digest = local_digest(state.model) if self.verify else None
         tensors = copy_now(state.layout.tensors(), self._pool, self._device, self._stream)
         trainer = copy.deepcopy({
             "optimizer": state.optimizer_settings(check=False),
@@ -85,7 +116,7 @@ class RollbackPoint:
             "extra": state.extra_state(check=False),
             "module_extra": state.layout.extra_state(),
         })
-        self.point = Point(step, tensors, trainer, get_rng_state(self._device), time.perf_counter() - started)
+        self.point = Point(step, tensors, trainer, get_rng_state(self._device), time.perf_counter() - started, digest)
         return self.point
 
     def restore(self) -> int:
@@ -102,6 +133,11 @@ class RollbackPoint:
                     target = live[key]
                     target = target.to_local() if hasattr(target, "to_local") else target
                     target.copy_(saved.to_local() if hasattr(saved, "to_local") else saved)
+        if point.digest is not None and local_digest(state.model) != point.digest:
+            raise PointChanged(
+                f"rank {self._rank}: its rollback point of step {point.step} changed in memory since it was taken "
+                "(a flipped bit on this node): it cannot undo a fault, and its node leaves the job"
+            )
         # Clones: loading keeps a tensor already on the parameter's device and dtype as it is, and the
         # optimizer must never hold (and step) the point's own buffers.
         optimizer_tensors = {k: v.clone() for k, v in point.tensors.items() if k.startswith(live_state.OPTIM_PREFIX)}

@@ -16,10 +16,23 @@ replaying the steps since the last passing check:
   two ranks, the rank whose own digest changed between the two tries) sit on
   a faulty `node`.
 
-A fault that follows the batch (the same samples make the same step go
-wrong whichever rank trains them) is the numeric guard's to name
-(elastic._worker.integrity.numeric_guard): a replay of the same batch fails
-the same way.
+`retried` reads the third try of a mismatch that the replay repeated: the
+one step where the replay first diverged, trained again from the step
+before it, with the per-rank blocks of the global batch rotated (rank r
+trains the block rank r + `shift` trained; `shift` 0 when the loader cannot
+move them):
+
+- the divergence moves with the blocks (the odd ranks are the replay's
+  shifted back, or, with two ranks, the two digests swap places): the
+  `batch` is at fault, whichever rank trains it;
+- it stays with the rank (the replay's odd ranks again; with two ranks, the
+  one rank whose own digest changed while its peer repeated the healthy
+  result): that rank's `node`;
+- with two ranks that both repeat their digests, nothing tells them apart
+  (`node`, no rank named).
+
+The numeric guard names a batch of its own the same way: a step caught under
+`rollback` whose replay is caught again (elastic._worker.integrity.numeric_guard).
 
 Invariants: the functions depend only on their arguments; every rank calls
 them with the same gathered digests, so every rank reaches the same verdict.
@@ -67,9 +80,13 @@ class Classified:
     """What a mismatch was, once replayed."""
 
     kind: str
-    """`transient` or `node`."""
+    """`transient`, `node` or `batch`."""
     ranks: tuple[int, ...]
-    """The ranks at fault; empty when nothing tells them apart (two ranks that both repeat their digests)."""
+    """The ranks at fault (`batch`: the ranks that trained the bad block(s) when the fault was found); empty
+    when nothing tells them apart (two ranks that both repeat their digests)."""
+    blocks: tuple[int, ...] = ()
+    """`batch`: the blocks of the global batch at fault (rank r's block is block r when not rotated); with
+    two ranks both blocks (which half holds the fault cannot be told)."""
 
 
 def classify(first: list[str], replay: list[str]) -> Classified:
@@ -86,3 +103,25 @@ def classify(first: list[str], replay: list[str]) -> Classified:
     # tries computed differently from itself; one that repeated its own result is consistent.
     moved = tuple(r for r, (a, b) in enumerate(zip(first, replay)) if a != b)
     return Classified(NODE, moved if 0 < len(moved) < len(first) else ())
+
+
+def retried(replay: list[str], retry: list[str], shift: int) -> Classified:
+    """The mismatch the replay repeated (`replay`: digests by rank at the step the replay first
+    diverged), tried once more from the step before it with the blocks rotated by `shift`
+    (`retry`). `node` or `batch` (see the module docstring)."""
+    world = len(replay)
+    if len(retry) != world:
+        raise ValueError(f"{world} replayed digests, {len(retry)} retried: not the same ranks")
+    moved = shift % world != 0
+    first, again = compare(replay), compare(retry)
+    if first.odd:  # three ranks or more: the majority names the odd ranks of each try
+        followed = tuple(sorted((r - shift) % world for r in first.odd))
+        if moved and again.odd and again.odd == followed and followed != first.odd:
+            return Classified(BATCH, first.odd, first.odd)
+        return Classified(NODE, first.odd)
+    if moved and not again.agreed and all(retry[r] == replay[(r + shift) % world] for r in range(world)):
+        return Classified(BATCH, (), tuple(range(world)))  # each result followed its block
+    # A healthy rank computes the same step from the same state twice (two ranks' sum of gradients is
+    # the same in either order); a rank whose own result changed computed differently from itself.
+    changed = tuple(r for r in range(world) if replay[r] != retry[r])
+    return Classified(NODE, changed if 0 < len(changed) < world else ())

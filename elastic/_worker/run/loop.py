@@ -138,7 +138,7 @@ class StepLoop:
         again: Any = None  # a void step's batch, trained again on a group of the same ranks
         integrity = run._integrity
         if integrity is not None:
-            integrity.loop_started(run.step)
+            integrity.loop_started(run.step, rotatable=feed.resizable)  # a batch's blocks can move across ranks
         while run.step < max_steps:
             ctx = run._context
             run._slow_ranks.step_started()  # this rank's own work from here to the gradient all-reduce
@@ -200,7 +200,8 @@ class StepLoop:
         costs, survivors = run.step_costs, run._survivors
         if run._integrity is not None:  # before saves: a step is saved only once its check passed
             with costs.timing("integrity"):
-                back_to = run._integrity.step_ended(run.step, run._context, run._parts.checkpoints.flush)
+                parts = run._parts
+                back_to = run._integrity.step_ended(run.step, run._context, parts.checkpoints.flush, parts.checkpoints.due)
             if back_to is not None:
                 run.step = back_to
                 run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
