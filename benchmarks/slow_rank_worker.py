@@ -50,6 +50,7 @@ def plain_ddp(args: argparse.Namespace, note) -> None:
         loss.backward()
         optimizer.step()
         note(step, rank)
+    dist.barrier()  # neither rank tears gloo down while the other still reduces (an abort at exit otherwise)
     dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ step, so the measured speeds, and the shares they make, hold still between votes
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -23,11 +24,11 @@ SAMPLES, FEATURES = 4096, 8
 MS_PER_SAMPLE_ENV = "SLOW_SHARE_MS_PER_SAMPLE"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = elastic.ArgumentParser(prog="slow_share_job.py")
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--batch-size", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     per_sample = float(os.environ.get(MS_PER_SAMPLE_ENV, "0")) / 1000
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -46,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(elastic.run_main(main))  # a library error (an eviction: 82) is one line and its exit status

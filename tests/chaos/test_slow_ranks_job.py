@@ -1,4 +1,4 @@
-"""Rebalanced shares on a real job (issue 43), one job start: two agents, one node at half speed
+"""Slow ranks on real jobs of agents (issue 43), two job starts. The first: two agents, one node at half speed
 (tests/slow_share_job.py sleeps 2 ms per sample there, 1 ms on the other), `--slow-ranks rebalance`.
 
 1. The ranks rebalance: the slow node's rank gets the smaller share, through the real vote.
@@ -9,6 +9,7 @@
    share is the whole global batch (shares hold only at the world size they were made for).
 
 The sample audit finds every sample of the final history trained exactly once across all of it.
+The second: a rank past --evict-factor under --survivors train-on is evicted with its node.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import pytest
 import warm
 from support import REPO
 
+from elastic._agent.launcher.failure_policy import SET_ASIDE_EXIT
+from elastic._shared.protocol.exit_status import EVICTED_EXIT
 from elastic.chaos.harness import ChaosJob, JobSpec
 from elastic.chaos.samples import audit
 
@@ -101,3 +104,40 @@ def test_rebalanced_shares_survive_a_kill_bit_for_bit_and_a_resize_each_sample_o
     assert [(e["step"], e["world_size"]) for e in ends] == [(STEPS, 1)], ends
     samples = audit(tmp_path / "samples")
     assert samples.ok and (samples.first_step, samples.last_step) == (1, STEPS), samples.summary()
+
+
+def test_a_rank_past_the_evict_factor_leaves_with_its_node_and_the_survivor_trains_on_each_sample_once(
+    tmp_path: Path,
+) -> None:
+    """Two agents under --survivors train-on, one node six times slower than the other, `--slow-ranks evict`
+    (--evict-factor 3): every rank names it at one vote, its worker exits 82, its agent sets the node aside
+    and leaves (79), and the other trains on alone to the last step, every sample once."""
+    steps = 300
+    spec = JobSpec(
+        workdir=tmp_path, nnodes="1:2", agents=2, start_process=warm.popen, run_id=f"evict-{uuid.uuid4().hex[:8]}",
+        script=REPO / "tests" / "slow_share_job.py", sample_log=tmp_path / "samples",
+        script_args=["--max-steps", str(steps), "--batch-size", str(BATCH), "--slow-ranks", "evict",
+                     "--slow-window", "2", "--snapshot-every", "0", "--hang-timeout", "60"],
+        env={"SLOW_SHARE_MS_PER_SAMPLE": "1", "TORCHREVIVE_SURVIVORS": "train-on",
+             "TORCHREVIVE_SET_ASIDE_COOL_OFF": "5"},
+        agent_env={1: {"SLOW_SHARE_MS_PER_SAMPLE": "6"}},
+    )
+    with ChaosJob(spec) as job:
+        job.start()
+        codes = job.wait(timeout=300)
+        recorded = job.records()
+        slow_log = job.agent_log(1)
+    assert codes == [0, SET_ASIDE_EXIT], job.logs()
+    evicted = [e for e in recorded if e["event"] == "straggler_evicted"]
+    assert len(evicted) == 1 and evicted[0]["action"] == "evicted" and evicted[0]["slowdown"] >= 3, evicted
+    named = next(e for e in recorded if e["event"] == "straggler")
+    assert (named["rank"], named["node"]) == (evicted[0]["rank"], evicted[0]["node"])
+    failures = [e for e in recorded if e["event"] == "failure" and e["primary"]]
+    assert [(e["exitcode"], e["node"]) for e in failures] == [(EVICTED_EXIT, evicted[0]["node"])], failures
+    excluded = [e for e in recorded if e["event"] == "node_excluded"]
+    assert [e["node"] for e in excluded] == [evicted[0]["node"]] and "evicted as a straggler" in excluded[0]["reason"]
+    assert f"is evicted at step {evicted[0]['step']}" in slow_log
+    ends = [e for e in recorded if e["event"] == "end"]
+    assert [(e["step"], e["world_size"]) for e in ends] == [(steps, 1)], ends
+    samples = audit(tmp_path / "samples")
+    assert samples.ok and (samples.first_step, samples.last_step) == (1, steps), samples.summary()
