@@ -107,6 +107,22 @@ def test_auto_takes_the_fewest_steps_within_half_a_percent() -> None:
     assert check_interval.auto_every(0.0, 0.1) == 1
 
 
+
+def test_auto_counts_the_checks_at_every_checkpoint_in_its_budget() -> None:
+    # 10 ms a check, 100 ms a step: alone every 20 steps; with one at each save every 50, every 34
+    assert check_interval.auto_every(0.01, 0.1) == 20
+    assert check_interval.auto_every(0.01, 0.1, also_every=50) == 34
+    # the saves' checks alone use the budget up: no regular checks (the saves' are still made)
+    assert check_interval.auto_every(0.01, 0.1, also_every=20) == check_interval.MAX_EVERY
+    clock = Clock()
+    interval = check_interval.CheckInterval("auto", clock=clock, also_every=50)
+    for _ in range(3):
+        clock.now += 0.1
+        interval.note_step_end()
+    interval.note_cost(0.01)
+    assert interval.proposal() == 34
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -18,6 +18,10 @@ Invariants:
   checks measured.
 - A proposal within 25 % of the current interval is the current interval:
   the measurements' noise does not move it at every check.
+- Checks also run at every periodic checkpoint (`also_every` steps apart,
+  replica_check: a checkpoint only of a checked state); auto counts them in
+  the budget, so the regular checks take what the budget leaves:
+  1 / k <= BUDGET S / C - 1 / also_every (none left: checks only at saves).
 """
 
 from __future__ import annotations
@@ -44,19 +48,23 @@ def now() -> float:
     return time.monotonic()
 
 
-def auto_every(cost_s: float, step_s: float, budget: float = BUDGET) -> int:
+def auto_every(cost_s: float, step_s: float, budget: float = BUDGET, also_every: int = 0) -> int:
     """The fewest steps between checks that cost `cost_s` each so that they take at most `budget`
-    of a loop whose steps take `step_s`."""
+    of a loop whose steps take `step_s`, with a check at every `also_every` steps anyway (0: none)."""
     if cost_s <= 0 or step_s <= 0:
         return 1
-    return max(1, min(MAX_EVERY, math.ceil(cost_s / (budget * step_s))))
+    rate = budget * step_s / cost_s - (1 / also_every if also_every > 0 else 0.0)  # checks per step left
+    if rate <= 1 / MAX_EVERY:
+        return MAX_EVERY
+    return max(1, min(MAX_EVERY, math.ceil(1 / rate - 1e-9)))
 
 
 class CheckInterval:
     """One rank's replica check interval (see the module docstring)."""
 
-    def __init__(self, setting: int | str, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, setting: int | str, *, clock: Callable[[], float] | None = None, also_every: int = 0) -> None:
         self.auto = setting == AUTO
+        self.also_every = also_every
         self.every = FIRST_AUTO if self.auto else int(setting)
         self._clock = clock if clock is not None else lambda: now()  # looked up at each call
         self._last_end: float | None = None
@@ -89,7 +97,7 @@ class CheckInterval:
         cost, step = self.cost_s(), self.step_s()
         if not self.auto or cost is None or not step:
             return self.every
-        best = auto_every(cost, step)
+        best = auto_every(cost, step, also_every=self.also_every)
         return self.every if self.every / HYSTERESIS <= best <= self.every * HYSTERESIS else best
 
     def agree(self, every: int) -> bool:

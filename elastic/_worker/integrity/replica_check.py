@@ -166,7 +166,7 @@ class ReplicaCheck:
     def __init__(
         self, ctx: WorkerContext, rollback: RollbackPoint, model: torch.nn.Module, setting: int | str, *,
         events: EventLog, group: Any = agreement.DEFAULT_GROUP, node: str | None = None,
-        sampler: ElasticSampler | None = None, skip: Callable[[int], bool] | None = None,
+        sampler: ElasticSampler | None = None, skip: Callable[[int], bool] | None = None, saves_every: int = 0,
     ) -> None:
         self._ctx = ctx
         self._rollback = rollback
@@ -180,7 +180,9 @@ class ReplicaCheck:
         """Skips a step's update (True), or says it was skipped already (False): the numeric guard's record."""
         self.rotatable = sampler is not None
         """Whether the loader follows the sampler's blocks (the loop says so: elastic._worker.data.feed.Feed)."""
-        self.interval = CheckInterval(setting)
+        self._saves_every = saves_every
+        """Steps between periodic checkpoints (0: none): a check runs at each, and auto counts them."""
+        self.interval = CheckInterval(setting, also_every=saves_every)
         self.enabled = self.interval.every > 0 and ctx.distributed
         self._next: int | None = None
         self._pending: _Pending | None = None
@@ -203,7 +205,7 @@ class ReplicaCheck:
         at the interval a member that just started has: a replacement's is the first one, and every
         member must check at the same steps."""
         self._ctx = ctx
-        self.interval = CheckInterval(self._setting)
+        self.interval = CheckInterval(self._setting, also_every=self._saves_every)
         self.enabled = self.interval.every > 0 and ctx.distributed
 
     @property
