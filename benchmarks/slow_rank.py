@@ -5,8 +5,8 @@ its work (`--slow-ranks rebalance`), against the same job with no rank throttled
     python benchmarks/slow_rank.py --ranks 2 --stopped 0.8 --stop-when-named --modes none,report,rebalance
 
 Each (world size, mode) is one job of `benchmarks/slow_rank_worker.py` processes (gloo, a small MLP,
-64 samples per rank per step). The last rank is throttled from outside its process, once rank 0 has
-logged `--throttle-after` steps, to `1 - --stopped` of one CPU (0.5: half speed; each rank is given one
+`--batch-size` samples per rank per step, 64 by default). The last rank is throttled from outside its
+process, once rank 0 has logged `--throttle-after` steps, to `1 - --stopped` of one CPU (0.5: half speed; each rank is given one
 thread): `--throttle cgroup` moves it into a cgroup of its own whose CPU quota says so (cgroup v2
 `cpu.max`, or v1 `cpu.cfs_quota_us`, under /sys/fs/cgroup: needs root); `--throttle stop` stops it
 `--stopped` of every `--period` seconds (SIGSTOP/SIGCONT); `auto` (the default) takes the cgroup where
@@ -15,8 +15,9 @@ shaped to suit it; this one is the kernel's. Mode `none` runs `report` with no r
 straggler events are false alarms.
 
 Per job: throughput in samples/s over the steps from `--throttle-after` + `--settle` to the end (from
-rank 0's step times), its ratio to the ideal (the sum of the ranks' speeds: the unthrottled job's
-throughput x (W - 1 + (1 - stopped)) / W), the seconds from the throttle to the first `straggler`
+rank 0's step times; under rebalance from its first new split + `--settle` when later), its ratio to
+the ideal (the sum of the ranks' speeds: the unthrottled job's throughput x (W - 1 + (1 - stopped)) /
+W), the seconds from the throttle to the first `straggler`
 event and the rank it names, the straggler events of the unthrottled job, and exactly-once from the
 sample audit (elastic.chaos.samples) of every job under the runtime. `--stop-when-named` ends each
 job under the runtime with SIGTERM (every rank stops at one step) once the event it waits for is
@@ -44,9 +45,12 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "slow_rank_worker.py"
 MODES = ("none", "ddp", "report", "rebalance")
 BATCH = 64
+"""Samples per rank per step (`--batch-size`)."""
 THROTTLES = ("auto", "cgroup", "stop")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CGROUP_PERIOD_US = 100_000
+CGROUP_PERIOD_US = 10_000
+"""The quota's period: well below a step, so the rank runs slower rather than in bursts (the kernel's default
+period, 100 ms, is several steps: the rank would run at full speed, then stop for the rest of the period)."""
 
 
 @dataclass
@@ -67,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}, comma-separated")
+    p.add_argument("--batch-size", type=int, default=BATCH, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=600, help="steps per job (with --stop-when-named: the cap)")
     p.add_argument("--throttle-after", type=int, default=30, help="steps before the throttle starts")
     p.add_argument("--settle", type=int, default=60, help="steps after the throttle before the throughput counts")
@@ -90,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes takes {', '.join(MODES)}, comma-separated, not {opts.modes!r}")
     if not 0 < opts.stopped < 1 or not opts.period > 0:
         p.error("--stopped must be between 0 and 1 and --period above 0")
+    if opts.batch_size < 8:
+        p.error("--batch-size must be at least 8 (a rank's share moves in single samples)")
     if opts.throttle_after < 1 or opts.settle < 1 or opts.steps <= opts.throttle_after + opts.settle:
         p.error("--steps must exceed --throttle-after + --settle, each at least 1")
     opts.cgroup = cgroup_layout(CGROUP_ROOT) if opts.throttle != "stop" else None
@@ -250,7 +257,7 @@ def run_job(world: int, mode: str, opts: argparse.Namespace, workdir: Path) -> R
                ELASTIC_SAMPLE_LOG=str(job / "samples"))
     worker_mode = "report" if mode == "none" else mode
     command = [sys.executable, *(["-m", "elastic.chaos.samples"] if runtime else []), str(WORKER),
-               "--mode", worker_mode, "--steps", str(opts.steps), "--batch-size", str(BATCH),
+               "--mode", worker_mode, "--steps", str(opts.steps), "--batch-size", str(opts.batch_size),
                "--steps-file", str(steps_file), *(["--events", str(events)] if runtime else [])]
     procs = []
     for rank in range(world):
@@ -307,8 +314,14 @@ def audit_of(prefix: Path) -> tuple[bool, str]:
 
 def summarize(world: int, mode: str, steps: list[dict], events: list[dict], throttle: Throttle | None,
               opts: argparse.Namespace, audited: tuple[bool, str] | None) -> Row:
-    """One job's row, from rank 0's step times, the event log and the audit."""
-    rate, counted = throughput(steps, opts.throttle_after + opts.settle, BATCH * world)
+    """One job's row, from rank 0's step times, the event log and the audit. Throughput counts from step
+    --throttle-after + --settle; a rebalancing job's from its first new split + --settle when that is later
+    (the steady state the split is for: the time to it is the `named` column's)."""
+    rebalanced = [e for e in events if e.get("event") == "rebalance"]
+    first = opts.throttle_after + opts.settle
+    if mode == "rebalance" and rebalanced and isinstance(rebalanced[0].get("step"), int):
+        first = max(first, rebalanced[0]["step"] + opts.settle)
+    rate, counted = throughput(steps, first, getattr(opts, "batch_size", BATCH) * world)
     row = Row(world, mode, rate, counted)
     stragglers = [e for e in events if e.get("event") == "straggler"]
     if mode == "none":
@@ -316,7 +329,6 @@ def summarize(world: int, mode: str, steps: list[dict], events: list[dict], thro
     elif stragglers and throttle is not None and throttle.started_at is not None:
         row.named_rank = stragglers[0].get("rank")
         row.seconds_to_named = stragglers[0]["time"] - throttle.started_at
-    rebalanced = [e for e in events if e.get("event") == "rebalance"]
     if rebalanced:
         row.rebalanced = rebalanced[-1].get("shares")
     if audited is not None:
@@ -354,6 +366,8 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (the ideal assumes a core per rank "
+          "and nothing else running)", flush=True)
     print("throttle: " + (f"a cgroup v{opts.cgroup.version} CPU quota under {opts.cgroup.parent}" if opts.cgroup
                           else "a SIGSTOP/SIGCONT duty cycle" + (" (no writable cgroup CPU controller)"
                                                                  if opts.throttle == "auto" else "")), flush=True)

@@ -36,7 +36,7 @@ def test_a_row_names_the_throttled_rank_from_the_throttles_start_and_counts_fals
     throttle = SimpleNamespace(started_at=111.0)
     row = bench.summarize(2, "rebalance", steps, events, throttle, opts, (True, "60 steps"))
     assert (row.named_rank, row.seconds_to_named, row.rebalanced, row.exactly_once) == (1, 20.5, [86, 42], True)
-    assert row.samples_per_s == 128.0 and row.steps == 40
+    assert row.samples_per_s == 128.0 and row.steps == 18  # from the first split (32) + settle: its steady state
     quiet = bench.summarize(2, "none", steps, events[:1], None, opts, (True, ""))
     assert quiet.false_alarms == 1 and quiet.named_rank is None
 

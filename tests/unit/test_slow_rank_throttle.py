@@ -23,7 +23,7 @@ def test_v2_is_taken_when_its_root_hands_the_cpu_controller_down(tmp_path: Path)
     root = tree(tmp_path, {"cgroup.controllers": "cpuset cpu io memory", "cgroup.subtree_control": "cpu memory"})
     layout = bench.cgroup_layout(root)
     assert layout == bench.CgroupLayout(2, root)
-    assert bench.quota_files(layout, 0.5) == {"cpu.max": "50000 100000"}
+    assert bench.quota_files(layout, 0.5) == {"cpu.max": "5000 10000"}
 
 
 def test_v1_is_taken_when_v2_has_no_cpu_controller_and_none_is_nothing(tmp_path: Path) -> None:
@@ -32,8 +32,8 @@ def test_v1_is_taken_when_v2_has_no_cpu_controller_and_none_is_nothing(tmp_path:
                            "cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"})
     layout = bench.cgroup_layout(root)
     assert layout == bench.CgroupLayout(1, root / "cpu")
-    assert bench.quota_files(layout, 0.25) == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "25000"}
-    assert bench.quota_files(layout, 0.001)["cpu.cfs_quota_us"] == "1000"  # the kernel's least quota
+    assert bench.quota_files(layout, 0.25) == {"cpu.cfs_period_us": "10000", "cpu.cfs_quota_us": "2500"}
+    assert bench.quota_files(layout, 0.05)["cpu.cfs_quota_us"] == "1000"  # the kernel's least quota
     with pytest.raises(ValueError):
         bench.quota_files(layout, 1.5)
     assert bench.cgroup_layout(tmp_path / "empty") is None
@@ -56,5 +56,5 @@ def test_the_flag_picks_the_throttle_and_says_in_one_line_when_a_cgroup_cannot_b
     quota = bench.make_throttle(4321, bench.parse_args(["--stopped", "0.5"]))
     assert isinstance(quota, bench.CgroupQuota) and quota.started_at is None
     quota.start()  # on the fake tree: the files a real cgroup would get
-    assert (quota.path / "cpu.cfs_quota_us").read_text() == "50000" and (quota.path / "cgroup.procs").read_text() == "4321"
+    assert (quota.path / "cpu.cfs_quota_us").read_text() == "5000" and (quota.path / "cgroup.procs").read_text() == "4321"
     assert quota.path.parent == v1 / "cpu" and quota.started_at is not None
