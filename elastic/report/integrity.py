@@ -3,8 +3,10 @@
 
 The workers write these events (elastic._worker.integrity): `corruption` (a replica check's mismatch:
 the detection step and time, the step rolled back to, the steps replayed, the kind `transient`, `node`
-or `batch`, the rank(s) and node(s) named, the action) and `numeric` (a step the numeric guard caught
-before its update: the value, why, the action, where its samples sit).
+or `batch`, the rank(s) and node(s) named, the action; a `batch` one also the batch: its step, epoch,
+place in the epoch stream and the suspect samples) and `numeric` (a step the numeric guard caught
+before its update: the value, why, the action, where its samples sit; `kind` `batch` when a step
+caught under rollback was caught again on its replay).
 
 Invariant: a field of the wrong type (a log edited or torn by hand) is shown as "?", never an exception.
 """
@@ -39,11 +41,26 @@ def describe(event: dict[str, Any]) -> str | None:
         named = ", ".join(f"rank {_number(r)} on {_text(n)}" for r, n in zip(ranks, nodes)) or "no rank named"
         return (f"corruption found at step {step}: {_text(event.get('kind'))} ({named}); rolled back to step "
                 f"{_number(event.get('rolled_back_to'))}, {_number(event.get('steps_replayed'))} step(s) replayed: "
-                f"{_text(event.get('action'))}")
+                f"{_text(event.get('action'))}{_batch(event.get('batch'))}")
     if kind == "numeric":
+        again = " (caught again on its replay: the batch)" if event.get("kind") == "batch" else ""
         return (f"numeric fault at step {step}: {_text(event.get('why'))} ({_value(event.get('value'))}) caught "
-                f"before the update: {_text(event.get('action'))}")
+                f"before the update: {_text(event.get('action'))}{again}")
     return None
+
+
+def _batch(batch: Any) -> str:
+    """A `batch` event's batch as a tail of its line: the step, epoch, positions in the stream, suspect samples."""
+    if not isinstance(batch, dict):
+        return ""
+    indices = batch.get("indices")
+    shown = ", ".join(map(_number, indices[:8])) + (", ..." if len(indices) > 8 else "") if isinstance(
+        indices, list) else "?"
+    consumed, count = batch.get("consumed"), batch.get("count")
+    span = f"{consumed}-{consumed + count - 1}" if all(
+        isinstance(v, int) and not isinstance(v, bool) for v in (consumed, count)) else "?"
+    return (f"; the batch of step {_number(batch.get('step'))} (epoch {_number(batch.get('epoch'))}, "
+            f"positions {span} of its stream), suspect samples [{shown}]")
 
 
 def lines(events: list[dict[str, Any]]) -> list[str]:

@@ -437,12 +437,24 @@ def test_the_report_gives_a_line_each_and_the_time_to_detect() -> None:
         {"event": "step", "step": 12, "time": 102.0},  # the replay ends step 12 again
         {"event": "numeric", "step": 18, "why": "non-finite loss", "value": math.nan, "action": "skip"},
         {"event": "corruption", "step": "x", "ranks": "?", "nodes": None},  # torn by hand: "?", no exception
+        {"event": "corruption", "step": 30, "kind": "batch", "ranks": [], "nodes": [], "rolled_back_to": 25,
+         "steps_replayed": 4, "action": "step 27's batch skipped",
+         "batch": {"step": 27, "epoch": 0, "consumed": 416, "count": 16, "indices": list(range(9))}},
+        {"event": "corruption", "step": 30, "kind": "batch", "batch": {"indices": "x", "consumed": True}},
+        {"event": "numeric", "step": 7, "why": "non-finite loss", "value": math.nan, "action": "skip", "kind": "batch"},
     ]
     assert report.lines(events) == [
         "corruption found at step 15: transient (rank 1 on node 1 (b)); rolled back to step 10, 5 step(s) replayed: "
         "rolled back to step 10 and replayed 5 step(s)",
         "numeric fault at step 18: non-finite loss (nan) caught before the update: skip",
         "corruption found at step ?: ? (no rank named); rolled back to step ?, ? step(s) replayed: ?",
+        "corruption found at step 30: batch (no rank named); rolled back to step 25, 4 step(s) replayed: step 27's "
+        "batch skipped; the batch of step 27 (epoch 0, positions 416-431 of its stream), suspect samples "
+        "[0, 1, 2, 3, 4, 5, 6, 7, ...]",
+        "corruption found at step 30: batch (no rank named); rolled back to step ?, ? step(s) replayed: ?; the batch "
+        "of step ? (epoch ?, positions ? of its stream), suspect samples [?]",
+        "numeric fault at step 7: non-finite loss (nan) caught before the update: skip (caught again on its replay: "
+        "the batch)",
     ]
     assert report.detection(events, 12) == (3, 1.75)
     assert report.detection(events, 20) is None
