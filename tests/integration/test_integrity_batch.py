@@ -37,7 +37,7 @@ class Loop:
     """One rank's training loop around the Integrity part, as elastic._worker.run.loop drives it."""
 
     def __init__(self, ctx: WorkerContext, group: Any, fault: str, *, check_every: int, skipped: set[int] = frozenset(),
-                 ckpt_every: int = 0) -> None:
+                 ckpt_every: int = 0, guard: str = "off") -> None:
         self.ctx, self.group, self.ckpt_every = ctx, group, ckpt_every
         self.model = torch.nn.Linear(4, 2)
         with torch.no_grad():
@@ -49,13 +49,14 @@ class Loop:
         self.events: list[dict[str, Any]] = []
         log = EventLog(None, restart=0)
         log.subscribe(self.events.append)
-        self.part = Integrity(ctx, RunConfig(replica_check_every=check_every), log, group=group)
+        self.part = Integrity(ctx, RunConfig(replica_check_every=check_every, numeric_guard=guard), log, group=group)
+        self.loss: torch.Tensor | None = None
         extra = self.part.registered(None)
         state = TrainingState(model=self.model, optimizer=self.optimizer, sampler=self.sampler, extra=extra)
         self.part.guard.skipped |= set(skipped)
         self.stack = ExitStack()
         faults = FaultInjector(ctx.rank, 0, {"ELASTIC_FAULT": fault, "WORLD_SIZE": str(ctx.world_size)})
-        self.part.attach(state, self.optimizer, faults, self.stack)
+        self.part.attach(state, self.optimizer, faults, self.stack, loss=lambda: self.loss)
         self.trained: list[tuple[int, list[int]]] = []
         self.saved: list[int] = []
 
@@ -67,6 +68,7 @@ class Loop:
                 self.part.step_starting(step)
                 mine = self.sampler.local_batch(self.ctx.rank, self.ctx.world_size).tolist()
                 self.trained.append((step + 1, mine))
+                self.loss = self.model(torch.ones(1, 4)).sum()  # what the guard reads (do=nan spoils it)
                 for i, p in enumerate(self.model.parameters()):
                     grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(sum(mine) * 10 + i))
                     self.group.allreduce([grad]).wait()
@@ -153,3 +155,18 @@ def test_a_checkpoint_waits_for_a_check_and_the_rollback_point_moves_only_when_o
     assert loop.saved == [6, 12]  # step 6 saved once, after the replay's check passed
     clean = _run(3, "", steps=12, check_every=4, ckpt_every=6)
     assert all(torch.equal(a, b) for a, b in zip(loop.params(), clean[0][0].params()))
+
+
+def test_under_rollback_a_nan_that_follows_a_sample_is_the_batch_and_a_one_off_is_transient() -> None:
+    suspect = sample_of(5, 2, block=1)
+    results = _run(2, f"after_step@5:sample={suspect}:do=nan", check_every=0, guard="rollback")
+    numeric = [(e["step"], e["action"], e.get("kind")) for e in results[0][0].events if e["event"] == "numeric"]
+    assert numeric == [(5, "rollback", None), (5, "skip", "batch")]  # caught, rolled back to 0, caught again
+    assert all(r[0].part.guard.skipped == {5} for r in results)
+    skipped = _run(2, "", check_every=0, skipped={5})
+    assert all(torch.equal(a, b) for a, b in zip(results[1][0].params(), skipped[1][0].params()))
+    once = _run(2, "after_step@5:rank=1:do=nan", check_every=0, guard="rollback")  # first attempt only
+    assert [(e["step"], e["action"]) for e in once[0][0].events if e["event"] == "numeric"] == [(5, "rollback")]
+    assert all(r[0].part.guard.skipped == set() for r in once)  # transient: replayed and applied
+    clean = _run(2, "", check_every=0)
+    assert all(torch.equal(a, b) for a, b in zip(once[1][0].params(), clean[1][0].params()))  # bit for bit
