@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elastic._worker.checkpoint import live_source
+from elastic._worker.checkpoint import flat_broadcast, live_source
 from elastic._worker.checkpoint import state as live_state
 
 
@@ -68,12 +68,25 @@ def test_a_tensor_that_does_not_fit_the_local_state_is_one_line_before_any_alloc
 
 
 def test_the_state_travels_in_buckets_of_one_dtype_each_within_the_bound(monkeypatch) -> None:
-    monkeypatch.setattr(live_source, "BUCKET_BYTES", 100)
+    monkeypatch.setattr(flat_broadcast, "BUCKET_BYTES", 100)
     f32, i64 = torch.float32, torch.int64
-    entries = [("a", torch.Size([5]), f32), ("b", torch.Size([10]), f32), ("c", torch.Size([20]), f32),
-               ("d", torch.Size([]), f32), ("e", torch.Size([2]), i64), ("f", torch.Size([30]), f32),
-               ("g", torch.Size([0]), f32)]
-    buckets = [[key for key, _, _ in bucket] for bucket in live_source._buckets(entries)]
+    shapes = [([5], f32), ([10], f32), ([20], f32), ([], f32), ([2], i64), ([30], f32), ([0], f32)]
+    tensors = [torch.zeros(shape, dtype=dtype) for shape, dtype in shapes]
     # 20 + 40 bytes fit, 80 more do not; an int64 run of its own; 120 bytes alone, over the bound
-    assert buckets == [["a", "b"], ["c", "d"], ["e"], ["f"], ["g"]]
-    assert [key for bucket in buckets for key in bucket] == [key for key, _, _ in entries], "the header's order"
+    assert flat_broadcast.buckets(tensors) == [[0, 1], [2, 3], [4], [5], [6]]
+
+
+def test_a_receiver_gets_each_tensor_bit_for_bit_in_its_own_storage(monkeypatch) -> None:
+    """The packing and unpacking of `flat_broadcast.broadcast`, with the wire replaced by the source's flat buffers."""
+    source = [torch.randn(3, 4), torch.randn(()), torch.arange(5), torch.randn(2, 3).t(), torch.randn(7, dtype=torch.float64)]
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(flat_broadcast.dist, "broadcast", lambda flat, src, group=None: sent.append(flat.clone()))
+    flat_broadcast.broadcast(source, 1, rank=1)  # the source sends, and its tensors are untouched
+    wire = iter(sent)
+    monkeypatch.setattr(flat_broadcast.dist, "broadcast", lambda flat, src, group=None: flat.copy_(next(wire)))
+    received = [torch.full_like(t, -1) for t in source]
+    flat_broadcast.broadcast(received, 1, rank=0)
+    assert len(sent) == 4, "one broadcast per run of one dtype: float32 (3x4 and the scalar), int64, float32, float64"
+    for want, got in zip(source, received):
+        assert torch.equal(want, got) and got.dtype == want.dtype
+    assert len({t.untyped_storage().data_ptr() for t in received}) == len(received), "no views of one buffer"

@@ -11,7 +11,7 @@ its whole training state over the new group, as a checkpoint would hold it:
    sampler position, scheduler, scaler, extra objects, optimizer settings,
    modules' extra state);
 2. every tensor, in the header's order, packed into flat buffers of one dtype and
-   at most `BUCKET_BYTES` each (a larger tensor alone): one broadcast per
+   at most `flat_broadcast.BUCKET_BYTES` each (a larger tensor alone): one broadcast per
    buffer, not per tensor (a small model's state is some 200 tensors, and as
    many broadcasts cost a heal 0.1 s of round trips).
 
@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic._shared.common.errors import CheckpointMismatchError, ElasticError
 from elastic._shared.protocol import heal_env
+from elastic._worker.checkpoint import flat_broadcast
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._worker.runtime.context import WorkerContext
@@ -59,9 +60,6 @@ from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 MAX_HEADER_BYTES = 64 << 20
 """A header is a few KB (a name, a shape and a dtype per tensor, plus the trainer state); 64 MiB is
 far past any real one, and bounds what a broken peer can make this worker allocate."""
-BUCKET_BYTES = 64 << 20
-"""At most this many bytes of consecutive tensors of one dtype travel in one broadcast (a tensor
-larger than that travels alone): one copy of a bucket is all the packing costs in memory."""
 MAX_STATES_PER_PARAMETER = 8
 """Tensors of optimizer state per parameter a member with no state of its own for it accepts (Adam
 with amsgrad keeps 4: step, exp_avg, exp_avg_sq, max_exp_avg_sq)."""
@@ -104,9 +102,11 @@ def share(
     if not is_source:
         _check_fits(state, entries, trainer, source)
     fault("during_catch_up", step)
-    received: dict[str, torch.Tensor] = {}
-    for bucket in _buckets(entries):
-        received.update(_broadcast_bucket(bucket, tensors if is_source else None, source))
+    # Receivers get fresh tensors of the checked shapes (a copy each: nothing is a view of a buffer).
+    received = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in entries} if not is_source else {}
+    flat_broadcast.broadcast(
+        [tensors[key].detach().cpu() if is_source else received[key] for key, _, _ in entries], source, rank=ctx.rank
+    )
     if is_source or not take:
         return Received(step=step, bytes_received=0, extras=extras_received)
     _apply(ctx, state, step, received, trainer, replacement=replacement)
@@ -115,38 +115,6 @@ def share(
 
 
 Entry = tuple[str, torch.Size, torch.dtype]
-
-
-def _buckets(entries: list[Entry]) -> list[list[Entry]]:
-    """`entries` in order, cut into runs of one dtype of at most `BUCKET_BYTES` (or one tensor)."""
-    buckets: list[list[Entry]] = []
-    size = 0
-    for entry in entries:
-        _, shape, dtype = entry
-        nbytes = shape.numel() * dtype.itemsize
-        if not buckets or buckets[-1][-1][2] != dtype or size + nbytes > BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(entry)
-        size += nbytes
-    return buckets
-
-
-def _broadcast_bucket(bucket: list[Entry], tensors: dict[str, torch.Tensor] | None, source: int) -> dict[str, torch.Tensor]:
-    """One broadcast of `bucket`'s tensors packed flat: the source sends its `tensors` (and gets
-    nothing back); a member (None) receives into one buffer of the sizes its checked header gave,
-    and gets each tensor as a copy of its own (a view would keep the whole buffer alive, and a
-    `torch.save` of it would write the whole buffer)."""
-    if tensors is not None:
-        dist.broadcast(torch.cat([tensors[key].detach().reshape(-1).cpu() for key, _, _ in bucket]), source)
-        return {}
-    flat = torch.empty(sum(shape.numel() for _, shape, _ in bucket), dtype=bucket[0][2])
-    dist.broadcast(flat, source)
-    out, offset = {}, 0
-    for key, shape, _ in bucket:
-        out[key] = flat[offset:offset + shape.numel()].view(shape).clone()
-        offset += shape.numel()
-    return out
 
 
 def _encode_header(state: TrainingState, step: int, tensors: dict[str, torch.Tensor], extras: dict[str, Any]) -> bytes:

@@ -48,7 +48,7 @@ from elastic._shared.storage.manifest import (
     TRAINER_FILE,
     Candidate,
 )
-from elastic._worker.checkpoint import compat
+from elastic._worker.checkpoint import compat, flat_broadcast
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.part_files import PartFetchError
 from elastic._worker.checkpoint.snapshot import dtensor_like
@@ -181,6 +181,8 @@ class Loader:
         model, optimizer = self.state.model, self.state.optimizer
         optimizer_tensors: dict[str, torch.Tensor] = {}
         params = dict(model.named_parameters())
+        by_owner: dict[int, list[torch.Tensor]] = {}
+        """Each replicated tensor's destination by the rank that read it, in the order of their keys."""
         with torch.no_grad():
             for key in sorted(set(targets) | set(plain)):
                 is_model = key.startswith(live_state.MODEL_PREFIX)
@@ -208,19 +210,13 @@ class Loader:
                     source = targets.pop(key)
                     if source is not dest:
                         dest.copy_(source)
-                self._broadcast_tensor(dest, owner[key])
+                by_owner.setdefault(owner[key], []).append(dest)
+            if self._ctx.distributed:  # each owner's tensors in a few broadcasts, not one each
+                for source_rank, dests in sorted(by_owner.items()):
+                    flat_broadcast.broadcast(dests, source_rank, rank=self._ctx.rank, group=self._group)
         optimizer.load_state_dict(
             live_state.optimizer_state_dict(model, optimizer, optimizer_tensors, optimizer_settings)
         )
-
-    def _broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
-        """`src`'s `tensor` on every rank: on the device (NCCL) for GPU tensors, else on the restore group."""
-        if not self._ctx.distributed:
-            return
-        if tensor.device.type == "cuda":
-            dist.broadcast(tensor, src=src)
-        else:
-            dist.broadcast(tensor, src=src, group=self._group)
 
     def _read_format1(self, offer: Offer, opened: Opened) -> Callable[[], int]:
         """A checkpoint of torchrevive 0.1 (rank 0's whole files): every rank reads them itself."""
