@@ -101,3 +101,75 @@ def test_rebalancing_ranks_take_the_same_shares_at_the_same_step_and_the_slow_on
     assert results[SLOW_RANK]["trained"] < 8 * STEPS < results[0]["trained"]
     rebalanced = [e["shares"] for e in results[0]["seen"] if e["event"] == "rebalance"]
     assert rebalanced == [[10, 4, 10], [8, 8, 8]]
+
+
+def weighted_ddp_rank(ctx: WorkerContext, group: Any, *, hooked_before: bool) -> dict[str, Any]:
+    """One rank of two: a float64 DDP over `group` trains its share of a global batch of 16 split 5/11
+    (batch size 8), its gradient weighted as --slow-ranks rebalance does; `hooked_before`: the DDP has a
+    communication hook already (as the survivors' is), so the weights fall back to parameter hooks."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic._worker.observe.rebalance import GradientWeights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1)).double()
+    reference = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1)).double()
+    wrapped = dist.ProcessGroup(group._get_backend_name() and dist.HashStore(), ctx.rank, ctx.world_size)  # DDP takes
+    wrapped._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, group)  # a ProcessGroup
+    wrapped._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group = wrapped
+    ddp = DistributedDataParallel(model, process_group=group)  # rank 0's weights on every rank
+    reference.load_state_dict(model.state_dict())  # (the threads share torch's seed: draws interleave)
+    if hooked_before:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(group, allreduce_hook)
+    weights = GradientWeights(model, ddp)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 5, generator=generator, dtype=torch.float64), torch.randn(16, 1, generator=generator,
+                                                                                     dtype=torch.float64)
+    shares = (5, 11)
+    start = sum(shares[: ctx.rank])
+    weights.scale = shares[ctx.rank] / 8
+    part = slice(start, start + shares[ctx.rank])
+    torch.nn.functional.mse_loss(ddp(x[part]), y[part]).backward()  # this rank's mean loss over its share
+    torch.nn.functional.mse_loss(reference(x), y).backward()  # the global batch's mean loss, on one model
+    gaps = [float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters())]
+    weights.close()
+    return {"in_all_reduce": weights.in_all_reduce, "gap": max(gaps)}
+
+
+@pytest.mark.parametrize("hooked_before", [False, True])
+def test_uneven_shares_weighted_in_ddps_all_reduce_or_by_parameter_hooks_give_the_global_mean_gradient(
+    hooked_before: bool,
+) -> None:
+    results = run_ranks(2, lambda ctx, group: weighted_ddp_rank(ctx, group, hooked_before=hooked_before))
+    assert [r["in_all_reduce"] for r in results] == [not hooked_before] * 2
+    assert max(r["gap"] for r in results) < 1e-12, results
+
+
+def even_share_rank(ctx: WorkerContext, group: Any) -> bool:
+    """At the even share the weighting hook in DDP's all-reduce gives DDP's own gradients, bit for bit."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic._worker.observe.rebalance import GradientWeights
+
+    wrapped = dist.ProcessGroup(dist.HashStore(), ctx.rank, ctx.world_size)
+    wrapped._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, group)
+    wrapped._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    models = [torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)) for _ in range(2)]
+    plain, hooked = (DistributedDataParallel(m, process_group=wrapped) for m in models)
+    models[1].load_state_dict(models[0].state_dict())
+    weights = GradientWeights(models[1], hooked)
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(ctx.rank))
+    for ddp in (plain, hooked):
+        ddp(x).square().mean().backward()
+    return weights.in_all_reduce and all(torch.equal(p.grad, q.grad) for p, q in zip(*(m.parameters() for m in models)))
+
+
+def test_at_the_even_share_the_all_reduce_hook_leaves_ddps_gradients_bit_for_bit() -> None:
+    assert run_ranks(3, even_share_rank) == [True, True, True]

@@ -84,10 +84,11 @@ class SlowRanks:
     def __init__(
         self, ctx: WorkerContext, config: RunConfig, events: EventLog, model: torch.nn.Module | None,
         *, sampler: ElasticSampler | None = None, group: Any = agreement.DEFAULT_GROUP,
-        clock: Callable[[], float] = perf_counter,
+        clock: Callable[[], float] = perf_counter, ddp: Any = None,
     ) -> None:
         """`sampler`: the run's (its shares: what a step's samples are, what rebalancing moves); `group`: the
-        ranks' group for naming places (default: the control group); `clock`: the work's clock."""
+        ranks' group for naming places (default: the control group); `clock`: the work's clock; `ddp`: the
+        model as the script wraps it (a DDP takes the gradients' weights in its all-reduce)."""
         self.enabled = config.slow_ranks != "off"
         self.sampler = sampler
         self.rebalancing = config.slow_ranks in ("rebalance", "evict")
@@ -97,7 +98,7 @@ class SlowRanks:
         if self.rebalancing and model is not None and any(_sharded(p) for p in model.parameters()):
             raise UsageError("--slow-ranks rebalance weights each rank's gradient before DDP's mean, which a "
                              "sharded (FSDP) model does not take; use --slow-ranks report")
-        self.weights = GradientWeights(model if self.rebalancing else None)
+        self.weights = GradientWeights(model if self.rebalancing else None, ddp)
         self.rebalancer = Rebalancer(sampler, window=config.slow_window) if sampler is not None else None
         self._samples = 0
         self.ctx, self.events, self.group = ctx, events, group

@@ -300,7 +300,7 @@ class Run:
         self.sampler = ElasticSampler(num_samples, batch_size=batch_size, seed=cfg.seed)
         self._tokens_per_sample = tokens_per_sample
         self._integrity = Integrity(ctx, cfg, self.events)  # replica checks, numeric guard (elastic._worker.integrity)
-        self._slow_ranks = self._stack.enter_context(SlowRanks(ctx, cfg, self.events, self.model, sampler=self.sampler))
+        self._slow_ranks = self._stack.enter_context(SlowRanks(ctx, cfg, self.events, self.model, sampler=self.sampler, ddp=model))
         self._state = TrainingState(self.model, optimizer, self.sampler, scheduler, scaler, self._integrity.registered(extra))
         # Leaving on an error, peers may be dead: a save in flight (its writers meet in
         # collectives) gets a few seconds, not --ckpt-timeout.
