@@ -1,5 +1,6 @@
 """benchmarks/slow_rank.py in its short form: three jobs of two ranks (3 job starts), the last rank
-stopped 80 % of the time from outside its process (SIGSTOP/SIGCONT), each job ended by SIGTERM once
+held to 20 % of a CPU from outside its process (a cgroup CPU quota where this process may make one,
+else stopped 80 % of the time by SIGSTOP/SIGCONT; the output says which), each job ended by SIGTERM once
 what it waits for is in its event log, so nothing here waits on a clock: the runtime names the
 throttled rank, rebalancing gives it the smaller share, and the sample audit finds every sample of
 every job trained exactly once. The throughput figures are the benchmark's (docs/results.md), not
@@ -42,3 +43,4 @@ def test_the_throttled_rank_is_named_rebalanced_and_every_sample_trained_once(tm
     assert named[0]["rank"] == 1 and named[0]["slowdown"] >= 1.25 and named[0]["host"] and named[0]["node"]
     assert len([e for e in named if e["rank"] == 1]) == 1, named  # once per episode, not at every vote
     assert "ranks mode" in result.stdout and "exactly-once" in result.stdout
+    assert "throttle: a cgroup v" in result.stdout or "throttle: a SIGSTOP/SIGCONT duty cycle" in result.stdout

@@ -50,3 +50,19 @@ def test_the_slowdown_metric_is_the_named_ranks_own_while_its_episode_lasts() ->
     assert samples(per_rank[0])["torchrevive_rank_slowdown"] == 0.0
     log.emit("straggler_recovered", step=9, world_size=2, rank=1, node="n2", host="h2", slowdown=1.01)
     assert samples(per_rank[1])["torchrevive_rank_slowdown"] == 0.0
+
+
+def test_an_eviction_is_a_line_and_ends_the_episode_a_rank_kept_goes_on() -> None:
+    log = [
+        event("straggler", 2.0, 5, rank=1, node="n1", host="h1", slowdown=3.5),
+        event("straggler", 2.2, 6, rank=2, node="n2", host="h2", slowdown=3.2),
+        event("straggler_evicted", 2.0, 5, rank=1, node="n1", host="h1", slowdown=3.5, action="evicted",
+              reason="3.50x the median of the others' work per sample, at least --evict-factor 3"),
+        event("straggler_evicted", 2.2, 6, rank=2, node="n2", host="h2", slowdown=3.2, action="kept", reason="3.20x"),
+    ]
+    assert lines(log)[2:] == [
+        "straggler evicted at step 5: rank 1 on node n1 (host h1), 3.50x the median of the others' work per sample, "
+        "at least --evict-factor 3",
+        "straggler kept at step 6: rank 2 on node n2 (host h2), 3.20x",
+    ]
+    assert episodes(log) == [Episode(1, 2.0, 2.0), Episode(2, 2.2, None)]
