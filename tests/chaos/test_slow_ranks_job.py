@@ -31,7 +31,7 @@ from elastic.chaos.samples import audit
 
 pytestmark = pytest.mark.slow
 
-BATCH, STEPS = 8, 700
+BATCH, STEPS = 8, 250
 
 
 def per_rank_counts(prefix: Path) -> dict[tuple[str, int], dict[int, int]]:
@@ -112,7 +112,7 @@ def test_a_rank_past_the_evict_factor_leaves_with_its_node_and_the_survivor_trai
     """Two agents under --survivors train-on, one node six times slower than the other, `--slow-ranks evict`
     (--evict-factor 3): every rank names it at one vote, its worker exits 82, its agent sets the node aside
     and leaves (79), and the other trains on alone to the last step, every sample once."""
-    steps = 300
+    steps = 150
     spec = JobSpec(
         workdir=tmp_path, nnodes="1:2", agents=2, start_process=warm.popen, run_id=f"evict-{uuid.uuid4().hex[:8]}",
         script=REPO / "tests" / "slow_share_job.py", sample_log=tmp_path / "samples",
