@@ -423,6 +423,22 @@ def test_the_guards_state_is_optional_in_a_checkpoint_both_ways() -> None:
     assert guard.skipped == {4, 9}  # a resumed run skips them again
 
 
+def test_the_skip_record_is_checkpointed_wherever_a_check_may_skip_a_batch() -> None:
+    from elastic._worker.integrity.loop_part import Integrity
+    from elastic._worker.observe.events import EventLog
+    from elastic._worker.runtime.context import WorkerContext
+
+    def part(world: int, **settings: object) -> Integrity:
+        ctx = WorkerContext(rank=0, local_rank=0, world_size=world, local_world_size=world, restart_count=0,
+                            run_id="r", device=torch.device("cpu"), backend="gloo" if world > 1 else None)
+        return Integrity(ctx, RunConfig(**settings), EventLog(None, restart=0))
+
+    assert numeric_guard.STATE_NAME in part(2).registered({"mine": 1})  # checks on (auto), guard off
+    assert part(2, replica_check_every=0).registered(None) is None
+    assert part(1).registered(None) is None  # one process: no replicas to check
+    assert numeric_guard.STATE_NAME in part(1, numeric_guard="skip").registered(None)
+
+
 # -- what the report and the metrics say ------------------------------------------------------
 
 
@@ -444,17 +460,17 @@ def test_the_report_gives_a_line_each_and_the_time_to_detect() -> None:
         {"event": "numeric", "step": 7, "why": "non-finite loss", "value": math.nan, "action": "skip", "kind": "batch"},
     ]
     assert report.lines(events) == [
-        "corruption found at step 15: transient (rank 1 on node 1 (b)); rolled back to step 10, 5 step(s) replayed: "
-        "rolled back to step 10 and replayed 5 step(s)",
+        ("corruption found at step 15: transient (rank 1 on node 1 (b)); rolled back to step 10, 5 step(s) replayed: "
+        "rolled back to step 10 and replayed 5 step(s)"),
         "numeric fault at step 18: non-finite loss (nan) caught before the update: skip",
         "corruption found at step ?: ? (no rank named); rolled back to step ?, ? step(s) replayed: ?",
-        "corruption found at step 30: batch (no rank named); rolled back to step 25, 4 step(s) replayed: step 27's "
+        ("corruption found at step 30: batch (no rank named); rolled back to step 25, 4 step(s) replayed: step 27's "
         "batch skipped; the batch of step 27 (epoch 0, positions 416-431 of its stream), suspect samples "
-        "[0, 1, 2, 3, 4, 5, 6, 7, ...]",
-        "corruption found at step 30: batch (no rank named); rolled back to step ?, ? step(s) replayed: ?; the batch "
-        "of step ? (epoch ?, positions ? of its stream), suspect samples [?]",
-        "numeric fault at step 7: non-finite loss (nan) caught before the update: skip (caught again on its replay: "
-        "the batch)",
+        "[0, 1, 2, 3, 4, 5, 6, 7, ...]"),
+        ("corruption found at step 30: batch (no rank named); rolled back to step ?, ? step(s) replayed: ?; the batch "
+        "of step ? (epoch ?, positions ? of its stream), suspect samples [?]"),
+        ("numeric fault at step 7: non-finite loss (nan) caught before the update: skip (caught again on its replay: "
+        "the batch)"),
     ]
     assert report.detection(events, 12) == (3, 1.75)
     assert report.detection(events, 20) is None
