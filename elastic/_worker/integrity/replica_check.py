@@ -1,10 +1,10 @@
 """Replica checks during training: every `every` steps the ranks compare parameter digests; a
 mismatch is undone by rolling every rank back to the last passing check and replaying, then named.
 
-    check = ReplicaCheck(ctx, state, model, setting="auto", events=events, faulty_exit=...)
+    check = ReplicaCheck(ctx, rollback_point, model, "auto", events=events, sampler=sampler, skip=skip_step)
     check.start(step)                  # the loop's first step: the first rollback point
     for each step's end:
-        back_to = check.after_step(step)   # None, or the step every rank was rolled back to
+        back_to = check.after_step(step, save_due=...)   # None, or the step every rank was rolled back to
 
 What a check step does, on every rank (a collective on the control group):
 
@@ -22,8 +22,9 @@ What a check step does, on every rank (a collective on the control group):
 5. a replayed step differs again: the rank(s) computed that step wrong twice
    from the same state and batch. Every rank rolls back to the step before it
    and trains it a third time with the per-rank blocks of its global batch
-   rotated (rank r trains the block of rank r + 1; the sampler's `rotation`,
-   when the loader follows the sampler: `rotatable`), and
+   rotated (rank r trains the block of rank r + 1 with rank r + 1's torch
+   random numbers, so a healthy rank computes exactly what that rank did: the
+   sampler's `rotation`, when the loader follows the sampler: `rotatable`), and
    verdicts.retried reads the result:
    - the divergence moved with the blocks: the `batch` is at fault. The
      `corruption` event names it (the step, its place in the epoch stream, the
