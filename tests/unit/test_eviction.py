@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from elastic._agent.launcher import job_watch
 from elastic._agent.launcher.failure_policy import Failure, decide
@@ -174,3 +175,47 @@ def test_a_node_set_aside_elsewhere_restarts_this_nodes_workers_only_without_tra
     assert watch.excluded == {"node-b"}
     # train-on: the survivors already formed a smaller group in their processes, as for a lost node
     assert restarted == ([] if survivors == "train-on" else [running])
+
+
+def test_a_node_set_aside_under_train_on_marks_its_workers_failed_so_the_survivors_do_not_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from elastic._agent.launcher import in_place
+
+    store = dist.HashStore()
+    monkeypatch.setattr(in_place, "heal_store", lambda s: s)  # a TCP store in a job; any store here
+    agent = SimpleNamespace(_torchrevive_namespace="run/1/host:29500", _torchrevive_generation=2)
+    running = SimpleNamespace(store=store, workers=[SimpleNamespace(global_rank=3, world_size=4),
+                                                   SimpleNamespace(global_rank=4, world_size=4)])
+    key = heal_env.failed_key(heal_env.member_id(3, 2))
+    monkeypatch.setenv(heal_env.SURVIVORS_ENV, "keep")
+    in_place.mark_workers_failed(agent, running)
+    assert in_place.records(store, agent._torchrevive_namespace, 4).get(key) is None  # only train-on's views read it
+    monkeypatch.setenv(heal_env.SURVIVORS_ENV, "train-on")
+    in_place.mark_workers_failed(agent, running)
+    marked = in_place.records(store, agent._torchrevive_namespace, 4)
+    assert marked.get(key) == "1" and marked.get(heal_env.failed_key(heal_env.member_id(4, 2))) == "1"
+
+
+@pytest.mark.parametrize("survivors", ["restart", "train-on"])
+def test_the_evicted_workers_agent_sets_its_node_aside_at_once_marking_it_failed_under_train_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, survivors: str
+) -> None:
+    from test_failure_policy import Process, failed, group
+
+    from elastic._agent.launcher import in_place, set_aside_mark
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    environ = {worker_notes.NOTES_ENV: str(notes), "TORCHREVIVE_SNAPSHOT_NODE": "node-b",
+               heal_env.SURVIVORS_ENV: survivors}
+    marked: list[Any] = []
+    monkeypatch.setattr(in_place, "mark_workers_failed", lambda agent, workers: marked.append(workers))
+    monkeypatch.setattr(set_aside_mark, "_mark_path", lambda env: tmp_path / "mark.json")
+    monkeypatch.setattr(job_watch, "_leave_rendezvous", lambda handler: None)
+    monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_NODE", "node-b")
+    watch = job_watch.JobWatch(SimpleNamespace(_remaining_restarts=8), group(), environ, board=LocalBoard())
+    running = group()
+    with pytest.raises(job_watch.NodeSetAside, match="evicted as a straggler"):
+        watch.look(running, failed((1, Process(0, EVICTED_EXIT, "", pid=321))))
+    assert marked == ([running] if survivors == "train-on" else [])

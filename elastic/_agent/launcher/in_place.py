@@ -237,11 +237,7 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
     started_in = getattr(agent, "_torchrevive_generation", 0)
     train_on = heal_env.mode(os.environ) == heal_env.TRAIN_ON
     if train_on:  # before they are stopped: the survivors stop waiting for any of this node's workers
-        try:
-            for worker in worker_group.workers:
-                sealed.set(heal_env.failed_key(heal_env.member_id(worker.global_rank, started_in)), "1")
-        except RuntimeError:
-            pass  # the survivors' settle time covers it; the heal below fails on the store too
+        _mark_failed(sealed, worker_group, started_in)
     agent._stop_workers(worker_group)
     worker_group.state = WorkerState.STOPPED
     try:
@@ -266,6 +262,27 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
         worker_group.workers[local_rank].id = worker_id
     worker_group.state = WorkerState.HEALTHY
     return True
+
+
+def mark_workers_failed(agent: Any, worker_group: Any) -> None:
+    """With train-on: note in the round's heal records that every worker of this agent failed, so the
+    survivors' next view closes without waiting for them (else `views.SETTLE_SECONDS` after they arrive).
+    A replacement's start does it; so does a node set aside (elastic._agent.launcher.job_watch) before
+    its agent leaves. Nothing without train-on or a heal namespace; a store that fails leaves the wait."""
+    store = heal_store(worker_group.store)
+    space = getattr(agent, "_torchrevive_namespace", None)
+    if store is None or space is None or heal_env.mode(os.environ) != heal_env.TRAIN_ON:
+        return
+    sealed = records(store, space, worker_group.workers[0].world_size if worker_group.workers else 1)
+    _mark_failed(sealed, worker_group, getattr(agent, "_torchrevive_generation", 0))
+
+
+def _mark_failed(sealed: Records, worker_group: Any, started_in: int) -> None:
+    try:
+        for worker in worker_group.workers:
+            sealed.set(heal_env.failed_key(heal_env.member_id(worker.global_rank, started_in)), "1")
+    except RuntimeError:
+        pass  # the survivors' settle time covers it (and a heal that follows fails on the store too)
 
 
 def raise_generation(records: Records, failed_ranks: list[int], *, started_in: int) -> int:

@@ -306,6 +306,10 @@ class JobWatch:
                                   _world(worker_group), node_name(env), fields))
             self.read_board(worker_group)
             set_aside_mark.write(env, line, cool_off, run_id=worker_group.spec.rdzv_handler.get_run_id())
+            if self._trains_on:  # the survivors' next group closes without waiting for this node's workers
+                from elastic._agent.launcher import in_place
+
+                in_place.mark_workers_failed(self._agent, worker_group)
             _leave_rendezvous(worker_group.spec.rdzv_handler)
             raise NodeSetAside(line)
         if decision.kind == "stop":
