@@ -374,3 +374,29 @@ def test_a_peers_failure_waits_for_its_own_entry_only_when_it_could_close_a_cras
     agent.look(group(), SimpleNamespace(is_failed=lambda: False))  # read
     agent.look(group(), failed((0, Process(0, 1, {"message": "RuntimeError: Connection reset by peer"}, pid=2))))
     assert sum(waited) >= job_watch.PRIMARY_WAIT > sum(waited[:-1])  # it waited, bounded, for the primary's entry
+
+
+@pytest.mark.parametrize("survivors", ["", "restart", "keep", "train-on"])
+def test_a_group_a_worker_of_which_failed_is_stopped_with_sigkill_until_a_new_one_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, survivors: str
+) -> None:
+    """Under a restart on failure the stop of a broken group's workers is a SIGKILL: on SIGTERM they would
+    compute on until their next collective fails. A failure of an earlier group, or a heal mode (the
+    survivors heal and go on), leaves torch's SIGTERM."""
+    board = LocalBoard()
+    agent = watch(tmp_path, "n1", board, TORCHREVIVE_SURVIVORS=survivors)
+    agent._agent = SimpleNamespace(_remaining_restarts=8, _torchrevive_workers_started=100.0)
+    healthy = SimpleNamespace(is_failed=lambda: False)
+    board.post(Entry("failure", "failure: ...", 99.0, 20, 3, "n0", failure("n0", 20, 99.0).to_json()))
+    agent.look(group(), healthy)
+    assert agent.stop_signal() == signal.SIGTERM, "an earlier group's failure"
+    board.post(Entry("failure", "failure: ...", 101.0, 21, 3, "n0", failure("n0", 21, 101.0).to_json()))
+    agent.look(group(), healthy)
+    broken = survivors in ("", "restart")
+    assert agent.stop_signal() == (signal.SIGKILL if broken else signal.SIGTERM)
+    agent.workers_started()
+    assert agent.stop_signal() == signal.SIGTERM, "a new group is whole"
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+    job_watch.end_now(SimpleNamespace(workers=[SimpleNamespace(id=4242), SimpleNamespace(id=None)]))
+    assert killed == [(4242, signal.SIGKILL)], "a worker not started has no pid to end"

@@ -13,7 +13,11 @@ the agent:
    (the board's claim);
 3. ends its own workers that a hang of their group named (SIGKILL): the job recovers from the culprit
    now, not at --hang-timeout, and under --survivors keep or train-on only the culprit is replaced;
-4. after a failure of its own workers, decides (elastic._agent.launcher.failure_policy.decide): restart
+4. under `--survivors restart` (the default: a failure means a new round), when torch stops its workers
+   after a worker of their group failed, on any node (`stop_signal`), ends them with SIGKILL, not SIGTERM: their step cannot complete without the dead peer, and on SIGTERM
+   a worker goes on computing until its next collective fails (up to a whole step, traced on a restart);
+   the snapshot of the step before was taken as the dead worker's was, so nothing more is lost;
+5. after a failure of its own workers, decides (elastic._agent.launcher.failure_policy.decide): restart
    as torch would; set this node aside (`NodeSetAside`: one line, a `node_excluded` entry, a cool-off
    mark, and the agent leaves the rendezvous without closing it, so the others train on); or stop a crash
    loop (`CrashLoopStop`: one line, a `crash_loop` entry, the rendezvous closed, exit status
@@ -146,6 +150,10 @@ class JobWatch:
         self.excluded: set[str] = set()
         """Nodes set aside: their failures count no more."""
         self._trains_on = self._env.get(heal_env.SURVIVORS_ENV) == heal_env.TRAIN_ON  # the launcher checked it
+        self.group_broken = False
+        """A worker of the group this node's workers are in failed, on any node, since they started, and the
+        job restarts on a failure (under keep or train-on the survivors' group heals and goes on)."""
+        self._restarts_on_failure = self._env.get(heal_env.SURVIVORS_ENV, heal_env.RESTART) in ("", heal_env.RESTART)
         self.counts = dict.fromkeys(worker_notes.INCIDENTS, 0)
         """The job's primary failures, named hangs and nodes set aside read so far (the metrics' note)."""
 
@@ -246,6 +254,9 @@ class JobWatch:
                 failure = Failure.parse(entry.fields)
                 if failure is not None:
                     self.failures.append(failure)
+                    started = getattr(self._agent, "_torchrevive_workers_started", None)
+                    if self._restarts_on_failure and isinstance(started, float) and entry.time >= started:
+                        self.group_broken = True
             elif entry.kind == "hang":
                 nodes = entry.fields.get("nodes")
                 if isinstance(nodes, list):
@@ -264,6 +275,14 @@ class JobWatch:
         if entries and self.notes:  # the workers' metrics serve these (elastic._worker.observe.metrics)
             worker_notes.note_incidents(self.notes, self.counts)
         return left
+
+    def workers_started(self) -> None:
+        """This node's workers of a new group start: whole again."""
+        self.group_broken = False
+
+    def stop_signal(self) -> signal.Signals:
+        """How torch's agent ends this node's workers when it stops them now (see the module docstring, 4)."""
+        return signal.SIGKILL if self.group_broken else signal.SIGTERM
 
     def _end_culprits(self, worker_group: Any, entry: Entry) -> None:
         """End this node's workers a hang of their group named (SIGKILL: a stopped one too), so the
@@ -404,6 +423,17 @@ def _leave_rendezvous(handler: Any) -> None:
         logger.warning("leaving the rendezvous: %s; the other nodes see this one gone after its keep-alive", error)
 
 
+def end_now(worker_group: Any) -> None:
+    """SIGKILL this node's workers of `worker_group` (those already gone are skipped)."""
+    for worker in getattr(worker_group, "workers", None) or ():
+        pid = worker.id
+        if type(pid) is int and pid > 0:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone already
+                pass
+
+
 _watches: dict[int, JobWatch] = {}
 
 
@@ -445,6 +475,7 @@ def install() -> None:
         return
     monitor = LocalElasticAgent._monitor_workers
     start_workers = LocalElasticAgent._start_workers
+    stop_workers = LocalElasticAgent._stop_workers
 
     def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
         result = monitor(self, worker_group)
@@ -453,12 +484,22 @@ def install() -> None:
 
     def start_workers_afresh(self: LocalElasticAgent, worker_group: Any) -> Any:
         self._torchrevive_workers_started = time.time()  # a hang posted before names an earlier group
+        watch = _watches.get(id(self))
+        if watch is not None:
+            watch.workers_started()
         notes = os.environ.get(worker_notes.NOTES_ENV)
         if notes:  # a new start's progress is its own: an old note would name another attempt's step
             for local_rank in range(int(worker_group.spec.local_world_size)):
                 worker_notes.progress_path(notes, local_rank).unlink(missing_ok=True)
         return start_workers(self, worker_group)
 
+    def stop_workers_of_a_broken_group(self: LocalElasticAgent, worker_group: Any, *args: Any, **kwargs: Any) -> Any:
+        watch = _watches.get(id(self))
+        if watch is not None and watch.stop_signal() == signal.SIGKILL:
+            end_now(worker_group)  # torch's own stop then finds them gone
+        return stop_workers(self, worker_group, *args, **kwargs)
+
     monitor_workers.watches_job = True  # type: ignore[attr-defined]
     LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
     LocalElasticAgent._start_workers = start_workers_afresh  # type: ignore[method-assign]
+    LocalElasticAgent._stop_workers = stop_workers_of_a_broken_group  # type: ignore[method-assign]
