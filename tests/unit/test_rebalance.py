@@ -120,6 +120,12 @@ def test_rebalance_refuses_a_fixed_size_loader_in_one_line_and_report_trains_as_
         loader = DataLoader(list(range(16)), sampler=run.sampler_for_loader(), batch_size=2)
         with pytest.raises(elastic.UsageError, match="--slow-ranks rebalance needs the loader driven by run.batch_sampler"):
             next(iter(run.batches(loader, max_steps=2)))
+    with elastic.Run(device="cpu", slow_ranks="evict") as run:  # evict rebalances too: the same line, its setting named
+        model = torch.nn.Linear(2, 1)
+        run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=16, batch_size=2)
+        loader = DataLoader(list(range(16)), sampler=run.sampler_for_loader(), batch_size=2)
+        with pytest.raises(elastic.UsageError, match="--slow-ranks evict needs the loader driven by run.batch_sampler"):
+            next(iter(run.batches(loader, max_steps=2)))
     with elastic.Run(device="cpu", slow_ranks="report") as run:  # the same loader trains under report
         model = torch.nn.Linear(2, 1)
         run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=16, batch_size=2)

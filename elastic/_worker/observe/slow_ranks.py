@@ -96,7 +96,7 @@ class SlowRanks:
         if self.rebalancing and sampler is None:
             raise ValueError("rebalancing moves a sampler's shares: give it the run's sampler")
         if self.rebalancing and model is not None and any(_sharded(p) for p in model.parameters()):
-            raise UsageError("--slow-ranks rebalance weights each rank's gradient before DDP's mean, which a "
+            raise UsageError(f"--slow-ranks {config.slow_ranks} weights each rank's gradient before DDP's mean, which a "
                              "sharded (FSDP) model does not take; use --slow-ranks report")
         self.weights = GradientWeights(model if self.rebalancing else None, ddp)
         self.rebalancer = Rebalancer(sampler, window=config.slow_window) if sampler is not None else None

@@ -121,8 +121,8 @@ class StepLoop:
         feed = Feed(loader if run.step < max_steps else None, sampler.batch_size)
         survivors = run._survivors
         if run._slow_ranks.rebalancing and not feed.takes_shares:
-            raise UsageError("--slow-ranks rebalance needs the loader driven by run.batch_sampler() (its batches "
-                             "change size with the ranks' shares) or run.batches() without a loader")
+            raise UsageError(f"--slow-ranks {run.config.slow_ranks} needs the loader driven by run.batch_sampler() "
+                             "(its batches change size with the ranks' shares) or run.batches() without a loader")
         if survivors is not None and survivors.train_on and not feed.resizable:
             raise UsageError("--survivors train-on needs the loader driven by run.batch_sampler() or "
                              "run.sampler_for_loader(): after a resize each rank takes its new share from it")
