@@ -162,10 +162,14 @@ class CgroupQuota:
         self.started_at: float | None = None
 
     def start(self) -> None:
-        self.path.mkdir()
-        for name, value in quota_files(self.layout, self.share).items():
-            (self.path / name).write_text(value)
-        (self.path / "cgroup.procs").write_text(str(self.pid))  # every thread of the process moves
+        try:
+            self.path.mkdir()
+            for name, value in quota_files(self.layout, self.share).items():
+                (self.path / name).write_text(value)
+            (self.path / "cgroup.procs").write_text(str(self.pid))  # every thread of the process moves
+        except OSError as error:  # a controller that looked writable and is not: say so, not a traceback
+            raise SystemExit(f"slow_rank.py: cannot throttle by a cgroup CPU quota ({error}); --throttle stop "
+                             "uses a SIGSTOP/SIGCONT duty cycle") from None
         self.started_at = time.time()
 
     def stop(self) -> None:

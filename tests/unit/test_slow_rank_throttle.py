@@ -58,3 +58,10 @@ def test_the_flag_picks_the_throttle_and_says_in_one_line_when_a_cgroup_cannot_b
     quota.start()  # on the fake tree: the files a real cgroup would get
     assert (quota.path / "cpu.cfs_quota_us").read_text() == "5000" and (quota.path / "cgroup.procs").read_text() == "4321"
     assert quota.path.parent == v1 / "cpu" and quota.started_at is not None
+
+
+def test_a_cgroup_that_cannot_be_made_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    bench = slow_rank()
+    layout = bench.CgroupLayout(1, tmp_path / "gone")  # its parent does not exist: mkdir fails
+    with pytest.raises(SystemExit, match="cannot throttle by a cgroup CPU quota .*--throttle stop"):
+        bench.CgroupQuota(4321, 0.5, layout).start()
