@@ -210,7 +210,9 @@ def test_the_evicted_workers_agent_sets_its_node_aside_at_once_marking_it_failed
     environ = {worker_notes.NOTES_ENV: str(notes), "TORCHREVIVE_SNAPSHOT_NODE": "node-b",
                heal_env.SURVIVORS_ENV: survivors}
     marked: list[Any] = []
-    monkeypatch.setattr(in_place, "mark_workers_failed", lambda agent, workers: marked.append(workers))
+    monkeypatch.setattr(in_place, "mark_workers_failed",
+                        lambda agent, workers, env: marked.append(workers) if in_place.heal_env.mode(env) == "train-on"
+                        else None)  # the real one's gate (tested above), on the environment it is handed
     monkeypatch.setattr(set_aside_mark, "_mark_path", lambda env: tmp_path / "mark.json")
     monkeypatch.setattr(job_watch, "_leave_rendezvous", lambda handler: None)
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_NODE", "node-b")

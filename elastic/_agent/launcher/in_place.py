@@ -264,14 +264,17 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, spac
     return True
 
 
-def mark_workers_failed(agent: Any, worker_group: Any) -> None:
+def mark_workers_failed(agent: Any, worker_group: Any, environ: Any = None) -> None:
     """With train-on: note in the round's heal records that every worker of this agent failed, so the
     survivors' next view closes without waiting for them (else `views.SETTLE_SECONDS` after they arrive).
     A replacement's start does it; so does a node set aside (elastic._agent.launcher.job_watch) before
-    its agent leaves. Nothing without train-on or a heal namespace; a store that fails leaves the wait."""
+    its agent leaves. Nothing without train-on (in `environ`, default the process's) or a heal namespace;
+    a store that fails leaves the wait."""
+    if (os.environ if environ is None else environ).get(heal_env.SURVIVORS_ENV) != heal_env.TRAIN_ON:
+        return
     store = heal_store(worker_group.store)
     space = getattr(agent, "_torchrevive_namespace", None)
-    if store is None or space is None or heal_env.mode(os.environ) != heal_env.TRAIN_ON:
+    if store is None or space is None:
         return
     sealed = records(store, space, worker_group.workers[0].world_size if worker_group.workers else 1)
     _mark_failed(sealed, worker_group, getattr(agent, "_torchrevive_generation", 0))

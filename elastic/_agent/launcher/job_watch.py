@@ -48,7 +48,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic._agent.launcher import failure_policy, set_aside_mark
+from elastic._agent.launcher import failure_policy, in_place, set_aside_mark
 from elastic._agent.launcher.failure_policy import (
     CRASH_LOOP_ATTEMPTS_ENV,
     CRASH_LOOP_EXIT,
@@ -171,10 +171,8 @@ class JobWatch:
         if self.stop_line is not None:
             raise CrashLoopStop(self.stop_line)
         if left and not failed and not (result is not None and result.is_failed()) and not self._trains_on:
-            # A node of this round left the job: its workers are gone, so this node's wait in a collective
-            # for them; a new round of the nodes left, as torch's agent starts for a node that joins. Under
-            # --survivors train-on the workers form a smaller group in their own processes (as for a lost
-            # node): a round would only throw that away.
+            # A node of this round left: this node's workers wait for its workers in a collective; a new round
+            # of the nodes left, as for a joiner (not under train-on: they regrouped in place, as for a lost node).
             print("torchrevive-run: a node of this round was set aside: this node's workers start a new round "
                   "without it", file=sys.stderr, flush=True)
             self._agent._restart_workers(worker_group)
@@ -325,10 +323,7 @@ class JobWatch:
                                   _world(worker_group), node_name(env), fields))
             self.read_board(worker_group)
             set_aside_mark.write(env, line, cool_off, run_id=worker_group.spec.rdzv_handler.get_run_id())
-            if self._trains_on:  # the survivors' next group closes without waiting for this node's workers
-                from elastic._agent.launcher import in_place
-
-                in_place.mark_workers_failed(self._agent, worker_group)
+            in_place.mark_workers_failed(self._agent, worker_group, env)  # train-on: the survivors need not wait
             _leave_rendezvous(worker_group.spec.rdzv_handler)
             raise NodeSetAside(line)
         if decision.kind == "stop":
