@@ -117,7 +117,8 @@ def test_a_rank_past_the_evict_factor_leaves_with_its_node_and_the_survivor_trai
         workdir=tmp_path, nnodes="1:2", agents=2, start_process=warm.popen, run_id=f"evict-{uuid.uuid4().hex[:8]}",
         script=REPO / "tests" / "slow_share_job.py", sample_log=tmp_path / "samples",
         script_args=["--max-steps", str(steps), "--batch-size", str(BATCH), "--slow-ranks", "evict",
-                     "--slow-window", "2", "--snapshot-every", "0", "--hang-timeout", "60"],
+                     "--slow-window", "2", "--snapshot-every", "0", "--hang-timeout", "60",
+                     "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "0"],  # its writer's claim here, not in the cwd
         env={"SLOW_SHARE_MS_PER_SAMPLE": "1", "TORCHREVIVE_SURVIVORS": "train-on",
              "TORCHREVIVE_SET_ASIDE_COOL_OFF": "5"},
         agent_env={1: {"SLOW_SHARE_MS_PER_SAMPLE": "6"}},
