@@ -289,3 +289,17 @@ def test_a_fault_marked_once_fires_in_the_first_worker_that_reaches_it_only(tmp_
     assert fired == [False, True, False, False]
     with pytest.raises(UsageError, match="ELASTIC_FAULT_ONCE_DIR"):
         FaultInjector(0, 0, environ={"ELASTIC_FAULT": "after_step@3:once"})
+
+
+def test_without_a_checkpoint_directory_nothing_is_claimed_or_written(tmp_path: Path, monkeypatch) -> None:
+    """No --ckpt-dir: no claim on any directory (a heal in place under train-on once wrote the claim's
+    writer.json into the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    manager = CheckpointManager(
+        init_worker("cpu", environ={}), RunConfig(ckpt_dir=None), model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sampler=ElasticSampler(8, batch_size=4, seed=0),
+    )
+    assert not manager.enabled and manager.claim is None
+    manager.close(ended=True)
+    assert list(tmp_path.iterdir()) == [], "nothing written where the worker runs"

@@ -105,7 +105,8 @@ class CheckpointManager:
             # A restore's collectives wait no longer than its deadline for a rank stuck reading.
             restore_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.ckpt_restore_timeout))
         copy_stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
-        self.claim = DirectoryClaim(self.store, ctx.run_id) if ctx.is_main else None
+        # Without --ckpt-dir nothing is claimed (the store on "." only serves the code paths; nothing is written).
+        self.claim = DirectoryClaim(self.store, ctx.run_id) if ctx.is_main and self.enabled else None
         self.policy = FailurePolicy(ctx, self.store, self._events, max_failures=config.ckpt_max_failures)
         self.saver = Saver(
             ctx, self.state, self.store, self._events, self.policy, self.claim, group=save_group,
