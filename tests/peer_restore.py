@@ -28,8 +28,10 @@ def go_files(workdir: Path) -> list[Path]:
 
 def job_spec(workdir: Path, corpus: Path, *, name: str, steps: int, restore_timeout: int, faults: list[str],
              start_process) -> JobSpec:
-    """The two-node job: `faults` first, then each restarted rank holding before it reads."""
-    holds = [f"before_read@0+:rank={rank}:restart=1:do=hold:until={go}" for rank, go in enumerate(go_files(workdir))]
+    """The two-node job: `faults` first, then each restarted rank holding before it reads (on any attempt:
+    the first group reads nothing, and a survivor's agent that restarts for the failed node's rejoin
+    rather than for its own worker's failure starts its workers at restart count 0)."""
+    holds = [f"before_read@0+:rank={rank}:restart=any:do=hold:until={go}" for rank, go in enumerate(go_files(workdir))]
     return JobSpec(
         workdir=workdir, nnodes="2:3", run_id=f"{name}-{uuid.uuid4().hex[:8]}", start_process=start_process,
         script_args=[

@@ -79,9 +79,13 @@ def test_rebalanced_shares_survive_a_kill_bit_for_bit_and_a_resize_each_sample_o
     assert len(shares) == 2 and sum(shares) == 2 * BATCH and min(shares) < BATCH, rebalances
     # 2. the restore at two ranks: from a checkpoint that holds the shares in effect before the kill
     assert restored["world_size"] == 2 and restored["step"] >= saved, restored
-    before_kill = [e for e in rebalances if e["time"] < killed_at]
-    in_effect = before_kill[-1]["shares"]
-    assert all(e["step"] <= restored["step"] for e in before_kill), ("shares changed after the checkpoint", before_kill)
+    # The shares the checkpoint holds: the last split taken at or before its step. (On a loaded machine the
+    # vote may split again between the checkpoint and the kill, or during the replay, at other steps: the
+    # runs are compared while both train with the checkpoint's shares.)
+    in_effect = [e for e in rebalances if e["time"] < killed_at and e["step"] <= restored["step"]][-1]["shares"]
+    changed = min((e["step"] for e in rebalances if e["step"] > restored["step"] and (
+        e["time"] < killed_at or e["time"] > restored["time"])), default=10**9)
+    assert changed > restored["step"] + 5, ("the shares changed right after the checkpoint", rebalances, restored)
     counts = per_rank_counts(tmp_path / "samples")
     after_restore = sorted((step, by_rank) for (_, step), by_rank in counts.items() if step == restored["step"] + 1)
     assert len(after_restore) == 2, after_restore  # the step trained before the kill and again after the restore
@@ -91,10 +95,9 @@ def test_rebalanced_shares_survive_a_kill_bit_for_bit_and_a_resize_each_sample_o
     steps = [e for e in recorded if e["event"] == "step" and "loss" in e]
     before = {e["step"]: e["loss"] for e in steps if e["time"] < killed_at and e["step"] > restored["step"]}
     after = {e["step"]: e["loss"] for e in steps if e["time"] > restored["time"]}
-    replayed = sorted(set(before) & set(after))
-    assert len(replayed) >= 5, (before, restored)
+    replayed = sorted(step for step in set(before) & set(after) if step < changed)
+    assert len(replayed) >= 5, (before, restored, changed)
     assert [before[s] for s in replayed] == [after[s] for s in replayed], replayed
-    assert not [e for e in rebalances if killed_at < e["time"] and e["step"] <= max(replayed)]
     # 3. the resize: one rank takes the whole global batch of its world size
     resumed = [e for e in recorded if e["event"] == "restore" and e["time"] > lost_at]
     assert [e["world_size"] for e in resumed] == [1], resumed

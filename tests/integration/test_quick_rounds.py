@@ -288,25 +288,6 @@ def test_after_a_restart_the_round_closes_without_its_last_call(store, capsys) -
     assert "rendezvous round 2 closes now" in said
 
 
-def test_a_node_joins_again_without_torchs_first_join_jitter(store, monkeypatch) -> None:
-    """torch waits a random 0-0.3 s before a join while the state's round is 0: the job's first joins,
-    and (by accident) every node's re-join after the job's first failure. Only the first joins wait."""
-    from torch.distributed.elastic.rendezvous import utils
-
-    jitters: list[tuple[float, float]] = []
-    draw = utils.random.uniform
-    monkeypatch.setattr(utils.random, "uniform", lambda low, high: jitters.append((low, high)) or draw(low, high))
-    handlers = agents(store, 2, max_nodes=2, last_call=600)
-    try:
-        join_all(handlers)
-        assert jitters == [(0, 0.3), (0, 0.3)], "the first joins are spread as torch spreads them"
-        assert all(h._state_holder.state.round == 0 for h in handlers), "round 0 is complete, still numbered 0"
-        assert sorted(join_all(handlers)) == [(0, 2), (1, 2)]
-        assert len(jitters) == 2, "the re-joins after a failure wait for nothing"
-    finally:
-        leave(handlers)
-
-
 def test_a_dead_node_is_left_out_once_declared_dead_without_a_last_call(store) -> None:
     handlers = agents(store, 3, max_nodes=3, last_call=600)  # round 0: full at 3 nodes, no last call
     try:

@@ -26,11 +26,6 @@ both waits are most of what a restart costs.
   50 ms instead (a few bytes, not the state): a TCPStore wait that times out
   prints a warning each time.
 
-- A node that joins again after a round it completed (after a failure) joins at once: torch waits a
-  random 0 to 0.3 s before every join while the state's round number is still 0, meant to spread the
-  nodes' first joins at the job's start, but a round-0 state is also what the first recovery of every
-  job rejoins (traced: 0.14 and 0.21 s on the two agents of a restart). Later rounds never wait.
-
 It also names torch's rendezvous events without `inspect.stack()`: torch's
 `get_method_name` walks the whole stack with source lines, twice, for every
 action of a round, even when no event handler is set to receive the name; in
@@ -49,7 +44,6 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -309,43 +303,7 @@ def quicken(handler: Any, params: Any) -> Any:
     signal = ChangeSignal(handler._store, handler._settings.run_id, watch=not isinstance(handler._store, TCPStore))
     handler._op_executor = QuickRoundsExecutor(handler._this_node, holder, handler._settings, signal)
     handler.num_nodes_waiting = fresh_when_changed(handler.num_nodes_waiting, holder, signal)
-    handler.next_rendezvous = rejoin_at_once(handler.next_rendezvous)
-    if not getattr(dynamic_rendezvous._delay, "skips_rejoin_jitter", False):
-        dynamic_rendezvous._delay = _delay_unless_rejoining(dynamic_rendezvous._delay)
     return handler
-
-
-_rejoining = threading.local()
-"""`active` is set while this thread runs a re-join (`rejoin_at_once`)."""
-
-
-def _delay_unless_rejoining(delay: Callable[..., None]) -> Callable[..., None]:
-    """torch's `_delay`, except the random first-join jitter (a (low, high) range) during a re-join;
-    its fixed waits (a number of seconds) are kept."""
-
-    def delay_unless_rejoining(seconds: Any) -> None:
-        if isinstance(seconds, tuple) and getattr(_rejoining, "active", False):
-            return
-        delay(seconds)
-
-    delay_unless_rejoining.skips_rejoin_jitter = True  # type: ignore[attr-defined]
-    return delay_unless_rejoining
-
-
-def rejoin_at_once(next_rendezvous: Callable[[], Any]) -> Callable[[], Any]:
-    """torch's `next_rendezvous`, without the first-join jitter once this handler completed a round."""
-    joined = [False]
-
-    def next_rendezvous_now() -> Any:
-        _rejoining.active = joined[0]
-        try:
-            info = next_rendezvous()
-        finally:
-            _rejoining.active = False
-        joined[0] = True
-        return info
-
-    return next_rendezvous_now
 
 
 def fresh_when_changed(num_nodes_waiting: Callable[[], int], holder: Any, signal: ChangeSignal) -> Callable[[], int]:
