@@ -198,16 +198,16 @@ class StepLoop:
         run = self._run
         run._slow_ranks.step_ended()
         costs, survivors = run.step_costs, run._survivors
-        if run._integrity is not None:  # before saves: a step is saved only once its check passed
-            with costs.timing("integrity"):
-                parts = run._parts
-                back_to = run._integrity.step_ended(run.step, run._context, parts.checkpoints.flush, parts.checkpoints.due)
-            if back_to is not None:
-                run.step = back_to
-                run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
-                return True
         resized = rebalanced = False
         try:
+            if run._integrity is not None:  # before saves: a step is saved only once its check passed
+                with costs.timing("integrity"):
+                    parts = run._parts
+                    back_to = run._integrity.step_ended(run.step, run._context, parts.checkpoints.flush, parts.checkpoints.due)
+                if back_to is not None:
+                    run.step = back_to
+                    run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
+                    return True
             with costs.timing("vote"):
                 verdict = run._parts.vote.step_ended(run.step)
                 rebalanced = run._slow_ranks.verdict(  # new shares: the loader opens again
@@ -217,7 +217,7 @@ class StepLoop:
                 run._parts.checkpoints.maybe_save(run.step)
             if survivors is not None and survivors.grow_due(verdict.joiners):
                 resized = survivors.grow(verdict.joiners)  # workers wait to join: take them in now
-        except RuntimeError as error:  # a collective of the bookkeeping met the dead peer first
+        except RuntimeError as error:  # a collective of the bookkeeping (a replica check's too) met the dead peer first
             if survivors is None or not survivors.can_heal:
                 raise
             why = first_line(error)
