@@ -301,11 +301,12 @@ def run_job(world: int, mode: str, opts: argparse.Namespace, workdir: Path) -> R
 def waited_for(mode: str, events: list[dict], done: int, opts: argparse.Namespace) -> bool:
     if mode == "none":
         return done >= opts.throttle_after + opts.settle * 2
-    kind = "straggler" if mode == "report" else "rebalance"
-    found = [e for e in events if e.get("event") == kind]
-    if not found:
-        return False
-    return mode == "report" or done >= found[0]["step"] + opts.settle * 2
+    if mode == "report":  # the throttled rank (the last) named
+        return any(e.get("event") == "straggler" and e.get("rank") == e.get("world_size", 0) - 1 for e in events)
+    # a split that gives the throttled rank (the last) the smallest share, and the steps to measure it
+    found = [e for e in events if e.get("event") == "rebalance" and isinstance(e.get("shares"), list)
+             and e["shares"] and e["shares"][-1] == min(e["shares"]) and len(set(e["shares"])) > 1]
+    return bool(found) and done >= found[0]["step"] + opts.settle * 2
 
 
 def audit_of(prefix: Path) -> tuple[bool, str]:
@@ -330,9 +331,14 @@ def summarize(world: int, mode: str, steps: list[dict], events: list[dict], thro
     stragglers = [e for e in events if e.get("event") == "straggler"]
     if mode == "none":
         row.false_alarms = len(stragglers)
-    elif stragglers and throttle is not None and throttle.started_at is not None:
-        row.named_rank = stragglers[0].get("rank")
-        row.seconds_to_named = stragglers[0]["time"] - throttle.started_at
+    elif throttle is not None and throttle.started_at is not None:
+        # Named: the first event naming the throttled rank (the last) once throttled; any other event of
+        # the job (another rank, or before the throttle: contention on a busy machine) is a false alarm.
+        hits = [e for e in stragglers if e.get("rank") == world - 1 and e["time"] >= throttle.started_at]
+        row.false_alarms = len(stragglers) - len(hits)
+        if hits:
+            row.named_rank = hits[0].get("rank")
+            row.seconds_to_named = hits[0]["time"] - throttle.started_at
     if rebalanced:
         row.rebalanced = rebalanced[-1].get("shares")
     if audited is not None:
