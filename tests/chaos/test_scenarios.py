@@ -74,7 +74,11 @@ def check(result, workdir: Path, references: References, corpus: Path, recipe_ar
 
 
 def restores_after_faults(workdir: Path) -> list[dict]:
-    return [e for e in read_events(workdir / "events.jsonl") if e["event"] == "restore" and e["restart"] > 0]
+    """The restores after the job's first failure (by time: a survivor's agent that restarts its workers for
+    the failed node's rejoin, not for a failure of its own, starts them at restart count 0)."""
+    events = list(read_events(workdir / "events.jsonl"))
+    first = min((e["time"] for e in events if e["event"] == "failure"), default=None)
+    return [e for e in events if e["event"] == "restore" and first is not None and e["time"] > first]
 
 
 def test_c10d_kill_term_and_stop_in_one_job(tmp_path: Path, shared_corpus: Path, references: References) -> None:
