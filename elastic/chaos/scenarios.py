@@ -274,13 +274,13 @@ SCENARIO_FAULTS = {
 }
 FAULT_STEPS = {"kill-during-save": 20, "kill-during-snapshot": 15}
 """The step at or after which a worker-injected fault of a chain fires, unless a fault before it is later."""
-PACED = "after_step@1+:do=slow:for=0.3:restart=any:world={world}"
-"""A job that must outlast a node joining it, however loaded the machine (a join took 11 s at
+PACED = "after_step@1+:do=slow:for={seconds}:restart=any:world={world}"
+"""Rank 0 paces every step at `world` to at least `seconds`. A job that must outlast a node joining it, however loaded the machine (a join took 11 s at
 load 5 and over 25 s at load 16, on 2 cores: Python, torch, its agent's fork server), has rank 0
 pace every step to at least 0.3 s while it trains at the world size before the join (a sleep:
 load does not speed the job up). Once the node has joined, the job runs at full speed, so the
 headroom costs nothing when it is unused."""
-SOAK_PACED = "after_step@1+:do=slow:for=0.1:restart=any:world={world}"
+SOAK_PACE = 0.1
 """The soak's three faults follow each other within a short job (the suite's 60 steps): rank 0 paces every
 step to at least 0.1 s, so a loaded machine's slower harness (it polls the event log) still lands each
 fault while the job trains, at most a few steps after it was due. A sleep changes no number."""
@@ -330,13 +330,13 @@ def chain_env(names: Sequence[str], agents: int, survivors: str = RESTART) -> di
         elif name in SCENARIO_FAULTS:
             faults.append(SCENARIO_FAULTS[name])
         if name == "scale-up":
-            faults.append(PACED.format(world=live))  # until the new node is in
+            faults.append(PACED.format(seconds=0.3, world=live))  # until the new node is in
         elif name == "partition":
-            faults.append(PACED.format(world=live - 1))  # until the cut-off node is back
+            faults.append(PACED.format(seconds=0.3, world=live - 1))  # until the cut-off node is back
         elif name == "node-loss":
             live -= 1
         elif name == "soak":
-            faults.append(SOAK_PACED.format(world=live))  # three faults one after another within its steps
+            faults.append(PACED.format(seconds=SOAK_PACE, world=live))  # three faults one after another within its steps
     env = {"ELASTIC_FAULT": ",".join(dict.fromkeys(faults))} if faults else {}
     if survivors != RESTART:  # a stopped worker is ended after 1 s (of the watchdog's 3 s): its peers keep theirs
         env.update({SURVIVORS_ENV: survivors, FROZEN_AFTER_ENV: "1"})
