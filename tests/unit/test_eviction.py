@@ -154,14 +154,18 @@ def test_an_evicted_worker_sets_its_node_aside_at_once_where_the_job_can_shrink(
     assert decide([failure("b", 1)], [], now=101.0, can_shrink=True, limit=3, window=600, attempts=3).kind == "restart"
 
 
+def agent_environ(tmp_path: Path, node: str, survivors: str) -> dict[str, str]:
+    """An agent's environment: its workers' notes directory (made), its node's name, the survivors' setting."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    return {worker_notes.NOTES_ENV: str(notes), "TORCHREVIVE_SNAPSHOT_NODE": node, heal_env.SURVIVORS_ENV: survivors}
+
+
 @pytest.mark.parametrize("survivors", ["restart", "train-on"])
 def test_a_node_set_aside_elsewhere_restarts_this_nodes_workers_only_without_train_on(
     tmp_path: Path, survivors: str
 ) -> None:
-    notes = tmp_path / "notes"
-    notes.mkdir()
-    environ = {worker_notes.NOTES_ENV: str(notes), "TORCHREVIVE_SNAPSHOT_NODE": "node-a",
-               heal_env.SURVIVORS_ENV: survivors}
+    environ = agent_environ(tmp_path, "node-a", survivors)
     restarted: list[Any] = []
     handler = SimpleNamespace(_settings=SimpleNamespace(min_nodes=2), get_run_id=lambda: "run")
     running = SimpleNamespace(spec=SimpleNamespace(local_world_size=1, rdzv_handler=handler, max_restarts=10),
@@ -205,10 +209,7 @@ def test_the_evicted_workers_agent_sets_its_node_aside_at_once_marking_it_failed
 
     from elastic._agent.launcher import in_place, set_aside_mark
 
-    notes = tmp_path / "notes"
-    notes.mkdir()
-    environ = {worker_notes.NOTES_ENV: str(notes), "TORCHREVIVE_SNAPSHOT_NODE": "node-b",
-               heal_env.SURVIVORS_ENV: survivors}
+    environ = agent_environ(tmp_path, "node-b", survivors)
     marked: list[Any] = []
     monkeypatch.setattr(in_place, "mark_workers_failed",
                         lambda agent, workers, env: marked.append(workers) if in_place.heal_env.mode(env) == "train-on"
