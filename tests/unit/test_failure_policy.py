@@ -398,5 +398,5 @@ def test_a_group_a_worker_of_which_failed_is_stopped_with_sigkill_until_a_new_on
     assert agent.stop_signal() == signal.SIGTERM, "a new group is whole"
     killed: list[tuple[int, int]] = []
     monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
-    job_watch.end_now(SimpleNamespace(workers=[SimpleNamespace(id=4242), SimpleNamespace(id=None)]))
+    job_watch.end_now(SimpleNamespace(workers=[SimpleNamespace(global_rank=0, id=4242), SimpleNamespace(global_rank=1, id=None)]))
     assert killed == [(4242, signal.SIGKILL)], "a worker not started has no pid to end"

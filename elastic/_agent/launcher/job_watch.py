@@ -290,16 +290,10 @@ class JobWatch:
         started = getattr(self._agent, "_torchrevive_workers_started", None)
         if not isinstance(culprits, list) or not isinstance(started, float) or entry.time < started:
             return  # not a list, or a hang of a group before this one
-        for worker in getattr(worker_group, "workers", None) or ():
-            pid = worker.id
-            if worker.global_rank in culprits and type(pid) is int and pid > 0:
-                print(f"torchrevive-run: ending worker rank {worker.global_rank} (pid {pid}), the hang's culprit, "
-                      "so that the job recovers from it now", file=sys.stderr, flush=True)
-                self._ended.add(pid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError as error:  # gone already
-                    logger.info("worker %d: %s", pid, error)
+        for rank, pid in end_now(worker_group, culprits):
+            print(f"torchrevive-run: ending worker rank {rank} (pid {pid}), the hang's culprit, "
+                  "so that the job recovers from it now", file=sys.stderr, flush=True)
+            self._ended.add(pid)
 
     def _decide(self, worker_group: Any) -> None:
         env = self._env
@@ -418,15 +412,19 @@ def _leave_rendezvous(handler: Any) -> None:
         logger.warning("leaving the rendezvous: %s; the other nodes see this one gone after its keep-alive", error)
 
 
-def end_now(worker_group: Any) -> None:
-    """SIGKILL this node's workers of `worker_group` (those already gone are skipped)."""
+def end_now(worker_group: Any, ranks: Any = None) -> list[tuple[int, int]]:
+    """SIGKILL this node's workers of `worker_group` (those of global `ranks` only, when given); (rank, pid)
+    of each one signalled (one already gone is signalled in vain)."""
+    ended = []
     for worker in getattr(worker_group, "workers", None) or ():
         pid = worker.id
-        if type(pid) is int and pid > 0:
+        if (ranks is None or worker.global_rank in ranks) and type(pid) is int and pid > 0:
+            ended.append((worker.global_rank, pid))
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:  # gone already
                 pass
+    return ended
 
 
 _watches: dict[int, JobWatch] = {}
