@@ -94,6 +94,7 @@ class Integrity:
                                   saves_every=self.config.ckpt_every if self.config.ckpt_dir is not None else 0)
         if faults is not fault_hook.NO_FAULTS:
             self.nan = tamper.NanLoss(state.model)
+            self.check.before_exchange = lambda: faults.at("during_replica_check", self._training)
         params = [p for g in optimizer.param_groups for p in g["params"]]
 
         def hook() -> None:
