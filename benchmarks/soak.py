@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import secrets
 import shutil
 import sys
 import tempfile
@@ -78,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reserve-s", type=float, default=15.0, help="... and seconds of steady steps")
     p.add_argument("--recovery-limit", type=float, default=120.0, help="seconds after which an incident counts "
                                                                         "as never steady again")
+    p.add_argument("--recipe-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument of the recipe, for every job and the reference (e.g. --recipe-arg=--dropout=0)")
+    p.add_argument("--stall-bound", type=float, default=STALL_BOUND_S, help="seconds of stall over which an incident "
+                                                                             "is over the bound (issue 52: 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="keep the jobs' folders here (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the results (and provenance) to this file")
@@ -93,16 +98,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def recipe_args(args: argparse.Namespace, workdir: Path, snapshot_every: int | None) -> list[str]:
     extra = ["--snapshot-every", str(snapshot_every)] if snapshot_every is not None else []
-    return ["--max-steps", str(args.max_steps), "--ckpt-dir", str(workdir / "ckpt"), *SIZES[args.size], *extra]
+    return ["--max-steps", str(args.max_steps), "--ckpt-dir", str(workdir / "ckpt"), *SIZES[args.size], *extra,
+            *args.recipe_arg]
 
 
 def start_job(setting: str, workdir: Path, args: argparse.Namespace, snapshot_every: int | None) -> ChaosJob:
     env = {SET_ASIDE_FAILURES_ENV: "0", CRASH_LOOP_ATTEMPTS_ENV: "0", SURVIVORS_ENV: setting,
            **soak_moments.fault_environment(workdir / "faults")}
     spec = JobSpec(workdir=workdir, agents=args.agents, nnodes=f"1:{args.agents + 1}", max_restarts=100_000,
-                   rdzv_conf="", run_id=workdir.name, env=env, sample_log=workdir / "samples",
+                   rdzv_conf="", run_id=unique(workdir.name), env=env, sample_log=workdir / "samples",
                    script_args=recipe_args(args, workdir, snapshot_every))
     return ChaosJob(spec).start()
+
+
+def unique(name: str) -> str:
+    """A run id no other job on this machine has: the keepers' shared memory is named after it (a
+    second soak, or the suite's short form, beside this one must not share, or wipe, it)."""
+    return f"{name}-{secrets.token_hex(3)}"
 
 
 def reference_checkpoint(args: argparse.Namespace, root: Path, snapshot_every: int | None) -> Path:
@@ -111,7 +123,7 @@ def reference_checkpoint(args: argparse.Namespace, root: Path, snapshot_every: i
     name, _ = verified_final_checkpoint(workdir / "ckpt", args.max_steps) if workdir.exists() else (None, None)
     if name is None:
         shutil.rmtree(workdir, ignore_errors=True)
-        spec = JobSpec(workdir=workdir, agents=args.agents, nnodes=f"{args.agents}:{args.agents}", run_id="reference",
+        spec = JobSpec(workdir=workdir, agents=args.agents, nnodes=f"{args.agents}:{args.agents}", run_id=unique("reference"),
                        rdzv_conf="", script_args=recipe_args(args, workdir, snapshot_every))
         with ChaosJob(spec) as job:
             job.start()
@@ -247,7 +259,7 @@ def soak_setting(setting: str, root: Path, args: argparse.Namespace, snapshot_ev
         print(f"  {label}: job {len(jobs)} ended {job['exit_codes']} in {job['seconds']:.0f} s; "
               f"{job['audit']}; final checkpoint {'bit-identical' if job['identical'] is None else job['identical']}",
               flush=True)
-    summary = soak_measure.summary(incidents, stall_bound=STALL_BOUND_S)
+    summary = soak_measure.summary(incidents, stall_bound=args.stall_bound)
     summary["seconds_per_incident"] = (time.time() - began) / max(1, len(incidents))
     summary["exactly_once"] = f"{sum(j['exactly_once'] for j in jobs)}/{len(jobs)}"
     summary["bit_identical"] = f"{sum(j['identical'] is None for j in jobs)}/{len(jobs)}"
@@ -271,7 +283,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
               f"{s['exactly_once']:>5} {s['bit_identical']:>5}  {paths}")
     for label, row in results.items():
         print(f"{label}: {row['summary']['seconds_per_incident']:.1f} s per incident; "
-              f"{len(row['summary']['over_bound'])} over the bound (stall > {STALL_BOUND_S:g} s, time lost > 2x median, "
+              f"{len(row['summary']['over_bound'])} over the bound (stall > {args.stall_bound:g} s, time lost > 2x median, "
               "or never steady again)")
         for n in row["summary"]["over_bound"]:
             incident = row["incidents"][n]
