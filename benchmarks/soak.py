@@ -35,6 +35,7 @@ import argparse
 import random
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -299,6 +300,9 @@ def fmt(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Stopped from outside (kill, a batch system's time limit): close the jobs first (their agents and
+    # workers, their shared memory), as on Ctrl-C; the rows already measured are in --json.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = [None] if args.snapshot_every is None else [None, args.snapshot_every]
     results: dict[str, dict[str, Any]] = {}
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="soak-"))
@@ -309,13 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                 label = setting if snapshot_every is None else f"{setting} (--snapshot-every {snapshot_every})"
                 print(f"{label}: {args.kills} incidents, {args.agents} agents, {args.size} size", flush=True)
                 results[label] = soak_setting(setting, root, args, snapshot_every)
+                if args.json:  # after every row: a long soak stopped midway keeps the rows it measured
+                    write_result(args.json, "soak", {"agents": args.agents, "size": args.size, "kills": args.kills,
+                                                     "max_steps": args.max_steps, "kinds": args.kinds, "rows": results})
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     report(results, args)
-    if args.json:
-        write_result(args.json, "soak", {"agents": args.agents, "size": args.size, "max_steps": args.max_steps,
-                                         "kills": args.kills, "kinds": args.kinds, "rows": results})
     bad = [label for label, row in results.items() if row["summary"]["unrecovered"]
            or row["summary"]["exactly_once"].split("/")[0] != row["summary"]["exactly_once"].split("/")[1]]
     return 1 if bad else 0
