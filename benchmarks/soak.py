@@ -6,7 +6,7 @@
     python benchmarks/soak.py --settings keep --kills 3 --size tiny --max-steps 120  # the suite's short form
 
 The job: `--agents` agents of `python -m elastic._agent.launcher` (torchrevive-run) on this machine,
-`--nnodes=1:N+1`, one worker each, c10d, the GPT recipe in its default settings (its own defaults for
+`--nnodes=1:N` (a first round's last call of 10 s), one worker each, c10d, the GPT recipe in its default settings (its own defaults for
 every flag: 300 steps, a checkpoint every 50, snapshots `auto`, replica checks `auto`, an evaluation
 every 100) at `--size`, under each of `--settings` (`--survivors restart|keep|train-on`). Each
 incident draws a moment kind at random (benchmarks/soak_moments.py: mid-step, a checkpoint save, a
@@ -62,6 +62,7 @@ SIZES = {"default": [], "tiny": ["--n-layer", "2", "--n-head", "2", "--n-embd", 
                                  "--batch-size", "8"]}
 """The recipe's default size (0.84 M parameters), and the chaos harness's tiny one (the suite's short form)."""
 STALL_BOUND_S = 3.0
+FIRST_ROUND_S = 10
 WARM_STEPS = 15
 """Full-size steps a job trains before its first incident (its first steps are slow)."""
 
@@ -106,8 +107,12 @@ def recipe_args(args: argparse.Namespace, workdir: Path, snapshot_every: int | N
 def start_job(setting: str, workdir: Path, args: argparse.Namespace, snapshot_every: int | None) -> ChaosJob:
     env = {SET_ASIDE_FAILURES_ENV: "0", CRASH_LOOP_ATTEMPTS_ENV: "0", SURVIVORS_ENV: setting,
            **soak_moments.fault_environment(workdir / "faults")}
-    spec = JobSpec(workdir=workdir, agents=args.agents, nnodes=f"1:{args.agents + 1}", max_restarts=100_000,
-                   rdzv_conf="", run_id=unique(workdir.name), env=env, sample_log=workdir / "samples",
+    # Room for every agent (MAX) and a last call long enough for the first round to have them all (a
+    # loaded machine starts an agent seconds late: a first round of one would train at half the size
+    # and end other than the reference); the rounds after a failure close as soon as the live nodes
+    # are back (quick rounds), and train-on may shrink to one worker (MIN).
+    spec = JobSpec(workdir=workdir, agents=args.agents, nnodes=f"1:{args.agents}", max_restarts=100_000,
+                   rdzv_conf=f"last_call_timeout={FIRST_ROUND_S}", run_id=unique(workdir.name), env=env, sample_log=workdir / "samples",
                    script_args=recipe_args(args, workdir, snapshot_every))
     return ChaosJob(spec).start()
 
@@ -187,8 +192,10 @@ def run_job(setting: str, workdir: Path, args: argparse.Namespace, rng: random.R
                 break  # too few steps left for an incident to become steady again: the job ends
             d = steady[0]
             kind = rng.choice(args.kinds)
+            left = max(args.reserve, args.reserve_s / d)
             kills = soak_moments.strike(job, kind, rng, arms, heals=heals, steady_s=d, first_pids=first_pids,
-                                        recovered=lambda t: soak_measure.recovered_after(job.records(), t))
+                                        recovered=lambda t: soak_measure.recovered_after(job.records(), t),
+                                        room=lambda: job.last_step() < args.max_steps - left)
             deadline = time.monotonic() + args.recovery_limit
             while True:
                 incident = soak_measure.measure(job.records(), kind=kind, kills=kills, full=full, d=d)

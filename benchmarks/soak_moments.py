@@ -89,13 +89,16 @@ class Arms:
             return self.mark(point).stat().st_mtime
         return None
 
-    def wait_fired(self, point: str, timeout: float) -> float | None:
-        """The time `point` fired at, armed, within `timeout` s; None (and disarmed) when it did not."""
+    def wait_fired(self, point: str, timeout: float, room: Callable[[], bool] = lambda: True) -> float | None:
+        """The time `point` fired at, armed, within `timeout` s and while `room()` (the job has steps left
+        for an incident); None (and disarmed) when it did not."""
         deadline = time.monotonic() + timeout
         mark = self.mark(point)
-        while time.monotonic() < deadline:
+        polls = 0
+        while time.monotonic() < deadline and (polls % 50 or room()):  # (room reads the event log: twice a second)
             if mark.exists():
                 return mark.stat().st_mtime
+            polls += 1
             time.sleep(0.01)
         return self.disarm(point)
 
@@ -170,14 +173,16 @@ class LogWatch:
 
 
 def strike(job: ChaosJob, kind: str, rng: random.Random, arms: Arms, *, heals: bool, steady_s: float,
-           first_pids: set[int], recovered: Callable[[float], bool]) -> list[dict[str, Any]]:
+           first_pids: set[int], recovered: Callable[[float], bool],
+           room: Callable[[], bool] = lambda: True) -> list[dict[str, Any]]:
     """Carry out one incident of `kind`; its kills (at least one). `heals`: the setting heals in place
     (keep, train-on); `steady_s`: a steady step; `first_pids`: the workers the job started with;
-    `recovered(t)`: the job wrote a recovery event after time t."""
+    `recovered(t)`: the job wrote a recovery event after time t; `room()`: the job has steps left for
+    an incident (a fault point that does not come before it ends is given up)."""
     if kind in POINT_OF:
         point = POINT_OF[kind]
         arms.arm(point)
-        fired = arms.wait_fired(point, ARM_WAIT_S)
+        fired = arms.wait_fired(point, ARM_WAIT_S, room)
         if fired is not None:
             return [{"time": fired, "rank": None, "node": None, "hit": point}]
         kind = "mid_step"  # never reached in time: recorded as what it became
