@@ -186,8 +186,14 @@ def run_job(setting: str, workdir: Path, args: argparse.Namespace, rng: random.R
         first_pids = {pid for pid, _ in soak_moments.live_workers(job).values()}
         since = 0.0
         while len(incidents) < wanted:
-            steady = job.poll_for(lambda s=since: steady_since(job, s, full) or (False if job.last_step() >= args.max_steps
-                                  - args.reserve else None), args.recovery_limit, "a steady job")
+            try:  # (a loaded machine may take minutes for WARM_STEPS steps: the job then ends as it is)
+                steady = job.poll_for(lambda s=since: steady_since(job, s, full) or (
+                    False if job.last_step() >= args.max_steps - args.reserve else None), 5 * args.recovery_limit,
+                    "a steady job")
+            except (TimeoutError, RuntimeError) as error:
+                print(f"  {label}: the job never trained steadily for another incident: {str(error).splitlines()[0]}",
+                      flush=True)
+                break
             if steady is False or steady[1] >= args.max_steps - max(args.reserve, args.reserve_s / steady[0]):
                 break  # too few steps left for an incident to become steady again: the job ends
             d = steady[0]
