@@ -440,10 +440,12 @@ def test_checkpoint_refuses_a_bad_flag_in_one_line(capsys):
 def recovery_result(median: float, *, redone: list[int], sources: list[str], disk_bytes: list[int],
                     estimated: bool = False, joins: list[float] | None = None,
                     phases: dict[str, float] | None = None, stall: float | None = None) -> dict[str, Any]:
-    """`measure_recovery`'s figures for one setting after one kill (goodput runs skipped)."""
+    """`measure_recovery`'s figures for one setting after one kill (goodput runs skipped); its time lost
+    is the stall plus a steady step per step redone (0.25 s)."""
     stall = median / 2 if stall is None else stall
+    lost = round(stall + 0.25 * redone[0], 2)
     return {
-        "stall_s": [stall], "stall_median_s": stall, "stall_worst_s": stall,
+        "stall_s": [stall], "stall_median_s": stall, "time_lost_s": [lost], "lost_median_s": lost, "lost_worst_s": lost,
         "recovery_s": [median], "median_s": median, "worst_s": median, "unrecovered": 0, "failed_rounds": 0,
         "restarts_consumed": [1, 0], "median_phases_s": phases or {}, "redone": redone,
         "redone_estimated": estimated, "restore_sources": sources, "steps_paused": [median * 9.5],
@@ -471,10 +473,11 @@ def test_recovery_tables_time_line_and_ratios_per_model_size(capsys):
     out = capsys.readouterr().out
     for size, by_setting in RECOVERY_RESULTS.items():
         for setting, r in by_setting.items():
-            row = re.search(rf"^{size} +{setting} +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$",
+            row = re.search(rf"^{size} +{setting} +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$",
                             out, flags=re.M)
             assert row, out
-            assert (float(row.group(1)), float(row.group(3)), row.group(5)) == (r["stall_median_s"], r["median_s"], "0")
+            assert (float(row.group(1)), float(row.group(3)), float(row.group(4)), row.group(6)) == (
+                r["lost_median_s"], r["stall_median_s"], r["median_s"], "0"), "time lost first, then the stall"
     assert re.search(r"^checkpoint every 5 steps; steps redone per kill", out, re.M), out
     found = {s: re.search(rf"^default +{s}" + RECOVERY_COLUMNS, out, re.M) for s in RECOVERY_RESULTS["default"]}
     assert found["ours"].group(6) == "memory 1" and float(found["ours"].group(5)) == 0
@@ -483,9 +486,9 @@ def test_recovery_tables_time_line_and_ratios_per_model_size(capsys):
     assert found["ours-torch-rounds"].group(6) == "peer 1"
     train_on = found["ours-train-on"]
     assert train_on.group(6) == "live 1" and train_on.group(1) == "0.0" and train_on.group(4) == "0.84", out
-    assert re.search(r"^default: median stall, ours-disk / ours: 5\.0x$", out, re.M), out
-    assert re.search(r"^default: median stall, ours / ours-train-on: 2\.8x$", out, re.M), out
-    assert not re.search(r"^large: median stall", out, re.M), "one setting at that size: nothing to compare"
+    assert re.search(r"^default: median time lost, ours-disk / ours: 4\.7x$", out, re.M), out  # 4.5 / 0.95
+    assert re.search(r"^default: median time lost, ours / ours-train-on: 3\.8x$", out, re.M), out  # 0.95 / 0.25
+    assert not re.search(r"^large: median time lost", out, re.M), "one setting at that size: nothing to compare"
     line = re.search(r"^default ours: median time line after a kill: detected at ([\d.]+) s, restore began at ([\d.]+) s, "
                      r"restored at ([\d.]+) s, step at ([\d.]+) s; the first step took ([\d.]+) s, a steady one ([\d.]+) s$",
                      out, flags=re.M)
@@ -494,7 +497,7 @@ def test_recovery_tables_time_line_and_ratios_per_model_size(capsys):
     assert json.loads(out.strip().splitlines()[-1]) == RECOVERY_RESULTS
 
 
-def test_a_kills_stall_and_time_line_from_the_event_log():
+def test_a_kills_time_line_from_the_event_log_and_its_cost_with_the_steps_it_redid():
     recovery = script("recovery")
     steps = [{"event": "step", "step": s, "time": 10.0 + s * 0.25, "world_size": 2} for s in range(1, 21)]
     killed_at = 15.1  # during step 21: step 20 ended at 15.0
@@ -503,18 +506,22 @@ def test_a_kills_stall_and_time_line_from_the_event_log():
             {"event": "heal", "step": 20, "time": 15.5},
             {"event": "step", "step": 21, "time": 15.85}, {"event": "step", "step": 22, "time": 16.1}]
     line = recovery.kill_time_line(steps + heal, [], killed_at)
-    assert line == pytest.approx({"steady_step_s": 0.25, "stall_s": 0.85 - 0.25, "detected": 0.05,
-                                  "restore_began": 0.3, "restored": 0.4, "step": 0.75, "first_step_s": 0.35})
+    assert line == pytest.approx({"steady_step_s": 0.25, "detected": 0.05, "restore_began": 0.3, "restored": 0.4,
+                                  "step": 0.75, "first_step_s": 0.35})
     # Rank 0 killed: its line of step 20 never went out (written one step late); the restore says the job had
     # completed it, so it counts as ended a steady step after step 19's line.
     line = recovery.kill_time_line(steps[:-1] + heal, [(15.2, "[default] Worker group FAILED. will restart worker group")],
                                    killed_at)
-    assert line["stall_s"] == pytest.approx(0.6) and line["detected"] == pytest.approx(0.05)
-    # A restart from an older snapshot: the steps it redoes are its own column, the stall counts from the newest.
+    assert line["first_step_s"] == pytest.approx(0.35) and line["detected"] == pytest.approx(0.05)
+    # A restart from an older snapshot: the steps it redoes are no column of their own: they are time lost.
     restart = [{"event": "restore", "step": 18, "time": 16.0, "seconds": 0.2, "redone": 2, "source": "memory"},
-               {"event": "start", "step": 18, "time": 16.0}, {"event": "step", "step": 19, "time": 16.4}]
+               {"event": "start", "step": 18, "time": 16.0},
+               *[{"event": "step", "step": s, "time": 16.4 + (s - 19) * 0.25, "world_size": 2} for s in range(19, 30)]]
     line = recovery.kill_time_line(steps + restart, [(15.3, "will restart worker group")], killed_at)
-    assert line["stall_s"] == pytest.approx(1.4 - 0.25) and line["detected"] == pytest.approx(0.2)
+    assert line["detected"] == pytest.approx(0.2)
+    cost = script("soak_measure").measure(steps + restart, kind="mid_step", kills=[{"time": killed_at}], full=2,
+                                          d=line["steady_step_s"])
+    assert cost.stall_s == pytest.approx(1.4 - 0.25) and cost.time_lost_s == pytest.approx(1.4 - 0.25 + 2 * 0.25)
     assert recovery.kill_time_line(steps, [], killed_at) is None, "not trained again yet"
 
 

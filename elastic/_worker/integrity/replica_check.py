@@ -177,12 +177,11 @@ class ReplicaCheck:
         self._node = node if node is not None else node_name()
         self._setting = setting
         self._sampler = sampler
-        self._skip = skip
-        """Skips a step's update (True), or says it was skipped already (False): the numeric guard's record."""
+        self._skip = skip  # skips a step's update (True), or says it was skipped already (False): the guard's record
         self.rotatable = sampler is not None
         """Whether the loader follows the sampler's blocks (the loop says so: elastic._worker.data.feed.Feed)."""
-        self._saves_every = saves_every
-        """Steps between periodic checkpoints (0: none): a check runs at each, and auto counts them."""
+        self._saves_every = saves_every  # steps between periodic checkpoints (0: none): a check runs at each
+        self.before_exchange: Callable[[], None] = lambda: None  # a fault point (fault_hook's during_replica_check)
         self.interval = CheckInterval(setting, also_every=saves_every)
         self.enabled = self.interval.every > 0 and ctx.distributed
         self._next: int | None = None
@@ -400,6 +399,7 @@ class ReplicaCheck:
             logger.warning("corruption found at step %d: %s (%s): %s", pending.step, kind, named, action)
 
     def _exchange(self, digest: str, proposal: int) -> Gathered:
+        self.before_exchange()
         return decode_ballots(agreement.all_gather_rows(self._ctx, encode_ballot(digest, proposal), self._group))
 
     def _nodes(self) -> list[str]:

@@ -209,6 +209,8 @@ class StepLoop:
                     run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
                     return True
             with costs.timing("vote"):
+                if run._parts.vote.votes_at(run.step):
+                    run._faults.at("during_vote", run.step)
                 verdict = run._parts.vote.step_ended(run.step)
                 rebalanced = run._slow_ranks.verdict(  # new shares: the loader opens again
                     verdict.work, run.step, can_leave=can_leave(survivors, run._context.world_size))
