@@ -58,6 +58,7 @@ from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.observe.step_report import StepReport
 from elastic._worker.run.group import GroupParts
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.runtime.rng import seed_step
 from elastic._worker.survivors.plugin import Survivors
 
 Batch = TypeVar("Batch")
@@ -150,6 +151,8 @@ class StepLoop:
                 with costs.timing("sampler"):
                     feed.check(expected, step=run.step, rank=ctx.rank)
             again = None
+            with costs.timing("sampler"):  # the step's random streams, a function of (seed, step, rank) alone
+                seed_step(run.config.seed, run.step + 1, (ctx.rank + sampler.rotation) % ctx.world_size, ctx.device)
             healing = survivors is not None and survivors.can_heal
             started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
             stepped_before = self.optimizer_steps

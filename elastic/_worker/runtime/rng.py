@@ -6,12 +6,16 @@ numpy's generator states are tuples holding arrays, so they are converted to
 that vocabulary here and back on restore. Nothing else in the runtime
 touches generator internals.
 
-Invariant: `set_rng_state(get_rng_state())` leaves every generator (python,
+Invariants: `set_rng_state(get_rng_state())` leaves every generator (python,
 numpy, torch CPU, and the current CUDA device's) exactly where it was.
+`seed_step` makes what a step draws a function of (seed, step, rank) alone, never of
+the process's history: a worker that replaces a dead one under `--survivors keep`
+draws, at the step it trains first, exactly what the dead one would have drawn.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -64,3 +68,20 @@ def seed_all(seed: int, device: torch.device) -> None:
     torch.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of rank `rank`'s random streams in step `step` (a 63-bit hash: no two keys collide in practice)."""
+    digest = hashlib.blake2b(f"{seed}/step/{step}/rank/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
+    """Seed every generator for training step `step` as rank `rank` (see the module docstring).
+
+    Why every step and not once: a process's streams otherwise carry its whole history, which a
+    replacement cannot have (its predecessor's state died with it; the survivors hold their own),
+    so after a heal in place its dropout masks would differ from an uninterrupted run's from then
+    on. Seeded per step, every rank's draws in a step follow from its place alone; a replica
+    check's retry that trains another rank's block seeds as that rank."""
+    seed_all(step_seed(seed, step, rank), device)
