@@ -292,6 +292,12 @@ class MemorySnapshots:
             logger.warning("in-memory snapshots are off from now on: %s; checkpoints go to disk only", why)
 
     @property
+    def allocations(self) -> int:
+        """Buffers made so far, slots and the loop's copies: none after the first two snapshots while
+        the state keeps its shapes (snapshot_slots.py)."""
+        return self.parts.slots.created + self._pool.allocations
+
+    @property
     def slot_bytes(self) -> int:
         """Bytes of this worker's largest snapshot slot (0: none written yet)."""
         return self.parts.slots.largest

@@ -48,12 +48,15 @@ class BufferPool:
     def __init__(self, pin_memory: bool) -> None:
         self._pin = pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+        """Buffers allocated so far: none after the first save while the state keeps its shapes."""
 
     def get(self, path: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
             buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
             self._buffers[path] = buf
+            self.allocations += 1
         return buf
 
     @property

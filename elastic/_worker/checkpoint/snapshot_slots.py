@@ -162,6 +162,11 @@ class SlotPair:
         return slot
 
     @property
+    def made(self) -> list[Slot]:
+        """The slots made so far (at most two)."""
+        return [s for s in self._slots if s is not None]
+
+    @property
     def largest(self) -> int:
         """Bytes of the largest slot made (0: none yet)."""
-        return max((s.layout.size for s in self._slots if s is not None), default=0)
+        return max((s.layout.size for s in self.made), default=0)
