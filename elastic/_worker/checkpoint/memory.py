@@ -264,16 +264,19 @@ class MemorySnapshots:
     def due(self, step: int) -> bool:
         return self.disabled is None and self.every > 0 and step % self.every == 0
 
-    def wait_previous(self) -> None:
-        """Loop thread: the previous snapshot is written and replicated (at most one in flight)."""
-        self._wait(at_step=False, started=time.perf_counter())
+    def wait_previous(self, *, charge: bool = True) -> None:
+        """Loop thread: the previous snapshot is written and replicated (at most one in flight).
+        `charge=False`: the wait is not counted in that snapshot's cost (a caller that counts the
+        write's time itself: benchmarks/overhead.py charges it to the step it ends)."""
+        self._wait(at_step=False, started=time.perf_counter() if charge else None)
 
-    def _wait(self, *, at_step: bool, started: float) -> None:
+    def _wait(self, *, at_step: bool, started: float | None) -> None:
         try:
             self._writer.wait()
         except Exception as exc:  # noqa: BLE001 - a snapshot bug must not stop training: say it, turn them off
             self._disable(f"a snapshot failed ({type(exc).__name__}: {exc})")
-        self.costs.waited(time.perf_counter() - started, finished=True, at_step=at_step)
+        waited = time.perf_counter() - started if started is not None else 0.0
+        self.costs.waited(waited, finished=True, at_step=at_step)
 
     def _write(self, capture: Capture, record: SnapshotCost) -> None:
         """The snapshot thread's job: snapshot_write.PartWriter.write, and its cost noted."""
