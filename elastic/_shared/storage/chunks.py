@@ -202,7 +202,8 @@ class MappedFiles:
     copied straight from the page it lies in, with no read into a buffer first. The
     file's size is checked when it is mapped, so a short file is a `CorruptCheckpoint`;
     the files must not shrink or change while mapped (snapshot parts at restore never
-    do: their writers are gone, a replica is replaced by rename, pruning unlinks).
+    do: their writers, the only ones to rewrite a part, local or replica, in place, are
+    gone; a part of another size replaces its file by rename; pruning unlinks).
     Close once no view of a chunk is left. A symbolic link is refused unless `follow_links`
     (a restore's own layout of links to this node's parts, memory.gather_files)."""
 
