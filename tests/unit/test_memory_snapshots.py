@@ -131,6 +131,7 @@ def test_a_steady_snapshot_makes_no_buffer_and_no_file(tmp_path: Path, node: Kee
     job.run(3, 12)
     memory.wait_previous()
     assert memory.costs.taken == 12 and memory.disabled is None
+    assert [r.one_time for r in memory.costs.records] == [True, True] + [False] * 10  # the two that made the slots
     assert memory.allocations == made, "a steady snapshot made a buffer"
     assert [s.data.data_ptr() for s in memory.parts.slots.made] == mapped  # the same mappings
     data = {p.name: p.stat().st_ino for p in (node.root / LOCAL).iterdir() if p.suffix == parts.DATA_SUFFIX}
@@ -234,8 +235,11 @@ def test_each_snapshots_cost_is_handed_over_once_when_settled_and_waits_are_its_
     fourth = costs.begin(4)
     fourth.written = True
     costs.waited(0.001, finished=True, at_step=False)
+    slot_made = costs.begin(5)  # made a slot (a layout changed): a one-time cost, not what the interval budgets
+    slot_made.written, slot_made.one_time, slot_made.cpu_seconds = True, True, 0.3
+    costs.waited(0.0, finished=True, at_step=False)
     assert costs.drain() == [pytest.approx(0.002), pytest.approx(0.001)]
-    assert failed.waited_seconds == 0.5 and costs.taken == 4
+    assert failed.waited_seconds == 0.5 and costs.taken == 5
 
 
 def test_a_rendered_header_is_the_header(tmp_path: Path, node: KeeperAddress) -> None:

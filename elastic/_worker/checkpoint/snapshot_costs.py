@@ -17,6 +17,8 @@ Invariants:
 - A snapshot's cost is handed over once (`drain`), and only once it is
   settled: written, and seen finished by the loop, so nothing more can be
   charged to it. Costs are handed over in the order the snapshots were taken.
+  A snapshot that made its slot (the first two) is not handed over: its
+  one-time allocation is not what the interval budgets.
 - Memory stays bounded however long the run: the newest `KEPT` records, and totals.
 """
 
@@ -40,6 +42,8 @@ class SnapshotCost:
     """Wall seconds of its write on the snapshot thread (replica included): waits in it cost the loop nothing."""
     written: bool = False
     settled: bool = False
+    one_time: bool = False
+    """Its write made its slot (snapshot_write.Written.made_slot): not what a steady snapshot costs."""
 
     @property
     def seconds(self) -> float:
@@ -91,6 +95,6 @@ class SnapshotCosts:
         out = []
         while self._undrained and self._undrained[0].settled:
             record = self._undrained.popleft()
-            if record.written:  # a failed write has no cost to learn from (snapshots are off then)
+            if record.written and not record.one_time:  # a failed write has no cost to learn from (snapshots are off then)
                 out.append(record.seconds)
         return out

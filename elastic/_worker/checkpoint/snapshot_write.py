@@ -89,6 +89,8 @@ class Written:
     """From the step's end to the commit: a kill then restores the step before."""
     seconds: float
     """Wall seconds of the write on the snapshot thread, replica included."""
+    made_slot: bool
+    """It made its slot (a file allocated and mapped, its pages touched first): a one-time cost."""
 
 
 class PartWriter:
@@ -115,7 +117,7 @@ class PartWriter:
     def write(self, capture: Capture) -> Written:
         """Phases 1-5 of the module docstring. An error leaves the optimizer step released."""
         started, cpu_started = time.perf_counter(), time.thread_time()
-        step, deferred = capture.step, capture.deferred
+        step, deferred, made = capture.step, capture.deferred, self.slots.created
         if self._ctx.device.type == "cuda":
             torch.cuda.set_device(self._ctx.device)
         try:
@@ -147,7 +149,7 @@ class PartWriter:
         if self.peer is not None and time.monotonic() >= self._push_paused_until:
             self._push(header.stem, head, slot.bytes)
         cpu = time.thread_time() - cpu_started + pool_cpu
-        return Written(step, cpu, committed - capture.began, time.perf_counter() - started)
+        return Written(step, cpu, committed - capture.began, time.perf_counter() - started, self.slots.created > made)
 
     def _push(self, stem: str, head: bytes, data: memoryview) -> None:
         """Send the part to the peer's keeper; a failure is one warning (the local copy stands)."""
