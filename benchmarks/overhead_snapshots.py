@@ -22,7 +22,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-FIELDS = ("capture_seconds", "waited_seconds", "cpu_seconds", "seconds", "exposed_seconds", "write_seconds")
+FIELDS = ("capture_seconds", "waited_seconds", "cpu_seconds", "seconds", "replica_seconds", "exposed_seconds",
+          "write_seconds")
 
 
 def summarize(memories: list[Any]) -> list[dict[str, Any]]:
@@ -44,6 +45,11 @@ def _ms(seconds: float | None) -> str:
 
 def _share(seconds: float | None, step: float) -> str:
     return f"{seconds / step:.2%}" if seconds is not None else "-"
+
+
+def _copy(seconds: float | None, step: float) -> str:
+    """The copy to the peer node's cost, when there is one (a job on several nodes)."""
+    return f"; its copy to the peer node {_ms(seconds)} CPU, {_share(seconds, step)}" if seconds else ""
 
 
 def figures(results: dict[str, Any], loops: tuple[str, ...], step_s: float, on_off: tuple[float, float, float] | None
@@ -81,7 +87,8 @@ def lines(label: str, results: dict[str, Any], loops: tuple[str, ...], step_s: f
             f"capture {_ms(f['capture_seconds'])} + waits {_ms(f['waited_seconds'])} + write CPU "
             f"{_ms(f['cpu_seconds'])} = {_ms(f['seconds'])}, {_share(f['seconds'], step_s)} of a "
             f"{step_s * 1e3:.0f} ms step; every {f['every']} step(s): {f['share_per_step']:.2%} per step "
-            f"(auto's budget: 1 %); write {_ms(f['write_seconds'])} wall; {f['allocations']} buffers made in all"
+            f"(auto's budget: 1 %){_copy(f['replica_seconds'], step_s)}; write {_ms(f['write_seconds'])} wall; "
+            f"{f['allocations']} buffers made in all"
         )
         out.append(
             f"{name}: a kill between a step's end and its snapshot's commit redoes that step: median "

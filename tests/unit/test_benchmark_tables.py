@@ -138,7 +138,7 @@ def overhead_results() -> dict[str, Any]:
         "timed": timed, "turns": turns, "commits": commits,
         "snapshots": {name: [{"snapshots": 12, "measured": 10, "every": 3, "allocations": 4, "slot_bytes": 5_055_104,
                               "disabled": None, "capture_seconds": 0.0003, "waited_seconds": 0.00002,
-                              "cpu_seconds": 0.0012, "seconds": 0.00152, "exposed_seconds": 0.0021,
+                              "cpu_seconds": 0.0012, "seconds": 0.00152, "replica_seconds": 0.0, "exposed_seconds": 0.0021,
                               "write_seconds": 0.0018}]
                       for name in ("recipe", "recipe_no_metrics")},
         "drained": {name: [0.0011, 0.0009, 0.0012] if name in ("recipe", "recipe_no_metrics") else []

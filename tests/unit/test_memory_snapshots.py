@@ -225,10 +225,10 @@ def test_each_snapshots_cost_is_handed_over_once_when_settled_and_waits_are_its_
     costs.waited(0.004, finished=False, at_step=True)  # the optimizer step waited for its copy...
     assert costs.drain() == []
     costs.waited(0.003, finished=True, at_step=True)  # ...and then for the rest of its write
-    assert costs.drain() == [pytest.approx(0.010)] and costs.drain() == []
+    assert costs.drain() == [(pytest.approx(0.010), 0.0)] and costs.drain() == []
     assert costs.step_wait_seconds == pytest.approx(0.007)
     second = costs.begin(2)
-    second.written, second.cpu_seconds = True, 0.002
+    second.written, second.cpu_seconds, second.replica_seconds = True, 0.002, 0.0015
     costs.waited(0.0, finished=True, at_step=False)
     failed = costs.begin(3)  # its write failed: no cost to learn from, and the ones after it still count
     costs.waited(0.5, finished=True, at_step=False)
@@ -238,7 +238,7 @@ def test_each_snapshots_cost_is_handed_over_once_when_settled_and_waits_are_its_
     slot_made = costs.begin(5)  # made a slot (a layout changed): a one-time cost, not what the interval budgets
     slot_made.written, slot_made.one_time, slot_made.cpu_seconds = True, True, 0.3
     costs.waited(0.0, finished=True, at_step=False)
-    assert costs.drain() == [pytest.approx(0.002), pytest.approx(0.001)]
+    assert costs.drain() == [(pytest.approx(0.002), 0.0015), (pytest.approx(0.001), 0.0)]
     assert failed.waited_seconds == 0.5 and costs.taken == 5
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from elastic._worker.checkpoint.snapshot_interval import (
     BUDGET,
+    REPLICA_BUDGET,
     SnapshotInterval,
     budget_every,
     daly_interval_s,
@@ -70,6 +71,21 @@ def test_at_the_recipes_default_size_auto_snapshots_every_step() -> None:
     assert interval.proposal() == 3
 
 
+def test_the_copy_to_the_peer_node_has_a_budget_of_its_own() -> None:
+    """The peer-replica tier's cost (its tag and send on the snapshot thread) is budgeted apart: the interval
+    is the larger of the two tiers'."""
+    interval, now = clocked(ckpt_every=50)
+    run_steps(interval, now, 20, 0.247)
+    for _ in range(20):
+        interval.note_cost(0.0019, 0.0011)  # both within 1 %: every step
+    assert interval.budgets() == interval.proposal() == 1
+    for _ in range(40):
+        interval.note_cost(0.0019, 0.0030)  # the copy alone is 1.2 %: every other step
+    assert REPLICA_BUDGET == 0.01 and interval.budgets() == interval.proposal() == 2
+    assert "and its copy to the peer node 3.0 ms, 1.21%; 1% of the loop for each buys one every 2 step(s)" \
+        in interval.describe()
+
+
 def test_young_daly_bounds_the_interval_when_failures_come_often() -> None:
     """A costly snapshot (a 10-step budget interval) on a job failing every ~20 s of steps: Daly's optimum
     is shorter than what the budget buys, and it wins (the failures' redone work outweighs the cost)."""
@@ -104,7 +120,8 @@ def test_small_changes_are_not_proposed_and_agree_logs_a_change_once(caplog) -> 
         interval.agree(100, step=4)  # no change: no line
     assert interval.every == 100 and interval.chosen == [(3, 100)]
     assert caplog.text.count("in-memory snapshots every 100 step(s) (--snapshot-every auto") == 1
-    assert "a snapshot costs the loop 300.0 ms, 100.00% of a 300 ms step; 1% of the loop buys one every 100" in caplog.text
+    assert "a snapshot costs the loop 300.0 ms, 100.00% of a 300 ms step; 1% of the loop buys one every 100 step(s)" \
+        in caplog.text
     # A step time that moves the optimum by less than 25 % keeps the interval.
     interval, now = clocked()
     run_steps(interval, now, 3, 1.0)

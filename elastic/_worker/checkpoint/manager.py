@@ -311,8 +311,8 @@ class CheckpointManager:
         if self.memory is not None:
             self.memory.note_step(step)
             self.snapshot_interval.note_step_end()
-            for cost in self.memory.costs.drain():
-                self.snapshot_interval.note_cost(cost)
+            for cost, replica in self.memory.costs.drain():
+                self.snapshot_interval.note_cost(cost, replica)
         if self.due(step):
             self.save(step)
         elif self.enabled:

@@ -286,6 +286,7 @@ class MemorySnapshots:
             self._disable(f"cannot write the snapshot in {self.keeper.root} ({exc.strerror or exc})")
             return
         record.cpu_seconds, record.exposed_seconds = written.cpu_seconds, written.exposed_seconds
+        record.replica_seconds = written.replica_cpu_seconds
         record.write_seconds, record.one_time = written.seconds, written.made_slot
         record.written = True
 

@@ -1,14 +1,16 @@
 """What in-memory snapshots cost the loop, snapshot by snapshot: what `--snapshot-every auto` budgets.
 
-A snapshot's cost (`SnapshotCost.seconds`) is the sum of:
+A snapshot's cost to the memory tier (`SnapshotCost.seconds`) is the sum of:
 - capture: the loop's time in `take` at the step boundary (trainer state,
   buffers, handing the rest over), less its wait for the previous snapshot;
 - waited: the loop's time waiting for it: the next optimizer step's wait (its
   deferred copy, then the rest of its write) and the next `take`'s;
 - cpu: the CPU seconds its write took on the snapshot thread and the checksum
-  pool (snapshot_write.Written): on a host without an idle core those seconds
-  are taken from the loop. Where cores are idle this over-counts, which errs
-  towards fewer snapshots, never towards a slower loop.
+  pool up to its commit (snapshot_write.Written): on a host without an idle
+  core those seconds are taken from the loop. Where cores are idle this
+  over-counts, which errs towards fewer snapshots, never towards a slower loop.
+Its copy to the peer node (the peer-replica tier) costs `replica_seconds`:
+the CPU seconds the copy took on the snapshot thread (its tag, its send).
 Not counted: the peer keeper's time to receive a replica (another node's CPU),
 and the snapshot thread's waits (for the GIL, the network, the peer), which
 cost the loop nothing unless it waits for them, and then `waited` holds them.
@@ -36,6 +38,7 @@ class SnapshotCost:
     capture_seconds: float = 0.0
     waited_seconds: float = 0.0
     cpu_seconds: float = 0.0
+    replica_seconds: float = 0.0
     exposed_seconds: float = 0.0
     """Wall seconds from its step's end to its commit: a kill in them restores the step before."""
     write_seconds: float = 0.0
@@ -90,11 +93,12 @@ class SnapshotCosts:
             record.waited_seconds += seconds
             record.settled = finished
 
-    def drain(self) -> list[float]:
-        """The costs of the snapshots settled since the last call, in order (at most one is not: the newest)."""
+    def drain(self) -> list[tuple[float, float]]:
+        """The (memory tier, peer replica) costs of the snapshots settled since the last call, in order
+        (at most one is not: the newest)."""
         out = []
         while self._undrained and self._undrained[0].settled:
             record = self._undrained.popleft()
             if record.written and not record.one_time:  # a failed write has no cost to learn from (snapshots are off then)
-                out.append(record.seconds)
+                out.append((record.seconds, record.replica_seconds))
         return out

@@ -8,8 +8,15 @@ cost C / (k S) of the loop, so auto takes the least k with C / (k S) <= BUDGET,
 k = ceil(C / (BUDGET S)), as the replica checks' auto does
 (elastic._worker.integrity.check_interval). The fewer steps apart, the fewer a
 worker's death makes the job train again: at the GPT recipe's default size a
-snapshot costs well under 1 % of a step, so auto snapshots at every step and a
+snapshot costs under 1 % of a step, so auto snapshots at every step and a
 failure redoes none (memory.py says where one step can still be redone).
+
+Each snapshot is also copied to the peer node (the peer-replica tier, which
+a node's loss restores from): that copy costs R seconds of the snapshot
+thread's CPU (its tag, its send; about as much again on the peer, which is
+not this loop's), budgeted apart, R / (k S) <= REPLICA_BUDGET, because it
+buys protection from another failure than a worker's death (a node's loss);
+the interval is the larger of the two tiers'.
 
 Young/Daly's optimum is kept as an upper bound on k. A snapshot every T
 seconds loses C/T to snapshots and, with failures M seconds apart, T/(2M) to
@@ -52,6 +59,8 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 BUDGET = 0.01
 """The share of the loop's time snapshots may cost under auto (1 %)."""
+REPLICA_BUDGET = 0.01
+"""The share their copies to the peer node may cost (1 %; none when the job runs on one node)."""
 DEFAULT_MTBF_HOURS = 50_000.0
 """One worker's (a GPU's) mean time between failures, from Llama 3 (see the module docstring)."""
 HYSTERESIS = 1.25
@@ -93,6 +102,7 @@ class SnapshotInterval:
         self._last_step_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=WINDOW)
         self._costs: deque[float] = deque(maxlen=WINDOW)
+        self._replica_costs: deque[float] = deque(maxlen=WINDOW)
         self.chosen: list[tuple[int, int]] = []
         """(step, interval) each time `agree` changed the interval."""
 
@@ -103,30 +113,43 @@ class SnapshotInterval:
             self._step_seconds.append(now - self._last_step_end)
         self._last_step_end = now
 
-    def note_cost(self, seconds: float) -> None:
-        """One finished snapshot's cost to the loop (snapshot_costs.SnapshotCost.seconds)."""
+    def note_cost(self, seconds: float, replica_seconds: float = 0.0) -> None:
+        """One finished snapshot's cost to the loop and its copy's to the peer node
+        (snapshot_costs.SnapshotCost.seconds and .replica_seconds)."""
         self._costs.append(seconds)
+        self._replica_costs.append(replica_seconds)
 
     def cost_s(self) -> float | None:
         return statistics.median(self._costs) if self._costs else None
+
+    def replica_cost_s(self) -> float:
+        return statistics.median(self._replica_costs) if self._replica_costs else 0.0
 
     def step_s(self) -> float | None:
         return statistics.median(self._step_seconds) if self._step_seconds else None
 
     def young_daly(self) -> int | None:
-        """Young/Daly's interval in steps; None until a snapshot and a step are measured."""
+        """Young/Daly's interval in steps for the whole snapshot's cost (both tiers); None until a
+        snapshot and a step are measured."""
         cost, step = self.cost_s(), self.step_s()
         if cost is None or not step:
             return None
-        return max(1, round(daly_interval_s(cost, self._job_mtbf_s) / step))
+        return max(1, round(daly_interval_s(cost + self.replica_cost_s(), self._job_mtbf_s) / step))
+
+    def budgets(self) -> int | None:
+        """The fewest steps apart that keep both tiers within their budgets; None until measured."""
+        cost, step = self.cost_s(), self.step_s()
+        if cost is None or not step:
+            return None
+        return max(budget_every(cost, step), budget_every(self.replica_cost_s(), step, REPLICA_BUDGET))
 
     def optimum(self) -> int | None:
-        """The budget's interval in steps, at most Young/Daly's and `--ckpt-every`; None until a
+        """The budgets' interval in steps, at most Young/Daly's and `--ckpt-every`; None until a
         snapshot and a step are measured."""
-        cost, step, bound = self.cost_s(), self.step_s(), self.young_daly()
-        if cost is None or not step or bound is None:
+        budget, bound = self.budgets(), self.young_daly()
+        if budget is None or bound is None:
             return None
-        steps = min(budget_every(cost, step), bound)
+        steps = min(budget, bound)
         return min(steps, self._cap) if self._cap is not None else steps
 
     def proposal(self) -> int:
@@ -149,11 +172,12 @@ class SnapshotInterval:
 
     def describe(self) -> str:
         """The one line that says what auto chose and why."""
-        cost, step, bound = self.cost_s(), self.step_s(), self.young_daly()
-        if cost is None or not step or bound is None:
+        cost, step, bound, budget = self.cost_s(), self.step_s(), self.young_daly(), self.budgets()
+        if cost is None or not step or bound is None or budget is None:
             return f"in-memory snapshots every {self.every} step(s) (--snapshot-every auto: not measured yet)"
-        budget = budget_every(cost, step)
-        why = [f"{BUDGET:.0%} of the loop buys one every {budget:,} step(s)"]
+        replica = self.replica_cost_s()
+        copy = f" and its copy to the peer node {replica * 1e3:.1f} ms, {replica / step:.2%}" if replica else ""
+        why = [f"{BUDGET:.0%} of the loop{' for each' if replica else ''} buys one every {budget:,} step(s)"]
         if bound < budget:
             why.append(f"Young/Daly's optimum is {bound:,} (a failure expected every "
                        f"{self._job_mtbf_s / 3600:,.1f} h: --mtbf-hours {self._mtbf_hours:g} / {self._world_size} workers)")
@@ -161,6 +185,6 @@ class SnapshotInterval:
             why.append(f"capped at --ckpt-every {self._cap}")
         return (
             f"in-memory snapshots every {self.every} step(s) (--snapshot-every auto: a snapshot costs the loop "
-            f"{cost * 1e3:.1f} ms, {cost / step:.2%} of a {step * 1e3:.0f} ms step; " + "; ".join(why)
+            f"{cost * 1e3:.1f} ms, {cost / step:.2%} of a {step * 1e3:.0f} ms step{copy}; " + "; ".join(why)
             + "; the largest of any rank's proposal is taken)"
         )

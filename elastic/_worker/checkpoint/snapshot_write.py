@@ -27,10 +27,11 @@ Invariants:
   step, which waits for phase 2's copy (memory.py's `before_optimizer_step`).
 - The header's JSON is made once: the same bytes are written and sent.
 - `Written.cpu_seconds` is every CPU second this thread and the checksum pool
-  spent on the snapshot, replica included (not the peer keeper's): on a host
-  with no idle core those seconds are taken from the loop, so the interval's
-  budget counts them (snapshot_interval.py). With more than one intra-op
-  thread a CPU copy's other threads are not counted (workers run one).
+  spent on the snapshot up to its commit, `replica_cpu_seconds` those its
+  copy to the peer took (not the peer keeper's): on a host with no idle core
+  those seconds are taken from the loop, so the interval's budgets count them
+  (snapshot_interval.py). With more than one intra-op thread a CPU copy's
+  other threads are not counted (workers run one).
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ class Capture:
 class Written:
     step: int
     cpu_seconds: float
-    """CPU seconds the write took (see the module docstring)."""
+    """CPU seconds the write took up to its commit (see the module docstring)."""
+    replica_cpu_seconds: float
+    """CPU seconds its copy to the peer node's keeper took (0: none was sent)."""
     exposed_seconds: float
     """From the step's end to the commit: a kill then restores the step before."""
     seconds: float
@@ -144,12 +147,13 @@ class PartWriter:
         )
         head = header.to_json(slot.render_chunks(checksums))
         parts.write_header_bytes(self._directory, header.stem, head)
-        committed = time.perf_counter()
+        committed, cpu = time.perf_counter(), time.thread_time() - cpu_started + pool_cpu
         self._fault(COMMITTED, step)
+        replica_started = time.thread_time()
         if self.peer is not None and time.monotonic() >= self._push_paused_until:
             self._push(header.stem, head, slot.bytes)
-        cpu = time.thread_time() - cpu_started + pool_cpu
-        return Written(step, cpu, committed - capture.began, time.perf_counter() - started, self.slots.created > made)
+        return Written(step, cpu, time.thread_time() - replica_started, committed - capture.began,
+                       time.perf_counter() - started, self.slots.created > made)
 
     def _push(self, stem: str, head: bytes, data: memoryview) -> None:
         """Send the part to the peer's keeper; a failure is one warning (the local copy stands)."""
