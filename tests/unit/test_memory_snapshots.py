@@ -15,6 +15,7 @@ import torch
 from support import wait_for
 
 from elastic._shared.storage import parts
+from elastic._shared.storage.chunks import BLOCK, PARALLEL_BYTES, block_checksums, pieces_checksums
 from elastic._shared.storage.keeper_address import LOCAL, KeeperAddress
 from elastic._worker.checkpoint import CheckpointManager
 from elastic._worker.checkpoint.snapshot_costs import SnapshotCosts
@@ -240,6 +241,18 @@ def test_each_snapshots_cost_is_handed_over_once_when_settled_and_waits_are_its_
     costs.waited(0.0, finished=True, at_step=False)
     assert costs.drain() == [(pytest.approx(0.002), 0.0015), (pytest.approx(0.001), 0.0)]
     assert failed.waited_seconds == 0.5 and costs.taken == 5
+
+
+def test_a_snapshots_checksums_are_the_ones_every_reader_checks() -> None:
+    """All of a slot's chunks checksummed in one pass, on this thread or (past PARALLEL_BYTES) on the pool,
+    whose CPU time is counted: the same crc32c per block as `block_checksums`, which every read checks."""
+    sizes = (0, 5, BLOCK, BLOCK + 3, 3 * BLOCK)
+    small = [memoryview(os.urandom(n)) for n in sizes]
+    got, pool_cpu = pieces_checksums(small)
+    assert got == [tuple(block_checksums(p)) for p in small] and pool_cpu == 0.0  # this thread's own clock has them
+    large = [memoryview(os.urandom(PARALLEL_BYTES // 2 + 1)), memoryview(b""), memoryview(os.urandom(PARALLEL_BYTES // 2))]
+    got, pool_cpu = pieces_checksums(large)
+    assert got == [tuple(block_checksums(p)) for p in large] and pool_cpu > 0
 
 
 def test_a_rendered_header_is_the_header(tmp_path: Path, node: KeeperAddress) -> None:

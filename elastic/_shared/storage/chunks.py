@@ -73,17 +73,16 @@ def _timed_crc(block: memoryview) -> tuple[int, float]:
 
 
 def pieces_checksums(pieces: list[memoryview], block: int = BLOCK) -> tuple[list[tuple[int, ...]], float]:
-    """`block_checksums` of every piece, and the CPU seconds they took on every thread that ran them
-    (the caller's and the pool's: a background writer's cost is counted whole). One pass for all
-    pieces: on the calling thread when they hold fewer than `PARALLEL_BYTES`, else on the pool."""
+    """`block_checksums` of every piece, and the CPU seconds the pool's threads spent on them (0 when
+    the calling thread ran them all, whose own clock then has them): a background writer's cost is
+    counted whole. One pass for all pieces: on the calling thread when they hold fewer than
+    `PARALLEL_BYTES`, else on the pool."""
     counts = [max(1, -(-len(p) // block)) for p in pieces]  # an empty piece has one checksum, as in block_checksums
-    started = time.thread_time()
     if sum(len(p) for p in pieces) < PARALLEL_BYTES:
-        out = [tuple(crc32c.crc32c(p[i * block : (i + 1) * block]) for i in range(n)) for p, n in zip(pieces, counts)]
-        return out, time.thread_time() - started
+        return [tuple(crc32c.crc32c(p[i * block : (i + 1) * block]) for i in range(n)) for p, n in zip(pieces, counts)], 0.0
     blocks = [p[i * block : (i + 1) * block] for p, n in zip(pieces, counts) for i in range(n)]
     results = list(_checksum_pool().map(_timed_crc, blocks))
-    cpu = time.thread_time() - started + sum(seconds for _, seconds in results)
+    cpu = sum(seconds for _, seconds in results)
     out, at = [], 0
     for n in counts:
         out.append(tuple(crc for crc, _ in results[at : at + n]))

@@ -134,9 +134,7 @@ class PartWriter:
         for key in share.keys() - live.keys():
             slot.views[key].copy_(sharded.local_part(capture.buffers[key]))
         self._fault(COPIED, step)
-        own = time.thread_time()
-        checksums, checksum_cpu = pieces_checksums(slot.pieces, BLOCK)
-        pool_cpu = max(0.0, checksum_cpu - (time.thread_time() - own))  # the pool's threads' share, if it ran
+        checksums, pool_cpu = pieces_checksums(slot.pieces, BLOCK)
         self._fault(CHECKSUMMED, step)
         blob, blob_crc = parts.encode_trainer(capture.trainer)
         header = PartHeader(
