@@ -123,7 +123,7 @@ def test_a_torn_snapshot_is_never_loaded(tmp_path: Path, keeper: SnapshotKeeper)
     steps = sorted(h.step for h in parts.read_headers(keeper.root / LOCAL))
     assert steps == [5, 6]  # two slots: the previous part stays whole while the next is written
     # A worker dies while rewriting the slot of step 5: its header is gone first.
-    job.ckpt.memory.parts.slots.next(job.ckpt.state.layout.share(job.ckpt.state.layout.tensors(), 0, 1))
+    job.ckpt.memory.part_writer.slots.next(job.ckpt.state.layout.share(job.ckpt.state.layout.tensors(), 0, 1))
     assert sorted(h.step for h in parts.read_headers(keeper.root / LOCAL)) == [6]
     job.close()
     again = Job(tmp_path / "ckpt", seed=1)

@@ -126,15 +126,15 @@ def test_a_steady_snapshot_makes_no_buffer_and_no_file(tmp_path: Path, node: Kee
     memory = job.ckpt.memory
     memory.wait_previous()
     made = memory.allocations
-    mapped = [s.data.data_ptr() for s in memory.parts.slots.made]
+    mapped = [s.data.data_ptr() for s in memory.part_writer.slots.made]
     files = {p.name: p.stat().st_ino for p in (node.root / LOCAL).iterdir() if p.suffix == parts.DATA_SUFFIX}
-    assert made >= 2 and memory.parts.slots.created == 2 and len(files) == 2
+    assert made >= 2 and memory.part_writer.slots.created == 2 and len(files) == 2
     job.run(3, 12)
     memory.wait_previous()
     assert memory.costs.taken == 12 and memory.disabled is None
     assert [r.one_time for r in memory.costs.records] == [True, True] + [False] * 10  # the two that made the slots
     assert memory.allocations == made, "a steady snapshot made a buffer"
-    assert [s.data.data_ptr() for s in memory.parts.slots.made] == mapped  # the same mappings
+    assert [s.data.data_ptr() for s in memory.part_writer.slots.made] == mapped  # the same mappings
     data = {p.name: p.stat().st_ino for p in (node.root / LOCAL).iterdir() if p.suffix == parts.DATA_SUFFIX}
     assert data == files, "a steady snapshot made a new data file"
     assert sorted(h.step for h in parts.read_headers(node.root / LOCAL)) == [11, 12]

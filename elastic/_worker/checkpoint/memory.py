@@ -119,7 +119,7 @@ class MemorySnapshots:
         self.writer_id = parts.new_writer_id()
         local = keeper.root / LOCAL
         local.mkdir(parents=True, exist_ok=True)
-        self.parts = PartWriter(ctx, local, self.writer_id, key=key, ckpt_dir=ckpt_dir, keep=keep, fault=fault)
+        self.part_writer = PartWriter(ctx, local, self.writer_id, key=key, ckpt_dir=ckpt_dir, keep=keep, fault=fault)
         self._writer = BackgroundWriter(name="snapshot-writer", drain_timeout=PUSH_TIMEOUT)
         self._step_ended = time.perf_counter()
         self.disabled: str | None = None
@@ -131,13 +131,13 @@ class MemorySnapshots:
     @property
     def generation(self) -> str:
         """The restore this worker resumed from (shared by every rank): a plan takes parts of one."""
-        return self.parts.generation
+        return self.part_writer.generation
 
     @generation.setter
     def generation(self, tag: str) -> None:
         """Set at the start of each restore, before any rank of the new generation snapshots; local
         rank 0 tells the keeper, which from then on keeps replicas of this generation only."""
-        self.parts.generation = tag
+        self.part_writer.generation = tag
         if self._ctx.local_rank == 0:
             try:
                 self.keeper.note_job(self._ctx.run_id, tag, self._ctx.world_size)
@@ -200,11 +200,11 @@ class MemorySnapshots:
             if seen not in nodes:
                 nodes.append(seen)
         if len(nodes) < 2:
-            self.parts.peer = None
+            self.part_writer.peer = None
             if self._ctx.is_main and self._ctx.distributed:
                 logger.info("snapshots stay on this node: the job runs on one node, so there is no peer to copy them to")
             return
-        self.parts.peer = nodes[(nodes.index(mine) + 1) % len(nodes)].url
+        self.part_writer.peer = nodes[(nodes.index(mine) + 1) % len(nodes)].url
 
     # -- writing ---------------------------------------------------------------------
 
@@ -281,7 +281,7 @@ class MemorySnapshots:
     def _write(self, capture: Capture, record: SnapshotCost) -> None:
         """The snapshot thread's job: snapshot_write.PartWriter.write, and its cost noted."""
         try:
-            written = self.parts.write(capture)
+            written = self.part_writer.write(capture)
         except OSError as exc:  # a full /dev/shm, a failed mapping: degrade, never hang
             self._disable(f"cannot write the snapshot in {self.keeper.root} ({exc.strerror or exc})")
             return
@@ -299,12 +299,12 @@ class MemorySnapshots:
     def allocations(self) -> int:
         """Buffers made so far, slots and the loop's copies: none after the first two snapshots while
         the state keeps its shapes (snapshot_slots.py)."""
-        return self.parts.slots.created + self._pool.allocations
+        return self.part_writer.slots.created + self._pool.allocations
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of this worker's largest snapshot slot (0: none written yet)."""
-        return self.parts.slots.largest
+        return self.part_writer.slots.largest
 
     # -- finding them again ------------------------------------------------------------
 

@@ -58,10 +58,11 @@ def local_and_global(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...
 
 
 def signature_of(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
-    """What a slot's layout depends on: every key with its dtype, global shape and local shape."""
+    """What a slot's layout depends on: every key with its dtype, global shape and local shape, in the
+    mapping's order (a share's order is its state dict's: the same at every snapshot; another order
+    only makes a new layout)."""
     return tuple(
-        (key, t.dtype, tuple(t.shape), tuple(t.to_local().shape) if isinstance(t, DTensor) else None)
-        for key, t in sorted(tensors.items())
+        (key, t.dtype, t.shape, t.to_local().shape if isinstance(t, DTensor) else None) for key, t in tensors.items()
     )
 
 
