@@ -133,6 +133,8 @@ def test_a_steady_snapshot_makes_no_buffer_and_no_file(tmp_path: Path, node: Kee
     memory.wait_previous()
     assert memory.costs.taken == 12 and memory.disabled is None
     assert [r.one_time for r in memory.costs.records] == [True, True] + [False] * 10  # the two that made the slots
+    # Each snapshot's exposure runs from its step's end (note_step) to its commit, inside its write's wall time.
+    assert all(0 < r.exposed_seconds and r.cpu_seconds > 0 and r.written for r in memory.costs.records)
     assert memory.allocations == made, "a steady snapshot made a buffer"
     assert [s.data.data_ptr() for s in memory.part_writer.slots.made] == mapped  # the same mappings
     data = {p.name: p.stat().st_ino for p in (node.root / LOCAL).iterdir() if p.suffix == parts.DATA_SUFFIX}

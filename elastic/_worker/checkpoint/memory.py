@@ -121,7 +121,7 @@ class MemorySnapshots:
         local.mkdir(parents=True, exist_ok=True)
         self.part_writer = PartWriter(ctx, local, self.writer_id, key=key, ckpt_dir=ckpt_dir, keep=keep, fault=fault)
         self._writer = BackgroundWriter(name="snapshot-writer", drain_timeout=PUSH_TIMEOUT)
-        self._step_ended = time.perf_counter()
+        self._step_ended = (-1, 0.0)  # (step, perf_counter) of the newest `note_step`
         self.disabled: str | None = None
         """Why snapshots stopped (shared memory full, say); None while they run."""
         self.costs = SnapshotCosts()
@@ -161,7 +161,7 @@ class MemorySnapshots:
     def note_step(self, step: int) -> None:
         """The newest step this rank finished (read back after a failure: steps redone); its snapshot's
         exposure (snapshot_costs.SnapshotCost.exposed_seconds) is counted from here."""
-        self._step_ended = time.perf_counter()
+        self._step_ended = (step, time.perf_counter())
         if self._progress is not None:
             struct.pack_into("<q", self._progress, 0, step)
 
@@ -244,7 +244,8 @@ class MemorySnapshots:
         now = copy_now({"trainer": trainer, "buffers": buffers}, self._pool, ctx.device, self._copy_stream)
         self._copy = DeferredCopy(ctx.device, self._copy_stream)
         record = self.costs.begin(step)
-        capture = Capture(step, now["trainer"], now["buffers"], build, self._copy, self._step_ended)
+        noted, ended = self._step_ended
+        capture = Capture(step, now["trainer"], now["buffers"], build, self._copy, ended if noted == step else began)
         self._writer.submit(lambda: self._write(capture, record))
         blocked = time.perf_counter() - began
         record.capture_seconds = blocked - waited
