@@ -34,8 +34,9 @@ Invariants:
   secret and serves part files by name only (no paths). A replica is kept only
   when its tag verified, it belongs to this run, to the generation and world size
   this node's workers run (`job.json`, which they write at each restore) and it
-  leaves `free_reserve` of the file system free; what it receives is data and
-  JSON, and nothing it serves or stores is ever executed.
+  leaves `free_reserve` of the file system free (keeper_receive.py, which rewrites
+  each replica slot in place); what it receives is data and JSON, and nothing it
+  serves or stores is ever executed.
 - No failure of one persist or prune stops the keeper's thread.
 """
 
@@ -69,7 +70,7 @@ from elastic._agent.launcher.keeper_receive import ReplicaReceiver
 from elastic._agent.launcher.keeper_space import UploadSpace
 from elastic._shared.common import threads
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.storage import parts, peer_auth
+from elastic._shared.storage import parts
 from elastic._shared.storage.claim import check_may_commit
 from elastic._shared.storage.commit import commit_checkpoint
 from elastic._shared.storage.directory import CheckpointStore
