@@ -56,15 +56,21 @@ def run_steps(interval: SnapshotInterval, now: list[float], steps: int, seconds:
         interval.note_step_end()
 
 
-def test_at_the_recipes_default_size_auto_snapshots_every_step() -> None:
+def test_at_the_recipes_default_size_auto_snapshots_every_step(caplog) -> None:
     """The GPT recipe's default: a 247 ms step, snapshots well under 1 % of it, failures as Llama 3's."""
     interval, now = clocked(ckpt_every=50)
     assert (interval.every, interval.proposal()) == (1, 1)  # every step until measured
-    run_steps(interval, now, 20, 0.247)
-    for _ in range(20):
-        interval.note_cost(0.0019)
-    assert interval.young_daly() > 1000  # Young/Daly alone would snapshot every ~4,000 steps
-    assert interval.optimum() == 1 and interval.proposal() == 1
+    with caplog.at_level(logging.INFO, logger="elastic._worker.checkpoint.snapshot_interval"):
+        interval.agree(1, step=1)  # nothing measured yet: nothing to say
+        run_steps(interval, now, 20, 0.247)
+        for _ in range(20):
+            interval.note_cost(0.0019)
+        assert interval.young_daly() > 1000  # Young/Daly alone would snapshot every ~4,000 steps
+        assert interval.optimum() == 1 and interval.proposal() == 1
+        for step in (20, 21):
+            interval.agree(1, step=step)  # no change: the measured choice is said once all the same
+    assert caplog.text.count("in-memory snapshots every 1 step(s) (--snapshot-every auto: a snapshot costs the loop 1.9 ms") == 1
+    assert interval.chosen == []
     # Were it 3x dearer (a loaded host), every third step: within the budget, never over it.
     for _ in range(40):
         interval.note_cost(0.0057)

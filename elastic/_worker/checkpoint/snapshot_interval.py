@@ -103,6 +103,7 @@ class SnapshotInterval:
         self._step_seconds: deque[float] = deque(maxlen=WINDOW)
         self._costs: deque[float] = deque(maxlen=WINDOW)
         self._replica_costs: deque[float] = deque(maxlen=WINDOW)
+        self._told = False  # the measured choice was logged
         self.chosen: list[tuple[int, int]] = []
         """(step, interval) each time `agree` changed the interval."""
 
@@ -162,12 +163,16 @@ class SnapshotInterval:
         return best
 
     def agree(self, every: int, step: int) -> None:
-        """Take the interval every rank agreed on (0: no rank snapshots; nothing changes)."""
-        if every <= 0 or every == self.every:
+        """Take the interval every rank agreed on (0: no rank snapshots; nothing changes). Under auto the
+        announcing rank logs each change, and the first measured choice even when it is no change."""
+        if every <= 0:
             return
-        self.every = every
-        self.chosen.append((step, every))
-        if self._announce and self.auto:
+        changed = every != self.every
+        if changed:
+            self.every = every
+            self.chosen.append((step, every))
+        if self._announce and self.auto and (changed or not self._told) and self.cost_s() is not None:
+            self._told = True
             logger.info("%s", self.describe())
 
     def describe(self) -> str:

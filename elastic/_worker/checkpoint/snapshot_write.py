@@ -147,11 +147,13 @@ class PartWriter:
         parts.write_header_bytes(self._directory, header.stem, head)
         committed, cpu = time.perf_counter(), time.thread_time() - cpu_started + pool_cpu
         self._fault(COMMITTED, step)
-        replica_started = time.thread_time()
+        replica_cpu = 0.0
         if self.peer is not None and time.monotonic() >= self._push_paused_until:
+            replica_started = time.thread_time()
             self._push(header.stem, head, slot.bytes)
-        return Written(step, cpu, time.thread_time() - replica_started, committed - capture.began,
-                       time.perf_counter() - started, self.slots.created > made)
+            replica_cpu = time.thread_time() - replica_started
+        return Written(step, cpu, replica_cpu, committed - capture.began, time.perf_counter() - started,
+                       self.slots.created > made)
 
     def _push(self, stem: str, head: bytes, data: memoryview) -> None:
         """Send the part to the peer's keeper; a failure is one warning (the local copy stands)."""
