@@ -90,7 +90,8 @@ def test_auto_snapshots_agree_on_an_interval_and_a_failure_resumes_from_memory(t
                ckpt_every=6, snapshot_every="auto", extra=["--mtbf-hours", "0.0001"])
     assert done.returncode == 0, done.stderr[-3000:]
     said = re.findall(r"in-memory snapshots every (\d+) step\(s\) \(--snapshot-every auto: a snapshot costs", done.stderr)
-    assert said == ["1"], done.stderr[-3000:]  # said once, when measured: every step from the start, never changed
+    # Said once per attempt, when first measured: every step from the start, never changed.
+    assert said and set(said) == {"1"} and len(said) <= 2, done.stderr[-3000:]
     (restore,) = restores(tmp_path)
     assert restore["source"] == "memory" and restore["step"] in (13, 14), restore
     assert restore["redone"] == 14 - restore["step"], restore
