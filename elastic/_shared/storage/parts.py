@@ -125,14 +125,15 @@ class PartHeader:
     def stem(self) -> str:
         return part_stem(self.rank, self.writer, self.slot)
 
-    def to_json(self, chunks_json: str | None = None) -> bytes:
-        """The header as JSON; `chunks_json`, when given, is the JSON array of the chunks, already
-        rendered (a writer's snapshot_slots.Slot.render_chunks), used in place of `chunks`."""
+    def to_json(self, rendered: dict[str, str] | None = None) -> bytes:
+        """The header as JSON. `rendered`: fields whose JSON text is made already, used in place of
+        theirs (a writer renders what does not change from one snapshot to the next once:
+        snapshot_slots.Slot; a header of thousands of tensors is megabytes of JSON)."""
         # Not dataclasses.asdict: it deep-copies every chunk's checksums, on every step's snapshot.
-        if chunks_json is None:
+        if not rendered:
             return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True).encode()
-        rest = json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name != "chunks"}, sort_keys=True)
-        return f'{rest[:-1]}, "chunks": {chunks_json}}}'.encode()
+        rest = json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name not in rendered}, sort_keys=True)
+        return (rest[:-1] + "".join(f", {json.dumps(name)}: {text}" for name, text in rendered.items()) + "}").encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> PartHeader:

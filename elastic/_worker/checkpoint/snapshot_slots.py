@@ -121,7 +121,8 @@ class Slot:
             + ', "crc32c": ['
             for e in layout.entries
         ]
-        self.tensors = layout.tensors()
+        self.tensors_json = json.dumps(layout.tensors())
+        """The part header's `tensors`, rendered once."""
 
     def render_chunks(self, checksums: list[tuple[int, ...]]) -> str:
         """The part header's `chunks` (StoredChunk records with `fqn` and `at`) with these checksums, as a

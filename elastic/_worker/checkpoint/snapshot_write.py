@@ -139,11 +139,11 @@ class PartWriter:
         blob, blob_crc = parts.encode_trainer(capture.trainer)
         header = PartHeader(
             run_id=self._ctx.run_id, step=step, rank=self._ctx.rank, world_size=self._ctx.world_size,
-            writer=self._writer_id, slot=slot.index, data_bytes=slot.layout.size, chunks=[], tensors=slot.tensors,
+            writer=self._writer_id, slot=slot.index, data_bytes=slot.layout.size, chunks=[], tensors={},
             trainer=blob, trainer_crc32c=blob_crc, ckpt_dir=self._ckpt_dir, keep=self._keep, created=time.time(),
             extra={"generation": self.generation},
         )
-        head = header.to_json(slot.render_chunks(checksums))
+        head = header.to_json({"chunks": slot.render_chunks(checksums), "tensors": slot.tensors_json})
         parts.write_header_bytes(self._directory, header.stem, head)
         committed, cpu = time.perf_counter(), time.thread_time() - cpu_started + pool_cpu
         self._fault(COMMITTED, step)
