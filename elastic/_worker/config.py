@@ -64,8 +64,9 @@ class RunConfig:
     ckpt_restore_timeout: float = 600.0
     """Seconds reading a checkpoint may take on restore before the job stops with exit 75 (not a restart loop)."""
     snapshot_every: int | str = "auto"
-    """Steps between in-memory snapshots under torchrevive-run, which a failure resumes from (0: off; auto:
-    Young/Daly's interval from each snapshot's measured cost and --mtbf-hours, at most --ckpt-every)."""
+    """Steps between in-memory snapshots under torchrevive-run, which a failure resumes from (0: off; auto: as
+    often as 1 % of the loop's time buys, measured: every step at the GPT recipe's default size; at most
+    Young/Daly's interval for --mtbf-hours and --ckpt-every)."""
     mtbf_hours: float = 50_000.0
     """Assumed mean hours between failures of one worker, for --snapshot-every auto (Llama 3: one
     unexpected interruption per ~50,000 GPU-hours)."""

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import threading
 from pathlib import Path
@@ -135,7 +136,10 @@ def overhead_results() -> dict[str, Any]:
             cost.update(metrics=0.00005)
     return {
         "timed": timed, "turns": turns, "commits": commits,
-        "snapshots": {name: [{"snapshots": 12, "blocking": [0.0004, 0.0005, 0.0004], "disabled": None}]
+        "snapshots": {name: [{"snapshots": 12, "measured": 10, "every": 3, "allocations": 4, "slot_bytes": 5_055_104,
+                              "disabled": None, "capture_seconds": 0.0003, "waited_seconds": 0.00002,
+                              "cpu_seconds": 0.0012, "seconds": 0.00152, "replica_seconds": 0.0, "exposed_seconds": 0.0021,
+                              "write_seconds": 0.0018}]
                       for name in ("recipe", "recipe_no_metrics")},
         "drained": {name: [0.0011, 0.0009, 0.0012] if name in ("recipe", "recipe_no_metrics") else []
                     for name in timed},
@@ -144,8 +148,11 @@ def overhead_results() -> dict[str, Any]:
     }
 
 
-def test_overhead_prints_the_loops_their_ratios_with_intervals_the_verdicts_and_the_runtimes_costs(capsys, tmp_path):
+def test_overhead_prints_the_loops_their_ratios_with_intervals_the_verdicts_and_the_runtimes_costs(
+    capsys, tmp_path, monkeypatch
+):
     overhead = script("overhead")
+    monkeypatch.setattr(script("provenance"), "_git", lambda *args: None)  # a unit test starts no git
     measured = tmp_path / "overhead.json"
     opts = overhead.parse_args([*OVERHEAD_ARGS, "--json", str(measured)])
     overhead.report(opts, overhead_results(), scrapes=41, refused=0,
@@ -157,9 +164,28 @@ def test_overhead_prints_the_loops_their_ratios_with_intervals_the_verdicts_and_
         assert row and len(re.findall(r"ms", row.group(1))) == 3, (phase, out)  # the three recipe loops
     # Snapshots at their default: every step until measured, then capped at --ckpt-every.
     assert re.search(r"snapshots auto \(every 3 steps at the end\)", out), out
-    overhead_figure = json.loads(measured.read_text())
-    assert set(overhead_figure) == {"loop_overhead"} and 0 <= overhead_figure["loop_overhead"] < 1
+    document = json.loads(measured.read_text())
+    assert document["benchmark"] == "overhead" and {"command", "commit", "torch", "machine", "date"} <= document["provenance"].keys()
+    figures = document["results"]
+    assert 0 <= figures["loop_overhead"] < 1 and figures["snapshot_every"] == "auto"
     assert f"written to {measured} for goodput_at_scale.py --measured" in out
+    # A snapshot's cost two ways, as shares of a step without snapshots (the recipe_no_snapshots loop's median).
+    step = 1 / overhead.geometric_mean([1 / statistics.median(b) for b in overhead_results()["timed"]["recipe_no_snapshots"]])
+    own = re.search(r"^snapshots auto \(every 3 steps at the end\), recipe_no_metrics: 12 taken on rank 0; "
+                    r"per snapshot \(median of 10\): "
+                    r"capture 0\.30 ms \+ waits 0\.02 ms \+ write CPU 1\.20 ms = 1\.52 ms, ([\d.]+)% of a (\d+) ms step; "
+                    r"every 3 step\(s\): ([\d.]+)% per step \(auto's budget: 1 %\); write 1\.80 ms wall; 4 buffers made in all$",
+                    out, re.M)
+    assert own and float(own.group(1)) == pytest.approx(100 * 0.00152 / step, abs=0.006), out
+    assert int(own.group(2)) == round(step * 1e3) and float(own.group(3)) == pytest.approx(float(own.group(1)) / 3, abs=0.006)
+    assert re.search(r"^recipe: a kill between a step's end and its snapshot's commit redoes that step: median 2\.10 ms, "
+                     r"[\d.]+% of a step", out, re.M), out
+    end_to_end = re.search(r"^snapshot cost per step, end to end \(snapshots on / off, .*\): (-?[\d.]+) ms "
+                           r"\[95% CI (-?[\d.]+)-(-?[\d.]+)\], (-?[\d.]+)% of a step$", out, re.M)
+    assert end_to_end, out
+    added, low, high, share = map(float, end_to_end.groups())
+    assert low <= added <= high and figures["snapshots"]["end_to_end"]["added_s"] * 1e3 == pytest.approx(added, abs=0.006)
+    assert figures["snapshots"]["recipe"]["share_per_step"] == pytest.approx(0.00152 / 3 / step)
     ci = r"\[95% CI ([\d.]+)-([\d.]+)\]"
     ratios = re.findall(rf"recipe/gpt.py [\d.]+ steps/s \| seed-style DDP [\d.]+ steps/s \| ratio ([\d.]+) {ci}", out)
     assert len(ratios) == 2, out  # by 1/median step and by steps/seconds

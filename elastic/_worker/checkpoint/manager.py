@@ -121,7 +121,6 @@ class CheckpointManager:
             ckpt_every=config.ckpt_every, announce=ctx.is_main,
         )
         self.memory = self._memory_tier(copy_stream) if self.enabled and config.snapshot_every != 0 else None
-        self._costs_noted = 0  # snapshots whose cost the interval has seen
         self.hook_seconds = 0.0
         """Seconds the optimizer steps waited in this manager's pre-hook (saves' and snapshots' copies)."""
         self.restored_bytes = 0
@@ -312,9 +311,8 @@ class CheckpointManager:
         if self.memory is not None:
             self.memory.note_step(step)
             self.snapshot_interval.note_step_end()
-            for cost in self.memory.costs(self._costs_noted):
-                self.snapshot_interval.note_cost(cost)
-                self._costs_noted += 1
+            for cost, replica in self.memory.costs.drain():
+                self.snapshot_interval.note_cost(cost, replica)
         if self.due(step):
             self.save(step)
         elif self.enabled:
@@ -341,10 +339,10 @@ class CheckpointManager:
     def loop_seconds(self) -> dict[str, float]:
         """Seconds the loop spent in snapshots, and in this manager's optimizer pre-hook otherwise, for
         the step costs: what to add to each phase when `maybe_save` was charged to "checkpoint"."""
-        memory = self.memory
-        taken = sum(memory.blocking_seconds) if memory is not None else 0.0
-        copied = sum(memory.copy_seconds) if memory is not None else 0.0
-        step_waits = sum(memory.step_wait_seconds) if memory is not None else 0.0
+        costs = self.memory.costs if self.memory is not None else None
+        taken = costs.blocked_seconds if costs is not None else 0.0
+        copied = costs.capture_seconds if costs is not None else 0.0
+        step_waits = costs.step_wait_seconds if costs is not None else 0.0
         return {"snapshot_copy": copied, "snapshot_wait": taken - copied + step_waits,
                 "checkpoint": self.hook_seconds - step_waits - taken}
 
