@@ -31,7 +31,7 @@ import signal
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
-from elastic._shared.protocol.exit_status import EVICTED_EXIT, FAULTY_NODE_EXIT
+from elastic._shared.protocol.exit_status import EVICTED_EXIT, FAULTY_NODE_EXIT, PEER_LOST_EXIT, reads_as_peer_loss
 
 CRASH_LOOP_EXIT = 78
 """The job stopped because a failure repeats at the same step (distinct from 1, 2, 75, 76, 124, 143)."""
@@ -47,14 +47,10 @@ DEFAULTS = {SET_ASIDE_FAILURES_ENV: "3", SET_ASIDE_WINDOW_ENV: "600", SET_ASIDE_
 """The settings' defaults (elastic._agent.launcher.settings is their one source: flags, variables, help)."""
 
 MAX_TEXT = 300
-_COLLATERAL = (
-    "connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
-    "socket timeout", "read error", "connection refused", "gloo", "nccl communicator was aborted",
-)
-"""How a worker's error reads when it died of a peer's failure (a collective broken from the other end)."""
-_COLLATERAL_EXITS = frozenset({124, 76, 143, -15})
+_COLLATERAL_EXITS = frozenset({124, 76, 143, -15, PEER_LOST_EXIT})
 """The hang watchdog (every rank of a stuck group trips; the hang verdict names the culprit), a heal in
-place whose peers never came, and SIGTERM (the agent stopping its group)."""
+place whose peers never came, SIGTERM (the agent stopping its group), and a worker that stopped because
+a peer's death broke its collective (it said so: `PEER_LOST_EXIT`)."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +103,7 @@ class Strike:
 def is_collateral(exitcode: int, error: str) -> bool:
     """Whether a worker's failure reads as a peer's: a broken collective, the watchdog of a stuck group,
     the agent's own stop."""
-    if exitcode in _COLLATERAL_EXITS:
-        return True
-    text = error.lower()
-    return any(mark in text for mark in _COLLATERAL)
+    return exitcode in _COLLATERAL_EXITS or reads_as_peer_loss(error)
 
 
 def how_it_ended(exitcode: int) -> str:

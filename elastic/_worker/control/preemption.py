@@ -103,6 +103,7 @@ class PreemptionHandler:
         self._grace = grace
         self._flag = False
         self._received: int | None = None
+        self._announced = False
         self._duplicate_window = duplicate_window
         self._first_term: float | None = None  # when the first SIGTERM came: a later one ends the process
         self._previous: dict[int, object] = {}
@@ -144,6 +145,7 @@ class PreemptionHandler:
         self._watcher = None  # not forked with the child
         self._reached_boundary = threading.Event()  # the parent's may have been mid-use by another thread
         self._received = None
+        self._announced = False
         self._first_term = None
         wakeup, self._wakeup = self._wakeup, None
         previous, self._previous = self._previous, {}
@@ -231,10 +233,18 @@ class PreemptionHandler:
         if self._flag:
             return  # the requeue signal again (Slurm may deliver it more than once), or SIGTERM after it
         self._flag = True
-        self._received = signum
-        then = ", then requeueing the Slurm job" if signum == self._requeue_signum else ""
+        self._received = signum  # said when the job acts on it (`_announce`): a peer's death may end it first
+
+    def _announce(self) -> None:
+        """The job agreed to stop for this process's signal: say so, once. Not in the handler: under
+        `--survivors restart` torchrun stops the survivors of a peer's death with SIGTERM too, and those
+        leave with the peer's death as their one line (elastic._worker.run.peer_loss), not a preemption."""
+        if self._received is None or self._announced:
+            return
+        self._announced = True
+        then = ", then requeueing the Slurm job" if self._received == self._requeue_signum else ""
         logger.warning("received %s: finishing this step, then checkpointing and exiting%s",
-                       signal.Signals(signum).name, then)
+                       signal.Signals(self._received).name, then)
 
     @property
     def signalled(self) -> bool:
@@ -256,11 +266,13 @@ class PreemptionHandler:
         answer = agreement.any_set(self._ctx, self._flag, *flags)
         if answer[0]:
             self._reached_boundary.set()  # the checkpoint that follows may take its time
+            self._announce()
         return answer
 
     def at_boundary(self) -> None:
         """The job agreed to stop at this step (the step vote): the checkpoint that follows may take its time."""
         self._reached_boundary.set()
+        self._announce()
 
     @contextmanager
     def hold(self) -> Iterator[None]:

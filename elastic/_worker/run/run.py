@@ -87,17 +87,12 @@ from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.run.group import GroupParts, TrainingState
 from elastic._worker.run.loop import StepLoop
+from elastic._worker.run.peer_loss import raise_if_peer_lost
 from elastic._worker.run.script_exit import ScriptExit
 from elastic._worker.run.stopping import commit_and_stop
 from elastic._worker.run.survivors_host import SurvivorsHost
 from elastic._worker.runtime import parallel
-from elastic._worker.runtime.context import (
-    WorkerContext,
-    adopt_worker,
-    barrier,
-    init_worker,
-    shutdown_worker,
-)
+from elastic._worker.runtime.context import WorkerContext, adopt_worker, barrier, init_worker, shutdown_worker
 from elastic._worker.runtime.parallel import unwrap
 from elastic._worker.runtime.rng import seed_all
 from elastic._worker.survivors.plugin import Survivors
@@ -178,6 +173,7 @@ class Run:
             raise
         finally:
             self._leave(failed=failed)
+        raise_if_peer_lost(exc, rank=self.rank, step=self.step, heals=self._survivors is not None)  # one line
 
     # -- a script written at module level, without a `with` block -----------------------------
 
