@@ -350,9 +350,9 @@ def check_script(args: argparse.Namespace) -> None:
 
 
 def args_parser() -> argparse.ArgumentParser:
-    """torchrun's own parser, with our settings in a group of their own (`settings.add_arguments`);
-    `start_method` is None when neither the command line nor PET_START_METHOD chose one (torch would
-    take spawn), `nnodes` None when neither `--nnodes` nor PET_NNODES did (torch would take 1:1)."""
+    """torchrun's own parser, with our settings in a group of their own (`settings.add_arguments`) and our
+    defaults (`settings.torchrun_defaults`: `--max-restarts`; `start_method` None when neither the command
+    line nor PET_START_METHOD chose one, torch would take spawn; `nnodes` None likewise, torch: 1:1)."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -361,7 +361,7 @@ def args_parser() -> argparse.ArgumentParser:
         "torchrun with recovery defaults: every torchrun flag, then torchrevive-run's own settings "
         "(last in this help). docs/recovery.md explains each."
     )
-    parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"), nnodes=os.environ.get("PET_NNODES"))
+    settings.torchrun_defaults(parser, os.environ)  # --max-restarts that recovers; start method, nnodes unchosen
     settings.add_arguments(parser)
     return parser
 

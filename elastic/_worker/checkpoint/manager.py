@@ -66,6 +66,8 @@ from elastic._worker.runtime.context import WorkerContext, barrier
 
 logger = logging.getLogger(__name__)
 
+NO_CHECKPOINTS = ("no --ckpt-dir: this job keeps no checkpoints and no in-memory snapshots, so a failure restarts "
+                  "training from step 0; give --ckpt-dir DIR (or s3://BUCKET/PREFIX) to resume where it stopped")
 _SOURCE_WORDS = {"disk": "", "memory": " in memory", "peer": " in a peer node's memory"}
 
 
@@ -198,6 +200,8 @@ class CheckpointManager:
     def restore(self) -> int:
         """Load the newest good state on every rank; the step to continue from (0: none)."""
         if not self.enabled:
+            if self._ctx.is_main and self._ctx.distributed:  # a restart would begin again: say it once, at start
+                logger.warning(NO_CHECKPOINTS)
             return 0
         planner = RestorePlanner(
             self._ctx, self.state, self.store, self.loader, self.memory,
