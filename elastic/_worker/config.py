@@ -107,9 +107,9 @@ class RunConfig:
     update, every sample once, but other samples per rank than an even split), evict (rebalance, and a rank
     still --evict-factor times slower, or too slow for its smallest share, leaves the job with its node under
     torchrevive-run --survivors train-on; without train-on it is reported and rebalanced)."""
-    slow_factor: float = 1.25
+    slow_factor: float = 1.5
     """A rank is a straggler when the median of its work per sample over the others' median, over the last
-    --slow-window votes (about one a second), is at least this."""
+    --slow-window votes (about one a second), is at least this (a busy shared machine wanders to 1.3x)."""
     slow_window: int = 5
     """Votes (about one a second) a rank's slowdown is judged over: its median over them decides."""
     evict_factor: float = 3.0
