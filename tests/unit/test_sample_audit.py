@@ -123,3 +123,27 @@ def test_a_record_torn_by_a_kill_does_not_hide_the_next_one(tmp_path: Path) -> N
     result = audit(tmp_path / "samples")
     assert result.ok, result.problems
     assert (result.first_step, result.last_step) == (1, 12)
+
+
+def test_the_audit_is_a_command_a_pass_one_line_a_failure_its_problems_and_exit_1(tmp_path: Path, capsys) -> None:
+    """`python -m elastic.chaos audit PREFIX` (run here in this process, through run_main as the module is)."""
+    from elastic._shared.common.cli import run_main
+    from elastic.chaos.__main__ import main
+
+    good = FakeJob(tmp_path / "good")
+    good.round(resume=0, world=2, until=12)
+    good.round(resume=10, world=1, until=20)
+    assert run_main(main, ["audit", str(tmp_path / "good")]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [audit(tmp_path / "good").summary()] and out.startswith("samples: each once") and not err
+
+    bad = FakeJob(tmp_path / "bad")
+    bad.round(resume=0, world=2, until=12, corrupt_step=7)
+    assert run_main(main, ["audit", str(tmp_path / "bad")]) == 1
+    out, err = capsys.readouterr()
+    assert "  step 7: 1 of its samples are not those the epoch order puts at" in out
+    assert err.count("\n") == 1 and f"error: the audit of {tmp_path / 'bad'} found" in err
+
+    assert run_main(main, ["audit", str(tmp_path / "none")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no sample records at" in err
