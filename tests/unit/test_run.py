@@ -185,7 +185,7 @@ def test_config_from_args_takes_the_contract_flags() -> None:
     ("settings", "message"),
     [
         ({"ckpt_keep": 1}, "ckpt_keep=1 must be at least 2"),
-        ({"ckpt_every": -1}, "ckpt_every=-1 must be 0 or more"),
+        ({"ckpt_every": -1}, "ckpt_every=-1 must be a number of steps, 0 or more, or of epochs"),
         ({"metrics_port": 70000}, "metrics_port=70000 is not a port number"),
         ({"term_grace": 0}, "term_grace must be above 0"),
     ],

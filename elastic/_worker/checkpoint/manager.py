@@ -120,7 +120,7 @@ class CheckpointManager:
         )
         self.snapshot_interval = SnapshotInterval(
             config.snapshot_every, world_size=ctx.world_size, mtbf_hours=config.mtbf_hours,
-            ckpt_every=config.ckpt_every, announce=ctx.is_main,
+            ckpt_every=config.ckpt_every_steps, announce=ctx.is_main,
         )
         self.memory = self._memory_tier(copy_stream) if self.enabled and config.snapshot_every != 0 else None
         self._costs_noted = 0  # snapshots whose cost the interval has seen
@@ -167,7 +167,7 @@ class CheckpointManager:
 
     @property
     def every(self) -> int:
-        return self.config.ckpt_every
+        return self.config.ckpt_every_steps
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -193,6 +193,12 @@ class CheckpointManager:
         return agreement.main_text(self._ctx, self.policy.stop_reason) or "checkpoint saves keep failing"
 
     def due(self, step: int) -> bool:
+        """A checkpoint is due at the end of `step`: every `--ckpt-every` steps, or in epochs (2e) when the step
+        completed an epoch that is a multiple (its global batch reached into the next epoch's first samples)."""
+        epochs, sampler = self.config.ckpt_every_epochs, self.state.sampler
+        if epochs:
+            crossed = sampler.state.consumed < sampler.batch_size * self._ctx.world_size
+            return self.enabled and crossed and sampler.epoch % epochs == 0
         return self.enabled and self.every > 0 and step % self.every == 0
 
     # -- restore -------------------------------------------------------------------------
