@@ -118,7 +118,7 @@ def test_without_a_loader_the_batches_are_the_samplers_indices(tmp_path: Path) -
 
 def test_a_loader_that_runs_dry_or_strays_from_the_sampler_is_an_error(tmp_path: Path) -> None:
     dataset = data()
-    with pytest.raises(ElasticError, match="the data loader ended at step 2 of 5"):
+    with pytest.raises(ElasticError, match="the data loader ended at step 2, before max_steps=5"):
         with elastic.Run(device="cpu") as run:
             model = torch.nn.Linear(3, 1)
             run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset, batch_size=4)

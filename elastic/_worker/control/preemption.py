@@ -104,6 +104,7 @@ class PreemptionHandler:
         self._flag = False
         self._received: int | None = None
         self._announced = False
+        self._holds = 0  # `hold` blocks entered and not left (they nest)
         self._duplicate_window = duplicate_window
         self._first_term: float | None = None  # when the first SIGTERM came: a later one ends the process
         self._previous: dict[int, object] = {}
@@ -146,6 +147,7 @@ class PreemptionHandler:
         self._reached_boundary = threading.Event()  # the parent's may have been mid-use by another thread
         self._received = None
         self._announced = False
+        self._holds = 0
         self._first_term = None
         wakeup, self._wakeup = self._wakeup, None
         previous, self._previous = self._previous, {}
@@ -278,11 +280,13 @@ class PreemptionHandler:
     def hold(self) -> Iterator[None]:
         """Work between steps (evaluation, the final save): a SIGTERM arriving now waits for
         the caller's vote after it instead of ending the process after the grace."""
+        self._holds += 1
         self._reached_boundary.set()
         try:
             yield
         finally:
-            if not self._flag:
+            self._holds -= 1
+            if not self._flag and not self._holds:  # nested (a pause inside an epoch's end): the outer one holds on
                 self._reached_boundary.clear()
 
     def uninstall(self) -> None:

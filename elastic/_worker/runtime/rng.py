@@ -6,13 +6,17 @@ numpy's generator states are tuples holding arrays, so they are converted to
 that vocabulary here and back on restore. Nothing else in the runtime
 touches generator internals.
 
-Invariant: `set_rng_state(get_rng_state())` leaves every generator (python,
-numpy, torch CPU, and the current CUDA device's) exactly where it was.
+Invariants: `set_rng_state(get_rng_state())` leaves every generator (python,
+numpy, torch CPU, and the current CUDA device's) exactly where it was; so does
+a block under `isolated(device)`, whatever it draws (the same generators: those
+a checkpoint carries).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -64,3 +68,19 @@ def seed_all(seed: int, device: torch.device) -> None:
     torch.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
+
+
+@contextmanager
+def isolated(device: torch.device) -> Iterator[None]:
+    """Fork every generator a checkpoint carries (python, numpy, torch CPU, `device`'s CUDA one) for the
+    block and put each back after it, an exception included: work between steps (an evaluation with
+    dropout, a shuffled test loader, sampling) never moves the training's random stream. A DataLoader
+    draws its workers' seeds and its shuffle from torch's CPU generator, so a loader's draws are forked too."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
