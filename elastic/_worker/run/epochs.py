@@ -110,10 +110,10 @@ class EpochLoop:
         ends = self.epoch + 1 if max_epochs is None else min(max_epochs, self.epoch + 1)
         return StepLimit(max_steps, ends, shown_epochs=self._max_epochs)
 
-    def steps(self, sampler: ElasticSampler, steps: Iterator[Batch]) -> Iterator[Batch]:
-        """`run.batches`' steps; inside `epochs`, the epoch's end begins when they ran to its last one."""
+    def steps(self, steps: Iterator[Batch]) -> Iterator[Batch]:
+        """`run.batches`' steps; inside `epochs`, the epoch's end begins when they ran to the last one."""
         yield from steps
-        if self.state is State.IN_EPOCH and sampler.epoch > self.epoch:
+        if self.state is State.IN_EPOCH:  # at the epoch's end, or stopped before it by max_steps (the last one)
             self._end = ExitStack()
             self._end.enter_context(self._pause())
             self.state = State.AT_EPOCH_END

@@ -409,7 +409,8 @@ class Run:
         a `break` after the body's optimizer step counts that step as done, a `break`
         before it leaves the step untrained.
         """
-        return self._epochs.steps(self._sampler_checked(), self._loop.batches(loader, self._epochs.limit(max_steps, max_epochs)))
+        self._sampler_checked()
+        return self._epochs.steps(self._loop.batches(loader, self._epochs.limit(max_steps, max_epochs)))
 
     def epochs(self, max_epochs: int) -> Iterator[int]:
         """`for epoch in run.epochs(N): for batch in run.batches(loader): ...` then end-of-epoch work (an
