@@ -115,7 +115,7 @@ def test_max_restarts_defaults_to_a_number_that_recovers_and_the_help_says_so(mo
     """torchrun's 0 ended a job at its first failure (the README's own lines did not restart); a flag or
     PET_MAX_RESTARTS still wins, as under torchrun."""
     from elastic._agent.launcher.launch import args_parser, parse_args
-    from elastic._agent.launcher.settings import MAX_RESTARTS
+    from elastic._agent.launcher.torchrun_defaults import MAX_RESTARTS
 
     monkeypatch.delenv("PET_MAX_RESTARTS", raising=False)
     assert MAX_RESTARTS > 0 and parse_args(["train.py"]).max_restarts == MAX_RESTARTS
@@ -142,3 +142,17 @@ def test_several_workers_a_node_get_torchruns_thread_default_before_the_fork_ser
     alone: dict[str, str] = {}
     assert settle_thread_defaults(Namespace(nproc_per_node="1"), alone) is None and alone == {}
     assert settle_thread_defaults(Namespace(nproc_per_node="many"), alone) is None and alone == {}
+
+
+def test_a_range_of_nodes_with_no_backend_chosen_takes_c10d(monkeypatch) -> None:
+    """torchrun's static backend cannot serve --nnodes MIN:MAX (its first node waits for MAX, for ever): the
+    documented `--nnodes=1:4 --rdzv-endpoint=HOST:29400 --rdzv-id=job1 train.py` hung."""
+    from elastic._agent.launcher.launch import parse_args
+
+    monkeypatch.delenv("PET_RDZV_BACKEND", raising=False)
+    assert parse_args(["--nnodes=1:4", "--rdzv-endpoint=h:1", "train.py"]).rdzv_backend == "c10d"
+    assert parse_args(["--nnodes=2", "--rdzv-endpoint=h:1", "train.py"]).rdzv_backend == "static"  # a fixed count
+    assert parse_args(["--nnodes=1:4", "--rdzv-backend=static", "train.py"]).rdzv_backend == "static"  # chosen
+    assert parse_args(["--nnodes=1:4", "train.py", "--rdzv-backend=x"]).rdzv_backend == "c10d"  # the script's own flag
+    monkeypatch.setenv("PET_RDZV_BACKEND", "static")
+    assert parse_args(["--nnodes=1:4", "train.py"]).rdzv_backend == "static"

@@ -281,28 +281,6 @@ A user who sets one is overridden. The chaos tooling's ELASTIC_FAULT, ELASTIC_FA
 ELASTIC_SAMPLE_LOG are test inputs of `elastic.chaos` (docs/chaos.md), not settings of a job."""
 
 
-MAX_RESTARTS = 100
-"""`--max-restarts` when neither the flag nor PET_MAX_RESTARTS is given. torchrun's 0 ends the job at its
-first failure and turns every heal in place off (a heal spends a restart, as torch's would). A large number
-is safe: what must not restart is stopped by rules of its own (a crash loop: --crash-loop-attempts; a node
-that keeps failing: --set-aside-failures; bad input and failing storage: exit 2 and 75, final). And every
-agent spends one on almost any failure (its workers' collectives break too), so a long job needs many."""
-
-
-def torchrun_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    """torchrun's parser with the launcher's own defaults: `--max-restarts` (`MAX_RESTARTS`, said in its help),
-    and `start_method` / `nnodes` None when neither the flag nor PET_START_METHOD / PET_NNODES chose one (the
-    warm start and the Slurm launch tell torch's defaults from a choice). A PET_ variable still wins, as in torch."""
-    parser.set_defaults(start_method=environ.get("PET_START_METHOD"), nnodes=environ.get("PET_NNODES"))
-    if environ.get("PET_MAX_RESTARTS") is None:
-        parser.set_defaults(max_restarts=MAX_RESTARTS)
-    for action in parser._actions:  # argparse keeps no public handle on an added argument's help
-        if action.dest == "max_restarts":
-            action.help = (f"Maximum number of worker group restarts before failing (torchrevive-run: {MAX_RESTARTS}; "
-                           "torchrun's 0 ends the job at the first failure and turns every heal off; crash loops and "
-                           "bad nodes are stopped by --crash-loop-attempts and --set-aside-failures instead).")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Our flags, in a group of their own in torchrun's parser. Their argparse default is None:
     `resolve` then falls back to the environment form."""
