@@ -4,8 +4,9 @@
     python -m elastic.chaos audit runs/samples
 
 reads the records every rank appended to `PREFIX.rank<R>` (elastic.chaos.samples) and prints the audit's
-verdict: one line when every sample of the history that survived was trained exactly once (exit 0), else
-that line and one line per problem found (exit 1). No records under the prefix is one line and exit 2.
+verdict: one line when every sample of the history that survived was trained exactly once and every step
+trained again after a restore started from the random streams it first started from (exit 0), else that
+line and one line per problem found (exit 1). No records under the prefix is one line and exit 2.
 It needs nothing beyond the package (no torch job, no matplotlib).
 """
 
@@ -34,10 +35,11 @@ def main(argv: list[str]) -> int:
                          "and `-m elastic.chaos.samples SCRIPT` (docs/chaos.md)")
     result = audit(prefix)
     print(result.summary())
-    if result.ok:
+    if result.ok and not result.drift:
         return 0
-    for problem in result.problems[:MAX_PROBLEM_LINES]:
+    found = [*result.problems, *result.drift]
+    for problem in found[:MAX_PROBLEM_LINES]:
         print(f"  {problem}")
-    if len(result.problems) > MAX_PROBLEM_LINES:
-        print(f"  ... and {len(result.problems) - MAX_PROBLEM_LINES} more")
-    raise ElasticError(f"the audit of {prefix} found {len(result.problems)} problem(s)")
+    if len(found) > MAX_PROBLEM_LINES:
+        print(f"  ... and {len(found) - MAX_PROBLEM_LINES} more")
+    raise ElasticError(f"the audit of {prefix} found {len(found)} problem(s)")
