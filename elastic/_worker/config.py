@@ -182,7 +182,7 @@ class _Rule:
 def _at_least(low: int, metavar: str = "N") -> _Rule:
     says = "0 or more" if low == 0 else f"at least {low}"
     return _Rule(
-        int_at_least(low), lambda v: isinstance(v, int) and v >= low, lambda n, v: f"{n}={v} must be {says}", metavar
+        int_at_least(low), lambda v: isinstance(v, int) and v >= low, lambda n, v: f"{n}={v!r} must be {says}", metavar
     )
 
 
