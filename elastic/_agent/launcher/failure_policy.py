@@ -14,13 +14,16 @@ so each comes to the same decision about its own node:
   that exits with `EVICTED_EXIT`: every rank agreed it is a straggler past --evict-factor
   (elastic._worker.observe.eviction), and its node leaves so the job trains on without it.
 - A **crash loop** is a failure that repeats at the same step, with no step completed past it in
-  between: the last `attempts` primary failures of the job all died after the same completed step.
+  between: the last `attempts` primary failures of the job all died after the same completed step, or
+  all before a first step with the same error (a script that fails at its start: with `--max-restarts`
+  large by default, it would otherwise start again and again).
   Restarting again would meet it again: the job stops with `CRASH_LOOP_EXIT`. Setting aside is decided
   first: a loop that only one node has, in a job that can shrink, is that node's, and the job tries
   on without it (a batch that crashes every node then loops on the next node, and stops).
 
-Invariants: `decide` depends only on its arguments; a failure whose step is unknown (-1) never counts
-towards a loop; `limit` or `attempts` of 0 turns its rule off.
+Invariants: `decide` depends only on its arguments; a failure before a first step (-1) counts towards a
+loop only with an exit status and an error the others share (a kill there never counts); `limit` or
+`attempts` of 0 turns its rule off.
 """
 
 from __future__ import annotations
@@ -169,16 +172,26 @@ def bad_node(strikes: Sequence[Strike], node: str, now: float, *, limit: int, wi
     return mine
 
 
+def loop_key(failure: Failure) -> object | None:
+    """What makes failures the same crash: the step they died after; before a first step (a script that fails
+    at its start: an import, its data, its arguments), the same error with an exit status of its own. None for
+    a failure that cannot count: a kill before a first step (nothing says it would come again)."""
+    if failure.step >= 0:
+        return failure.step
+    if failure.exitcode > 0 and failure.exitcode not in _COLLATERAL_EXITS:
+        return ("before its first step", failure.error)
+    return None
+
+
 def crash_loop(failures: Sequence[Failure], *, attempts: int) -> Failure | None:
-    """The newest failure when the last `attempts` primary failures died after the same completed step."""
+    """The newest failure when the last `attempts` primary failures are the same crash (`loop_key`)."""
     if attempts <= 0:
         return None
     primaries = [f for f in failures if f.primary]
     if len(primaries) < attempts:
         return None
-    last = primaries[-attempts:]
-    step = last[-1].step
-    return last[-1] if step >= 0 and all(f.step == step for f in last) else None
+    keys = {loop_key(f) for f in primaries[-attempts:]}
+    return primaries[-1] if len(keys) == 1 and None not in keys else None
 
 
 def decide(
@@ -214,8 +227,10 @@ def decide(
     if looping is not None:
         return Decision(
             "stop", failure=looping,
-            line=(f"crash loop: the job failed {attempts} times in a row after step {looping.step} with no step "
-                  f"completed past it (last: rank {looping.rank} on node {looping.node}: {looping.error}); "
+            line=(f"crash loop: the job failed {attempts} times in a row "
+                  + (f"after step {looping.step} with no step completed past it" if looping.step >= 0 else
+                     "before its first step, the same way") +
+                  f" (last: rank {looping.rank} on node {looping.node}: {looping.error}); "
                   f"stopping with exit status {CRASH_LOOP_EXIT} instead of restarting into it again"),
         )
     return RESTART
