@@ -235,12 +235,14 @@ class PreemptionHandler:
         if self._flag:
             return  # the requeue signal again (Slurm may deliver it more than once), or SIGTERM after it
         self._flag = True
-        self._received = signum  # said when the job acts on it (`_announce`): a peer's death may end it first
+        self._received = signum
+        if signum == self._requeue_signum:  # only Slurm sends it: said now; a SIGTERM when the job acts on it
+            self._announce()
 
     def _announce(self) -> None:
-        """The job agreed to stop for this process's signal: say so, once. Not in the handler: under
-        `--survivors restart` torchrun stops the survivors of a peer's death with SIGTERM too, and those
-        leave with the peer's death as their one line (elastic._worker.run.peer_loss), not a preemption."""
+        """Say once that this process's signal stops the job. A SIGTERM is said when the job acts on it, not in
+        the handler: under `--survivors restart` torchrun stops the survivors of a peer's death with SIGTERM
+        too, and those leave with the peer's death as their one line (elastic._worker.run.peer_loss)."""
         if self._received is None or self._announced:
             return
         self._announced = True
