@@ -36,8 +36,12 @@ def train_until_a_peer_dies(tmp_path, *, sigterm_first: bool) -> None:
                 raise RuntimeError(BROKEN)
 
 
-def test_a_collective_broken_by_a_peers_death_leaves_in_one_line_with_its_own_exit_status(tmp_path, capsys, caplog) -> None:
+def test_a_collective_broken_by_a_peers_death_leaves_in_one_line_with_its_own_exit_status(
+    tmp_path, capsys, caplog, monkeypatch
+) -> None:
     caplog.set_level(logging.INFO)
+    # The run's log lines to caplog only (another test's handler may hold a stream closed since): stderr is run_main's.
+    monkeypatch.setattr(logging.getLogger(), "handlers", [caplog.handler])
 
     def main(_argv: list[str] | None) -> int:
         train_until_a_peer_dies(tmp_path, sigterm_first=True)
