@@ -1,6 +1,7 @@
 """Runtime overhead: steps/s of recipes/gpt.py versus a plain seed-style DDP loop.
 
     python benchmarks/overhead.py      # 2 ranks on CPU: the loops' steps/s, their ratios and 95% CIs
+    python benchmarks/overhead.py --warm-vs-cold   # 2 workers on one node started warm and cold (warm_cold.py)
 
 Four loops share one `torchrun --standalone` job: the recipe's own `train()`
 as `torchrevive-run` runs it, with metrics on and in-memory snapshots at
@@ -623,6 +624,10 @@ def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if "--warm-vs-cold" in given:  # the workers' start instead: 2 on one node, warm against cold (warm_cold.py)
+        import warm_cold
+        return warm_cold.main([a for a in given if a != "--warm-vs-cold"])
     opts = parse_args(argv)
     if opts.worker:
         worker(opts)

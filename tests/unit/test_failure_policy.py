@@ -400,3 +400,18 @@ def test_a_group_a_worker_of_which_failed_is_stopped_with_sigkill_until_a_new_on
     monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
     job_watch.end_now(SimpleNamespace(workers=[SimpleNamespace(global_rank=0, id=4242), SimpleNamespace(global_rank=1, id=None)]))
     assert killed == [(4242, signal.SIGKILL)], "a worker not started has no pid to end"
+
+
+def test_a_script_that_fails_at_its_start_the_same_way_is_a_crash_loop() -> None:
+    """With --max-restarts 100 by default, a script that raises before its first step (an import, its data)
+    would start 100 times: the same error before a first step, three times, is a loop; a kill there is not."""
+    def early(error: str, time: float, exitcode: int = 1) -> Failure:
+        return Failure(rank=0, node="a", host="h", exitcode=exitcode, step=-1, error=error, time=time, primary=True)
+
+    same = [early("exit status 1", float(n)) for n in range(3)]
+    decision = decide(same, [], now=3.0, can_shrink=False, limit=3, window=60, attempts=3)
+    assert decision.kind == "stop" and "3 times in a row before its first step, the same way" in decision.line
+    assert crash_loop([early("ValueError: a", 1.0), early("ValueError: b", 2.0), early("ValueError: a", 3.0)],
+                      attempts=3) is None  # not the same crash
+    assert crash_loop([early("Signal 9 (SIGKILL)", float(n), exitcode=-9) for n in range(3)], attempts=3) is None
+    assert crash_loop([early("exit status 1", 1.0), *[failure("a", 4, float(n)) for n in (2, 3)]], attempts=3) is None

@@ -70,6 +70,7 @@ from elastic._agent.launcher import (
     settings,
     slurm_launch,
     stop_signals,
+    torchrun_defaults,
     warm_start,
 )
 from elastic._agent.launcher.keeper import SnapshotKeeper
@@ -274,7 +275,7 @@ def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
     run_id = getattr(args, "rdzv_id", None) or "none"
     try:
         key, secret_file = job_key(run_id)
-        if made_here(secret_file, run_id) and _max_nodes(args) > 1:
+        if made_here(secret_file, run_id) and torchrun_defaults.max_nodes(args) > 1:
             print(f"torchrevive-run: snapshot traffic is signed with a secret made for run {run_id} on this host; "
                   f"agents on other hosts need {peer_auth.SECRET_FILE_ENV} naming the same secret "
                   "(docs/security.md)", file=sys.stderr, flush=True)
@@ -290,15 +291,6 @@ def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
     os.environ.update(keeper.address.environ())
     notify_on_stop(keeper)
     return keeper
-
-
-def _max_nodes(args: argparse.Namespace) -> int:
-    """The most nodes `--nnodes` allows (1 when it cannot be read: torch reports that itself)."""
-    text = str(getattr(args, "nnodes", "1"))
-    try:
-        return int(text.split(":")[-1])
-    except ValueError:
-        return 1
 
 
 def notify_on_stop(keeper: SnapshotKeeper) -> None:
@@ -350,9 +342,9 @@ def check_script(args: argparse.Namespace) -> None:
 
 
 def args_parser() -> argparse.ArgumentParser:
-    """torchrun's own parser, with our settings in a group of their own (`settings.add_arguments`);
-    `start_method` is None when neither the command line nor PET_START_METHOD chose one (torch would
-    take spawn), `nnodes` None when neither `--nnodes` nor PET_NNODES did (torch would take 1:1)."""
+    """torchrun's own parser, with our settings in a group of their own (`settings.add_arguments`) and our
+    defaults (`torchrun_defaults.apply`: `--max-restarts`; `start_method` None when neither the command
+    line nor PET_START_METHOD chose one, torch would take spawn; `nnodes` None likewise, torch: 1:1)."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -361,15 +353,17 @@ def args_parser() -> argparse.ArgumentParser:
         "torchrun with recovery defaults: every torchrun flag, then torchrevive-run's own settings "
         "(last in this help). docs/recovery.md explains each."
     )
-    parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"), nnodes=os.environ.get("PET_NNODES"))
+    torchrun_defaults.apply(parser, os.environ)  # --max-restarts that recovers; start method, nnodes unchosen
     settings.add_arguments(parser)
     return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, read by `args_parser` (our settings' flags are still in it: `settings.resolve`
-    takes them out)."""
-    return args_parser().parse_args(argv)
+    takes them out), with c10d for a range of nodes and no backend chosen (`torchrun_defaults.range_backend`)."""
+    args = args_parser().parse_args(argv)
+    torchrun_defaults.range_backend(args, argv, os.environ)
+    return args
 
 
 def launch(args: argparse.Namespace, preload: tuple[str, ...]) -> None:

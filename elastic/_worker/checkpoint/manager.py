@@ -66,6 +66,8 @@ from elastic._worker.runtime.context import WorkerContext, barrier
 
 logger = logging.getLogger(__name__)
 
+NO_CHECKPOINTS = ("no --ckpt-dir: this job keeps no checkpoints and no in-memory snapshots, so a failure restarts "
+                  "training from step 0; give --ckpt-dir DIR (or s3://BUCKET/PREFIX) to resume where it stopped")
 _SOURCE_WORDS = {"disk": "", "memory": " in memory", "peer": " in a peer node's memory"}
 
 
@@ -118,7 +120,7 @@ class CheckpointManager:
         )
         self.snapshot_interval = SnapshotInterval(
             config.snapshot_every, world_size=ctx.world_size, mtbf_hours=config.mtbf_hours,
-            ckpt_every=config.ckpt_every, announce=ctx.is_main,
+            ckpt_every=config.ckpt_every_steps, announce=ctx.is_main,
         )
         self.memory = self._memory_tier(copy_stream) if self.enabled and config.snapshot_every != 0 else None
         self.hook_seconds = 0.0
@@ -164,7 +166,7 @@ class CheckpointManager:
 
     @property
     def every(self) -> int:
-        return self.config.ckpt_every
+        return self.config.ckpt_every_steps
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -190,6 +192,12 @@ class CheckpointManager:
         return agreement.main_text(self._ctx, self.policy.stop_reason) or "checkpoint saves keep failing"
 
     def due(self, step: int) -> bool:
+        """A checkpoint is due at the end of `step`: every `--ckpt-every` steps, or in epochs (2e) when the step
+        completed an epoch that is a multiple (its global batch reached into the next epoch's first samples)."""
+        epochs, sampler = self.config.ckpt_every_epochs, self.state.sampler
+        if epochs:
+            crossed = sampler.state.consumed < sampler.batch_size * self._ctx.world_size
+            return self.enabled and crossed and sampler.epoch % epochs == 0
         return self.enabled and self.every > 0 and step % self.every == 0
 
     # -- restore -------------------------------------------------------------------------
@@ -197,6 +205,8 @@ class CheckpointManager:
     def restore(self) -> int:
         """Load the newest good state on every rank; the step to continue from (0: none)."""
         if not self.enabled:
+            if self._ctx.is_main and self._ctx.distributed:  # a restart would begin again: say it once, at start
+                logger.warning(NO_CHECKPOINTS)
             return 0
         planner = RestorePlanner(
             self._ctx, self.state, self.store, self.loader, self.memory,

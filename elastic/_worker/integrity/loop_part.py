@@ -91,7 +91,7 @@ class Integrity:
         self.rollback = RollbackPoint(state, self.ctx.device, verify=sharded, rank=self.ctx.rank)
         self.check = ReplicaCheck(self.ctx, self.rollback, state.model, self.config.replica_check_every,
                                   events=self.events, group=self.group, sampler=state.sampler, skip=self._skip,
-                                  saves_every=self.config.ckpt_every if self.config.ckpt_dir is not None else 0)
+                                  saves_every=self.config.ckpt_every_steps if self.config.ckpt_dir is not None else 0)
         if faults is not fault_hook.NO_FAULTS:
             self.nan = tamper.NanLoss(state.model)
             self.check.before_exchange = lambda: faults.at("during_replica_check", self._training)

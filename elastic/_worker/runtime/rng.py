@@ -7,8 +7,9 @@ that vocabulary here and back on restore. Nothing else in the runtime
 touches generator internals.
 
 Invariants: `set_rng_state(get_rng_state())` leaves every generator (python,
-numpy, torch CPU, and the current CUDA device's) exactly where it was.
-`seed_step` makes what a step draws a function of (seed, step, rank) alone, never of
+numpy, torch CPU, and the current CUDA device's) exactly where it was; so does
+a block under `isolated(device)`, whatever it draws (the same generators: those
+a checkpoint carries). `seed_step` makes what a step draws a function of (seed, step, rank) alone, never of
 the process's history: a worker that replaces a dead one under `--survivors keep`
 draws, at the step it trains first, exactly what the dead one would have drawn.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -85,3 +88,19 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     on. Seeded per step, every rank's draws in a step follow from its place alone; a replica
     check's retry that trains another rank's block seeds as that rank."""
     seed_all(step_seed(seed, step, rank), device)
+
+
+@contextmanager
+def isolated(device: torch.device) -> Iterator[None]:
+    """Fork every generator a checkpoint carries (python, numpy, torch CPU, `device`'s CUDA one) for the
+    block and put each back after it, an exception included: work between steps (an evaluation with
+    dropout, a shuffled test loader, sampling) never moves the training's random stream. A DataLoader
+    draws its workers' seeds and its shuffle from torch's CPU generator, so a loader's draws are forked too."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
