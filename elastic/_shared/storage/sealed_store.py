@@ -24,6 +24,10 @@ Invariants:
   A loop gives up with `DistStoreError` after `MAX_SWAPS` tries that others won.
 - Without a secret (an unsigned job, asked for explicitly) values go in bare and are read unchecked,
   but counters are still parsed here: a value that is not a count reads as 0 and is replaced.
+- A `SealedStore` lives as long as its process (`_ALIVE`): torch's C++ side (a `PrefixStore`, a process
+  group) holds only the C++ half of a store written in Python, and the Python half, which has the
+  methods, would otherwise go as soon as Python holds no reference (torch then fails in "pure virtual"
+  or "Not implemented" calls). A process makes a few (one per handler, worker group and heal point).
 - What is left: anyone who reaches the inner store can delete or rewrite keys (a stall: the caller's
   timeout), and write back a value the job wrote earlier under the same key in the same scope.
 """
@@ -52,6 +56,9 @@ POLL_MAX = 0.1
 """Seconds between looks at a key whose value did not verify (it reads as absent meanwhile)."""
 MAX_COUNT_DIGITS = 19
 _MAX_WARNED = 256
+
+_ALIVE: list[SealedStore] = []
+"""Every SealedStore of this process (see the module docstring)."""
 
 Scope = Callable[[], str | None]
 """The scope values are bound to; None while it is unknown (the agent's launch before its first round)."""
@@ -85,21 +92,19 @@ class SealedStore(Store):
         self._key = key
         self._scope: Scope = (lambda: scope) if isinstance(scope, str) else scope
         self._warned: set[str] = set()
-        self._clones: list[SealedStore] = []
         self.refused = 0
         """Values read as absent so far (for tests and reports)."""
         self.set_timeout(inner.timeout)
+        _ALIVE.append(self)
 
     @property
     def signed(self) -> bool:
         return self._key is not None
 
     def clone(self) -> SealedStore:
-        """Another sealed store on a clone of the inner one; kept alive here (torch's C++ side holds only
-        the C++ half of a store written in Python)."""
+        """Another sealed store on a clone of the inner one."""
         twin = SealedStore(self.inner.clone(), self._key, self._scope)
         twin.set_timeout(self.timeout)
-        self._clones.append(twin)
         return twin
 
     def has_extended_api(self) -> bool:

@@ -50,7 +50,8 @@ from elastic._shared.common.errors import EnvironmentConfigError, UsageError, fi
 from elastic._shared.slurm import step as slurm_step
 from elastic._shared.slurm.control import SlurmControlError, node_address
 from elastic._worker.config import DEVICE_CHOICES
-from elastic._worker.runtime.round_store import recovery_hint, round_store
+from elastic._worker.runtime.round_store import recovery_hint
+from elastic._worker.runtime.worker_store import worker_store
 
 logger = logging.getLogger(__name__)
 
@@ -281,11 +282,11 @@ def init_worker(
             world_size=env.world_size,
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
-            # Under torchrun's shared agent store: a namespace no earlier round used
-            # (elastic._worker.runtime.round_store); a Slurm step's own store; otherwise None, torch's env:// as usual.
+            # This round's store, sealed with the job's secret (elastic._worker.runtime.worker_store), or a
+            # namespace no earlier round used; a Slurm step's own store; otherwise None, torch's env://.
             store=(store if store is not None
                    else _slurm_store(env.slurm_task, environ, timeout) if env.slurm_task is not None
-                   else round_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout)),
+                   else worker_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout)),
         )
         if backend == "nccl":
             global _control_group
