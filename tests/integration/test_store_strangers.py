@@ -6,9 +6,9 @@ none prints a traceback, and nothing a stranger wrote is unpickled.
 
 The probes (a raw TCPStore client, as an attacker on loopback):
 - torch's pickled state carrying a payload that makes a directory, in torch's own encoding;
-- a closing state, and a state no node has kept alive for a minute, sealed as an earlier launch of the same
-  run id and secret sealed its states (what a stranger could have recorded from it: same secret, same run
-  id, another launch id), and that launch's crash-loop notice in the board's first slot;
+- a closing state and an open one, sealed as an earlier launch of the same run id and secret sealed its
+  states a minute ago (what a stranger could have recorded from it: same secret, same run id, another
+  launch id), and that launch's crash-loop notice in the board's first slot;
 - for the next rounds, before the job reaches them: forged assigned ranks (`[0, 1, 0, 1]`: a second rank
   0) and a foreign MASTER_ADDR and MASTER_PORT;
 - `x` in the rendezvous' change counter (it ended every agent with a traceback);
@@ -57,12 +57,11 @@ class Marker:
 
 
 def recorded_states(key: PeerKey) -> list[bytes]:
-    """States sealed as the earlier launch sealed them: closed (its end), and one nobody keeps alive."""
-    node, now = _NodeDesc("10.0.0.9", 4242, 0), datetime.now(timezone.utc)
+    """States sealed as the earlier launch sealed them, recorded a minute before: closed (its end), and open."""
+    node, then = _NodeDesc("10.0.0.9", 4242, 0), datetime.now(timezone.utc) - timedelta(seconds=60)
     closed, stale = _RendezvousState(), _RendezvousState()
-    closed.closed, closed.round, closed.participants, closed.last_heartbeats = True, 3, {node: 0}, {node: now}
-    stale.round, stale.complete, stale.participants = 9, True, {node: 0}
-    stale.last_heartbeats = {node: now - timedelta(seconds=60)}
+    closed.closed, closed.round, closed.participants, closed.last_heartbeats = True, 3, {node: 0}, {node: then}
+    stale.round, stale.complete, stale.participants, stale.last_heartbeats = 9, True, {node: 0}, {node: then}
     return [StateSeal(RUN, key).seal(pickle.dumps(state), 40 + i, EARLIER) for i, state in enumerate((closed, stale))]
 
 

@@ -10,14 +10,16 @@ the store holds is handed to torch only once `StateSeal.open` verified it and
 With a secret every state names its launch (`state_seal`). Until its first round
 completes an agent's launch is tentative: it writes under a launch id it drew at
 random (the first state of a new launch) or under the launch of the state it last
-verified, and it takes the launch of any state it verifies that is live (not
-closed, and a node's heartbeat in it younger than torch's dead-node time,
-`keep_alive_interval * keep_alive_max_attempt`). So the agents of a launch agree
-on it however a stranger's writes interleave with theirs, and a state left by an
-earlier launch of the same run id and secret, or recorded from it, is never taken:
-nothing of that launch is accepted by this one. When its first round completes the
-handler fixes the agent's launch (`fix`): from then on a state of another launch
-is refused.
+verified, and it takes the launch of any state it verifies that is live (a node's
+heartbeat in it younger than torch's dead-node time, `keep_alive_interval *
+keep_alive_max_attempt`; closed or not: an agent that meets its own launch closed
+ends with it, as torch's do). So the agents of a launch agree on it however a
+stranger's writes interleave with theirs, and a state left by an earlier launch of
+the same run id and secret, or recorded from it, is never taken: nothing of that
+launch is accepted by this one. (A state recorded within that time of its launch's
+last heartbeat, written into a launch starting within it, is the one exception.)
+When its first round completes the handler fixes the agent's launch (`fix`): from
+then on a state of another launch is refused.
 
 A state refused (forged, unsigned in a signed job, replayed, of another launch,
 malformed, too big) is never unpickled by torch: the agent prints one warning line per reason and
@@ -168,8 +170,6 @@ class StateGuard:
 
     def _not_live(self, state: _RendezvousState) -> str | None:
         """Why a state of a launch this agent does not know is not one of a live launch; None when it is."""
-        if state.closed:
-            return "it is closed"
         beats = list(state.last_heartbeats.values())
         if not beats:
             return "no node is in it"
