@@ -235,7 +235,9 @@ def _revision_of(token: Token) -> int | None:
     return revision if revision > 0 else None
 
 
-def create_backend(params: RendezvousParameters, key: PeerKey | None) -> tuple[EtcdRendezvousBackend, Store]:
+def create_backend(
+    params: RendezvousParameters, key: PeerKey | None = None
+) -> tuple[EtcdRendezvousBackend, Store]:
     """The backend and agent store for one torchrun agent, like torch's built-in factories.
 
     Connects (and authenticates) at once, so an unreachable etcd fails here, within
