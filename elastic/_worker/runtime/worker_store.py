@@ -15,6 +15,9 @@ reads verified, or it waits for one that does (elastic._shared.storage.sealed_st
   without a seal).
 - Without a secret or a round (an unsigned job, torch's own rendezvous handlers): `round_store` as
   before, unsealed.
+- A Slurm step with no agent (`srun python script.py`: rank 0 serves the step's store) is sealed in
+  `slurm_scope`: the job, its requeue (SLURM_RESTART_COUNT) and the step (SLURM_STEP_ID), which Slurm
+  gives every task of the step alike and no earlier step or requeue shared.
 
 Invariant: rank 0 serves without waiting for the others to connect (no `world_size`, so no counter of
 the store's own that a stranger's value could break); the bootstrap's waits are the process group's,
@@ -32,6 +35,8 @@ import torch.distributed as dist
 from elastic._shared.common.errors import EnvironmentConfigError
 from elastic._shared.common.errors import first_line as _first_line
 from elastic._shared.protocol import round_identity
+from elastic._shared.slurm.control import SlurmControlError, node_address
+from elastic._shared.slurm.step import SlurmTask
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
 from elastic._shared.storage.sealed_store import SealedStore
 from elastic._worker.runtime.round_store import (
@@ -45,13 +50,17 @@ from elastic._worker.runtime.round_store import (
 
 
 def worker_store(
-    environ: Mapping[str, str], *, rank: int, world_size: int, timeout: timedelta
+    environ: Mapping[str, str], *, rank: int, world_size: int, timeout: timedelta, slurm_task: SlurmTask | None = None
 ) -> dist.Store | None:
-    """The store for this worker's `init_process_group` (see the module docstring); None: torch's env://."""
+    """The store for this worker's `init_process_group` (see the module docstring): of `slurm_task`'s step
+    when given; None: torch's env://."""
     try:
         key = PeerKey.from_env(environ)
     except SecretError as error:
         raise EnvironmentConfigError(str(error)) from None
+    if slurm_task is not None:
+        store = slurm_step_store(slurm_task, environ, timeout)
+        return store if key is None else SealedStore(store, key, slurm_scope(slurm_task, environ))
     identity = round_identity.read(environ)
     if key is None or identity is None:
         return round_store(environ, rank=rank, world_size=world_size, timeout=timeout)
@@ -61,6 +70,34 @@ def worker_store(
     else:
         inner = _round_server(environ, rank=rank, timeout=timeout)
     return SealedStore(inner, key, scope)
+
+
+def slurm_scope(task: SlurmTask, environ: Mapping[str, str]) -> str:
+    """The scope of a Slurm step's own store (see the module docstring)."""
+    step = environ.get("SLURM_STEP_ID", "")
+    return f"slurm-step\n{task.restart_count}\n{step if step.isascii() and step.isdigit() else '?'}\n{task.job_id}"
+
+
+def slurm_step_store(task: SlurmTask, environ: Mapping[str, str], timeout: timedelta) -> dist.Store:
+    """A Slurm step's own store: rank 0 hosts a TCP store on the step's first node, the others connect;
+    a step of one task needs no port (`srun -n1 python script.py` beside other steps)."""
+    if task.world_size == 1:
+        return dist.HashStore()
+    try:
+        host = environ.get("MASTER_ADDR") or node_address(task.nodes[0])
+    except SlurmControlError as exc:
+        raise EnvironmentConfigError(f"Slurm step: {exc}; set MASTER_ADDR to the first node's address") from None
+    try:
+        return dist.TCPStore(
+            host, task.master_port, task.world_size, is_master=task.rank == 0, timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+        where = "listen" if task.rank == 0 else "reach rank 0"
+        raise EnvironmentConfigError(
+            f"Slurm step: rank {task.rank} cannot {where} at {host}:{task.master_port} ({_first_line(exc)}); "
+            "set MASTER_PORT to a free port"
+        ) from None
 
 
 def _round_server(environ: Mapping[str, str], *, rank: int, timeout: timedelta) -> dist.TCPStore:
