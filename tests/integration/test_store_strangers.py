@@ -36,7 +36,7 @@ from elastic._agent.launcher.notice_board import Entry, StoreBoard
 from elastic._agent.rendezvous.state_seal import StateSeal
 from elastic._shared.protocol import round_identity
 from elastic._shared.storage.peer_auth import SECRET_FILE_ENV, PeerKey
-from elastic._shared.storage.sealed_store import MAGIC, TAG_BYTES, SealedStore
+from elastic._shared.storage.sealed_store import SealedStore, peek
 from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -132,8 +132,7 @@ class Stranger:
         sealed, not secret), if the round has one and rank 1 has not written it yet."""
         if not store.check([prefix + "MASTER_PORT"]):
             return
-        port = store.get(prefix + "MASTER_PORT")
-        port = port[len(MAGIC) + TAG_BYTES:] if port.startswith(MAGIC) else port
+        port = peek(store.get(prefix + "MASTER_PORT"))
         if not port.isdigit() or int(port) in (0, 1, self.port):
             return
         try:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from elastic._shared.protocol import round_identity, worker_notes
 from elastic._shared.protocol.round_identity import RoundIdentity
 from elastic._shared.storage.peer_auth import PeerKey
-from elastic._shared.storage.sealed_store import MAGIC, SealedStore, parse_count
+from elastic._shared.storage.sealed_store import MAGIC, SealedStore, parse_count, peek
 
 KEY = PeerKey(b"k" * 32)
 LAUNCH = "a" * 32
@@ -100,12 +100,30 @@ def test_counters_are_parsed_by_the_job_so_a_forged_count_never_breaks_a_client(
     assert parse_count(b"-3") == -3 and parse_count(b"\xb2") is None and parse_count(b"1_0") is None
 
 
-def test_without_a_secret_values_are_bare_and_read_as_they_are() -> None:
+def test_without_a_secret_values_carry_no_tag_and_are_read_as_they_are() -> None:
     store = sealed(key=None)
     store.set("k", "v")
-    assert store.inner.get("k") == b"v"
+    assert store.inner.get("k").endswith(b"v") and peek(store.inner.get("k")) == b"v"
     store.inner.set("k", b"anything")
     assert store.get("k") == b"anything"
+
+
+def test_concurrent_counts_are_never_lost() -> None:
+    """Two writers of the same count (1 -> 2) once both took the store's answer for their own success: a
+    sealed value's bytes are each write's own (a nonce), so one of them tries again."""
+    inner = dist.HashStore()
+    writers = [sealed(inner), sealed(inner)]
+    writers[0].add("healers", 1)
+    original = writers[1]._probe
+
+    def probe_then_race(key: str) -> bytes | None:
+        raw = original(key)
+        writers[1]._probe = original  # once: the other writer counts between this one's read and its write
+        writers[0].add(key, 1)
+        return raw
+
+    writers[1]._probe = probe_then_race
+    assert writers[1].add("healers", 1) == 3 and writers[0].add("healers", 0) == 3
 
 
 def test_nothing_is_written_before_the_scope_is_known_and_nothing_is_read() -> None:

@@ -5,11 +5,14 @@ narrowest seam every reader shares: the rendezvous handler hands torch's agent a
 the assigned ranks, MASTER_ADDR/MASTER_PORT, the exit barrier and our own notices go through it),
 and a worker builds its process group on one (so gloo's addresses do). A value is stored as
 
-    MAGIC (5 bytes) | TAG (16 bytes) | the value
+    MAGIC (5 bytes) | NONCE (8 bytes) | TAG (16 bytes) | the value
 
-TAG is `PeerKey.store_tag(scope, key, value)`: HMAC-SHA256 with the job's secret over the scope
-(the run id and launch id, and the round for a worker store: elastic._shared.protocol.round_identity),
-the full key as the inner store holds it, and the value.
+TAG is `PeerKey.store_tag(scope, key, NONCE + value)`: HMAC-SHA256 with the job's secret over the
+scope (the run id and launch id, and the round for a worker store: elastic._shared.protocol.round_identity),
+the full key as the inner store holds it, a random nonce and the value. The nonce makes every write's
+bytes its own, so a compare-and-set that returns them was this write's (two writers of the same value
+would otherwise each take the other's success for theirs, and a counter would lose a count). Sealed is
+not secret: anyone who reads the store reads the value (`peek`).
 
 Invariants:
 - A value that fails its check (a stranger's, one sealed for another key, run, launch or round, or
@@ -22,8 +25,9 @@ Invariants:
   here, never by the inner store. (A TCPStore parses an `add` on the server: a value that is not a
   number makes it drop the client's connection for good, which would end every agent sharing it.)
   A loop gives up with `DistStoreError` after `MAX_SWAPS` tries that others won.
-- Without a secret (an unsigned job, asked for explicitly) values go in bare and are read unchecked,
-  but counters are still parsed here: a value that is not a count reads as 0 and is replaced.
+- Without a secret (an unsigned job, asked for explicitly) a value carries no tag (`UNSIGNED` and a
+  nonce) and is read unchecked, but counters are still parsed here: a value that is not a count reads
+  as 0 and is replaced.
 - A `SealedStore` lives as long as its process (`_ALIVE`): torch's C++ side (a `PrefixStore`, a process
   group) holds only the C++ half of a store written in Python, and the Python half, which has the
   methods, would otherwise go as soon as Python holds no reference (torch then fails in "pure virtual"
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -46,8 +51,11 @@ from elastic._shared.storage.peer_auth import PeerKey
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"\x00trs1"
+MAGIC = b"\x00trs2"
+UNSIGNED = b"\x00tru2"
+NONCE_BYTES = 8
 TAG_BYTES = 16
+HEADER = len(MAGIC) + NONCE_BYTES + TAG_BYTES
 PROBE = b"\x00torchrevive-probe\x00"
 """What `compare_set(key, PROBE, PROBE)` returns for a missing key: a read that never blocks."""
 MAX_SWAPS = 256
@@ -70,6 +78,15 @@ def _bytes(data: str | bytes) -> bytes:
 
 def _key_bytes(key: str | bytes) -> bytes:
     return key.encode("utf-8", "surrogateescape") if isinstance(key, str) else bytes(key)
+
+
+def peek(raw: bytes) -> bytes:
+    """The value a sealed `raw` holds, unchecked (sealed is not secret: a stranger reads it so)."""
+    if raw.startswith(MAGIC) and len(raw) >= HEADER:
+        return raw[HEADER:]
+    if raw.startswith(UNSIGNED) and len(raw) >= len(UNSIGNED) + NONCE_BYTES:
+        return raw[len(UNSIGNED) + NONCE_BYTES:]
+    return raw
 
 
 def parse_count(value: bytes | None) -> int | None:
@@ -114,22 +131,23 @@ class SealedStore(Store):
 
     def seal(self, key: str | bytes, value: str | bytes) -> bytes:
         """What the inner store holds for `value` under `key`."""
-        data = _bytes(value)
+        data, nonce = _bytes(value), secrets.token_bytes(NONCE_BYTES)
         if self._key is None:
-            return data
+            return UNSIGNED + nonce + data
         scope = self._scope()
         if scope is None:
             raise DistStoreError(f"store key {str(key)[:120]}: nothing may be written before the launch is known")
-        return MAGIC + self._key.store_tag(scope.encode(), _key_bytes(key), data) + data
+        return MAGIC + nonce + self._key.store_tag(scope.encode(), _key_bytes(key), nonce + data) + data
 
     def open(self, key: str | bytes, raw: bytes) -> bytes | None:
         """The value `raw` (read under `key`) holds; None, with one warning per key, when it does not verify."""
         if self._key is None:
-            return raw
+            return peek(raw)
         scope = self._scope()
-        if scope is not None and raw.startswith(MAGIC) and len(raw) >= len(MAGIC) + TAG_BYTES:
-            tag, value = raw[len(MAGIC):len(MAGIC) + TAG_BYTES], raw[len(MAGIC) + TAG_BYTES:]
-            if hmac.compare_digest(tag, self._key.store_tag(scope.encode(), _key_bytes(key), value)):
+        if scope is not None and raw.startswith(MAGIC) and len(raw) >= HEADER:
+            nonce, tag = raw[len(MAGIC):len(MAGIC) + NONCE_BYTES], raw[len(MAGIC) + NONCE_BYTES:HEADER]
+            value = raw[HEADER:]
+            if hmac.compare_digest(tag, self._key.store_tag(scope.encode(), _key_bytes(key), nonce + value)):
                 return value
         self.refused += 1
         name = str(key)[:120]
