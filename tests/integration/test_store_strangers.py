@@ -80,11 +80,14 @@ def unsigned_notice(kind: str, **fields: object) -> bytes:
 class Stranger:
     """Writes the probes of the module docstring into the store at `port`, every 0.2 s, until `stop`."""
 
-    def __init__(self, port: int, secret: Path, marker: Path) -> None:
+    def __init__(self, port: int, secret: Path | None, marker: Path) -> None:
+        """`secret`: the job's, to make what the stranger recorded from its earlier launch (None: no recordings)."""
         self.port = port
-        self.states = [pickle.dumps(Marker(marker)), *recorded_states(PeerKey.from_file(secret))]
-        self.notices = {"n1": recorded_crash_loop(secret), "n2": unsigned_notice("hang", culprits=[1], nodes=["x"]),
-                        "n3": unsigned_notice("crash_loop", rank=1)}
+        self.states = [pickle.dumps(Marker(marker))]
+        self.notices = {"n2": unsigned_notice("hang", culprits=[1], nodes=["x"]), "n3": unsigned_notice("crash_loop", rank=1)}
+        if secret is not None:
+            self.states += recorded_states(PeerKey.from_file(secret))
+            self.notices["n1"] = recorded_crash_loop(secret)
         self.stop = threading.Event()
         self.wrote: dict[str, int] = {}
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -184,3 +187,32 @@ def test_strangers_in_the_rendezvous_store_neither_stop_stall_nor_redirect_a_sig
     refused = set(re.findall(r"store key (\S+) holds a value not sealed with the job's secret", log))
     assert {f"torchrevive.rdzv.{RUN}.changes", f"torchrevive/notices/{RUN}//n1"} <= refused, refused
     assert not re.search(r"ending worker rank \d+ .*the hang's culprit", log)
+
+
+def test_plain_torchrun_on_the_sealed_backend_never_runs_a_strangers_pickle(tmp_path: Path) -> None:
+    """`torchrun --rdzv-backend=c10d-sealed` (the README's plain-torchrun line): the pickled payload that ran in
+    every agent of torch's own c10d backend is refused, and so is the rest; a job on one host signs with a
+    secret its host makes, with nothing to give."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(random.Random(6), 20_000))
+    port, marker, events = free_port(), tmp_path / "marker", tmp_path / "events.jsonl"
+    command = torchrun_command(nnodes="2:2", port=port, run_id=RUN, backend="c10d-sealed", script_args=[
+        "--data", str(corpus), "--max-steps", "8", "--eval-every", "0", "--events", str(events), *TINY_MODEL])
+    env = worker_env(TORCHREVIVE_SNAPSHOT_BASE=str(tmp_path / "shm"))
+    env.pop(SECRET_FILE_ENV, None)
+    stranger = Stranger(port, None, marker)
+    agents = start_agents(2, command, tmp_path, env=env)
+    stranger.thread.start()
+    try:
+        codes = wait_all(agents, timeout=300)
+    finally:
+        stranger.stop.set()
+        stranger.thread.join(30)
+    log = "\n".join((tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(2))
+    assert stranger.wrote.get("state", 0) >= 1 and stranger.wrote.get("changes", 0) >= 1, stranger.wrote
+    assert codes == [0, 0], log[-6000:]
+    assert not marker.exists(), "an agent unpickled the stranger's payload"
+    assert "Traceback" not in log, log[-6000:]
+    assert "never unpickled" in log
+    steps = [e for e in read_events(events) if e["event"] == "step"]
+    assert steps[-1]["step"] == 8 and {e["world_size"] for e in steps} == {2}

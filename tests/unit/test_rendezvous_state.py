@@ -210,6 +210,22 @@ def test_agents_of_a_launch_agree_on_it_and_a_fixed_launch_refuses_every_other()
     assert a.state.round == 0 and "belongs to another launch" in lines[0]  # live, signed, but not this launch's
 
 
+def test_a_forged_wait_list_never_reaches_torch_in_a_signed_job() -> None:
+    """Probe (issue 55, L): a wait list a stranger wrote into an unsigned job's state stalled it (every agent
+    restarted its workers for a node that never came). A job signs by default; what it does not sign is
+    never its state."""
+    store, lines = dist.HashStore(), []
+    agent = holder(C10dStateBackend(store, RUN, StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
+    agent.mark_dirty()
+    assert agent.sync() is True
+    forged = genuine_state()
+    forged.wait_list = {_NodeDesc("10.9.9.9", 1, 0)}
+    stranger = C10dRendezvousBackend(store, RUN)
+    stranger.set_state(pickle.dumps(forged), stranger.get_state()[1])
+    agent.sync()
+    assert agent.state.wait_list == set() and len(lines) == 1
+
+
 def test_a_signed_state_written_back_later_is_refused_as_a_replay() -> None:
     store, lines = dist.HashStore(), []
     agent = holder(C10dStateBackend(store, RUN, StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
