@@ -98,6 +98,13 @@ def one_host(endpoint: str | None, max_nodes: int) -> bool:
         return False
 
 
+def made_on_this_host(run_id: str, base: Path | None = None) -> JobSecret:
+    """The secret this host makes for run `run_id` (3 above), the environment left as it is (for a keeper
+    of a benchmark or a test in this process)."""
+    made = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
+    return JobSecret(PeerKey.from_file(made), made)
+
+
 def resolve(
     run_id: str, *, endpoint: str | None, max_nodes: int, environ: MutableMapping[str, str] | None = None,
     base: Path | None = None,
