@@ -144,15 +144,15 @@ def create_etcd_v3(params: RendezvousParameters) -> SealedHandler:
     """`--rdzv-backend=etcd-v3` (elastic._agent.rendezvous.etcd): reopens the run first if a job that
     has ended left it closed, announces this agent, and leaves etcd cleanly at `shutdown()`."""
     from elastic._agent.rendezvous import etcd
-    from elastic._agent.rendezvous.etcd_options import EtcdOptionsError
+    from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 
-    key = _job_key(params)
-    try:
+    try:  # every option checked before anything is made or reached
         liveness_ttl = etcd.positive_int(params, "liveness_ttl", etcd.DEFAULT_LIVENESS_TTL)
         join_timeout = etcd.positive_int(params, "join_timeout", etcd.DEFAULT_JOIN_TIMEOUT)
-        backend, store = etcd.create_backend(params, key)
+        EtcdOptions.from_params(params)
     except EtcdOptionsError as exc:
         _refuse(params, str(exc))
+    backend, store = etcd.create_backend(params, _job_key(params))
     keys = etcd.RunKeys(backend.client.options.key_prefix.encode())
     try:
         etcd.reopen_closed_run(backend, store, params, keys, timeout=join_timeout)

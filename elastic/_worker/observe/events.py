@@ -15,9 +15,8 @@ Invariants:
 - A log that cannot be created is a `UsageError` (one line); one that cannot be
   written any more (a full disk) stops being written with one warning, and
   training goes on: events are a record, not state.
-- The log is opened without following a link in its last component, only as a
-  regular file (never waiting on a FIFO), and created readable by its owner only
-  (it names hosts, nodes and errors).
+- The log is opened without following a link in its last component, and created
+  readable by its owner only (it names hosts, nodes and errors).
 - Only the main rank writes; every other rank holds a disabled log whose
   `emit` writes nothing, so recipes call it unconditionally. Under
   torchrevive-run the main rank also notes the log's path for its agent
@@ -35,7 +34,6 @@ import errno
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -188,17 +186,11 @@ def _open(path: str | os.PathLike[str]) -> int:
     """The log's descriptor, for appending (see the module docstring); OSError when it cannot be one."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise OSError(exc.errno, "it is a symbolic link: the log is never written through one") from None
-        if exc.errno == errno.ENXIO:  # a FIFO nobody reads: opened non-blocking, never waited on
-            raise OSError(exc.errno, "it is not a regular file") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "it is not a regular file")
-    return fd
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
