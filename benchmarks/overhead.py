@@ -609,12 +609,13 @@ def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
     if not opts.snapshot_every:
         return {}
     from elastic._agent.launcher.keeper import SnapshotKeeper
-    from elastic._agent.launcher.keeper_files import job_key
+    from elastic._shared.storage.job_secret import made_on_this_host
 
     keepers: dict[str, Any] = {}
     try:
         for name in SNAPSHOTTING:
-            key, secret_file = job_key(f"overhead-{name}")
+            secret = made_on_this_host(f"overhead-{name}")
+            key, secret_file = secret.key, secret.made_here
             keepers[name] = SnapshotKeeper("127.0.0.1", key=key, run_id=f"overhead-{name}", secret_file=secret_file)
     except BaseException:
         for keeper in keepers.values():

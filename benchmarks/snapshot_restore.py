@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic._agent.launcher.keeper import SnapshotKeeper  # noqa: E402
-from elastic._agent.launcher.keeper_files import job_key  # noqa: E402
+from elastic._shared.storage.job_secret import made_on_this_host  # noqa: E402
 from elastic._shared.common.cli import OneLineArgumentParser, positive_int  # noqa: E402
 from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
 from elastic._worker.config import RunConfig  # noqa: E402
@@ -269,7 +269,8 @@ def measure(model: Model, opts: argparse.Namespace, ctx: Any, tmp: Path) -> dict
 def with_keeper(base: Path, run: Any) -> Any:
     """`run()` with a snapshot keeper of its own in this process, its address in the environment
     (as torchrevive-run gives its workers); the keeper and the environment go afterwards."""
-    key, secret_file = job_key("snapshot-restore", base)
+    secret = made_on_this_host("snapshot-restore", base)
+    key, secret_file = secret.key, secret.made_here
     keeper = SnapshotKeeper("127.0.0.1", key=key, run_id="snapshot-restore", base=base, secret_file=secret_file)
     saved = {k: os.environ.get(k) for k in keeper.address.environ()}
     os.environ.update(keeper.address.environ())

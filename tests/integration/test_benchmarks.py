@@ -183,6 +183,19 @@ def test_snapshot_auth_benchmark_prints_signed_against_unsigned() -> None:
         assert "signed" in line and "unsigned / signed" in line and float(line.rsplit(" ", 1)[1]) > 0
 
 
+def test_seal_cost_benchmark_prints_sealed_against_unsealed_and_writes_its_figures(tmp_path: Path) -> None:
+    result = warm.run(
+        [sys.executable, "benchmarks/seal_cost.py", "--agents", "2", "--ranks", "2", "--pairs", "1",
+         "--json", str(tmp_path / "seal.json")], timeout=300, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for what in ("rendezvous round, 2 agents", "process group start, 2 ranks"):
+        (line,) = [x for x in result.stdout.splitlines() if x.startswith(what)]
+        assert float(line.rsplit(" ", 1)[1]) > 0
+    rows = json.loads((tmp_path / "seal.json").read_text())["results"]["rows"]
+    assert [len(r["samples"]["sealed"]) for r in rows] == [1, 1]
+
+
 def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp_path: Path) -> None:
     """Plain torchrun restarts the group in the same shared store: the ported script must resume (its
     group is made through the runtime's fresh namespace), end identical and keep the samples exactly once.

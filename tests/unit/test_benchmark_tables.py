@@ -803,3 +803,26 @@ def test_object_store_soak_verdict_names_every_loss() -> None:
         "the final checkpoint differs from the uninterrupted run's",
         "1 objects no committed manifest names, e.g. soak/step_00000008/t1/shard_00000.bin",
     ]
+
+
+# -- seal_cost.py ---------------------------------------------------------------------------------------
+
+
+def test_seal_cost_prints_medians_and_ratios_and_writes_them_with_their_provenance(capsys, monkeypatch, tmp_path):
+    seal_cost = script("seal_cost")
+    times = {"unsealed": [10.0, 12.0, 11.0], "sealed": [13.0, 12.1, 11.9]}
+    rows = [seal_cost.row("rendezvous round, 4 agents", times), seal_cost.row("process group start, 4 ranks", times)]
+    assert rows[0]["unsealed_ms"] == 11.0 and rows[0]["sealed_ms"] == 12.1 and rows[0]["ratio"] == 1.1
+    monkeypatch.setattr(seal_cost, "measured_rows", lambda args: rows)
+    monkeypatch.setattr(sys.modules[seal_cost.write_result.__module__], "_git", lambda *args: "a" * 40)  # no git here
+    assert seal_cost.main(["--pairs", "3", "--json", str(tmp_path / "seal.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^rendezvous round, 4 agents +11\.00 +12\.10 +1\.100$", out, re.M), out
+    document = script("provenance").read_result(tmp_path / "seal.json")
+    assert document["benchmark"] == "seal_cost" and document["results"]["rows"] == rows
+    assert document["provenance"]["command"] and document["provenance"]["torch"]
+
+
+def test_seal_cost_refuses_what_it_cannot_measure(capsys):
+    err = refused(capsys, lambda: script("seal_cost").parse_args(["--agents", "1"]))
+    assert "--agents and --ranks take 2 to 64" in one_line(err.splitlines()[-1] + "\n")
