@@ -62,3 +62,19 @@ def one_process_no_servers(request: pytest.FixtureRequest, monkeypatch: pytest.M
 
     monkeypatch.setattr(dist, "TCPStore", tcp_store)
     yield
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found() -> Iterator[None]:
+    """The unit tier is one process: a variable a test leaves in os.environ reaches every later test
+    (RANK and WORLD_SIZE left by a fixture once made test_run's plain Run a distributed one). Set them with
+    monkeypatch.setenv; a test that leaves one fails here, and the environment is put back."""
+    before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's own, per phase
+    yield
+    after = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    if after != before:
+        for name in after.keys() - before.keys():
+            del os.environ[name]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"the test left os.environ changed: {changed} (use monkeypatch.setenv)")
