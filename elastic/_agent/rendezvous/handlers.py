@@ -152,7 +152,8 @@ def create_etcd_v3(params: RendezvousParameters) -> SealedHandler:
         EtcdOptions.from_params(params)
     except EtcdOptionsError as exc:
         _refuse(params, str(exc))
-    backend, store = etcd.create_backend(params, _job_key(params))
+    key = _job_key(params)
+    backend, store = etcd.create_backend(params, key)
     keys = etcd.RunKeys(backend.client.options.key_prefix.encode())
     try:
         etcd.reopen_closed_run(backend, store, params, keys, timeout=join_timeout)
