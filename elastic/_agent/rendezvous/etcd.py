@@ -34,7 +34,7 @@ password_file  file whose first line is the user's password. `password=`
 ============== ==============================================================
 
 A run id is 1-128 of `[A-Za-z0-9._-]` and none of the layout's names below
-(`rdzv`, `store`, `store.ops`, `agents`), nor may any '/'-part of a key_prefix
+(`rdzv`, `store`, `store.ops`, `agents`, `alive`), nor may any '/'-part of a key_prefix
 be one: so no run's keys ever fall in another run's ranges (etcd_options.py).
 
 With `--client-cert-auth` and auth both on, a client certificate and a
@@ -47,6 +47,7 @@ Layout under the key prefix (default `/torchrevive/<run id>`):
     <prefix>/store/<key>     the agents' c10d store (`EtcdStore`)
     <prefix>/store.ops/<id>  the store's markers that make a retried add count once
     <prefix>/agents/<id>     one key per live agent, on a short lease of its own
+    <prefix>/alive/<node>    one key per node, on a lease of torch's dead-after time: its heartbeat
 
 Invariant: the fencing token of the state is the key's mod revision; a state is
 written only by a transaction that compares it (or, with no token, that the key
@@ -71,7 +72,7 @@ again with the same `--rdzv-id` resumes:
 
       compare  mod_revision(<prefix>/rdzv/state) == the token seen closed
                create_revision == 0 over the range <prefix>/agents/   (no key)
-      success  delete <prefix>/rdzv/state, <prefix>/store/*, <prefix>/store.ops/*
+      success  delete <prefix>/rdzv/state, <prefix>/store/*, <prefix>/store.ops/*, <prefix>/alive/*
 
   etcd applies it at one revision: if an agent wrote the state since (a live job,
   or another relauncher that won), or any agent is alive, nothing happens. The
@@ -119,6 +120,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic._agent.rendezvous.etcd_client import EtcdClient
+from elastic._agent.rendezvous.etcd_liveness import AgentPresence, lease_heartbeats
+from elastic._agent.rendezvous.liveness import dead_after_seconds, node_key
 from elastic._agent.rendezvous.etcd_messages import (
     KeyValue,
     key_values,
@@ -257,15 +260,23 @@ def create_handler_v3(params: RendezvousParameters) -> RendezvousHandler:
     join_timeout = _positive_int(params, "join_timeout", DEFAULT_JOIN_TIMEOUT)
     backend, store = create_backend(params)
     keys = RunKeys(backend.client.options.key_prefix.encode())
+    presences: list[AgentPresence] = []
     try:
         reopen_closed_run(backend, store, params, keys, timeout=join_timeout)
-        presence = AgentPresence(backend.client.options, keys.agents, liveness_ttl)
-        presence.enter()
+        presences.append(AgentPresence(backend.client.options, keys.agents, liveness_ttl))
+        presences[0].enter()
+        handler = create_handler(store, backend, params)
+        # This node's heartbeat: a key on a lease of its own (etcd_liveness), not the whole state rewritten.
+        presences.append(AgentPresence(backend.client.options, keys.alive, dead_after_seconds(handler),
+                                       node_key(handler._this_node).encode()))
+        presences[1].enter()
     except BaseException:
-        backend.client.close()  # nothing of this agent is in etcd yet
+        for presence in presences:
+            presence.leave()
+        backend.client.close()  # nothing of this agent is in etcd any more
         raise
-    handler = create_handler(store, backend, params)
-    handler.shutdown = _leaving_etcd(handler.shutdown, backend, store, params, keys, presence)  # type: ignore[method-assign]
+    lease_heartbeats(handler, backend.client, keys.alive)
+    handler.shutdown = _leaving_etcd(handler.shutdown, backend, store, params, keys, presences)  # type: ignore[method-assign]
     return handler
 
 
@@ -303,6 +314,11 @@ class RunKeys:
     @property
     def agents(self) -> bytes:
         return self.prefix + b"/agents/"
+
+    @property
+    def alive(self) -> bytes:
+        """One key per node on its own lease: its heartbeat (etcd_liveness)."""
+        return self.prefix + b"/alive/"
 
 
 class _ReadingView(RendezvousBackend):
@@ -347,7 +363,8 @@ def _remove_closed_run(client: EtcdClient, keys: RunKeys, token: Token) -> bool:
          "target": "CREATE", "create_revision": 0},
     ]
     deletes = [{"request_delete_range": {"key": _encode(keys.state)}}] + [
-        {"request_delete_range": {"key": _encode(r), "range_end": _encode(prefix_end(r))}} for r in keys.store_ranges
+        {"request_delete_range": {"key": _encode(r), "range_end": _encode(prefix_end(r))}}
+        for r in (*keys.store_ranges, keys.alive)  # (no agent is alive: the dead ones' heartbeat keys go too)
     ]
     reply = client.txn(compare, success=deletes, failure=[], what="reopen the closed rendezvous")
     return bool(reply.get("succeeded"))
@@ -393,60 +410,13 @@ def reopen_closed_run(
     return False
 
 
-class AgentPresence:
-    """This agent's key under the run's `agents/` prefix, on a lease of `ttl` seconds
-    of a client of its own: it exists while the agent runs (rewritten every ttl/2
-    s, so a lease etcd lost is made good) and is gone within `ttl` of its death."""
-
-    def __init__(self, options: EtcdOptions, agents: bytes, ttl: int) -> None:
-        self._client = EtcdClient(dataclasses.replace(options, ttl=ttl))
-        self.key = agents + uuid.uuid4().hex.encode()
-        self._value = f"{socket.gethostname()} pid {os.getpid()}".encode()
-        self._period = max(ttl / 2.0, 0.5)
-        self._lock = threading.Lock()
-        self._left = threading.Event()
-        self._keeper: threading.Thread | None = None
-
-    def enter(self) -> None:
-        try:
-            self._put()
-        except BaseException:
-            self._left.set()
-            self._client.close(revoke=True)
-            raise
-        # Stopped and joined at exit (elastic._shared.common.threads): after SIGTERM it may be inside gRPC's C++.
-        self._keeper = threads.start(self._keep, name="etcd-rdzv-presence", stop=self._left.set)
-
-    def _put(self) -> None:
-        self._client.txn([], [self._client.put_op(self.key, self._value)], [], what="announce this agent")
-
-    def _keep(self) -> None:
-        while not self._left.wait(self._period):
-            with self._lock:  # never write the key again once `leave` revoked its lease
-                if self._left.is_set():
-                    return
-                try:
-                    self._put()
-                except RendezvousError as exc:
-                    logger.warning("%s", exc)
-
-    def leave(self) -> None:
-        """Revoke the lease, which deletes the key (idempotent; if etcd cannot be
-        reached, the key expires within `ttl`)."""
-        with self._lock:
-            if self._left.is_set():
-                return
-            self._left.set()
-        self._client.close(revoke=True)
-
-
 def _leaving_etcd(
     shutdown: Callable[[], bool],
     backend: EtcdRendezvousBackend,
     store: Store,
     params: RendezvousParameters,
     keys: RunKeys,
-    presence: AgentPresence,
+    presences: list[AgentPresence],
 ) -> Callable[[], bool]:
     """torch's `shutdown()` (which closes the rendezvous), then leave etcd: remove this
     agent's key and, if it was the last agent out, the closed run itself."""
@@ -459,7 +429,8 @@ def _leaving_etcd(
         finally:
             last_out = False
             try:
-                presence.leave()
+                for presence in presences:
+                    presence.leave()
                 token = _closed_token(backend, store, params) if closed else None
                 last_out = token is not None and _remove_closed_run(backend.client, keys, token)
             except RendezvousError as exc:

@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from elastic._agent.rendezvous import store_liveness
 from elastic._agent.rendezvous.held_port import HeldPort
 from elastic._agent.rendezvous.state_guard import GuardedBackend, StateGuard
 from elastic._shared.storage.peer_auth import PeerKey
@@ -121,7 +122,9 @@ def create_c10d_handler(params: RendezvousParameters, key: PeerKey | None) -> Dy
             held.close()
         _, store = create_backend(params)
     backend = C10dStateBackend(store, params.run_id, StateGuard.for_run(params.run_id, key))
-    return create_handler(store, backend, params)
+    handler = create_handler(store, backend, params)
+    store_liveness.key_heartbeats(handler, store, params.run_id, key)  # a key per node, not the state rewritten
+    return handler
 
 
 def guard_handler(handler: Any, params: RendezvousParameters, key: PeerKey | None) -> Any:

@@ -54,6 +54,7 @@ from typing import Any
 from elastic._shared.protocol import worker_notes
 from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
+from elastic._shared.storage.store_batches import BATCH, read_present
 from elastic._shared.storage.store_records import Records
 from elastic._worker.control.collective_record import CollectiveRecord
 from elastic._worker.control.culprits import (
@@ -71,8 +72,6 @@ PREFIX = "torchrevive/hang/"
 _UNREAD = object()
 NAME_FRACTION = 5
 """A stall is compared after --hang-timeout / NAME_FRACTION seconds, for at most as long again."""
-BATCH = 128
-"""Records the reader reads per store call (a `multi_get`)."""
 MAX_NAMED = 128
 """Culprits a published verdict lists (a bounded record: every rank reads it)."""
 
@@ -172,23 +171,14 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 
 def read_records(records: Records, world_size: int, skip: int) -> dict[int, tuple[int, RankRecord]]:
     """Every rank's published record but `skip`'s: (counter, record) by rank, for the ranks that have a
-    valid one; `BATCH` keys a `multi_get`, each batch `check`ed first (a batch with a missing key is
-    split, so no read waits on a key a rank never wrote)."""
+    valid one (store_batches: checked batches of `BATCH` keys, no read waits on a key never written)."""
+    names = {f"{PREFIX}rec/{rank}": rank for rank in range(world_size) if rank != skip}
     found: dict[int, tuple[int, RankRecord]] = {}
-    ranks = [rank for rank in range(world_size) if rank != skip]
-    pending = [ranks[i : i + BATCH] for i in range(0, len(ranks), BATCH)]
-    while pending:
-        batch = pending.pop()
-        names = [f"{PREFIX}rec/{rank}" for rank in batch]
-        if not records.store.check(names):
-            if len(batch) > 1:
-                pending += [batch[: len(batch) // 2], batch[len(batch) // 2 :]]
-            continue
-        for rank, name, raw in zip(batch, names, records.store.multi_get(names)):
-            text = records.open(name, bytes(raw))
-            parsed = _envelope(text.encode(), world_size) if text is not None else None
-            if parsed is not None and parsed[1].rank == rank:
-                found[rank] = parsed
+    for name, raw in read_present(records.store, list(names), BATCH).items():
+        text = records.open(name, raw)
+        parsed = _envelope(text.encode(), world_size) if text is not None else None
+        if parsed is not None and parsed[1].rank == names[name]:
+            found[names[name]] = parsed
     return found
 
 
