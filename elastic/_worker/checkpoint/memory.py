@@ -62,6 +62,7 @@ from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.keeper_client import push_part
+from elastic._worker.checkpoint.keeper_ring import KeeperSeen, peer_keeper
 from elastic._worker.checkpoint.part_files import PartFiles
 from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic._worker.checkpoint.training_state import TrainingState
@@ -75,14 +76,6 @@ logger = logging.getLogger(__name__)
 PUSH_TIMEOUT = 30.0
 PUSH_PAUSE = 30.0
 """Seconds without copies to the peer after one failed (a slow peer must not slow every step)."""
-
-
-@dataclass(frozen=True)
-class KeeperSeen(agreement.Message):
-    """A rank's node and its keeper, as every rank learns them (`connect`)."""
-
-    node: str
-    url: str
 
 
 @dataclass(frozen=True)
@@ -272,19 +265,11 @@ class MemorySnapshots:
 
     # -- peers ---------------------------------------------------------------------
 
-    def connect(self) -> None:
-        """A collective: learn every node's keeper and pick this node's peer (the next node, in a ring)."""
-        mine = KeeperSeen(self.keeper.node, self.keeper.url)
-        nodes: list[KeeperSeen] = []
-        for seen in agreement.all_gather(self._ctx, mine, KeeperSeen):
-            if seen not in nodes:
-                nodes.append(seen)
-        if len(nodes) < 2:
-            self._peer = None
-            if self._ctx.is_main and self._ctx.distributed:
-                logger.info("snapshots stay on this node: the job runs on one node, so there is no peer to copy them to")
-            return
-        self._peer = nodes[(nodes.index(mine) + 1) % len(nodes)].url
+    def connect(self, group: Any = agreement.DEFAULT_GROUP) -> None:
+        """A collective: pick this node's peer, the next node's keeper in a ring (keeper_ring)."""
+        self._peer = peer_keeper(self._ctx, KeeperSeen(self.keeper.node, self.keeper.url), group)
+        if self._peer is None and self._ctx.is_main and self._ctx.distributed:
+            logger.info("snapshots stay on this node: the job runs on one node, so there is no peer to copy them to")
 
     # -- writing ---------------------------------------------------------------------
 

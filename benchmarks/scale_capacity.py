@@ -1,0 +1,2 @@
+def capacity_section(table):
+    return {}
