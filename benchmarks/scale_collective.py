@@ -17,6 +17,7 @@ the collectives a rank takes and the bytes it receives (scale_count.py). Figures
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -96,9 +97,12 @@ class _Memory:
     def inventory(self) -> Any:
         from elastic._worker.checkpoint import memory
 
+        from elastic._worker.checkpoint import keeper_ring
+
         held = [list(entry) for entry in self.headers]
-        share = getattr(memory, "share_of_node", None)  # the parts this rank reports of its node's
-        return memory.Inventory(self.node, self.keeper.url, 100, share(self.ctx, held) if share else held)
+        ranks = [int(json.loads(header)["rank"]) for _, header in self.headers]
+        share = getattr(keeper_ring, "share_of_node", None)  # the parts this rank reports of its node's
+        return memory.Inventory(self.node, self.keeper.url, 100, share(self.ctx, held, ranks) if share else held)
 
 
 def _headers(n: int) -> tuple[Any, dict[int, list[tuple[str, str]]]]:
@@ -140,6 +144,7 @@ def _headers(n: int) -> tuple[Any, dict[int, list[tuple[str, str]]]]:
 
 
 def memory_restore(sl: Slice) -> None:
+    from elastic._worker.checkpoint import sources
     from elastic._worker.checkpoint.memory_source import MemorySource
     from elastic._worker.checkpoint.sources import Decision
 
@@ -154,8 +159,15 @@ def memory_restore(sl: Slice) -> None:
         started = time.perf_counter()
         source.gather()
         offer = next(source.offers(), None) if ctx.is_main else None
-        decision = agreement.from_main(ctx, Decision(offer=offer) if ctx.is_main else None, Decision, group)
+        decision, rngs = Decision(offer=offer), []
+        if hasattr(sources, "without_rngs"):  # (the planner's _next: each rank gets its own RNG state)
+            decision, rngs = sources.without_rngs(decision)
+        decision = agreement.from_main(ctx, decision if ctx.is_main else None, Decision, group)
+        if hasattr(sources, "share_rngs") and decision is not None and decision.offer is not None:
+            sources.share_rngs(ctx, decision.offer, rngs if ctx.is_main else None, group)
         decided[rank] = decision.offer.step if decision is not None and decision.offer is not None else None
+        if decision is not None and decision.offer is not None:
+            assert decision.offer.trainer["rng"][rank] is not None, "a rank restores without its RNG state"
         _phase(sl, "lookup", rank, group, time.perf_counter() - started)
 
     _threads(sl, body)

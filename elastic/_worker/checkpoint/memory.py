@@ -62,7 +62,7 @@ from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.keeper_client import push_part
-from elastic._worker.checkpoint.keeper_ring import KeeperSeen, peer_keeper
+from elastic._worker.checkpoint.keeper_ring import KeeperSeen, peer_keeper, share_of_node
 from elastic._worker.checkpoint.part_files import PartFiles
 from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic._worker.checkpoint.training_state import TrainingState
@@ -437,13 +437,15 @@ class MemorySnapshots:
     # -- finding them again ------------------------------------------------------------
 
     def inventory(self) -> Inventory:
-        """What this node holds: its keeper, the newest step its workers finished, and every part of this run."""
-        held = []
+        """What this node holds: its keeper, the newest step its workers finished, and this rank's share
+        of the parts of this run (keeper_ring.share_of_node: the node's ranks report each part once)."""
+        held, ranks = [], []
         for where in (LOCAL, REPLICA):
             for header in parts.read_headers(self.keeper.root / where):
                 if header.run_id == self._ctx.run_id:
                     held.append([where, header.to_json().decode()])
-        return Inventory(self.keeper.node, self.keeper.url, self.last_progress(), held)
+                    ranks.append(header.rank)
+        return Inventory(self.keeper.node, self.keeper.url, self.last_progress(), share_of_node(self._ctx, held, ranks))
 
     def gather_files(
         self, locations: dict[int, list[list[str]]], tag: str, *, fetch_deadline: float | None = None
