@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -92,6 +93,21 @@ def run_path(path: str, n: int, *, procs: int, timeout: float) -> dict[str, Phas
         del server, control
 
 
+def run_here(path: str, n: int, *, pool: int = 0) -> dict[str, Phase]:
+    """One worker-side path at `n` ranks as threads of this process, on a TCPStore served here (what the
+    test suite runs, `pool` shared connections; the rendezvous paths patch torch's registry, so they run
+    in processes of their own only)."""
+    from scale_collective import PATHS as collective_paths
+    from scale_paths import PATHS
+
+    if path in collective_paths:
+        return run_path(path, n, procs=1, timeout=600)
+    server, control = serve_store(), serve_store()
+    sl = Slice(path, n, list(range(n)), server.port, control.port, 1, params={"pool": pool})
+    run_threads(sl, PATHS[path])
+    return sl.phases
+
+
 def child(spec_text: str) -> None:
     """A child process: run its slice of a path's ranks, print the phases (scale_sim's protocol)."""
     from scale_paths import PATHS
@@ -138,7 +154,7 @@ def entry(row: Row, phase: Phase, n: int) -> dict[str, Any]:
     figures = scale_model.figures(ops, nbytes, seconds=seconds, events=events,
                                   aggregators=[top] if top is not None else [])
     result = figures.to_json(row.aggregator)
-    result["unit"] = row.unit
+    result["unit"], result["path"], result["phase"] = row.unit, row.path, row.phase
     if row.unit == "collective":  # no store: what a rank moves through its collectives, and how long it took
         result["busiest_store_ops_per_s"] = None
     for key in ("verdicts", "closed_in", "entries"):
@@ -220,6 +236,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
+    # Each TCPStore connection looks a socket's name up; where DNS does not answer, glibc waits 5 s a try,
+    # every few dozen connections. One try of 1 s (children inherit it): a simulator's start, not its figures.
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     if opts.child is not None:
         child(opts.child)
         return

@@ -8,7 +8,7 @@ Pure (no I/O): scale.py measures, this turns measurements into the table's figur
 - `growth`: which of constant, log N, N, N^2 fits a series best (least squares of `a + b f(N)`,
   relative residuals; the simplest model within `TIE` of the best wins).
 - `capacity`: the store load of a job of R ranks (R/`ranks_per_node` agents) during a failure and
-  between failures, from the per-rank figures at the largest N measured, and the store it needs.
+  between failures, from the per-rank figures (scale_capacity.py compares it with what a store served).
 """
 
 from __future__ import annotations
@@ -154,15 +154,6 @@ def worst(paths: Mapping[str, Mapping[int, float]]) -> tuple[str, str] | None:
 
 # -- the capacity model ----------------------------------------------------------------------------------
 
-TCPSTORE_OPS_PER_S = 100_000
-"""What one TCPStore server (libuv, one thread) is taken to serve per second: torch's figure for its
-libuv backend is several hundred thousand small requests per second on a server core; a tenth of that
-is left for the job's own keys (NCCL's bootstrap, the process groups)."""
-ETCD_OPS_PER_S = 10_000
-"""Writes per second one etcd cluster of three members on SSDs is taken to sustain (etcd's own
-benchmarks: 10k-50k writes/s for small keys); reads scale with members, writes do not."""
-
-
 @dataclass(frozen=True)
 class Load:
     ranks: int
@@ -177,15 +168,6 @@ class Load:
     @property
     def failure_ops_per_s(self) -> float:
         return self.failure_ops / self.failure_seconds if self.failure_seconds > 0 else float("inf")
-
-    def store(self) -> str:
-        """Which store a job of this size needs, in words."""
-        peak = max(self.failure_ops_per_s, self.steady_ops_per_s)
-        if peak <= TCPSTORE_OPS_PER_S / 2:
-            return "one c10d TCPStore (libuv) or etcd-v3 on one member"
-        if peak <= TCPSTORE_OPS_PER_S:
-            return "one c10d TCPStore (libuv) near its limit; etcd-v3 on three members"
-        return "etcd-v3 on three or five members, with its writes below ~10k/s, or a TCPStore per 1k ranks"
 
 
 def capacity(ranks: int, *, ranks_per_node: int, per_rank_failure_ops: float, per_node_failure_ops: float,

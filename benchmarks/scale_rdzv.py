@@ -31,7 +31,7 @@ from typing import Any
 
 from scale_count import CountingStore, Tally, count_etcd
 from scale_model import Row, once
-from scale_sim import Phase, Slice, connect, serve_store, spread
+from scale_sim import MEMORY_DIR, Phase, Slice, connect, serve_store, spread
 
 STEADY_SECONDS = 5.0
 LOOK_SECONDS = 0.1
@@ -162,7 +162,7 @@ def run_rdzv(path: str, n: int, *, procs: int, timeout: float) -> dict[str, Phas
     if path in ETCD_PATHS:
         from elastic.chaos.etcd import EtcdServer
 
-        with tempfile.TemporaryDirectory(prefix="scale-etcd-") as directory:
+        with tempfile.TemporaryDirectory(prefix="scale-etcd-", dir=MEMORY_DIR) as directory:
             server = EtcdServer(Path(directory) / "data")
             server.start()
             try:

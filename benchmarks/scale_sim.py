@@ -32,6 +32,9 @@ from scale_count import CountingStore, Tally
 HERE = Path(__file__).resolve().parent
 RESULT = "SCALE-RESULT "
 STORE_TIMEOUT = timedelta(seconds=900)
+MEMORY_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
+"""Where etcd keeps its data in the simulator: memory, so that what is measured is the control plane's
+operations, not this machine's disk (each etcd write waits for an fsync)."""
 RANK_STACK = 512 * 1024
 """Thousands of rank threads: their stacks are small."""
 
@@ -94,9 +97,20 @@ class Slice:
             return self.tallies.setdefault(rank, Tally())
 
     def client(self, rank: int) -> CountingStore:
-        """A store client of its own for `rank`, counted in its tally."""
+        """A store client for `rank`, counted in its tally: a connection of its own (as every agent and worker
+        has), or with `params["pool"]` = K one of K connections this process's ranks share (a test's quick
+        form: the counts are the same, the server sees fewer connections)."""
         assert self.store_port is not None
-        store = CountingStore(connect(self.store_port), self.tally(rank))
+        pool = int(self.params.get("pool", 0))
+        if pool:
+            with self._lock:
+                shared = self.shared.setdefault("pool", [])
+                if len(shared) < pool:
+                    shared.append(connect(self.store_port))
+                inner = shared[rank % len(shared)]
+        else:
+            inner = connect(self.store_port)
+        store = CountingStore(inner, self.tally(rank))
         with self._lock:  # a Store written in Python lives only as long as its Python object: kept here
             self._clients.append(store)
         return store
