@@ -6,6 +6,7 @@ follows the nodes' keys; and an agent's look between rounds reads no state while
 from __future__ import annotations
 
 import base64
+import math
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -159,6 +160,7 @@ def test_a_node_whose_lease_ran_out_is_declared_dead_and_a_leased_one_never_is()
         holder._state.last_heartbeats[node] = old  # the state's record is old: only the leases speak
     leases.names.discard(node_key(nodes[2]).encode())  # node 2 died: its lease expired, its key went with it
     holder._last_sync_time = -1
+    holder.beats_read["at"] = -math.inf  # half a keep-alive interval later
     reads = leases.reads
     holder.sync()
     assert leases.reads == reads + 1, "one read of the keys per read of the state"
@@ -173,6 +175,7 @@ def test_a_node_whose_key_is_old_is_declared_dead_and_a_strangers_beat_does_not_
     holder = made[0]._state_holder
     nodes = [h._this_node for h in made]
     holder._last_sync_time = -1
+    holder.beats_read["at"] = -math.inf
     holder.sync()  # the newest state, then its record of every beat made an hour old
     for node in nodes:
         holder._state.last_heartbeats[node] = datetime.now(timezone.utc) - timedelta(hours=1)
@@ -184,6 +187,7 @@ def test_a_node_whose_key_is_old_is_declared_dead_and_a_strangers_beat_does_not_
     records.set(node_key(nodes[2]), f"{time.time() - 3600:.3f}")  # node 2 last beat an hour ago ...
     records.store.set(node_key(nodes[1]), f"{time.time():.3f}")  # ... a stranger writes node 1 a beat, unsealed
     holder._last_sync_time = -1
+    holder.beats_read["at"] = -math.inf
     holder.sync()
     assert set(holder._dead_nodes) == {nodes[1], nodes[2]}, "an unsealed beat is no beat: the record stood"
     assert set(holder.state.participants) == {nodes[0]}
@@ -211,3 +215,13 @@ def test_an_agents_look_reads_no_state_while_no_membership_changed() -> None:
     quick_rounds.ChangeSignal(store, "run", watch=True).announce()  # a node asked to join, say
     handler.num_nodes_waiting()
     assert reads == [1]
+
+
+def test_a_lost_compare_and_set_waits_a_jittered_window_that_doubles_to_a_bound() -> None:
+    """N nodes that lost to one write would all write again at once (torch 2.14's settings have no backoff)."""
+    windows = [max(quick_rounds.cas_backoff(object(), lost) for _ in range(400)) for lost in (1, 2, 3, 4, 12)]
+    assert windows[0] <= 0.002 and windows[1] <= 0.004 and windows[2] <= 0.008 and windows[3] <= 0.016
+    assert 0.25 < windows[4] <= quick_rounds.CAS_BACKOFF_MAX_SECONDS, windows
+    assert len({quick_rounds.cas_backoff(object(), 5) for _ in range(20)}) > 1, "jittered"
+    torch_own = type("Settings", (), {"cas_backoff_max_seconds": 0.01})()
+    assert all(quick_rounds.cas_backoff(torch_own, 30) <= 0.01 for _ in range(100))

@@ -14,8 +14,9 @@ nodes dead and they joined again.
 - whenever the state is read (torch's `sync`), before torch judges who is dead (`_sanitize`), `beats`
   says, for the state's nodes, when each last beat (`None`: it does not know, e.g. a value that is not
   the job's: the state's record stands); this agent's copy takes it, and torch's own rule (no beat for
-  `keep_alive_interval` x `keep_alive_max_attempt`) declares the dead ones. One read of the keys per
-  read of the state: O(N) where reading the state is O(N) already, and nothing in between.
+  `keep_alive_interval` x `keep_alive_max_attempt`) declares the dead ones. The keys are read at most
+  every half `keep_alive_interval` (a round's writes, which lose to each other's, do not each read them
+  again): O(N) where reading the state is O(N) already, and nothing in between.
 
 A node's own heartbeat in the state is written with each membership change it makes (torch's join
 writes it), so a node without a key (a torchrevive-run of an earlier release) is judged as torch does.
@@ -23,6 +24,8 @@ writes it), so a node without a key (a torchrevive-run of an earlier release) is
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -47,11 +50,16 @@ def install(handler: Any, beat: Callable[[], None], beats: Beats) -> None:
     (see the module docstring)."""
     holder = handler._state_holder
     sanitize = holder._sanitize
+    fresh_for = handler._settings.keep_alive_interval.total_seconds() / 2
+    read: dict[str, Any] = {"at": -math.inf, "beats": {}}
+    holder.beats_read = read  # when the keys were read last, and what they said (tests age it)
 
     def sanitize_with_beats() -> None:
         state = holder._state
         if state.last_heartbeats:
-            for node, when in beats(list(state.last_heartbeats)).items():
+            if time.monotonic() - read["at"] >= fresh_for:  # (a node that just joined is judged on its record)
+                read["beats"], read["at"] = beats(list(state.last_heartbeats)), time.monotonic()
+            for node, when in read["beats"].items():
                 if when is not None and node in state.last_heartbeats:
                     state.last_heartbeats[node] = when  # the node's own key knows better than any copy
         sanitize()
