@@ -157,9 +157,17 @@ def entry(row: Row, phase: Phase, n: int) -> dict[str, Any]:
     result["unit"], result["path"], result["phase"] = row.unit, row.path, row.phase
     if row.unit == "collective":  # no store: what a rank moves through its collectives, and how long it took
         result["busiest_store_ops_per_s"] = None
-    for key in ("verdicts", "closed_in", "entries"):
+    for key in ("verdicts", "entries"):
         if key in phase.extra:
             result[key] = phase.extra[key] if key != "verdicts" else sorted({tuple(v) for v in phase.extra[key]})
+    if phase.extra.get("closed_in"):  # a rendezvous round: when the last node had its rank
+        result["seconds"] = round(max(phase.extra["closed_in"]), 3)
+    ranks = max(len(phase.ops), 1)
+    for key in ("won_writes", "heartbeats", "heartbeat_ops", "heartbeat_bytes", "looks"):
+        if key in phase.extra:
+            result[f"{key}_per_rank"] = round(phase.extra[key] / ranks, 3)
+    if phase.extra.get("heartbeats"):
+        result["bytes_per_heartbeat"] = round(phase.extra.get("heartbeat_bytes", 0) / phase.extra["heartbeats"], 1)
     return result
 
 
@@ -247,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
                     log=lambda line: print(line, file=sys.stderr, flush=True))
     results = report(table, opts.size_list)
     from scale_capacity import capacity_section
+    from scale_rdzv import projection_section
 
+    results["projected"] = projection_section(table)
     results["capacity"] = capacity_section(table)
     results["seconds"] = round(time.monotonic() - started, 1)
     if opts.json:

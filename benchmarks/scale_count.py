@@ -44,6 +44,8 @@ class Tally:
     collective_bytes: int = 0
     heartbeat_ops: int = 0
     heartbeat_bytes: int = 0
+    won: int = 0
+    """Compare-and-sets of a large value (a rendezvous state) that won."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, kind: str, nbytes: int) -> None:
@@ -108,6 +110,8 @@ class CountingStore(dist.Store):
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         value = self.inner.compare_set(key, expected, desired)
         self.tally.add("compare_set", _size(key) + _size(expected) + _size(desired) + _size(value))
+        if _size(desired) > 1024 and bytes(value) == (desired.encode() if isinstance(desired, str) else bytes(desired)):
+            self.tally.won += 1  # a large value written: a rendezvous state's compare-and-set that won
         return value
 
     def check(self, keys: list[str]) -> bool:

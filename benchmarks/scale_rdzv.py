@@ -113,7 +113,7 @@ def node(sl: Slice, rank: int) -> None:
         started = time.monotonic()
         sl.begin(phase, rank)
         tally = sl.tally(rank)
-        beats_before, heartbeat_before = beats[0], tally.heartbeat_snapshot()
+        beats_before, heartbeat_before, won_before = beats[0], tally.heartbeat_snapshot(), tally.won
         if phase == "steady":
             looks = _look(handler, board)
             sl.note(phase, "looks", looks)
@@ -122,6 +122,7 @@ def node(sl: Slice, rank: int) -> None:
             sl.note(phase, "closed_in", [round(time.monotonic() - started, 3)])
         sl.end(phase, rank)
         ops, nbytes = tally.heartbeat_snapshot()
+        sl.note(phase, "won_writes", tally.won - won_before)
         sl.note(phase, "heartbeats", beats[0] - beats_before)
         sl.note(phase, "heartbeat_ops", ops - heartbeat_before[0])
         sl.note(phase, "heartbeat_bytes", nbytes - heartbeat_before[1])
@@ -176,6 +177,76 @@ def run_rdzv(path: str, n: int, *, procs: int, timeout: float) -> dict[str, Phas
 
 
 RANK_BODIES = {path: node for path in KINDS}
+CYCLES = 20
+
+
+def write_cycle(kind: str, n: int) -> dict[str, float]:
+    """One agent's write of the rendezvous state of `n` nodes, alone (no contention): the seconds of a
+    read and a compare-and-set through torchrevive-run's guarded backend (the state pickled, sealed, sent,
+    admitted, unpickled), and the state's bytes. The round's critical path is its winning writes one after
+    another: `projected_round` multiplies them."""
+    import pickle
+    from datetime import datetime, timezone
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from elastic._agent.rendezvous.state_guard import StateGuard
+    from elastic._shared.storage.peer_auth import PeerKey
+
+    state = _RendezvousState()
+    now = datetime.now(timezone.utc)
+    for rank in range(n):
+        node = _NodeDesc(f"node{rank:05d}.cluster.example.com", 10000 + rank, 0)
+        state.participants[node] = rank
+        state.last_heartbeats[node] = now
+    state.complete, state.round = True, 7
+    guard = StateGuard.for_run("sim", PeerKey(b"s" * 32))
+    control = serve_store()
+    with tempfile.TemporaryDirectory(prefix="scale-cycle-", dir=MEMORY_DIR) as directory:
+        backend, close = _backend(kind, guard, control, Path(directory))
+        try:
+            token = None
+            started = time.perf_counter()
+            for _ in range(CYCLES):
+                current = backend.get_state()
+                token = current[1] if current is not None else token
+                written = backend.set_state(pickle.dumps(state), token)
+                assert written is not None and written[2], "a lone writer lost its compare-and-set"
+                token = written[1]
+                pickle.loads(written[0])
+            seconds = (time.perf_counter() - started) / CYCLES
+        finally:
+            close()
+    return {"seconds": seconds, "state_bytes": float(len(pickle.dumps(state)))}
+
+
+def _backend(kind: str, guard: Any, control: Any, directory: Path) -> tuple[Any, Any]:
+    if kind == "etcd-v3":
+        from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+        from elastic._agent.rendezvous.etcd import EtcdRendezvousBackend
+        from elastic._agent.rendezvous.etcd_client import EtcdClient
+        from elastic._agent.rendezvous.etcd_options import EtcdOptions
+        from elastic.chaos.etcd import EtcdServer
+
+        server = EtcdServer(directory / "data")
+        server.start()
+        client = EtcdClient(EtcdOptions.from_params(RendezvousParameters("etcd-v3", server.endpoint, "sim", 1, 1)))
+
+        def close() -> None:
+            client.close()
+            server.stop()
+
+        return EtcdRendezvousBackend(client, b"/torchrevive/sim/rdzv/state", guard), close
+    from elastic._agent.rendezvous.guarded_c10d import C10dStateBackend
+
+    return C10dStateBackend(connect(control.port), "sim", guard), lambda: None
+
+
+def projected_round(cycle_seconds: float, won_per_node: float, n: int, dead_after: float) -> float:
+    """A round after a lost node on a real cluster (an agent's own CPU each): its winning writes one after
+    another, each a lone write cycle, after the dead node's heartbeat ran out."""
+    return dead_after + won_per_node * n * cycle_seconds
 
 
 def _label(kind: str) -> str:
@@ -187,3 +258,35 @@ ROWS = [row for path, kind in KINDS.items() for row in (
     Row(f"rendezvous, after a lost node: {_label(kind)}", path, "lost", once),
     Row(f"steady, per node per second: {_label(kind)}", path, "steady", lambda phase, n: STEADY_SECONDS),
 )]
+
+
+PROJECTED = (1024, 4096)
+
+
+def projection_section(table: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Print the modelled round after a lost node at `PROJECTED` nodes (see `projected_round`): the winning
+    state writes a node makes in such a round as simulated, a lone write cycle measured at that size here,
+    torch's dead-after time. Modelled, not simulated: this machine's two shared cores cannot run a thousand
+    agents' Python at once; each agent has its own CPU in a job."""
+    won = {}
+    for by_n in table.values():
+        figures = by_n[max(by_n)]
+        if figures.get("phase") == "lost" and figures.get("won_writes_per_rank"):
+            won[figures["path"]] = figures["won_writes_per_rank"]
+    per_node = won.get("rdzv-c10d")
+    if per_node is None:
+        return {}
+    dead_after = float(CONF["keep_alive_interval"]) * float(CONF["keep_alive_max_attempt"])
+    found: dict[str, Any] = {"won_writes_per_node": per_node, "dead_after_seconds": dead_after, "rounds": {}}
+    print()
+    print(f"a round after a lost node, modelled: {per_node:.2f} winning state writes a node (simulated, c10d), "
+          f"one after another, each a lone write cycle measured here at that size, after {dead_after:g} s of dead-after:")
+    for kind in ("c10d", "etcd-v3"):
+        for n in PROJECTED:
+            cycle = write_cycle(kind, n)
+            seconds = projected_round(cycle["seconds"], per_node, n, dead_after)
+            found["rounds"].setdefault(kind, {})[str(n)] = {"seconds": round(seconds, 1), "cycle_s": round(cycle["seconds"], 5),
+                                                            "state_bytes": int(cycle["state_bytes"])}
+            print(f"  {kind:8} {n:>5} nodes: {seconds:6.1f} s (a write cycle {cycle['seconds'] * 1000:.1f} ms, "
+                  f"state {cycle['state_bytes'] / 1024:.0f} KiB)")
+    return found
