@@ -47,12 +47,13 @@ class Outcome:
         return self.returncode == 0 and not self.aborted
 
 
-def job_command(workdir: Path, steps: int) -> list[str]:
+def job_command(workdir: Path, steps: int, fsdp: bool = False) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "--max-restarts=0", "--monitor-interval=0.5", str(GPT_RECIPE),
         "--device", "cpu", "--max-steps", str(steps), "--ckpt-every", "2", "--ckpt-dir", str(workdir / "ckpt"),
         "--eval-every", "0", "--sample-tokens", "0", "--data", str(workdir / "corpus.txt"), *TINY_GPT,
+        *(["--fsdp"] if fsdp else []),
     ]
 
 
@@ -62,13 +63,13 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def run_once(index: int, root: Path, steps: int, timeout: float) -> Outcome:
+def run_once(index: int, root: Path, steps: int, timeout: float, fsdp: bool = False) -> Outcome:
     workdir = root / f"run{index:03d}"
     workdir.mkdir()
     (workdir / "corpus.txt").write_text(CORPUS * 200)
     try:
         done = subprocess.run(
-            job_command(workdir, steps), capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO,
+            job_command(workdir, steps, fsdp), capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO,
         )
         output, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
@@ -82,7 +83,7 @@ def burn(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-
         sum(i * i for i in range(10_000))
 
 
-def stress(runs: int, parallel: int, burners: int, steps: int, timeout: float) -> list[Outcome]:
+def stress(runs: int, parallel: int, burners: int, steps: int, timeout: float, fsdp: bool = False) -> list[Outcome]:
     """Run the job `runs` times, `parallel` at a time, beside `burners` CPU burners."""
     context = multiprocessing.get_context("spawn")
     stop = context.Event()
@@ -91,7 +92,7 @@ def stress(runs: int, parallel: int, burners: int, steps: int, timeout: float) -
         process.start()
     try:
         with tempfile.TemporaryDirectory(prefix="exit-stress-") as root, ThreadPoolExecutor(parallel) as pool:
-            return list(pool.map(lambda i: run_once(i, Path(root), steps, timeout), range(runs)))
+            return list(pool.map(lambda i: run_once(i, Path(root), steps, timeout, fsdp), range(runs)))
     finally:
         stop.set()
         for process in spinning:
@@ -107,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burners", type=int, default=1, help="CPU-burning processes beside the jobs")
     p.add_argument("--steps", type=int, default=4, help="training steps per job")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a job counts as hung")
+    p.add_argument("--fsdp", action="store_true", help="the recipe sharded with FSDP2 (its exit tears down a device mesh too)")
     args = p.parse_args(argv)
     started = time.monotonic()
-    outcomes = stress(args.runs, args.parallel, args.burners, args.steps, args.timeout)
+    outcomes = stress(args.runs, args.parallel, args.burners, args.steps, args.timeout, args.fsdp)
     for outcome in outcomes:
         if not outcome.ok:
             kind = "ABORT" if outcome.aborted else "FAILED"

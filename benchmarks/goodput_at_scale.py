@@ -17,9 +17,10 @@ keeps. Three systems side by side:
   synchronous save); a failure loses on average half an interval.
 - snapshots: torchrevive + in-memory snapshots at their default interval
   (`--snapshot-every auto`): the state is copied into host memory every S
-  seconds, S being Young/Daly's for the copy's cost (the state over PCIe:
-  state_gb_per_gpu / pcie_gbps_per_gpu) and the job's MTBF, at least a step
-  and at most C, as the runtime picks it; a failure redoes on average half of
+  seconds, S being as often as 1 % of the loop buys at the copy's cost (the
+  state over PCIe: state_gb_per_gpu / pcie_gbps_per_gpu), in whole steps, at
+  most Young/Daly's for that cost and the job's MTBF, at least a step and at
+  most C, as the runtime picks it; a failure redoes on average half of
   S and restores from memory. Durable checkpoints still every C minutes. The
   snapshot is assumed to survive the failure (a copy on another host); a
   failure that takes out both copies falls back to the durable checkpoint
@@ -69,7 +70,7 @@ The model (first order, as Young and Daly's; every time in seconds):
     restarted group: they include detection and rendezvous at 2 agents)
 
     snapshot_s  = state_gb_per_gpu / pcie_gbps_per_gpu      one snapshot's copy, charged whole to the loop
-    S           = min(C, max(step_s, Daly(snapshot_s, MTBF)))
+    S           = min(C, max(step_s, min(ceil(snapshot_s / (0.01 step_s)) step_s, Daly(snapshot_s, MTBF))))
 
     steady overhead:
       stock:      sync_stall_s / C
@@ -276,15 +277,21 @@ def snapshot_cost_s(p: dict[str, float]) -> float:
     return p["state_gb_per_gpu"] / p["pcie_gbps_per_gpu"]
 
 
+SNAPSHOT_BUDGET = 0.01
+"""The share of the loop auto's snapshots may cost (elastic/_worker/checkpoint/snapshot_interval.py's BUDGET)."""
+
+
 def snapshot_interval_s(p: dict[str, float], interval_s: float, mtbf: float) -> float:
-    """The runtime's auto interval: Daly's for the snapshot's cost, at least a step, at most C."""
+    """The runtime's auto interval: as often as the budget buys (whole steps), at most Daly's for the
+    snapshot's cost, at least a step, at most C."""
     cost = snapshot_cost_s(p)
     if cost >= 2 * mtbf:
         daly = mtbf
     else:
         ratio = cost / (2 * mtbf)
         daly = math.sqrt(2 * cost * mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - cost
-    return min(interval_s, max(p["step_s"], daly))
+    budget = max(1, math.ceil(cost / (SNAPSHOT_BUDGET * p["step_s"]) - 1e-9)) * p["step_s"]
+    return min(interval_s, max(p["step_s"], min(budget, daly)))
 
 
 def per_failure(
@@ -550,6 +557,10 @@ def load_measured(path: Path) -> dict[str, float]:
         fail(f"--measured {path}: not JSON ({e})")
     if not isinstance(data, dict):
         fail(f"--measured {path}: must hold a JSON object")
+    if {"benchmark", "provenance", "results"} <= data.keys():  # a benchmark's result file (provenance.py)
+        if not isinstance(data["results"], dict):
+            fail(f"--measured {path}: its results must be a JSON object")
+        data = {key: value for key, value in data["results"].items() if key in PARAMS}  # the inputs it measured
     unknown = sorted(set(data) - set(PARAMS))
     if unknown:
         fail(f"--measured {path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(PARAMS)})")

@@ -407,8 +407,9 @@ def measure_copy(device_name: str = "cuda", megabytes: int = 1024, repeats: int 
     tier's shared-memory slot. Pinned needs CUDA (None on CPU)."""
     import torch
 
-    from elastic._worker.checkpoint.memory import _Slot, plan_layout
     from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy
+    from elastic._worker.checkpoint.snapshot_slots import Layout, Slot
+    from elastic._shared.storage.chunks import BLOCK
 
     device = torch.device(device_name)
     cuda = device.type == "cuda"
@@ -420,12 +421,16 @@ def measure_copy(device_name: str = "cuda", megabytes: int = 1024, repeats: int 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     def gb_per_s(pool: Any) -> float:
+        """`pool`: a BufferPool (a save's host buffers), or the memory tier's Slot (its views, made once)."""
         seconds = []
         for _ in range(repeats + 1):
             if cuda:
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            DeferredCopy(device, stream).run(lambda: tensors, pool)
+            if isinstance(pool, Slot):
+                DeferredCopy(device, stream).run_pairs(lambda: [(t, pool.views[key]) for key, t in tensors.items()])
+            else:
+                DeferredCopy(device, stream).run(lambda: tensors, pool)
             if cuda:
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - started)
@@ -440,8 +445,7 @@ def measure_copy(device_name: str = "cuda", megabytes: int = 1024, repeats: int 
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
     slot_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=shm))
     try:
-        entries, size = plan_layout(tensors)
-        slot = _Slot(slot_dir / "slot.data", entries, size)
+        slot = Slot(slot_dir / "slot.data", 0, Layout.of(tensors), BLOCK)
         figures["snapshot_slot_gb_s"] = gb_per_s(slot)
         del slot
     except OSError as exc:  # a /dev/shm smaller than the state: what the memory tier would meet too

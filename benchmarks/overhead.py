@@ -1,11 +1,12 @@
 """Runtime overhead: steps/s of recipes/gpt.py versus a plain seed-style DDP loop.
 
     python benchmarks/overhead.py      # 2 ranks on CPU: the loops' steps/s, their ratios and 95% CIs
+    python benchmarks/overhead.py --warm-vs-cold   # 2 workers on one node started warm and cold (warm_cold.py)
 
 Four loops share one `torchrun --standalone` job: the recipe's own `train()`
 as `torchrevive-run` runs it, with metrics on and in-memory snapshots at
-`--snapshot-every` (default auto, the runtime's default: every step until the
-first is measured, then Young/Daly's interval, at most `--ckpt-every`)
+`--snapshot-every` (default auto, the runtime's default: as often as 1 % of
+the loop buys, every step at the recipe's default size, at most `--ckpt-every`)
 (elastic sampler, event log, progress, deferred loss read-out, the step vote,
 the snapshots into shared memory, async checkpoints every `--ckpt-every`
 steps, /metrics served and scraped), the same recipe with metrics off (snapshots on), the same recipe
@@ -18,10 +19,9 @@ off, as --metrics-port defaults to; snapshots at their default) / DDP loop
 >= 0.99 with the 95 % interval above 0.98, and the same with metrics served
 and scraped; the ratio with snapshots off is printed beside it, and the
 runtime's own account of its per-step time (`Run.step_costs`, phase by
-phase) beside the end-to-end gap. `--snapshot-every 1` measures snapshots at
-every step; `--snapshot-every 0` drops the loop without snapshots (every
-recipe loop then runs without them). `--json FILE` writes the end-to-end
-figure for `goodput_at_scale.py --measured FILE`.
+phase) beside the end-to-end gap, and a snapshot's cost two ways (overhead_snapshots.py).
+`--snapshot-every 1`: snapshots at every step; 0: no loop without them. `--json FILE`
+writes the figures with their provenance, loop_overhead for `goodput_at_scale.py --measured`.
 
 Snapshots need a snapshot keeper on the node, which `torchrevive-run` starts
 in its agent. This benchmark launches stock torchrun (`python -m
@@ -58,7 +58,8 @@ its turns, a loop with snapshots waits for its newest snapshot to be written
 (the copy into shared memory, checksums, header), and that wait counts in
 the turn's last step: with turns of one step, every step pays its whole
 snapshot, as if the snapshot thread never overlapped the loop (an upper
-bound; on 2 cores with a rank per core it hardly can). The waits are printed.
+bound; on 2 cores with a rank per core it hardly can). The waits are printed,
+and not charged to the snapshots' own costs, which count the write's CPU.
 (1) Checkpoints: a turn in which a save
 starts lasts `--save-hold` steps more, so the save's writer thread runs during
 its own run's steps; every loop keeps the same pattern of turn lengths (a
@@ -116,6 +117,10 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+from overhead_snapshots import figures as snapshot_figures, lines as snapshot_lines, summarize as summarize_snapshots  # noqa: E402, I001
+from provenance import write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPS = ("recipe", "recipe_no_metrics", "recipe_no_snapshots", "baseline")
@@ -186,7 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="in-memory snapshots of the recipe loops that take them: auto (the runtime's default), "
                         "N steps, or 0 (none)")
     p.add_argument("--json", default=None,
-                   help="write {loop_overhead: 1 - the end-to-end ratio} here, for goodput_at_scale.py --measured")
+                   help="write the figures here with their provenance (loop_overhead: 1 - the end-to-end ratio, for "
+                        "goodput_at_scale.py --measured; the snapshots' costs)")
     p.add_argument("--metrics-port", type=int, default=None, help="base port of the workers' /metrics (default: a free one)")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes of each worker")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -440,9 +446,9 @@ def worker(opts: argparse.Namespace) -> None:
     snapshots = track_snapshots()
     names = loops(opts)
 
-    def drain() -> None:  # the calling loop's snapshot in flight, written
+    def drain() -> None:  # the calling loop's snapshot in flight, written (charged by the gate, not by the runtime)
         for memory in snapshots.get(threading.get_ident(), []):
-            memory.wait_previous()
+            memory.wait_previous(charge=False)
 
     with worker_context("cpu") as ctx, tempfile.TemporaryDirectory() as tmp:
         api = recipe_api()
@@ -522,13 +528,8 @@ def worker(opts: argparse.Namespace) -> None:
                 name: [(e["time"] - e["seconds"], e["time"]) for e in read_events(events(name)) if e["event"] == "checkpoint"]
                 for name in names if name != "baseline"
             }
-            taken = {
-                gate.name: [
-                    {"snapshots": len(m.history), "blocking": m.blocking_seconds, "disabled": m.disabled}
-                    for m in snapshots.get(gate._thread, [])
-                ]
-                for gate in gates.values() if gate.name in SNAPSHOTTING
-            }
+            taken = {gate.name: summarize_snapshots(snapshots.get(gate._thread, []))
+                     for gate in gates.values() if gate.name in SNAPSHOTTING}
             results = {
                 "timed": {name: gates[name].timed for name in names}, "turns": turns.walls, "commits": commits,
                 "snapshots": taken, "drained": {name: gates[name].drained for name in names},
@@ -608,12 +609,13 @@ def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
     if not opts.snapshot_every:
         return {}
     from elastic._agent.launcher.keeper import SnapshotKeeper
-    from elastic._agent.launcher.keeper_files import job_key
+    from elastic._shared.storage.job_secret import made_on_this_host
 
     keepers: dict[str, Any] = {}
     try:
         for name in SNAPSHOTTING:
-            key, secret_file = job_key(f"overhead-{name}")
+            secret = made_on_this_host(f"overhead-{name}")
+            key, secret_file = secret.key, secret.made_here
             keepers[name] = SnapshotKeeper("127.0.0.1", key=key, run_id=f"overhead-{name}", secret_file=secret_file)
     except BaseException:
         for keeper in keepers.values():
@@ -623,6 +625,10 @@ def start_keepers(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if "--warm-vs-cold" in given:  # the workers' start instead: 2 on one node, warm against cold (warm_cold.py)
+        import warm_cold
+        return warm_cold.main([a for a in given if a != "--warm-vs-cold"])
     opts = parse_args(argv)
     if opts.worker:
         worker(opts)
@@ -702,17 +708,8 @@ def report(
     else:
         snapshots_label = f"snapshots every {opts.snapshot_every} step{'s' if opts.snapshot_every != 1 else ''}"
     if opts.snapshot_every:
-        taken, waits = [], []
-        for name in SNAPSHOTTING:
-            memories = results["snapshots"].get(name, [])
-            count = sum(m["snapshots"] for m in memories)
-            off = [m["disabled"] for m in memories if m["disabled"]]
-            blocking = [b for m in memories for b in m["blocking"]]
-            block_ms = f"{statistics.median(blocking) * 1e3:.2f} ms" if blocking else "-"
-            taken.append(f"{name} {count}{' (TURNED OFF: ' + off[0] + ')' if off else ''}, loop blocking {block_ms}")
-            drained = results["drained"].get(name, [])
-            waits.append(f"{name} {statistics.median(drained) * 1e3:.1f} ms" if drained else f"{name} -")
-        print(f"{snapshots_label}: snapshots taken on rank 0 (median loop blocking per snapshot): " + "; ".join(taken))
+        waits = [f"{name} {statistics.median(results['drained'][name]) * 1e3:.1f} ms" if results["drained"].get(name)
+                 else f"{name} -" for name in SNAPSHOTTING]
         print("snapshot work waited for at the end of each timed turn (median, counted in that turn's step): "
               + ", ".join(waits))
     else:
@@ -746,10 +743,14 @@ def report(
     on_off = paired_ratio(median_rate["recipe"], median_rate["recipe_no_metrics"])
     on_off_mean = paired_ratio(mean_rate["recipe"], mean_rate["recipe_no_metrics"])
     print(f"metrics on / off: {ratio_text(on_off)} (1/median step), {ratio_text(on_off_mean)} (steps/seconds)")
-    if "recipe_no_snapshots" in names:
-        snap = paired_ratio(median_rate["recipe"], median_rate["recipe_no_snapshots"])
+    snap = paired_ratio(median_rate["recipe"], median_rate["recipe_no_snapshots"]) if "recipe_no_snapshots" in names else None
+    if snap is not None:
         snap_mean = paired_ratio(mean_rate["recipe"], mean_rate["recipe_no_snapshots"])
         print(f"snapshots on / off: {ratio_text(snap)} (1/median step), {ratio_text(snap_mean)} (steps/seconds)")
+    plain_step = 1 / geometric_mean(median_rate["recipe_no_snapshots" if snap is not None else "baseline"])
+    if opts.snapshot_every:
+        for line in snapshot_lines(snapshots_label, results, SNAPSHOTTING, plain_step, snap):
+            print(line)
     # The runtime's defaults: no metrics endpoint (--metrics-port 0), snapshots at --snapshot-every's default.
     default_ratio = paired_ratio(median_rate["recipe_no_metrics"], median_rate["baseline"])
     print(f"target ratio >= {TARGET}, 95% interval above {FLOOR}, default settings: {verdict(default_ratio)} "
@@ -764,9 +765,11 @@ def report(
     print_breakdown(results, median_rate, names)
     ratio = default_ratio
     if opts.json:
-        Path(opts.json).write_text(json.dumps({"loop_overhead": max(0.0, 1 - ratio[0])}) + "\n")
+        write_result(opts.json, "overhead", {
+            "loop_overhead": max(0.0, 1 - ratio[0]), "ratio": ratio, "snapshot_every": opts.snapshot_every,
+            "snapshots": snapshot_figures(results, SNAPSHOTTING, plain_step, snap) if opts.snapshot_every else None})
         print(f"loop_overhead = 1 - {ratio[0]:.4f} (1/median step, default settings) written to {opts.json} "
-              "for goodput_at_scale.py --measured")
+              "for goodput_at_scale.py --measured, with the snapshots' figures and provenance")
     needed = blocks_to_resolve(median_rate["recipe_no_metrics"], median_rate["baseline"])
     print(
         f"took {seconds:.0f} s; at this run's spread, an interval of +-1 % needs --blocks {needed} "

@@ -17,12 +17,15 @@ same job at every size. One worker of a random rank is SIGKILLed, `--kills`
 times, each once the job has trained `--settle` seconds after the previous
 recovery.
 
-What a kill costs is its stall: the longest gap between two steps around the
-kill, less a steady step (the median before it), i.e. the time the job stood
-still beyond the step it was in. Beside it: kill to the next step, and the time
-line (`kill_time_line`): detected (an agent noticed), the restore began and
-ended, the first step, and that first step's own duration against a steady one
-(what the first step after a change of group pays on top).
+What a kill costs is its time lost (benchmarks/soak_measure.py, as the soak
+measures it): from the last step before the kill until the job trains steadily
+at its full size again, past the newest step it had completed, less the
+full-size steps' worth of samples trained meanwhile that were not redone, times
+a steady step (the median before the kill): redone steps, slow first steps,
+steps at a smaller world size and a join's pause all count. Beside it: the
+stall (the longest gap between two steps, less a steady step), kill to the next
+step, and the time line (`kill_time_line`): detected (an agent noticed), the
+restore began and ended, the first step, and that first step's own duration.
 
 - stock: `torchrun` as installed, its defaults (one worker store shared by
   every round, 30 s last call, 5 s keep-alive); the runtime builds each round's
@@ -34,43 +37,32 @@ ended, the first step, and that first step's own duration against a steady one
   `--rdzv-conf` of a 2 s last call and 1 s keep-alive: what a user who keeps
   torchrun gets; it still starts every worker cold.
 - ours: `python -m elastic._agent.launcher` (fresh store per round, 2 s last call, 1 s
-  keep-alive, warm worker starts, a snapshot keeper per agent and the recipe's
-  in-memory snapshots every step: `--snapshot-every 1`, not the default auto
-  interval, so a kill redoes at most one step), the same
-  flags otherwise.
+  keep-alive, warm worker starts, a snapshot keeper per agent), the recipe in its
+  default settings (in-memory snapshots at the auto interval), the same flags
+  otherwise; ours-every-step is ours with `--snapshot-every 1` (a kill redoes at
+  most one step), a row of its own, never the headline.
 - ours-torch-rounds: ours with torch's rounds (`--rdzv-conf quick_rounds=0`):
   every round waits its 2 s last call and nodes poll the state once a second,
   as before `elastic._agent.rendezvous.quick_rounds`.
-- ours-keep: ours with heals in place (`TORCHREVIVE_SURVIVORS=keep`): the
-  killed worker's agent starts only that worker again, the others keep their
-  processes (their step is void and trained again), and the replacement takes
-  the state from a survivor's memory; recovery ends at the first step after
-  the "heal" event (or the replacement's "start" when rank 0 was the one killed).
-- ours-train-on: ours with the survivors training on (`TORCHREVIVE_SURVIVORS=train-on`):
-  the survivors form a smaller group at once and train on without the killed
-  worker; its replacement joins at a later vote step, taking a survivor's
-  state. Recovery ends at the first step after the shrink's "heal" event; the
-  join's own pause (its "heal" event's seconds: the group formed again with the
-  replacement and the state sent to it) is its own column.
+- ours-keep, ours-train-on: ours with `TORCHREVIVE_SURVIVORS=keep` (the survivors keep their
+  processes and wait for the replacement) or `train-on` (they train on at the smaller size, and the
+  replacement joins at a later vote step; its join's pause is also a column of its own).
 - ours-disk: ours without the memory tier (`TORCHREVIVE_SNAPSHOTS=0`, so no
   keeper, and `--snapshot-every 0`): a kill resumes from the newest checkpoint
   on disk, as before the snapshots. stock and tuned have no keeper either
   (plain torchrun), so they restore from disk too.
 
-Per size and setting it prints the stall and the recovery time (kill -> first
-completed step after the restarted group's start, from the event log), median
-and worst, the median time line, failed
+Per size and setting it prints the time lost, the stall and the recovery time (kill -> first
+completed step after the restarted group's start), the median time line, failed
 rendezvous rounds (rounds beyond one per kill), restarts consumed (failures
 the agents counted against `--max-restarts`), and goodput with one kill every
 `--goodput-interval` seconds for `--goodput-seconds`: the samples the job trained
 on (each step counts its world size's worth: a job that trains on at a smaller
 size trains fewer per step) divided by those a fault-free run of the same setting
 trains in that time.
-A second table gives, per setting, the steps paused per kill (the median
-recovery time times the step rate just before the kill: what the job would
-have trained meanwhile), the bytes the restore read from disk (0 when it came
-from memory), the steps redone per kill (steps finished
-before the kill that the job trained again), mean and max over the kills, from
+A second table gives, per setting, the steps paused per kill (the median recovery time times the
+step rate before the kill), the bytes the restore read from disk (0 from memory), the steps redone
+per kill (steps finished before the kill that the job trained again), mean and max, from
 the `redone` field of the restore event that followed each kill; where the
 runtime cannot know it (no keeper: ours-disk, stock, tuned) from the event log
 instead, marked `*`: the newest step logged before the kill less the restored
@@ -78,14 +70,11 @@ step (a step's event is written one step late, so this can be one short). It
 also says where each restore came from (the restore event's `source`: memory,
 peer or disk; none: no checkpoint yet, the job started over), and the
 fault-free run's steps/s (what snapshots every step cost in throughput).
-Targets at the default size, 2 agents, idle machine: a median stall of at most
-0.8 s (ours), 0.5 s (ours-keep) and 0.3 s (ours-train-on); zero failed rounds
-for every setting; goodput >= 0.90. Stock's median is
-torch's 30 s last call plus about what tuned takes: only the agents' command
-line changes it (docs/recovery.md, "Recovery settings").
+Targets at the default size, 2 agents, idle machine (issue 52): a median time
+lost of at most 1.5 s (ours), 1.0 s (ours-keep), 0.8 s (ours-train-on); zero
+failed rounds for every setting; goodput >= 0.90. benchmarks/soak.py kills at random moments.
 
-Each job's picture (`python -m elastic.report`: loss, throughput, world size,
-each recovery's time written on it) is written to `--pictures`.
+Each job's picture (`python -m elastic.report`: loss, throughput, world size, recoveries) goes to `--pictures`.
 """
 
 from __future__ import annotations
@@ -102,6 +91,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+import soak_measure  # noqa: E402
+
 from elastic._agent.launcher.failure_policy import SET_ASIDE_FAILURES_ENV
 from elastic._agent.launcher.launch import SNAPSHOTS_ENV
 from elastic._shared.protocol.heal_env import SURVIVORS_ENV
@@ -117,8 +109,8 @@ SIZES = {
     "large": ["--n-layer", "8", "--n-head", "8", "--n-embd", "512", "--block-size", "64", "--batch-size", "4"],  # 25 M
 }
 """Model sizes the benchmark runs at (the recipe's flags); `--sizes` picks."""
-SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")
-OURS = ("ours", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on")  # python -m elastic._agent.launcher
+SETTINGS = ("stock", "ours", "tuned", "ours-disk", "ours-torch-rounds", "ours-keep", "ours-train-on", "ours-every-step")
+OURS = SETTINGS[1:2] + SETTINGS[3:]  # python -m elastic._agent.launcher
 
 
 PHASES = ("detected", "restore_began", "restored", "step", "first_step_s", "steady_step_s")
@@ -150,7 +142,7 @@ def start_job(setting: str, workdir: Path, ckpt_every: int, steps: int = 10_000_
     env = {FRESH_STORE_ENV: "1"} if setting == "tuned" else {}
     if setting in OURS:  # the same nodes are killed again and again on purpose: not a bad node to set aside
         env[SET_ASIDE_FAILURES_ENV] = "0"
-    snapshots = ["--snapshot-every", "1"]  # what "ours" measures: snapshots every step, not the auto interval
+    snapshots = ["--snapshot-every", "1"] if setting == "ours-every-step" else []  # else the default: auto
     if setting == "ours-disk":
         env[SNAPSHOTS_ENV] = "0"
         snapshots = ["--snapshot-every", "0"]
@@ -226,11 +218,10 @@ def kill_time_line(records: list[dict], agent_lines: list[tuple[float, str]], ki
     - `restore_began` and `restored`: the restore that followed (a restart's from a snapshot or the
       disk, a heal's from a live peer): its event's time less its seconds, and its time;
     - `step`: the first step the group completed after it, and `first_step_s`: that step's own
-      duration (from `restored`), against `steady_step_s`, the median step before the kill;
-    - `stall_s`: the longest gap between steps around the kill, less a steady step: the time the
-      job stood still. A step the killed rank 0 completed but never logged (its lines go out one
-      step late) counts as ended a steady step after the last one logged: the newest step completed
-      is the restored one plus those the restore says were redone.
+      duration (from `restored`), against `steady_step_s`, the median step before the kill. A step
+      the killed rank 0 completed but never logged (its lines go out one step late) counts as ended
+      a steady step after the last one logged (the restore says how far the job had come).
+    The stall and the time lost are soak_measure's (`measure_recovery`).
     """
     steps = sorted((r for r in records if r["event"] == "step"), key=lambda r: r["time"])
     before = [r for r in steps if r["time"] <= killed_at]
@@ -253,7 +244,7 @@ def kill_time_line(records: list[dict], agent_lines: list[tuple[float, str]], ki
     if restore is not None and "redone" in restore:
         newest = max(newest, restore["step"] + int(restore["redone"]))
     last_end = before[-1]["time"] + (newest - before[-1]["step"]) * steady
-    line = {"steady_step_s": steady, "stall_s": max(0.0, first["time"] - last_end - steady)}
+    line = {"steady_step_s": steady}
     noticed = [r["time"] for r in records if r["event"] == "failure" and killed_at < r["time"] <= first["time"]]
     noticed += [t for t, what in agent_lines if killed_at < t <= first["time"] and "will restart worker group" in what]
     if noticed:
@@ -264,6 +255,16 @@ def kill_time_line(records: list[dict], agent_lines: list[tuple[float, str]], ki
     line["step"] = first["time"] - killed_at
     line["first_step_s"] = first["time"] - (restore["time"] if restore is not None else last_end)
     return line
+
+
+def steady_again(job: ChaosJob, killed_at: float, limit: float, line: dict | None) -> soak_measure.Incident | None:
+    """The kill's stall and time lost (soak_measure), once the job trains steadily at its full size again."""
+    if line is None:
+        return None
+    kill = [{"time": killed_at, "rank": None, "node": None, "hit": "mid_step"}]
+    found = wait_until(lambda: (lambda i: i if i.recovered else None)(soak_measure.measure(
+        job.records(), kind="mid_step", kills=kill, full=job.spec.agents, d=line["steady_step_s"])), limit, 0.2)
+    return found
 
 
 def picture(job: ChaosJob, args: argparse.Namespace, title: str) -> None:
@@ -280,6 +281,7 @@ def measure_recovery(setting: str, size: str, workdir: Path, args: argparse.Name
     phases: list[dict[str, float]] = []
     paused: list[float] = []
     joins: list[float] = []
+    costs: list[soak_measure.Incident] = []
     failures = 0
     failed_rounds = 0
     try:
@@ -309,24 +311,22 @@ def measure_recovery(setting: str, size: str, workdir: Path, args: argparse.Name
                 lost = (f"; restored step {r['restored_step']} from {r['source']}, "
                         f"{r['redone']}{'*' if r['estimated'] else ''} steps redone (newest step logged before the "
                         f"kill: {r['before']})")
-            joined = ""
-            if setting == "ours-train-on" and back is not None:  # the replacement's join: a pause of its own
-                grow = wait_until(lambda t=killed_at: next((r for r in job.records() if r["event"] == "heal"
-                                                            and r.get("change") == "grow" and r["time"] > t), None),
-                                  args.recovery_limit, interval=0.1)
-                if grow is not None:
-                    joins.append(grow["seconds"])
-                    joined = f"; joined back at step {grow['step']} after {grow['time'] - killed_at:.1f} s, pausing {grow['seconds']:.2f} s"
-            print(f"  {size} {setting}: kill {len(times)}: recovered in {times[-1]:.2f} s ({where or 'no breakdown'}){lost}{joined}",
+            incident = steady_again(job, killed_at, args.recovery_limit, breakdown)  # train-on: grown back too
+            if incident is not None:
+                costs.append(incident)
+                lost += f"; stall {incident.stall_s:.2f} s, time lost {incident.time_lost_s:.2f} s"
+                joins += [r["seconds"] for r in job.records() if r["event"] == "heal" and r.get("change") == "grow"
+                          and incident.begin < r["time"] <= incident.end]
+            print(f"  {size} {setting}: kill {len(times)}: recovered in {times[-1]:.2f} s ({where or 'no breakdown'}){lost}",
                   flush=True)
     finally:
         job.close()
     picture(job, args, f"{setting}, {size} model: {args.kills} SIGKILLs")
-    stalls = [p["stall_s"] for p in phases]
+    stalls, lost = [c.stall_s for c in costs], [c.time_lost_s for c in costs]
     return {
-        "stall_s": stalls,
+        "stall_s": stalls, "time_lost_s": lost,
         "stall_median_s": statistics.median(stalls) if stalls else math.nan,
-        "stall_worst_s": max(stalls) if stalls else math.nan,
+        "lost_median_s": statistics.median(lost) if lost else math.nan, "lost_worst_s": max(lost, default=math.nan),
         "recovery_s": times,
         "median_s": statistics.median(times),
         "worst_s": max(times),
@@ -408,12 +408,12 @@ def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> Non
     `steps_per_s_clean` when the goodput runs ran): the tables, the time lines and the ratios of every
     setting measured, the sizes side by side; then all of it as JSON."""
     print()
-    print(f"{'size':8} {'setting':17} {'stall s':>8} {'worst':>6} {'kill-step s':>11} {'worst':>6} "
+    print(f"{'size':8} {'setting':17} {'lost s':>7} {'worst':>6} {'stall s':>8} {'kill-step s':>11} {'worst':>6} "
           f"{'failed rounds':>13} {'restarts used':>13} {'goodput':>8}")
     for size, by_setting in results.items():
         for setting, r in by_setting.items():
             goodput = f"{r['goodput']:.2f}" if "goodput" in r else "-"
-            print(f"{size:8} {setting:17} {r['stall_median_s']:8.2f} {r['stall_worst_s']:6.2f} {r['median_s']:11.2f} "
+            print(f"{size:8} {setting:17} {r['lost_median_s']:7.2f} {r['lost_worst_s']:6.2f} {r['stall_median_s']:8.2f} {r['median_s']:11.2f} "
                   f"{r['worst_s']:6.2f} {r['failed_rounds']:13d} {'/'.join(map(str, r['restarts_consumed'])):>13} "
                   f"{goodput:>8}")
     print()
@@ -443,8 +443,8 @@ def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> Non
         for other in ("stock", "tuned", "ours-disk", "ours-torch-rounds", "ours"):
             for fast in ("ours-train-on", "ours-keep", "ours"):
                 if other != fast and {other, fast} <= by_setting.keys():
-                    print(f"{size}: median stall, {other} / {fast}: "
-                          f"{ratio(by_setting[other]['stall_median_s'], by_setting[fast]['stall_median_s'])}")
+                    print(f"{size}: median time lost, {other} / {fast}: "
+                          f"{ratio(by_setting[other]['lost_median_s'], by_setting[fast]['lost_median_s'])}")
         if {"ours", "ours-disk"} <= by_setting.keys() and "goodput" in by_setting["ours"]:
             print(f"{size}: goodput (one kill per {args.goodput_interval:g} s), ours / ours-disk: "
                   f"{by_setting['ours']['goodput']:.2f} / {by_setting['ours-disk']['goodput']:.2f}")

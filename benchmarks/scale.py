@@ -12,7 +12,7 @@ of threads that counts the bytes each rank would move. Every store client is wra
 adapter (scale_count.py); nothing of torch is patched in the library.
 
 The paths (scale_paths.py, scale_collective.py, scale_rdzv.py):
-- a rendezvous round, the first and one after a lost node, on c10d (torchrevive-run's guarded, quick
+- a rendezvous round, the first and one after a lost node, on c10d (torchrevive-run's c10d-sealed
   handler), on etcd-v3, and on torch's stock c10d handler, side by side;
 - the steady state between failures: each agent's keep-alive heartbeats and its looks (per second),
   the workers' vote steps (store operations per step; the vote's bytes);

@@ -149,6 +149,10 @@ class CountingStore(dist.Store):
     def set_timeout(self, timeout: timedelta) -> None:
         self.inner.set_timeout(timeout)
 
+    def clone(self) -> CountingStore:
+        """Another client of the same store, counted in the same tally."""
+        return CountingStore(self.inner.clone(), self.tally)
+
     @property
     def timeout(self) -> timedelta:
         return self.inner.timeout

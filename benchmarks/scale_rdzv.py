@@ -3,10 +3,11 @@
 Three handlers, side by side, each as the agent gets it from torch's registry:
 
 - `c10d-stock`: torch's own c10d handler (torch's backend, torch's executor), nothing of ours;
-- `c10d`: torchrevive-run's (elastic._agent.launcher.launch installs it): the state guarded
-  (guarded_c10d), quick rounds (quick_rounds), the worker store's port (worker_port), and at each of
-  the agent's looks the notice board (notice_board.StoreBoard.read_new) besides torch's own look;
-- `etcd-v3`: torchrevive-run's etcd-v3 handler (elastic._agent.rendezvous.etcd) with quick rounds.
+- `c10d`: torchrevive-run's `c10d-sealed` (elastic._agent.rendezvous.handlers, registered as the launcher
+  registers it): the state guarded, the store sealed, quick rounds, heartbeats in sealed keys, the worker
+  store's port (worker_port), and at each of the agent's looks the notice board
+  (notice_board.StoreBoard.read_new) besides torch's own look;
+- `etcd-v3`: torchrevive-run's etcd-v3 handler (the same factory), its heartbeats on leases.
 
 The settings are torchrevive-run's recovery defaults for all three (keep-alive every 1 s, a node dead
 after 3 missed, a 2 s last call), min nodes N - 1, max N. Per path the phases are: `first` (every node
@@ -14,8 +15,9 @@ joins the first round), `steady` (`STEADY_SECONDS` of the agents' looks every `L
 heartbeats running: operations per node per second), `lost` (one node dies; the others join the next
 round: torch's agent does so after its workers failed).
 
-Counting: each node's store client is a `CountingStore` (c10d: torch's `create_backend` is replaced in
-the simulator's own child process, the one place it is, by one that connects to the served store), and
+Counting: each node's store client is a `CountingStore` (c10d: torch's `create_backend`, and c10d-sealed's
+`c10d_store.create_store`, are replaced in the simulator's own child process, the one place they are, by
+ones that connect to the served store), and
 each etcd client's stubs count (`EtcdClient` replaced in that process by a subclass whose stubs count).
 Operations made on a heartbeat thread (torch's keep-alive timer, the etcd lease's and presence's
 threads) are also counted apart, as `heartbeat` operations.
@@ -54,19 +56,24 @@ def install(kind: str, store_port: int | None) -> None:
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 
     if kind in ("c10d", "etcd-v3"):
-        from elastic._agent.rendezvous import guarded_c10d, quick_rounds, worker_port
-        from elastic._shared.storage.peer_auth import PeerKey
+        from elastic._agent.rendezvous import handlers, worker_port
 
-        guarded_c10d.install(PeerKey.from_env())
-        quick_rounds.install()
+        handlers.register()  # as torchrevive-run's launcher does
         worker_port.install()
-    if kind in ("c10d", "c10d-stock"):
+    if kind == "c10d-stock":
         def create_backend(params: Any) -> tuple[Any, Any]:
             store = CountingStore(connect(store_port), _tally())
             _local.keep = store  # a Store written in Python lives as long as its Python object
             return c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id), store
 
         c10d_rendezvous_backend.create_backend = create_backend  # the simulator's child process only
+    if kind == "c10d":
+        from elastic._agent.rendezvous import c10d_store
+
+        def create_store(params: Any) -> Any:
+            return CountingStore(connect(store_port), _tally())  # (the sealed stores on it keep it alive)
+
+        c10d_store.create_store = create_store  # the simulator's child process only
     if kind == "etcd-v3":
         from elastic._agent.rendezvous import etcd, etcd_client, etcd_liveness
 
@@ -92,7 +99,8 @@ def node(sl: Slice, rank: int) -> None:
             install(kind, sl.store_port)
             sl.shared["installed"] = True
     endpoint = sl.etcd if kind == "etcd-v3" else f"127.0.0.1:{sl.store_port}"
-    params = RendezvousParameters(backend="etcd-v3" if kind == "etcd-v3" else "c10d", endpoint=endpoint, run_id="sim",
+    backend = {"c10d-stock": "c10d", "c10d": "c10d-sealed", "etcd-v3": "etcd-v3"}[kind]
+    params = RendezvousParameters(backend=backend, endpoint=endpoint, run_id="sim",
                                   min_nodes=sl.n - 1, max_nodes=sl.n, **CONF)
     handler = registry.get_rendezvous_handler(params)
     board = _board(handler) if kind == "c10d" else None

@@ -20,13 +20,12 @@ model's would be tried first). Per model:
    of the machine's speed hits both alike; the snapshot work still running at
    the end of a block with snapshots is waited for and charged to that
    block's last step. Per snapshot, the loop's blocking seconds are the
-   manager's own `memory.blocking_seconds` (waiting for the previous
-   snapshot, the trainer state, the copy of the buffers; the deferred copy of
-   parameters and optimizer state runs on the snapshot thread, and whatever
-   of it the next optimizer step still waits for lands in that step's time:
-   it shows in "step on/off", as does the snapshot thread's competition for
-   the cores). Target: median blocking / median step time without snapshots
-   <= 0.02.
+   manager's own `memory.costs` records' `capture_seconds` (the trainer
+   state, the copy of the buffers; the deferred copy of parameters and
+   optimizer state runs on the snapshot thread, and whatever of it the next
+   optimizer step still waits for lands in that step's time: it shows in
+   "step on/off", as does the snapshot thread's competition for the cores).
+   Target: median blocking / median step time without snapshots <= 0.02.
 2. The newest snapshot is whole (`wait_previous`); a durable
    `save(step, reason="final")` + `flush()` of the same step goes to a
    checkpoint directory on disk (the system temp dir, `--dir`).
@@ -75,7 +74,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic._agent.launcher.keeper import SnapshotKeeper  # noqa: E402
-from elastic._agent.launcher.keeper_files import job_key  # noqa: E402
+from elastic._shared.storage.job_secret import made_on_this_host  # noqa: E402
 from elastic._shared.common.cli import OneLineArgumentParser, positive_int  # noqa: E402
 from elastic._worker.checkpoint import CheckpointManager  # noqa: E402
 from elastic._worker.config import RunConfig  # noqa: E402
@@ -222,13 +221,12 @@ def measure(model: Model, opts: argparse.Namespace, ctx: Any, tmp: Path) -> dict
         trainer.step()
         trainer.manager.maybe_save(step)
     memory.wait_previous()
-    untimed = len(memory.blocking_seconds)
     off, on, step = timed_steps(trainer, opts.steps or model.steps, opts.block, 3)
     memory.wait_previous()
     if memory.disabled is not None:
         raise RuntimeError(f"snapshots turned off: {memory.disabled}")
-    blocking = memory.blocking_seconds[untimed:]
-    snapshot_bytes = max(s.size for s in memory._slots if s is not None)
+    blocking = [r.capture_seconds for r in memory.costs.records if r.step > 3]  # steps 2 and 3: untimed
+    snapshot_bytes = memory.slot_bytes
     trainer.manager.save(step, reason="final")
     trainer.manager.flush()
     expected = trainer.fingerprint()
@@ -271,7 +269,8 @@ def measure(model: Model, opts: argparse.Namespace, ctx: Any, tmp: Path) -> dict
 def with_keeper(base: Path, run: Any) -> Any:
     """`run()` with a snapshot keeper of its own in this process, its address in the environment
     (as torchrevive-run gives its workers); the keeper and the environment go afterwards."""
-    key, secret_file = job_key("snapshot-restore", base)
+    secret = made_on_this_host("snapshot-restore", base)
+    key, secret_file = secret.key, secret.made_here
     keeper = SnapshotKeeper("127.0.0.1", key=key, run_id="snapshot-restore", base=base, secret_file=secret_file)
     saved = {k: os.environ.get(k) for k in keeper.address.environ()}
     os.environ.update(keeper.address.environ())

@@ -31,6 +31,7 @@ from elastic._shared.common.errors import (
     CheckpointStorageError,
     CorruptCheckpoint,
     ElasticError,
+    PeerLost,
     Preempted,
     UsageError,
 )
@@ -95,7 +96,7 @@ _EXPORTS = {
 __all__ = [
     *_EXPORTS,
     "CheckpointError", "CheckpointMismatchError", "CheckpointStorageError", "CorruptCheckpoint", "ElasticError",
-    "Preempted", "UsageError", "__version__",
+    "PeerLost", "Preempted", "UsageError", "__version__",
 ]
 
 

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.output_dir is None:  # next to the checkpoints: a job leaves nothing in its working directory
         args.output_dir = os.path.join(args.ckpt_dir, "hf-model") if args.ckpt_dir else "hf_trainer_output"
+    if isinstance(args.ckpt_every, str):  # "2e": the Trainer's save_steps counts steps only
+        raise UsageError(f"--ckpt-every {args.ckpt_every}: the Trainer saves every N steps; give a number of steps")
     if args.batch_size % args.grad_accum:
         raise UsageError(f"--batch-size {args.batch_size} does not split into --grad-accum {args.grad_accum} equal micro-batches")
     configure_logging(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)

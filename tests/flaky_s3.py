@@ -4,6 +4,7 @@
         proxy.fail = lambda method, path: method == "PUT"      # every upload refused
         proxy.status, proxy.code = 503, "SlowDown"             # as a throttled S3 answers
         proxy.drop = lambda method, path: True                 # the server gone: connections closed
+        proxy.trickle = lambda method, path: 0.5               # the answer's body a byte every 0.5 s
         ... point AWS_ENDPOINT_URL at proxy.url ...
 
 Runs in the test's process (threads), on a loopback port; `failed` counts the errors it served.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -27,6 +29,10 @@ class FlakyS3:
         self.drop: Callable[[str, str], bool] = lambda method, path: False
         """Requests answered by closing the connection, as a server that went away mid-request."""
         self.dropped = 0
+        self.trickle: Callable[[str, str], float | None] = lambda method, path: None
+        """Seconds between the bytes of an answer's body (None: all at once), as a server that stalls."""
+        self.trickled = 0
+        """Bytes of trickled bodies sent so far."""
         self._lock = threading.Lock()
         proxy = self
 
@@ -71,7 +77,16 @@ class FlakyS3:
                 self.send_header("Content-Length", answer.getheader("Content-Length", "0") if self.command == "HEAD"
                                  else str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                pause = proxy.trickle(self.command, self.path)
+                if pause is None:
+                    self.wfile.write(data)
+                else:
+                    for at in range(len(data)):
+                        self.wfile.write(data[at:at + 1])
+                        self.wfile.flush()
+                        with proxy._lock:
+                            proxy.trickled += 1
+                        time.sleep(pause)
                 upstream.close()
 
             def _read_chunked(self) -> bytes:

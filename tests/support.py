@@ -418,9 +418,11 @@ def listens(pid: int, port: int) -> bool:
 
 
 def healing_job_args(corpus: Path, steps: int, eval_every: int = 0) -> list[str]:
-    """The GPT recipe's arguments in `run_healing_job` (but its checkpoints and events): tiny, no dropout."""
+    """The GPT recipe's arguments in `run_healing_job` (but its checkpoints and events): tiny, with the
+    recipe's dropout (0.1): a heal in place must end bit-identical with the random numbers a step draws
+    too (a replacement draws what its predecessor would have: elastic._worker.runtime.rng.seed_step)."""
     return [
-        "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0",
+        "--data", str(corpus), "--max-steps", str(steps), "--lr", "3e-3", "--dropout", "0.1",
         "--eval-every", str(eval_every), "--eval-batches", "1", "--sample-tokens", "0", *TINY_MODEL,
     ]
 

@@ -61,18 +61,27 @@ class _Zygote:
     def _read(self) -> None:
         while True:
             data = self._conn.recv(1 << 16)
+            self._take(json.loads(data) if data else {"closed": True})
             if not data:
-                with self._changed:
-                    self._answers.append({"closed": True})
-                    self._changed.notify_all()
                 return
-            message = json.loads(data)
-            with self._changed:
-                if "returncode" in message:
-                    self._ended[message["pid"]] = message["returncode"]
-                else:
-                    self._answers.append(message)
-                self._changed.notify_all()
+
+    def _take(self, message: dict[str, Any]) -> None:
+        """One message from the zygote, in the order it sent them: a fork's pid, a program's exit status,
+        or the end of the connection.
+
+        A pid is the kernel's, and the kernel hands a pid out again once its process is gone (pid_max is
+        32,768 on many machines, and a suite's threads count against it too): a program that ended long
+        ago may have had the pid a new fork gets. Its exit status must not be read as the new program's,
+        so a fork's answer forgets it. The zygote sends a program's exit status only after its pid, so
+        what `_ended` holds for a pid once its fork's answer was taken is that program's own."""
+        with self._changed:
+            if "returncode" in message:
+                self._ended[message["pid"]] = message["returncode"]
+            else:
+                if "pid" in message:
+                    self._ended.pop(message["pid"], None)
+                self._answers.append(message)
+            self._changed.notify_all()
 
     def fork(self, argv: list[str], env: Mapping[str, str], cwd: str, fds: tuple[int, int, int]) -> int:
         request = json.dumps({"argv": argv, "env": dict(env), "cwd": cwd}).encode()

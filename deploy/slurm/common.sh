@@ -10,7 +10,8 @@
 # - CKPT_DIR: the job's checkpoints and event log; per job id, so a requeued run (same id)
 #   resumes from its own checkpoints and a new submission starts afresh. Give CKPT_DIR to
 #   continue an earlier job's run.
-# - A secret for the snapshot keepers' traffic between nodes (docs/security.md), made once per
+# - The job's secret, which signs every value its agents and workers read from the rendezvous and
+#   worker stores and the snapshot keepers' traffic between nodes (docs/security.md), made once per
 #   CKPT_DIR with mode 600 on the shared file system; one that exists must be yours, mode 600,
 #   and not empty. Never on a command line or in the log.
 # - TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long an agent that stops its workers waits for their
@@ -49,7 +50,7 @@ if [ ! -e "$secret" ]; then  # made aside (mktemp: mode 600) and moved in withou
   rm -f "$made"
 fi
 if [ ! -O "$secret" ] || [ ! -s "$secret" ] || [ "$(stat -c %a "$secret")" != 600 ]; then
-  echo "torchrevive: $secret must be a non-empty file of yours with mode 600 (it signs snapshot traffic)" >&2
+  echo "torchrevive: $secret must be a non-empty file of yours with mode 600 (it signs the job)" >&2
   exit 2
 fi
 export TORCHREVIVE_SNAPSHOT_SECRET_FILE="$secret"

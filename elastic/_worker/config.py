@@ -33,11 +33,14 @@ from typing import Any
 from elastic._shared.common.cli import (
     OneLineArgumentParser,
     int_at_least,
+    is_steps_or_epochs,
     non_negative_float,
     port_number,
     positive_float,
+    steps_or_epochs,
 )
 from elastic._shared.common.errors import UsageError
+from elastic._shared.common.settings_input import as_settings, read_value
 from elastic._shared.storage import location
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -53,8 +56,9 @@ class RunConfig:
     ckpt_dir: str | None = None
     """Commit checkpoints here and resume from the newest good one: a directory, or s3://BUCKET/PREFIX
     (docs/object-storage.md; unset: no checkpoints)."""
-    ckpt_every: int = 50
-    """Steps between checkpoints (0: only the final one and on SIGTERM)."""
+    ckpt_every: int | str = 50
+    """Steps between checkpoints (0: only the final one and on SIGTERM), or epochs: 2e commits one at the end
+    of every second epoch."""
     ckpt_keep: int = 3
     """Committed checkpoints to keep; at least 2, so a torn newest one has a fallback."""
     ckpt_max_failures: int = 3
@@ -64,8 +68,9 @@ class RunConfig:
     ckpt_restore_timeout: float = 600.0
     """Seconds reading a checkpoint may take on restore before the job stops with exit 75 (not a restart loop)."""
     snapshot_every: int | str = "auto"
-    """Steps between in-memory snapshots under torchrevive-run, which a failure resumes from (0: off; auto:
-    Young/Daly's interval from each snapshot's measured cost and --mtbf-hours, at most --ckpt-every)."""
+    """Steps between in-memory snapshots under torchrevive-run, which a failure resumes from (0: off; auto: as
+    often as 1 % of the loop's time buys, measured: every step at the GPT recipe's default size; at most
+    Young/Daly's interval for --mtbf-hours and --ckpt-every)."""
     mtbf_hours: float = 50_000.0
     """Assumed mean hours between failures of one worker, for --snapshot-every auto (Llama 3: one
     unexpected interruption per ~50,000 GPU-hours)."""
@@ -107,9 +112,9 @@ class RunConfig:
     update, every sample once, but other samples per rank than an even split), evict (rebalance, and a rank
     still --evict-factor times slower, or too slow for its smallest share, leaves the job with its node under
     torchrevive-run --survivors train-on; without train-on it is reported and rebalanced)."""
-    slow_factor: float = 1.25
+    slow_factor: float = 1.5
     """A rank is a straggler when the median of its work per sample over the others' median, over the last
-    --slow-window votes (about one a second), is at least this."""
+    --slow-window votes (about one a second), is at least this (a busy shared machine wanders to 1.3x)."""
     slow_window: int = 5
     """Votes (about one a second) a rank's slowdown is judged over: its median over them decides."""
     evict_factor: float = 3.0
@@ -120,6 +125,8 @@ class RunConfig:
         for name in ("ckpt_dir", "events"):  # a pathlib.Path is a path too
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
+        if isinstance(self.ckpt_every, str):  # "2epochs", "50": the flag's forms (a bad one fails its rule below)
+            self.ckpt_every = read_value(steps_or_epochs, self.ckpt_every, problem=None)
         for name, rule in _rules().items():
             value = getattr(self, name)
             if not rule.holds(value):
@@ -133,11 +140,33 @@ class RunConfig:
         """Seconds a wait for storage lasts before a short collective: far below the collective and hang timeouts."""
         return min(5.0, self.collective_timeout / 4, (self.hang_timeout or math.inf) / 4)
 
+    @property
+    def ckpt_every_steps(self) -> int:
+        """Steps between checkpoints; 0 when none are by steps (`--ckpt-every` in epochs, or 0)."""
+        return self.ckpt_every if isinstance(self.ckpt_every, int) else 0
+
+    @property
+    def ckpt_every_epochs(self) -> int:
+        """Epochs between checkpoints, each at the end of an epoch; 0 when they are by steps."""
+        return int(self.ckpt_every[:-1]) if isinstance(self.ckpt_every, str) else 0
+
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RunConfig:
-        """The fields present in `args` (argparse turns --ckpt-dir into ckpt_dir); defaults for the rest."""
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in fields(cls) if given.get(f.name) is not None})
+    def from_args(cls, args: Any) -> RunConfig:
+        """The runtime's settings among `args`: argparse's namespace (--ckpt-dir is ckpt_dir), or a mapping (a
+        dict, a config file's section, a hydra DictConfig) or a dataclass instance (elastic._shared.common.
+        settings_input). The script's own names are left to it; None takes the default; text reads as the flag
+        would read it ("50", "auto", "2e"): a bad value is one `UsageError` line, as for a flag."""
+        given, rules = as_settings(args), _rules()
+        return cls(**{f.name: read_value(rules[f.name].parse, given[f.name], rules[f.name].message(f.name, given[f.name]))
+                      for f in fields(cls) if given.get(f.name) is not None})
+
+    @classmethod
+    def of(cls, **settings: Any) -> RunConfig:
+        """`RunConfig(**settings)` (`elastic.Run(**settings)`), a name that is no setting refused in one line."""
+        unknown = sorted(set(settings) - {f.name for f in fields(cls)})
+        if unknown:
+            raise UsageError(f"no runtime setting named {', '.join(unknown)}; they are: {', '.join(f.name for f in fields(cls))}")
+        return cls(**settings)
 
 
 @dataclass(frozen=True)
@@ -154,7 +183,7 @@ class _Rule:
 def _at_least(low: int, metavar: str = "N") -> _Rule:
     says = "0 or more" if low == 0 else f"at least {low}"
     return _Rule(
-        int_at_least(low), lambda v: isinstance(v, int) and v >= low, lambda n, v: f"{n}={v} must be {says}", metavar
+        int_at_least(low), lambda v: isinstance(v, int) and v >= low, lambda n, v: f"{n}={v!r} must be {says}", metavar
     )
 
 
@@ -180,6 +209,10 @@ _SNAPSHOT_EVERY = _Rule(
     lambda n, v: f"{n}={v!r} must be auto or a number of steps, 0 or more", "N",
 )
 _REPLICA_CHECK_EVERY = _SNAPSHOT_EVERY  # the same rule: auto, or a number of steps (0: off)
+_CKPT_EVERY = _Rule(
+    steps_or_epochs, is_steps_or_epochs,
+    lambda n, v: f"{n}={v!r} must be a number of steps, 0 or more, or of epochs (2e: every second epoch's end)", "N|Ne",
+)
 
 NUMERIC_GUARD_CHOICES = ("off", "stop", "skip", "rollback")
 SLOW_RANKS_CHOICES = ("off", "report", "rebalance", "evict")
@@ -236,7 +269,7 @@ def _rules() -> dict[str, _Rule]:
     return {
         "seed": _at_least(0),
         "ckpt_dir": _CKPT_LOCATION,
-        "ckpt_every": _at_least(0),
+        "ckpt_every": _CKPT_EVERY,
         "ckpt_keep": _at_least(2, "K"),
         "ckpt_max_failures": _at_least(1),
         "ckpt_timeout": _SECONDS_ABOVE_0,

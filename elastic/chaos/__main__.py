@@ -6,6 +6,7 @@
     sudo python -m elastic.chaos --scenario partition --hosts netns
     python -m elastic.chaos --scenario kill-worker --scenario node-loss --fsdp   # the model sharded (FSDP2)
     python -m elastic.chaos --scenario node-loss+scale-up   # one job: a node lost, then one joins
+    python -m elastic.chaos audit runs/samples   # the exactly-once audit of any job's sample records
 
 Each scenario starts a fresh job of two torchrun agents (`--nnodes=2:3`, or 1:3
 for node-loss, scale-up and partition), injects its fault once training is
@@ -32,6 +33,7 @@ from pathlib import Path
 from elastic._shared.common.cli import OneLineArgumentParser, positive_int, run_main
 from elastic._shared.common.errors import ElasticError, UsageError
 from elastic._shared.protocol.heal_env import MODES, RESTART
+from elastic.chaos import audit_cli
 from elastic.chaos.etcd import EtcdServer
 from elastic.chaos.harness import find_recipe
 from elastic.chaos.netns import VirtualNetwork
@@ -45,7 +47,8 @@ from elastic.chaos.scenarios import (
 
 
 def build_parser() -> OneLineArgumentParser:
-    p = OneLineArgumentParser(prog="python -m elastic.chaos", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="python -m elastic.chaos", description=__doc__.split("\n\n")[0],
+                              epilog="python -m elastic.chaos audit PREFIX: the exactly-once audit of any job's sample records")
     p.add_argument(
         "--scenario", action="append", required=True, metavar="|".join([*SCENARIOS, "all"]),
         help="fault to inject (repeatable; 'all' runs every one, each in a job of its own); several joined by + "
@@ -93,6 +96,9 @@ def as_seen_from_hosts(endpoint: str, gateway: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["audit"]:  # python -m elastic.chaos audit PREFIX: the exactly-once audit alone
+        return audit_cli.main(given[1:])
     args = build_parser().parse_args(argv)
     own_etcd = args.backend == "etcd-v3" and not args.endpoint
     if args.endpoint and args.backend != "etcd-v3":

@@ -28,7 +28,9 @@ torchrun starts without any change to the command line:
                                             (every rank agreed on it, the nodes' parts
                                             are known) until /tmp/go exists
     ELASTIC_FAULT=during_snapshot@15:rank=1 die on rank 1 while it copies step 15's
-                                            in-memory snapshot (data written, header not)
+                                            in-memory snapshot (data written, header not;
+                                            snapshot_begun, _checksummed and _committed
+                                            are the write's other phases)
     ELASTIC_FAULT=during_catch_up@6:rank=1:restart=1
                                             the replacement of rank 1 dies while it takes
                                             step 6's state from a live peer (a heal in place)

@@ -35,6 +35,7 @@ them) and the audit lists the step in `skipped`: never silently lost.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import runpy
@@ -62,6 +63,13 @@ class SampleAudit:
     skipped: list[int] = field(default_factory=list)
     """Steps of the final history whose update the numeric guard skipped (their samples were not learned from)."""
     problems: list[str] = field(default_factory=list)
+    streams_compared: int = 0
+    """Steps trained twice at the same world size (lost with a round, trained again after a restore) whose
+    random streams at the step's start were compared, rank by rank."""
+    drift: list[str] = field(default_factory=list)
+    """Of those, the steps whose random streams differed: work between steps drew from them outside
+    `run.pause()` (the run is no longer bit-identical to an uninterrupted one, though every sample is once).
+    Not part of `ok`, which is the samples' verdict; `python -m elastic.chaos audit` fails on it."""
 
     @property
     def ok(self) -> bool:
@@ -74,6 +82,10 @@ class SampleAudit:
             f"samples: each once (steps {self.first_step}-{self.last_step}, {self.samples} samples, "
             f"{self.epochs_complete} complete epochs"
             + (f"; step(s) {', '.join(map(str, self.skipped))} skipped by the numeric guard" if self.skipped else "")
+            + (f"; random streams equal at {self.streams_compared} steps trained again" if self.streams_compared
+               and not self.drift else "")
+            + (f"; random streams DRIFTED at {len(self.drift)} of {self.streams_compared} steps trained again"
+               if self.drift else "")
             + ")"
         )
 
@@ -144,7 +156,31 @@ def audit(prefix: Path) -> SampleAudit:
     stream = _check_steps(kept, result)
     if stream is not None:
         _check_epochs(stream, result)
+    _check_streams(ordered, kept, result)
     return result
+
+
+def _check_streams(ordered: list[list[dict[str, Any]]], kept: dict[int, list[dict[str, Any]]], result: SampleAudit) -> None:
+    """A step trained again after a restore (from a checkpoint or snapshot, not a group changed in place or a
+    rollback) at the same world size must start from the same random streams, rank by rank, as when it was
+    first trained: the checkpoint carries them, and work between steps must not move them."""
+    first: dict[tuple[int, int, int], dict[str, Any]] = {}
+    for records in ordered:
+        for r in records:
+            if r.get("rng") is not None:
+                first.setdefault((r["step"], r["world_size"], r["rank"]), r)
+    for step, records in sorted(kept.items()):
+        compared = drifted = False
+        for r in records:
+            before = first.get((step, r["world_size"], r["rank"]))
+            if r.get("round_kind", "restore") != "restore" or before is None or before is r or r.get("rng") is None:
+                continue
+            compared = True
+            drifted |= before["rng"] != r["rng"]
+        result.streams_compared += compared
+        if drifted:
+            result.drift.append(f"step {step}: trained again after a restore from other random streams than when first "
+                                "trained (work between steps drew from them outside run.pause()?)")
 
 
 def _check_steps(kept: dict[int, list[dict[str, Any]]], result: SampleAudit) -> _Stream | None:
@@ -234,6 +270,19 @@ def append_record(prefix: str | Path, rank: int, record: dict[str, Any]) -> None
         os.close(fd)
 
 
+def streams_digest() -> str:
+    """A digest of this process's random streams that a checkpoint carries (python, numpy, torch CPU)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8)
+    digest.update(np.asarray(random.getstate()[1], dtype=np.uint64).tobytes())
+    digest.update(np.random.get_state(legacy=True)[1].tobytes())
+    return digest.hexdigest()
+
+
 def _record_samples(prefix: str) -> None:
     """Patch the sampler and state manager of this process to log every step."""
     import torch.distributed as dist
@@ -244,26 +293,26 @@ def _record_samples(prefix: str) -> None:
     from elastic._worker.integrity.rollback import RollbackPoint
     from elastic._worker.runtime.context import control_group
 
-    current = {"step": 1, "round": "", "round_start": 0}
+    current: dict[str, Any] = {"step": 1, "round": "", "round_start": 0, "round_kind": "restore"}
     original_restore, original_local_batch = CheckpointManager.restore, ElasticSampler.local_batch
     original_restore_live = CheckpointManager.restore_live
     original_rollback, original_before_update = RollbackPoint.restore, NumericGuard.before_update
 
-    def new_round(resumed: int) -> int:
+    def new_round(resumed: int, kind: str) -> int:
         round_id = [uuid.uuid4().hex]
         if dist.is_available() and dist.is_initialized():
             dist.broadcast_object_list(round_id, src=0, group=control_group())
-        current.update(step=resumed + 1, round=round_id[0], round_start=resumed)
+        current.update(step=resumed + 1, round=round_id[0], round_start=resumed, round_kind=kind)
         return resumed
 
     def restore(self: CheckpointManager) -> int:
-        return new_round(original_restore(self))
+        return new_round(original_restore(self), "restore")
 
     def restore_live(self: CheckpointManager, **kwargs: Any) -> int:
-        return new_round(original_restore_live(self, **kwargs))  # a group changed in place: a round of its own
+        return new_round(original_restore_live(self, **kwargs), "live")  # a group changed in place: a round of its own
 
     def rollback(self: RollbackPoint) -> int:
-        return new_round(original_rollback(self))  # every rank rolls back at the same step: a round of its own
+        return new_round(original_rollback(self), "rollback")  # every rank rolls back at the same step: its own round
 
     def before_update(self: NumericGuard, step: int, *args: Any, **kwargs: Any) -> str | None:
         action = original_before_update(self, step, *args, **kwargs)
@@ -280,6 +329,7 @@ def _record_samples(prefix: str) -> None:
             "time": time.time(), "rank": rank, "world_size": world_size, "pid": os.getpid(),
             "epoch": self.state.epoch, "consumed": self.state.consumed, "num_samples": self.num_samples,
             "batch_size": self.batch_size, "seed": self.seed, "indices": indices.tolist(),
+            "round_kind": current.get("round_kind", "restore"), "rng": streams_digest(),
         }
         current["step"] += 1
         append_record(prefix, rank, record)

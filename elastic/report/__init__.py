@@ -10,7 +10,10 @@ recoveries are printed, one line each, and stored in the PNG's text chunks
 (`Recoveries`: a JSON list of seconds), so a script can check a picture
 against its log.
 
-matplotlib is an optional dependency: `pip install 'torchrevive[report]'`.
+The text (recoveries, incidents, corruption, slow ranks) needs nothing beyond the package;
+matplotlib, an optional dependency (`pip install 'torchrevive[report]'`), draws the picture.
+Without it the text is printed all the same, then one line says no picture was drawn (exit 0;
+exit 2 when `-o` asked for one).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +87,15 @@ def render(
     title: str = "",
     size: tuple[int, int] = SIZE,
 ) -> list[Recovery]:
-    """Draw the run into a PNG of `size` pixels at `out`; returns the recoveries drawn."""
+    """Draw the run into a PNG of `size` pixels at `out`; returns the recoveries drawn (`NoPicture` without
+    matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # files only; never a display
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("the report needs matplotlib: pip install 'torchrevive[report]'") from None
+        raise NoPicture("no picture drawn: matplotlib is not installed (pip install 'torchrevive[report]')") from None
 
     all_rounds = rounds(events)
     found = recoveries(events)
@@ -193,6 +198,10 @@ def render(
     return found
 
 
+class NoPicture(UsageError):
+    """matplotlib is missing: the picture cannot be drawn (the text can)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="python -m elastic.report", description="Draw a run from its event log.")
     p.add_argument("events", help="the JSON-lines event log (--events of a recipe)")
@@ -209,7 +218,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output) if args.output else Path(args.events).with_suffix(".png")
     if out.suffix.lower() != ".png":
         raise UsageError(f"{out}: the report is a PNG; name the output *.png")
-    found = render(events, out, title=args.title or Path(args.events).name, size=(args.width, args.height))
+    found = recoveries(events)
+    try:
+        render(events, out, title=args.title or Path(args.events).name, size=(args.width, args.height))
+    except NoPicture as missing:
+        print_text(events, found)
+        if args.output:  # a picture was asked for by name
+            raise
+        print(f"python -m elastic.report: {missing}", file=sys.stderr)
+        return 0
+    print_text(events, found)
+    aside = set_aside(events)
+    print(f"wrote {out} ({args.width}x{args.height}, {len(found)} recoveries"
+          + (f", nodes set aside: {', '.join(sorted(aside))})" if aside else ")"))
+    return 0
+
+
+def print_text(events: list[dict[str, Any]], found: list[Recovery]) -> None:
+    """The report's text: each recovery, then the incidents, corruption and slow ranks (no matplotlib)."""
     for rec in found:
         print(rec.describe())
     for line in incident_lines(events):  # named hangs, failures, nodes set aside, a crash loop (torchrevive-run's)
@@ -218,8 +244,4 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in straggler_lines(events):  # slow ranks named, and their recoveries (the workers')
         print(line)
-    aside = set_aside(events)
-    print(f"wrote {out} ({args.width}x{args.height}, {len(found)} recoveries"
-          + (f", nodes set aside: {', '.join(sorted(aside))})" if aside else ")"))
-    return 0
 

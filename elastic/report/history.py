@@ -67,6 +67,10 @@ class Recovery:
     """Time of the first step event of the new round."""
     restored_step: int
     """The checkpoint step the new round went on from."""
+    redone: int | None = None
+    """The steps redone as the restore event counted them (the newest step any rank finished, from its
+    progress note), when it did: the last step event can lag it by a step (the loss is read one step late,
+    and a kill cuts the line short)."""
 
     @property
     def seconds(self) -> float:
@@ -74,8 +78,9 @@ class Recovery:
 
     @property
     def steps_redone(self) -> int:
-        """Steps finished before the interruption that were trained again (not in a checkpoint)."""
-        return max(0, self.stopped_step - self.restored_step)
+        """Steps finished before the interruption that were trained again (not in a checkpoint): the restore
+        event's count, else the step events' (the last one logged against the step restored)."""
+        return self.redone if self.redone is not None else max(0, self.stopped_step - self.restored_step)
 
     def describe(self) -> str:
         return (
@@ -125,11 +130,24 @@ def recoveries(events: list[dict[str, Any]]) -> list[Recovery]:
                     world_size_before=last_progress.world_size, world_size_after=current.world_size,
                     stopped_time=float(stopped["time"]), stopped_step=int(stopped["step"]),
                     resumed_time=float(current.steps[0]["time"]), restored_step=current.start_step,
+                    redone=_counted_redone(events, float(stopped["time"]), current.start_time),
                 )
             )
         if current.steps:
             last_progress = current
     return found
+
+
+def _counted_redone(events: list[dict[str, Any]], after: float, until: float) -> int | None:
+    """The `redone` of the newest restore event between the interruption and the new round's start (the
+    runtime writes it before `start`); None when none counted it (a checkpoint on disk only, an old log)."""
+    counted = None
+    for event in events:
+        redone, time = event.get("redone"), event.get("time")
+        if (event.get("event") == "restore" and isinstance(time, (int, float)) and after < time <= until
+                and type(redone) is int and redone >= 0):
+            counted = redone
+    return counted
 
 
 def interruption_cause(stopped: Round, resumed: Round) -> str:

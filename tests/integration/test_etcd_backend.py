@@ -198,23 +198,27 @@ def test_closing_without_revoking_leaves_the_keys_to_the_ttl(shared_etcd) -> Non
     shared_etcd.revoke_lease(client.lease_id)
 
 
-def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd) -> None:
-    """What `torchrun --rdzv-backend=etcd-v3` does: the registry loads the installed
-    entry point and builds torch's dynamic rendezvous handler on this backend."""
+def test_torchrun_finds_etcd_v3_through_the_entry_point(shared_etcd, tmp_path) -> None:
+    """What `torchrun --rdzv-backend=etcd-v3` does: the registry loads the installed entry points
+    (c10d-sealed too) and builds the factory's handler (torch's dynamic rendezvous) on this backend."""
+    import os
     import subprocess
     import sys
 
     script = (
         "import elastic._agent.rendezvous.etcd\n"  # first, as a training script might: no import cycle
-        "from torch.distributed.elastic.rendezvous import registry\n"
+        "from torch.distributed.elastic.rendezvous import registry, rendezvous_handler_registry\n"
         "from torch.distributed.elastic.rendezvous.api import RendezvousParameters\n"
         f"p = RendezvousParameters('etcd-v3', '{shared_etcd.endpoint}', 'entry-point', 1, 1)\n"
         "handler = registry.get_rendezvous_handler(p)\n"
-        "print(type(handler).__name__, handler.get_backend())\n"
+        "print(type(handler).__name__, handler.get_backend(), 'c10d-sealed' in rendezvous_handler_registry._registry)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    secret = tmp_path / "secret"
+    secret.write_text("e" * 32)
+    env = {**os.environ, "TORCHREVIVE_SNAPSHOT_SECRET_FILE": str(secret)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["DynamicRendezvousHandler", "etcd-v3"]
+    assert done.stdout.split() == ["SealedHandler", "etcd-v3", "True"]
     assert "Exception while registering" not in done.stderr
 
 

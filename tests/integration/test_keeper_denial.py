@@ -19,6 +19,7 @@ from test_snapshots import keeper_key
 
 from elastic._agent.launcher import keeper as keeper_module
 from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._agent.launcher.keeper_endpoint import Conflict
 from elastic._agent.launcher.keeper_slots import MAX_CONNECTIONS
 from elastic._shared.storage import parts, peer_auth
 from elastic._shared.storage.keeper_address import LOCAL
@@ -76,6 +77,11 @@ class Body:
         block, self._rest = self._rest[:n], self._rest[n:]
         return block
 
+    def readinto(self, buffer: memoryview) -> int:
+        block = self.read(len(buffer))
+        buffer[: len(block)] = block
+        return len(block)
+
 
 def test_uploads_in_flight_together_cannot_fill_the_keepers_memory(
     tmp_path: Path, keeper: SnapshotKeeper, monkeypatch: pytest.MonkeyPatch
@@ -88,7 +94,11 @@ def test_uploads_in_flight_together_cannot_fill_the_keepers_memory(
     monkeypatch.setattr(keeper_module.shutil, "disk_usage",
                         lambda p: real(p)._replace(free=int(keeper_module.RESERVE_FRACTION * total) + 3 * len(data) // 2))
 
-    def upload(held: bool) -> tuple[Body, peer_auth.Poly1305]:
+    # The other slot of the same writer: an upload in flight together with the first (one per slot at a time).
+    other = parts.PartHeader(**{**header.__dict__, "slot": 1 - header.slot})
+    other_head, other_path = other.to_json(), f"/replica/{other.stem}"
+
+    def upload(held: bool, head: bytes = head, path: str = path) -> tuple[Body, peer_auth.Poly1305]:
         nonce = key.sign("PUT", path, receiver=peer_auth.receiver_of(keeper.url))[peer_auth.NONCE]
         mac = key.body_tag(nonce, peer_auth.put_what(path))
         mac.update(head + data)
@@ -108,14 +118,17 @@ def test_uploads_in_flight_together_cannot_fill_the_keepers_memory(
     thread = threading.Thread(target=receive_first)
     thread.start()
     try:
-        while keeper._upload_space.reserved == 0 and thread.is_alive():
+        while keeper._replicas.space.reserved == 0 and thread.is_alive():
             threading.Event().wait(0.01)  # the first upload has reserved its length and waits for its bytes
-        second, second_tag = upload(held=False)
+        twin, twin_tag = upload(held=False)
+        with pytest.raises(Conflict, match="in flight"):  # the same slot again while its upload runs
+            keeper.receive(header.stem, head, twin, len(data), twin_tag)
+        second, second_tag = upload(held=False, head=other_head, path=other_path)
         with pytest.raises(OSError, match="too little room"):
-            keeper.receive(header.stem, head, second, len(data), second_tag)
+            keeper.receive(other.stem, other_head, second, len(data), second_tag)
     finally:
         first.go.set()
         thread.join(30)
-    assert errors == [] and keeper._upload_space.reserved == 0
+    assert errors == [] and keeper._replicas.space.reserved == 0
     third, third_tag = upload(held=False)  # the first is stored, its reservation released
     keeper.receive(header.stem, head, third, len(data), third_tag)

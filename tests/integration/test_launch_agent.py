@@ -133,7 +133,8 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
     monkeypatch.setattr(LocalElasticAgent, "_stop_workers", lambda self, group: "stopped")
     for key in [*KeeperAddress(tmp_path, "", "", tmp_path / "secret").environ(), SECRET_ENV]:
         monkeypatch.setenv(key, "")  # so that what start_keeper sets is undone after the test
-    keeper = launch.start_keeper(argparse.Namespace(local_addr="127.0.0.1"))
+    args = argparse.Namespace(local_addr="127.0.0.1", rdzv_endpoint="127.0.0.1:0", nnodes="1")
+    keeper = launch.start_keeper(args, launch.signing_secret(args))  # a job on one host: a secret made here
     try:
         assert KeeperAddress.from_env() == keeper.address  # what the workers inherit
         assert keeper.url.startswith("http://127.0.0.1:")
@@ -146,8 +147,10 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
     finally:
         keeper.close(timeout=10)
     assert not keeper.root.exists()
+    assert not keeper.secret_file.exists()  # the secret made for the run went with its last keeper on the host
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOTS", "0")
-    assert launch.start_keeper(argparse.Namespace(local_addr="127.0.0.1")) is None
+    monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_SECRET_FILE", "")  # (another launch: its own secret)
+    assert launch.start_keeper(args, launch.signing_secret(args)) is None
 
 
 def test_a_worker_that_exits_on_bad_input_is_not_restarted() -> None:

@@ -273,3 +273,28 @@ def test_a_restore_skips_a_damaged_checkpoint_in_the_bucket_and_moves_it_aside(b
     assert [c.step for c in store.committed()] == [5]
     assert [o.key.rsplit("/", 1)[-1].split(".")[0] for o in store.objects.list("runs/gpt-restore/corrupt/")] == [
         "step_00000010"]
+
+
+def test_a_read_the_store_trickles_ends_by_its_deadline(s3_server: S3Server, bucket_url: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe (issue 55, L): 16 bytes sent a byte at a time, each within the read timeout, took 16 s under a
+    2 s read timeout: no deadline covered the whole read. Now one does: the read is abandoned with one line
+    while the server is still sending, and a whole body still reads whole."""
+    from flaky_s3 import FlakyS3
+
+    from elastic._shared.storage.object_store import s3
+    from elastic._shared.storage.object_store.objects import StoreUnavailable
+
+    monkeypatch.setattr(s3, "READ_TIMEOUT", 2.0)
+    monkeypatch.setattr(s3, "READ_DEADLINE", 1.0)
+    with FlakyS3(s3_server.url) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        store = open_store(bucket_url)
+        store.objects.put("slow", b"0123456789abcdef")
+        assert store.objects.get("slow", limit=100)[0] == b"0123456789abcdef"
+        proxy.trickle = lambda method, path: 0.5 if method == "GET" else None
+        for read in (lambda: store.objects.get("slow", limit=100), lambda: store.objects.get_range("slow", 0, 16)):
+            before = proxy.trickled
+            with pytest.raises(StoreUnavailable, match="too slow"):
+                read()
+            assert proxy.trickled - before < 16, "the read waited for the whole trickled body"

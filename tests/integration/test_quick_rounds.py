@@ -1,4 +1,5 @@
-"""Quick rendezvous rounds (elastic._agent.rendezvous.quick_rounds) on torch's own handler and c10d backend.
+"""Quick rendezvous rounds (elastic._agent.rendezvous.quick_rounds) in the handlers the factory makes
+(elastic._agent.rendezvous.handlers: c10d-sealed).
 
 Several handlers in one process play the agents of a job, on a real TCPStore. The
 rounds whose close would otherwise wait for the last call use `last_call_timeout`
@@ -16,17 +17,15 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-    C10dRendezvousBackend,
-)
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     _NodeDesc,
     _RendezvousState,
-    create_handler,
 )
 
-from elastic._agent.rendezvous import quick_rounds
+from elastic._agent.rendezvous import named_events, quick_rounds
+from elastic._agent.rendezvous.handlers import create_c10d_sealed
 from elastic._agent.rendezvous.quick_rounds import (
     DEPARTED,
     LAST_ROUND,
@@ -34,9 +33,9 @@ from elastic._agent.rendezvous.quick_rounds import (
     QuickRoundsExecutor,
     closes_now,
     expected_nodes,
-    quicken,
 )
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV
+from elastic._shared.storage.peer_auth import SECRET_FILE_ENV
 
 JOIN_TIMEOUT = 120  # what a round that waited for its 600 s last call would run into
 NO_TIMEOUT = 3600.0  # far beyond pytest's timeout: a lost wake fails the test instead of passing late
@@ -148,7 +147,7 @@ def test_on_etcd_a_waiter_watches_and_reading_the_counter_writes_nothing(shared_
 
     params = RendezvousParameters(backend="etcd-v3", endpoint=shared_etcd.endpoint, run_id="quick-watch",
                                   min_nodes=1, max_nodes=1)
-    stores = [create_backend(params)[1] for _ in range(2)]
+    stores = [create_backend(params, None)[1] for _ in range(2)]
     waiting, announcing = ChangeSignal(stores[0], "job", watch=True), ChangeSignal(stores[1], "job", watch=True)
     keys = stores[0].num_keys()
     for _ in range(5):
@@ -189,23 +188,23 @@ def test_a_store_whose_server_left_is_torchs_connection_error_not_a_traceback() 
 
 
 @pytest.fixture(autouse=True)
-def store_per_round(monkeypatch) -> None:
-    """As torchrevive-run runs torch's handler (with torch's shared store a node that joins
-    after the first round waits for a store address nobody publishes again)."""
+def store_per_round(monkeypatch, tmp_path) -> None:
+    """As torchrevive-run runs its handlers (with torch's shared store a node that joins after the
+    first round waits for a store address nobody publishes again), with the job's secret given."""
     monkeypatch.setenv(FRESH_STORE_ENV, "1")
+    secret = tmp_path / "secret"
+    secret.write_text("r" * 32)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))
 
 
 def agents(store, count: int, *, max_nodes: int, last_call: float, quick: bool = True, **conf) -> list:
-    handlers = []
-    for _ in range(count):
-        params = RendezvousParameters(
-            backend="c10d", endpoint=f"127.0.0.1:{store.port}", run_id="quick", min_nodes=1, max_nodes=max_nodes,
-            join_timeout=str(JOIN_TIMEOUT), last_call_timeout=str(last_call), keep_alive_interval="1",
-            keep_alive_max_attempt="3", quick_rounds="1" if quick else "0", **conf,
-        )
-        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT))
-        handlers.append(quicken(create_handler(client, C10dRendezvousBackend(client, "quick"), params), params))
-    return handlers
+    """`count` agents' handlers, as the factory makes them (c10d-sealed, clients of `store`)."""
+    return [create_c10d_sealed(RendezvousParameters(
+        backend="c10d-sealed", endpoint=f"127.0.0.1:{store.port}", run_id="quick", min_nodes=1, max_nodes=max_nodes,
+        join_timeout=str(JOIN_TIMEOUT), last_call_timeout=str(last_call), keep_alive_interval="1",
+        keep_alive_max_attempt="3", quick_rounds="1" if quick else "0", is_host="0", read_timeout=str(JOIN_TIMEOUT),
+        **conf,
+    )) for _ in range(count)]
 
 
 def join_all(handlers) -> list[tuple[int, int]]:
@@ -220,7 +219,7 @@ def leave(handlers) -> None:
         handler._stop_heartbeats()
 
 
-def test_quick_rounds_0_leaves_torch_handler_as_it_is(store) -> None:
+def test_quick_rounds_0_leaves_torchs_rounds_as_they_are(store) -> None:
     slow, = agents(store, 1, max_nodes=2, last_call=1, quick=False)
     assert isinstance(slow, DynamicRendezvousHandler)
     assert not isinstance(slow._op_executor, QuickRoundsExecutor)
@@ -229,7 +228,8 @@ def test_quick_rounds_0_leaves_torch_handler_as_it_is(store) -> None:
 
 
 def test_rendezvous_events_keep_torchs_names(store, monkeypatch) -> None:
-    """torch names each event by its caller; quick rounds find the caller without inspect.stack()."""
+    """torch names each event by its caller; the factory's handlers find the caller without inspect.stack(),
+    and torch's own `get_method_name` is left as it is (no torch function is replaced)."""
     import logging
 
     from torch.distributed.elastic import events
@@ -239,16 +239,16 @@ def test_rendezvous_events_keep_torchs_names(store, monkeypatch) -> None:
     monkeypatch.setitem(event_handlers._log_handlers, "dynamic_rendezvous", logging.Handler())  # not a NullHandler
     monkeypatch.setattr(events, "record_rdzv_event", recorded.append)
     handlers = agents(store, 2, max_nodes=2, last_call=600)
-    assert quick_rounds.dynamic_rendezvous.get_method_name is quick_rounds.method_name
+    assert dynamic_rendezvous.get_method_name.__module__ == dynamic_rendezvous.__name__
     try:
         join_all(handlers)
     finally:
         leave(handlers)
-    names = {event.name for event in recorded}
+    names = {event.name.partition(":")[2] for event in recorded}  # (torch prefixes the file that recorded it)
     assert {
-        "dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous",
-        "dynamic_rendezvous.py:QuickRoundsExecutor._add_to_participants",
-        "dynamic_rendezvous.py:QuickRoundsExecutor._mark_rendezvous_complete",
+        "SealedHandler.next_rendezvous",
+        "QuickRoundsExecutor._add_to_participants",
+        "QuickRoundsExecutor._mark_rendezvous_complete",
     } <= names, names
     assert not any("no_method_name" in name for name in names), names
 
@@ -265,7 +265,7 @@ def test_method_name_is_torchs_get_method_name() -> None:
         return record()
 
     def record():
-        return [(torchs(depth), quick_rounds.method_name(depth)) for depth in (0, 1, 2, 3, 10_000)]
+        return [(torchs(depth), named_events.method_name(depth)) for depth in (0, 1, 2, 3, 10_000)]
 
     for theirs, ours in caller():
         assert (theirs == "torchs") == (ours == "method_name")  # each names itself at depth 0

@@ -29,6 +29,7 @@ from support import (
     start_agents,
     torchrun_command,
     wait_all,
+    wait_for,
     worker_env,
 )
 from torch.distributed.elastic.rendezvous.api import (
@@ -37,18 +38,29 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from elastic._agent.rendezvous.etcd import (
-    RunKeys,
-    _remove_closed_run,
-    create_backend,
-    create_handler_v3,
-    reopen_closed_run,
-)
+from elastic._agent.rendezvous import etcd
+from elastic._agent.rendezvous.etcd import RunKeys, _remove_closed_run, reopen_closed_run
+from elastic._agent.rendezvous.handlers import create_etcd_v3 as create_handler_v3
+from elastic._shared.storage.peer_auth import SECRET_FILE_ENV, PeerKey
 from elastic._worker.observe.events import read_events
 
 pytestmark = pytest.mark.slow
 
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,read_timeout=30"
+
+
+@pytest.fixture(autouse=True)
+def job_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's secret, given as a user gives it (the handlers made in this process read it, and so do
+    the agents this test starts)."""
+    secret = tmp_path / "job-secret"
+    secret.write_text("j" * 32)
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))
+
+
+def create_backend(p: RendezvousParameters):  # noqa: ANN201 - etcd.create_backend's
+    """The backend and store of an agent of the job, its state sealed with the job's secret."""
+    return etcd.create_backend(p, PeerKey.from_env())
 
 
 def params(endpoint: str, run_id: str, **conf: str) -> RendezvousParameters:
@@ -119,10 +131,11 @@ def test_c10d_job_relaunched_with_the_same_id_resumes(tmp_path: Path, tiny_corpu
 CLOSE_AND_HANG = """
 import sys, time
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
-from elastic._agent.rendezvous.etcd import create_handler_v3, create_backend
+from elastic._agent.rendezvous.etcd import create_backend
+from elastic._agent.rendezvous.handlers import create_etcd_v3
 p = RendezvousParameters("etcd-v3", sys.argv[1], sys.argv[2], 1, 2, read_timeout="10", liveness_ttl="2")
-handler = create_handler_v3(p)
-_, store = create_backend(p)
+handler = create_etcd_v3(p)
+_, store = create_backend(p, None)
 store.set("torch.rendezvous.%s.0/MASTER_PORT" % sys.argv[2], "1234")
 handler.set_closed()
 print("closed", flush=True)
@@ -153,7 +166,8 @@ def test_a_run_closed_by_agents_that_were_sigkilled_is_reopened_once_their_keys_
 
     handler = create_handler_v3(params(shared_etcd.endpoint, run_id, last_call_timeout="1"))
     try:
-        keys = run_keys(shared_etcd, run_id)  # the new agent's own: its agent key and its heartbeat's
+        # the new agent's own: its agent key and its node's heartbeat (and this handler's change counter)
+        keys = [k for k in run_keys(shared_etcd, run_id) if not k.endswith(".changes")]
         assert len(keys) == 2 and "/agents/" in keys[0] and "/alive/" in keys[1], f"the dead job's keys are left: {keys}"
         info = handler.next_rendezvous()  # the reopened run takes a new job
         assert (info.rank, info.world_size, handler.is_closed()) == (0, 1, False)
@@ -191,14 +205,22 @@ def test_a_relauncher_waits_for_the_closing_job_to_exit_then_reopens(shared_etcd
     relaunched[0].shutdown()
 
 
-def test_the_last_agent_out_removes_the_run_and_the_others_leave_it_closed(shared_etcd: EtcdServer) -> None:
+def test_the_last_agent_out_removes_the_run_and_the_others_leave_it_closed(
+    shared_etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     run_id = uuid.uuid4().hex
     first = create_handler_v3(params(shared_etcd.endpoint, run_id))
     second = create_handler_v3(params(shared_etcd.endpoint, run_id))
+    joining = [threading.Thread(target=handler.next_rendezvous) for handler in (first, second)]
+    for thread in joining:  # a round of the two, full at 2: the agents of one launch
+        thread.start()
+    for thread in joining:
+        thread.join(60)
     assert first.shutdown()
     keys = run_keys(shared_etcd, run_id)
     assert f"/torchrevive/{run_id}/rdzv/state" in keys, "the state vanished under an agent still winding down"
-    assert second.is_closed()
+    wait_for(lambda: second.is_closed() or None, 10, "the closed state, past torch's 1 s cache of the state")
     assert second.shutdown()
     assert run_keys(shared_etcd, run_id) == []
 

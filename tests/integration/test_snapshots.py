@@ -4,6 +4,7 @@ persist at the breakpoint."""
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.storage import parts, sharded
+from elastic._shared.storage import parts, peer_auth, sharded
 from elastic._shared.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import (
@@ -122,7 +123,7 @@ def test_a_torn_snapshot_is_never_loaded(tmp_path: Path, keeper: SnapshotKeeper)
     steps = sorted(h.step for h in parts.read_headers(keeper.root / LOCAL))
     assert steps == [5, 6]  # two slots: the previous part stays whole while the next is written
     # A worker dies while rewriting the slot of step 5: its header is gone first.
-    index, _ = job.ckpt.memory._slot_for(job.ckpt.state.layout.share(job.ckpt.state.layout.tensors(), 0, 1))
+    job.ckpt.memory.part_writer.slots.next(job.ckpt.state.layout.share(job.ckpt.state.layout.tensors(), 0, 1))
     assert sorted(h.step for h in parts.read_headers(keeper.root / LOCAL)) == [6]
     job.close()
     again = Job(tmp_path / "ckpt", seed=1)
@@ -238,6 +239,48 @@ def test_keeper_endpoint_takes_replicas_and_serves_parts(tmp_path: Path, keeper:
     assert request("GET", f"/part/{LOCAL}/owner.json")[0] == 404
     assert request("PUT", f"/replica/{header.stem}", head + data[:-1], {"X-Header-Bytes": str(len(head))})[0] == 400
     assert request("PUT", "/replica/evil", head + data, {"X-Header-Bytes": str(len(head))})[0] == 400
+
+
+def test_a_replica_slot_is_rewritten_in_place_and_a_bad_body_leaves_only_its_other_slot(
+    tmp_path: Path, keeper: SnapshotKeeper
+) -> None:
+    """A peer's parts land in one file per slot, made once: a rewrite keeps the file (no new pages per
+    step), and a body whose tag fails leaves that slot without a header, the writer's other slot whole."""
+    job = Job(tmp_path / "ckpt")
+    job.run(3)
+    job.ckpt.memory.wait_previous()
+    job.close()
+    older, newer = sorted(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
+    keeper_job(keeper, newer)
+    key = keeper_key()
+
+    def data_of(header: parts.PartHeader) -> bytes:
+        return (keeper.root / LOCAL / (header.stem + parts.DATA_SUFFIX)).read_bytes()[: header.data_bytes]
+
+    def put(header: parts.PartHeader, data: bytes) -> int:
+        return keeper_request(keeper.url, key, "PUT", f"/replica/{header.stem}", head=header.to_json(), data=data)[0]
+
+    assert put(older, data_of(older)) == put(newer, data_of(newer)) == 204
+    replica = keeper.root / REPLICA
+    files = {p.name: p.stat().st_ino for p in replica.iterdir() if p.suffix == parts.DATA_SUFFIX}
+    assert len(files) == 2 and keeper._replicas.files_made == 2
+    assert put(older, data_of(older)) == 204  # the same slot again: rewritten where it is
+    assert {p.name: p.stat().st_ino for p in replica.iterdir() if p.suffix == parts.DATA_SUFFIX} == files
+    assert keeper._replicas.files_made == 2
+    tampered = bytearray(data_of(older))
+    tampered[len(tampered) // 2] ^= 1
+    path, head = f"/replica/{older.stem}", older.to_json()
+    signed = key.sign("PUT", path, receiver=peer_auth.receiver_of(keeper.url),
+                      content_length=len(head) + len(tampered) + peer_auth.TAG_BYTES, header_bytes=len(head))
+    tag = key.body_tag(signed[peer_auth.NONCE], peer_auth.put_what(path))
+    tag.update(head + data_of(older))  # the tag of the bytes the writer meant; one flipped on the way
+    host, port = keeper.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("PUT", path, body=head + bytes(tampered) + tag.finalize(), headers={"X-Header-Bytes": str(len(head)), **signed})
+    assert conn.getresponse().status == 400
+    conn.close()
+    (kept,) = parts.read_headers(replica)
+    assert kept.stem == newer.stem and parts.read_data(replica / (kept.stem + parts.DATA_SUFFIX), kept) == data_of(newer)
 
 
 def test_part_data_checks(tmp_path: Path, keeper: SnapshotKeeper) -> None:

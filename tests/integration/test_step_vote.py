@@ -53,14 +53,17 @@ def votes(ctx: WorkerContext, group: Any) -> dict[str, Any]:
     ballot["storage"] = False
     seen.append(plain(vote.settle()))  # nothing in flight after fresh
     # Steps of 0.25 s: about VOTE_SECONDS of steps is 4 steps between votes, once agreed.
-    quick, voted = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0], group=group), []
+    quick, voted, foretold = StepVote(ctx, cast, grace=15.0, clock=lambda: now[0], group=group), [], []
     for step in range(1, 16):
         now[0] += 0.25
         before = quick.votes
+        if quick.votes_at(step):  # (the soak's during_vote fault point fires there)
+            foretold.append(step)
         quick.step_ended(step)
         if quick.votes > before:
             voted.append(step)
     quick.settle()
+    assert foretold == voted, "votes_at says which step ends cast a vote, before they do"
     return {"seen": seen, "voted": voted, "every": quick.every}
 
 

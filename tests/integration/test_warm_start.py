@@ -24,6 +24,7 @@ PROBE = """\
 import sys
 torch_was_loaded = "torch" in sys.modules  # before this script imported anything
 import atexit, gc, json, multiprocessing, os
+import numpy, torch
 import probe_sibling  # beside this script: its folder must be first on sys.path
 # argv[2]: how each rank ends, comma-separated by rank; a rank's may be slash-separated by round (restart)
 out, modes = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "0").split(",")
@@ -37,6 +38,10 @@ report = {
     "sibling": probe_sibling.VALUE, "session_leader": os.getsid(0) == os.getpid(),
     "start_method_unset": multiprocessing.get_start_method(allow_none=True) is None,
     "frozen": gc.get_freeze_count(), "collectable": len(gc.get_objects()), "mode": mode,
+    # What a process takes from its own start: thread pools sized from its environment, fresh seeds.
+    "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+    "omp": os.environ.get("OMP_NUM_THREADS"), "mkl": os.environ.get("MKL_NUM_THREADS"),
+    "torch_seed": torch.initial_seed(), "numpy_key": int(numpy.random.get_state()[1][1]),  # [0] is 2**31 whatever the seed
 }
 with open(os.path.join(out, f"rank{tag}.json"), "w") as f:
     json.dump(report, f)
@@ -98,11 +103,31 @@ def warnings(stderr: str) -> list[str]:
 def test_workers_start_warm_and_see_what_python_script_would_show(out: Path, probe: Path, tmp_path: Path) -> None:
     """One job for all of it: a relative script path (made absolute), no rendezvous flags (torchrun's
     static default becomes a local c10d job), and three workers that end without error each its own
-    way: sys.exit(0), sys.exit(), and a script that picks its own multiprocessing start method."""
+    way: sys.exit(0), sys.exit(), and a script that picks its own multiprocessing start method.
+
+    Beside it the same probe starts cold (TORCHREVIVE_PRELOAD empty: warm starts off), and each warm
+    worker sized its thread pools from its environment as a cold one does: with no OMP_NUM_THREADS
+    exported, torchrun gives each of several workers OMP_NUM_THREADS=1, which the fork server, started
+    before torchrun sets it, must not miss (it did: 2 threads a worker warm, 1 cold). And each warm
+    worker's random generators are its own, as a fresh interpreter's are."""
+    env = worker_env(PYTHONPATH=str(REPO))
+    env.pop("OMP_NUM_THREADS")  # the user chose no thread count: torchrun's default applies
     modes = "0,exit-none,spawn"
-    done = launch("scripts/probe.py", str(out), modes, nproc=3, cwd=tmp_path, env=worker_env(PYTHONPATH=str(REPO)))
+    done = launch("scripts/probe.py", str(out), modes, nproc=3, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    for rank, seen in enumerate(reports(out, 3)):
+    cold_out = tmp_path / "cold"
+    cold_out.mkdir()
+    cold = launch("--standalone", str(probe), str(cold_out), nproc=2, env={**env, "TORCHREVIVE_PRELOAD": ""})
+    assert cold.returncode == 0, cold.stdout + cold.stderr
+    colds = reports(cold_out, 2)
+    assert not any(seen["torch_was_loaded"] for seen in colds), "TORCHREVIVE_PRELOAD empty: cold workers"
+    warms = reports(out, 3)
+    derived = ("threads", "interop_threads", "omp", "mkl")
+    assert {tuple(seen[k] for k in derived) for seen in warms} == {tuple(seen[k] for k in derived) for seen in colds}
+    assert warms[0]["threads"] == 1 and warms[0]["omp"] == "1", warms[0]
+    for field in ("torch_seed", "numpy_key"):
+        assert len({seen[field] for seen in warms}) == 3, f"{field}: each warm worker seeds its own, as a cold one"
+    for rank, seen in enumerate(warms):
         assert seen["torch_was_loaded"], "the worker imported torch itself: not a warm start"
         assert seen["name"] == "__main__"
         assert seen["argv"] == [str(probe), str(out), modes], "the script path is made absolute"
@@ -120,7 +145,6 @@ def test_workers_start_warm_and_see_what_python_script_would_show(out: Path, pro
 @pytest.mark.parametrize(
     ("how", "extra_args", "env"),
     [
-        ("empty TORCHREVIVE_PRELOAD", [], {"TORCHREVIVE_PRELOAD": ""}),
         ("explicit --start-method=spawn", ["--start-method=spawn"], {}),
         ("PYTHON_EXEC", [], {"PYTHON_EXEC": sys.executable}),
     ],

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import threading
 from pathlib import Path
@@ -135,7 +136,10 @@ def overhead_results() -> dict[str, Any]:
             cost.update(metrics=0.00005)
     return {
         "timed": timed, "turns": turns, "commits": commits,
-        "snapshots": {name: [{"snapshots": 12, "blocking": [0.0004, 0.0005, 0.0004], "disabled": None}]
+        "snapshots": {name: [{"snapshots": 12, "measured": 10, "every": 3, "allocations": 4, "slot_bytes": 5_055_104,
+                              "disabled": None, "capture_seconds": 0.0003, "waited_seconds": 0.00002,
+                              "cpu_seconds": 0.0012, "seconds": 0.00152, "replica_seconds": 0.0, "exposed_seconds": 0.0021,
+                              "write_seconds": 0.0018}]
                       for name in ("recipe", "recipe_no_metrics")},
         "drained": {name: [0.0011, 0.0009, 0.0012] if name in ("recipe", "recipe_no_metrics") else []
                     for name in timed},
@@ -144,8 +148,11 @@ def overhead_results() -> dict[str, Any]:
     }
 
 
-def test_overhead_prints_the_loops_their_ratios_with_intervals_the_verdicts_and_the_runtimes_costs(capsys, tmp_path):
+def test_overhead_prints_the_loops_their_ratios_with_intervals_the_verdicts_and_the_runtimes_costs(
+    capsys, tmp_path, monkeypatch
+):
     overhead = script("overhead")
+    monkeypatch.setattr(script("provenance"), "_git", lambda *args: None)  # a unit test starts no git
     measured = tmp_path / "overhead.json"
     opts = overhead.parse_args([*OVERHEAD_ARGS, "--json", str(measured)])
     overhead.report(opts, overhead_results(), scrapes=41, refused=0,
@@ -157,9 +164,28 @@ def test_overhead_prints_the_loops_their_ratios_with_intervals_the_verdicts_and_
         assert row and len(re.findall(r"ms", row.group(1))) == 3, (phase, out)  # the three recipe loops
     # Snapshots at their default: every step until measured, then capped at --ckpt-every.
     assert re.search(r"snapshots auto \(every 3 steps at the end\)", out), out
-    overhead_figure = json.loads(measured.read_text())
-    assert set(overhead_figure) == {"loop_overhead"} and 0 <= overhead_figure["loop_overhead"] < 1
+    document = json.loads(measured.read_text())
+    assert document["benchmark"] == "overhead" and {"command", "commit", "torch", "machine", "date"} <= document["provenance"].keys()
+    figures = document["results"]
+    assert 0 <= figures["loop_overhead"] < 1 and figures["snapshot_every"] == "auto"
     assert f"written to {measured} for goodput_at_scale.py --measured" in out
+    # A snapshot's cost two ways, as shares of a step without snapshots (the recipe_no_snapshots loop's median).
+    step = 1 / overhead.geometric_mean([1 / statistics.median(b) for b in overhead_results()["timed"]["recipe_no_snapshots"]])
+    own = re.search(r"^snapshots auto \(every 3 steps at the end\), recipe_no_metrics: 12 taken on rank 0; "
+                    r"per snapshot \(median of 10\): "
+                    r"capture 0\.30 ms \+ waits 0\.02 ms \+ write CPU 1\.20 ms = 1\.52 ms, ([\d.]+)% of a (\d+) ms step; "
+                    r"every 3 step\(s\): ([\d.]+)% per step \(auto's budget: 1 %\); write 1\.80 ms wall; 4 buffers made in all$",
+                    out, re.M)
+    assert own and float(own.group(1)) == pytest.approx(100 * 0.00152 / step, abs=0.006), out
+    assert int(own.group(2)) == round(step * 1e3) and float(own.group(3)) == pytest.approx(float(own.group(1)) / 3, abs=0.006)
+    assert re.search(r"^recipe: a kill between a step's end and its snapshot's commit redoes that step: median 2\.10 ms, "
+                     r"[\d.]+% of a step", out, re.M), out
+    end_to_end = re.search(r"^snapshot cost per step, end to end \(snapshots on / off, .*\): (-?[\d.]+) ms "
+                           r"\[95% CI (-?[\d.]+)-(-?[\d.]+)\], (-?[\d.]+)% of a step$", out, re.M)
+    assert end_to_end, out
+    added, low, high, share = map(float, end_to_end.groups())
+    assert low <= added <= high and figures["snapshots"]["end_to_end"]["added_s"] * 1e3 == pytest.approx(added, abs=0.006)
+    assert figures["snapshots"]["recipe"]["share_per_step"] == pytest.approx(0.00152 / 3 / step)
     ci = r"\[95% CI ([\d.]+)-([\d.]+)\]"
     ratios = re.findall(rf"recipe/gpt.py [\d.]+ steps/s \| seed-style DDP [\d.]+ steps/s \| ratio ([\d.]+) {ci}", out)
     assert len(ratios) == 2, out  # by 1/median step and by steps/seconds
@@ -440,10 +466,12 @@ def test_checkpoint_refuses_a_bad_flag_in_one_line(capsys):
 def recovery_result(median: float, *, redone: list[int], sources: list[str], disk_bytes: list[int],
                     estimated: bool = False, joins: list[float] | None = None,
                     phases: dict[str, float] | None = None, stall: float | None = None) -> dict[str, Any]:
-    """`measure_recovery`'s figures for one setting after one kill (goodput runs skipped)."""
+    """`measure_recovery`'s figures for one setting after one kill (goodput runs skipped); its time lost
+    is the stall plus a steady step per step redone (0.25 s)."""
     stall = median / 2 if stall is None else stall
+    lost = round(stall + 0.25 * redone[0], 2)
     return {
-        "stall_s": [stall], "stall_median_s": stall, "stall_worst_s": stall,
+        "stall_s": [stall], "stall_median_s": stall, "time_lost_s": [lost], "lost_median_s": lost, "lost_worst_s": lost,
         "recovery_s": [median], "median_s": median, "worst_s": median, "unrecovered": 0, "failed_rounds": 0,
         "restarts_consumed": [1, 0], "median_phases_s": phases or {}, "redone": redone,
         "redone_estimated": estimated, "restore_sources": sources, "steps_paused": [median * 9.5],
@@ -471,10 +499,11 @@ def test_recovery_tables_time_line_and_ratios_per_model_size(capsys):
     out = capsys.readouterr().out
     for size, by_setting in RECOVERY_RESULTS.items():
         for setting, r in by_setting.items():
-            row = re.search(rf"^{size} +{setting} +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$",
+            row = re.search(rf"^{size} +{setting} +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +(\d+)/(\d+) +-$",
                             out, flags=re.M)
             assert row, out
-            assert (float(row.group(1)), float(row.group(3)), row.group(5)) == (r["stall_median_s"], r["median_s"], "0")
+            assert (float(row.group(1)), float(row.group(3)), float(row.group(4)), row.group(6)) == (
+                r["lost_median_s"], r["stall_median_s"], r["median_s"], "0"), "time lost first, then the stall"
     assert re.search(r"^checkpoint every 5 steps; steps redone per kill", out, re.M), out
     found = {s: re.search(rf"^default +{s}" + RECOVERY_COLUMNS, out, re.M) for s in RECOVERY_RESULTS["default"]}
     assert found["ours"].group(6) == "memory 1" and float(found["ours"].group(5)) == 0
@@ -483,9 +512,9 @@ def test_recovery_tables_time_line_and_ratios_per_model_size(capsys):
     assert found["ours-torch-rounds"].group(6) == "peer 1"
     train_on = found["ours-train-on"]
     assert train_on.group(6) == "live 1" and train_on.group(1) == "0.0" and train_on.group(4) == "0.84", out
-    assert re.search(r"^default: median stall, ours-disk / ours: 5\.0x$", out, re.M), out
-    assert re.search(r"^default: median stall, ours / ours-train-on: 2\.8x$", out, re.M), out
-    assert not re.search(r"^large: median stall", out, re.M), "one setting at that size: nothing to compare"
+    assert re.search(r"^default: median time lost, ours-disk / ours: 4\.7x$", out, re.M), out  # 4.5 / 0.95
+    assert re.search(r"^default: median time lost, ours / ours-train-on: 3\.8x$", out, re.M), out  # 0.95 / 0.25
+    assert not re.search(r"^large: median time lost", out, re.M), "one setting at that size: nothing to compare"
     line = re.search(r"^default ours: median time line after a kill: detected at ([\d.]+) s, restore began at ([\d.]+) s, "
                      r"restored at ([\d.]+) s, step at ([\d.]+) s; the first step took ([\d.]+) s, a steady one ([\d.]+) s$",
                      out, flags=re.M)
@@ -494,7 +523,7 @@ def test_recovery_tables_time_line_and_ratios_per_model_size(capsys):
     assert json.loads(out.strip().splitlines()[-1]) == RECOVERY_RESULTS
 
 
-def test_a_kills_stall_and_time_line_from_the_event_log():
+def test_a_kills_time_line_from_the_event_log_and_its_cost_with_the_steps_it_redid():
     recovery = script("recovery")
     steps = [{"event": "step", "step": s, "time": 10.0 + s * 0.25, "world_size": 2} for s in range(1, 21)]
     killed_at = 15.1  # during step 21: step 20 ended at 15.0
@@ -503,18 +532,22 @@ def test_a_kills_stall_and_time_line_from_the_event_log():
             {"event": "heal", "step": 20, "time": 15.5},
             {"event": "step", "step": 21, "time": 15.85}, {"event": "step", "step": 22, "time": 16.1}]
     line = recovery.kill_time_line(steps + heal, [], killed_at)
-    assert line == pytest.approx({"steady_step_s": 0.25, "stall_s": 0.85 - 0.25, "detected": 0.05,
-                                  "restore_began": 0.3, "restored": 0.4, "step": 0.75, "first_step_s": 0.35})
+    assert line == pytest.approx({"steady_step_s": 0.25, "detected": 0.05, "restore_began": 0.3, "restored": 0.4,
+                                  "step": 0.75, "first_step_s": 0.35})
     # Rank 0 killed: its line of step 20 never went out (written one step late); the restore says the job had
     # completed it, so it counts as ended a steady step after step 19's line.
     line = recovery.kill_time_line(steps[:-1] + heal, [(15.2, "[default] Worker group FAILED. will restart worker group")],
                                    killed_at)
-    assert line["stall_s"] == pytest.approx(0.6) and line["detected"] == pytest.approx(0.05)
-    # A restart from an older snapshot: the steps it redoes are its own column, the stall counts from the newest.
+    assert line["first_step_s"] == pytest.approx(0.35) and line["detected"] == pytest.approx(0.05)
+    # A restart from an older snapshot: the steps it redoes are no column of their own: they are time lost.
     restart = [{"event": "restore", "step": 18, "time": 16.0, "seconds": 0.2, "redone": 2, "source": "memory"},
-               {"event": "start", "step": 18, "time": 16.0}, {"event": "step", "step": 19, "time": 16.4}]
+               {"event": "start", "step": 18, "time": 16.0},
+               *[{"event": "step", "step": s, "time": 16.4 + (s - 19) * 0.25, "world_size": 2} for s in range(19, 30)]]
     line = recovery.kill_time_line(steps + restart, [(15.3, "will restart worker group")], killed_at)
-    assert line["stall_s"] == pytest.approx(1.4 - 0.25) and line["detected"] == pytest.approx(0.2)
+    assert line["detected"] == pytest.approx(0.2)
+    cost = script("soak_measure").measure(steps + restart, kind="mid_step", kills=[{"time": killed_at}], full=2,
+                                          d=line["steady_step_s"])
+    assert cost.stall_s == pytest.approx(1.4 - 0.25) and cost.time_lost_s == pytest.approx(1.4 - 0.25 + 2 * 0.25)
     assert recovery.kill_time_line(steps, [], killed_at) is None, "not trained again yet"
 
 
@@ -770,3 +803,26 @@ def test_object_store_soak_verdict_names_every_loss() -> None:
         "the final checkpoint differs from the uninterrupted run's",
         "1 objects no committed manifest names, e.g. soak/step_00000008/t1/shard_00000.bin",
     ]
+
+
+# -- seal_cost.py ---------------------------------------------------------------------------------------
+
+
+def test_seal_cost_prints_medians_and_ratios_and_writes_them_with_their_provenance(capsys, monkeypatch, tmp_path):
+    seal_cost = script("seal_cost")
+    times = {"unsealed": [10.0, 12.0, 11.0], "sealed": [13.0, 12.1, 11.9]}
+    rows = [seal_cost.row("rendezvous round, 4 agents", times), seal_cost.row("process group start, 4 ranks", times)]
+    assert rows[0]["unsealed_ms"] == 11.0 and rows[0]["sealed_ms"] == 12.1 and rows[0]["ratio"] == 1.1
+    monkeypatch.setattr(seal_cost, "measured_rows", lambda args: rows)
+    monkeypatch.setattr(sys.modules[seal_cost.write_result.__module__], "_git", lambda *args: "a" * 40)  # no git here
+    assert seal_cost.main(["--pairs", "3", "--json", str(tmp_path / "seal.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^rendezvous round, 4 agents +11\.00 +12\.10 +1\.100$", out, re.M), out
+    document = script("provenance").read_result(tmp_path / "seal.json")
+    assert document["benchmark"] == "seal_cost" and document["results"]["rows"] == rows
+    assert document["provenance"]["command"] and document["provenance"]["torch"]
+
+
+def test_seal_cost_refuses_what_it_cannot_measure(capsys):
+    err = refused(capsys, lambda: script("seal_cost").parse_args(["--agents", "1"]))
+    assert "--agents and --ranks take 2 to 64" in one_line(err.splitlines()[-1] + "\n")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic._agent.launcher.keeper import SnapshotKeeper
+from elastic._agent.launcher.keeper_receive import ReplicaReceiver
 from elastic._agent.launcher.keeper_endpoint import Conflict
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import validate
@@ -51,10 +51,10 @@ def test_a_local_part_span_is_read_only_from_a_regular_file_and_within_its_size(
 
 def _keeper_checks(root: Path) -> str:
     """What the keeper says of a replica of run r, generation g, world size 2, given `root`'s job.json."""
-    keeper = SimpleNamespace(root=root, run_id="r")
+    receiver = SimpleNamespace(_root=root, _run_id="r")
     header = SimpleNamespace(run_id="r", extra={"generation": "g"}, world_size=2)
     try:
-        SnapshotKeeper._check_job(keeper, header)  # type: ignore[arg-type]
+        ReplicaReceiver._check_job(receiver, header)  # type: ignore[arg-type]
     except Conflict as exc:
         return str(exc)
     return "kept"

@@ -247,3 +247,25 @@ def test_a_save_whose_group_broke_is_one_warning_when_the_manager_is_left_twice(
     assert sum("did not commit: Connection closed by peer" in r.getMessage() for r in caplog.records) == 1
     assert [c.step for c in CheckpointStore(tmp_path / "ckpt").committed()] == [], "nothing committed"
     job.events.close()
+
+
+def test_a_distributed_job_without_a_directory_says_in_one_line_what_it_gives_up(caplog) -> None:
+    """Without --ckpt-dir a failure restarts training from step 0 (no checkpoints, no snapshots): rank 0 of a
+    job under torchrun says so at start; a plain process (nothing restarts it) and the other ranks do not."""
+    from elastic._worker.checkpoint.manager import NO_CHECKPOINTS
+    from elastic._worker.runtime.context import WorkerContext
+
+    def restore_at(rank: int, world_size: int, backend: str | None = "gloo") -> list[str]:
+        caplog.clear()
+        ctx = WorkerContext(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+                            restart_count=0, run_id="t", device=torch.device("cpu"), backend=backend)
+        model = torch.nn.Linear(2, 1)
+        manager = CheckpointManager(ctx, RunConfig(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                    sampler=ElasticSampler(8, batch_size=2))
+        with caplog.at_level(logging.WARNING):
+            assert manager.restore() == 0
+        manager.close()
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert restore_at(0, 2) == [NO_CHECKPOINTS] and "\n" not in NO_CHECKPOINTS
+    assert restore_at(1, 2) == [] and restore_at(0, 1, backend=None) == []

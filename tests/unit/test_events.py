@@ -89,3 +89,20 @@ def test_a_fast_loops_step_lines_are_written_together_in_order(tmp_path: Path, m
     assert [(e["event"], e["step"]) for e in read_events(path)] == [
         ("step", 1), ("step", 2), ("step", 3), ("step", 4), ("checkpoint", 4), *(("step", s) for s in range(5, 11)),
     ]
+
+
+def test_the_log_is_never_written_through_a_link_and_is_its_owners_alone(tmp_path: Path) -> None:
+    """Probe (issue 55, L): the event log followed a link put in its place and was created world-readable."""
+    import stat
+
+    from elastic._shared.common.errors import UsageError
+
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    (tmp_path / "linked.jsonl").symlink_to(target)
+    with pytest.raises(UsageError, match="symbolic link"):
+        EventLog(tmp_path / "linked.jsonl", restart=0)
+    assert target.read_text() == ""
+    log = EventLog(tmp_path / "events.jsonl", restart=0)
+    log.close()
+    assert stat.S_IMODE((tmp_path / "events.jsonl").stat().st_mode) == 0o600

@@ -129,7 +129,7 @@ def test_can_leave_needs_train_on_healing_and_the_minimum_without_the_node() -> 
 
 def test_the_evict_setting_is_checked_in_one_line(capsys: Any) -> None:
     assert RunConfig(slow_ranks="evict").evict_factor == 3.0
-    with pytest.raises(UsageError, match=r"--evict-factor \(1.2\) must be above --slow-factor \(1.25\)"):
+    with pytest.raises(UsageError, match=r"--evict-factor \(1.2\) must be above --slow-factor \(1.5\)"):
         RunConfig(slow_ranks="evict", evict_factor=1.2)
     RunConfig(slow_ranks="rebalance", evict_factor=1.2)  # not evicting: the factor is not read
     with pytest.raises(UsageError, match="evict_factor must be above 1"):

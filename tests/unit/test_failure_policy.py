@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,7 +33,9 @@ from elastic._agent.launcher.notice_board import (
     LocalBoard,
     StoreBoard,
 )
-from elastic._shared.protocol import worker_notes
+from elastic._shared.protocol import round_identity, worker_notes
+from elastic._shared.storage.peer_auth import PeerKey
+from elastic._shared.storage.sealed_store import SealedStore
 from elastic._shared.storage.store_records import MAX_VALUE
 
 
@@ -121,23 +124,62 @@ def entry(kind: str = "failure", line: str = "failure: worker rank 1 ...", **fie
     return Entry(kind, line, 1.0, 3, 2, "node-a", fields)
 
 
+def sealed_store(secret: Path | None = None, launch: str = "a" * 32) -> SealedStore:
+    """The store the rendezvous handler gives torch's agent (and the board): sealed in its launch's scope."""
+    key = PeerKey.from_file(secret) if secret is not None else None
+    inner = dist.HashStore()
+    inner.set_timeout(timedelta(seconds=2))  # a read that would wait is a failure here, not a 300 s hang
+    return SealedStore(inner, key, round_identity.rendezvous_scope("run", launch))
+
+
 def test_the_board_in_a_store_reads_entries_in_order_once_and_checks_them() -> None:
-    store = dist.HashStore()
+    store = sealed_store()
     poster, reader = StoreBoard(store, "run", {}), StoreBoard(store, "run", {})
     numbers = [poster.post(entry(line=f"line {n}")) for n in range(3)]
     assert numbers == [1, 2, 3]
     assert [(n, e.line) for n, e in reader.read_new()] == [(1, "line 0"), (2, "line 1"), (3, "line 2")]
     assert reader.read_new() == []
     assert reader.claim(2) and not poster.claim(2)  # one agent writes each entry to the event log
-    # a stranger's value, an entry of another shape, a counter ahead of its entry
     prefix = dist.PrefixStore("torchrevive/notices/run/", store)
-    prefix.add("count", 1)
-    prefix.set("n4", json.dumps({**entry().__dict__, "kind": "reboot"}))
+    prefix.set("n4", json.dumps({**entry().__dict__, "kind": "reboot"}))  # an entry of another shape
     assert reader.read_new() == []  # skipped, with one warning
-    prefix.add("count", 1)  # n5 counted but not written yet: read later, never waited for
-    assert reader.read_new() == []
-    prefix.set("n5", entry(line="late").dumps())
+    assert poster.post(entry(line="late")) == 5
     assert [e.line for _, e in reader.read_new()] == ["late"]
+
+
+def test_no_counter_a_stranger_moves_hides_a_later_notice(tmp_path: Path) -> None:
+    """Probe (issue 55, M): one `add` to the board's unsealed `count` hid every later notice from every
+    other agent, for good. The board has no counter now; a slot a stranger empties or forges is skipped."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    store = sealed_store(secret)
+    env = {"TORCHREVIVE_SNAPSHOT_SECRET_FILE": str(secret)}
+    poster, reader = StoreBoard(store, "run", env), StoreBoard(store, "run", env)
+    raw = dist.PrefixStore("torchrevive/notices/run/", store.inner)
+    raw.add("count", 1 << 40)  # what hid every later notice
+    raw.set("n1", b"forged")  # a stranger's entry in the next slot: absent to the job
+    assert poster.post(entry(line="first")) == 1  # the slot is taken over
+    assert poster.post(entry(line="second")) == 2
+    raw.delete_key("n1")  # a slot emptied after it was filled
+    assert [e.line for _, e in reader.read_new()] == ["second"]
+    assert reader.claim("crash_loop") and not poster.claim("crash_loop")
+    raw.set("claimed/crash_loop", b"forged")  # a forged claim is no claim: the next to claim wins
+    assert poster.claim("crash_loop")
+    assert poster.acknowledge(7) == 1 and reader.acknowledge(7) == 2 and poster.acknowledged(7) == 2
+
+
+def test_a_notice_of_another_launch_is_no_notice_of_this_one(tmp_path: Path) -> None:
+    """Probe (issue 55, M): a crash-loop notice recorded from an earlier launch of the same run id and secret
+    closed the next one. The board's values are sealed in their launch's scope."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    env = {"TORCHREVIVE_SNAPSHOT_SECRET_FILE": str(secret)}
+    earlier = sealed_store(secret, launch="e" * 32)
+    StoreBoard(earlier, "run", env).post(entry("crash_loop", "crash loop: the job failed 3 times"))
+    now = sealed_store(secret)
+    recorded = dist.PrefixStore("torchrevive/notices/run/", earlier.inner).get("n1")
+    dist.PrefixStore("torchrevive/notices/run/", now.inner).set("n1", recorded)  # written into the next launch's store
+    assert StoreBoard(now, "run", env).read_new() == []
 
 
 def test_a_signed_board_ignores_what_the_secret_did_not_sign(tmp_path: Path) -> None:
@@ -152,7 +194,7 @@ def test_a_signed_board_ignores_what_the_secret_did_not_sign(tmp_path: Path) -> 
 
 
 def test_a_long_entry_is_shortened_to_fit_and_reads_are_bounded() -> None:
-    board = StoreBoard(dist.HashStore(), "run", {})
+    board = StoreBoard(sealed_store(), "run", {})
     board.post(entry(line="x" * 1400, stack_tops=["y" * 200] * 15))
     (_, read), = board.read_new()
     assert len(read.dumps()) <= MAX_VALUE and read.line.endswith("...")
@@ -400,3 +442,18 @@ def test_a_group_a_worker_of_which_failed_is_stopped_with_sigkill_until_a_new_on
     monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
     job_watch.end_now(SimpleNamespace(workers=[SimpleNamespace(global_rank=0, id=4242), SimpleNamespace(global_rank=1, id=None)]))
     assert killed == [(4242, signal.SIGKILL)], "a worker not started has no pid to end"
+
+
+def test_a_script_that_fails_at_its_start_the_same_way_is_a_crash_loop() -> None:
+    """With --max-restarts 100 by default, a script that raises before its first step (an import, its data)
+    would start 100 times: the same error before a first step, three times, is a loop; a kill there is not."""
+    def early(error: str, time: float, exitcode: int = 1) -> Failure:
+        return Failure(rank=0, node="a", host="h", exitcode=exitcode, step=-1, error=error, time=time, primary=True)
+
+    same = [early("exit status 1", float(n)) for n in range(3)]
+    decision = decide(same, [], now=3.0, can_shrink=False, limit=3, window=60, attempts=3)
+    assert decision.kind == "stop" and "3 times in a row before its first step, the same way" in decision.line
+    assert crash_loop([early("ValueError: a", 1.0), early("ValueError: b", 2.0), early("ValueError: a", 3.0)],
+                      attempts=3) is None  # not the same crash
+    assert crash_loop([early("Signal 9 (SIGKILL)", float(n), exitcode=-9) for n in range(3)], attempts=3) is None
+    assert crash_loop([early("exit status 1", 1.0), *[failure("a", 4, float(n)) for n in (2, 3)]], attempts=3) is None

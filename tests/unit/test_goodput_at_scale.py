@@ -93,7 +93,7 @@ def test_today_beats_stock_and_young_daly_does_not_lose_to_the_fixed_interval(de
 
 
 def test_snapshots_take_the_runtimes_auto_interval_and_pay_for_it(defaults):
-    """Lost work is half the snapshot interval, which is Daly's for a copy over PCIe, between a step and C;
+    """Lost work is half the snapshot interval, the runtime's for a copy over PCIe, between a step and C;
     the steady overhead holds the measured loop overhead and the snapshots' share."""
     p = {k: v["value"] for k, v in defaults["params"].items()}
     cost = p["state_gb_per_gpu"] / p["pcie_gbps_per_gpu"]
@@ -161,6 +161,16 @@ def test_free_snapshots_every_step_redo_half_a_step(tmp_path):
             assert today["lost_work_s"] == pytest.approx(300.0)  # half the 10-minute interval
 
 
+def test_a_benchmarks_result_file_gives_the_inputs_it_measured(tmp_path):
+    """overhead.py --json writes a result file with provenance (benchmarks/provenance.py): its loop_overhead is
+    the input; its other figures are not inputs and are left alone."""
+    measured = tmp_path / "overhead.json"
+    measured.write_text(json.dumps({"benchmark": "overhead", "provenance": {"commit": "abc", "torch": "2.x"},
+                                    "results": {"loop_overhead": 0.05, "ratio": [0.95, 0.94, 0.96], "snapshots": {}}}))
+    results = run(tmp_path, "--measured", str(measured))
+    assert results["params"]["loop_overhead"]["value"] == 0.05
+
+
 def test_measured_file_then_flags(tmp_path):
     measured = tmp_path / "measured.json"
     measured.write_text(json.dumps({"recovery_ours_s": 4.0, "recovery_stock_s": 20.0}))
@@ -214,14 +224,19 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_the_models_snapshot_interval_is_the_runtimes(defaults):
-    """goodput_at_scale.py runs without torch, so it writes Daly's formula again: it must be the runtime's."""
-    from elastic._worker.checkpoint.snapshot_interval import daly_interval_s
+    """goodput_at_scale.py runs without torch, so it writes the runtime's rule again: it must be the runtime's
+    (the budget's whole steps, at most Daly's, at least a step, at most C)."""
+    from elastic._worker.checkpoint.snapshot_interval import BUDGET, budget_every, daly_interval_s
 
+    assert goodput_at_scale.SNAPSHOT_BUDGET == BUDGET
     p = {k: v["value"] for k, v in defaults["params"].items()}
     cost = p["state_gb_per_gpu"] / p["pcie_gbps_per_gpu"]
-    for mtbf in (60.0, 3600.0, 1e6, cost / 3):
-        runtime = min(600.0, max(p["step_s"], daly_interval_s(cost, mtbf)))
-        assert goodput_at_scale.snapshot_interval_s(p, 600.0, mtbf) == pytest.approx(runtime)
+    for step_s in (p["step_s"], 0.05, 30.0):
+        q = {**p, "step_s": step_s}
+        for mtbf in (60.0, 3600.0, 1e6, cost / 3):
+            budget = budget_every(cost, step_s) * step_s
+            runtime = min(600.0, max(step_s, min(budget, daly_interval_s(cost, mtbf))))
+            assert goodput_at_scale.snapshot_interval_s(q, 600.0, mtbf) == pytest.approx(runtime)
 
 
 def test_a_heal_in_place_costs_its_recovery_the_catch_up_and_one_step() -> None:

@@ -33,7 +33,7 @@ def run_gpt(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str])
         (["--data", "/no/such/corpus.txt"], "--data /no/such/corpus.txt: no such file or folder"),
         (["--batch-size", "0"], "argument --batch-size: 0 must be at least 1"),
         (["--ckpt-keep", "1"], "argument --ckpt-keep: 1 must be at least 2"),
-        (["--ckpt-every", "-5"], "argument --ckpt-every: -5 must be at least 0"),
+        (["--ckpt-every", "-5"], "argument --ckpt-every: '-5' is not a number of steps (0 or more) or of epochs (2e)"),
         (["--max-steps", "ten"], "argument --max-steps: 'ten' is not an integer"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["--metrics-port", "70000"], "argument --metrics-port: 70000 is not a port number"),

@@ -1,6 +1,7 @@
-"""The job's secret given as TORCHREVIVE_SNAPSHOT_SECRET never reaches the workers' environment:
-the agent's setup (keeper_files.job_key) moves it to a 0600 file in this user's 0700 snapshot
-directory and names that file in TORCHREVIVE_SNAPSHOT_SECRET_FILE, which the workers inherit."""
+"""The job's secret (elastic._shared.storage.job_secret): given as TORCHREVIVE_SNAPSHOT_SECRET it never
+reaches the workers' environment (moved to a 0600 file in this user's 0700 snapshot directory, named in
+TORCHREVIVE_SNAPSHOT_SECRET_FILE, which the workers inherit); a job on one host signs with a secret the
+host makes; a job that may span hosts without one stops in one line, unless it asks to run unsigned."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from elastic._agent.launcher import keeper_files
-from elastic._shared.storage import peer_auth
+from elastic._shared.storage import job_secret, peer_auth
 from elastic._shared.storage.peer_auth import SECRET_ENV, SECRET_FILE_ENV, PeerKey
 
 SECRET = "s3cret-" + "x" * 40
@@ -29,12 +30,18 @@ def environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return base
 
 
-def signature(key: PeerKey) -> str:
+def signature(key: PeerKey | None) -> str:
+    assert key is not None
     return key.record_tag("round", "key", "value")
 
 
+def resolve(run_id: str, endpoint: str = "10.0.0.1:29400", max_nodes: int = 2) -> tuple[PeerKey | None, Path | None]:
+    found = job_secret.resolve(run_id, endpoint=endpoint, max_nodes=max_nodes)
+    return found.key, found.made_here
+
+
 def test_a_secret_given_in_the_environment_reaches_the_workers_as_a_private_file(environ: Path) -> None:
-    key, secret_file = keeper_files.job_key("run-a")
+    key, secret_file = resolve("run-a")
     assert SECRET_ENV not in os.environ  # workers started from now on do not inherit it
     assert secret_file is not None and os.environ[SECRET_FILE_ENV] == str(secret_file)
     info = os.lstat(secret_file)
@@ -47,14 +54,14 @@ def test_a_secret_given_in_the_environment_reaches_the_workers_as_a_private_file
 
 def test_the_given_secrets_file_outlives_the_hourly_cleanup_while_its_keeper_runs(
         environ: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _, secret_file = keeper_files.job_key("run-a")
+    _, secret_file = resolve("run-a")
     old = time.time() - 2 * keeper_files.STALE_SECRET
     os.utime(secret_file, (old, old))
     keeper_files.remove_orphans(keeper_files.private_directory(environ))
     assert not secret_file.exists()  # no keeper of run-a: removed
     monkeypatch.setenv(SECRET_ENV, SECRET)  # another agent, of run-b
     monkeypatch.setenv(SECRET_FILE_ENV, "")
-    _, secret_file = keeper_files.job_key("run-b")
+    _, secret_file = resolve("run-b")
     os.utime(secret_file, (old, old))
     keeper = keeper_files.private_directory(environ) / "keeper"
     keeper.mkdir()
@@ -68,7 +75,7 @@ def test_a_secret_file_given_is_handed_on_as_it_is(environ: Path, tmp_path: Path
     given = tmp_path / "secret"
     given.write_text("y" * 32)
     monkeypatch.setenv(SECRET_FILE_ENV, str(given))
-    key, secret_file = keeper_files.job_key("run-a")
+    key, secret_file = resolve("run-a")
     assert secret_file is None and os.environ[SECRET_FILE_ENV] == str(given) and SECRET_ENV not in os.environ
     assert signature(key) == signature(PeerKey(b"y" * 32))
 
@@ -77,7 +84,7 @@ def test_a_bad_secret_in_the_environment_is_one_line_that_does_not_show_it(envir
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "short")
     with pytest.raises(peer_auth.SecretError) as raised:
-        keeper_files.job_key("run-a")
+        resolve("run-a")
     assert "short" not in str(raised.value) and "\n" not in str(raised.value)
 
 
@@ -87,5 +94,35 @@ def test_a_secret_that_cannot_be_kept_in_a_file_stays_where_it_was(environ: Path
     environ.mkdir(parents=True)
     (environ / f"{keeper_files.DIRECTORY}-{os.geteuid()}").mkdir(mode=0o755)
     with pytest.raises(peer_auth.SecretError, match="open to no one else|not a directory of this user's"):
-        keeper_files.job_key("run-a")
+        resolve("run-a")
     assert os.environ[SECRET_ENV] == SECRET and not os.environ[SECRET_FILE_ENV]
+
+
+def test_a_job_on_one_host_signs_with_a_secret_the_host_makes_for_the_run(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(keeper_files.BASE_ENV, str(tmp_path / "shm"))
+    for name in (SECRET_ENV, SECRET_FILE_ENV, job_secret.UNSIGNED_ENV):
+        monkeypatch.delenv(name, raising=False)
+    key, made = resolve("run-a", endpoint="127.0.0.1:29400")
+    assert made is not None and os.environ[SECRET_FILE_ENV] == str(made) and stat.S_IMODE(made.stat().st_mode) == 0o600
+    monkeypatch.delenv(SECRET_FILE_ENV)  # another agent of the run on this host: the same secret
+    again, _ = resolve("run-a", endpoint="localhost:29400")
+    assert signature(again) == signature(key)
+    for endpoint, nodes in (("[::1]:29400", 4), ("node7:29400", 1)):
+        monkeypatch.delenv(SECRET_FILE_ENV)
+        assert resolve("run-a", endpoint=endpoint, max_nodes=nodes)[0] is not None
+
+
+def test_a_job_that_may_span_hosts_without_a_secret_stops_in_one_line_unless_unsigned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(keeper_files.BASE_ENV, str(tmp_path / "shm"))
+    for name in (SECRET_ENV, SECRET_FILE_ENV, job_secret.UNSIGNED_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(peer_auth.SecretError) as raised:
+        resolve("run-a", endpoint="node1:29400", max_nodes=4)
+    line = str(raised.value)
+    assert "\n" not in line and SECRET_FILE_ENV in line and "deploy/k8s" in line and job_secret.UNSIGNED_ENV in line
+    assert not (tmp_path / "shm").exists()  # nothing made for it
+    monkeypatch.setenv(job_secret.UNSIGNED_ENV, "1")
+    assert resolve("run-a", endpoint="node1:29400", max_nodes=4) == (None, None)
+    assert "is unsigned" in capsys.readouterr().err and SECRET_FILE_ENV not in os.environ

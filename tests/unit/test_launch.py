@@ -109,3 +109,50 @@ def test_train_on_takes_a_named_or_standalone_job() -> None:
     assert in_place.check_setting(setting, parse_args(["--rdzv-id=job", "train.py"])) == "train-on"
     assert in_place.check_setting(setting, parse_args(["--standalone", "train.py"])) == "train-on"
     assert in_place.check_setting({}, parse_args(["train.py"])) == "restart"
+
+
+def test_max_restarts_defaults_to_a_number_that_recovers_and_the_help_says_so(monkeypatch, capsys) -> None:
+    """torchrun's 0 ended a job at its first failure (the README's own lines did not restart); a flag or
+    PET_MAX_RESTARTS still wins, as under torchrun."""
+    from elastic._agent.launcher.launch import args_parser, parse_args
+    from elastic._agent.launcher.torchrun_defaults import MAX_RESTARTS
+
+    monkeypatch.delenv("PET_MAX_RESTARTS", raising=False)
+    assert MAX_RESTARTS > 0 and parse_args(["train.py"]).max_restarts == MAX_RESTARTS
+    assert parse_args(["--max-restarts=0", "train.py"]).max_restarts == 0
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")
+    assert parse_args(["train.py"]).max_restarts == 7
+    monkeypatch.delenv("PET_MAX_RESTARTS")
+    help_text = " ".join(args_parser().format_help().split())
+    assert f"(torchrevive-run: {MAX_RESTARTS}; torchrun's 0 ends the job at the first failure" in help_text
+
+
+def test_several_workers_a_node_get_torchruns_thread_default_before_the_fork_server_starts(capsys) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 for several workers a node inside its `run`, after the fork server
+    started: set first, the fork server's pools are the workers' own (elastic/_agent/launcher/warm_env.py)."""
+    from argparse import Namespace
+
+    from elastic._agent.launcher.warm_env import settle_thread_defaults
+
+    environ: dict[str, str] = {}
+    assert settle_thread_defaults(Namespace(nproc_per_node="2"), environ) == "1" and environ == {"OMP_NUM_THREADS": "1"}
+    assert "OMP_NUM_THREADS=1 for each of the 2 workers" in capsys.readouterr().err
+    chosen = {"OMP_NUM_THREADS": "4"}
+    assert settle_thread_defaults(Namespace(nproc_per_node="2"), chosen) is None and chosen == {"OMP_NUM_THREADS": "4"}
+    alone: dict[str, str] = {}
+    assert settle_thread_defaults(Namespace(nproc_per_node="1"), alone) is None and alone == {}
+    assert settle_thread_defaults(Namespace(nproc_per_node="many"), alone) is None and alone == {}
+
+
+def test_a_range_of_nodes_with_no_backend_chosen_takes_c10d(monkeypatch) -> None:
+    """torchrun's static backend cannot serve --nnodes MIN:MAX (its first node waits for MAX, for ever): the
+    documented `--nnodes=1:4 --rdzv-endpoint=HOST:29400 --rdzv-id=job1 train.py` hung."""
+    from elastic._agent.launcher.launch import parse_args
+
+    monkeypatch.delenv("PET_RDZV_BACKEND", raising=False)
+    assert parse_args(["--nnodes=1:4", "--rdzv-endpoint=h:1", "train.py"]).rdzv_backend == "c10d"
+    assert parse_args(["--nnodes=2", "--rdzv-endpoint=h:1", "train.py"]).rdzv_backend == "static"  # a fixed count
+    assert parse_args(["--nnodes=1:4", "--rdzv-backend=static", "train.py"]).rdzv_backend == "static"  # chosen
+    assert parse_args(["--nnodes=1:4", "train.py", "--rdzv-backend=x"]).rdzv_backend == "c10d"  # the script's own flag
+    monkeypatch.setenv("PET_RDZV_BACKEND", "static")
+    assert parse_args(["--nnodes=1:4", "train.py"]).rdzv_backend == "static"

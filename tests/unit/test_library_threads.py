@@ -151,6 +151,8 @@ def test_a_free_port_for_a_test_server_lies_below_the_ephemeral_range_and_is_bin
 def test_only_the_main_threads_sys_exit_is_the_status_a_stuck_exit_ends_with(monkeypatch: pytest.MonkeyPatch) -> None:
     """A thread's sys.exit(0) ends that thread only: a crash after it must not end with status 0 (issue 40)."""
     monkeypatch.setattr(threads, "_exit_status", None)
+    monkeypatch.setattr(threads, "_sys_exit_status", None)
+    monkeypatch.setattr(sys, "last_value", None, raising=False)
     other = threading.Thread(target=sys.exit, args=(0,))
     other.start()
     other.join()
@@ -158,3 +160,22 @@ def test_only_the_main_threads_sys_exit_is_the_status_a_stuck_exit_ends_with(mon
     with pytest.raises(SystemExit):
         sys.exit(3)
     assert threads._intended_status() == 3
+
+
+def test_a_caught_sys_exit_never_turns_a_later_crash_into_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe (issue 55, L): a script that caught its own sys.exit(0) and crashed later ended with status 0
+    when a library thread outlived the exit. A crash after it is a crash; a library's own note still wins."""
+    for name in ("_exit_status", "_sys_exit_status"):
+        monkeypatch.setattr(threads, name, None)
+    monkeypatch.setattr(sys, "last_value", None, raising=False)
+    try:
+        sys.exit(0)
+    except SystemExit:
+        pass  # the script goes on
+    assert threads._intended_status() == 0  # (it ends now: the status it chose)
+    monkeypatch.setattr(sys, "last_value", RuntimeError("later"))  # what the interpreter sets for an uncaught crash
+    assert threads._intended_status() == 1
+    monkeypatch.setattr(sys, "last_value", KeyboardInterrupt())
+    assert threads._intended_status() == 130
+    threads.note_exit_status(75)  # the library's own decision on its way out (a restore that timed out)
+    assert threads._intended_status() == 75

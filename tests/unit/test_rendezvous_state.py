@@ -1,9 +1,10 @@
 """The rendezvous state torch pickles, as a stranger may write it: the restricted unpickler, the
-job's signature, the guard on the backend's path (torch's own state holder over an in-process
-store), and the Slurm store's port taken before a squatter's."""
+job's signature, the launch in every seal, the guard on the backend's path (torch's own state holder
+over an in-process store), and the Slurm store's port taken before a squatter's."""
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
 import socket
@@ -27,14 +28,15 @@ from elastic._agent.launcher.slurm_launch import hold_store_port
 from elastic._agent.rendezvous.guarded_c10d import C10dStateBackend
 from elastic._agent.rendezvous.held_port import holder_uid
 from elastic._agent.rendezvous.quick_rounds import DEPARTED, LAST_ROUND
-from elastic._agent.rendezvous.state_guard import GuardedBackend, StateGuard
+from elastic._agent.rendezvous.state_guard import StateGuard
 from elastic._agent.rendezvous.state_pickle import StateRefused, check_state
-from elastic._agent.rendezvous.state_seal import SecretMissing, StateSeal
+from elastic._agent.rendezvous.state_seal import StateSeal
 from elastic._shared.common.errors import UsageError
 from elastic._shared.storage.peer_auth import PeerKey
 
 RUN = "slurm-1234"
 KEY = PeerKey(b"k" * 32)
+LAUNCH, EARLIER = "a" * 32, "e" * 32
 
 
 class Marker:
@@ -65,16 +67,18 @@ def test_a_genuine_torch_state_round_trips_through_the_restricted_unpickler_and_
     payload = pickle.dumps(state)
     assert vars(check_state(payload)) == vars(state)
     seal = StateSeal(RUN, KEY)
-    assert seal.open(seal.seal(payload, 7)) == (7, payload)
-    assert StateSeal(RUN, None).open(payload) == (0, payload)  # no secret: torch's bare pickle
+    opened = seal.open(seal.seal(payload, 7, LAUNCH))
+    assert (opened.launch, opened.seq, opened.payload) == (LAUNCH, 7, payload)
+    bare = StateSeal(RUN, None).open(payload)  # no secret: torch's bare pickle
+    assert (bare.launch, bare.seq, bare.payload) == (None, 0, payload)
 
 
 def test_a_pickled_marker_is_refused_and_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     payload = pickle.dumps(Marker(marker))
-    for blob in (payload, StateSeal(RUN, KEY).seal(payload, 1)):  # even signed with the job's own secret
+    for blob in (payload, StateSeal(RUN, KEY).seal(payload, 1, LAUNCH)):  # even signed with the job's own secret
         for seal in (StateSeal(RUN, None), StateSeal(RUN, KEY)):
-            with pytest.raises((StateRefused, SecretMissing)):  # (without the secret a signed one stops the agent)
+            with pytest.raises(StateRefused):
                 seal.open(blob)
     with pytest.raises(StateRefused, match="posix.mkdir"):
         check_state(payload)
@@ -105,27 +109,30 @@ def test_states_torch_could_load_but_not_use_are_refused(what: str) -> None:
 
 def test_only_a_state_signed_with_the_jobs_secret_for_this_run_is_opened() -> None:
     payload = pickle.dumps(genuine_state())
-    signed = StateSeal(RUN, KEY).seal(payload, 2)
+    signed = StateSeal(RUN, KEY).seal(payload, 2, LAUNCH)
     refusals = {
-        "another secret": StateSeal(RUN, PeerKey(b"z" * 32)).seal(payload, 2),
-        "another run": StateSeal("slurm-9", KEY).seal(payload, 2),
+        "another secret": StateSeal(RUN, PeerKey(b"z" * 32)).seal(payload, 2, LAUNCH),
+        "another run": StateSeal("slurm-9", KEY).seal(payload, 2, LAUNCH),
         "unsigned": payload,
         "payload changed": signed[:-1] + bytes([signed[-1] ^ 1]),
         "number changed": signed.replace(b" 2 ", b" 9 ", 1),
-        "garbage line": b"torchrevive-rdzv-signed/1 x\n" + payload,
+        "launch changed": signed.replace(LAUNCH.encode(), EARLIER.encode(), 1),
+        "garbage line": b"torchrevive-rdzv-signed/2 x\n" + payload,
     }
     for what, blob in refusals.items():
         with pytest.raises(StateRefused):
             StateSeal(RUN, KEY).open(blob)
             pytest.fail(what)
-    # An agent without the secret meets the job's own signed state: it stops in one line (a UsageError,
-    # exit 2) instead of going on from a fresh state, which would start a second job on the same run id.
-    with pytest.raises(SecretMissing, match="signed with the job's secret and this agent has none") as raised:
-        StateSeal(RUN, None).open(signed)
-    assert isinstance(raised.value, UsageError) and "\n" not in str(raised.value)
-    guard = StateGuard.for_run(RUN, None)
-    with pytest.raises(SecretMissing):
-        guard.admit(signed)
+
+
+def test_a_value_that_merely_looks_signed_never_stops_an_unsigned_agent() -> None:
+    """Probe (issue 55, M): a value starting with the signed-state magic ended an unsigned job with exit 2,
+    which deploy/slurm and deploy/k8s treat as final. It is refused like any stranger's value now."""
+    lines: list[str] = []
+    guard = StateGuard(StateSeal(RUN, None), warn=lines.append)
+    for blob in (b"torchrevive-rdzv-signed/2 anything\n", StateSeal(RUN, KEY).seal(pickle.dumps(genuine_state()), 1, LAUNCH)):
+        assert pickle.loads(guard.admit(blob)).round == 0  # a fresh state: the next write replaces the value
+    assert guard.refused == 2 and "signed with a secret and this agent has none" in lines[0]
 
 
 def holder(backend) -> _BackendRendezvousStateHolder:
@@ -162,6 +169,63 @@ def test_a_marker_written_as_torchs_backend_writes_it_is_refused_once_and_then_r
     assert not marker.exists()
 
 
+def test_a_closing_state_recorded_from_an_earlier_launch_never_closes_the_next_one() -> None:
+    """Probe (issue 55, M): a closing state of an earlier launch of the same run id and secret, written into
+    the next launch's store, was accepted and closed it. A state of a launch an agent has not met must be
+    live to be taken: one with no heartbeat younger than torch's dead-node time is an earlier launch's."""
+    store, lines = dist.HashStore(), []
+    closed, stale = genuine_state(), genuine_state()
+    closed.closed = True
+    for recorded in (closed, stale):  # recorded a minute before the next launch starts
+        recorded.last_heartbeats = {n: datetime.now(timezone.utc) - timedelta(seconds=60) for n in recorded.participants}
+    for recorded in (closed, stale):
+        blob = StateSeal(RUN, KEY).seal(pickle.dumps(recorded), 99, EARLIER)
+        store.set(f"torch.rendezvous.{RUN}", base64.b64encode(blob))
+        guard = StateGuard(StateSeal(RUN, KEY), warn=lines.append, live_within=3)
+        agent = holder(C10dStateBackend(store, RUN, guard))
+        agent.sync()
+        assert not agent.state.closed and agent.state.round == 0  # never adopted: a fresh state
+        agent.mark_dirty()
+        assert agent.sync() is True  # its first write replaces the recorded state, under a launch of its own
+        guard.fix()
+        assert guard.launch not in (None, EARLIER)
+    assert len(lines) == 2 and all("no node of it sent a heartbeat in the last 3 s" in line for line in lines)
+
+
+def test_agents_of_a_launch_agree_on_it_and_a_fixed_launch_refuses_every_other() -> None:
+    store, lines = dist.HashStore(), []
+    first = StateGuard(StateSeal(RUN, KEY), warn=lines.append)
+    second = StateGuard(StateSeal(RUN, KEY), warn=lines.append)
+    a, b = holder(C10dStateBackend(store, RUN, first)), holder(C10dStateBackend(store, RUN, second))
+    a.state.last_heartbeats = {_NodeDesc("n1", 1, 0): datetime.now(timezone.utc)}
+    a.mark_dirty()
+    assert a.sync() is True
+    b.sync()  # a live state of a launch the second agent has not met: it takes it (its own draft was never written)
+    assert first.current_launch == second.current_launch and not lines
+    first.fix()
+    second.fix()
+    other = genuine_state()
+    store.set(f"torch.rendezvous.{RUN}", base64.b64encode(StateSeal(RUN, KEY).seal(pickle.dumps(other), 50, EARLIER)))
+    a.sync()
+    assert a.state.round == 0 and "belongs to another launch" in lines[0]  # live, signed, but not this launch's
+
+
+def test_a_forged_wait_list_never_reaches_torch_in_a_signed_job() -> None:
+    """Probe (issue 55, L): a wait list a stranger wrote into an unsigned job's state stalled it (every agent
+    restarted its workers for a node that never came). A job signs by default; what it does not sign is
+    never its state."""
+    store, lines = dist.HashStore(), []
+    agent = holder(C10dStateBackend(store, RUN, StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
+    agent.mark_dirty()
+    assert agent.sync() is True
+    forged = genuine_state()
+    forged.wait_list = {_NodeDesc("10.9.9.9", 1, 0)}
+    stranger = C10dRendezvousBackend(store, RUN)
+    stranger.set_state(pickle.dumps(forged), stranger.get_state()[1])
+    agent.sync()
+    assert agent.state.wait_list == set() and len(lines) == 1
+
+
 def test_a_signed_state_written_back_later_is_refused_as_a_replay() -> None:
     store, lines = dist.HashStore(), []
     agent = holder(C10dStateBackend(store, RUN, StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
@@ -175,17 +239,6 @@ def test_a_signed_state_written_back_later_is_refused_as_a_replay() -> None:
     store.set(f"torch.rendezvous.{RUN}", recorded)
     agent.sync()
     assert agent.state.round == 2 and "older than write 2" in lines[0]
-
-
-def test_any_other_torch_backend_is_wrapped_with_the_guard(tmp_path: Path) -> None:
-    store, lines = dist.HashStore(), []
-    agent = holder(GuardedBackend(C10dRendezvousBackend(store, RUN), StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
-    agent.mark_dirty()
-    assert agent.sync() is True
-    stranger = C10dRendezvousBackend(store, RUN)
-    stranger.set_state(pickle.dumps(Marker(tmp_path / "ran")), stranger.get_state()[1])
-    agent.sync()
-    assert not (tmp_path / "ran").exists() and len(lines) == 1
 
 
 def test_the_slurm_store_port_held_by_another_socket_is_refused_in_one_line() -> None:

@@ -160,3 +160,35 @@ def test_an_output_that_is_not_a_png_is_refused(tmp_path: Path, report: Callable
     log = write_log(tmp_path / "job.jsonl", job_with_a_failure_a_resize_and_a_relaunch())
     result = report(str(log), "-o", str(tmp_path / "job.jpg"))
     assert result.returncode == 2 and "name the output *.png" in result.stderr
+
+
+def test_without_matplotlib_the_text_is_the_report_and_one_line_says_no_picture(
+    tmp_path: Path, report: Callable[..., Done], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's first command installs no matplotlib: the report's text needs none."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    log = write_log(tmp_path / "job.jsonl", job_with_a_failure_a_resize_and_a_relaunch())
+    result = report(str(log))
+    assert result.returncode == 0
+    assert "failure (restart 1): recovered in 4.5 s" in result.stdout
+    assert result.stderr.splitlines() == [
+        "python -m elastic.report: no picture drawn: matplotlib is not installed (pip install 'torchrevive[report]')"]
+    assert not (tmp_path / "job.png").exists()
+    asked = report(str(log), "-o", str(tmp_path / "job.png"))  # a picture asked for by name: exit 2, text first
+    assert asked.returncode == 2 and "failure (restart 1)" in asked.stdout
+    assert asked.stderr.count("\n") == 1 and "matplotlib is not installed" in asked.stderr
+
+
+def test_steps_redone_are_the_restore_events_count_when_it_gives_one() -> None:
+    """The last step event before a kill lags the steps finished (the loss is read a step late, a kill cuts
+    the line short): the restore event counts from each rank's own progress note."""
+    log = job_with_a_failure_a_resize_and_a_relaunch()
+    restore = next(e for e in log if e["event"] == "restore")
+    assert recoveries(log)[0].steps_redone == 1  # 5 logged, 4 restored
+    restore["redone"] = 2
+    assert recoveries(log)[0].steps_redone == 2
+    assert "resumed at step 4, 2 steps redone" in recoveries(log)[0].describe()
+    restore["redone"] = "2"  # a hand-edited log: the step events' count
+    assert recoveries(log)[0].steps_redone == 1

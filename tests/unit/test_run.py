@@ -118,7 +118,7 @@ def test_without_a_loader_the_batches_are_the_samplers_indices(tmp_path: Path) -
 
 def test_a_loader_that_runs_dry_or_strays_from_the_sampler_is_an_error(tmp_path: Path) -> None:
     dataset = data()
-    with pytest.raises(ElasticError, match="the data loader ended at step 2 of 5"):
+    with pytest.raises(ElasticError, match="the data loader ended at step 2, before max_steps=5"):
         with elastic.Run(device="cpu") as run:
             model = torch.nn.Linear(3, 1)
             run.start(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=dataset, batch_size=4)
@@ -185,7 +185,7 @@ def test_config_from_args_takes_the_contract_flags() -> None:
     ("settings", "message"),
     [
         ({"ckpt_keep": 1}, "ckpt_keep=1 must be at least 2"),
-        ({"ckpt_every": -1}, "ckpt_every=-1 must be 0 or more"),
+        ({"ckpt_every": -1}, "ckpt_every=-1 must be a number of steps, 0 or more, or of epochs"),
         ({"metrics_port": 70000}, "metrics_port=70000 is not a port number"),
         ({"term_grace": 0}, "term_grace must be above 0"),
     ],

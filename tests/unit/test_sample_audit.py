@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from elastic._worker.data.sampler import ElasticSampler
@@ -123,3 +124,66 @@ def test_a_record_torn_by_a_kill_does_not_hide_the_next_one(tmp_path: Path) -> N
     result = audit(tmp_path / "samples")
     assert result.ok, result.problems
     assert (result.first_step, result.last_step) == (1, 12)
+
+
+def test_the_audit_is_a_command_a_pass_one_line_a_failure_its_problems_and_exit_1(tmp_path: Path, capsys) -> None:
+    """`python -m elastic.chaos audit PREFIX` (run here in this process, through run_main as the module is)."""
+    from elastic._shared.common.cli import run_main
+    from elastic.chaos.__main__ import main
+
+    good = FakeJob(tmp_path / "good")
+    good.round(resume=0, world=2, until=12)
+    good.round(resume=10, world=1, until=20)
+    assert run_main(main, ["audit", str(tmp_path / "good")]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [audit(tmp_path / "good").summary()] and out.startswith("samples: each once") and not err
+
+    bad = FakeJob(tmp_path / "bad")
+    bad.round(resume=0, world=2, until=12, corrupt_step=7)
+    assert run_main(main, ["audit", str(tmp_path / "bad")]) == 1
+    out, err = capsys.readouterr()
+    assert "  step 7: 1 of its samples are not those the epoch order puts at" in out
+    assert err.count("\n") == 1 and f"error: the audit of {tmp_path / 'bad'} found" in err
+
+    assert run_main(main, ["audit", str(tmp_path / "none")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no sample records at" in err
+
+
+def test_a_step_trained_again_from_other_random_streams_is_drift(tmp_path: Path, capsys) -> None:
+    """Records carry a digest of the random streams at each step's start: a step lost with a round and trained
+    again after a restore must start from the same ones (work between steps outside run.pause() moves them)."""
+    from elastic._shared.common.cli import run_main
+    from elastic.chaos.__main__ import main
+    from elastic.chaos.samples import read_records
+
+    def job(prefix: Path, *, drift_at: int | None) -> None:
+        fake = FakeJob(prefix)
+        fake.round(resume=0, world=2, until=12)  # killed after 12: 11 and 12 are trained again
+        fake.round(resume=10, world=2, until=20)
+        lines = []
+        for rank in (0, 1):
+            path = Path(f"{prefix}.rank{rank}")
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    again = record["round"] == "r2" and record["step"] == drift_at and rank == 1
+                    record["rng"] = f"s{record['step']}r{rank}" + ("x" if again else "")
+                    lines.append((rank, record))
+            path.write_text("")
+        for rank, record in lines:
+            append_record(prefix, rank, record)
+        assert len(read_records(prefix)) == 2 * 12 + 2 * 10
+
+    job(tmp_path / "same", drift_at=None)
+    result = audit(tmp_path / "same")
+    assert result.ok and not result.drift and result.streams_compared == 2, result
+    assert "random streams equal at 2 steps trained again" in result.summary()
+
+    job(tmp_path / "drift", drift_at=12)
+    result = audit(tmp_path / "drift")
+    assert result.ok and result.streams_compared == 2 and len(result.drift) == 1 and result.drift[0].startswith("step 12:")
+    assert run_main(main, ["audit", str(tmp_path / "drift")]) == 1
+    out, _ = capsys.readouterr()
+    assert "random streams DRIFTED at 1 of 2 steps trained again" in out and "  step 12: trained again" in out
+

@@ -77,7 +77,7 @@ def test_a_batch_sampler_loader_opened_again_at_new_shares_gives_each_rank_its_s
         whole = samplers[0].global_batch(world).tolist()
         for rank, (sampler, feed) in enumerate(zip(samplers, feeds)):
             expected = sampler.local_batch(rank, world)
-            batch = feed.fetch(expected, step=step, max_steps=steps)
+            batch = feed.fetch(expected, step=step, until=f"max_steps={steps}")
             feed.check(expected, step=step, rank=rank)  # raises when the loader's batch is not the sampler's
             trained[rank].append(len(batch))
             stream += batch.tolist()
@@ -97,9 +97,9 @@ def test_a_loader_not_opened_again_at_new_shares_is_caught_at_its_next_batch() -
 
     sampler = ElasticSampler(30, batch_size=4, seed=1)
     feed = Feed(DataLoader(list(range(30)), batch_sampler=StepBatchSampler(sampler, 0, 2)), 4)
-    feed.fetch(sampler.local_batch(0, 2), step=0, max_steps=5)
+    feed.fetch(sampler.local_batch(0, 2), step=0, until="max_steps=5")
     sampler.set_shares((6, 2))
     expected = sampler.local_batch(0, 2)
-    feed.fetch(expected, step=0, max_steps=5)
+    feed.fetch(expected, step=0, until="max_steps=5")
     with pytest.raises(ElasticError, match="other samples than the sampler assigns"):
         feed.check(expected, step=0, rank=0)

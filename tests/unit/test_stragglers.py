@@ -114,3 +114,20 @@ def test_a_step_without_backward_counts_to_its_end_and_a_stray_arrival_counts_no
     clock.now += 0.004
     work.ended(samples=2)
     assert work.take() == 2_000_000
+
+
+def test_a_ranks_straggler_lines_come_at_most_once_a_minute_and_count_what_was_held_back() -> None:
+    """On a busy shared machine episodes start and end every few seconds: each is an event, but rank 0
+    says one line a minute per rank, the next one counting the episodes held back since."""
+    from elastic._worker.observe.stragglers import LineBudget
+
+    now = [0.0]
+    budget = LineBudget(interval=60.0, clock=lambda: now[0])
+    assert budget.start(1) == 0 and budget.end(1)  # the first episode: its start and its end said
+    for t in (5.0, 12.0, 30.0):  # three more within the minute: held back, and their ends too
+        now[0] = t
+        assert budget.start(1) is None and not budget.end(1)
+    assert budget.start(2) == 0  # another rank has its own minute
+    now[0] = 61.0
+    assert budget.start(1) == 3  # said, with the three held back
+    assert budget.end(1) and not budget.end(1)  # an end is said once, after a start that was

@@ -222,12 +222,12 @@ def test_the_loader_starts_again_with_the_new_rank_and_world_size() -> None:
     loader = torch.utils.data.DataLoader(list(range(100)), batch_sampler=StepBatchSampler(sampler, 1, 3))
     feed = Feed(loader, 4)
     expected = sampler.local_batch(1, 3)
-    assert feed.fetch(expected, step=0, max_steps=10).tolist() == expected.tolist()
+    assert feed.fetch(expected, step=0, until="max_steps=10").tolist() == expected.tolist()
     feed.check(expected, step=0, rank=1)
     sampler.advance(3)
     feed.reopen(0, 2)  # the group shrank: this worker is rank 0 of 2 now
     expected = sampler.local_batch(0, 2)
-    assert feed.fetch(expected, step=1, max_steps=10).tolist() == expected.tolist()
+    assert feed.fetch(expected, step=1, until="max_steps=10").tolist() == expected.tolist()
     feed.check(expected, step=1, rank=0)
     assert Feed(None, 4).resizable and not Feed(torch.utils.data.DataLoader(list(range(8))), 4).resizable
 

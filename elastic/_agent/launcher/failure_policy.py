@@ -14,13 +14,16 @@ so each comes to the same decision about its own node:
   that exits with `EVICTED_EXIT`: every rank agreed it is a straggler past --evict-factor
   (elastic._worker.observe.eviction), and its node leaves so the job trains on without it.
 - A **crash loop** is a failure that repeats at the same step, with no step completed past it in
-  between: the last `attempts` primary failures of the job all died after the same completed step.
+  between: the last `attempts` primary failures of the job all died after the same completed step, or
+  all before a first step with the same error (a script that fails at its start: with `--max-restarts`
+  large by default, it would otherwise start again and again).
   Restarting again would meet it again: the job stops with `CRASH_LOOP_EXIT`. Setting aside is decided
   first: a loop that only one node has, in a job that can shrink, is that node's, and the job tries
   on without it (a batch that crashes every node then loops on the next node, and stops).
 
-Invariants: `decide` depends only on its arguments; a failure whose step is unknown (-1) never counts
-towards a loop; `limit` or `attempts` of 0 turns its rule off.
+Invariants: `decide` depends only on its arguments; a failure before a first step (-1) counts towards a
+loop only with an exit status and an error the others share (a kill there never counts); `limit` or
+`attempts` of 0 turns its rule off.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import signal
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
-from elastic._shared.protocol.exit_status import EVICTED_EXIT, FAULTY_NODE_EXIT
+from elastic._shared.protocol.exit_status import EVICTED_EXIT, FAULTY_NODE_EXIT, PEER_LOST_EXIT, reads_as_peer_loss
 
 CRASH_LOOP_EXIT = 78
 """The job stopped because a failure repeats at the same step (distinct from 1, 2, 75, 76, 124, 143)."""
@@ -47,14 +50,10 @@ DEFAULTS = {SET_ASIDE_FAILURES_ENV: "3", SET_ASIDE_WINDOW_ENV: "600", SET_ASIDE_
 """The settings' defaults (elastic._agent.launcher.settings is their one source: flags, variables, help)."""
 
 MAX_TEXT = 300
-_COLLATERAL = (
-    "connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting",
-    "socket timeout", "read error", "connection refused", "gloo", "nccl communicator was aborted",
-)
-"""How a worker's error reads when it died of a peer's failure (a collective broken from the other end)."""
-_COLLATERAL_EXITS = frozenset({124, 76, 143, -15})
+_COLLATERAL_EXITS = frozenset({124, 76, 143, -15, PEER_LOST_EXIT})
 """The hang watchdog (every rank of a stuck group trips; the hang verdict names the culprit), a heal in
-place whose peers never came, and SIGTERM (the agent stopping its group)."""
+place whose peers never came, SIGTERM (the agent stopping its group), and a worker that stopped because
+a peer's death broke its collective (it said so: `PEER_LOST_EXIT`)."""
 
 
 @dataclass(frozen=True)
@@ -107,10 +106,7 @@ class Strike:
 def is_collateral(exitcode: int, error: str) -> bool:
     """Whether a worker's failure reads as a peer's: a broken collective, the watchdog of a stuck group,
     the agent's own stop."""
-    if exitcode in _COLLATERAL_EXITS:
-        return True
-    text = error.lower()
-    return any(mark in text for mark in _COLLATERAL)
+    return exitcode in _COLLATERAL_EXITS or reads_as_peer_loss(error)
 
 
 def how_it_ended(exitcode: int) -> str:
@@ -176,16 +172,26 @@ def bad_node(strikes: Sequence[Strike], node: str, now: float, *, limit: int, wi
     return mine
 
 
+def loop_key(failure: Failure) -> object | None:
+    """What makes failures the same crash: the step they died after; before a first step (a script that fails
+    at its start: an import, its data, its arguments), the same error with an exit status of its own. None for
+    a failure that cannot count: a kill before a first step (nothing says it would come again)."""
+    if failure.step >= 0:
+        return failure.step
+    if failure.exitcode > 0 and failure.exitcode not in _COLLATERAL_EXITS:
+        return ("before its first step", failure.error)
+    return None
+
+
 def crash_loop(failures: Sequence[Failure], *, attempts: int) -> Failure | None:
-    """The newest failure when the last `attempts` primary failures died after the same completed step."""
+    """The newest failure when the last `attempts` primary failures are the same crash (`loop_key`)."""
     if attempts <= 0:
         return None
     primaries = [f for f in failures if f.primary]
     if len(primaries) < attempts:
         return None
-    last = primaries[-attempts:]
-    step = last[-1].step
-    return last[-1] if step >= 0 and all(f.step == step for f in last) else None
+    keys = {loop_key(f) for f in primaries[-attempts:]}
+    return primaries[-1] if len(keys) == 1 and None not in keys else None
 
 
 def decide(
@@ -221,8 +227,10 @@ def decide(
     if looping is not None:
         return Decision(
             "stop", failure=looping,
-            line=(f"crash loop: the job failed {attempts} times in a row after step {looping.step} with no step "
-                  f"completed past it (last: rank {looping.rank} on node {looping.node}: {looping.error}); "
+            line=(f"crash loop: the job failed {attempts} times in a row "
+                  + (f"after step {looping.step} with no step completed past it" if looping.step >= 0 else
+                     "before its first step, the same way") +
+                  f" (last: rank {looping.rank} on node {looping.node}: {looping.error}); "
                   f"stopping with exit status {CRASH_LOOP_EXIT} instead of restarting into it again"),
         )
     return RESTART

@@ -58,6 +58,7 @@ from elastic._agent.launcher import exit_barrier
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import heal_env
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
+from elastic._shared.storage.sealed_store import SealedStore
 from elastic._shared.storage.store_records import Records, strict_count
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def install() -> None:
         if store is None or self._torchrevive_namespace is None:
             return start_workers(self, worker_group)
         extra = {
-            heal_env.HEAL_STORE_ENV: f"{store.host}:{store.port}",
+            heal_env.HEAL_STORE_ENV: address(store),
             heal_env.HEAL_NAMESPACE_ENV: self._torchrevive_namespace,
             heal_env.HEAL_GENERATION_ENV: str(getattr(self, "_torchrevive_generation", 0)),
             heal_env.MIN_WORLD_ENV: str(min_world(worker_group)),
@@ -169,11 +170,17 @@ _extra_env: dict[str, str] = {}
 """Variables for the workers `_start_workers` is starting now (set only around that call)."""
 
 
-def heal_store(store: Any) -> dist.TCPStore | None:
-    """The TCP store under the round's (prefixed) rendezvous store; None for another kind (etcd)."""
+def heal_store(store: Any) -> SealedStore | None:
+    """The sealed rendezvous store under the round's (prefixed) one, when a TCP store is under it (c10d:
+    its workers reach it at `address`); None for another kind (etcd)."""
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return store if isinstance(store, dist.TCPStore) else None
+    return store if isinstance(store, SealedStore) and isinstance(store.inner, dist.TCPStore) else None
+
+
+def address(store: SealedStore) -> str:
+    """HOST:PORT of the TCP store under `store` (`heal_store`'s)."""
+    return f"{store.inner.host}:{store.inner.port}"
 
 
 def namespace(worker_group: Any) -> str | None:
@@ -195,7 +202,7 @@ def min_world(worker_group: Any) -> int:
     return max(1, int(nodes) if isinstance(nodes, int) else 1) * max(1, int(worker_group.spec.local_world_size))
 
 
-def _heals(worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
+def _heals(worker_group: Any, result: Any, store: SealedStore, space: str) -> bool:
     """Whether a failure of this agent's workers heals in place (the module docstring's rules)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
 
@@ -227,7 +234,7 @@ def records(store: dist.Store, space: str, world_size: int, environ: Any = None)
                    world=max(world_size, 1))
 
 
-def _heal(agent: Any, worker_group: Any, result: Any, store: dist.TCPStore, space: str) -> bool:
+def _heal(agent: Any, worker_group: Any, result: Any, store: SealedStore, space: str) -> bool:
     """Replace this agent's workers in place; False (nothing started) when the store failed."""
     from torch.distributed.elastic.agent.server.api import WorkerState
 

@@ -190,7 +190,7 @@ class JobWatch:
         primaries = [f for f in self.failures if f.primary and f.node not in self.excluded]
         if attempts <= 0 or len(primaries) < attempts - 1:
             return False
-        return attempts == 1 or len({f.step for f in primaries[-(attempts - 1):]} - {-1}) == 1
+        return attempts == 1 or len({failure_policy.loop_key(f) for f in primaries[-(attempts - 1):]} - {None}) == 1
 
     def _await_primary(self, worker_group: Any) -> None:
         """Read the board until the failure that reached this node is posted by its own node's agent (at

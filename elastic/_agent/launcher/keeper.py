@@ -34,8 +34,9 @@ Invariants:
   secret and serves part files by name only (no paths). A replica is kept only
   when its tag verified, it belongs to this run, to the generation and world size
   this node's workers run (`job.json`, which they write at each restore) and it
-  leaves `free_reserve` of the file system free; what it receives is data and
-  JSON, and nothing it serves or stores is ever executed.
+  leaves `free_reserve` of the file system free (keeper_receive.py, which rewrites
+  each replica slot in place); what it receives is data and JSON, and nothing it
+  serves or stores is ever executed.
 - No failure of one persist or prune stops the keeper's thread.
 """
 
@@ -55,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic._agent.launcher import keeper_bucket
-from elastic._agent.launcher.keeper_endpoint import Conflict, serve
+from elastic._agent.launcher.keeper_endpoint import serve
 from elastic._agent.launcher.keeper_files import (
     OWNER_FILE,
     live_keepers_of,
@@ -65,16 +66,16 @@ from elastic._agent.launcher.keeper_files import (
     remove_orphans,
     snapshot_base,
 )
+from elastic._agent.launcher.keeper_receive import ReplicaReceiver
 from elastic._agent.launcher.keeper_space import UploadSpace
 from elastic._shared.common import threads
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.storage import parts, peer_auth
+from elastic._shared.storage import parts
 from elastic._shared.storage.claim import check_may_commit
 from elastic._shared.storage.commit import commit_checkpoint
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import SaveFailed
 from elastic._shared.storage.keeper_address import (
-    JOB_FILE,
     LOCAL,
     REPLICA,
     KeeperAddress,
@@ -95,9 +96,6 @@ CLOSE_GRACE = 5.0
 RESERVE_FRACTION = 0.10
 """A replica is refused (507) when storing it would leave less than this share of the keeper's file
 system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""
-MAX_JOB_BYTES = 4096
-"""The most of `job.json` read (it holds a run id, a generation and a world size): read as a
-small regular file only, so a FIFO or device put in its place is refused, never waited on."""
 
 
 class SnapshotKeeper:
@@ -118,7 +116,8 @@ class SnapshotKeeper:
         for name in (LOCAL, REPLICA):
             (self.root / name).mkdir(parents=True, exist_ok=True)
         (self.root / OWNER_FILE).write_text(json.dumps(owner_record(run_id)))
-        self._upload_space = UploadSpace(self.root / REPLICA, RESERVE_FRACTION)
+        self._replicas = ReplicaReceiver(self.root, self.root / REPLICA, run_id,
+                                         UploadSpace(self.root / REPLICA, RESERVE_FRACTION))
         self._server = serve(self, host, key, tls)
         port = self._server.server_address[1]
         scheme = "https" if tls is not None else "http"
@@ -392,49 +391,8 @@ class SnapshotKeeper:
     # -- receiving a peer's part ---------------------------------------------------
 
     def receive(self, stem: str, head: bytes, body: Any, length: int, tag: Any) -> None:
-        """Store a peer's part (see keeper_endpoint.PartHolder): its header is checked first, its data
-        is written to a temporary file, and both are published (data, then header; the old header of
-        the slot goes first) only once the body's tag verified."""
-        header = PartHeader.from_json(head)
-        if header.stem != stem or header.data_bytes != length:
-            raise ValueError("the part's header does not match its name or length")
-        self._check_job(header)
-        replica = self.root / REPLICA
-        tmp = replica / f".{stem}.{uuid.uuid4().hex[:6]}"
-        # The length is reserved before any byte is read, so uploads in flight together fit too (507 if not).
-        with self._upload_space.reserve(length) as reservation:
-            try:
-                with open(tmp, "wb") as f:
-                    remaining = length
-                    while remaining:
-                        block = body.read(min(remaining, 2**20))
-                        if not block:
-                            raise ValueError("the part ended early")
-                        tag.update(block)
-                        f.write(block)
-                        reservation.wrote(len(block))
-                        remaining -= len(block)
-                if not peer_auth.check_tag(tag, body.read(peer_auth.TAG_BYTES)):
-                    raise ValueError("the part's tag does not verify")
-                (replica / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
-                os.replace(tmp, replica / (stem + parts.DATA_SUFFIX))
-            finally:
-                tmp.unlink(missing_ok=True)
-        parts.write_header(replica, header)
-
-    def _check_job(self, header: PartHeader) -> None:
-        """`Conflict` unless `header` is of this run, and of the generation and world size this node's
-        workers run (job.json, written at each restore): a part of an old timeline, or of another
-        job sharing the secret, is never kept."""
-        if header.run_id != self.run_id:
-            raise Conflict(f"a part of run {header.run_id[:64]!r}; this keeper serves run {self.run_id!r}")
-        try:
-            job = json.loads(read_bounded(self.root / JOB_FILE, JOB_FILE, MAX_JOB_BYTES))
-        except (OSError, ValueError, CorruptCheckpoint):
-            raise Conflict("this node's workers have not started a generation yet") from None
-        generation = str(header.extra.get("generation", ""))
-        if not isinstance(job, dict) or (job.get("generation"), job.get("world_size")) != (generation, header.world_size):
-            raise Conflict("a part of another generation or world size than this node's workers run")
+        """Store a peer's part (see keeper_endpoint.PartHolder, keeper_receive.py)."""
+        self._replicas.receive(stem, head, body, length, tag)
 
 
 def _generation(header: PartHeader) -> str:

@@ -29,8 +29,6 @@ import json
 import os
 import shutil
 import socket
-import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,12 +36,9 @@ from typing import Any
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import liveness, peer_auth
 from elastic._shared.storage.claim import boot_id, pid_namespace, start_time
-from elastic._shared.storage.peer_auth import PeerKey
+from elastic._shared.storage.job_secret import BASE_ENV, DIRECTORY, private_directory, snapshot_base  # noqa: F401
 from elastic._shared.storage.validate import read_bounded
 
-BASE_ENV = "TORCHREVIVE_SNAPSHOT_BASE"
-DIRECTORY = "torchrevive-snapshots"
-"""Keepers' directories lie in `<base>/torchrevive-snapshots-<uid>` (`private_directory`)."""
 OWNER_FILE = "owner.json"
 SECRETS = peer_auth.SECRETS_DIRECTORY
 STALE_SECRET = 3600.0
@@ -52,69 +47,6 @@ PID_MAX = 2**22
 """The largest pid Linux hands out (pid_max's ceiling)."""
 OWNER_STALE = 600.0
 """Seconds without a heartbeat after which a keeper this process cannot check otherwise is taken to be gone."""
-
-
-def snapshot_base(environ: dict[str, str] | None = None) -> Path:
-    """Where keepers put their directories: TORCHREVIVE_SNAPSHOT_BASE, else /dev/shm (memory)."""
-    env = os.environ if environ is None else environ
-    given = env.get(BASE_ENV)
-    if given:
-        return Path(given)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
-        return shm
-    return Path(tempfile.gettempdir())
-
-
-def private_directory(base: Path) -> Path:
-    """This user's directory for keepers under `base` (a shared /dev/shm): made with mode 0700, and
-    refused (`SecretError`, a ValueError) unless it is a real directory of this user's, open to no one
-    else, so no other local user can read the weights or the secret, or swap them."""
-    directory = base / f"{DIRECTORY}-{os.geteuid()}"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        directory.mkdir(mode=0o700, exist_ok=True)
-        info = os.lstat(directory)
-    except OSError as exc:
-        raise peer_auth.SecretError(f"cannot make the snapshot directory {directory}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise peer_auth.SecretError(f"{directory} is not a directory of this user's that only this user can open: "
-                                    "remove it, or set TORCHREVIVE_SNAPSHOT_BASE to a directory of your own")
-    return directory
-
-
-def job_key(run_id: str, base: Path | None = None) -> tuple[PeerKey, Path | None]:
-    """The secret run `run_id`'s keepers and workers sign snapshot traffic with, and the file made
-    on this host the workers read it from (None: TORCHREVIVE_SNAPSHOT_SECRET_FILE names the job's own).
-    `SecretError` (a ValueError, never showing the secret) when it cannot be had.
-
-    - TORCHREVIVE_SNAPSHOT_SECRET_FILE set: that file, as it is.
-    - TORCHREVIVE_SNAPSHOT_SECRET set: written to a 0600 file in this user's 0700 directory
-      (`peer_auth.given_secret_file`), which TORCHREVIVE_SNAPSHOT_SECRET_FILE then names in this
-      process's environment, and TORCHREVIVE_SNAPSHOT_SECRET is removed from it: the workers (and
-      anything else started from here on) inherit the file's path, never the secret.
-    - neither: one made for the run on this host, which agents on other hosts lack
-      (`peer_auth.host_secret_file`).
-
-    Invariant: on return, os.environ holds no TORCHREVIVE_SNAPSHOT_SECRET; on `SecretError` it is
-    as it was (the agent's own records are then still sealed with the secret)."""
-    named, given = os.environ.get(peer_auth.SECRET_FILE_ENV), os.environ.get(peer_auth.SECRET_ENV)
-    if named:
-        key, secret_file = PeerKey.from_file(Path(named)), None
-    elif given:
-        secret_file = peer_auth.given_secret_file(private_directory(base or snapshot_base()), run_id, given.encode())
-        key = PeerKey.from_file(secret_file)
-        os.environ[peer_auth.SECRET_FILE_ENV] = str(secret_file)
-    else:
-        secret_file = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
-        key = PeerKey.from_file(secret_file)
-    os.environ.pop(peer_auth.SECRET_ENV, None)
-    return key, secret_file
-
-
-def made_here(secret_file: Path | None, run_id: str) -> bool:
-    """Whether `secret_file` (from `job_key`) is a secret this host made, which agents elsewhere lack."""
-    return secret_file is not None and secret_file.name == peer_auth.host_secret_name(run_id)
 
 
 def pid_alive(pid: int) -> bool:

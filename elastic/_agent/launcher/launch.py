@@ -30,9 +30,11 @@ side of the memory tier, which holds the workers' in-memory snapshots in
 checkpoint directory when the workers stop. `--snapshots 0` (TORCHREVIVE_SNAPSHOTS=0) leaves
 it out (the workers then checkpoint to disk only, as under plain torchrun).
 
-The rendezvous state torch unpickles is checked first (`elastic._agent.rendezvous.guarded_c10d`):
-signed with the job's secret when the environment names one, and read by a restricted
-unpickler; under Slurm the first node takes the store's port before anything else starts.
+Every rendezvous handler comes from `elastic._agent.rendezvous.handlers` (`--rdzv-backend c10d` is
+its `c10d-sealed`): every value the agents read from the rendezvous is sealed with the job's secret
+(elastic._shared.storage.job_secret: given, or made on the host for a job on one host; a job that may
+span hosts without one stops here in one line unless `--unsigned`); under Slurm the first node takes
+the store's port before anything else starts.
 
 It also imports torch._dynamo in the agent at start (torch's log formatter
 imports it when the agent first logs a worker's traceback: 1-3 s on the first
@@ -70,19 +72,18 @@ from elastic._agent.launcher import (
     settings,
     slurm_launch,
     stop_signals,
+    torchrun_defaults,
     warm_start,
 )
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._agent.launcher.keeper_endpoint import keeper_host
-from elastic._agent.launcher.keeper_files import job_key, made_here
 from elastic._agent.launcher.reaper import start_reaper
-from elastic._agent.rendezvous import guarded_c10d, quick_rounds, worker_port
-from elastic._agent.rendezvous.state_guard import job_key as rendezvous_key
+from elastic._agent.rendezvous import handlers, quick_rounds, worker_port
 from elastic._shared.common.errors import CheckpointStorageError, UsageError
 from elastic._shared.common.slow_imports import prefetch_slow_imports
 from elastic._shared.protocol.heal_env import HEAL_FAILED_EXIT
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
-from elastic._shared.storage import peer_auth
+from elastic._shared.storage import job_secret, peer_auth
 
 SNAPSHOTS_ENV = settings.SNAPSHOTS_ENV
 
@@ -169,12 +170,14 @@ def main(argv: list[str] | None = None) -> None:
         hosted_port = slurm_launch.expand_endpoint(args, os.environ, nnodes_given=args.nnodes is not None)
         if hosted_port is not None:
             slurm_launch.hold_store_port(hosted_port)  # before anyone else can listen there
-        rdzv_key = signing_key()
         if args.nnodes is None:
             args.nnodes = "1:1"  # torchrun's default
         preload = warm_start.preload_modules()
         in_place.check_setting(os.environ, args)  # TORCHREVIVE_SURVIVORS: one of its choices, or one line, exit 2
         check_script(args)
+        settle_standalone(args)  # the run id the keeper and the secret are for must be the workers' from the start
+        handlers.launcher_backend(args)  # c10d is c10d-sealed: every value its agents read is sealed
+        secret = signing_secret(args)
         frozen_after = in_place.frozen_after(os.environ) if in_place.enabled(os.environ) else None
     except UsageError as error:
         print(f"torchrevive-run: error: {error}", file=sys.stderr)
@@ -189,8 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault(FRESH_STORE_ENV, "1")
     stop_restarts_on(FINAL_EXITS)
     notes = job_watch.make_notes_directory()  # where the workers note their step, a named hang, the event log
-    guarded_c10d.install(rdzv_key)  # the rendezvous state checked before torch unpickles it; first: see install
-    quick_rounds.install()  # a round closes once every node of the last one is back
+    handlers.register()  # our rendezvous backends in torch's registry (the entry points do it too)
     worker_port.install()  # each round's worker store on a port no other socket is handed meanwhile
     if in_place.enabled(os.environ):
         in_place.install()  # TORCHREVIVE_SURVIVORS=keep or train-on: a failed worker is replaced without a round
@@ -198,9 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
     death_watch.install(args.monitor_interval)  # last, outermost: a worker's death ends the wait for the next look
     args.monitor_interval = death_watch.TORCH_SLEEP
-    settle_standalone(args)  # the run id the keeper checks must be the workers' from the start
     set_aside_mark.wait_out_cool_off(os.environ, getattr(args, "rdzv_id", None) or "none")  # this host set aside?
-    keeper = start_keeper(args)  # before the fork server starts: its workers inherit where it is
+    keeper = start_keeper(args, secret)  # before the fork server starts: its workers inherit where it is
     stopped_by: signal.Signals | None = None
     try:
         requeue.launching()  # raises the stop now if the requeue signal came already
@@ -250,37 +251,34 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(128 + int(stopped_by))
 
 
-def signing_key() -> peer_auth.PeerKey | None:
-    """The job's secret that signs the rendezvous state (state_guard.job_key), or None when the
-    environment names none; a secret named but unreadable is `UsageError`: agents that sign would
-    refuse every state of this one."""
+def signing_secret(args: argparse.Namespace) -> job_secret.JobSecret:
+    """The job's secret (elastic._shared.storage.job_secret), named in the environment the keeper, the
+    rendezvous handlers and the workers read it from; `UsageError` (one line) when it cannot be had."""
+    run_id = getattr(args, "rdzv_id", None) or "none"
     try:
-        return rendezvous_key(os.environ)
+        return job_secret.resolve(run_id, endpoint=getattr(args, "rdzv_endpoint", None), max_nodes=_max_nodes(args))
     except peer_auth.SecretError as exc:
         raise UsageError(str(exc)) from None
 
 
-def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
+def start_keeper(args: argparse.Namespace, secret: job_secret.JobSecret) -> SnapshotKeeper | None:
     """This node's snapshot keeper, its address in the environment the workers inherit, and the
-    agent told to call it whenever it stops its workers; None when TORCHREVIVE_SNAPSHOTS=0 or it
-    cannot start (one warning line: the job then checkpoints to disk only).
+    agent told to call it whenever it stops its workers; None when TORCHREVIVE_SNAPSHOTS=0, the job is
+    unsigned, or it cannot start (one warning line: the job then checkpoints to disk only).
 
-    Its traffic is signed with the job's secret: TORCHREVIVE_SNAPSHOT_SECRET_FILE or
-    TORCHREVIVE_SNAPSHOT_SECRET when set (moved to a private file: `job_key`), else one made for the
-    run on this host (peer_auth.host_secret_file), which agents on other hosts lack: they then need
-    one of the two."""
+    Its traffic is signed with the job's `secret`; a secret this host made (`secret.made_here`) is
+    removed by the run's last keeper on the host."""
     if os.environ.get(SNAPSHOTS_ENV, "1") == "0":
+        return None
+    if secret.key is None:
+        print("torchrevive-run: warning: no in-memory snapshots on this node: an unsigned job's keepers could not "
+              "tell its snapshot traffic from a stranger's; checkpoints go to disk only", file=sys.stderr, flush=True)
         return None
     run_id = getattr(args, "rdzv_id", None) or "none"
     try:
-        key, secret_file = job_key(run_id)
-        if made_here(secret_file, run_id) and _max_nodes(args) > 1:
-            print(f"torchrevive-run: snapshot traffic is signed with a secret made for run {run_id} on this host; "
-                  f"agents on other hosts need {peer_auth.SECRET_FILE_ENV} naming the same secret "
-                  "(docs/security.md)", file=sys.stderr, flush=True)
         keeper = SnapshotKeeper(
             keeper_host(getattr(args, "local_addr", None), getattr(args, "rdzv_endpoint", None)),
-            key=key, run_id=run_id, tls=peer_auth.server_tls(), secret_file=secret_file,
+            key=secret.key, run_id=run_id, tls=peer_auth.server_tls(), secret_file=secret.made_here,
         )
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
@@ -290,15 +288,6 @@ def start_keeper(args: argparse.Namespace) -> SnapshotKeeper | None:
     os.environ.update(keeper.address.environ())
     notify_on_stop(keeper)
     return keeper
-
-
-def _max_nodes(args: argparse.Namespace) -> int:
-    """The most nodes `--nnodes` allows (1 when it cannot be read: torch reports that itself)."""
-    text = str(getattr(args, "nnodes", "1"))
-    try:
-        return int(text.split(":")[-1])
-    except ValueError:
-        return 1
 
 
 def notify_on_stop(keeper: SnapshotKeeper) -> None:
@@ -350,9 +339,9 @@ def check_script(args: argparse.Namespace) -> None:
 
 
 def args_parser() -> argparse.ArgumentParser:
-    """torchrun's own parser, with our settings in a group of their own (`settings.add_arguments`);
-    `start_method` is None when neither the command line nor PET_START_METHOD chose one (torch would
-    take spawn), `nnodes` None when neither `--nnodes` nor PET_NNODES did (torch would take 1:1)."""
+    """torchrun's own parser, with our settings in a group of their own (`settings.add_arguments`) and our
+    defaults (`torchrun_defaults.apply`: `--max-restarts`; `start_method` None when neither the command
+    line nor PET_START_METHOD chose one, torch would take spawn; `nnodes` None likewise, torch: 1:1)."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -361,15 +350,17 @@ def args_parser() -> argparse.ArgumentParser:
         "torchrun with recovery defaults: every torchrun flag, then torchrevive-run's own settings "
         "(last in this help). docs/recovery.md explains each."
     )
-    parser.set_defaults(start_method=os.environ.get("PET_START_METHOD"), nnodes=os.environ.get("PET_NNODES"))
+    torchrun_defaults.apply(parser, os.environ)  # --max-restarts that recovers; start method, nnodes unchosen
     settings.add_arguments(parser)
     return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, read by `args_parser` (our settings' flags are still in it: `settings.resolve`
-    takes them out)."""
-    return args_parser().parse_args(argv)
+    takes them out), with c10d for a range of nodes and no backend chosen (`torchrun_defaults.range_backend`)."""
+    args = args_parser().parse_args(argv)
+    torchrun_defaults.range_backend(args, argv, os.environ)
+    return args
 
 
 def launch(args: argparse.Namespace, preload: tuple[str, ...]) -> None:

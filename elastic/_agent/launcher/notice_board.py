@@ -2,18 +2,25 @@
 
 An entry is one JSON object: `kind` (`KINDS`: a worker's `failure`, a named `hang`, a node set aside,
 `node_excluded`, a `crash_loop` that stops the job), the `line` every agent prints, the `time`, the
-`step` and `world_size` it happened at, and the event's `fields`. Entries are numbered by the store's
-counter (`count`), so every agent reads them in the same order.
+`step` and `world_size` it happened at, and the event's `fields`.
 
-Where: the rendezvous store (a TCPStore under c10d), keys under `torchrevive/notices/RUN/`, each value
-sealed with the job's secret (elastic._shared.storage.store_records) and read back checked. Without a
-TCP store (an etcd rendezvous) the board is this agent's own (`LocalBoard`): it sees its own node's
-entries only, and says so once.
+Where: the rendezvous store (a TCPStore under c10d), keys under `torchrevive/notices/RUN/`, through the
+`SealedStore` the rendezvous handler gave torch's agent: every value sealed with the job's secret and
+bound to the run, its launch and its key (an earlier launch's notice is not this one's), and read back
+checked (elastic._shared.storage.store_records). Without a TCP store (an etcd rendezvous) the board is
+this agent's own (`LocalBoard`): it sees its own node's entries only, and says so once.
+
+No shared counter (whose value a stranger could move, hiding every later entry): entry k lives in slot
+`nK`, and a poster claims the first slot it has not seen filled by compare-and-set, so slots fill in
+order with no gap. A reader reads slots in order; a slot that reads as absent while the next one holds
+an entry was emptied or forged by someone else, and is skipped with one warning. The first agent to
+claim something (`claim`: an entry to write to the event log, the crash-loop decision) is the one whose
+id a compare-and-set left there; who read a stop (`acknowledge`) is a sealed list of agent ids.
 
 Invariants: an entry is at most `store_records.MAX_VALUE` characters of ASCII JSON; `read_new` reads at
-most `MAX_PER_READ` entries per call, only ones whose key is there (`check` before `get`: no call waits
-on a key a poster has not written yet: it is read at the next call), and returns only entries that
-parse (`Entry.parse`); one that does not is skipped with one warning, never retried.
+most `MAX_PER_READ` entries per call and never waits on a key (`check` before `get`), and returns only
+entries that parse (`Entry.parse`); one that does not is skipped with one warning, never retried. A post
+tries at most `MAX_POST_TRIES` slots.
 """
 
 from __future__ import annotations
@@ -22,18 +29,21 @@ import json
 import logging
 import math
 import os
+import secrets
+import socket
 from dataclasses import dataclass
 from typing import Any
 
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
-from elastic._shared.storage.store_records import MAX_VALUE, Records, strict_count
+from elastic._shared.storage.store_records import MAX_VALUE, Records
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("failure", "hang", "node_excluded", "crash_loop")
 MAX_PER_READ = 64
 MAX_LINE = 1500
-MAX_ENTRIES = 1 << 20
+MAX_POST_TRIES = 4096
+MAX_AGENT_ID = 80
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,7 @@ class StoreBoard:
     shared = True
 
     def __init__(self, store: Any, run_id: str, environ: Any = None) -> None:
+        """`store`: the round's sealed rendezvous store (in_place.heal_store)."""
         import torch.distributed as dist
 
         scope = f"torchrevive/notices/{run_id}/"
@@ -92,25 +103,36 @@ class StoreBoard:
             key = None
         self._records = Records(dist.PrefixStore(scope, store), key=key, scope=scope)
         self._seen = 0
+        """Slots read (n1 .. n_seen)."""
+        self._free = 1
+        """The lowest slot this agent has not seen filled."""
+        self.agent_id = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
 
     def post(self, entry: Entry) -> int:
-        """Add `entry`; its number."""
-        entry = fitted(entry)
-        number = int(self._records.store.add("count", 1))
-        self._records.set(f"n{number}", entry.dumps())
-        return number
+        """Add `entry` in the first slot not filled yet; its number."""
+        text = fitted(entry).dumps()
+        number = max(self._free, self._seen + 1)
+        for _ in range(MAX_POST_TRIES):
+            if not self._records.store.check([f"n{number + 1}"]) and self._records.compare_set(f"n{number}", text) == text:
+                self._free = number + 1
+                return number
+            number += 1
+        raise RuntimeError(f"the notice board has {MAX_POST_TRIES} entries this agent has not read")
 
     def read_new(self) -> list[tuple[int, Entry]]:
         """The entries after the last one read (at most MAX_PER_READ), in order."""
-        count = strict_count(str(self._records.store.add("count", 0)), most=MAX_ENTRIES) or 0
         found: list[tuple[int, Entry]] = []
-        while self._seen < count and len(found) < MAX_PER_READ:
+        while len(found) < MAX_PER_READ:
             number = self._seen + 1
-            if not self._records.store.check([f"n{number}"]):
-                break  # posted, not yet written: read at the next call
-            self._seen = number
             text = self._records.get(f"n{number}")
-            entry = Entry.parse(text) if text is not None else None
+            if text is None:
+                if not self._records.store.check([f"n{number + 1}"]):
+                    break  # nothing more yet
+                self._records.warn_once(f"n{number}", "is missing before a later entry (emptied or forged)")
+                self._seen = number
+                continue
+            self._seen = number
+            entry = Entry.parse(text)
             if entry is None:
                 self._records.warn_once(f"n{number}", "is not a notice")
                 continue
@@ -120,14 +142,20 @@ class StoreBoard:
     def claim(self, number: int | str) -> bool:
         """Whether this agent is the first to claim `number` (an entry, to write it to the event log; or a
         name: the one decision of the job the first to claim it posts)."""
-        return int(self._records.store.add(f"written{number}", 1)) == 1
+        return self._records.compare_set(f"claimed/{number}", self.agent_id) == self.agent_id
 
     def acknowledge(self, number: int) -> int:
         """Say this agent has read entry `number` (a stop); how many agents have said so."""
-        return strict_count(str(self._records.store.add(f"read{number}", 1)), most=MAX_ENTRIES) or 0
+        self._records.store.append(f"read/{number}", f"{self.agent_id};")
+        return self.acknowledged(number)
 
     def acknowledged(self, number: int) -> int:
-        return strict_count(str(self._records.store.add(f"read{number}", 0)), most=MAX_ENTRIES) or 0
+        name = f"read/{number}"
+        if not self._records.store.check([name]):
+            return 0
+        text = self._records.store.get(name)[:MAX_VALUE].decode("ascii", errors="replace")
+        ids = {agent for agent in text.split(";") if agent and len(agent) <= MAX_AGENT_ID and agent.isprintable()}
+        return len(ids)
 
 
 class LocalBoard:

@@ -58,9 +58,10 @@ from elastic._agent.launcher.warm_start import (
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import heal_env
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV
+from elastic._shared.protocol.round_identity import ROUND_ENV
 from elastic._shared.protocol.worker_notes import NOTES_ENV as NOTES_ENV_WORKERS
 from elastic._shared.slurm.requeue import NOTES_ENV, REQUEUE_SIGNAL_ENV
-from elastic._shared.storage import keeper_address, peer_auth
+from elastic._shared.storage import job_secret, keeper_address, peer_auth
 
 SNAPSHOTS_ENV = "TORCHREVIVE_SNAPSHOTS"
 """1 (default): a snapshot keeper per node; 0: none (the workers checkpoint to disk only)."""
@@ -196,10 +197,17 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "snapshot_secret_file", peer_auth.SECRET_FILE_ENV, "unset",
-        "A file holding the job's secret (16 to 4096 bytes) that signs snapshot traffic; every node needs "
-        "the same one. Unset (and no TORCHREVIVE_SNAPSHOT_SECRET): one made for the run on this host, "
-        "enough for a job on one host.",
+        "A file holding the job's secret (16 to 4096 bytes) that signs every value the agents and workers read "
+        "from the rendezvous and worker stores, and the snapshot traffic; every node needs the same one. Unset "
+        "(and no TORCHREVIVE_SNAPSHOT_SECRET): one made for the run on this host, enough for a job on one host "
+        "(a loopback endpoint, or one node); a job that may span hosts then stops with one line.",
         _file, "PATH",
+    ),
+    Setting(
+        "unsigned", job_secret.UNSIGNED_ENV, "0",
+        "1: a job that may span hosts runs without a secret: anyone who reaches its stores can change what its "
+        "agents and workers read there (and there are no in-memory snapshots). 0: such a job needs a secret.",
+        _on_off, "{1,0}",
     ),
     Setting(
         "snapshot_secret", peer_auth.SECRET_ENV, "unset",
@@ -275,6 +283,7 @@ INTERNAL: dict[str, str] = {
     NOTES_ENV: "the agent, for its workers in a Slurm job: where they note their last commit for the requeue",
     FRESH_STORE_ENV: "torch's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the agent sets 1 unless the user chose",
     NOTES_ENV_WORKERS: "the agent, for its workers: where they note their last step, a named hang and the event log's path",
+    ROUND_ENV: "the agent, for its workers: the launch and rendezvous round they start in (their worker store's seal)",
 }
 """Variables the agent sets for its workers or its fork server: plumbing, not settings (who sets each, and why).
 A user who sets one is overridden. The chaos tooling's ELASTIC_FAULT, ELASTIC_FAULT_ONCE_DIR and

@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from types import FrameType
 
 from elastic._agent.launcher.stop_signals import raise_safely
-from elastic._agent.rendezvous import guarded_c10d
+from elastic._agent.rendezvous import c10d_store
 from elastic._agent.rendezvous.held_port import PortTaken
 from elastic._shared.common.errors import UsageError
 from elastic._shared.slurm import step as slurm_step
@@ -65,7 +65,7 @@ def expand_endpoint(args: argparse.Namespace, environ: Mapping[str, str], *, nno
     endpoint = args.rdzv_endpoint or ""
     if endpoint != SLURM_ENDPOINT and not endpoint.startswith(f"{SLURM_ENDPOINT}:"):
         return None
-    if args.rdzv_backend not in ("static", "c10d"):
+    if args.rdzv_backend not in ("static", "c10d", "c10d-sealed"):
         raise UsageError(f"--rdzv-endpoint={endpoint} meets at a job's first node's c10d store; --rdzv-backend "
                          f"{args.rdzv_backend} needs an endpoint of its own (HOST:PORT)")
     try:
@@ -109,7 +109,7 @@ def hold_store_port(port: int) -> None:
     """Take the rendezvous store's `port` on this node now, for the store this agent hosts
     (elastic._agent.rendezvous.held_port); `UsageError` in one line when another process holds it."""
     try:
-        guarded_c10d.hold(port)
+        c10d_store.hold(port)
     except PortTaken as exc:
         raise UsageError(f"--rdzv-endpoint=slurm: {exc}") from None
 

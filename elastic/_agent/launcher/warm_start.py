@@ -26,12 +26,13 @@ Invariants:
   script's folder (or, for a module, the working directory) first on
   `sys.path` in place of the agent's; `__name__ == "__main__"`; line-buffered
   stdout and stderr; atexit handlers run at the end, after an exception too;
-  no multiprocessing start method chosen yet; a session of its own, so a
+  no multiprocessing start method chosen yet; thread pools sized and random
+  generators seeded as a fresh start's (`warm_env`); a session of its own, so a
   terminal's Ctrl-C or hangup reaches the agent, not the workers; and its exit
   status: `sys.exit()` and `sys.exit(0)` succeed, `sys.exit(N)` fails with N,
   an uncaught exception with 1 and an uncaught KeyboardInterrupt by SIGINT.
   Differences that remain: stdin is /dev/null (as in any multiprocessing
-  child), and a script that ends with `os._exit(0)` is never seen as done
+  child), the workers of an agent share one hash seed, and a script that ends with `os._exit(0)` is never seen as done
   (torch's multiprocessing context waits for a return value): turn warm starts
   off for such a script.
 - A worker does not outlive its agent. torchrun's own workers, started in
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
 import gc
 import importlib.util
 import multiprocessing
@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from elastic._agent.launcher.proctree import WARM_WORKER_NAME
+from elastic._agent.launcher import warm_env
 from elastic._shared.common import threads
 from elastic._shared.common.errors import UsageError
 from elastic._shared.slurm.requeue import ignore_in_helper
@@ -85,7 +85,6 @@ FORK_SERVER_PRELOAD_ENV = "TORCHREVIVE_FORK_SERVER_PRELOAD"
 """The modules for the fork server to import, set by the agent only while the fork server
 starts; the fork server takes it out of its environment, so no worker sees it."""
 ORPHAN_EXIT_CODE = 1
-_PR_SET_NAME = 15  # prctl(2): set the calling thread's name, which is the process name for the main thread
 
 
 def preload_modules(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
@@ -130,6 +129,7 @@ def configure(args: argparse.Namespace, preload: tuple[str, ...]) -> None:
     target = f"module:{args.training_script}" if args.module else f"script:{os.path.abspath(args.training_script)}"
     os.environ[TARGET_ENV] = target  # inherited by the fork server and its workers
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    warm_env.settle_thread_defaults(args)  # the fork server's thread pools sized as the workers' own
     report = start_fork_server(preload)
     if report is None or report.cuda_by is not None:
         _stop_fork_server()  # it may hold a CUDA context on a GPU the workers need
@@ -317,17 +317,6 @@ def exit_with_agent(agent_pid: int) -> threading.Thread | None:
     return threads.start(watch, name="elastic-agent-watch", stop=stop)
 
 
-def name_process(rank: str | None) -> None:
-    """Name this process `python-rank<RANK>` (best effort: Linux only, 15 bytes)."""
-    if rank is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, f"{WARM_WORKER_NAME}{rank}".encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # a name is a convenience, never a reason to fail
-
-
 def _prepare_worker(path_entry: str) -> None:
     """Make this forked process look like a fresh `python -u` one (see the invariants)."""
     sys.path[0] = path_entry  # the agent's own first entry is no business of the script's
@@ -341,7 +330,8 @@ def _prepare_worker(path_entry: str) -> None:
         os.setsid()
     except OSError:
         pass  # already a session leader
-    name_process(os.environ.get("RANK"))
+    warm_env.name_process(os.environ.get("RANK"))
+    warm_env.fresh_random_streams()  # torch's and numpy's generators, seeded as a new interpreter's are
     agent = os.environ.get(AGENT_PID_ENV, "")
     if agent.isdigit():
         exit_with_agent(int(agent))

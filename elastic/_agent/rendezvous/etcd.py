@@ -64,10 +64,12 @@ again with the same `--rdzv-id` resumes:
   once on a clean exit. The long `ttl` never decides whether anyone is alive.
 - before it joins, an agent asks torch's own handler whether the state is closed
   (`is_closed()` of a handler on a read-only view of the backend that remembers
-  the token of the state it handed torch). Only a state `state_guard` admitted is
-  unpickled, as on every read of torch's handler, and torch's flag, set by
-  whichever agent closed the run and however it did, is the one source of truth:
-  a marker written beside it could disagree after a crash between two writes.
+  the token of the state it handed torch). Only a state a `state_guard` admitted is
+  unpickled, as on every read of torch's handler (the view's guard checks the seal
+  and the pickle, not the launch: a closed state is always an earlier launch's to
+  this agent), and torch's flag, set by whichever agent closed the run and however
+  it did, is the one source of truth: a marker written beside it could disagree
+  after a crash between two writes.
 - a closed run is reopened by one transaction (`_remove_closed_run`):
 
       compare  mod_revision(<prefix>/rdzv/state) == the token seen closed
@@ -97,19 +99,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
-import os
-import socket
-import threading
 import time
-import uuid
 import zlib
-from collections.abc import Callable
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
-    RendezvousHandler,
     RendezvousParameters,
     RendezvousStateError,
 )
@@ -120,8 +116,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic._agent.rendezvous.etcd_client import EtcdClient
-from elastic._agent.rendezvous.etcd_liveness import AgentPresence, lease_heartbeats
-from elastic._agent.rendezvous.liveness import dead_after_seconds, node_key
+from elastic._agent.rendezvous.etcd_liveness import AgentPresence
 from elastic._agent.rendezvous.etcd_messages import (
     KeyValue,
     key_values,
@@ -131,8 +126,8 @@ from elastic._agent.rendezvous.etcd_messages import (
 )
 from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 from elastic._agent.rendezvous.etcd_store import EtcdStore
-from elastic._agent.rendezvous.state_guard import StateGuard, job_key
-from elastic._shared.common import threads
+from elastic._agent.rendezvous.state_guard import StateGuard
+from elastic._shared.storage.peer_auth import PeerKey
 
 __all__ = [
     "BACKEND_NAME",
@@ -141,7 +136,7 @@ __all__ = [
     "EtcdStore",
     "RunKeys",
     "create_backend",
-    "create_handler_v3",
+    "leave",
     "reopen_closed_run",
 ]
 
@@ -194,8 +189,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._client
 
     def get_state(self) -> tuple[bytes, Token] | None:
+        return self.state_through(self.guard)
+
+    def state_through(self, guard: StateGuard) -> tuple[bytes, Token] | None:
+        """The state as `guard` admits it, and its token (None: there is none)."""
         kv = self._client.get(self._key, what="read the rendezvous state")
-        return None if kv is None else self._decoded(kv)
+        return None if kv is None else (guard.admit(decode_state(kv.value, self._where)), kv.mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is None:
@@ -233,15 +232,17 @@ def _revision_of(token: Token) -> int | None:
     return revision if revision > 0 else None
 
 
-def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, Store]:
+def create_backend(
+    params: RendezvousParameters, key: PeerKey | None = None
+) -> tuple[EtcdRendezvousBackend, Store]:
     """The backend and agent store for one torchrun agent, like torch's built-in factories.
 
     Connects (and authenticates) at once, so an unreachable etcd fails here, within
-    `read_timeout`, with the endpoints named. The state is signed with the job's secret when the
-    environment names one (`state_guard.job_key`: `peer_auth.SecretError` if it cannot be read).
+    `read_timeout`, with the endpoints named. The state is signed with `key`, the job's secret
+    (None: an unsigned job).
     """
     options = EtcdOptions.from_params(params)
-    guard = StateGuard.for_run(params.run_id, job_key())
+    guard = StateGuard.for_run(params.run_id, key)
     client = EtcdClient(options)
     prefix = options.key_prefix.encode()
     backend = EtcdRendezvousBackend(client, prefix + b"/rdzv/state", guard)
@@ -249,38 +250,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     return backend, store
 
 
-def create_handler_v3(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's handler for `--rdzv-backend=etcd-v3`: torch's dynamic rendezvous on etcd v3.
-
-    Reopens the run first if a job that has ended left it closed (waiting up to
-    `join_timeout` for that job's agents to exit), announces this agent, and makes
-    the handler's `shutdown()` leave etcd cleanly (see the module docstring).
-    """
-    liveness_ttl = _positive_int(params, "liveness_ttl", DEFAULT_LIVENESS_TTL)
-    join_timeout = _positive_int(params, "join_timeout", DEFAULT_JOIN_TIMEOUT)
-    backend, store = create_backend(params)
-    keys = RunKeys(backend.client.options.key_prefix.encode())
-    presences: list[AgentPresence] = []
-    try:
-        reopen_closed_run(backend, store, params, keys, timeout=join_timeout)
-        presences.append(AgentPresence(backend.client.options, keys.agents, liveness_ttl))
-        presences[0].enter()
-        handler = create_handler(store, backend, params)
-        # This node's heartbeat: a key on a lease of its own (etcd_liveness), not the whole state rewritten.
-        presences.append(AgentPresence(backend.client.options, keys.alive, dead_after_seconds(handler),
-                                       node_key(handler._this_node).encode()))
-        presences[1].enter()
-    except BaseException:
-        for presence in presences:
-            presence.leave()
-        backend.client.close()  # nothing of this agent is in etcd any more
-        raise
-    lease_heartbeats(handler, backend.client, keys.alive)
-    handler.shutdown = _leaving_etcd(handler.shutdown, backend, store, params, keys, presences)  # type: ignore[method-assign]
-    return handler
-
-
-def _positive_int(params: RendezvousParameters, name: str, default: int) -> int:
+def positive_int(params: RendezvousParameters, name: str, default: int) -> int:
     text = params.get(name)
     if text is None or text == "":
         return default
@@ -328,6 +298,8 @@ class _ReadingView(RendezvousBackend):
 
     def __init__(self, backend: EtcdRendezvousBackend) -> None:
         self._backend = backend
+        self._guard = StateGuard(backend.guard._seal, warn=lambda line: None)
+        self._guard.check_launch = False  # a look at the state: which launch it is does not matter here
         self.token: Token | None = None
 
     @property
@@ -335,7 +307,7 @@ class _ReadingView(RendezvousBackend):
         return self._backend.name
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        current = self._backend.get_state()
+        current = self._backend.state_through(self._guard)
         self.token = None if current is None else current[1]
         return current
 
@@ -410,37 +382,24 @@ def reopen_closed_run(
     return False
 
 
-def _leaving_etcd(
-    shutdown: Callable[[], bool],
-    backend: EtcdRendezvousBackend,
-    store: Store,
-    params: RendezvousParameters,
-    keys: RunKeys,
+def leave(
+    closed: bool, backend: EtcdRendezvousBackend, store: Store, params: RendezvousParameters, keys: RunKeys,
     presences: list[AgentPresence],
-) -> Callable[[], bool]:
-    """torch's `shutdown()` (which closes the rendezvous), then leave etcd: remove this
-    agent's key and, if it was the last agent out, the closed run itself."""
-
-    def shutdown_and_leave() -> bool:
-        closed = False
-        try:
-            closed = shutdown()
-            return closed
-        finally:
-            last_out = False
-            try:
-                for presence in presences:
-                    presence.leave()
-                token = _closed_token(backend, store, params) if closed else None
-                last_out = token is not None and _remove_closed_run(backend.client, keys, token)
-            except RendezvousError as exc:
-                logger.warning(
-                    "rendezvous '%s': could not leave etcd cleanly (%s); this agent's keys expire on their own",
-                    params.run_id, exc,
-                )
-            # Only the last one out ends its lease: another agent's would take the closed
-            # state with it while agents of the job are still winding down.
-            backend.client.close(revoke=last_out)
-
-    return shutdown_and_leave
-
+) -> None:
+    """After torch's `shutdown()` (`closed`: it closed the rendezvous), leave etcd: remove this agent's keys
+    (its presence under `agents/`, its node's heartbeat under `alive/`) and, if it was the last agent out,
+    the closed run itself."""
+    last_out = False
+    try:
+        for presence in presences:
+            presence.leave()
+        token = _closed_token(backend, store, params) if closed else None
+        last_out = token is not None and _remove_closed_run(backend.client, keys, token)
+    except RendezvousError as exc:
+        logger.warning(
+            "rendezvous '%s': could not leave etcd cleanly (%s); this agent's keys expire on their own",
+            params.run_id, exc,
+        )
+    # Only the last one out ends its lease: another agent's would take the closed
+    # state with it while agents of the job are still winding down.
+    backend.client.close(revoke=last_out)

@@ -7,7 +7,7 @@ for the others re-reads the shared state once a second. After a worker failure
 every node of the last round re-joins within a few hundred milliseconds, so
 both waits are most of what a restart costs.
 
-`quicken(handler)` changes two things in one torch handler, nothing else:
+The handlers made by `handlers.build` change two things in torch's, nothing else:
 
 - A round closes at once when every node of the previous round has re-joined,
   except nodes the rendezvous has since declared dead (their keep-alive
@@ -24,13 +24,9 @@ both waits are most of what a restart costs.
   for the counter's new value and a waiter watches for it, which costs etcd
   nothing while it waits. On a TCPStore a waiter reads the counter every 5 to
   50 ms instead (a few bytes, not the state): a TCPStore wait that times out
-  prints a warning each time.
-
-It also names torch's rendezvous events without `inspect.stack()`: torch's
-`get_method_name` walks the whole stack with source lines, twice, for every
-action of a round, even when no event handler is set to receive the name; in
-an agent with torch imported that is 5 to 50 ms a call, most of a quick
-round's time. The name is the same.
+  prints a warning each time. The counter lives in a `SealedStore` (its value
+  sealed, and parsed by the agent, never by the store): a stranger's value
+  reads as absent and is replaced, so at worst a waiter sleeps torch's 1 s.
 
 Everything else, the state, its keys, the ranks and the timeouts, is torch's.
 `--rdzv-conf quick_rounds=0` keeps torch's handler as it is.
@@ -49,21 +45,19 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousTimeoutError,
-    dynamic_rendezvous,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
     _Action,
-    _DistributedRendezvousOpExecutor,
     _RendezvousContext,
     _RendezvousJoinOp,
     _RendezvousState,
 )
+
+from elastic._agent.rendezvous.named_events import NamedExecutor
 
 QUICK_ROUNDS_CONF = "quick_rounds"
 """`--rdzv-conf quick_rounds=0` leaves torch's handler unchanged."""
@@ -94,9 +88,6 @@ _METHODS = {
     _Action.MARK_RENDEZVOUS_COMPLETE: "_mark_rendezvous_complete",
     _Action.MARK_RENDEZVOUS_CLOSED: "_mark_rendezvous_closed",
 }
-# What the handler must have for `quicken` to work; a torch without them keeps its own handler.
-_HANDLER_PARTS = ("_this_node", "_state_holder", "_settings", "_store", "_op_executor")
-_HOLDER_PARTS = ("_last_sync_time", "_dead_nodes")
 
 
 def recorded_round(state: _RendezvousState) -> tuple[int, frozenset]:
@@ -155,7 +146,7 @@ class ChangeSignal:
         self._use(lambda: store.add(self._counter, 0))  # created once: reading it is then a plain read
 
     def generation(self) -> int:
-        return int(self._use(lambda: self._store.get(self._counter)))
+        return int(self._use(lambda: self._store.add(self._counter, 0)))
 
     def announce(self) -> None:
         value = int(self._use(lambda: self._store.add(self._counter, 1)))
@@ -197,7 +188,7 @@ class ChangeSignal:
             pause = min(pause * 2, POLL_MAX_SECONDS)
 
 
-class QuickRoundsExecutor(_DistributedRendezvousOpExecutor):
+class QuickRoundsExecutor(NamedExecutor):
     """torch's executor of rendezvous operations with the early close and the waits above.
 
     The loop is torch's: read (or write) the shared state, ask the operation what to do,
@@ -290,75 +281,3 @@ def cas_backoff(settings: Any, lost: int) -> float:
     if configured:
         return random.uniform(0, configured)
     return random.uniform(0, min(CAS_BACKOFF_MAX_SECONDS, CAS_BACKOFF_FIRST_SECONDS * 2 ** min(max(lost, 1) - 1, 16)))
-
-
-def method_name(depth: int = 2) -> str:
-    """torch's `get_method_name`: the name of the function `depth` frames up from this one
-    ("no_method_name" when the stack is not that deep), read from the frame itself instead of
-    from `inspect.stack()`, which builds source context for every frame of the stack."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:
-        return "no_method_name"
-
-
-def quicken(handler: Any, params: Any) -> Any:
-    """`handler` with quick rounds (see the module docstring), unless `quick_rounds=0` or it is
-    not torch's dynamic handler; a torch whose handler lacks what this needs keeps its own,
-    with one warning line."""
-    if not isinstance(handler, DynamicRendezvousHandler) or not params.get_as_bool(QUICK_ROUNDS_CONF, True):
-        return handler
-    holder = getattr(handler, "_state_holder", None)
-    if not all(hasattr(handler, part) for part in _HANDLER_PARTS) or not all(
-        hasattr(holder, part) for part in _HOLDER_PARTS
-    ):
-        print("torchrevive-run: warning: this torch's rendezvous handler is not the one quick rounds know; "
-              "rounds close at torch's last call", file=sys.stderr, flush=True)
-        return handler
-    # torch's handler, its executor and its state holder name each event they record with it.
-    if getattr(dynamic_rendezvous, "get_method_name", None) is not None:
-        dynamic_rendezvous.get_method_name = method_name
-    # TCPStore's wait prints a warning whenever it times out: poll its counter instead.
-    signal = ChangeSignal(handler._store, handler._settings.run_id, watch=not isinstance(handler._store, TCPStore))
-    handler._op_executor = QuickRoundsExecutor(handler._this_node, holder, handler._settings, signal)
-    handler.num_nodes_waiting = fresh_when_changed(handler.num_nodes_waiting, holder, signal)
-    return handler
-
-
-def fresh_when_changed(num_nodes_waiting: Callable[[], int], holder: Any, signal: ChangeSignal) -> Callable[[], int]:
-    """torch's `num_nodes_waiting` (the agent asks it at every look at its workers, every
-    --monitor-interval), served from the state read at the last announced membership change, and read
-    afresh at the next: a node that failed and joins the next round is on the wait list, and the other
-    agents restart their workers at their next look instead of up to a second later (their workers
-    meanwhile train on, or wait in a collective with the dead one). One read of the change counter per
-    look, and no read of the whole state (O(N) bytes, every second under torch's 1 s cache) while
-    nothing changed: the wait list changes only by a membership write, which is announced."""
-    seen: list[int | None] = [None]
-
-    def num_nodes_waiting_now() -> int:
-        generation = signal.generation()
-        if generation != seen[0]:
-            holder._last_sync_time = -1  # read the state now, not torch's cached copy
-        else:
-            holder._last_sync_time = time.monotonic()  # no change since it was read: torch's copy is current
-        waiting = num_nodes_waiting()
-        seen[0] = generation
-        return waiting
-
-    return num_nodes_waiting_now
-
-
-def install() -> None:
-    """Make torch's launcher (in this process) get every rendezvous handler through `quicken`.
-    Idempotent."""
-    from torch.distributed.elastic.rendezvous import registry
-
-    if getattr(registry.get_rendezvous_handler, "quickened", False):
-        return
-    original = registry.get_rendezvous_handler
-
-    def get_rendezvous_handler(params: Any) -> Any:
-        return quicken(original(params), params)
-
-    get_rendezvous_handler.quickened = True  # type: ignore[attr-defined]
-    registry.get_rendezvous_handler = get_rendezvous_handler

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -26,6 +27,28 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+_EPOCHS = re.compile(r"([0-9]+)\s*(?:e|epochs?)")
+
+
+def steps_or_epochs(text: str) -> int | str:
+    """An argparse type: a number of steps, 0 or more ("50" is 50), or of epochs, 1 or more ("2e", "1epoch",
+    "3 epochs": normalised to "2e")."""
+    epochs = _EPOCHS.fullmatch(text.strip())
+    if epochs is not None and int(epochs[1]) >= 1:
+        return f"{int(epochs[1])}e"
+    try:
+        return int_at_least(0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps (0 or more) or of epochs (2e)") from None
+
+
+def is_steps_or_epochs(value: object) -> bool:
+    """Whether `value` is what `steps_or_epochs` returns: an int >= 0, or "Ne" with N >= 1."""
+    if isinstance(value, str):
+        return re.fullmatch(r"[1-9][0-9]*e", value) is not None
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

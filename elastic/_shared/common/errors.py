@@ -75,6 +75,17 @@ class Preempted(ElasticError):
     raised_everywhere = True
 
 
+class PeerLost(ElasticError):
+    """A collective of this worker broke because a peer worker died (killed, crashed, its node lost), and
+    the job restarts every worker (`--survivors restart`, torch's way): this one stops too.
+
+    Not this worker's fault: its agent counts it as the peer's failure, never as a primary one (the exit
+    status says so: elastic._shared.protocol.exit_status.PEER_LOST_EXIT), and the line says which step broke.
+    """
+
+    exit_code = 83
+
+
 class CorruptCheckpoint(Exception):
     """A committed checkpoint whose manifest or data do not verify (a torn or damaged write).
 

@@ -18,11 +18,12 @@ whose peer is gone) can neither be joined nor be left to the unwind: the
 process then says so in one stderr line, flushes stdout and stderr and ends
 with `os._exit(status)`, which skips finalization, so no thread is unwound.
 `status` is the one the process meant to exit with, as far as this module can
-know it: the last `note_exit_status` (`sys.exit` notes its status: this module
-wraps it, since an atexit hook cannot read it; the library notes one where it
-abandons a thread on its way to a known exit, e.g. 75 after a restore timed out), else 1
-after an uncaught exception (130 for KeyboardInterrupt), else 1: an exit with a
-library thread hung is not a success.
+know it: the last `note_exit_status` (the library notes one where it abandons a
+thread on its way to a known exit, e.g. 75 after a restore timed out), else 1
+after an uncaught exception (130 for KeyboardInterrupt), else the status of the
+main thread's last `sys.exit` (this module wraps it, since an atexit hook cannot
+read it; one a script caught and went on from counts only if nothing crashed
+after it), else 1: an exit with a library thread hung is not a success.
 
 A forked child starts with no library threads (fork copies only the forking
 thread), so the registry is emptied in the child.
@@ -54,6 +55,7 @@ class _Entry:
 _lock = threading.Lock()
 _entries: list[_Entry] = []
 _exit_status: int | None = None
+_sys_exit_status: int | None = None
 
 
 def start(
@@ -105,9 +107,12 @@ def stop_all(timeout: float) -> list[threading.Thread]:
 def _intended_status() -> int:
     if _exit_status is not None:
         return _exit_status
-    if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+    crashed = getattr(sys, "last_value", None)  # set by the interpreter for an uncaught exception (not SystemExit)
+    if isinstance(crashed, KeyboardInterrupt):
         return 130
-    return 1
+    if crashed is not None or _sys_exit_status is None:
+        return 1
+    return _sys_exit_status
 
 
 def _at_exit() -> None:
@@ -133,10 +138,10 @@ def _at_exit() -> None:
 
 
 def _forget_in_child() -> None:
-    global _lock, _exit_status
+    global _lock, _exit_status, _sys_exit_status
     _lock = threading.Lock()  # the parent's may have been held by another thread at the fork
     _entries.clear()
-    _exit_status = None
+    _exit_status = _sys_exit_status = None
 
 
 def _status_of(code: object) -> int:
@@ -156,8 +161,9 @@ def _exit_noting_status(code: object = None) -> NoReturn:
     end past a stuck library thread (`_at_exit`) should still end with the status the script chose.
     Only the main thread's: another thread's `sys.exit` ends that thread, never the process, so a
     `sys.exit(0)` on any thread must not turn a later crash into status 0."""
+    global _sys_exit_status
     if threading.current_thread() is threading.main_thread():
-        note_exit_status(_status_of(code))
+        _sys_exit_status = _status_of(code)
     _system_exit(code)
 
 

@@ -22,14 +22,19 @@ from elastic._shared.common.errors import UsageError
 
 POINTS = (
     "during_write", "before_commit", "after_step", "before_read", "during_read", "during_snapshot",
-    "during_catch_up", "during_all_reduce",
+    "during_catch_up", "during_all_reduce", "during_vote", "during_replica_check", "during_heal",
+    "snapshot_begun", "snapshot_checksummed", "snapshot_committed",
 )
 """Where faults can fire: writing a checkpoint (after its first item), just before its commit, after
 a step, a restore's read of a step (before any of its bytes: every rank has agreed on the step and
-learned where its parts are; and after its first chunk), copying an in-memory snapshot (data written,
-header not), taking the state from a live peer in a heal in place (the header received, no tensor),
-a step's gradient all-reduce (its first bucket, before it is sent; the step is the one being trained:
-heals in place only, whose comm hook marks it)."""
+learned where its parts are; and after its first chunk), writing an in-memory snapshot (its phases,
+elastic._worker.checkpoint.snapshot_write: its slot's header removed, nothing copied; data written,
+no checksums; checksums made, header not written; header written, no replica yet), taking the state
+from a live peer in a heal in place (a member that takes it: the header received, no tensor), a
+step's gradient all-reduce (its first bucket, before it is sent; the step is the one being trained:
+heals in place only, whose comm hook marks it), a vote step of the step vote (before the vote in
+flight is read and the next one cast), a replica check (before its exchange), and a survivor's heal
+in place (its broken group left, the next one not formed yet)."""
 ENV_VAR = "ELASTIC_FAULT"
 ENTRY_POINT_GROUP = "torchrevive.faults"
 

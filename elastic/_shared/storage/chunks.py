@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,34 @@ def block_checksums(data: memoryview, block: int | None = None) -> list[int]:
     if len(blocks) == 1:
         return [crc32c.crc32c(blocks[0])]
     return list(_checksum_pool().map(crc32c.crc32c, blocks))
+
+
+PARALLEL_BYTES = 16 * 2**20
+"""`pieces_checksums` checksums fewer bytes than this on the calling thread: below it, handing
+blocks to the pool costs more than it saves (crc32c runs at 10+ GB/s)."""
+
+
+def _timed_crc(block: memoryview) -> tuple[int, float]:
+    started = time.thread_time()
+    return crc32c.crc32c(block), time.thread_time() - started
+
+
+def pieces_checksums(pieces: list[memoryview], block: int = BLOCK) -> tuple[list[tuple[int, ...]], float]:
+    """`block_checksums` of every piece, and the CPU seconds the pool's threads spent on them (0 when
+    the calling thread ran them all, whose own clock then has them): a background writer's cost is
+    counted whole. One pass for all pieces: on the calling thread when they hold fewer than
+    `PARALLEL_BYTES`, else on the pool."""
+    counts = [max(1, -(-len(p) // block)) for p in pieces]  # an empty piece has one checksum, as in block_checksums
+    if sum(len(p) for p in pieces) < PARALLEL_BYTES:
+        return [tuple(crc32c.crc32c(p[i * block : (i + 1) * block]) for i in range(n)) for p, n in zip(pieces, counts)], 0.0
+    blocks = [p[i * block : (i + 1) * block] for p, n in zip(pieces, counts) for i in range(n)]
+    results = list(_checksum_pool().map(_timed_crc, blocks))
+    cpu = sum(seconds for _, seconds in results)
+    out, at = [], 0
+    for n in counts:
+        out.append(tuple(crc for crc, _ in results[at : at + n]))
+        at += n
+    return out, cpu
 
 
 def dtype_named(name: Any) -> torch.dtype:
@@ -172,7 +201,8 @@ class MappedFiles:
     copied straight from the page it lies in, with no read into a buffer first. The
     file's size is checked when it is mapped, so a short file is a `CorruptCheckpoint`;
     the files must not shrink or change while mapped (snapshot parts at restore never
-    do: their writers are gone, a replica is replaced by rename, pruning unlinks).
+    do: their writers, the only ones to rewrite a part, local or replica, in place, are
+    gone; a part of another size replaces its file by rename; pruning unlinks).
     Close once no view of a chunk is left. A symbolic link is refused unless `follow_links`
     (a restore's own layout of links to this node's parts, memory.gather_files)."""
 

@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.claim import WriterIdentity
-from elastic._shared.storage.directory import CheckpointStore
 
 if TYPE_CHECKING:
-    from elastic._shared.storage.object_store.bucket import BucketStage, BucketStore
+    from elastic._shared.storage.object_store.bucket import BucketStage
 from elastic._shared.storage.durable import SaveFailed, describe_failure
 from elastic._shared.storage.manifest import (
     TENSORS_FILE,
@@ -44,7 +44,7 @@ from elastic._shared.storage.manifest import (
 
 
 def commit_checkpoint(
-    store: CheckpointStore | BucketStore,
+    store: CheckpointStorage[Any],
     stage: Path | BucketStage,
     *,
     step: int,

@@ -125,9 +125,15 @@ class PartHeader:
     def stem(self) -> str:
         return part_stem(self.rank, self.writer, self.slot)
 
-    def to_json(self) -> bytes:
+    def to_json(self, rendered: dict[str, str] | None = None) -> bytes:
+        """The header as JSON. `rendered`: fields whose JSON text is made already, used in place of
+        theirs (a writer renders what does not change from one snapshot to the next once:
+        snapshot_slots.Slot; a header of thousands of tensors is megabytes of JSON)."""
         # Not dataclasses.asdict: it deep-copies every chunk's checksums, on every step's snapshot.
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True).encode()
+        if not rendered:
+            return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, sort_keys=True).encode()
+        rest = json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name not in rendered}, sort_keys=True)
+        return (rest[:-1] + "".join(f", {json.dumps(name)}: {text}" for name, text in rendered.items()) + "}").encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> PartHeader:
@@ -205,10 +211,14 @@ def decode_trainer(header: PartHeader) -> dict[str, Any]:
 
 def write_header(directory: Path, header: PartHeader) -> None:
     """Publish `header` in `directory` atomically (temporary file, rename)."""
-    final = directory / (header.stem + HEADER_SUFFIX)
-    tmp = directory / f".{header.stem}.{uuid.uuid4().hex[:6]}.tmp"
-    tmp.write_bytes(header.to_json())
-    os.replace(tmp, final)
+    write_header_bytes(directory, header.stem, header.to_json())
+
+
+def write_header_bytes(directory: Path, stem: str, head: bytes) -> None:
+    """Publish the header JSON `head` of part `stem` in `directory` atomically (temporary file, rename)."""
+    tmp = directory / f".{stem}.{uuid.uuid4().hex[:6]}.tmp"
+    tmp.write_bytes(head)
+    os.replace(tmp, directory / (stem + HEADER_SUFFIX))
 
 
 def read_headers(directory: Path) -> list[PartHeader]:

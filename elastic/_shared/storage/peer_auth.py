@@ -133,6 +133,13 @@ class PeerKey:
         message = f"torchrevive-record-1\n{scope}\n{name}\n{value}".encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]
 
+    def store_tag(self, scope: bytes, name: bytes, value: bytes) -> bytes:
+        """The tag of a value in a c10d store (elastic._shared.storage.sealed_store): HMAC-SHA256 over
+        the scope (run, launch, round), the key and the value, its first 16 bytes. The scope and key are
+        length-prefixed, so no two (scope, key, value) triples share a message."""
+        message = b"torchrevive-store-1\n%d:%s%d:%s" % (len(scope), scope, len(name), name) + value
+        return hmac.new(self._secret, message, hashlib.sha256).digest()[:16]
+
     # -- bodies ------------------------------------------------------------------------
 
     def body_tag(self, nonce: str, what: str) -> Poly1305:

@@ -1,7 +1,7 @@
 """The checkpoint store `--ckpt-dir` names: a directory's `CheckpointStore`, or a bucket's `BucketStore`.
 
-Both offer the same methods (claim, begin, write, finish, abort, committed,
-read, verify, quarantine), so the workers, the keeper and the tools choose
+Both implement `checkpoint_storage.CheckpointStorage` (claim, begin, write, finish, abort,
+committed, read, verify, quarantine), so the workers, the keeper and the tools choose
 here once and never look at the scheme again.
 
 Invariants:
@@ -13,8 +13,11 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 from elastic._shared.common.errors import UsageError
 from elastic._shared.storage import location
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.object_store.bucket import BucketStore
 from elastic._shared.storage.object_store.objects import StoreUnavailable
@@ -23,7 +26,7 @@ START_CHECK_ATTEMPTS = 2
 """Tries of the first request to a bucket: a wrong endpoint is said within seconds, not after every retry."""
 
 
-def open_store(ckpt_dir: str, *, keep: int = 3, check: bool = True) -> CheckpointStore | BucketStore:
+def open_store(ckpt_dir: str, *, keep: int = 3, check: bool = True) -> CheckpointStorage[Any]:
     """The store of `ckpt_dir` (a directory, or `s3://BUCKET/PREFIX`); see the module docstring."""
     if not location.is_url(ckpt_dir):
         return CheckpointStore(ckpt_dir, keep=keep)

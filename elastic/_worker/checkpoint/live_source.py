@@ -101,7 +101,8 @@ def share(
     entries, trainer, extras_received = _check_header(header, step)
     if not is_source:
         _check_fits(state, entries, trainer, source)
-    fault("during_catch_up", step)
+    if not is_source:
+        fault("during_catch_up", step)
     # Receivers get fresh tensors of the checked shapes (a copy each: nothing is a view of a buffer).
     received = {key: torch.empty(shape, dtype=dtype) for key, shape, dtype in entries} if not is_source else {}
     flat_broadcast.broadcast(

@@ -66,6 +66,8 @@ from elastic._worker.runtime.context import WorkerContext, barrier
 
 logger = logging.getLogger(__name__)
 
+NO_CHECKPOINTS = ("no --ckpt-dir: this job keeps no checkpoints and no in-memory snapshots, so a failure restarts "
+                  "training from step 0; give --ckpt-dir DIR (or s3://BUCKET/PREFIX) to resume where it stopped")
 _SOURCE_WORDS = {"disk": "", "memory": " in memory", "peer": " in a peer node's memory"}
 
 
@@ -118,10 +120,9 @@ class CheckpointManager:
         )
         self.snapshot_interval = SnapshotInterval(
             config.snapshot_every, world_size=ctx.world_size, mtbf_hours=config.mtbf_hours,
-            ckpt_every=config.ckpt_every, announce=ctx.is_main,
+            ckpt_every=config.ckpt_every_steps, announce=ctx.is_main,
         )
         self.memory = self._memory_tier(copy_stream) if self.enabled and config.snapshot_every != 0 else None
-        self._costs_noted = 0  # snapshots whose cost the interval has seen
         self.hook_seconds = 0.0
         """Seconds the optimizer steps waited in this manager's pre-hook (saves' and snapshots' copies)."""
         self.restored_bytes = 0
@@ -165,7 +166,7 @@ class CheckpointManager:
 
     @property
     def every(self) -> int:
-        return self.config.ckpt_every
+        return self.config.ckpt_every_steps
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -191,6 +192,12 @@ class CheckpointManager:
         return agreement.main_text(self._ctx, self.policy.stop_reason) or "checkpoint saves keep failing"
 
     def due(self, step: int) -> bool:
+        """A checkpoint is due at the end of `step`: every `--ckpt-every` steps, or in epochs (2e) when the step
+        completed an epoch that is a multiple (its global batch reached into the next epoch's first samples)."""
+        epochs, sampler = self.config.ckpt_every_epochs, self.state.sampler
+        if epochs:
+            crossed = sampler.state.consumed < sampler.batch_size * self._ctx.world_size
+            return self.enabled and crossed and sampler.epoch % epochs == 0
         return self.enabled and self.every > 0 and step % self.every == 0
 
     # -- restore -------------------------------------------------------------------------
@@ -198,6 +205,8 @@ class CheckpointManager:
     def restore(self) -> int:
         """Load the newest good state on every rank; the step to continue from (0: none)."""
         if not self.enabled:
+            if self._ctx.is_main and self._ctx.distributed:  # a restart would begin again: say it once, at start
+                logger.warning(NO_CHECKPOINTS)
             return 0
         planner = RestorePlanner(
             self._ctx, self.state, self.store, self.loader, self.memory,
@@ -312,9 +321,8 @@ class CheckpointManager:
         if self.memory is not None:
             self.memory.note_step(step)
             self.snapshot_interval.note_step_end()
-            for cost in self.memory.costs(self._costs_noted):
-                self.snapshot_interval.note_cost(cost)
-                self._costs_noted += 1
+            for cost, replica in self.memory.costs.drain():
+                self.snapshot_interval.note_cost(cost, replica)
         if self.due(step):
             self.save(step)
         elif self.enabled:
@@ -341,10 +349,10 @@ class CheckpointManager:
     def loop_seconds(self) -> dict[str, float]:
         """Seconds the loop spent in snapshots, and in this manager's optimizer pre-hook otherwise, for
         the step costs: what to add to each phase when `maybe_save` was charged to "checkpoint"."""
-        memory = self.memory
-        taken = sum(memory.blocking_seconds) if memory is not None else 0.0
-        copied = sum(memory.copy_seconds) if memory is not None else 0.0
-        step_waits = sum(memory.step_wait_seconds) if memory is not None else 0.0
+        costs = self.memory.costs if self.memory is not None else None
+        taken = costs.blocked_seconds if costs is not None else 0.0
+        copied = costs.capture_seconds if costs is not None else 0.0
+        step_waits = costs.step_wait_seconds if costs is not None else 0.0
         return {"snapshot_copy": copied, "snapshot_wait": taken - copied + step_waits,
                 "checkpoint": self.hook_seconds - step_waits - taken}
 

@@ -6,11 +6,13 @@ memory (/dev/shm) and an HTTP endpoint for its peers, and tells the workers
 where both are (`KeeperAddress`, from the environment). Each worker:
 
 - writes its part of the state (its share of what a durable checkpoint holds,
-  see parts.py) into that directory at every `every`-th step, the loop blocking
-  only while the state is copied (the copy of parameters and optimizer state
-  runs off the loop until the next optimizer step, as for checkpoints);
+  see parts.py) into that directory at every `every`-th step: `take` captures
+  at the step boundary what the next step's forward pass may change, and the
+  snapshot thread copies the rest (parameters, optimizer state) and publishes
+  the part while the loop computes the next step (snapshot_write.py, phase by
+  phase); the buffers it writes into are made once (snapshot_slots.py);
 - sends the part to the keeper of one peer node (node i -> node i+1, a ring),
-  on the same background thread, so losing a whole node still leaves a copy;
+  on the same thread, so losing a whole node still leaves a copy;
 - at restore, reports what its node holds (`inventory`), and reads the parts
   its node lacks from the keepers that hold them, only the rows it needs
   (`gather_files`, part_files.PartFiles).
@@ -19,13 +21,14 @@ Invariants:
 - At most one snapshot is in flight per worker: the next one waits for the
   previous one's copy, checksums, header and replica, so every part a header
   names is whole and the replica is at most one snapshot behind.
-- A snapshot's data file is allocated in full (fallocate) before it is mapped:
-  a full /dev/shm is an error at allocation (snapshots turn off with a
-  warning), never a SIGBUS in the middle of a copy.
 - The optimizer step waits for the whole previous snapshot (copy, checksums,
-  header, replica: `before_optimizer_step`): a step whose parameters change is
-  finished, and a failure after it finds that step's snapshot whole, so at
-  most one finished step is ever redone.
+  header, replica: `before_optimizer_step`): the parameters it changes were
+  copied first, so a snapshot holds the state at its step's boundary, and a
+  failure after it finds that snapshot whole. A finished step is redone only
+  when a worker dies between the step's end and its snapshot's commit
+  (snapshot_write.py), or when a node is lost before its replica is whole.
+- What each snapshot costs the loop is measured (snapshot_costs.py) for
+  `--snapshot-every auto` (snapshot_interval.py).
 - Nothing here is on the restore's trust path: every request to a keeper is
   signed with the job's secret and every range read back carries the keeper's
   tag (keeper_client.py), and every chunk read is checked against its crc32c
@@ -34,7 +37,6 @@ Invariants:
 
 from __future__ import annotations
 
-import http.client
 import logging
 import mmap
 import os
@@ -42,15 +44,13 @@ import shutil
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from elastic._shared.storage import parts, sharded
-from elastic._shared.storage.chunks import BLOCK, StoredChunk, block_checksums
 from elastic._shared.storage.keeper_address import (
     LOCAL,
     PROGRESS,
@@ -58,13 +58,13 @@ from elastic._shared.storage.keeper_address import (
     KeeperAddress,
     part_url,
 )
-from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import state as live_state
-from elastic._worker.checkpoint.keeper_client import push_part
 from elastic._worker.checkpoint.keeper_ring import KeeperSeen, peer_keeper, share_of_node
 from elastic._worker.checkpoint.part_files import PartFiles
 from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
+from elastic._worker.checkpoint.snapshot_costs import SnapshotCost, SnapshotCosts
+from elastic._worker.checkpoint.snapshot_write import PUSH_TIMEOUT, Capture, PartWriter
 from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._worker.checkpoint.writer import BackgroundWriter
 from elastic._worker.control import agreement
@@ -72,10 +72,6 @@ from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.runtime.rng import get_rng_state
 
 logger = logging.getLogger(__name__)
-
-PUSH_TIMEOUT = 30.0
-PUSH_PAUSE = 30.0
-"""Seconds without copies to the peer after one failed (a slow peer must not slow every step)."""
 
 
 @dataclass(frozen=True)
@@ -88,70 +84,6 @@ class Inventory(agreement.Message):
     """The newest step this node's workers finished (None: none noted)."""
     parts: list[list[str]]
     """[where ("local" | "replica"), the part's header as JSON] of every part of this run."""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    key: str
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    global_size: tuple[int, ...]
-    global_offset: tuple[int, ...]
-
-
-def _local_and_global(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(local data, global size, global offset of the local data) of a tensor or DTensor shard."""
-    if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import (
-            compute_local_shape_and_global_offset,
-        )
-
-        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return tensor.to_local(), tuple(tensor.shape), tuple(int(o) for o in offset)
-    return tensor, tuple(tensor.shape), (0,) * tensor.dim()
-
-
-class _Slot:
-    """One data file in shared memory, mapped, with a tensor view per key (layout fixed at creation)."""
-
-    def __init__(self, path: Path, entries: list[_Entry], size: int) -> None:
-        self.path = path
-        self.entries = entries
-        self.size = size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            if size:
-                os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS mid-copy
-        finally:
-            os.close(fd)
-        self.data = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        self.views = {
-            e.key: self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries
-        }
-        self.signature = layout_signature(entries)
-
-    def get(self, path: str, like: torch.Tensor) -> torch.Tensor:
-        """The buffer for `path` ("later/<key>", as `snapshot.plan_copies` names it)."""
-        return self.views[path.split("/", 1)[1]]
-
-
-def layout_signature(entries: list[_Entry]) -> tuple[Any, ...]:
-    """What a slot's mapping depends on: a slot is reused while this stays the same."""
-    return tuple((e.key, e.dtype, e.shape) for e in entries)
-
-
-def plan_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[_Entry], int]:
-    entries: list[_Entry] = []
-    offset = 0
-    for key in sorted(tensors):
-        local, global_size, global_offset = _local_and_global(tensors[key])
-        nbytes = local.numel() * local.element_size()
-        entries.append(_Entry(key, offset, nbytes, local.dtype, tuple(local.shape), global_size, global_offset))
-        offset += -(-nbytes // parts.ALIGN) * parts.ALIGN
-    return entries, offset
 
 
 class MemorySnapshots:
@@ -175,44 +107,31 @@ class MemorySnapshots:
         self._key = key
         self._state = state
         self._copy_stream = copy_stream
-        self._pool = BufferPool(pin_memory=False)
+        self._pool = BufferPool(pin_memory=False)  # the trainer state's and buffers' copies, reused
         self._copy: DeferredCopy | None = None  # the snapshot whose copy the next optimizer step waits for
         self.every = every
-        self._ckpt_dir = ckpt_dir
-        self._keep = keep
-        self._fault = fault
         self.writer_id = parts.new_writer_id()
-        self._local = keeper.root / LOCAL
-        self._local.mkdir(parents=True, exist_ok=True)
-        self._slots: list[_Slot | None] = [None, None]
-        self._next_slot = 0
+        local = keeper.root / LOCAL
+        local.mkdir(parents=True, exist_ok=True)
+        self.part_writer = PartWriter(ctx, local, self.writer_id, key=key, ckpt_dir=ckpt_dir, keep=keep, fault=fault)
         self._writer = BackgroundWriter(name="snapshot-writer", drain_timeout=PUSH_TIMEOUT)
-        self._peer: str | None = None
-        self._push_warned = False
+        self._step_ended = (-1, 0.0)  # (step, perf_counter) of the newest `note_step`
         self.disabled: str | None = None
         """Why snapshots stopped (shared memory full, say); None while they run."""
-        self.history: list[dict[str, float]] = []
-        """Per snapshot: step, seconds (copy to replica done)."""
-        self.blocking_seconds: list[float] = []
-        """Per snapshot: seconds the loop was blocked taking it (the optimizer step's wait not included)."""
-        self.step_wait_seconds: list[float] = []
-        """Per snapshot: seconds the next optimizer step waited for it to be written and replicated."""
-        self.copy_seconds: list[float] = []
-        """Per snapshot: `blocking_seconds` less its wait for the previous one: the loop's own part of the copy."""
-        self._generation = ""
-        self._push_paused_until = 0.0
+        self.costs = SnapshotCosts()
+        """What each snapshot cost the loop (snapshot_costs.py)."""
         self._progress = self._open_progress()
 
     @property
     def generation(self) -> str:
         """The restore this worker resumed from (shared by every rank): a plan takes parts of one."""
-        return self._generation
+        return self.part_writer.generation
 
     @generation.setter
     def generation(self, tag: str) -> None:
         """Set at the start of each restore, before any rank of the new generation snapshots; local
         rank 0 tells the keeper, which from then on keeps replicas of this generation only."""
-        self._generation = tag
+        self.part_writer.generation = tag
         if self._ctx.local_rank == 0:
             try:
                 self.keeper.note_job(self._ctx.run_id, tag, self._ctx.world_size)
@@ -234,7 +153,9 @@ class MemorySnapshots:
             return None
 
     def note_step(self, step: int) -> None:
-        """The newest step this rank finished (read back after a failure: steps redone)."""
+        """The newest step this rank finished (read back after a failure: steps redone); its snapshot's
+        exposure (snapshot_costs.SnapshotCost.exposed_seconds) is counted from here."""
+        self._step_ended = (step, time.perf_counter())
         if self._progress is not None:
             struct.pack_into("<q", self._progress, 0, step)
 
@@ -267,25 +188,26 @@ class MemorySnapshots:
 
     def connect(self, group: Any = agreement.DEFAULT_GROUP) -> None:
         """A collective: pick this node's peer, the next node's keeper in a ring (keeper_ring)."""
-        self._peer = peer_keeper(self._ctx, KeeperSeen(self.keeper.node, self.keeper.url), group)
-        if self._peer is None and self._ctx.is_main and self._ctx.distributed:
+        self.part_writer.peer = peer_keeper(self._ctx, KeeperSeen(self.keeper.node, self.keeper.url), group)
+        if self.part_writer.peer is None and self._ctx.is_main and self._ctx.distributed:
             logger.info("snapshots stay on this node: the job runs on one node, so there is no peer to copy them to")
 
     # -- writing ---------------------------------------------------------------------
 
     def take(self, step: int) -> None:
-        """Copy the state of `step` into this node's shared memory. Not a collective: each rank
-        copies its own share; the loop blocks only for the buffers and trainer state, the rest is
-        copied on the snapshot thread before the next optimizer step (`before_optimizer_step`)."""
-        started = time.perf_counter()
-        self.wait_previous()  # at most one in flight: its buffers are reused now
-        waited = time.perf_counter() - started
+        """Snapshot the state of `step` into this node's shared memory. Not a collective: each rank
+        writes its own share. The loop copies only what the next step's forward pass may change
+        (buffers) and the trainer state; the rest is copied on the snapshot thread before the next
+        optimizer step (`before_optimizer_step`), then checksummed and published there."""
+        began = time.perf_counter()
+        self.wait_previous()  # at most one in flight: its slot, pool and thread are reused now
+        waited = time.perf_counter() - began
         if self.disabled is not None:
             return
         state, ctx = self._state, self._ctx
         # What a weights-only load could not read back is refused at the first snapshot and at every
         # checkpoint (plain_state); checking it at every step would cost the loop for nothing.
-        first = not self.history
+        first = self.costs.taken == 0
         trainer = state.trainer_state(
             step, ctx.world_size, [get_rng_state(ctx.device)], state.extra_state(check=first),
             state.optimizer_settings(check=first), check=first,
@@ -307,9 +229,14 @@ class MemorySnapshots:
                 return layout.share(layout.tensors(), ctx.rank, ctx.world_size)
         now = copy_now({"trainer": trainer, "buffers": buffers}, self._pool, ctx.device, self._copy_stream)
         self._copy = DeferredCopy(ctx.device, self._copy_stream)
-        self.submit(step, now["trainer"], now["buffers"], build, self._copy)
-        self.blocking_seconds.append(time.perf_counter() - started)
-        self.copy_seconds.append(self.blocking_seconds[-1] - waited)
+        record = self.costs.begin(step)
+        noted, ended = self._step_ended
+        capture = Capture(step, now["trainer"], now["buffers"], build, self._copy, ended if noted == step else began)
+        self._writer.submit(lambda: self._write(capture, record))
+        blocked = time.perf_counter() - began
+        record.capture_seconds = blocked - waited
+        self.costs.blocked_seconds += blocked
+        self.costs.capture_seconds += record.capture_seconds
 
     def before_optimizer_step(self) -> None:
         """Optimizer step pre-hook: the whole previous snapshot (copy, checksums, header, replica) is
@@ -319,120 +246,52 @@ class MemorySnapshots:
         started = time.perf_counter()
         self._copy.wait_sources_free()
         self._copy = None
-        self.wait_previous()
-        self.step_wait_seconds.append(time.perf_counter() - started)
+        self._wait(at_step=True, started=started)
 
     def due(self, step: int) -> bool:
         return self.disabled is None and self.every > 0 and step % self.every == 0
 
-    def costs(self, first: int = 0) -> list[float]:
-        """Each finished snapshot's cost to the loop from the `first`-th on: its copy on the loop plus
-        its writer's time (on a busy host the writer competes with the step for the cores)."""
-        done = len(self.history)  # appended last by the writer: the copy of the same index exists
-        return [self.copy_seconds[i] + self.history[i]["seconds"] for i in range(first, done)]
+    def wait_previous(self, *, charge: bool = True) -> None:
+        """Loop thread: the previous snapshot is written and replicated (at most one in flight).
+        `charge=False`: the wait is not counted in that snapshot's cost (a caller that counts the
+        write's time itself: benchmarks/overhead.py charges it to the step it ends)."""
+        self._wait(at_step=False, started=time.perf_counter() if charge else None)
 
-    def wait_previous(self) -> None:
-        """Loop thread: the previous snapshot is written and replicated (at most one in flight)."""
+    def _wait(self, *, at_step: bool, started: float | None) -> None:
         try:
             self._writer.wait()
         except Exception as exc:  # noqa: BLE001 - a snapshot bug must not stop training: say it, turn them off
             self._disable(f"a snapshot failed ({type(exc).__name__}: {exc})")
+        waited = time.perf_counter() - started if started is not None else 0.0
+        self.costs.waited(waited, finished=True, at_step=at_step)
 
-    def submit(
-        self,
-        step: int,
-        trainer: dict[str, Any],
-        buffers: dict[str, torch.Tensor],
-        build: Callable[[], dict[str, torch.Tensor]],
-        deferred: DeferredCopy,
-    ) -> None:
-        """Write the snapshot of `step` on the snapshot thread: `build()` gives this rank's live
-        share, whose parameters and optimizer state `deferred` copies there; its buffers come
-        from `buffers` (copies already, of at least the share's buffers), as does `trainer`."""
-        self._writer.submit(lambda: self._write(step, trainer, buffers, build, deferred))
+    def _write(self, capture: Capture, record: SnapshotCost) -> None:
+        """The snapshot thread's job: snapshot_write.PartWriter.write, and its cost noted."""
+        try:
+            written = self.part_writer.write(capture)
+        except OSError as exc:  # a full /dev/shm, a failed mapping: degrade, never hang
+            self._disable(f"cannot write the snapshot in {self.keeper.root} ({exc.strerror or exc})")
+            return
+        record.cpu_seconds, record.exposed_seconds = written.cpu_seconds, written.exposed_seconds
+        record.replica_seconds = written.replica_cpu_seconds
+        record.write_seconds, record.one_time = written.seconds, written.made_slot
+        record.written = True
 
     def _disable(self, why: str) -> None:
         if self.disabled is None:
             self.disabled = why
             logger.warning("in-memory snapshots are off from now on: %s; checkpoints go to disk only", why)
 
-    def _slot_for(self, tensors: dict[str, torch.Tensor]) -> tuple[int, _Slot]:
-        """The slot to write next and its index, its header gone (so no reader trusts it while it changes)."""
-        index = self._next_slot
-        self._next_slot = 1 - index
-        entries, size = plan_layout(tensors)
-        signature = layout_signature(entries)
-        stem = parts.part_stem(self._ctx.rank, self.writer_id, index)
-        (self._local / (stem + parts.HEADER_SUFFIX)).unlink(missing_ok=True)
-        slot = self._slots[index]
-        if slot is None or slot.signature != signature:
-            self._slots[index] = None  # unmap the old layout first
-            slot = _Slot(self._local / (stem + parts.DATA_SUFFIX), entries, size)
-            self._slots[index] = slot
-        return index, slot
+    @property
+    def allocations(self) -> int:
+        """Buffers made so far, slots and the loop's copies: none after the first two snapshots while
+        the state keeps its shapes (snapshot_slots.py)."""
+        return self.part_writer.slots.created + self._pool.allocations
 
-    def _write(
-        self,
-        step: int,
-        trainer: dict[str, Any],
-        buffers: dict[str, torch.Tensor],
-        build: Callable[[], dict[str, torch.Tensor]],
-        deferred: DeferredCopy,
-    ) -> None:
-        started = time.perf_counter()
-        if self._ctx.device.type == "cuda":
-            torch.cuda.set_device(self._ctx.device)
-        try:
-            share = build()
-            live = {k: v for k, v in share.items() if k not in buffers}
-            tensors = {k: buffers.get(k, v) for k, v in share.items()}
-            index, slot = self._slot_for(tensors)
-        except Exception as exc:  # noqa: BLE001 - full /dev/shm (OSError), a failed mapping: degrade, never hang
-            deferred.run(lambda: {}, None)  # release the optimizer step
-            what = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
-            self._disable(f"cannot allocate the snapshot in {self.keeper.root} ({what})")
-            return
-        deferred.run(lambda: live, slot)
-        for key in tensors.keys() - live.keys():
-            slot.views[key].copy_(sharded.local_part(buffers[key]))
-        self._fault("during_snapshot", step)
-        data = memoryview(slot.data.numpy()) if slot.size else memoryview(b"")
-        chunks, shapes = [], {}
-        for entry in slot.entries:
-            piece = data[entry.offset : entry.offset + entry.nbytes]
-            stored = StoredChunk(
-                parts.part_stem(self._ctx.rank, self.writer_id, index) + parts.DATA_SUFFIX,
-                entry.offset, entry.nbytes, str(entry.dtype), entry.shape,
-                tuple(block_checksums(piece, BLOCK)), BLOCK,
-            )
-            chunks.append({"fqn": entry.key, "at": list(entry.global_offset), **stored.to_json()})
-            shapes[entry.key] = {"dtype": str(entry.dtype), "size": list(entry.global_size)}
-        blob, blob_crc = parts.encode_trainer(trainer)
-        header = PartHeader(
-            run_id=self._ctx.run_id, step=step, rank=self._ctx.rank, world_size=self._ctx.world_size,
-            writer=self.writer_id, slot=index, data_bytes=slot.size, chunks=chunks, tensors=shapes,
-            trainer=blob, trainer_crc32c=blob_crc, ckpt_dir=self._ckpt_dir, keep=self._keep, created=time.time(),
-            extra={"generation": self.generation},
-        )
-        parts.write_header(self._local, header)
-        if self._peer is not None and time.monotonic() >= self._push_paused_until:
-            self._push(header, data)
-        self.history.append({"step": step, "seconds": time.perf_counter() - started})
-
-    def _push(self, header: PartHeader, data: memoryview) -> None:
-        """Send the part to the peer's keeper; a failure is one warning (the local copy stands)."""
-        assert self._peer is not None
-        try:
-            push_part(self._peer, self._key, header.stem, header.to_json(), data, PUSH_TIMEOUT)
-        except (OSError, http.client.HTTPException) as exc:
-            # A peer that does not answer must not hold every step: no copies for a while.
-            self._push_paused_until = time.monotonic() + PUSH_PAUSE
-            if not self._push_warned:
-                self._push_warned = True
-                logger.warning("cannot copy the snapshot to the peer node's keeper at %s (%s); "
-                               "a loss of this node would restore from disk", self._peer, exc)
-            return
-        self._push_warned = False
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of this worker's largest snapshot slot (0: none written yet)."""
+        return self.part_writer.slots.largest
 
     # -- finding them again ------------------------------------------------------------
 

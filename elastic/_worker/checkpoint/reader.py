@@ -33,7 +33,7 @@ from elastic._shared.common.errors import CheckpointError, CorruptCheckpoint
 from elastic._shared.common.errors import first_line as _one_line
 from elastic._shared.storage import sharded
 from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.object_store.bucket import BucketStore
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.stores import open_store
 from elastic._shared.storage.manifest import (
     MODEL_FILE,
@@ -85,7 +85,7 @@ def load_newest_model_state(
     raise CheckpointError(f"no checkpoint in {store.root} verifies ({len(corrupt)} corrupt, newest: {corrupt[0]})")
 
 
-def _read_model(store: CheckpointStore | BucketStore, candidate: Candidate, map_location: torch.device | str) -> dict[str, Any]:
+def _read_model(store: CheckpointStorage[Any], candidate: Candidate, map_location: torch.device | str) -> dict[str, Any]:
     """The verified model state of one checkpoint; `CorruptCheckpoint` if it is not one."""
     try:
         manifest = store.verify(candidate)
@@ -105,7 +105,7 @@ def _read_model(store: CheckpointStore | BucketStore, candidate: Candidate, map_
 
 
 def read_tensors(
-    store: CheckpointStore | BucketStore, candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], *, prefix: str = ""
+    store: CheckpointStorage[Any], candidate: Candidate, manifest: Manifest, trainer: dict[str, Any], *, prefix: str = ""
 ) -> dict[str, Any]:
     """A format-2 checkpoint's state whose keys start with `prefix`, whole, on CPU (one process):
     every tensor, a tied one under each of its names, and modules' extra state."""

@@ -48,12 +48,15 @@ class BufferPool:
     def __init__(self, pin_memory: bool) -> None:
         self._pin = pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+        """Buffers allocated so far: none after the first save while the state keeps its shapes."""
 
     def get(self, path: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
             buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self._pin)
             self._buffers[path] = buf
+            self.allocations += 1
         return buf
 
     @property
@@ -144,8 +147,19 @@ class DeferredCopy:
 
     def run(self, build: Callable[[], Tree], pool: BufferPool, keep: set[int] = frozenset()) -> Tree:
         """Writer thread: build the live tree, copy it into `pool` buffers; returns the CPU tree."""
+
+        def copies() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            self.tree, planned = plan_copies(build(), pool, "later", keep)
+            return planned
+
+        self.run_pairs(copies)
+        return self.tree
+
+    def run_pairs(self, build: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Writer thread: make the (live source, host buffer) copies `build` lists, where the buffers
+        are the caller's own (an in-memory snapshot's slot views: no tree to rebuild)."""
         try:
-            self.tree, copies = plan_copies(build(), pool, "later", keep)
+            copies = build()
             if self._device.type == "cuda":
                 stream = self._stream or torch.cuda.Stream(self._device)
                 stream.wait_event(self._ready)
@@ -161,7 +175,10 @@ class DeferredCopy:
             self._queued.set()  # on error too: never leave the loop waiting
         if self._done is not None:
             self._done.synchronize()
-        return self.tree
+
+    def release(self) -> None:
+        """Writer thread, on an error before `run_pairs`: the loop may go on (nothing will be copied)."""
+        self._queued.set()
 
     def wait_sources_free(self) -> None:
         """Loop thread, before the optimizer step: block until the live tensors may change."""

@@ -103,6 +103,8 @@ class PreemptionHandler:
         self._grace = grace
         self._flag = False
         self._received: int | None = None
+        self._announced = False
+        self._holds = 0  # `hold` blocks entered and not left (they nest)
         self._duplicate_window = duplicate_window
         self._first_term: float | None = None  # when the first SIGTERM came: a later one ends the process
         self._previous: dict[int, object] = {}
@@ -144,6 +146,8 @@ class PreemptionHandler:
         self._watcher = None  # not forked with the child
         self._reached_boundary = threading.Event()  # the parent's may have been mid-use by another thread
         self._received = None
+        self._announced = False
+        self._holds = 0
         self._first_term = None
         wakeup, self._wakeup = self._wakeup, None
         previous, self._previous = self._previous, {}
@@ -232,9 +236,19 @@ class PreemptionHandler:
             return  # the requeue signal again (Slurm may deliver it more than once), or SIGTERM after it
         self._flag = True
         self._received = signum
-        then = ", then requeueing the Slurm job" if signum == self._requeue_signum else ""
+        if signum == self._requeue_signum:  # only Slurm sends it: said now; a SIGTERM when the job acts on it
+            self._announce()
+
+    def _announce(self) -> None:
+        """Say once that this process's signal stops the job. A SIGTERM is said when the job acts on it, not in
+        the handler: under `--survivors restart` torchrun stops the survivors of a peer's death with SIGTERM
+        too, and those leave with the peer's death as their one line (elastic._worker.run.peer_loss)."""
+        if self._received is None or self._announced:
+            return
+        self._announced = True
+        then = ", then requeueing the Slurm job" if self._received == self._requeue_signum else ""
         logger.warning("received %s: finishing this step, then checkpointing and exiting%s",
-                       signal.Signals(signum).name, then)
+                       signal.Signals(self._received).name, then)
 
     @property
     def signalled(self) -> bool:
@@ -256,21 +270,25 @@ class PreemptionHandler:
         answer = agreement.any_set(self._ctx, self._flag, *flags)
         if answer[0]:
             self._reached_boundary.set()  # the checkpoint that follows may take its time
+            self._announce()
         return answer
 
     def at_boundary(self) -> None:
         """The job agreed to stop at this step (the step vote): the checkpoint that follows may take its time."""
         self._reached_boundary.set()
+        self._announce()
 
     @contextmanager
     def hold(self) -> Iterator[None]:
         """Work between steps (evaluation, the final save): a SIGTERM arriving now waits for
         the caller's vote after it instead of ending the process after the grace."""
+        self._holds += 1
         self._reached_boundary.set()
         try:
             yield
         finally:
-            if not self._flag:
+            self._holds -= 1
+            if not self._flag and not self._holds:  # nested (a pause inside an epoch's end): the outer one holds on
                 self._reached_boundary.clear()
 
     def uninstall(self) -> None:

@@ -176,6 +176,10 @@ class StepVote:
         self._joiners_seen = max(self._joiners_seen, earlier.joiners)
         return replace(earlier, joiners=self._joiners_seen)
 
+    def votes_at(self, step: int) -> bool:
+        """Whether the end of `step` is a vote step here (it reads the vote in flight and casts the next)."""
+        return self._ctx.distributed and (self._next is None or step >= self._next)
+
     def rewound(self) -> None:
         """Every rank went back to an earlier step (a rollback, elastic._worker.integrity): the next step
         end is a vote step, so the steps replayed keep the vote's rhythm (its steps follow the step count)."""

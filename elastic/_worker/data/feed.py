@@ -270,8 +270,8 @@ class Feed:
         """Whether `reopen` can give this rank its share at another world size."""
         return self.loader is None or self.issued is not None
 
-    def fetch(self, expected: torch.Tensor, *, step: int, max_steps: int) -> Any:
-        return expected if self.source is None else next_batch(self.source, step=step, max_steps=max_steps)
+    def fetch(self, expected: torch.Tensor, *, step: int, until: str) -> Any:
+        return expected if self.source is None else next_batch(self.source, step=step, until=until)
 
     def check(self, expected: torch.Tensor, *, step: int, rank: int) -> None:
         if self.source is not None:
@@ -286,13 +286,14 @@ class Feed:
         self.source, self.issued = open_loader(self.loader, self.batch_size)
 
 
-def next_batch(source: Iterator[Any], *, step: int, max_steps: int) -> Any:
-    """The loader's batch of step `step + 1`; a loader that ran dry is one clear error."""
+def next_batch(source: Iterator[Any], *, step: int, until: str) -> Any:
+    """The loader's batch of step `step + 1`; a loader that ran dry before the loop's end (`until`: "max_steps=N",
+    "epoch E") is one clear error."""
     try:
         return next(source)
     except StopIteration:
         raise ElasticError(
-            f"the data loader ended at step {step} of {max_steps}; drive it with run.batch_sampler(), which never runs dry"
+            f"the data loader ended at step {step}, before {until}; drive it with run.batch_sampler(), which never runs dry"
         ) from None
 
 

@@ -91,9 +91,10 @@ class Integrity:
         self.rollback = RollbackPoint(state, self.ctx.device, verify=sharded, rank=self.ctx.rank)
         self.check = ReplicaCheck(self.ctx, self.rollback, state.model, self.config.replica_check_every,
                                   events=self.events, group=self.group, sampler=state.sampler, skip=self._skip,
-                                  saves_every=self.config.ckpt_every if self.config.ckpt_dir is not None else 0)
+                                  saves_every=self.config.ckpt_every_steps if self.config.ckpt_dir is not None else 0)
         if faults is not fault_hook.NO_FAULTS:
             self.nan = tamper.NanLoss(state.model)
+            self.check.before_exchange = lambda: faults.at("during_replica_check", self._training)
         params = [p for g in optimizer.param_groups for p in g["params"]]
 
         def hook() -> None:
@@ -166,7 +167,13 @@ class Integrity:
         if ctx is not self.ctx or self._regrouped:  # a group formed in place (survivors): its state is agreed
             self._regrouped = False
             self.on_new_group(ctx, step)
-            return None
+            if not (self.check.enabled and save_due(step)):
+                return None
+            # A checkpoint is due at this very step: a member that joined the group before it (a
+            # replacement, which took the state at the step before) checks first, so every member
+            # must, or the replacement's exchange meets this member's save (a stall that only
+            # another failure ended: issue 52).
+            return self.check.after_step(step, settle, save_due=True)
         # a skipped step applied no update to corrupt
         if self.nan is not None and step not in self.guard.skipped and fault_hook.tampering(
                 self.faults, "after_step", step, "flip", self._trains):

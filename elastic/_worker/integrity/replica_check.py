@@ -24,9 +24,11 @@ What a check step does, on every rank (a collective on the control group):
 5. a replayed step differs again: the rank(s) computed that step wrong twice
    from the same state and batch. Every rank rolls back to the step before it
    and trains it a third time with the per-rank blocks of its global batch
-   rotated (rank r trains the block of rank r + 1 with rank r + 1's torch
-   random numbers, so a healthy rank computes exactly what that rank did: the
-   sampler's `rotation`, when the loader follows the sampler: `rotatable`), and
+   rotated (rank r trains the block of rank r + 1 with rank r + 1's random
+   numbers: the loop seeds each step as the rank whose block it trains,
+   elastic._worker.runtime.rng.seed_step, so a healthy rank computes exactly what
+   that rank did: the sampler's `rotation`, when the loader follows the sampler:
+   `rotatable`), and
    verdicts.retried reads the result:
    - the divergence moved with the blocks: the `batch` is at fault. The
      `corruption` event names it (the step, its place in the epoch stream, the
@@ -147,12 +149,11 @@ class ReplicaCheck:
         self._node = node if node is not None else node_name()
         self._setting = setting
         self._sampler = sampler
-        self._skip = skip
-        """Skips a step's update (True), or says it was skipped already (False): the numeric guard's record."""
+        self._skip = skip  # skips a step's update (True), or says it was skipped already (False): the guard's record
         self.rotatable = sampler is not None
         """Whether the loader follows the sampler's blocks (the loop says so: elastic._worker.data.feed.Feed)."""
-        self._saves_every = saves_every
-        """Steps between periodic checkpoints (0: none): a check runs at each, and auto counts them."""
+        self._saves_every = saves_every  # steps between periodic checkpoints (0: none): a check runs at each
+        self.before_exchange: Callable[[], None] = lambda: None  # a fault point (fault_hook's during_replica_check)
         self.interval = CheckInterval(setting, also_every=saves_every)
         self.enabled = self.interval.every > 0 and ctx.distributed
         self._next: int | None = None
@@ -254,31 +255,13 @@ class ReplicaCheck:
         pending.shift = 1 if self.rotatable and self._sampler is not None else 0
         if self._sampler is not None:
             self._sampler.rotation = pending.shift
-        back_to = self._rollback.restore()
-        if pending.shift:
-            self._rotate_random_numbers(pending.shift)
+        back_to = self._rollback.restore()  # (the loop seeds the retried step as the rank whose block each trains)
         self.replayed += step - back_to - (pending.step - step)  # the replay never reached the steps after this one
         self._next = step
         if self._ctx.is_main:
             logger.warning("replica check at step %d: the replay differs again; training step %d once more%s",
                            step, step, " with the ranks' blocks of its batch rotated" if pending.shift else "")
         return back_to
-
-    def _rotate_random_numbers(self, shift: int) -> None:
-        """Each rank takes the torch generator states (CPU, and its GPU's) of the rank whose block it
-        trains: a healthy rank then computes exactly what that rank computed (its dropout masks too),
-        so with two ranks the results swap places exactly. Every rank's own states come back with the
-        next restore of the point. Python's and numpy's generators stay (the loader's per-sample
-        randomness is a function of the sample: elastic._worker.data.feed.seeded_samples)."""
-        states = [torch.get_rng_state()]
-        if self._ctx.device.type == "cuda":
-            states.append(torch.cuda.get_rng_state(self._ctx.device))
-        sizes = [len(s) for s in states]
-        rows = agreement.all_gather_rows(self._ctx, torch.cat(states), self._group)
-        theirs = rows[(self._ctx.rank + shift) % self._ctx.world_size]
-        torch.set_rng_state(theirs[:sizes[0]].clone())
-        if len(sizes) > 1:
-            torch.cuda.set_rng_state(theirs[sizes[0]:].clone(), self._ctx.device)
 
     def _retried(self, pending: _Pending, step: int, digests: list[str], settle: Callable[[], None]) -> int:
         """The third try of step `step`: name the batch (and skip it: returns the step rolled back to) or
@@ -370,6 +353,7 @@ class ReplicaCheck:
             logger.warning("corruption found at step %d: %s (%s): %s", pending.step, kind, named, action)
 
     def _exchange(self, digest: str, proposal: int) -> Gathered:
+        self.before_exchange()
         return exchange(self._ctx, digest, proposal, self._group)
 
     def _nodes(self) -> list[str]:

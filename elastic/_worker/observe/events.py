@@ -15,6 +15,8 @@ Invariants:
 - A log that cannot be created is a `UsageError` (one line); one that cannot be
   written any more (a full disk) stops being written with one warning, and
   training goes on: events are a record, not state.
+- The log is opened without following a link in its last component, and created
+  readable by its owner only (it names hosts, nodes and errors).
 - Only the main rank writes; every other rank holds a disabled log whose
   `emit` writes nothing, so recipes call it unconditionally. Under
   torchrevive-run the main rank also notes the log's path for its agent
@@ -28,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -180,8 +183,14 @@ def _note_for_agent(path: str | os.PathLike[str]) -> None:
 
 
 def _open(path: str | os.PathLike[str]) -> int:
+    """The log's descriptor, for appending (see the module docstring); OSError when it cannot be one."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(exc.errno, "it is a symbolic link: the log is never written through one") from None
+        raise
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

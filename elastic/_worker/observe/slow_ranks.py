@@ -16,8 +16,8 @@ Invariants:
   `verdict` says so, so the loop opens a loader again at the new shares. Under `off` and `report`
   the shares stay even and no gradient is touched: the run's math and samples are as without this part.
 - An episode is reported once when it starts (`straggler` event: rank, node, host, slowdown, step;
-  one warning line on rank 0) and once when it ends (`straggler_recovered`); the events feed the
-  per-rank metric `rank_slowdown` on the rank named.
+  one warning line on rank 0, at most one a minute per rank: `LineBudget`) and once when it ends
+  (`straggler_recovered`); the events feed the per-rank metric `rank_slowdown` on the rank named.
 - Under `evict` a rank past `--evict-factor` (or too slow for its smallest share) is evicted
   (elastic._worker.observe.eviction): every rank decides it at the same vote step; a
   `straggler_evicted` event and one line say so, and where it may leave (`can_leave`: --survivors
@@ -45,7 +45,7 @@ from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.eviction import EvictedError, Eviction, Evictions
 from elastic._worker.observe.rebalance import GradientWeights, Rebalancer
-from elastic._worker.observe.stragglers import Episode, StragglerWatch, WorkClock
+from elastic._worker.observe.stragglers import Episode, LineBudget, StragglerWatch, WorkClock
 from elastic._worker.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class SlowRanks:
         self.ctx, self.events, self.group = ctx, events, group
         self.clock = WorkClock(clock)
         self.watch = StragglerWatch(factor=config.slow_factor, window=config.slow_window)
+        self.lines = LineBudget()  # rank 0's lines: at most one a minute per rank (every episode is an event)
         self._places: list[Place] | None = None
         self.episodes: list[Episode] = []
         """The episodes the newest vote started or ended."""
@@ -217,12 +218,14 @@ class SlowRanks:
         fields = {"rank": episode.rank, "node": place.node, "host": place.host, "slowdown": round(episode.slowdown, 3)}
         if episode.started:
             self.events.emit("straggler", step=step, world_size=self.ctx.world_size, **fields)
-            if self.ctx.is_main:
+            held = self.lines.start(episode.rank) if self.ctx.is_main else None
+            if held is not None:
                 logger.warning("rank %d (node %s, host %s) is a straggler: %.2fx the median of the others' work "
-                               "per sample, from step %d", episode.rank, place.node, place.host, episode.slowdown, step)
+                               "per sample, from step %d%s", episode.rank, place.node, place.host, episode.slowdown, step,
+                               f" ({held} shorter episodes of it since its last line: see the event log)" if held else "")
         else:
             self.events.emit("straggler_recovered", step=step, world_size=self.ctx.world_size, **fields)
-            if self.ctx.is_main:
+            if self.ctx.is_main and self.lines.end(episode.rank):
                 logger.info("rank %d (node %s, host %s) is no longer a straggler: %.2fx the median, at step %d",
                             episode.rank, place.node, place.host, episode.slowdown, step)
 

@@ -149,3 +149,36 @@ class WorkClock:
         samples, seconds = self._samples, self._seconds
         self._samples, self._seconds = 0, 0.0
         return min(MAX_FIGURE, max(0, round(seconds / samples * 1e9))) if samples else 0
+
+
+class LineBudget:
+    """When a straggler episode gets a log line: at most one start line per rank each `interval` seconds.
+
+    On a busy shared machine a rank's speed wanders, and episodes can start and end every few seconds; each
+    one is still an event (the report and the metric see them all), but its line would bury the log. A start
+    within `interval` of the rank's last line is counted instead and told with the next line that is said; an
+    end is said only when its start was. Pure (the clock is the caller's)."""
+
+    def __init__(self, interval: float = 60.0, clock=perf_counter) -> None:
+        self.interval, self._clock = interval, clock
+        self._last: dict[int, float] = {}
+        self._held: dict[int, int] = {}
+        self._said: set[int] = set()
+
+    def start(self, rank: int) -> int | None:
+        """A rank's episode started: None when it gets no line, else the episodes held back before it."""
+        now = self._clock()
+        if rank in self._last and now - self._last[rank] < self.interval:
+            self._held[rank] = self._held.get(rank, 0) + 1
+            self._said.discard(rank)
+            return None
+        self._last[rank] = now
+        self._said.add(rank)
+        return self._held.pop(rank, 0)
+
+    def end(self, rank: int) -> bool:
+        """A rank's episode ended: whether its line is said (its start's was)."""
+        if rank in self._said:
+            self._said.discard(rank)
+            return True
+        return False

@@ -56,8 +56,10 @@ from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.slow_ranks import SlowRanks, can_leave
 from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.observe.step_report import StepReport
+from elastic._worker.run.epochs import StepLimit
 from elastic._worker.run.group import GroupParts
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.runtime.rng import seed_step
 from elastic._worker.survivors.plugin import Survivors
 
 Batch = TypeVar("Batch")
@@ -109,16 +111,16 @@ class StepLoop:
         the failure), nor again at the step of a void step trained again; a worker joining a group at a
         step's bookkeeping counts from the step before, as the members that go on to that step's `due`."""
 
-    def batches(self, loader: Iterable[Batch] | None, max_steps: int) -> Iterator[Batch]:
+    def batches(self, loader: Iterable[Batch] | None, limit: StepLimit) -> Iterator[Batch]:
         run = self._run
         ctx = run._context
         sampler = run._sampler_checked()
         self.reporter().start_loop(
-            total=max_steps, initial=run.step, enabled=ctx.is_main, log_every=run.config.log_every,
-            per_step=sampler.batch_size * ctx.world_size * (run._tokens_per_sample or 1),
+            total=limit.last_step(run.step, sampler, ctx.world_size), initial=run.step, enabled=ctx.is_main,
+            log_every=run.config.log_every, per_step=sampler.batch_size * ctx.world_size * (run._tokens_per_sample or 1),
             unit="tokens" if run._tokens_per_sample else "samples",
         )
-        feed = Feed(loader if run.step < max_steps else None, sampler.batch_size)
+        feed = Feed(loader if not limit.done(run.step, sampler) else None, sampler.batch_size)
         survivors = run._survivors
         if run._slow_ranks.rebalancing and not feed.takes_shares:
             raise UsageError(f"--slow-ranks {run.config.slow_ranks} needs the loader driven by run.batch_sampler() "
@@ -128,28 +130,30 @@ class StepLoop:
                              "run.sampler_for_loader(): after a resize each rank takes its new share from it")
         started = time.perf_counter()
         try:
-            yield from self._steps(feed, max_steps)
+            yield from self._steps(feed, limit)
         finally:
             self.seconds += time.perf_counter() - started
 
-    def _steps(self, feed: Feed, max_steps: int) -> Iterator[Any]:
+    def _steps(self, feed: Feed, limit: StepLimit) -> Iterator[Any]:
         run = self._run
         sampler, costs, survivors = run.sampler, run.step_costs, run._survivors
         again: Any = None  # a void step's batch, trained again on a group of the same ranks
         integrity = run._integrity
         if integrity is not None:
             integrity.loop_started(run.step, rotatable=feed.resizable)  # a batch's blocks can move across ranks
-        while run.step < max_steps:
+        while not limit.done(run.step, sampler):  # the sampler's position: right after any resize
             ctx = run._context
             run._slow_ranks.step_started()  # this rank's own work from here to the gradient all-reduce
             with costs.timing("sampler"):
                 expected = sampler.local_batch(ctx.rank, ctx.world_size)
             batch: Any = again
             if again is None:  # the loader's own time is the script's, its check the runtime's
-                batch = feed.fetch(expected, step=run.step, max_steps=max_steps)
+                batch = feed.fetch(expected, step=run.step, until=limit.describe())
                 with costs.timing("sampler"):
                     feed.check(expected, step=run.step, rank=ctx.rank)
             again = None
+            with costs.timing("sampler"):  # the step's random streams, a function of (seed, step, rank) alone
+                seed_step(run.config.seed, run.step + 1, (ctx.rank + sampler.rotation) % ctx.world_size, ctx.device)
             healing = survivors is not None and survivors.can_heal
             started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
             stepped_before = self.optimizer_steps
@@ -209,6 +213,8 @@ class StepLoop:
                     run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
                     return True
             with costs.timing("vote"):
+                if run._parts.vote.votes_at(run.step):
+                    run._faults.at("during_vote", run.step)
                 verdict = run._parts.vote.step_ended(run.step)
                 rebalanced = run._slow_ranks.verdict(  # new shares: the loader opens again
                     verdict.work, run.step, can_leave=can_leave(survivors, run._context.world_size))
@@ -244,6 +250,16 @@ class StepLoop:
     @property
     def last_loss(self) -> float:
         return self.report.last_loss if self.report is not None else math.nan
+
+    def summary(self, rank: int, first_step: int, snapshot_seconds: dict[str, float]) -> dict[str, Any]:
+        """`Run.finish`'s summary: rank, step, loss (the last read), steps_per_s (of this process's loop since
+        `first_step`), step_costs (the snapshot's parts of "checkpoint" added as their own phases)."""
+        run = self._run
+        for phase, spent in snapshot_seconds.items():
+            run.step_costs.add(phase, spent)
+        steps, seconds = run.step - first_step, self.seconds
+        return {"rank": rank, "step": run.step, "loss": self.last_loss,
+                "steps_per_s": steps / seconds if seconds > 0 else math.inf, "step_costs": run.step_costs.per_step()}
 
     def due(self, every: int) -> bool:
         return every > 0 and self._run.step > self.due_after and self._run.step % every == 0

@@ -5,10 +5,11 @@
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         run.start(model=model, optimizer=optimizer, data=dataset, batch_size=args.batch_size)
         loader = DataLoader(dataset, batch_sampler=run.batch_sampler(), num_workers=2)
-        for x, y in run.batches(loader, max_steps=args.max_steps):
-            loss = loss_fn(model(x.to(run.device)), y.to(run.device))
-            optimizer.zero_grad(); loss.backward(); optimizer.step()
-            run.log(loss)
+        for epoch in run.epochs(args.epochs):                     # or run.batches(loader, max_steps=N)
+            for x, y in run.batches(loader):
+                loss = loss_fn(model(x.to(run.device)), y.to(run.device))
+                optimizer.zero_grad(); loss.backward(); optimizer.step(); run.log(loss)
+            evaluate(model)                                       # the epoch's end: as in run.pause()
     # leaving the block: final checkpoint, replica check, "end" event
 
 What is saved, at every `--ckpt-every` step, on SIGTERM and at the end: the
@@ -54,9 +55,7 @@ survivors plug-in.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -85,21 +84,17 @@ from elastic._worker.observe.metrics import start_metrics
 from elastic._worker.observe.replicas import gather_digests, parameter_digest
 from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.observe.step_costs import StepCosts
+from elastic._worker.run.epochs import EpochLoop, epochs_done
 from elastic._worker.run.group import GroupParts, TrainingState
 from elastic._worker.run.loop import StepLoop
+from elastic._worker.run.peer_loss import raise_if_peer_lost
 from elastic._worker.run.script_exit import ScriptExit
 from elastic._worker.run.stopping import commit_and_stop
 from elastic._worker.run.survivors_host import SurvivorsHost
 from elastic._worker.runtime import parallel
-from elastic._worker.runtime.context import (
-    WorkerContext,
-    adopt_worker,
-    barrier,
-    init_worker,
-    shutdown_worker,
-)
+from elastic._worker.runtime.context import WorkerContext, adopt_worker, barrier, init_worker, shutdown_worker
 from elastic._worker.runtime.parallel import unwrap
-from elastic._worker.runtime.rng import seed_all
+from elastic._worker.runtime.rng import isolated, seed_all
 from elastic._worker.survivors.plugin import Survivors
 
 logger = logging.getLogger(__name__)
@@ -113,7 +108,7 @@ class Run:
     def __init__(self, config: RunConfig | None = None, **settings: Any) -> None:
         if config is not None and settings:
             raise TypeError("pass a RunConfig or keyword settings, not both")
-        self.config = config if config is not None else RunConfig(**settings)
+        self.config = config if config is not None else RunConfig.of(**settings)
         self.ctx: WorkerContext | None = None
         self.step = 0
         """Steps completed by the whole job (restored ones included)."""
@@ -130,9 +125,11 @@ class Run:
         self._survivors: Survivors | None = None
         """The survivors plug-in, under torchrevive-run --survivors keep|train-on."""
         self._script_exit: ScriptExit | None = None
+        self._epochs = EpochLoop(self.pause)  # `run.epochs`, and where `run.batches` stops
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Run:
+    def from_args(cls, args: Any) -> Run:
+        """The runtime's settings among argparse's namespace, a mapping or a dataclass (`RunConfig.from_args`)."""
         return cls(RunConfig.from_args(args))
 
     # -- who and where -------------------------------------------------------------
@@ -178,6 +175,7 @@ class Run:
             raise
         finally:
             self._leave(failed=failed)
+        raise_if_peer_lost(exc, rank=self.rank, step=self.step, heals=self._survivors is not None)  # one line
 
     # -- a script written at module level, without a `with` block -----------------------------
 
@@ -384,8 +382,7 @@ class Run:
     @property
     def epochs_done(self) -> float:
         """Passes over the data set so far, as a fraction."""
-        sampler = self._sampler_checked()
-        return sampler.epoch + sampler.state.consumed / sampler.num_samples
+        return epochs_done(self._sampler_checked())
 
     def _sampler_checked(self) -> ElasticSampler:
         if not self._started:
@@ -402,15 +399,24 @@ class Run:
         """For `DataLoader(dataset, sampler=..., batch_size=B)` with B the batch size given to `start`."""
         return StepSampler(self._sampler_checked(), self.rank, self.world_size)
 
-    def batches(self, loader: Iterable[Batch] | None = None, *, max_steps: int) -> Iterator[Batch]:
-        """This rank's batch of each step until `max_steps` steps are done.
+    def batches(self, loader: Iterable[Batch] | None = None, *, max_steps: int | None = None,
+                max_epochs: int | None = None) -> Iterator[Batch]:
+        """This rank's batch of each step until `max_steps` steps or `max_epochs` epochs are done (whichever
+        first; inside `run.epochs`, also the epoch's end: elastic._worker.run.epochs).
 
         Without `loader`, the batch is this rank's sample indices (a tensor).
         The step's bookkeeping runs when the next batch is asked for (elastic._worker.run.loop);
         a `break` after the body's optimizer step counts that step as done, a `break`
         before it leaves the step untrained.
         """
-        return self._loop.batches(loader, max_steps)
+        self._sampler_checked()
+        return self._epochs.steps(self._loop.batches(loader, self._epochs.limit(max_steps, max_epochs)))
+
+    def epochs(self, max_epochs: int) -> Iterator[int]:
+        """`for epoch in run.epochs(N): for batch in run.batches(loader): ...` then end-of-epoch work (an
+        evaluation): each epoch from the one the run resumes in; the end of each runs as a `pause()` block
+        (random streams forked, the watchdog off). See elastic._worker.run.epochs."""
+        return self._epochs.epochs(self._sampler_checked(), max_epochs)
 
     def log(self, loss: torch.Tensor | float) -> None:
         """The loss of the step being trained; read out one step later (no device sync now)."""
@@ -439,15 +445,12 @@ class Run:
 
     @contextmanager
     def pause(self) -> Iterator[None]:
-        """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it."""
+        """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it, and every
+        random stream the checkpoint carries is forked for it (runtime/rng.py `isolated`): it never moves training's."""
         self._loop.flush_report()
-        with self.watchdog.paused(), self._preemption.hold():
+        with self.watchdog.paused(), self._preemption.hold(), isolated(self.device):
             yield
-        verdict = self._parts.vote.fresh()
-        self._parts.checkpoints.agree_snapshot_interval(verdict.snapshot_every, self.step)
-        if verdict.preempted:  # SIGTERM arrived meanwhile: commit this step, then leave
-            self._preemption.at_boundary()
-            commit_and_stop(self._parts.checkpoints, self.watchdog, self._context, self.step, requeue=verdict.requeue)
+        self._act_on(self._parts.vote.fresh())  # a SIGTERM meanwhile: commit this step, then leave
 
     def event(self, kind: str, **fields: Any) -> None:
         """Append an event (e.g. "eval") at the current step to the event log (rank 0)."""
@@ -490,11 +493,4 @@ class Run:
             self._loop.report.close()
         if len(set(digests)) != 1:
             raise ElasticError(f"ranks ended with different parameters (digests {digests}); the replicas diverged")
-        steps = self.step - self._first_step
-        seconds = self._loop.seconds
-        for phase, spent in parts.checkpoints.loop_seconds().items():  # the snapshot's parts of "checkpoint"
-            self.step_costs.add(phase, spent)
-        return {
-            "rank": ctx.rank, "step": self.step, "loss": self.last_loss,
-            "steps_per_s": steps / seconds if seconds > 0 else math.inf, "step_costs": self.step_costs.per_step(),
-        }
+        return self._loop.summary(ctx.rank, self._first_step, parts.checkpoints.loop_seconds())

@@ -46,11 +46,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401, E402 - imported for the side effect above
 
 from elastic._shared.common import threads
-from elastic._shared.common.errors import EnvironmentConfigError, UsageError, first_line
+from elastic._shared.common.errors import EnvironmentConfigError, UsageError
 from elastic._shared.slurm import step as slurm_step
-from elastic._shared.slurm.control import SlurmControlError, node_address
 from elastic._worker.config import DEVICE_CHOICES
-from elastic._worker.runtime.round_store import recovery_hint, round_store
+from elastic._worker.runtime.round_store import recovery_hint
+from elastic._worker.runtime.worker_store import worker_store
 
 logger = logging.getLogger(__name__)
 
@@ -160,31 +160,6 @@ def _slurm_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     )
 
 
-def _slurm_store(
-    task: slurm_step.SlurmTask, environ: Mapping[str, str], timeout: timedelta
-) -> dist.Store:
-    """The step's rendezvous: rank 0 hosts a TCP store on the step's first node, the others connect;
-    a step of one task needs no port (`srun -n1 python script.py` beside other steps)."""
-    if task.world_size == 1:
-        return dist.HashStore()
-    try:
-        host = environ.get("MASTER_ADDR") or node_address(task.nodes[0])
-    except SlurmControlError as exc:
-        raise EnvironmentConfigError(f"Slurm step: {exc}; set MASTER_ADDR to the first node's address") from None
-    try:
-        return dist.TCPStore(
-            host, task.master_port, task.world_size, is_master=task.rank == 0, timeout=timeout,
-            wait_for_workers=False,
-        )
-    except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
-        why = first_line(exc)
-        where = "listen" if task.rank == 0 else "reach rank 0"
-        raise EnvironmentConfigError(
-            f"Slurm step: rank {task.rank} cannot {where} at {host}:{task.master_port} ({why}); "
-            "set MASTER_PORT to a free port"
-        ) from None
-
-
 def select_device(
     requested: str, local_rank: int, local_world_size: int, *, cuda_device_count: int | None = None
 ) -> torch.device:
@@ -281,11 +256,10 @@ def init_worker(
             world_size=env.world_size,
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
-            # Under torchrun's shared agent store: a namespace no earlier round used
-            # (elastic._worker.runtime.round_store); a Slurm step's own store; otherwise None, torch's env:// as usual.
-            store=(store if store is not None
-                   else _slurm_store(env.slurm_task, environ, timeout) if env.slurm_task is not None
-                   else round_store(environ, rank=env.rank, world_size=env.world_size, timeout=timeout)),
+            # This round's store or a Slurm step's own, sealed with the job's secret, or a namespace no
+            # earlier round used (elastic._worker.runtime.worker_store); otherwise None, torch's env://.
+            store=(store if store is not None else worker_store(
+                environ, rank=env.rank, world_size=env.world_size, timeout=timeout, slurm_task=env.slurm_task)),
         )
         if backend == "nccl":
             global _control_group

@@ -90,6 +90,8 @@ class Healing:
         self.view = views.first_view(point.world_size)
         self._arrived = False
         """With `train-on`: the view whose group this worker is in, or last left (a replacement: the round's start)."""
+        self.fault: Callable[[str], None] = lambda point: None
+        """A fault point at the step being trained (elastic._shared.protocol.fault_hook's during_heal)."""
 
     @classmethod
     def from_environ(
@@ -193,6 +195,7 @@ class Healing:
         """Leave the broken group, wait for the agent's heal, join the next generation's group
         and give DDP a fresh reducer on it (`RegroupError` when the heal does not form)."""
         regroup.leave(self._model)
+        self.fault("during_heal")
         self.generation = regroup.next_generation(self.point, after=self.generation, timeout=self.begin_timeout)
         regroup.rejoin(
             self.point.store, generation=self.generation, rank=ctx.rank, world_size=ctx.world_size,
@@ -250,6 +253,7 @@ class Healing:
         `leaving()` (SIGTERM: torch's agent stops every worker of a node once one failed, before it
         replaces them) this worker leaves instead: `leave_node`."""
         arrived, self._arrived = self._arrived, False
+        self.fault("during_heal")
         try:
             if leaving():
                 self.leave_node()

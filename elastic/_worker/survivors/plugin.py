@@ -59,8 +59,7 @@ from elastic._worker.survivors.views import View, joiners_waiting
 
 logger = logging.getLogger(__name__)
 
-ATTEMPTS = 3
-"""Groups in a row whose forming or catch-up broke (members died meanwhile) before a worker gives up."""
+ATTEMPTS = 3  # groups in a row whose forming or catch-up broke (members died meanwhile) before a worker gives up
 
 
 class JobEnded(SystemExit):
@@ -169,8 +168,9 @@ class Survivors:
                 raise RegroupError("a replacement that cannot heal in place has no group to join")
             return
         self._host, self._training = host, training
-        if faults is not NO_FAULTS:  # the chaos suite's kill inside a gradient all-reduce
+        if faults is not NO_FAULTS:  # the chaos suite's kills inside a gradient all-reduce and a heal
             self.healing.guard.before_reduce = lambda: faults.at("during_all_reduce", host.step + 1)
+            self.healing.fault = lambda point: faults.at(point, host.step + 1)
 
     @property
     def armed(self) -> bool:

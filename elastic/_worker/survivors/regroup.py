@@ -70,6 +70,7 @@ from elastic._shared.common.errors import first_line as _first_line
 from elastic._shared.protocol import heal_env
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
 from elastic._shared.storage.store_records import Records, strict_count
+from elastic._worker.survivors.heal_store import heal_store
 from elastic._worker.runtime.context import shutdown_worker, teardown_pending
 
 logger = logging.getLogger(__name__)
@@ -149,10 +150,9 @@ def heal_point(environ: Mapping[str, str], timeout: timedelta = timedelta(second
     except SecretError as error:
         raise EnvironmentConfigError(str(error)) from None
     try:
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+        heals = heal_store(environ, host.strip("[]"), int(port), namespace, key, timeout)
     except RuntimeError as error:
         raise RegroupError(f"cannot reach the rendezvous store at {address}: {_first_line(error)}") from None
-    heals = dist.PrefixStore(heal_env.namespace_prefix(namespace), store)
     world_size = max(place["WORLD_SIZE"], 1)
     return HealPoint(
         heals, int(generation), mode=mode,

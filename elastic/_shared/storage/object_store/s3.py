@@ -17,7 +17,10 @@ Invariants:
   error code and HTTP status alone.
 - Every request has a deadline: `CONNECT_TIMEOUT` to connect and
   `READ_TIMEOUT` per read, retried at most `MAX_ATTEMPTS` times in all, with
-  backoff, for 5xx answers, throttling and dropped connections. A conditional
+  backoff, for 5xx answers, throttling and dropped connections. An object's body
+  is read within a deadline for the whole of it (`read_deadline`: a server that
+  trickles a byte per read timeout never trips that timeout): it ends by then,
+  give or take one read, with `StoreUnavailable`. A conditional
   write retried after its first try succeeded unseen finds its own object
   there: callers treat `ConditionFailed` by reading what is there (bucket.py).
 - Every failure is one of objects.py's `OSError`s.
@@ -26,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -45,6 +49,10 @@ MAX_ATTEMPTS = 6
 """Tries per request (the first and five retries, backoff with jitter up to 20 s between them)."""
 POOL = 32
 """Connections kept to the store: the parallel ranges of one process share them."""
+READ_DEADLINE = 60.0
+MIN_READ_RATE = 1 << 20
+"""A body of N bytes is read within READ_DEADLINE + N / MIN_READ_RATE seconds (1 MiB/s: far below any store's)."""
+CHUNK = 1 << 20
 _T = TypeVar("_T")
 _MISSING = {"NoSuchKey", "NotFound", "404", "NoSuchUpload"}
 _CONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
@@ -128,7 +136,7 @@ class S3Objects:
             size = int(answer.get("ContentLength", -1))
             if size > limit:
                 raise ObjectTooLarge(f"{where}: {size} bytes, more than the {limit} read", str(answer.get("ETag", "")))
-            data = self._call(where, lambda: body.read(limit + 1))
+            data = self._call(where, lambda: read_within(body, limit + 1, where, declared=size))
         finally:
             body.close()
         if len(data) > limit:
@@ -148,7 +156,8 @@ class S3Objects:
             raise
         body = answer["Body"]
         try:
-            return self._call(where, lambda: body.read(stop - start))
+            declared = int(answer.get("ContentLength", stop - start))
+            return self._call(where, lambda: read_within(body, stop - start, where, declared=declared))
         finally:
             body.close()
 
@@ -205,6 +214,35 @@ class S3Objects:
             self._call(f"opening {self.name}", lambda: self._s3.head_bucket(Bucket=self.bucket))
         except ObjectMissing:  # HeadBucket has no body: a missing bucket is a bare 404
             raise StoreUnavailable(f"opening {self.name}: the bucket {self.bucket} does not exist") from None
+
+
+def read_deadline(amount: int) -> float:
+    """Seconds to read a body of `amount` bytes in (see the module docstring)."""
+    return READ_DEADLINE + amount / MIN_READ_RATE
+
+
+def read_within(body: Any, amount: int, where: str, *, declared: int = -1) -> bytes:
+    """Up to `amount` bytes of `body` (botocore's StreamingBody), by its deadline; `StoreUnavailable`
+    past it, or when the body ends before the `declared` length (its Content-Length; -1: unknown). Each
+    read returns what one receive got (urllib3's `read1`), so the deadline is checked however slowly
+    the bytes come; without `read1` (another HTTP client) each read is at most `CHUNK`."""
+    deadline = time.monotonic() + read_deadline(amount)
+    stream = getattr(body, "_raw_stream", None)
+    read = stream.read1 if hasattr(stream, "read1") else body.read
+    chunks: list[bytes] = []
+    got = 0
+    while got < amount:
+        if time.monotonic() > deadline:
+            raise StoreUnavailable(f"{where}: {got} of at most {amount} bytes came in {read_deadline(amount):.0f} s; "
+                                   "the store is too slow (or trickling), the read is abandoned")
+        chunk = read(min(CHUNK, amount - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    if 0 <= got < min(amount, declared):
+        raise StoreUnavailable(f"{where}: the connection closed after {got} of {declared} bytes")
+    return b"".join(chunks)
 
 
 def _describe(exc: BaseException) -> str:
