@@ -62,3 +62,25 @@ def one_process_no_servers(request: pytest.FixtureRequest, monkeypatch: pytest.M
 
     monkeypatch.setattr(dist, "TCPStore", tcp_store)
     yield
+
+
+def _environment() -> dict[str, str]:
+    """os.environ less what pytest and torch set for themselves: PYTEST_CURRENT_TEST (each phase), and the
+    inductor cache directory torch names once per process at its first use (whichever test that is)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHINDUCTOR_")}
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found() -> Iterator[None]:
+    """The unit tier is one process: a variable a test leaves in os.environ reaches every later test
+    (RANK and WORLD_SIZE left by a fixture once made test_run's plain Run a distributed one). Set them with
+    monkeypatch.setenv; a test that leaves one fails here, and the environment is put back."""
+    before = _environment()
+    yield
+    after = _environment()
+    if after != before:
+        for name in after.keys() - before.keys():
+            del os.environ[name]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"the test left os.environ changed: {changed} (use monkeypatch.setenv)")

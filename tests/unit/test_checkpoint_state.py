@@ -106,8 +106,11 @@ def test_module_extra_state_is_saved_and_set_back(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def one_rank_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
+def one_rank_group(monkeypatch: pytest.MonkeyPatch):
+    # Through monkeypatch: left in os.environ, RANK and WORLD_SIZE made every later elastic.Run of the
+    # process a distributed one (test_run's SIGTERM test then stopped at a vote step, not the next step).
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield

@@ -102,7 +102,8 @@ def test_a_job_on_one_host_signs_with_a_secret_the_host_makes_for_the_run(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(keeper_files.BASE_ENV, str(tmp_path / "shm"))
     for name in (SECRET_ENV, SECRET_FILE_ENV, job_secret.UNSIGNED_ENV):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded as found (monkeypatch records nothing for a delenv of an absent name),
+        monkeypatch.delenv(name)  # so the file resolve names in os.environ below is taken back after the test
     key, made = resolve("run-a", endpoint="127.0.0.1:29400")
     assert made is not None and os.environ[SECRET_FILE_ENV] == str(made) and stat.S_IMODE(made.stat().st_mode) == 0o600
     monkeypatch.delenv(SECRET_FILE_ENV)  # another agent of the run on this host: the same secret
