@@ -88,6 +88,7 @@ class _Memory:
         self.keeper = type("Keeper", (), {"node": self.node, "url": f"http://10.0.{ctx.rank // NODE_RANKS // 250}."
                                                                      f"{ctx.rank // NODE_RANKS % 250}:7070"})()
         self.generation = ""
+        self.part_writer = type("PartWriter", (), {"peer": None})()  # where `connect` puts the peer it picked
 
     def connect(self, group: Any) -> None:
         from elastic._worker.checkpoint.memory import MemorySnapshots
