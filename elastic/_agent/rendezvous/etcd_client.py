@@ -348,9 +348,9 @@ class EtcdClient:
         return txn_json(self._call(what, send, budget=timeout))
 
     def range(self, key: bytes, *, prefix: bool = False, count_only: bool = False, what: str = "read",
-              timeout: float | None = None, keys_only: bool = False) -> dict[str, Any]:
-        """The keys at `key` (or under it, with `prefix`; names only: `keys_only`), as the JSON API has them."""
-        request = etcdrpc.RangeRequest(key=key, range_end=prefix_end(key) if prefix else b"", count_only=count_only, keys_only=keys_only)
+              timeout: float | None = None) -> dict[str, Any]:
+        """The keys at `key` (or under it, with `prefix`), in the JSON API's shape."""
+        request = etcdrpc.RangeRequest(key=key, range_end=prefix_end(key) if prefix else b"", count_only=count_only)
         reply = self._call(what, lambda c, t: c.kv.Range(request, timeout=t, metadata=self._metadata()), budget=timeout)
         return range_json(reply)
 
