@@ -32,3 +32,10 @@ def test_a_file_without_its_three_parts_is_refused(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"results": {}}))
     with pytest.raises(ValueError, match="not a benchmark result file"):
         provenance.read_result(bad)
+
+
+def test_the_machine_carries_its_load_so_a_shared_machine_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(provenance, "_git", lambda *args: None)
+    monkeypatch.setattr(provenance.os, "getloadavg", lambda: (5.0, 4.0, 3.5))
+    made = provenance.read_result(provenance.write_result(tmp_path / "r.json", "x", {}))["provenance"]
+    assert made["machine"]["load_15min"] == 3.5
