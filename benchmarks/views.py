@@ -134,5 +134,47 @@ def readme(results: Results) -> str:
     rows.append(["goodput at 10,000 GPUs (a model), `train-on` / plain torchrun",
                  f"{ratio(point['systems']['train_on']['goodput'])} / {ratio(point['systems']['stock']['goodput'])}",
                  "[at scale](docs/results.md#at-scale)"])
-    documents = [results["recovery"], results["checkpoint"], results["goodput_at_scale"]]
+    loop = results["overhead"]
+    rows.append(["steps/s, the recipe in default settings / a plain DDP loop (95 % interval)",
+                 _interval(loop["results"]["ratio"]), "[overhead](docs/results.md#runtime-overhead)"])
+    documents = [results["recovery"], results["checkpoint"], results["goodput_at_scale"], loop]
     return table(["what", "measured", "in full"], rows) + "\n" + measured(*documents)
+
+
+def _interval(values: Sequence[float]) -> str:
+    """A ratio with its 95 % interval: (ratio, low, high) -> `r [low-high]`."""
+    middle, low, high = values
+    return f"{middle:.3f} [{low:.3f}-{high:.3f}]"
+
+
+@view("overhead")
+def overhead(results: Results) -> str:
+    """The recipe in default settings against a plain seed-style DDP loop, paired blocks; a snapshot's cost."""
+    document = results["overhead"]
+    found = document["results"]
+    rows = [["steps/s, recipe in default settings / plain DDP loop (95 % interval)", _interval(found["ratio"])]]
+    snapshots = found.get("snapshots") or {}
+    recipe = snapshots.get("recipe_no_metrics") or snapshots.get("recipe")
+    if recipe:
+        rows.append([f"a snapshot's cost per step, the runtime's own account (every {recipe['every']} steps)",
+                     percent(recipe.get("share_per_step"))])
+    return table(["what", "measured"], rows) + "\n" + measured(document)
+
+
+@view("seal_cost")
+def seal_cost(results: Results) -> str:
+    """A rendezvous round and a process group's start on sealed stores against unsealed, medians."""
+    document = results["seal_cost"]
+    rows = [[r["what"], f"{r['unsealed_ms']:.1f} ms", f"{r['sealed_ms']:.1f} ms", ratio(r["ratio"])]
+            for r in document["results"]["rows"]]
+    return table(["what", "unsealed", "sealed", "sealed / unsealed"], rows) + "\n" + measured(document)
+
+
+@view("warm_cold")
+def warm_cold(results: Results) -> str:
+    """Steps of workers started warm (forked) against cold (a fresh interpreter), side by side."""
+    document = results["warm_cold"]
+    found = document["results"]
+    row = [f"{found['nproc_per_node']} workers on a node, cold / warm step time (95 % interval)",
+           _interval([found["ratio_cold_over_warm"], *found["ci95"]])]
+    return table(["what", "measured"], [row]) + "\n" + measured(document)
