@@ -74,7 +74,8 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         torch_version = torch.__version__
     except ImportError:
         torch_version = None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # result files rewritten by a series of benchmarks change no code: they do not make the tree dirty
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return {
         "format": FORMAT,
         "command": " ".join([Path(sys.argv[0]).as_posix() if argv is None else "", *(sys.argv[1:] if argv is None else argv)]).strip(),
