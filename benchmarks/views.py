@@ -124,7 +124,7 @@ def readme(results: Results) -> str:
     recovered = results["recovery"]["results"]["sizes"]
     size = "default" if "default" in recovered else next(iter(recovered))
     for setting, r in recovered[size].items():
-        rows.append([f"time lost per killed worker, {SETTING_NAMES.get(setting, setting)} (GPT recipe, {size} size)",
+        rows.append([f"time lost per killed worker: {SETTING_NAMES.get(setting, setting)}, GPT recipe at its {size} size",
                      seconds(r.get("lost_median_s")), "[recovery](docs/results.md#recovery)"])
     stall = results["checkpoint"]["results"]["configs"]
     for name, c in stall.items():
