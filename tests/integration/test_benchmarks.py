@@ -174,15 +174,19 @@ def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
     assert [side for side, *_ in rows] == ["save", "restore"], result.stdout
 
 
-def test_object_store_benchmark_prints_ours_the_sequential_upload_and_dcps_fsspec_writer() -> None:
+def test_object_store_benchmark_prints_ours_the_sequential_upload_and_dcps_fsspec_writer(tmp_path: Path) -> None:
     result = warm.run(
-        [sys.executable, "benchmarks/object_store.py", "--mb", "8", "--tensors", "4", "--repeats", "1"],
+        [sys.executable, "benchmarks/object_store.py", "--mb", "8", "--tensors", "4", "--repeats", "1",
+         "--json", str(tmp_path / "object_store.json")],
         timeout=180, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^\| (ours|sequential|dcp-fsspec) \| (\d+) \| (\d+) \| ([\d.]+)x \| ([\d.]+)x \|$",
                       result.stdout, re.M)
     assert [name for name, *_ in rows] == ["ours", "sequential", "dcp-fsspec"], result.stdout
+    written = json.loads((tmp_path / "object_store.json").read_text())["results"]
+    assert {name: f"{figures['upload_mb_s']:.0f}" for name, figures in written["systems"].items()} == {
+        name: upload for name, upload, *_ in rows}, "the result file is what it printed"
     assert all(int(up) > 0 and int(down) > 0 for _, up, down, *_ in rows)
     assert rows[1][3:] == ("1.00", "1.00"), "the sequential upload is the baseline"
 
@@ -222,7 +226,9 @@ def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp
         timeout=600, cwd=REPO,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["benchmark"] == "hf_resume" and written["results"]["kill_at"] == 12
+    (row,) = written["results"]["results"]
     assert row["final_weights_identical"] and row["resize_audit"]["samples_wrong"] == 0
     # Killed at step 12 or a little later, with saves every 5 steps (one may still be in flight): what the
     # restarted group trains again lies between 1 step and every step since the save before the last.
