@@ -83,3 +83,15 @@ def network() -> Iterator[VirtualNetwork]:
         pytest.skip(f"no network namespaces here: {exc}")
     with net:
         yield net
+
+
+# Hypothesis' default 200 ms deadline per example measures the machine, not the code: on a busy 2-core
+# machine an example of test_regroup_env took 250 ms once and 1 ms the next time, and the suite failed.
+# The suite's tests are about what the code does; speed is for the benchmarks (the project's rule).
+try:
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # the test extra brings it; a bare checkout still collects
+    pass
+else:
+    _hypothesis_settings.register_profile("suite", deadline=None)
+    _hypothesis_settings.load_profile("suite")

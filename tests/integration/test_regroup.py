@@ -26,6 +26,7 @@ from support import (
 )
 
 from elastic._shared.protocol import heal_env
+from elastic._shared.storage.sealed_store import SealedStore
 from elastic._worker.survivors import regroup
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,10 @@ def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, in
         if kill_at >= 0:
             procs[KILLED_RANK].wait(timeout=120)
             outputs.append(procs[KILLED_RANK].stdout.read())
-            generation = dist.PrefixStore(heal_env.namespace_prefix(NAMESPACE), store).add(heal_env.GENERATION_KEY, 1)
+            # As the agent counts it: through the sealed store the workers read (unsigned here: no secret,
+            # no launch), whose counters are sealed values, not the TCPStore's numbers.
+            heals = dist.PrefixStore(heal_env.namespace_prefix(NAMESPACE), SealedStore(store, None, ""))
+            generation = heals.add(heal_env.GENERATION_KEY, 1)
             procs.append(start(script, KILLED_RANK, store.port, generation, kill_at, report))
         for proc in procs:
             proc.wait(timeout=120)

@@ -166,8 +166,9 @@ def test_a_run_closed_by_agents_that_were_sigkilled_is_reopened_once_their_keys_
 
     handler = create_handler_v3(params(shared_etcd.endpoint, run_id, last_call_timeout="1"))
     try:
-        keys = [k for k in run_keys(shared_etcd, run_id) if not k.endswith(".changes")]  # (this handler's counter)
-        assert len(keys) == 1 and "/agents/" in keys[0], f"the dead job's keys are left: {keys}"
+        # the new agent's own: its agent key and its node's heartbeat (and this handler's change counter)
+        keys = [k for k in run_keys(shared_etcd, run_id) if not k.endswith(".changes")]
+        assert len(keys) == 2 and "/agents/" in keys[0] and "/alive/" in keys[1], f"the dead job's keys are left: {keys}"
         info = handler.next_rendezvous()  # the reopened run takes a new job
         assert (info.rank, info.world_size, handler.is_closed()) == (0, 1, False)
     finally:

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_kills_at_random_moments_heal_or_restart_every_time_exactly_once_and_bit_identical(tmp_path: Path) -> None:
-    """Two incidents per setting (kinds aimed by fault points, drawn with the seed: the double kills that
-    end in a new round are the full soak's) on the tiny model, no dropout (a
+    """One incident per setting (its kind aimed by a fault point, drawn with the seed: the double kills that
+    end in a new round are the full soak's; two per setting took 280 s of the suite's 900) on the tiny model, no dropout (a
     replacement's random stream is not the dead worker's: with dropout, keep is exactly-once only).
     Every incident comes back to steady training without a stall of the kind a stuck heal makes (a
     wait that only another failure or a 30 s timeout ends: the bound here is 20 s, not the figure's
@@ -24,7 +24,7 @@ def test_kills_at_random_moments_heal_or_restart_every_time_exactly_once_and_bit
     audits exactly-once, and the final checkpoints under restart and keep are those of an
     uninterrupted run, bit for bit."""
     out = tmp_path / "soak.json"
-    done = warm.run([sys.executable, "benchmarks/soak.py", "--kills", "2", "--size", "tiny", "--max-steps", "120",
+    done = warm.run([sys.executable, "benchmarks/soak.py", "--kills", "1", "--size", "tiny", "--max-steps", "240",
                      "--reserve-s", "3", "--stall-bound", "20", "--recovery-limit", "60", "--recipe-arg=--dropout=0", "--recipe-arg=--eval-every=0",
                      "--kinds", "vote,replica_check,catch_up,memory_snapshot",  # the heal's own paths, aimed
                      "--workdir", str(tmp_path / "jobs"), "--json", str(out)],
@@ -33,10 +33,10 @@ def test_kills_at_random_moments_heal_or_restart_every_time_exactly_once_and_bit
     document = json.loads(out.read_text())
     assert document["benchmark"] == "soak" and document["provenance"]["commit"], "provenance written"
     rows = document["results"]["rows"]
-    assert list(rows) == ["restart", "keep", "train-on"], done.stdout
+    assert sorted(rows) == ["keep", "restart", "train-on"], done.stdout
     for setting, row in rows.items():
         summary, incidents = row["summary"], row["incidents"]
-        assert summary["incidents"] == 2 and summary["unrecovered"] == 0, done.stdout
+        assert summary["incidents"] == 1 and summary["unrecovered"] == 0, done.stdout
         assert summary["over_bound"] == [], f"{setting}: over the bound\n{done.stdout}"
         assert summary["stall_s"]["max"] <= 20 and summary["time_lost_s"]["median"] is not None
         for incident in incidents:
@@ -48,4 +48,4 @@ def test_kills_at_random_moments_heal_or_restart_every_time_exactly_once_and_bit
         assert exactly_once[0] == exactly_once[1] != "0", f"{setting}: {row['jobs']}"
         if setting in ("restart", "keep"):
             assert bits[0] == bits[1], f"{setting}: not bit-identical: {[j['identical'] for j in row['jobs']]}"
-    assert "s per incident" in done.stdout and "soak: 2 agents, tiny size" in done.stdout
+    assert "s per incident" in done.stdout and "soak: 2 agents, tiny size, 1 incidents per row" in done.stdout

@@ -93,7 +93,7 @@ def test_torchrun_ends_on_a_bad_option_with_one_line_and_exit_2(capsys) -> None:
 
 
 @pytest.mark.parametrize("run_id", ["a/agents/x", "a/b", "", "../x", ".hidden", "a b", "a\nb", "x" * 129,
-                                    "agents", "store", "store.ops", "rdzv", "a%2Fb", "é"])
+                                    "agents", "alive", "store", "store.ops", "rdzv", "a%2Fb", "é"])
 def test_run_ids_that_could_reach_into_another_runs_keys_are_refused(run_id: str) -> None:
     with pytest.raises(EtcdOptionsError, match="rdzv-id") as info:
         EtcdOptions.from_params(params(run_id=run_id or None) if run_id else RendezvousParameters(
@@ -117,15 +117,16 @@ def run_keys(prefix: str) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
     ranges it reads, counts or deletes as its own."""
     keys = RunKeys(prefix.encode())
     store, ops = keys.store_ranges
-    samples = [keys.state, store + b"torchelastic/0/rank/x", store + b"k", ops + b"ab12", keys.agents + b"ff00"]
-    ranges = [(keys.state, keys.state + b"\0")] + [(r, prefix_end(r)) for r in (store, ops, keys.agents)]
+    samples = [keys.state, store + b"torchelastic/0/rank/x", store + b"k", ops + b"ab12", keys.agents + b"ff00",
+               keys.alive + b"host:12:0"]
+    ranges = [(keys.state, keys.state + b"\0")] + [(r, prefix_end(r)) for r in (store, ops, keys.agents, keys.alive)]
     return samples, ranges
 
 
 def test_no_two_accepted_runs_share_a_key_or_a_range() -> None:
     """Run ids and key prefixes built to collide (nested, sharing a stem, named like the layout's
     parts): of those accepted, no run's key falls in another's ranges."""
-    words = ["a", "a.ops", "a-agents", "agents", "store", "store.ops", "rdzv", "x", "ag"]
+    words = ["a", "a.ops", "a-agents", "agents", "alive", "store", "store.ops", "rdzv", "x", "ag"]
     candidates = [("job", f"/t/{'/'.join(parts)}") for n in (1, 2, 3) for parts in itertools.product(words, repeat=n)]
     candidates += [(w, None) for w in words] + [("a", "/torchrevive"), ("b", "/torchrevive/a"), ("a", "/t/")]
     prefixes = set()
@@ -158,5 +159,5 @@ def test_endpoints_may_be_urls_whose_scheme_matches_the_protocol() -> None:
 
 def test_the_layout_names_are_the_ones_the_keys_use() -> None:
     keys = RunKeys(b"/p")
-    after = {k[len(b"/p/"):].split(b"/")[0].decode() for k in (keys.state, *keys.store_ranges, keys.agents)}
+    after = {k[len(b"/p/"):].split(b"/")[0].decode() for k in (keys.state, *keys.store_ranges, keys.agents, keys.alive)}
     assert after == LAYOUT_NAMES

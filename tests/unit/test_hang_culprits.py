@@ -109,6 +109,9 @@ class DictStore:
             self.values[key] = desired.encode()
         return self.values[key]
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.values[key] for key in keys]
+
 
 def namers(world: int, store: DictStore, now: list[float], reports: list[Any]) -> list[tuple[HangNamer, CollectiveRecord]]:
     made = []
@@ -135,7 +138,8 @@ def test_the_ranks_that_talk_name_the_one_blocked_in_python_and_one_reports_it()
     assert len(reports) == 1, "the first to set the verdict reports it"
     assert reports[0].culprits_ranks() == [1] and reports[0].collective == "train step at step 21"
     assert all(namer.verdicts and namer.verdicts[0].culprits_ranks() == [1] for namer, _ in ranks)
-    assert json.loads(store.values[f"{PREFIX}who/1"]) == ["node1", "host"]
+    assert json.loads(json.loads(store.values[f"{PREFIX}rec/1"])["r"])["node"] == "node1"
+    assert [namer.is_reader for namer, _ in ranks] == [True, True, False], "rank 0 reads the stall, rank 1 its own"
 
 
 def test_a_stopped_rank_is_named_from_its_silence_and_an_old_record_does_not_speak_for_it() -> None:
@@ -157,7 +161,9 @@ def test_no_verdict_when_training_moves_during_the_comparison_nor_before_the_thr
     (namer, kept), _ = namers(2, store, now, reports)
     kept.enter("train step", 5)
     namer.look(5.9, progress=4)
-    assert f"{PREFIX}rec/0" not in store.values  # under the threshold: nothing published
+    assert json.loads(store.values[f"{PREFIX}rec/0"])["n"] == 1  # under the threshold: only where it runs, once
+    namer.look(5.95, progress=4)
+    assert json.loads(store.values[f"{PREFIX}rec/0"])["n"] == 1 and not any("lead/" in key for key in store.values)
     namer.look(6.0, progress=4)  # the comparison starts
     now[0] = 20.0
     namer.look(0.1, progress=5)  # a step completed: the stall is over

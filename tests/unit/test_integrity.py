@@ -15,7 +15,7 @@ from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._worker.config import RunConfig, add_runtime_arguments
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity import check_interval, numeric_guard, tamper, verdicts
-from elastic._worker.integrity.replica_check import decode_ballots, encode_ballot
+from elastic._worker.integrity.digest_exchange import decode_ballots, encode_ballot
 from elastic._worker.integrity.rollback import RollbackPoint
 from elastic.chaos.faults import FaultInjector, parse_faults
 

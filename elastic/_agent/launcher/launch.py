@@ -256,8 +256,7 @@ def signing_secret(args: argparse.Namespace) -> job_secret.JobSecret:
     rendezvous handlers and the workers read it from; `UsageError` (one line) when it cannot be had."""
     run_id = getattr(args, "rdzv_id", None) or "none"
     try:
-        return job_secret.resolve(run_id, endpoint=getattr(args, "rdzv_endpoint", None),
-                                  max_nodes=torchrun_defaults.max_nodes(args))
+        return job_secret.resolve(run_id, endpoint=getattr(args, "rdzv_endpoint", None), max_nodes=torchrun_defaults.max_nodes(args))
     except peer_auth.SecretError as exc:
         raise UsageError(str(exc)) from None
 

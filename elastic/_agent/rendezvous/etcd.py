@@ -34,7 +34,7 @@ password_file  file whose first line is the user's password. `password=`
 ============== ==============================================================
 
 A run id is 1-128 of `[A-Za-z0-9._-]` and none of the layout's names below
-(`rdzv`, `store`, `store.ops`, `agents`), nor may any '/'-part of a key_prefix
+(`rdzv`, `store`, `store.ops`, `agents`, `alive`), nor may any '/'-part of a key_prefix
 be one: so no run's keys ever fall in another run's ranges (etcd_options.py).
 
 With `--client-cert-auth` and auth both on, a client certificate and a
@@ -47,6 +47,7 @@ Layout under the key prefix (default `/torchrevive/<run id>`):
     <prefix>/store/<key>     the agents' c10d store (`EtcdStore`)
     <prefix>/store.ops/<id>  the store's markers that make a retried add count once
     <prefix>/agents/<id>     one key per live agent, on a short lease of its own
+    <prefix>/alive/<node>    one key per node, on a lease of torch's dead-after time: its heartbeat
 
 Invariant: the fencing token of the state is the key's mod revision; a state is
 written only by a transaction that compares it (or, with no token, that the key
@@ -73,7 +74,7 @@ again with the same `--rdzv-id` resumes:
 
       compare  mod_revision(<prefix>/rdzv/state) == the token seen closed
                create_revision == 0 over the range <prefix>/agents/   (no key)
-      success  delete <prefix>/rdzv/state, <prefix>/store/*, <prefix>/store.ops/*
+      success  delete <prefix>/rdzv/state, <prefix>/store/*, <prefix>/store.ops/*, <prefix>/alive/*
 
   etcd applies it at one revision: if an agent wrote the state since (a live job,
   or another relauncher that won), or any agent is alive, nothing happens. The
@@ -98,11 +99,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
-import os
-import socket
-import threading
 import time
-import uuid
 import zlib
 
 from torch.distributed import Store
@@ -119,6 +116,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic._agent.rendezvous.etcd_client import EtcdClient
+from elastic._agent.rendezvous.etcd_liveness import AgentPresence
 from elastic._agent.rendezvous.etcd_messages import (
     KeyValue,
     key_values,
@@ -129,7 +127,6 @@ from elastic._agent.rendezvous.etcd_messages import (
 from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 from elastic._agent.rendezvous.etcd_store import EtcdStore
 from elastic._agent.rendezvous.state_guard import StateGuard
-from elastic._shared.common import threads
 from elastic._shared.storage.peer_auth import PeerKey
 
 __all__ = [
@@ -288,6 +285,11 @@ class RunKeys:
     def agents(self) -> bytes:
         return self.prefix + b"/agents/"
 
+    @property
+    def alive(self) -> bytes:
+        """One key per node on its own lease: its heartbeat (etcd_liveness)."""
+        return self.prefix + b"/alive/"
+
 
 class _ReadingView(RendezvousBackend):
     """A backend that only reads, and remembers the token of the state it handed out:
@@ -333,7 +335,8 @@ def _remove_closed_run(client: EtcdClient, keys: RunKeys, token: Token) -> bool:
          "target": "CREATE", "create_revision": 0},
     ]
     deletes = [{"request_delete_range": {"key": _encode(keys.state)}}] + [
-        {"request_delete_range": {"key": _encode(r), "range_end": _encode(prefix_end(r))}} for r in keys.store_ranges
+        {"request_delete_range": {"key": _encode(r), "range_end": _encode(prefix_end(r))}}
+        for r in (*keys.store_ranges, keys.alive)  # (no agent is alive: the dead ones' heartbeat keys go too)
     ]
     reply = client.txn(compare, success=deletes, failure=[], what="reopen the closed rendezvous")
     return bool(reply.get("succeeded"))
@@ -379,62 +382,17 @@ def reopen_closed_run(
     return False
 
 
-class AgentPresence:
-    """This agent's key under the run's `agents/` prefix, on a lease of `ttl` seconds
-    of a client of its own: it exists while the agent runs (rewritten every ttl/2
-    s, so a lease etcd lost is made good) and is gone within `ttl` of its death."""
-
-    def __init__(self, options: EtcdOptions, agents: bytes, ttl: int) -> None:
-        self._client = EtcdClient(dataclasses.replace(options, ttl=ttl))
-        self.key = agents + uuid.uuid4().hex.encode()
-        self._value = f"{socket.gethostname()} pid {os.getpid()}".encode()
-        self._period = max(ttl / 2.0, 0.5)
-        self._lock = threading.Lock()
-        self._left = threading.Event()
-        self._keeper: threading.Thread | None = None
-
-    def enter(self) -> None:
-        try:
-            self._put()
-        except BaseException:
-            self._left.set()
-            self._client.close(revoke=True)
-            raise
-        # Stopped and joined at exit (elastic._shared.common.threads): after SIGTERM it may be inside gRPC's C++.
-        self._keeper = threads.start(self._keep, name="etcd-rdzv-presence", stop=self._left.set)
-
-    def _put(self) -> None:
-        self._client.txn([], [self._client.put_op(self.key, self._value)], [], what="announce this agent")
-
-    def _keep(self) -> None:
-        while not self._left.wait(self._period):
-            with self._lock:  # never write the key again once `leave` revoked its lease
-                if self._left.is_set():
-                    return
-                try:
-                    self._put()
-                except RendezvousError as exc:
-                    logger.warning("%s", exc)
-
-    def leave(self) -> None:
-        """Revoke the lease, which deletes the key (idempotent; if etcd cannot be
-        reached, the key expires within `ttl`)."""
-        with self._lock:
-            if self._left.is_set():
-                return
-            self._left.set()
-        self._client.close(revoke=True)
-
-
 def leave(
     closed: bool, backend: EtcdRendezvousBackend, store: Store, params: RendezvousParameters, keys: RunKeys,
-    presence: AgentPresence,
+    presences: list[AgentPresence],
 ) -> None:
-    """After torch's `shutdown()` (`closed`: it closed the rendezvous), leave etcd: remove this agent's key
-    and, if it was the last agent out, the closed run itself."""
+    """After torch's `shutdown()` (`closed`: it closed the rendezvous), leave etcd: remove this agent's keys
+    (its presence under `agents/`, its node's heartbeat under `alive/`) and, if it was the last agent out,
+    the closed run itself."""
     last_out = False
     try:
-        presence.leave()
+        for presence in presences:
+            presence.leave()
         token = _closed_token(backend, store, params) if closed else None
         last_out = token is not None and _remove_closed_run(backend.client, keys, token)
     except RendezvousError as exc:

@@ -10,7 +10,7 @@ Invariants:
 - no credential travels in clear text: `user`/`password_file` need https;
 - one run's keys never fall in another run's ranges: a key prefix is split at
   '/', and no part of it may be a name the layout puts right after a prefix
-  (`rdzv`, `store`, `store.ops`, `agents`); a run id is one such part, of
+  (`rdzv`, `store`, `store.ops`, `agents`, `alive`); a run id is one such part, of
   `[A-Za-z0-9._-]`. Two prefixes whose keys met would then agree part by part
   up to the layout's name, which is the shorter prefix's end: they are equal.
 """
@@ -32,7 +32,7 @@ DEFAULT_PORT = 2379
 DEFAULT_TTL = 7200
 DEFAULT_READ_TIMEOUT = 60.0
 # The names a run's layout puts right after its key prefix (see `elastic._agent.rendezvous.etcd`).
-LAYOUT_NAMES = frozenset({"rdzv", "store", "store.ops", "agents"})
+LAYOUT_NAMES = frozenset({"rdzv", "store", "store.ops", "agents", "alive"})
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

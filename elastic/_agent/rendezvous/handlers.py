@@ -13,6 +13,9 @@ Every handler made here is a `SealedHandler`, torch's `DynamicRendezvousHandler`
   assigned ranks, MASTER_ADDR and MASTER_PORT, the exit barrier, the notices and the heals go
   through it (elastic._shared.storage.sealed_store);
 - quick rounds (quick_rounds), unless `--rdzv-conf quick_rounds=0`;
+- each node's heartbeat in a key of its own, sealed like the store's values, not torch's whole state
+  rewritten every interval (liveness: c10d-sealed's in the store, store_liveness; etcd-v3's on a lease per
+  node, etcd_liveness);
 - its events named without `inspect.stack()` (named_events);
 - at each round it tells this agent's workers their launch and round, the scope of their worker
   store (elastic._shared.protocol.round_identity).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -38,9 +42,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from elastic._agent.rendezvous import c10d_store
+from elastic._agent.rendezvous import c10d_store, store_liveness
 from elastic._agent.rendezvous.guarded_c10d import C10dStateBackend
-from elastic._agent.rendezvous.named_events import NamedExecutor, NamedStateHolder, method_name
+from elastic._agent.rendezvous.liveness import Heartbeats, HeartbeatStateHolder
+from elastic._agent.rendezvous.named_events import NamedExecutor, method_name
 from elastic._agent.rendezvous.quick_rounds import QUICK_ROUNDS_CONF, ChangeSignal, QuickRoundsExecutor
 from elastic._agent.rendezvous.state_guard import StateGuard
 from elastic._shared.common.errors import UsageError
@@ -55,9 +60,18 @@ ETCD_V3 = "etcd-v3"
 SEALED_BACKENDS = (C10D_SEALED, ETCD_V3)
 
 
+Scope = Callable[[str], str]
+"""The scope a launch's values in the agents' store are sealed in."""
+MakeHeartbeats = Callable[[Any, Any, SealedStore, Scope], Heartbeats]
+"""Heartbeats for torch's node with rendezvous settings, sealed as the agents' store seals (liveness)."""
+
+
 class SealedHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous handler, as the module docstring says; `leaving(closed)` runs after
     `shutdown` (the etcd-v3 backend leaves etcd there)."""
+
+    heartbeats: Heartbeats | None = None
+    """This node's heartbeats in keys of their own (liveness); None: torch's, in the state."""
 
     def __init__(
         self, parsed: DynamicRendezvousHandler, backend: RendezvousBackend, store: SealedStore, guard: StateGuard,
@@ -65,7 +79,7 @@ class SealedHandler(DynamicRendezvousHandler):
     ) -> None:
         """`parsed`: torch's own handler for the same parameters, whose node and settings this one takes."""
         node, settings = parsed._this_node, parsed._settings
-        super().__init__(node, settings, backend.name, store, NamedStateHolder(backend, settings))
+        super().__init__(node, settings, backend.name, store, HeartbeatStateHolder(backend, settings))
         self.guard = guard
         guard.live_within = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
         self._signal = signal
@@ -73,6 +87,21 @@ class SealedHandler(DynamicRendezvousHandler):
         self._seen_generation: int | None = None
         self._op_executor = (NamedExecutor(node, self._state_holder, settings) if signal is None
                              else QuickRoundsExecutor(node, self._state_holder, settings, signal))
+
+    def use_heartbeats(self, heartbeats: Heartbeats) -> None:
+        """From now on this node beats through `heartbeats`, its copies of the state learn the others' beats
+        there, and the guard asks them whether a launch it meets is live (see liveness)."""
+        self.heartbeats = heartbeats
+        self._state_holder.heartbeats = heartbeats
+        self.guard.heard_from = heartbeats.heard_from
+
+    def _keep_alive(self) -> None:
+        """torch's heartbeat timer's work: this node's own key (O(1) bytes), or torch's state rewrite."""
+        if self.heartbeats is None:
+            super()._keep_alive()
+            return
+        with self._heartbeat_lock:  # as torch's: never in the middle of this agent's own rendezvous step
+            self.heartbeats.beat()
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         construct_and_record_rdzv_event(
@@ -89,15 +118,18 @@ class SealedHandler(DynamicRendezvousHandler):
         return info
 
     def num_nodes_waiting(self) -> int:
-        """torch's answer, from the state torch cached up to 1 s ago only while no membership change was
-        announced since (quick rounds): a node that failed and joins the next round is on the wait list,
-        and the other agents restart their workers at their next look instead of up to a second later.
-        One read of the change counter per look."""
+        """torch's answer (quick rounds), from the state read at the last announced membership change, and
+        read afresh at the next: a node that failed and joins the next round is on the wait list, and the
+        other agents restart their workers at their next look instead of up to a second later. One read of
+        the change counter per look, and no read of the whole state (O(N) bytes, every second under torch's
+        1 s cache) while nothing changed: the wait list changes only by a membership write, announced."""
         if self._signal is None:
             return super().num_nodes_waiting()
         generation = self._signal.generation()
         if generation != self._seen_generation:
             self._state_holder._last_sync_time = -1  # read the state now, not torch's cached copy
+        else:
+            self._state_holder._last_sync_time = time.monotonic()  # nothing changed since: torch's copy is current
         waiting = super().num_nodes_waiting()
         self._seen_generation = generation
         return waiting
@@ -114,21 +146,28 @@ class SealedHandler(DynamicRendezvousHandler):
 
 def build(
     params: RendezvousParameters, backend: Any, inner: Store, key: PeerKey | None, *, watch: bool,
-    leaving: Callable[[bool], None] | None = None,
+    leaving: Callable[[bool], None] | None = None, heartbeats: MakeHeartbeats | None = None,
 ) -> SealedHandler:
-    """The handler for `params` on `backend` (whose `guard` guards its state) and the store `inner`."""
+    """The handler for `params` on `backend` (whose `guard` guards its state) and the store `inner`, its
+    heartbeats made by `heartbeats` (None: torch's, in the state)."""
     guard: StateGuard = backend.guard
     run_id = params.run_id
 
+    def scope_of(launch: str) -> str:
+        return round_identity.rendezvous_scope(run_id, launch)
+
     def scope() -> str | None:
         launch = guard.current_launch
-        return None if launch is None else round_identity.rendezvous_scope(run_id, launch)
+        return None if launch is None else scope_of(launch)
 
     store = SealedStore(inner.clone(), key, scope)
     signal = None
     if params.get_as_bool(QUICK_ROUNDS_CONF, True):
         signal = ChangeSignal(SealedStore(inner, key, round_identity.changes_scope(run_id)), run_id, watch=watch)
-    return SealedHandler(create_handler(store, backend, params), backend, store, guard, signal, leaving)
+    handler = SealedHandler(create_handler(store, backend, params), backend, store, guard, signal, leaving)
+    if heartbeats is not None:
+        handler.use_heartbeats(heartbeats(handler._this_node, handler._settings, store, scope_of))
+    return handler
 
 
 def create_c10d_sealed(params: RendezvousParameters) -> SealedHandler:
@@ -137,13 +176,15 @@ def create_c10d_sealed(params: RendezvousParameters) -> SealedHandler:
     key = _job_key(params)
     inner = c10d_store.create_store(params)
     guard = StateGuard.for_run(params.run_id, key)
-    return build(params, C10dStateBackend(inner, params.run_id, guard, name=params.backend), inner, key, watch=False)
+    return build(params, C10dStateBackend(inner, params.run_id, guard, name=params.backend), inner, key, watch=False,
+                 heartbeats=store_liveness.key_heartbeats)
 
 
 def create_etcd_v3(params: RendezvousParameters) -> SealedHandler:
     """`--rdzv-backend=etcd-v3` (elastic._agent.rendezvous.etcd): reopens the run first if a job that
-    has ended left it closed, announces this agent, and leaves etcd cleanly at `shutdown()`."""
-    from elastic._agent.rendezvous import etcd
+    has ended left it closed, announces this agent, keeps its node's heartbeat on a lease
+    (etcd_liveness), and leaves etcd cleanly at `shutdown()`."""
+    from elastic._agent.rendezvous import etcd, etcd_liveness
     from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 
     try:  # every option checked before anything is made or reached
@@ -152,20 +193,30 @@ def create_etcd_v3(params: RendezvousParameters) -> SealedHandler:
         EtcdOptions.from_params(params)
     except EtcdOptionsError as exc:
         _refuse(params, str(exc))
-    backend, store = etcd.create_backend(params, _job_key(params))
+    key = _job_key(params)
+    backend, store = etcd.create_backend(params, key)
     keys = etcd.RunKeys(backend.client.options.key_prefix.encode())
-    try:
-        etcd.reopen_closed_run(backend, store, params, keys, timeout=join_timeout)
-        presence = etcd.AgentPresence(backend.client.options, keys.agents, liveness_ttl)
-        presence.enter()
-    except BaseException:
-        backend.client.close()  # nothing of this agent is in etcd yet
-        raise
+    presences: list[etcd_liveness.AgentPresence] = []
+
+    def lease_heartbeats(node: Any, settings: Any, sealed: SealedStore, scope_of: Scope) -> Heartbeats:
+        heartbeats, presence = etcd_liveness.lease_heartbeats(
+            node, settings, backend.client.options, backend.client, keys.alive, sealed, scope_of)
+        presences.append(presence)
+        return heartbeats
 
     def leaving(closed: bool) -> None:
-        etcd.leave(closed, backend, store, params, keys, presence)
+        etcd.leave(closed, backend, store, params, keys, presences)
 
-    return build(params, backend, store, key, watch=True, leaving=leaving)
+    try:
+        etcd.reopen_closed_run(backend, store, params, keys, timeout=join_timeout)
+        presences.append(etcd_liveness.AgentPresence(backend.client.options, keys.agents, liveness_ttl))
+        presences[0].enter()
+        return build(params, backend, store, key, watch=True, leaving=leaving, heartbeats=lease_heartbeats)
+    except BaseException:
+        for presence in presences:
+            presence.leave()
+        backend.client.close()  # nothing of this agent is in etcd any more
+        raise
 
 
 CREATORS: dict[str, Callable[[RendezvousParameters], SealedHandler]] = {

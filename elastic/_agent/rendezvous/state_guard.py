@@ -11,8 +11,9 @@ With a secret every state names its launch (`state_seal`). Until its first round
 completes an agent's launch is tentative: it writes under a launch id it drew at
 random (the first state of a new launch) or under the launch of the state it last
 verified, and it takes the launch of any state it verifies that is live (a node's
-heartbeat in it younger than torch's dead-node time, `keep_alive_interval *
-keep_alive_max_attempt`; closed or not: an agent that meets its own launch closed
+heartbeat younger than torch's dead-node time, `keep_alive_interval *
+keep_alive_max_attempt`, in the state or, where nodes beat in keys of their own
+(liveness), in a node's key sealed in that launch's scope (`heard_from`); closed or not: an agent that meets its own launch closed
 ends with it, as torch's do). So the agents of a launch agree on it however a
 stranger's writes interleave with theirs, and a state left by an earlier launch of
 the same run id and secret, or recorded from it, is never taken: nothing of that
@@ -43,19 +44,24 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
+from typing import Any
 
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from elastic._agent.rendezvous.state_pickle import StateRefused
 from elastic._agent.rendezvous.state_seal import Opened, StateSeal
 from elastic._shared.protocol.round_identity import new_launch
 from elastic._shared.storage.peer_auth import PeerKey
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_LIVE_WITHIN = 15.0
 """torch's dead-node time with its defaults (keep_alive_interval 5 s, keep_alive_max_attempt 3)."""
@@ -78,6 +84,9 @@ class StateGuard:
         self._warn = warn
         self.live_within = live_within
         """Seconds (torch's dead-node time: the handler sets it from its settings)."""
+        self.heard_from: Callable[[str, list[Any]], list[datetime]] | None = None
+        """The beats, sealed in a launch's scope, of a state's nodes (liveness.Heartbeats.heard_from): their
+        heartbeats are in keys of their own, and the state's record of them ages while a job trains."""
         self.check_launch = True
         """False for a guard that only reads a state to look at it (etcd-v3's check for a closed run)."""
         self._clock = clock
@@ -135,9 +144,10 @@ class StateGuard:
         state this agent verified or wrote (fresh if none), with one warning per reason."""
         try:
             opened = self._seal.open(blob)
+            heard = self._heard(opened)  # (a store read: never with the lock held, which torch's timer needs)
             with self._lock:
                 if self._seal.signed and self.check_launch:
-                    self._check_launch(opened)
+                    self._check_launch(opened, heard)
                 self._seq, self._last = max(self._seq, opened.seq), opened.payload
             return opened.payload
         except StateRefused as why:
@@ -151,14 +161,31 @@ class StateGuard:
                            f"unpickled: {why}; this agent goes on from the last state it verified")
             return last if last is not None else pickle.dumps(_RendezvousState())
 
-    def _check_launch(self, opened: Opened) -> None:
-        """Take the launch of `opened` while this agent's is tentative (if `opened` is live), or refuse a
-        state of another launch, or an older one of its own (called with the lock held)."""
+    def _heard(self, opened: Opened) -> list[datetime]:
+        """The beats in its nodes' keys of a state of a launch this agent may take, when its own record of
+        them says it is not live (liveness: the record ages while a job trains); else none."""
+        with self._lock:
+            may_take = self.launch is None and opened.launch not in (None, self._current)
+        if not (may_take and self.heard_from is not None and self._seal.signed and self.check_launch):
+            return []
+        if self._not_live(opened.state, []) is None or not opened.state.last_heartbeats:
+            return []
+        assert opened.launch is not None
+        try:
+            return self.heard_from(opened.launch, list(opened.state.last_heartbeats))
+        except (RuntimeError, OSError, RendezvousError) as exc:  # (the state's record alone decides)
+            logger.warning("could not read the heartbeats of a launch of run %s: %s", self._seal.run_id, exc)
+            return []
+
+    def _check_launch(self, opened: Opened, heard: list[datetime]) -> None:
+        """Take the launch of `opened` while this agent's is tentative (if `opened` is live: its record of
+        the beats, or `heard`, its nodes' keys), or refuse a state of another launch, or an older one of its
+        own (called with the lock held)."""
         if opened.launch != self._current:
             if self.launch is not None:
                 raise StateRefused("it belongs to another launch of this run (recorded from an earlier one, or a "
                                    "second job under the same run id and secret)")
-            why = self._not_live(opened.state)
+            why = self._not_live(opened.state, heard)
             if why is not None:
                 raise StateRefused(f"it was left by an earlier launch of this run ({why}): this agent starts a "
                                    "launch of its own")
@@ -168,11 +195,12 @@ class StateGuard:
             raise StateRefused(f"it is write {opened.seq} of the launch, older than write {self._seq} this "
                                "agent has seen (a recorded state written back)")
 
-    def _not_live(self, state: _RendezvousState) -> str | None:
-        """Why a state of a launch this agent does not know is not one of a live launch; None when it is."""
-        beats = list(state.last_heartbeats.values())
-        if not beats:
+    def _not_live(self, state: _RendezvousState, heard: list[datetime]) -> str | None:
+        """Why a state of a launch this agent does not know is not one of a live launch (its record of the
+        beats and `heard`, its nodes' keys); None when it is."""
+        if not state.last_heartbeats:
             return "no node is in it"
+        beats = [*state.last_heartbeats.values(), *heard]
         if (self._clock() - max(beats)).total_seconds() > self.live_within:
             return f"no node of it sent a heartbeat in the last {self.live_within:g} s"
         return None

@@ -118,6 +118,10 @@ class SealedStore(Store):
     def signed(self) -> bool:
         return self._key is not None
 
+    def current_scope(self) -> str | None:
+        """The scope values are sealed in now (None: not known yet, or no secret)."""
+        return self._scope() if self._key is not None else None
+
     def clone(self) -> SealedStore:
         """Another sealed store on a clone of the inner one."""
         twin = SealedStore(self.inner.clone(), self._key, self._scope)
@@ -139,11 +143,12 @@ class SealedStore(Store):
             raise DistStoreError(f"store key {str(key)[:120]}: nothing may be written before the launch is known")
         return MAGIC + nonce + self._key.store_tag(scope.encode(), _key_bytes(key), nonce + data) + data
 
-    def open(self, key: str | bytes, raw: bytes) -> bytes | None:
-        """The value `raw` (read under `key`) holds; None, with one warning per key, when it does not verify."""
+    def open(self, key: str | bytes, raw: bytes, *, scope: str | None = None) -> bytes | None:
+        """The value `raw` (read under `key`) holds; None, with one warning per key, when it does not verify.
+        `scope`: check it in that scope instead of this store's (a launch this agent has not taken yet)."""
         if self._key is None:
             return peek(raw)
-        scope = self._scope()
+        scope = scope if scope is not None else self._scope()
         if scope is not None and raw.startswith(MAGIC) and len(raw) >= HEADER:
             nonce, tag = raw[len(MAGIC):len(MAGIC) + NONCE_BYTES], raw[len(MAGIC) + NONCE_BYTES:HEADER]
             value = raw[HEADER:]

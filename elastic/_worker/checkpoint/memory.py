@@ -44,6 +44,7 @@ import shutil
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,7 @@ from elastic._shared.storage.keeper_address import (
 )
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import state as live_state
+from elastic._worker.checkpoint.keeper_ring import KeeperSeen, peer_keeper, share_of_node
 from elastic._worker.checkpoint.part_files import PartFiles
 from elastic._worker.checkpoint.snapshot import BufferPool, DeferredCopy, copy_now
 from elastic._worker.checkpoint.snapshot_costs import SnapshotCost, SnapshotCosts
@@ -70,14 +72,6 @@ from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.runtime.rng import get_rng_state
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KeeperSeen(agreement.Message):
-    """A rank's node and its keeper, as every rank learns them (`connect`)."""
-
-    node: str
-    url: str
 
 
 @dataclass(frozen=True)
@@ -192,19 +186,11 @@ class MemorySnapshots:
 
     # -- peers ---------------------------------------------------------------------
 
-    def connect(self) -> None:
-        """A collective: learn every node's keeper and pick this node's peer (the next node, in a ring)."""
-        mine = KeeperSeen(self.keeper.node, self.keeper.url)
-        nodes: list[KeeperSeen] = []
-        for seen in agreement.all_gather(self._ctx, mine, KeeperSeen):
-            if seen not in nodes:
-                nodes.append(seen)
-        if len(nodes) < 2:
-            self.part_writer.peer = None
-            if self._ctx.is_main and self._ctx.distributed:
-                logger.info("snapshots stay on this node: the job runs on one node, so there is no peer to copy them to")
-            return
-        self.part_writer.peer = nodes[(nodes.index(mine) + 1) % len(nodes)].url
+    def connect(self, group: Any = agreement.DEFAULT_GROUP) -> None:
+        """A collective: pick this node's peer, the next node's keeper in a ring (keeper_ring)."""
+        self.part_writer.peer = peer_keeper(self._ctx, KeeperSeen(self.keeper.node, self.keeper.url), group)
+        if self.part_writer.peer is None and self._ctx.is_main and self._ctx.distributed:
+            logger.info("snapshots stay on this node: the job runs on one node, so there is no peer to copy them to")
 
     # -- writing ---------------------------------------------------------------------
 
@@ -310,13 +296,15 @@ class MemorySnapshots:
     # -- finding them again ------------------------------------------------------------
 
     def inventory(self) -> Inventory:
-        """What this node holds: its keeper, the newest step its workers finished, and every part of this run."""
-        held = []
+        """What this node holds: its keeper, the newest step its workers finished, and this rank's share
+        of the parts of this run (keeper_ring.share_of_node: the node's ranks report each part once)."""
+        held, ranks = [], []
         for where in (LOCAL, REPLICA):
             for header in parts.read_headers(self.keeper.root / where):
                 if header.run_id == self._ctx.run_id:
                     held.append([where, header.to_json().decode()])
-        return Inventory(self.keeper.node, self.keeper.url, self.last_progress(), held)
+                    ranks.append(header.rank)
+        return Inventory(self.keeper.node, self.keeper.url, self.last_progress(), share_of_node(self._ctx, held, ranks))
 
     def gather_files(
         self, locations: dict[int, list[list[str]]], tag: str, *, fetch_deadline: float | None = None

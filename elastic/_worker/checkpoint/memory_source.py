@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint
 from elastic._shared.storage import parts, sharded
@@ -45,9 +46,11 @@ class MemorySource:
 
     def __init__(
         self, ctx: WorkerContext, memory: MemorySnapshots, state: TrainingState, *, ckpt_dir: str, tag: str,
-        newest_on_disk: int, deadline: float,
+        newest_on_disk: int, deadline: float, group: Any = agreement.DEFAULT_GROUP,
     ) -> None:
+        """`group`: the ranks' group for the lookup (default: the runtime's control group)."""
         self._ctx = ctx
+        self._group = group
         self.memory = memory
         self.state = state
         self._ckpt_dir = ckpt_dir
@@ -58,8 +61,8 @@ class MemorySource:
 
     def gather(self) -> None:
         """Every rank (a collective): learn the other nodes' keepers and tell rank 0 what this node holds."""
-        self.memory.connect()
-        self._gathered = agreement.gather_to_main(self._ctx, self.memory.inventory(), Inventory)
+        self.memory.connect(self._group)
+        self._gathered = agreement.gather_to_main(self._ctx, self.memory.inventory(), Inventory, self._group)
 
     def offers(self) -> Iterator[Offer]:
         offer = self._plan(self._gathered or [])

@@ -52,6 +52,8 @@ from elastic._worker.checkpoint.sources import (
     Offer,
     Opened,
     RestoreSource,
+    share_rngs,
+    without_rngs,
 )
 from elastic._worker.checkpoint.training_state import TrainingState
 from elastic._worker.control import agreement
@@ -170,10 +172,13 @@ class RestorePlanner:
             except (CheckpointError, OSError) as exc:
                 failure = _checkpoint_error(exc, f"cannot read checkpoints in {self.store.root}")
                 decision = Decision(failure=Failure.of(failure))
+        decision, rngs = without_rngs(decision)  # every old rank's RNG: each rank gets its own, not all
         shared = agreement.from_main(self._ctx, decision if self._ctx.is_main else None, Decision)
         assert shared is not None
         if shared.failure is not None:
             raise shared.failure.error()
+        if shared.offer is not None:
+            share_rngs(self._ctx, shared.offer, rngs if self._ctx.is_main else None)
         return shared.offer
 
     def _load(self, source: RestoreSource, offer: Offer, deadline: float) -> tuple[int, int] | None:

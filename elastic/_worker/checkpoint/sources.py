@@ -12,13 +12,17 @@ rank reads its bytes), and the loader reads and verifies them (loader.py).
 
 Invariants:
 - An `Offer` is what every rank learns of a step before reading it: it crosses
-  ranks as a plain message (agreement.Message), never as a pickle.
+  ranks as a plain message (agreement.Message), never as a pickle. Its trainer
+  state holds every old rank's RNG state (about 10 KB each): those travel apart
+  (`without_rngs`, `share_rngs`: a scatter, each rank its own), so every rank
+  receives O(1) of them, not all N.
 - `open` changes nothing live and may fail on one rank only (an `OSError`);
   the planner then has every rank agree before anyone reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,3 +151,32 @@ class Decision(agreement.Message):
             Offer.from_plain(raw["offer"]) if raw["offer"] is not None else None,
             Failure.from_plain(raw["failure"]) if raw["failure"] is not None else None,
         )
+
+
+@dataclass(frozen=True)
+class RankRng(agreement.Message):
+    """One old rank's RNG state (plain values and tensors), or None: no old rank of that number."""
+
+    state: Any
+
+
+def without_rngs(decision: Decision) -> tuple[Decision, list[Any]]:
+    """`decision` with its offer's RNG states taken out (as many `None`s left in their place), and them."""
+    offer = decision.offer
+    if offer is None or not isinstance(offer.trainer.get("rng"), list):
+        return decision, []
+    rngs = offer.trainer["rng"]
+    trainer = {**offer.trainer, "rng": [None] * len(rngs)}
+    return Decision(offer=dataclasses.replace(offer, trainer=trainer), failure=decision.failure), rngs
+
+
+def share_rngs(ctx: Any, offer: Offer, rngs: list[Any] | None, group: Any = agreement.DEFAULT_GROUP) -> None:
+    """A collective after `without_rngs`: rank 0 (`rngs`) gives each rank its old rank's RNG state, put back
+    in its place in `offer`'s trainer state (a rank beyond the old world gets none: it is seeded afresh)."""
+    places = offer.trainer.get("rng")
+    if not isinstance(places, list):
+        return
+    given = None if rngs is None else [RankRng(rngs[r] if r < len(rngs) else None) for r in range(ctx.world_size)]
+    mine = agreement.scatter_from_main(ctx, given, RankRng, group)
+    if mine is not None and mine.state is not None and ctx.rank < len(places):
+        places[ctx.rank] = mine.state

@@ -137,11 +137,29 @@ def from_main(ctx: WorkerContext, message: M | None, kind: type[M], group: Any =
 
 
 def gather_to_main(ctx: WorkerContext, message: M, kind: type[M], group: Any = _UNSET) -> list[M] | None:
-    """Every rank's `message`, by rank, on rank 0; None elsewhere."""
+    """Every rank's `message`, by rank, on rank 0; None elsewhere. A rank other than 0 sends one row as
+    long as the longest message (its length first) and receives 8 bytes: O(1) a rank, O(N) at rank 0."""
     if not ctx.distributed:
         return [message]
     gathered = _gather_bytes(ctx, _encode(message), _group(group), to_all=False)
     return None if gathered is None else [_required(_decode(data, kind), rank) for rank, data in enumerate(gathered)]
+
+
+def scatter_from_main(ctx: WorkerContext, messages: list[M] | None, kind: type[M], group: Any = _UNSET) -> M | None:
+    """Rank 0's `messages[r]` on rank r (rank 0 passes one per rank, the others None): each rank receives
+    one row as long as the longest message, O(1) a rank where a broadcast of all would be O(N)."""
+    if not ctx.distributed:
+        return messages[0] if messages else None
+    group = _group(group)
+    payloads = [_encode(m) for m in messages] if ctx.is_main and messages is not None else []
+    if ctx.is_main and len(payloads) != ctx.world_size:
+        raise ValueError(f"rank 0 scatters {len(payloads)} messages to {ctx.world_size} ranks")
+    length = torch.tensor([max((len(p) for p in payloads), default=0)], dtype=torch.int64)
+    dist.broadcast(length, group_src=0, group=group)
+    row = torch.empty(_LENGTH + int(length.item()), dtype=torch.uint8)
+    rows = [_row(p, int(length.item())) for p in payloads] if ctx.is_main else None
+    dist.scatter(row, rows, group_src=0, group=group)
+    return _decode(_unrow(row), kind)
 
 
 def all_gather(ctx: WorkerContext, message: M, kind: type[M], group: Any = _UNSET) -> list[M]:
@@ -213,17 +231,35 @@ def _broadcast_bytes(data: bytes, group: dist.ProcessGroup | None) -> bytes:
     return buffer.numpy().tobytes()
 
 
+_LENGTH = 8
+"""Bytes of the length that heads a row of `_row` (little-endian)."""
+
+
+def _row(data: bytes, length: int) -> torch.Tensor:
+    """`data` headed by its length, padded to `length` bytes of data."""
+    return _as_tensor(len(data).to_bytes(_LENGTH, "little") + data, _LENGTH + length)
+
+
+def _unrow(row: torch.Tensor) -> bytes:
+    raw = row.numpy().tobytes()
+    length = int.from_bytes(raw[:_LENGTH], "little")
+    if length > len(raw) - _LENGTH:
+        raise ValueError(f"a row from another rank says {length} bytes and holds {len(raw) - _LENGTH}")
+    return raw[_LENGTH : _LENGTH + length]
+
+
 def _gather_bytes(ctx: WorkerContext, data: bytes, group: dist.ProcessGroup | None, *, to_all: bool) -> list[bytes] | None:
+    if not to_all:  # the longest length (an all-reduce), then rows that carry their own length
+        longest = torch.tensor([len(data)], dtype=torch.int64)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+        row = _row(data, int(longest.item()))
+        out = [torch.empty_like(row) for _ in range(ctx.world_size)] if ctx.is_main else None
+        dist.gather(row, out, group_dst=0, group=group)
+        return None if out is None else [_unrow(t) for t in out]
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
     dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
     lengths = [int(s.item()) for s in sizes]
     padded = _as_tensor(data, max(lengths))
-    if to_all:
-        out = [torch.empty_like(padded) for _ in range(ctx.world_size)]
-        dist.all_gather(out, padded, group=group)
-    else:
-        out = [torch.empty_like(padded) for _ in range(ctx.world_size)] if ctx.is_main else None
-        dist.gather(padded, out, group_dst=0, group=group)
-        if out is None:
-            return None
+    out = [torch.empty_like(padded) for _ in range(ctx.world_size)]
+    dist.all_gather(out, padded, group=group)
     return [t[:n].numpy().tobytes() for t, n in zip(out, lengths)]

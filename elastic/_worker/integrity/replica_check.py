@@ -9,8 +9,10 @@ mismatch is undone by rolling every rank back to the last passing check and repl
 What a check step does, on every rank (a collective on the control group):
 
 1. the digest of this rank's parameters (elastic._worker.observe.replicas.parameter_digest,
-   the digest `Run.finish` compares at the end), and one all-gather of every
-   rank's digest and its proposed interval (elastic._worker.integrity.check_interval);
+   the digest `Run.finish` compares at the end) and its proposed interval
+   (elastic._worker.integrity.check_interval) exchanged: one all-reduce of a few
+   bytes says whether every digest agrees, and only a mismatch gathers every
+   rank's (elastic._worker.integrity.digest_exchange);
 2. all equal: the check passes, and the rollback point moves to this step
    (elastic._worker.integrity.rollback); a check that was a replay's names
    what the mismatch was (`transient`: a `corruption` event, training goes on);
@@ -81,16 +83,14 @@ from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._worker.control import agreement
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity import verdicts
-from elastic._worker.integrity.check_interval import MAX_EVERY, CheckInterval
+from elastic._worker.integrity.check_interval import CheckInterval
+from elastic._worker.integrity.digest_exchange import Gathered, exchange
 from elastic._worker.integrity.rollback import RollbackPoint
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.replicas import parameter_digest
 from elastic._worker.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
-
-_DIGEST_BYTES = 32
-
 
 class FaultyNodeError(ElasticError):
     """This rank diverged from its replicas twice at the same step: its node is faulty."""
@@ -106,36 +106,6 @@ def node_name(environ: Any = os.environ) -> str:
     """This worker's node as the job's agents name it (their failures, hangs and nodes set aside:
     the snapshot keeper's node name, which torchrevive-run gives its workers); else the host."""
     return (environ.get(NODE_ENV) or socket.gethostname())[:200]
-
-
-@dataclass(frozen=True)
-class Gathered:
-    """One check's exchange, every rank's part, checked."""
-
-    digests: list[str]
-    proposals: list[int]
-
-
-def encode_ballot(digest: str, every: int) -> torch.Tensor:
-    raw = bytes.fromhex(digest)
-    if len(raw) != _DIGEST_BYTES:
-        raise ValueError(f"a digest is {_DIGEST_BYTES} bytes, not {len(raw)}")
-    return torch.tensor(list(raw) + list(int(every).to_bytes(8, "little")), dtype=torch.uint8)
-
-
-def decode_ballots(rows: list[torch.Tensor]) -> Gathered:
-    """Every rank's (digest, proposal) from the gathered rows; a malformed row is a one-line error."""
-    digests, proposals = [], []
-    for rank, row in enumerate(rows):
-        data = bytes(row.tolist())
-        if len(data) != _DIGEST_BYTES + 8:
-            raise ElasticError(f"replica check: rank {rank} sent {len(data)} bytes, not {_DIGEST_BYTES + 8}")
-        every = int.from_bytes(data[_DIGEST_BYTES:], "little")
-        if not 1 <= every <= MAX_EVERY:
-            raise ElasticError(f"replica check: rank {rank} proposed an interval of {every} steps")
-        digests.append(data[:_DIGEST_BYTES].hex())
-        proposals.append(every)
-    return Gathered(digests, proposals)
 
 
 REPLAY, RETRY = "replay", "retry"
@@ -384,7 +354,7 @@ class ReplicaCheck:
 
     def _exchange(self, digest: str, proposal: int) -> Gathered:
         self.before_exchange()
-        return decode_ballots(agreement.all_gather_rows(self._ctx, encode_ballot(digest, proposal), self._group))
+        return exchange(self._ctx, digest, proposal, self._group)
 
     def _nodes(self) -> list[str]:
         names = agreement.all_gather(self._ctx, agreement.Text(self._node[:200]), agreement.Text, self._group)

@@ -12,9 +12,13 @@ A view follows another in one of two ways:
 - shrink (`after_failure`): a collective failed; every member that can still
   act arrives at the next view, which closes as soon as every member of the
   last one arrived or was marked failed by its agent, else `settle` seconds
-  after this member arrived (a lost node's workers are never marked: their
+  after its closer arrived (a lost node's workers are never marked: their
   agent is gone too). A member that arrives after the close is not in it: it
-  waits to join, as a replacement does.
+  waits to join, as a replacement does. The closer is the first member to
+  claim it (a compare-and-set): it alone reads the arrivals, each member's
+  once it is there (the missing ones at every poll); the others poll the
+  view's one key. A closer that died too is replaced by the first waiter to
+  claim the next closer slot `settle` seconds later.
 - grow (`admit`): rank 0 of the current view closes the next one as the
   current members plus the workers waiting to join (`register_joiner`) whose
   tickets it saw; which tickets a view considered travels with it, so a joiner
@@ -34,6 +38,9 @@ Invariants:
 - No loop runs once per unit of a number read from the store: arrivals and
   presence are one key per member of the view (at most the round's world size),
   and a grow considers at most the round's world size of tickets (`admit`).
+- A member's share of a shrink or a forming is O(1) store operations: one
+  aggregator (the closer; the view's first member for its forming) reads the
+  members' keys, each once it is there; the others poll one key.
 - A view forms (`gather`) only once all its members are there, within a bound,
   and its members agree whether it formed (a compare-and-set of the outcome):
   a member that died after the view closed makes it given up, and the others
@@ -44,6 +51,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +74,7 @@ HEARTBEAT_KEY = "view/heartbeat"
 """Counted up by rank 0 of the current view at every vote step: a worker waiting to join learns the group
 still trains."""
 _POLL_S = 0.005
+_MAX_POLL_S = 0.05  # waits poll from _POLL_S, doubling up to this: a wait of seconds is a few dozen reads
 _IDLE_POLL_S = 0.02
 _MAX_MEMBERS = 1 << 16
 _MAX_VIEWS = 1 << 30
@@ -181,10 +190,12 @@ def _close(records: Records, number: int, members: list[str], considered: int, *
     return closed
 
 
-def _arrived(records: Records, last: View) -> list[str]:
-    """The members of `last` that arrived at the view after it so far (one key per member: bounded by the view)."""
-    number = last.number + 1
-    return [m for m in last.members if records.get(_arrival_key(number, m)) == "1"]
+def _closer_key(number: int, level: int) -> str:
+    return f"view/{number}/closer/{level}"
+
+
+def _pause(attempt: int) -> float:
+    return min(_POLL_S * 2 ** min(attempt, 16), _MAX_POLL_S)
 
 
 def arrive(records: Records, last: View, me: str) -> None:
@@ -211,20 +222,41 @@ def after_failure(
     if not arrived_already:
         arrive(records, last, me)
     deadline = clock() + settle
-    while True:
-        closed = read_view(records, number)
+    for level in itertools.count():  # another member closes it; if it never does, the next level's claimer
+        if (closed := read_view(records, number)) is not None:
+            return closed
+        if records.compare_set(_closer_key(number, level), me) == me:
+            return _close_after_failure(records, last, deadline, leaving, clock, sleep)
+        attempt, deadline = 0, deadline + settle
+        while (closed := read_view(records, number)) is None and clock() < deadline:
+            if leaving():
+                return None
+            sleep(_pause(attempt))
+            attempt += 1
         if closed is not None:
             return closed
-        if leaving():
-            return None
-        arrived = _arrived(records, last)
-        waiting = [m for m in last.members if m not in arrived and not failed(records, m)]
+    raise AssertionError("unreachable")
+
+
+def _close_after_failure(records: Records, last: View, deadline: float, leaving: Callable[[], bool],
+                         clock: Callable[[], float], sleep: Callable[[float], None]) -> View | None:
+    """The closer: each arrival read once it is there, the missing ones' and their failure marks each poll."""
+    number, arrived, attempt = last.number + 1, set[str](), 0
+    while True:
+        missing = [m for m in last.members if m not in arrived]
+        arrived.update(m for m in missing if records.get(_arrival_key(number, m)) == "1")
+        waiting = [m for m in missing if m not in arrived and not failed(records, m)]
         if not waiting or clock() >= deadline:
-            alive = [m for m in arrived if not failed(records, m)]  # a worker its agent is stopping is not one
+            alive = [m for m in last.members if m in arrived and not failed(records, m)]  # not being stopped
             if not alive:  # every one that came is being replaced: nobody closes an empty view
                 raise ViewError(f"every worker that came to view {number} was marked failed")
             return _close(records, number, alive, last.considered)
-        sleep(_POLL_S)
+        if leaving():
+            return None  # (a waiter takes over at the next closer level)
+        if (closed := read_view(records, number)) is not None:  # a waiter took over from a closer it thought dead
+            return closed
+        sleep(_pause(attempt))
+        attempt += 1
 
 
 def joiners_waiting(records: Records) -> int:
@@ -265,11 +297,12 @@ def admit(records: Records, current: View, upto: int) -> View:
 def wait_view(records: Records, number: int, *, timeout: float, clock: Callable[[], float] = time.monotonic,
               sleep: Callable[[float], None] = time.sleep) -> View | None:
     """View `number` once closed; None after `timeout` seconds."""
-    deadline = clock() + timeout
+    deadline, attempt = clock() + timeout, 0
     while (view := read_view(records, number)) is None:
         if clock() >= deadline:
             return None
-        sleep(_POLL_S)
+        sleep(_pause(attempt))
+        attempt += 1
     return view
 
 
@@ -329,21 +362,26 @@ def wait_for_admission(
 def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SECONDS,
            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
     """Note `me` present in `view` and wait for the others: True when the view forms, False when
-    it was given up. One outcome for all (a compare-and-set): "formed" by the first member that saw
-    every one present, or "given up" by the first whose `timeout` passed before; a member that gave
-    up after another saw everyone still forms it (it had noted itself present). Presence is one key
-    per member (a count would be anyone's to raise); an outcome that is not the job's is not one."""
+    it was given up. One outcome for all (a compare-and-set): "formed" by the view's first member once
+    it saw every one present (it alone reads the presence keys, each once it is there), or "given up" by
+    the first whose `timeout` passed before; a member that gave up after the first saw everyone still
+    forms it (it had noted itself present). Presence is one key per member (a count would be anyone's to
+    raise); an outcome that is not the job's is not one."""
     outcome = f"view/{view.number}/outcome"
-    deadline = clock() + timeout
+    deadline, attempt = clock() + timeout, 0
     records.set(_present_key(view.number, me), "1")
+    missing = [m for m in view.members if m != me] if me == view.members[0] else None
     while True:
-        if all(records.get(_present_key(view.number, m)) == "1" for m in view.members):
-            return records.compare_set(outcome, "formed") == "formed"
+        if missing is not None:
+            missing = [m for m in missing if records.get(_present_key(view.number, m)) != "1"]
+            if not missing:
+                return records.compare_set(outcome, "formed") == "formed"
         if (said := records.get(outcome)) in ("formed", "given up"):
             return said == "formed"
         if clock() >= deadline:
             return records.compare_set(outcome, "given up") == "formed"
-        sleep(_POLL_S)
+        sleep(_pause(attempt))
+        attempt += 1
 
 
 def mark_ended(records: Records) -> None:
