@@ -179,3 +179,15 @@ def warm_cold(results: Results) -> str:
     row = [f"{found['nproc_per_node']} workers on a node, cold / warm step time (95 % interval)",
            _interval([found["ratio_cold_over_warm"], *found["ci95"]])]
     return table(["what", "measured"], [row]) + "\n" + measured(document)
+
+
+@view("scale")
+def scale(results: Results) -> str:
+    """The control plane by simulation: store operations per rank for each path at each N, and their growth."""
+    document = results["scale"]
+    found = document["results"]
+    sizes = [str(n) for n in found["sizes"]]
+    rows = [[path, *(ratio(by_n.get(n, {}).get("ops_per_rank"), 1) for n in sizes), found["growth"].get(path)]
+            for path, by_n in found["paths"].items()]
+    header = ["store operations per rank", *(f"N={n}" for n in sizes), "growth"]
+    return table(header, rows) + "\n" + measured(document)
