@@ -122,7 +122,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 
+sys.path.insert(0, str(REPO / "benchmarks"))  # its siblings, by plain name
+from provenance import write_result  # noqa: E402
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic._shared.common.cli import (  # noqa: E402
@@ -206,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--new-ref", default="HEAD",
                    help="commit whose elastic/ is the new path, extracted like today's (default: HEAD), or worktree: "
                         "this checkout as it is")
+    p.add_argument("--json", default=None, help="write the figures and their provenance here (benchmarks/provenance.py)")
     g.add_argument("--quick", action="store_true",
                    help="the comparison only, on the recipe model, at 1 and 2 ranks, 2 saves (about 1-2 min)")
     return p
@@ -689,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(opts.threads)
     fill_defaults(opts)
     names = {"both": ["recipe", "100m"], "none": []}.get(opts.configs, [opts.configs])
+    results: list[Result] = []
+    rows: list[DistRow] = []
     if names:
         ctx = init_worker("cpu", environ={})  # one process, no process group
         tmp = Path(tempfile.mkdtemp(prefix="elastic-ckpt-bench-", dir=opts.dir))
@@ -705,6 +710,12 @@ def main(argv: list[str] | None = None) -> int:
     if opts.ranks:
         rows = compare(opts)
         report_dist(rows)
+    if opts.json:
+        write_result(opts.json, "checkpoint", {
+            "every": opts.every, "tiny": opts.tiny,
+            "configs": {r.name: {**asdict(r), "ratio": r.ratio} for r in results},
+            "ranks": [asdict(row) for row in rows]})
+        print(f"results: {opts.json}")
     return 0
 
 

@@ -130,6 +130,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+from provenance import write_result  # noqa: E402
+
 PROG = "goodput_at_scale.py"
 GPUS = (1_000, 10_000, 100_000)
 FIRST_ORDER_LIMIT = 0.2  # λ × E[lost per failure] above which a cell is marked
@@ -593,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(p, results))
     try:
         if args.json is not None:
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            write_result(args.json, "goodput_at_scale", results)
             print(f"\nresults: {args.json}")
         if args.plot is not None:
             plot(p, args.plot)

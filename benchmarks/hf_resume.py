@@ -55,6 +55,8 @@ from elastic._agent.launcher.proctree import descendants, worker_rank
 from elastic.chaos.netns import free_port
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # its siblings, by plain name
+from provenance import write_result  # noqa: E402
 SCRIPTS = {"stock": HERE / "hf_resume_stock.py", "ours": HERE / "hf_resume_elastic.py"}
 SYSTEMS = {  # name: (script, launcher module, extra environment)
     "stock/torchrun": ("stock", "torch.distributed.run", {}),
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(system, root, data, args, num_samples) for system in chosen]
     print("\n".join(report(results, args, num_samples)))
     if args.json:
-        args.json.write_text(json.dumps({"steps": args.steps, "kill_at": args.kill_at, "results": results}, indent=1))
+        write_result(args.json, "hf_resume", {"steps": args.steps, "kill_at": args.kill_at, "results": results})
     return 0
 
 

@@ -35,12 +35,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
 
 from elastic._shared.common.cli import OneLineArgumentParser, int_at_least, run_main  # noqa: E402
 from elastic._shared.storage import location, sharded  # noqa: E402
 from elastic._shared.storage.commit import commit_checkpoint  # noqa: E402
 from elastic._shared.storage.object_store.bucket import BucketStore  # noqa: E402
 from elastic._shared.storage.object_store.s3 import S3Objects  # noqa: E402
+from provenance import write_result  # noqa: E402
 
 SYSTEMS = ("ours", "sequential", "dcp-fsspec")
 
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int_at_least(1), default=3)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
     parser.add_argument("--bucket", help="a bucket of the store AWS_ENDPOINT_URL names (default: a local server)")
+    parser.add_argument("--json", type=Path, help="write the figures and their provenance here (benchmarks/provenance.py)")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     state = make_state(args.mb, args.tensors)
     mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
     if args.bucket:
-        return report(args.bucket, state, mb, systems, args.repeats)
+        return report(args.bucket, state, mb, systems, args.repeats, args.json)
     import os
 
     from elastic.chaos.s3_server import S3Server
@@ -149,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update({k: v for k, v in server.environment().items() if k.startswith("AWS_")})
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         server.create_bucket(bucket)
-        return report(bucket, state, mb, systems, args.repeats)
+        return report(bucket, state, mb, systems, args.repeats, args.json)
 
 
-def report(bucket: str, state: dict[str, torch.Tensor], mb: float, systems: list[str], repeats: int) -> int:
+def report(bucket: str, state: dict[str, torch.Tensor], mb: float, systems: list[str], repeats: int,
+           json_path: Path | None = None) -> int:
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in systems}
     for repeat in range(repeats):
         for name in systems:
@@ -160,6 +164,11 @@ def report(bucket: str, state: dict[str, torch.Tensor], mb: float, systems: list
     print(f"{mb:.0f} MB of float32 state in {len(state)} tensors, {repeats} repeat(s), "
           f"{torch.get_num_threads()} torch threads")
     print(table(mb, results))
+    if json_path is not None:
+        rates = {name: {"upload_mb_s": mb / statistics.median(u for u, _ in runs),
+                        "restore_mb_s": mb / statistics.median(r for _, r in runs), "seconds": runs}
+                 for name, runs in results.items()}
+        write_result(json_path, "object_store", {"mb": mb, "repeats": repeats, "systems": rates})
     return 0
 
 

@@ -6,8 +6,8 @@ Every benchmark whose figures reach the README or docs/results.md writes them wi
     {"benchmark": NAME, "provenance": {...}, "results": {...}}
 
 where `provenance` says how the figures were made: the command line, the commit (and whether the
-tree had uncommitted changes), the torch and Python versions, the machine (CPU model, cores, memory)
-and the date (UTC). `results` is the benchmark's own, JSON-safe (no NaN or infinity: `None` instead).
+tree had uncommitted changes), the torch and Python versions, the machine (CPU model, cores, memory,
+and its load average when the figures were written: a shared machine shows) and the date (UTC). `results` is the benchmark's own, JSON-safe (no NaN or infinity: `None` instead).
 
 Invariants: the file is replaced atomically (a reader never sees half of one); a result that is not
 JSON-safe is refused before anything is written.
@@ -58,6 +58,14 @@ def _memory_gib() -> float | None:
     return None
 
 
+def _load() -> float | None:
+    """The machine's load average over the last 15 minutes (what else ran while the figures were made)."""
+    try:
+        return round(os.getloadavg()[2], 2)
+    except OSError:
+        return None
+
+
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """How the figures were made: command, commit, versions, machine, date."""
     try:
@@ -66,7 +74,8 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         torch_version = torch.__version__
     except ImportError:
         torch_version = None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # result files rewritten by a series of benchmarks change no code: they do not make the tree dirty
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return {
         "format": FORMAT,
         "command": " ".join([Path(sys.argv[0]).as_posix() if argv is None else "", *(sys.argv[1:] if argv is None else argv)]).strip(),
@@ -74,7 +83,8 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         "dirty": bool(status) if status is not None else None,
         "torch": torch_version,
         "python": platform.python_version(),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(), "arch": platform.machine()},
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(), "arch": platform.machine(),
+                    "load_15min": _load()},
         "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
     }
 

@@ -93,6 +93,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
 import soak_measure  # noqa: E402
+from provenance import write_result  # noqa: E402
 
 from elastic._agent.launcher.failure_policy import SET_ASIDE_FAILURES_ENV
 from elastic._agent.launcher.launch import SNAPSHOTS_ENV
@@ -131,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agents", type=int, default=2, help="agents of the job (one worker each), 2 or more")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pictures", default="runs/recovery-benchmark", help="folder for each job's report PNG")
+    p.add_argument("--json", default=None, help="write the results (and provenance) to this file (benchmarks/provenance.py)")
     return p.parse_args(argv)
 
 
@@ -400,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                     r["goodput"] = faulty / clean
                     r["steps_per_s_clean"] = clean
     report(results, args)
+    if args.json:
+        write_result(args.json, "recovery", {"agents": args.agents, "kills": args.kills, "ckpt_every": args.ckpt_every,
+                                             "goodput_interval_s": args.goodput_interval, "sizes": results})
+        print(f"results: {args.json}")
     return 0
 
 

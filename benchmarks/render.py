@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # run as a script: views.py's `from render import view` must register here, not in a copy
+    sys.modules.setdefault("render", sys.modules[__name__])
 from provenance import read_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -41,6 +41,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+from provenance import write_result  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "slow_rank_worker.py"
 MODES = ("none", "ddp", "report", "rebalance")
@@ -395,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in table(rows, opts.stopped):
         print(line)
     if opts.json:
-        Path(opts.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        write_result(opts.json, "slow_rank", {"stopped": opts.stopped, "rows": [asdict(r) for r in rows]})
     return 0 if all(r.exactly_once is not False for r in rows) else 1
 
 

@@ -9,7 +9,7 @@ Each field of `RunConfig` is a setting: its name is the flag (`ckpt_every` is
 and its rule (`_rules`) checks it both as a flag (argparse: one line, exit 2)
 and as a keyword (`elastic.Run(ckpt_every=-1)`: one `UsageError` line). A
 script may choose its own default for a flag, said where it builds its
-parser (`add_runtime_arguments(p, ckpt_every=200)`). docs/recipes.md's flag
+parser (`add_runtime_arguments(p, ckpt_every=200)`). docs/reference.md's flag
 table is `flag_table()`, checked by a test.
 
 This module sits at the bottom of the worker side: it imports only the
@@ -366,7 +366,7 @@ class ArgumentParser(OneLineArgumentParser):
 
 
 def flag_table() -> str:
-    """The markdown table of every runtime flag, its default and its meaning (docs/recipes.md)."""
+    """The markdown table of every runtime flag, its default and its meaning (docs/reference.md)."""
     rules, docs = _rules(), field_help()
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for spec in fields(RunConfig):

@@ -77,19 +77,23 @@ def test_control_cost_benchmark_prints_what_each_vote_adds() -> None:
     assert rows == ["2"], result.stdout
 
 
-def test_checkpoint_benchmark_measures_the_stall_and_compares_todays_rank0_path_with_the_sharded_one() -> None:
+def test_checkpoint_benchmark_measures_the_stall_and_compares_todays_rank0_path_with_the_sharded_one(tmp_path: Path) -> None:
     """One run for both parts: the stall ratio of the tiny recipe model in this process, and the rank
     comparison as --quick runs it (recipe GPT, 2 saves) at 2 ranks, where today's path reads the checkpoint
     once per rank and the new one once per job (--quick's 1 and 2 ranks: tests/unit)."""
     result = warm.run(
         [sys.executable, "benchmarks/checkpoint.py", "--tiny", "--configs", "recipe", "--saves", "2", "--repeats", "1",
-         "--warmup-steps", "1", "--every", "1", "--quick", "--ranks", "2"],
+         "--warmup-steps", "1", "--every", "1", "--quick", "--ranks", "2", "--json", str(tmp_path / "checkpoint.json")],
         timeout=280, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     match = re.search(r"^recipe: checkpoint stall ratio (\S+) \(target <= 0\.05: (met|MISSED)\)$", result.stdout, re.M)
     assert match, result.stdout
-    float(match.group(1))
+    written = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert written["benchmark"] == "checkpoint" and written["provenance"]["command"].endswith("checkpoint.json")
+    assert f"{written['results']['configs']['recipe']['ratio']:.4f}" == match.group(1), "the result file is what it printed"
+    assert {(row["path"], row["mode"], row["ranks"]) for row in written["results"]["ranks"]} == {
+        ("today", "ddp", 2), ("today", "fsdp", 2), ("new", "ddp", 2), ("new", "fsdp", 2)}
     number = r"([\d.]+)"
     rows = re.findall(
         rf"^(today|new) +(ddp|fsdp) +(\d+) +{number} +{number} +{number} +{number} +{number} +{number} +{number} "
@@ -120,7 +124,8 @@ def test_recovery_benchmark_measures_the_time_a_kill_loses_restarting_healing_an
     """recovery.py in its quick form: one kill under each survivors setting at the tiny size, in the
     default settings (three jobs; the soak's short form covers the moments a kill lands at)."""
     quick = ["--kills", "1", "--settle", "1", "--goodput-seconds", "0", "--recovery-limit", "120", "--ckpt-every", "5",
-             "--pictures", str(tmp_path), "--sizes", "tiny", "--settings", "ours,ours-keep,ours-train-on"]
+             "--pictures", str(tmp_path), "--sizes", "tiny", "--settings", "ours,ours-keep,ours-train-on",
+             "--json", str(tmp_path / "recovery.json")]
     done = warm.run([sys.executable, "benchmarks/recovery.py", *quick], timeout=400, cwd=REPO, env=worker_env())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = done.stdout
@@ -146,6 +151,17 @@ def test_recovery_benchmark_measures_the_time_a_kill_loses_restarting_healing_an
     assert re.search(r"^checkpoint every 5 steps; steps redone per kill", out, re.M), out
     assert re.search(r"^tiny +ours-train-on" + columns, out, re.M).group(4) != "-", "the join's pause measured"
     assert re.search(r"^tiny: median time lost, ours / ours-train-on: [\d.]+x$", out, re.M), out
+    written = json.loads((tmp_path / "recovery.json").read_text())
+    assert written["benchmark"] == "recovery" and written["results"]["kills"] == 1
+    assert set(written["results"]["sizes"]["tiny"]) == {"ours", "ours-keep", "ours-train-on"}
+    assert written["results"]["sizes"]["tiny"]["ours-keep"]["restore_sources"] == ["live"]
+
+
+def test_the_docs_figures_render_from_the_result_files_as_a_script() -> None:
+    """`python benchmarks/render.py --check`, as the docs say to run it: its views register in the script
+    itself (run as __main__, a second copy of render.py once knew no view)."""
+    done = warm.run([sys.executable, "benchmarks/render.py", "--check"], timeout=60, cwd=REPO, env=worker_env())
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
@@ -158,15 +174,19 @@ def test_state_walk_benchmark_prints_ours_against_dcps() -> None:
     assert [side for side, *_ in rows] == ["save", "restore"], result.stdout
 
 
-def test_object_store_benchmark_prints_ours_the_sequential_upload_and_dcps_fsspec_writer() -> None:
+def test_object_store_benchmark_prints_ours_the_sequential_upload_and_dcps_fsspec_writer(tmp_path: Path) -> None:
     result = warm.run(
-        [sys.executable, "benchmarks/object_store.py", "--mb", "8", "--tensors", "4", "--repeats", "1"],
+        [sys.executable, "benchmarks/object_store.py", "--mb", "8", "--tensors", "4", "--repeats", "1",
+         "--json", str(tmp_path / "object_store.json")],
         timeout=180, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(r"^\| (ours|sequential|dcp-fsspec) \| (\d+) \| (\d+) \| ([\d.]+)x \| ([\d.]+)x \|$",
                       result.stdout, re.M)
     assert [name for name, *_ in rows] == ["ours", "sequential", "dcp-fsspec"], result.stdout
+    written = json.loads((tmp_path / "object_store.json").read_text())["results"]
+    assert {name: f"{figures['upload_mb_s']:.0f}" for name, figures in written["systems"].items()} == {
+        name: upload for name, upload, *_ in rows}, "the result file is what it printed"
     assert all(int(up) > 0 and int(down) > 0 for _, up, down, *_ in rows)
     assert rows[1][3:] == ("1.00", "1.00"), "the sequential upload is the baseline"
 
@@ -206,7 +226,9 @@ def test_hf_resume_benchmark_audits_the_elastic_trainer_under_plain_torchrun(tmp
         timeout=600, cwd=REPO,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["benchmark"] == "hf_resume" and written["results"]["kill_at"] == 12
+    (row,) = written["results"]["results"]
     assert row["final_weights_identical"] and row["resize_audit"]["samples_wrong"] == 0
     # Killed at step 12 or a little later, with saves every 5 steps (one may still be in flight): what the
     # restarted group trains again lies between 1 step and every step since the save before the last.

@@ -28,7 +28,9 @@ def test_the_throttled_rank_is_named_rebalanced_and_every_sample_trained_once(tm
         timeout=600, cwd=REPO, env=worker_env(),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    written = json.loads(out.read_text())
+    assert written["benchmark"] == "slow_rank" and written["provenance"]["commit"] is not None
+    rows = {row["mode"]: row for row in written["results"]["rows"]}
     assert set(rows) == {"none", "report", "rebalance"}
     for mode, row in rows.items():
         assert row["exactly_once"] is True and row["steps"] > 0, (mode, row)

@@ -36,10 +36,18 @@ def load_module():
 goodput_at_scale = load_module()
 
 
+@pytest.fixture(autouse=True)
+def no_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The result file's provenance asks git for the commit: a unit test starts no process."""
+    monkeypatch.setattr(sys.modules["provenance"], "_git", lambda *args: {"rev-parse": "c" * 40, "status": ""}[args[0]])
+
+
 def run(tmp_path: Path, *argv: str) -> dict[str, Any]:
     out = tmp_path / "results.json"
     assert goodput_at_scale.main([*argv, "--json", str(out)]) == 0
-    return json.loads(out.read_text())
+    document = json.loads(out.read_text())
+    assert document["benchmark"] == "goodput_at_scale" and document["provenance"]["command"]
+    return document["results"]
 
 
 def goodputs(results: dict[str, Any], source: str, system: str) -> list[float]:

@@ -156,3 +156,18 @@ def test_a_range_of_nodes_with_no_backend_chosen_takes_c10d(monkeypatch) -> None
     assert parse_args(["--nnodes=1:4", "train.py", "--rdzv-backend=x"]).rdzv_backend == "c10d"  # the script's own flag
     monkeypatch.setenv("PET_RDZV_BACKEND", "static")
     assert parse_args(["--nnodes=1:4", "train.py"]).rdzv_backend == "static"
+
+
+def test_a_job_that_may_span_hosts_without_a_secret_is_one_line(monkeypatch) -> None:
+    """The launcher reads --nnodes' maximum to decide whether the job needs a secret given to every node
+    (a NameError here once stopped every torchrevive-run agent at start)."""
+    import argparse
+
+    from elastic._agent.launcher import launch
+    from elastic._shared.storage import peer_auth
+
+    monkeypatch.delenv(peer_auth.SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(peer_auth.SECRET_ENV, raising=False)
+    args = argparse.Namespace(rdzv_id="job1", rdzv_endpoint="10.1.2.3:29400", nnodes="1:4")
+    with pytest.raises(UsageError, match=peer_auth.SECRET_FILE_ENV):
+        launch.signing_secret(args)

@@ -32,3 +32,20 @@ def test_a_file_without_its_three_parts_is_refused(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"results": {}}))
     with pytest.raises(ValueError, match="not a benchmark result file"):
         provenance.read_result(bad)
+
+
+def test_the_machine_carries_its_load_so_a_shared_machine_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(provenance, "_git", lambda *args: None)
+    monkeypatch.setattr(provenance.os, "getloadavg", lambda: (5.0, 4.0, 3.5))
+    made = provenance.read_result(provenance.write_result(tmp_path / "r.json", "x", {}))["provenance"]
+    assert made["machine"]["load_15min"] == 3.5
+
+
+def test_rewritten_result_files_do_not_make_the_tree_dirty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A series of benchmarks writes benchmarks/results/ one file after another: the later ones were measured
+    on the same code, so git's status is asked without that folder."""
+    asked = []
+    monkeypatch.setattr(provenance, "_git", lambda *args: asked.append(args) or ("b" * 40 if args[0] == "rev-parse" else ""))
+    made = provenance.read_result(provenance.write_result(tmp_path / "r.json", "x", {}))["provenance"]
+    [status] = [args for args in asked if args[0] == "status"]
+    assert ":(exclude)benchmarks/results" in status and made["dirty"] is False

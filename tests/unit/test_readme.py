@@ -9,6 +9,7 @@ from support import REPO
 
 DOCS = REPO / "docs"
 METRICS_PAGE = DOCS / "metrics.md"
+REFERENCE_PAGE = DOCS / "reference.md"
 
 
 def pages() -> list[Path]:
@@ -136,14 +137,14 @@ def test_readme_links_every_docs_page_and_each_page_links_back() -> None:
 
 
 def test_the_flag_table_is_runconfigs() -> None:
-    """docs/recipes.md's table of the runtime flags is the one `RunConfig` makes, and the
+    """docs/reference.md's table of the runtime flags is the one `RunConfig` makes, and the
     parser's flags are exactly `RunConfig`'s fields with its defaults."""
     import argparse
     from dataclasses import fields
 
     from elastic._worker.config import RunConfig, add_runtime_arguments, flag_table
 
-    page = (DOCS / "recipes.md").read_text()
+    page = REFERENCE_PAGE.read_text()
     assert flag_table() in page, "regenerate the table: python -c 'import elastic._worker.config as c; print(c.flag_table())'"
     parser = argparse.ArgumentParser()
     add_runtime_arguments(parser)
@@ -156,11 +157,21 @@ def test_the_flag_table_is_runconfigs() -> None:
 
 
 def test_the_launcher_tables_are_its_settings() -> None:
-    """docs/recipes.md's tables of torchrevive-run's settings and of its internal variables are the ones
+    """docs/reference.md's tables of torchrevive-run's settings and of its internal variables are the ones
     `elastic._agent.launcher.settings` makes."""
     from elastic._agent.launcher import settings
 
-    page = (DOCS / "recipes.md").read_text()
+    page = REFERENCE_PAGE.read_text()
     regenerate = "regenerate the table: python -c 'import elastic._agent.launcher.settings as s; print(s.{}())'"
     assert settings.flag_table() in page, regenerate.format("flag_table")
     assert settings.internal_table() in page, regenerate.format("internal_table")
+
+
+def test_the_event_table_is_every_event_kind() -> None:
+    """docs/reference.md's table of events lists exactly the kinds the event log accepts, each once."""
+    from elastic._worker.observe.events import EVENT_KINDS
+
+    section = REFERENCE_PAGE.read_text().split("\n## Events\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", section, flags=re.M)
+    assert len(listed) == len(set(listed)), "an event listed twice"
+    assert set(listed) == set(EVENT_KINDS)

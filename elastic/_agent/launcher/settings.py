@@ -8,7 +8,7 @@ group of their own, so `torchrevive-run --help` shows torchrun's flags and
 ours), `resolve` reads each from its flag, else its environment form, checks it
 (`UsageError`, one line, exit 2, naming the flag or the variable that was
 wrong) and writes the value chosen into the agent's environment, from where
-the agent's modules and the workers it starts read it as before. docs/recipes.md's
+the agent's modules and the workers it starts read it as before. docs/reference.md's
 launcher table is `flag_table()`, checked by a test.
 
 A setting with no flag is environment-only on purpose: the snapshot secret
@@ -342,7 +342,7 @@ def _check_together(chosen: Mapping[str, str]) -> None:
 
 
 def flag_table() -> str:
-    """The markdown table of the launcher's settings (docs/recipes.md)."""
+    """The markdown table of the launcher's settings (docs/reference.md)."""
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for setting in SETTINGS:
         flag = f"`{setting.flag} {setting.metavar}`" if setting.flag else "(environment only)"
@@ -351,7 +351,7 @@ def flag_table() -> str:
 
 
 def internal_table() -> str:
-    """The markdown table of the internal variables (docs/recipes.md)."""
+    """The markdown table of the internal variables (docs/reference.md)."""
     rows = ["| variable | set by, for |", "|---|---|"]
     rows += [f"| `{name}` | {why} |" for name, why in INTERNAL.items()]
     return "\n".join(rows) + "\n"
