@@ -160,7 +160,10 @@ def test_strangers_in_the_rendezvous_store_neither_stop_stall_nor_redirect_a_sig
     )
     command[1:3] = ["-m", "elastic._agent.launcher"]
     env = worker_env(TORCHREVIVE_SNAPSHOT_SECRET_FILE=str(secret), TORCHREVIVE_SNAPSHOT_BASE=str(tmp_path / "shm"),
-                     ELASTIC_FAULT="after_step@8:rank=1")  # a second round: the probes of round 1 meet the job too
+                     # A second round (rank 1 killed after step 8): the probes of round 1 meet the job too. Every
+                     # step paced to 0.15 s: the stranger writes every 0.2 s, and a job of 30 tiny steps was over in
+                     # a second on an idle machine, before it had written each probe three times.
+                     ELASTIC_FAULT="after_step@8:rank=1,after_step@1+:do=slow:for=0.15:restart=any")
     stranger = Stranger(port, secret, marker)
     agents = start_agents(2, command, tmp_path, env=env)
     stranger.thread.start()
