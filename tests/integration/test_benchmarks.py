@@ -37,7 +37,8 @@ def test_overhead_benchmark_prints_the_loops_their_ratio_and_the_metrics_cost(tm
         row = re.search(rf"^  {phase} +(( +[\d.-]+ ms +[\d.-]+%)+)", result.stdout, re.M)
         assert row and len(re.findall(r"ms", row.group(1))) == 3, (phase, result.stdout)  # the three recipe loops
     # Snapshots at their default: as often as 1 % of the loop buys on this machine now, at most --ckpt-every apart.
-    assert re.search(r"snapshots auto \(every [123] steps at the end\)", result.stdout), result.stdout
+    # (Each loop measures auto's interval itself: on a busy machine two loops may settle on two, "every 2/3 steps".)
+    assert re.search(r"snapshots auto \(every [123](/[123])* steps at the end\)", result.stdout), result.stdout
     overhead = json.loads(measured.read_text())["results"]
     assert 0 <= overhead["loop_overhead"] < 1
     # The snapshots' own account, from the workers' records: every loop with snapshots took some and made
