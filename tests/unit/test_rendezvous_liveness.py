@@ -291,3 +291,23 @@ def test_a_lost_compare_and_set_waits_a_jittered_window_that_doubles_to_a_bound(
     assert len({quick_rounds.cas_backoff(object(), 5) for _ in range(20)}) > 1, "jittered"
     torch_own = type("Settings", (), {"cas_backoff_max_seconds": 0.01})()
     assert all(quick_rounds.cas_backoff(torch_own, 30) <= 0.01 for _ in range(100))
+
+
+def test_an_agents_look_reads_the_state_within_a_bound_even_when_no_change_was_announced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A join whose announcement never landed (its node was partitioned while it counted) delays the others'
+    restart by at most FULL_READ_EVERY_S (the handler factory), never for good (test_etcd_v3_partition's healed node once
+    waited until its join timeout while the others trained on)."""
+    store = dist.HashStore()
+    handler = handlers_through_a_round(1, Cell(), store, beats="keys", quick=True)[0]
+    backend = handler._state_holder._backend
+    now = [1000.0]
+    monkeypatch.setattr(factory.time, "monotonic", lambda: now[0])
+    handler.num_nodes_waiting()
+    reads = backend.reads
+    now[0] += factory.FULL_READ_EVERY_S / 2
+    handler.num_nodes_waiting()
+    assert backend.reads == reads, "within the bound: the counter only"
+    now[0] += factory.FULL_READ_EVERY_S
+    handler.num_nodes_waiting()
+    assert backend.reads == reads + 1, "past the bound: the whole state, announced or not"
