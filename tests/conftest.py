@@ -95,3 +95,19 @@ except ImportError:  # the test extra brings it; a bare checkout still collects
 else:
     _hypothesis_settings.register_profile("suite", deadline=None)
     _hypothesis_settings.load_profile("suite")
+
+
+@pytest.fixture(autouse=True)
+def environment_put_back() -> Iterator[None]:
+    """Every tier: os.environ as it was before the test (an xdist worker runs hundreds of tests in one process,
+    and in-process agents publish their round there; the unit tier also fails a test that changed it)."""
+    import os
+
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before):
+        if name != "PYTEST_CURRENT_TEST":
+            del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value

@@ -19,6 +19,8 @@ from torch.utils.data import Dataset
 
 from elastic._agent.launcher.proctree import children as children_of  # noqa: F401 - re-exported
 from elastic._agent.launcher.proctree import worker_rank  # noqa: F401 - re-exported
+from elastic._shared.protocol.round_identity import ROUND_ENV
+from elastic._shared.protocol.worker_notes import NOTES_ENV
 from elastic._worker.checkpoint import read_checkpoint
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.metrics import PREFIX, TrainingMetrics
@@ -88,9 +90,16 @@ def write_cifar10(root: Path, *, train: int = 320, test: int = 80, seed: int = 0
     return root
 
 
+INHERITED_NEVER = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", ROUND_ENV, NOTES_ENV})
+"""Variables a child job never takes from the test process: torchrun's, and the round identity an agent's handler
+publishes in its own environment (a test that ran handlers in this process left it: a later plain-torchrun job's
+workers then sealed their worker store in that stale round, read the dead round's gloo addresses as current, and
+hung or were refused, in the full suite only)."""
+
+
 def worker_env(**extra: str) -> dict[str, str]:
     """The environment for a child job: no inherited torchrun variables, quiet threads."""
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED_NEVER}
     # Each rendezvous round gets a fresh worker store: with torchrun's shared store a node
     # joining after the first round times out (see elastic/_agent/launcher/launch.py).
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, **extra)
