@@ -74,17 +74,11 @@ class AgentPresence:
 
     def _keep(self) -> None:
         while not self._left.wait(self._period):
-            with self._lock:  # never write the key again once `leave` revoked its lease
-                if self._left.is_set():
-                    return
-                try:
-                    self._put()
-                except RendezvousError as exc:
-                    logger.warning("%s", exc)
+            self.renew()
 
     def renew(self) -> None:
         """Write the key again now (its value made afresh), unless this agent left."""
-        with self._lock:
+        with self._lock:  # never write the key again once `leave` revoked its lease
             if self._left.is_set():
                 return
             try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import stat
 import sys
 import tempfile
 from collections.abc import MutableMapping
@@ -68,16 +67,9 @@ def private_directory(base: Path) -> Path:
     (`SecretError`, a ValueError) unless it is a real directory of this user's, open to no one else, so
     no other local user can read the weights or the secret, or swap them."""
     directory = base / f"{DIRECTORY}-{os.geteuid()}"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        directory.mkdir(mode=0o700, exist_ok=True)
-        info = os.lstat(directory)
-    except OSError as exc:
-        raise SecretError(f"cannot make the snapshot directory {directory}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise SecretError(f"{directory} is not a directory of this user's that only this user can open: "
-                          f"remove it, or set {BASE_ENV} to a directory of your own")
-    return directory
+    return peer_auth.owned_directory(directory, f"cannot make the snapshot directory {directory}",
+                                     f"{directory} is not a directory of this user's that only this user can open: "
+                                     f"remove it, or set {BASE_ENV} to a directory of your own")
 
 
 def one_host(endpoint: str | None, max_nodes: int) -> bool:

@@ -282,14 +282,22 @@ def secrets_directory(base: Path) -> Path:
     """`base`/.secrets, made mode 0700; `SecretError` unless it is a directory of this user's that
     no one else can open (lstat: a link put in its place is refused)."""
     directory = base / SECRETS_DIRECTORY
+    return owned_directory(directory, f"cannot keep the snapshot secret in {directory}",
+                           f"{directory} belongs to another user or is open to others: "
+                           f"set {SECRET_FILE_ENV} to a file only this user can read")
+
+
+def owned_directory(directory: Path, cannot: str, refused: str) -> Path:
+    """`directory`, made (with its parents) with mode 0700, and refused (`SecretError`: `cannot` with the
+    system's reason, or `refused`) unless lstat finds a real directory of this user's that no one else can
+    open (a link put in its place is refused)."""
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = os.lstat(directory)
     except OSError as exc:
-        raise SecretError(f"cannot keep the snapshot secret in {directory}: {exc.strerror or exc}") from None
+        raise SecretError(f"{cannot}: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-        raise SecretError(f"{directory} belongs to another user or is open to others: "
-                          f"set {SECRET_FILE_ENV} to a file only this user can read")
+        raise SecretError(refused)
     return directory
 
 
