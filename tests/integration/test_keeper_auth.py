@@ -262,11 +262,11 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def test_keepers_can_serve_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keepers_can_serve_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node_memory: Path) -> None:
     cert, key_file = self_signed(tmp_path)
     tls = peer_auth.server_tls({peer_auth.TLS_CERT_ENV: str(cert), peer_auth.TLS_KEY_ENV: str(key_file)})
     key = PeerKey(b"a secret for this test only, 32b")
-    keeper = SnapshotKeeper("127.0.0.1", key=key, run_id="tls", base=tmp_path / "shm", tls=tls)
+    keeper = SnapshotKeeper("127.0.0.1", key=key, run_id="tls", base=node_memory, tls=tls)
     try:
         assert keeper.url.startswith("https://")
         name = parts.part_stem(0, "1-abcdef", 0) + parts.DATA_SUFFIX
@@ -330,8 +330,8 @@ def test_keepers_live_in_a_directory_only_their_user_can_open(tmp_path: Path) ->
         keeper_files.private_directory(link_base)
 
 
-def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_closing(tmp_path: Path) -> None:
-    base = keeper_files.private_directory(tmp_path / "shm")
+def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_closing(tmp_path: Path, node_memory: Path) -> None:
+    base = keeper_files.private_directory(node_memory)
     for name, owner in (("huge-pid", {"host": socket.gethostname(), "pid": 2**40}), ("a-list", [1]),
                         ("not-json", None)):
         (base / name).mkdir()
@@ -341,7 +341,7 @@ def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_cl
     stale = peer_auth.host_secret_file(base, "a-run-killed-long-ago")
     os.utime(stale, (0, 0))
     fresh = peer_auth.host_secret_file(base, "a-run-starting-now")  # its keeper's directory is not made yet
-    keeper = SnapshotKeeper("127.0.0.1", key=STRANGER, run_id="r", base=tmp_path / "shm")
+    keeper = SnapshotKeeper("127.0.0.1", key=STRANGER, run_id="r", base=node_memory)
     try:
         assert not stale.exists() and fresh.exists()
         assert not (base / "huge-pid").exists()  # no process has that pid: an orphan, removed

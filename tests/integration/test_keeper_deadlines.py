@@ -20,8 +20,8 @@ from elastic._worker.checkpoint import keeper_client, part_files
 from elastic._worker.checkpoint.part_files import PartFetchError, PartFiles
 
 
-def test_a_fifo_as_a_stage_header_is_refused_without_blocking(tmp_path: Path) -> None:
-    keeper = start_keeper(tmp_path / "shm")
+def test_a_fifo_as_a_stage_header_is_refused_without_blocking(tmp_path: Path, node_memory: Path) -> None:
+    keeper = start_keeper(node_memory)
     try:
         stage = tmp_path / "ckpt" / ".snapshot.step_00000003.run.w1.g0"
         stage.mkdir(parents=True)
@@ -31,9 +31,9 @@ def test_a_fifo_as_a_stage_header_is_refused_without_blocking(tmp_path: Path) ->
         keeper.close(timeout=5)
 
 
-def test_close_gives_up_in_bounded_time_while_a_stuck_thread_holds_the_lock(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_close_gives_up_in_bounded_time_while_a_stuck_thread_holds_the_lock(tmp_path: Path, monkeypatch, caplog, node_memory: Path) -> None:
     monkeypatch.setattr(keeper_module, "CLOSE_GRACE", 0.2)
-    keeper = start_keeper(tmp_path / "shm")
+    keeper = start_keeper(node_memory)
     stuck = threading.Event()
     keeper._lock.acquire()  # a persist stuck on a dead mount holds it
     try:
@@ -74,11 +74,11 @@ def _trickler(payload: bytes, every: float) -> tuple[socket.socket, str, threadi
     return listener, f"http://127.0.0.1:{listener.getsockname()[1]}", done
 
 
-def test_a_trickling_peer_is_dropped_at_the_overall_deadline_and_the_next_keeper_asked(tmp_path: Path, monkeypatch) -> None:
+def test_a_trickling_peer_is_dropped_at_the_overall_deadline_and_the_next_keeper_asked(tmp_path: Path, monkeypatch, node_memory: Path) -> None:
     # Well formed (a tag that fails at its very end): only a deadline over the whole answer stops it early.
     answer = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 116\r\nContent-Range: bytes 0-99/4096\r\n\r\n" + b"x" * 116
     listener, slow_url, done = _trickler(answer, 0.05)  # every single read arrives well within any per-read timeout
-    keeper = start_keeper(tmp_path / "shm")
+    keeper = start_keeper(node_memory)
     waited: list[float] = []
     real = keeper_client.KeeperConnections.get_range
 

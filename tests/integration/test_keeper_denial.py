@@ -50,8 +50,8 @@ def test_idle_connections_of_strangers_never_deny_a_signed_request(keeper: Snaps
                 connection.close()
 
 
-def test_a_request_signed_for_one_keeper_is_refused_by_another_of_the_job(tmp_path: Path, keeper: SnapshotKeeper) -> None:
-    other = start_keeper(tmp_path / "shm")  # the same job's secret, another agent's keeper
+def test_a_request_signed_for_one_keeper_is_refused_by_another_of_the_job(tmp_path: Path, keeper: SnapshotKeeper, node_memory: Path) -> None:
+    other = start_keeper(node_memory)  # the same job's secret, another agent's keeper
     try:
         path, data = a_part(keeper)
         a_part(other)
