@@ -10,15 +10,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import warm
 from cifar_model import CPUSyncBatchNorm
+from rank_processes import run_ranks
 from support import (
     CIFAR_RECIPE,
     REPO,
@@ -211,15 +210,7 @@ def test_two_ranks_normalise_with_the_statistics_of_their_joint_batch(tmp_path: 
         whole.weight.uniform_(0.5, 1.5)
         whole.bias.uniform_(-0.5, 0.5)
     torch.save((x, grad_y, whole.state_dict()), tmp_path / "inputs.pt")
-    ranks = mp.start_processes(
-        _sync_batch_norm_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + 60
-    while not ranks.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail("the two ranks did not finish within 60 s")
+    run_ranks(_sync_batch_norm_rank, 2, str(tmp_path / "store"), str(tmp_path), timeout=60)
 
     xs = x.clone().requires_grad_()
     (whole(xs) * grad_y).sum().backward()  # the loss is the sum of both ranks' losses

@@ -1,8 +1,11 @@
-"""TODO docstring."""
+"""Sharded (FSDP2/DTensor) state through the state manager on real gloo ranks: what two ranks save loads
+at one, two and three (uneven shards), a restore that reshards reads each row it needs once, and FSDP1
+and ZeroRedundancyOptimizer are refused in one line each. Each job's ranks are processes
+(rank_processes), their results written to files the test compares."""
 
 from __future__ import annotations
 
-import time
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import run_ranks
 from torch import nn
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -22,21 +25,19 @@ from elastic._worker.checkpoint import state as live_state
 
 
 def run_job(target: Callable[..., None], world_size: int, *args: Any, timeout: float = 120) -> None:
-    """`target(rank, world_size, store_path, *args)` in `world_size` forked processes on gloo."""
+    """`target(rank, world_size, store_path, *args)` in `world_size` processes on gloo."""
     store_path = args[0] / f"store.{target.__name__}.{world_size}"
-    ranks = mp.start_processes(
-        target, args=(world_size, str(store_path), *args), nprocs=world_size, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + timeout
-    while not ranks.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"{target.__name__} on {world_size} ranks did not finish within {timeout:g} s")
+    run_ranks(target, world_size, world_size, str(store_path), *args, timeout=timeout)
+
+
+BLOCK_ENV = "TEST_SHARDED_BLOCK"
+"""`sharded.BLOCK` in the ranks, when a test sets it (ranks see the test's environment, not its patches)."""
 
 
 def _init(rank: int, world_size: int, store_path: str) -> None:
-    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    torch.set_num_threads(1)
+    if os.environ.get(BLOCK_ENV):
+        sharded.BLOCK = int(os.environ[BLOCK_ENV])
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
 
 
@@ -207,8 +208,8 @@ def test_check_supported_refuses_real_fsdp1_and_zero_redundancy_optimizer(tmp_pa
 
 def test_a_restore_that_reshards_reads_the_rows_it_needs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # One float per checksum block: every row boundary is a block boundary, so reading only a
-    # rank's rows is exact. (Forked ranks inherit the patched block size.)
-    monkeypatch.setattr(sharded, "BLOCK", 4)
+    # rank's rows is exact.
+    monkeypatch.setenv(BLOCK_ENV, "4")
     run_job(_save_on_two_ranks, 2, tmp_path)
     run_job(_load_on_three_ranks, 3, tmp_path)
     reference: dict[str, torch.Tensor] = torch.load(tmp_path / "reference.pt")

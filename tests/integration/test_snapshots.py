@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import run_ranks
 from support import free_port, keeper_request
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -409,14 +409,7 @@ def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp
     try:
         envs = [k.address.environ() for k in keepers]
         for phase in ("save", "restore"):
-            ranks = mp.start_processes(_rank_on_node, args=(3, "", tmp_path, envs, phase, free_port()), nprocs=3,
-                                       join=False, start_method="fork")
-            deadline = time.monotonic() + 120
-            while not ranks.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    for process in ranks.processes:
-                        process.kill()
-                    pytest.fail(f"{phase} did not finish")
+            run_ranks(_rank_on_node, 3, 3, "", tmp_path, envs, phase, free_port(), what=phase)
     finally:
         for k in keepers:
             k.close(timeout=30)
