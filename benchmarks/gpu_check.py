@@ -162,9 +162,11 @@ def failure_reason(log: str) -> str:
 
 
 def abort_lines(log: str) -> list[str]:
-    """The log's lines about communicators aborted or a watchdog ending a group."""
+    """The log's lines about communicators aborted or a watchdog ending a group, the watchdog's first (what
+    ended the group: a loaded machine's log can hold more abort lines before it than a summary keeps)."""
     pattern = re.compile(r"abort|watchdog|exitcode\s*:\s*124|no step completed", re.IGNORECASE)
-    return [line.strip() for line in log.splitlines() if pattern.search(line)]
+    lines = [line.strip() for line in log.splitlines() if pattern.search(line)]
+    return sorted(lines, key=lambda line: "watchdog" not in line.lower())
 
 
 def snapshots_off(log: str) -> str | None:
