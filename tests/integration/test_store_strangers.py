@@ -5,10 +5,11 @@ agent names). None of it is read: the job trains on at its world size to its end
 none prints a traceback, and nothing a stranger wrote is unpickled.
 
 The probes (a raw TCPStore client, as an attacker on loopback):
-- torch's pickled state carrying a payload that makes a directory, in torch's own encoding;
-- a closing state and an open one, sealed as an earlier launch of the same run id and secret sealed its
-  states a minute ago (what a stranger could have recorded from it: same secret, same run id, another
-  launch id), and that launch's crash-loop notice in the board's first slot;
+- torch's pickled state carrying a payload that makes a directory, in torch's own encoding at torch's
+  own key, every 0.2 s (a signed job's state lies at a key the secret names: it is never read);
+- at that key, a closing state and an open one, sealed as an earlier launch of the same run id and
+  secret sealed its states a minute ago (what a stranger could have recorded from it: same secret, same
+  run id, same key, another launch id), and that launch's crash-loop notice in the board's first slot;
 - for the next rounds, before the job reaches them: forged assigned ranks (`[0, 1, 0, 1]`: a second rank
   0) and a foreign MASTER_ADDR and MASTER_PORT;
 - `x` in the rendezvous' change counter (it ended every agent with a traceback);
@@ -18,6 +19,7 @@ The probes (a raw TCPStore client, as an attacker on loopback):
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
 import random
@@ -29,7 +31,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from support import TINY_MODEL, free_port, make_text, start_agents, torchrun_command, wait_all, worker_env
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elastic._agent.launcher.notice_board import Entry, StoreBoard
@@ -83,10 +84,15 @@ class Stranger:
     def __init__(self, port: int, secret: Path | None, marker: Path) -> None:
         """`secret`: the job's, to make what the stranger recorded from its earlier launch (None: no recordings)."""
         self.port = port
-        self.states = [pickle.dumps(Marker(marker))]
+        self.payload = base64.b64encode(pickle.dumps(Marker(marker)))
+        self.recorded: list[bytes] = []
+        """States recorded from an earlier launch, and the key they lay at (none without the secret)."""
+        self.recorded_key = ""
         self.notices = {"n2": unsigned_notice("hang", culprits=[1], nodes=["x"]), "n3": unsigned_notice("crash_loop", rank=1)}
         if secret is not None:
-            self.states += recorded_states(PeerKey.from_file(secret))
+            key = PeerKey.from_file(secret)
+            self.recorded = [base64.b64encode(state) for state in recorded_states(key)]
+            self.recorded_key = StateSeal(RUN, key).store_key()
             self.notices["n1"] = recorded_crash_loop(secret)
         self.stop = threading.Event()
         self.wrote: dict[str, int] = {}
@@ -111,11 +117,11 @@ class Stranger:
         self.wrote[what] = self.wrote.get(what, 0) + 1
 
     def write(self, store: dist.TCPStore, turn: int) -> None:
-        if store.check([f"torch.rendezvous.{RUN}"]):  # the state, as torch's backend writes it
-            stranger = C10dRendezvousBackend(store, RUN)
-            current = stranger.get_state()
-            if stranger.set_state(self.states[turn % len(self.states)], None if current is None else current[1]):
-                self.count("state")
+        store.set(f"torch.rendezvous.{RUN}", self.payload)  # the state, as torch's backend writes it
+        self.count("state")
+        if self.recorded and turn % 2 and store.check([self.recorded_key]):  # written back over the job's
+            store.set(self.recorded_key, self.recorded[turn // 2 % len(self.recorded)])
+            self.count("recorded state")
         store.set(f"torchrevive.rdzv.{RUN}.changes", "x")
         self.count("changes")
         for number in range(5):  # the next rounds, before the job reaches them: written only where nothing is
@@ -174,6 +180,7 @@ def test_strangers_in_the_rendezvous_store_neither_stop_stall_nor_redirect_a_sig
         stranger.thread.join(30)
     log = "\n".join((tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(2))
     assert stranger.wrote.get("state", 0) >= 3 and stranger.wrote.get("changes", 0) >= 3, stranger.wrote
+    assert stranger.wrote.get("recorded state", 0) >= 2, stranger.wrote
     assert stranger.wrote.get("round keys", 0) >= 4 and stranger.wrote.get("notices", 0) >= 1, stranger.wrote
     assert codes == [0, 0], log[-6000:]
     assert not marker.exists(), "an agent unpickled the stranger's payload"
@@ -216,6 +223,6 @@ def test_plain_torchrun_on_the_sealed_backend_never_runs_a_strangers_pickle(tmp_
     assert codes == [0, 0], log[-6000:]
     assert not marker.exists(), "an agent unpickled the stranger's payload"
     assert "Traceback" not in log, log[-6000:]
-    assert "never unpickled" in log
+    assert "never unpickled" not in log  # the state lies at a key the secret names: torch's key is never read
     steps = [e for e in read_events(events) if e["event"] == "step"]
     assert steps[-1]["step"] == 8 and {e["world_size"] for e in steps} == {2}

@@ -13,9 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-    C10dRendezvousBackend,
-)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
@@ -140,20 +137,28 @@ def holder(backend) -> _BackendRendezvousStateHolder:
     return _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
 
 
+def forge(store: dist.Store, key: str, payload: bytes) -> None:
+    """Write `payload` at `key` as torch's own c10d backend stores a state (base64), over whatever is there."""
+    store.set(key, base64.b64encode(payload))
+
+
 @pytest.mark.parametrize("key", [KEY, None], ids=["signed", "no secret"])
 def test_a_marker_written_as_torchs_backend_writes_it_is_refused_once_and_then_replaced(
     tmp_path: Path, key: PeerKey | None
 ) -> None:
+    """Written at the key the state lies at: torch's own without a secret; with one, the key the secret
+    names (a stranger who recorded an earlier launch's traffic knows it)."""
     store, lines = dist.HashStore(), []
     guard = StateGuard(StateSeal(RUN, key), warn=lines.append)
-    agent = holder(C10dStateBackend(store, RUN, guard))
+    backend = C10dStateBackend(store, RUN, guard)
+    assert (backend.key == f"torch.rendezvous.{RUN}") is (key is None)
+    agent = holder(backend)
     agent.state.round = 4
     agent.mark_dirty()
     assert agent.sync() is True
 
     marker = tmp_path / "ran"
-    stranger = C10dRendezvousBackend(store, RUN)  # torch's own writer: same key, same base64
-    stranger.set_state(pickle.dumps(Marker(marker)), stranger.get_state()[1])
+    forge(store, backend.key, pickle.dumps(Marker(marker)))
     for _ in range(3):
         agent.sync()  # torch's own state holder: it unpickles what the backend hands it
         assert agent.state.round == 4  # the last state it verified, not a fresh one
@@ -163,10 +168,30 @@ def test_a_marker_written_as_torchs_backend_writes_it_is_refused_once_and_then_r
     agent.mark_dirty()
     assert agent.sync() is True  # the next write replaces the stranger's value
     assert holder(C10dStateBackend(store, RUN, StateGuard.for_run(RUN, key))).sync() is None
-    store.set(f"torch.rendezvous.{RUN}", b"\xff not base64")  # torch's backend would raise: refused the same way
+    store.set(backend.key, b"\xff not base64")  # torch's backend would raise: refused the same way
     agent.sync()
     assert agent.state.round == 4 and len(lines) == 2
     assert not marker.exists()
+
+
+def test_a_stranger_writing_torchs_key_between_any_two_syncs_never_hides_one_agent_from_another(tmp_path: Path) -> None:
+    """Probe (issue 55, DoS): a stranger overwrote torch's state key every 0.2 s; the agents of a 2:2 signed
+    job read its forgery far more often than each other's writes, each went on from its own last state, and
+    neither saw the other join (both timed out). A signed job's state lies at a key the secret names: what a
+    stranger writes at torch's key is never read."""
+    store, lines = dist.HashStore(), []
+    a = holder(C10dStateBackend(store, RUN, StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
+    b = holder(C10dStateBackend(store, RUN, StateGuard(StateSeal(RUN, KEY), warn=lines.append)))
+    marker = tmp_path / "ran"
+    a.state.last_heartbeats = {_NodeDesc("n1", 1, 0): datetime.now(timezone.utc)}  # a live launch: b takes it
+    for round_ in range(1, 4):
+        a.state.round = round_
+        a.mark_dirty()
+        assert a.sync() is True
+        forge(store, f"torch.rendezvous.{RUN}", pickle.dumps(Marker(marker)))
+        b.sync()
+        assert b.state.round == round_
+    assert not lines and not marker.exists()
 
 
 def test_a_closing_state_recorded_from_an_earlier_launch_never_closes_the_next_one() -> None:
@@ -180,7 +205,7 @@ def test_a_closing_state_recorded_from_an_earlier_launch_never_closes_the_next_o
         recorded.last_heartbeats = {n: datetime.now(timezone.utc) - timedelta(seconds=60) for n in recorded.participants}
     for recorded in (closed, stale):
         blob = StateSeal(RUN, KEY).seal(pickle.dumps(recorded), 99, EARLIER)
-        store.set(f"torch.rendezvous.{RUN}", base64.b64encode(blob))
+        forge(store, StateSeal(RUN, KEY).store_key(), blob)
         guard = StateGuard(StateSeal(RUN, KEY), warn=lines.append, live_within=3)
         agent = holder(C10dStateBackend(store, RUN, guard))
         agent.sync()
@@ -205,7 +230,7 @@ def test_agents_of_a_launch_agree_on_it_and_a_fixed_launch_refuses_every_other()
     first.fix()
     second.fix()
     other = genuine_state()
-    store.set(f"torch.rendezvous.{RUN}", base64.b64encode(StateSeal(RUN, KEY).seal(pickle.dumps(other), 50, EARLIER)))
+    forge(store, StateSeal(RUN, KEY).store_key(), StateSeal(RUN, KEY).seal(pickle.dumps(other), 50, EARLIER))
     a.sync()
     assert a.state.round == 0 and "belongs to another launch" in lines[0]  # live, signed, but not this launch's
 
@@ -220,8 +245,7 @@ def test_a_forged_wait_list_never_reaches_torch_in_a_signed_job() -> None:
     assert agent.sync() is True
     forged = genuine_state()
     forged.wait_list = {_NodeDesc("10.9.9.9", 1, 0)}
-    stranger = C10dRendezvousBackend(store, RUN)
-    stranger.set_state(pickle.dumps(forged), stranger.get_state()[1])
+    forge(store, StateSeal(RUN, KEY).store_key(), pickle.dumps(forged))
     agent.sync()
     assert agent.state.wait_list == set() and len(lines) == 1
 
@@ -232,11 +256,11 @@ def test_a_signed_state_written_back_later_is_refused_as_a_replay() -> None:
     agent.state.round = 1
     agent.mark_dirty()
     agent.sync()
-    recorded = store.get(f"torch.rendezvous.{RUN}")  # anyone can read the store
+    recorded = store.get(StateSeal(RUN, KEY).store_key())  # anyone who can name the key can read it
     agent.state.round = 2
     agent.mark_dirty()
     agent.sync()
-    store.set(f"torch.rendezvous.{RUN}", recorded)
+    store.set(StateSeal(RUN, KEY).store_key(), recorded)
     agent.sync()
     assert agent.state.round == 2 and "older than write 2" in lines[0]
 

@@ -1,9 +1,10 @@
 """The rendezvous state in a c10d store, as torch's `C10dRendezvousBackend` keeps it, through a `StateGuard`.
 
-`C10dStateBackend` keeps torch's layout (the key `torch.rendezvous.<run id>`, its sentinel, base64,
-the stored value as the token), so a value a stranger writes there the way torch would is read
-exactly as torch would read it, and then refused by the guard; a value that is not even base64 is
-refused the same way (torch would raise and end the agent). The `c10d-sealed` handler
+`C10dStateBackend` keeps torch's layout (its sentinel, base64, the stored value as the token) at the
+key the guard names (`StateSeal.store_key`: torch's own `torch.rendezvous.<run id>` when unsigned, a
+key the secret names when signed), so a value written there the way torch would is read exactly as
+torch would read it, and then refused by the guard; a value that is not even base64 is refused the
+same way (torch would raise and end the agent). The `c10d-sealed` handler
 (handlers.create_c10d_sealed) keeps its state here.
 
 Invariant: torch receives only what the guard admitted (state_guard), and the store's
@@ -31,10 +32,13 @@ class C10dStateBackend(RendezvousBackend):
 
     def __init__(self, store: Store, run_id: str, guard: StateGuard, *, name: str = "c10d") -> None:
         self._store = store
-        self._key = "torch.rendezvous." + run_id
+        if guard.run_id != run_id:
+            raise ValueError(f"the guard is run {guard.run_id!r}'s, not {run_id!r}'s")
         self.guard = guard
+        self.key = guard.store_key
+        """Where the state lies in `store`."""
         self._name = name
-        self._call("compare_set", self._key, "", SENTINEL)  # as torch: a read of a missing key would block
+        self._call("compare_set", self.key, "", SENTINEL)  # as torch: a read of a missing key would block
 
     @property
     def name(self) -> str:
@@ -42,7 +46,7 @@ class C10dStateBackend(RendezvousBackend):
         return self._name
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        return self._decoded(self._call("get", self._key))
+        return self._decoded(self._call("get", self.key))
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token and not isinstance(token, bytes):  # not a token of this backend's: it cannot match
@@ -50,7 +54,7 @@ class C10dStateBackend(RendezvousBackend):
             return None if current is None else (*current, False)
         blob, seq = self.guard.sealed(state)
         encoded = base64.b64encode(blob)
-        current = self._call("compare_set", self._key, token or SENTINEL, encoded)
+        current = self._call("compare_set", self.key, token or SENTINEL, encoded)
         if current == encoded:
             self.guard.won(state, seq)
             return state, current, True

@@ -113,6 +113,11 @@ class StateGuard:
     def run_id(self) -> str:
         return self._seal.run_id
 
+    @property
+    def store_key(self) -> str:
+        """The c10d store key the run's state lies at (`StateSeal.store_key`)."""
+        return self._seal.store_key()
+
     def sealed(self, payload: bytes) -> tuple[bytes, int]:
         """What to store for torch's `payload`, and its write number (one more than the last seen)."""
         with self._lock:

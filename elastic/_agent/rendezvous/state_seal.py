@@ -63,6 +63,19 @@ class StateSeal:
         self.signed = key is not None
         self._key = key
 
+    def store_key(self) -> str:
+        """Where the run's state lies in a c10d store. Unsigned: torch's own key, `torch.rendezvous.<run id>`.
+        Signed: a key the secret names, `torchrevive.rdzv.<run id>.state.<16 hex digits>`, which a stranger
+        who reaches the store cannot name (a TCPStore lists no keys): what it writes at torch's key is never
+        read, and it cannot overwrite the job's state. (Refusing its forgeries was not enough: a stranger
+        writing torch's key every 0.2 s left the agents of a 2:2 job reading the forgery far more often than
+        each other's writes; each went on from its own last state, never saw the other join, and both timed
+        out.) The key is the same for every launch of the run: a stranger who recorded an earlier launch's
+        traffic knows it, and what it writes there is refused as before (`open`, state_guard)."""
+        if self._key is None:
+            return f"torch.rendezvous.{self.run_id}"
+        return f"torchrevive.rdzv.{self.run_id}.state.{self._key.record_tag('rendezvous-state', self.run_id, '')[:16]}"
+
     def seal(self, payload: bytes, seq: int, launch: str) -> bytes:
         """What to store for torch's pickle `payload`, write number `seq` of launch `launch`."""
         if self._key is None:
