@@ -118,13 +118,11 @@ def test_c10d_torn_snapshot_then_torn_save(tmp_path: Path, shared_corpus: Path, 
     assert restores[0]["step"] < 15, "the snapshot torn at step 15 was loaded"
 
 
-@pytest.mark.parametrize("recipe_args", [(), tuple(FSDP)], ids=["ddp", "fsdp"])
-def test_c10d_a_lost_node_then_a_new_one(
-    tmp_path: Path, shared_corpus: Path, references: References, recipe_args: tuple[str, ...]
-) -> None:
+def test_c10d_a_lost_node_then_a_new_one_under_fsdp(tmp_path: Path, shared_corpus: Path, references: References) -> None:
     """A node lost (2 -> 1: its shared memory wiped, its ranks' parts come from the survivor's
-    replica) and then a node that joins (1 -> 2). Under --fsdp each change reshards the model and
-    optimizer state to the new world size."""
+    replica) and then a node that joins (1 -> 2), under --fsdp: each change reshards the model and
+    optimizer state to the new world size. (The same chain without FSDP: test_etcd_v3.)"""
+    recipe_args = tuple(FSDP)
     result = run_warm("node-loss+scale-up", tmp_path, shared_corpus, recipe_args=recipe_args)
     check(result, tmp_path, references, shared_corpus, recipe_args)
     assert result.exit_codes[1] == -9 and len(result.exit_codes) == 3

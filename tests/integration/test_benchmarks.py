@@ -262,20 +262,6 @@ def test_peer_fetch_benchmark_compares_kept_connections_with_one_per_range() -> 
     assert re.search(r"^kept / per range: [\d.]+x faster; kept / memory copy: [\d.]+ of its speed$", result.stdout, re.M)
 
 
-def test_heal_in_place_benchmark_times_both_settings_and_counts_their_processes() -> None:
-    result = warm.run(
-        [sys.executable, "benchmarks/heal_in_place.py", "--runs", "1", "--agents", "2", "--steps", "12"],
-        timeout=600, cwd=REPO, env=worker_env(),
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    # In place: 2 workers and the replacement; a new round: both workers started twice.
-    assert re.search(r"^keep: median [\d.]+ s \([\d.]+\); worker processes started per run: 3$", result.stdout, re.M), \
-        result.stdout
-    assert re.search(r"^round: median [\d.]+ s \([\d.]+\); worker processes started per run: 4$", result.stdout, re.M), \
-        result.stdout
-    assert re.search(r"^heal in place / new round: [\d.]+ of the time \([\d.]+x faster\), 2 agents$", result.stdout, re.M)
-
-
 def test_gpu_check_dry_run_takes_every_path_cpu_allows_and_reports_the_cuda_ones_skipped(tmp_path: Path) -> None:
     """Four small jobs of the GPT recipe under torchrevive-run, on gloo: 2 workers timed, a worker
     SIGKILLed and its run compared bit for bit with an uninterrupted one, a hung worker. The figures'

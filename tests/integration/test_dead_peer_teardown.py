@@ -4,13 +4,13 @@ collective timeout (or the agent's shutdown timeout) to a recovery."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import warm
 from support import REPO, free_port, worker_env
 
 pytestmark = pytest.mark.slow
@@ -48,13 +48,13 @@ def test_a_failed_worker_leaves_the_group_promptly_when_its_peer_is_dead_or_stuc
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = worker_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", PYTHONPATH=str(REPO))
-    peer = subprocess.Popen([sys.executable, str(script), how], env={**env, "RANK": "1"}, cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Forked warm (tests/warm.py): the test is about the teardown, not an interpreter's start.
+    peer = warm.start([sys.executable, str(script), how], env={**env, "RANK": "1"}, cwd=tmp_path,
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        done = subprocess.run([sys.executable, str(script), how], env={**env, "RANK": "0"}, cwd=tmp_path, check=False,
-                              capture_output=True, text=True, timeout=BOUND_S)
+        done = warm.run([sys.executable, str(script), how], env={**env, "RANK": "0"}, cwd=tmp_path, timeout=BOUND_S)
     finally:
-        peer.send_signal(signal.SIGKILL)
+        peer.kill()
         peer.wait()
     assert done.returncode == 3, done.stdout + done.stderr
     assert "rank 0 left: the step failed" in done.stdout, done.stdout + done.stderr

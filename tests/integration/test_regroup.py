@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import warm
 from support import (
     REPO,
     free_port,
@@ -33,22 +34,25 @@ pytestmark = pytest.mark.slow
 
 WORLD, STEPS, KILLED_RANK = 4, 24, 3  # ranks 1 and 2 are no ring neighbours of 3
 
-WORKER = REPO / "benchmarks" / "heal_worker.py"  # a DDP script on elastic._worker.survivors.regroup
+WORKER = REPO / "tests" / "heal_worker.py"  # a DDP script on elastic._worker.survivors.regroup
 
 
 NAMESPACE = "test"
 
 
-def start(script: Path, rank: int, port: int, generation: int, kill_at: int, report: Path) -> subprocess.Popen:
+def start(script: Path, rank: int, port: int, generation: int, kill_at: int, report: Path) -> warm.WarmProcess:
     env = worker_env(
         PYTHONPATH=str(REPO), RANK=str(rank), WORLD_SIZE=str(WORLD),
         **{heal_env.HEAL_STORE_ENV: f"127.0.0.1:{port}", heal_env.HEAL_NAMESPACE_ENV: NAMESPACE,
            heal_env.HEAL_GENERATION_ENV: str(generation)},
     )
-    return subprocess.Popen(
-        [sys.executable, str(script), str(STEPS), str(kill_at), str(KILLED_RANK), str(report)],
-        env=env, cwd=report.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    # Forked warm (tests/warm.py): 9 fresh interpreters cost this file's test half its time.
+    log = report.parent / f"{report.stem}.rank{rank}.g{generation}.log"
+    with open(log, "wb") as out:
+        proc = warm.start([sys.executable, str(script), str(STEPS), str(kill_at), str(KILLED_RANK), str(report)],
+                          env=env, cwd=report.parent, stdout=out, stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
 
 
 def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, int], str]:
@@ -59,11 +63,9 @@ def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, in
     script, report = WORKER, tmp_path / f"report{kill_at}.jsonl"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     procs = [start(script, rank, store.port, 0, kill_at, report) for rank in range(WORLD)]
-    outputs = []
     try:
         if kill_at >= 0:
             procs[KILLED_RANK].wait(timeout=120)
-            outputs.append(procs[KILLED_RANK].stdout.read())
             # As the agent counts it: through the sealed store the workers read (unsigned here: no secret,
             # no launch), whose counters are sealed values, not the TCPStore's numbers.
             heals = dist.PrefixStore(heal_env.namespace_prefix(NAMESPACE), SealedStore(store, None, ""))
@@ -76,7 +78,7 @@ def run_job(tmp_path: Path, kill_at: int) -> tuple[dict[int, dict], dict[int, in
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    outputs += [proc.stdout.read() for proc in procs if not proc.stdout.closed]
+    outputs = [proc.log.read_text(errors="replace") for proc in procs]
     reports = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     return {r["rank"]: r for r in reports}, {proc.pid: proc.returncode for proc in procs}, "\n".join(outputs)
 

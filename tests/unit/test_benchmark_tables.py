@@ -704,7 +704,7 @@ def test_hf_resume_refuses_an_unknown_system_in_one_line(capsys):
     assert "unknown system" in err
 
 
-# -- slurm_preemption.py, heal_in_place.py -----------------------------------------------------------------
+# -- slurm_preemption.py -----------------------------------------------------------------------------------
 
 
 def test_slurm_preemption_prints_both_systems_side_by_side():
@@ -723,15 +723,6 @@ def test_slurm_preemption_prints_both_systems_side_by_side():
                      rows["torchrevive"]), rows
     assert re.search(r"steps redone median 2 \(max 2\), signal to end median 0\.4 s, came back by itself 0/1$",
                      rows["stock"]), rows
-
-
-def test_heal_in_place_prints_medians_processes_and_the_ratio():
-    heal_in_place = script("heal_in_place")
-    results = {"keep": [{"recovery_s": 0.412, "processes": 3}], "round": [{"recovery_s": 3.874, "processes": 4}]}
-    text = "\n".join(heal_in_place.report(results, 2))
-    assert re.search(r"^keep: median 0\.412 s \(0\.41\); worker processes started per run: 3$", text, re.M), text
-    assert re.search(r"^round: median 3\.874 s \(3\.87\); worker processes started per run: 4$", text, re.M), text
-    assert re.search(r"^heal in place / new round: 0\.11 of the time \(9\.4x faster\), 2 agents$", text, re.M), text
 
 
 # -- snapshot_restore.py ------------------------------------------------------------------------------------

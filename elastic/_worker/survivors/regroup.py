@@ -6,7 +6,7 @@ peer died keeps its process, its model, optimizer, sampler and loader workers;
 only the dead worker's replacement is a new process, and it takes its state
 from a survivor over the new group. torchrevive-run's agent does its half with
 TORCHREVIVE_SURVIVORS=keep (elastic._agent.launcher.in_place); a DDP script calls these
-pieces itself (benchmarks/heal_worker.py is one), and `elastic.Run` through
+pieces itself (tests/heal_worker.py is one), and `elastic.Run` through
 elastic._worker.survivors.healing (with `train-on`, the groups it forms are elastic._worker.survivors.views').
 
 How a step fails without an exception reaching the training script:

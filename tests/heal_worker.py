@@ -1,4 +1,4 @@
-"""A DDP training script on `elastic._worker.survivors.regroup`: what heal_in_place.py times and test_regroup.py checks.
+"""A DDP training script on `elastic._worker.survivors.regroup`: what test_regroup.py checks.
 
 Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep (or a stand-in that sets the
 same variables) it heals in place: a step whose gradient all-reduce failed is void,
@@ -48,7 +48,7 @@ def main() -> int:
         os.environ["RANK"]  # noqa: B018 - a worker of a job
     except (ValueError, IndexError, KeyError):
         print("usage: python heal_worker.py STEPS KILL_AT KILLED_RANK REPORT, as a worker of a job "
-              "(benchmarks/heal_in_place.py starts it)", file=sys.stderr)
+              "(tests/integration/test_regroup.py starts it)", file=sys.stderr)
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
