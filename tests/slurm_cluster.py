@@ -138,6 +138,31 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
             out.append(f"== {path.name}\n" + "\n".join(text))
         return "\n".join(out)
 
+    def state(self) -> str:
+        """What a failed wait should show: the queue, the nodes' states and the daemons' logs."""
+        queue = self.run(["squeue", "-o", "%i %j %T %R"], check=False)
+        nodes = self.run(["sinfo", "-N", "-o", "%N %T %E"], check=False)
+        return f"squeue:\n{queue}\nsinfo:\n{nodes}\n{self.log_tail()}"
+
+    def wait_idle(self, timeout: float = 90) -> None:
+        """Until no job is queued and every node is idle (a node an earlier test left down or drained is
+        resumed): a test's srun or sbatch must not queue behind an earlier test's job that is still
+        completing (KillWait) or a node that stopped answering under load. `AssertionError` with the
+        cluster's state past `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            queued = self.run(["squeue", "-h", "-o", "%i"], check=False).split()
+            states = dict(line.split()[:2] for line in self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False)
+                          .splitlines() if len(line.split()) >= 2)
+            stuck = [node for node, state in states.items() if state.rstrip("*~#").startswith(("down", "drain"))]
+            if stuck and not queued:
+                self.run(["scontrol", "update", f"NodeName={','.join(stuck)}", "State=RESUME"], check=False)
+            if not queued and states and all(state.rstrip("*~#") == "idle" for state in states.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the Slurm cluster was not idle within {timeout:g} s\n{self.state()}")
+            time.sleep(0.2)
+
     def stop(self) -> None:
         for proc in self._daemons:
             proc.terminate()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+import warm  # noqa: E402
 from support import REPO, make_text, worker_env  # noqa: E402
 
 from elastic.chaos.verdict import verified_final_checkpoint  # noqa: E402
@@ -32,16 +32,19 @@ def test_sigterm_commits_the_step_and_exits_143(recipe: str, tmp_path: Path) -> 
                "--ckpt-dir", str(ckpt), "--ckpt-every", "1000", "--eval-every", "0", "--events", str(events), *MODEL]
     cwd = tmp_path / "cwd"  # no --output-dir: the final model goes next to the checkpoints, not here
     cwd.mkdir()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(), cwd=cwd)
+    out_file, err_file = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out_file, "wb") as out, open(err_file, "wb") as err:  # forked warm (tests/warm.py)
+        proc = warm.start(command, stdout=out, stderr=err, env=worker_env(), cwd=cwd)
     deadline = time.monotonic() + 120
     while not (events.exists() and any(json.loads(line)["event"] == "step" for line in events.read_text().splitlines()[:-1])):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"no step in 120 s: {proc.communicate()}")
+            pytest.fail(f"no step in 120 s: {out_file.read_text(errors='replace')}{err_file.read_text(errors='replace')}")
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, out + err
+    code = proc.wait(timeout=120)
+    out, err = out_file.read_text(errors="replace"), err_file.read_text(errors="replace")
+    assert code == 143, out + err
     lines = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
     assert len(lines) == 1 and "checkpoint committed" in lines[0], err
     assert "Traceback" not in err
@@ -49,8 +52,7 @@ def test_sigterm_commits_the_step_and_exits_143(recipe: str, tmp_path: Path) -> 
     step = max(r["step"] for r in stopped if r["event"] == "checkpoint")
     name, error = verified_final_checkpoint(ckpt, step)
     assert name, error
-    again = subprocess.run([*command[:5], str(step + 2), *command[6:]], capture_output=True, text=True, timeout=180,
-                           env=worker_env(), cwd=cwd)
+    again = warm.run([*command[:5], str(step + 2), *command[6:]], timeout=180, env=worker_env(), cwd=cwd)
     assert again.returncode == 0, again.stderr
     assert list(cwd.iterdir()) == []  # the working directory is left as it was
     assert (ckpt / "hf-model" / "config.json").is_file()

@@ -81,6 +81,13 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     cluster.stop()
 
 
+@pytest.fixture(autouse=True)
+def idle(slurm: SlurmCluster) -> None:
+    """Each test starts on an idle cluster (SlurmCluster.wait_idle): a srun once waited 120 s behind
+    what an earlier test left, and the test failed without saying why."""
+    slurm.wait_idle()
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The jobs' text, one file for the session (the cached reference run names its path)."""
@@ -275,7 +282,11 @@ def test_a_job_without_requeue_commits_on_the_signal_and_says_it_is_not_requeued
         cwd=REPO, env=slurm.env(ELASTIC_FAULT=PACE), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        wait_for(lambda: steps_seen(ckpt / "events.jsonl") >= 4, 120, "the srun job training")
+        try:
+            wait_for(lambda: steps_seen(ckpt / "events.jsonl") >= 4, 120, "the srun job training")
+        except AssertionError as exc:
+            proc.kill()
+            raise AssertionError(f"{exc}\n{slurm.state()}\nsrun: {proc.communicate(timeout=30)[1][-3000:]}") from None
         job = slurm.run(["squeue", "-h", "-n", "no-requeue", "-o", "%i"]).strip()
         slurm.run(["scancel", "--signal=USR1", job])
         _, err = proc.communicate(timeout=120)
