@@ -93,24 +93,27 @@ def test_rebalanced_shares_survive_a_kill_bit_for_bit_and_a_resize_each_sample_o
     assert len(shares) == 2 and sum(shares) == 2 * BATCH and min(shares) < BATCH, rebalances
     # 2. the restore at two ranks: from a checkpoint that holds the shares in effect before the kill
     assert restored["world_size"] == 2 and restored["step"] >= saved, restored
-    # The shares the checkpoint holds: the last split taken at or before its step. (On a loaded machine the
-    # vote may split again between the checkpoint and the kill, or during the replay, at other steps: the
-    # runs are compared while both train with the checkpoint's shares.)
+    # The shares the checkpoint holds: the last split taken at or before its step.
     in_effect = [e for e in rebalances if e["time"] < killed_at and e["step"] <= restored["step"]][-1]["shares"]
-    changed = min((e["step"] for e in rebalances if e["step"] > restored["step"] and (
-        e["time"] < killed_at or e["time"] > restored["time"])), default=10**9)
-    assert changed > restored["step"] + 3, ("the shares changed right after the checkpoint", rebalances, restored)
     counts = per_rank_counts(tmp_path / "samples")
     after_restore = sorted((step, by_rank) for (_, step), by_rank in counts.items() if step == restored["step"] + 1)
     assert len(after_restore) == 2, after_restore  # the step trained before the kill and again after the restore
     for _, by_rank in after_restore:
         assert sorted(by_rank.values()) == sorted(in_effect), (by_rank, in_effect)
-    # every step replayed from the checkpoint: the loss of the uninterrupted run, bit for bit
+    # Every step replayed from the checkpoint while both runs trained it with the same shares: the loss of the
+    # uninterrupted run, bit for bit. (The vote splits by measured speed: on a loaded machine either run may
+    # split again at a step of its own, in the suite 3 steps after the checkpoint. The comparison ends at the
+    # first step the two trained with other shares; the step after the checkpoint always has its shares.)
     steps = [e for e in recorded if e["event"] == "step" and "loss" in e]
     before = {e["step"]: e["loss"] for e in steps if e["time"] < killed_at and e["step"] > restored["step"]}
     after = {e["step"]: e["loss"] for e in steps if e["time"] > restored["time"]}
-    replayed = sorted(step for step in set(before) & set(after) if step < changed)
-    assert len(replayed) >= 3, (before, restored, changed)
+    replayed = []
+    for step in sorted(set(before) & set(after)):
+        trained = [by_rank for (_, at), by_rank in counts.items() if at == step]
+        if len(trained) != 2 or trained[0] != trained[1]:
+            break
+        replayed.append(step)
+    assert replayed[:1] == [restored["step"] + 1], (replayed, before, restored, rebalances)
     assert [before[s] for s in replayed] == [after[s] for s in replayed], replayed
     # 3. the resize: one rank takes the whole global batch of its world size
     resumed = [e for e in recorded if e["event"] == "restore" and e["time"] > lost_at]
