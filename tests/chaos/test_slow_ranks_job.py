@@ -4,7 +4,7 @@
 1. The ranks rebalance: the slow node's rank gets the smaller share, through the real vote.
 2. Once a checkpoint holds the shares, the fast node's worker is SIGKILLed: the agents restore it at
    the same world size, the shares come back with the sampler's state, and every step replayed from
-   the checkpoint has the loss bit for bit of the step the uninterrupted run trained before the kill.
+   the checkpoint with the same shares has the loss bit for bit of the step trained before the kill.
 3. Then the slow node is lost (its agent and worker SIGKILLed): the job resumes at one rank, whose
    share is the whole global batch (shares hold only at the world size they were made for).
 
