@@ -89,8 +89,11 @@ def test_auto_snapshots_agree_on_an_interval_and_a_failure_resumes_from_memory(t
     snapshots cost on this machine, Young/Daly's bound says every step, and every rank snapshots every step,
     so a kill after step 14 resumes from memory at step 14, or 13 when it cut rank 1's snapshot of 14 short
     (its header not written yet): the one step a kill can still make the job redo."""
+    # A failure expected every 0.2 ms, below any snapshot's cost: Young/Daly's interval is then the MTBF itself, one
+    # step however slow the machine. (At 0.0001 h, a loaded machine's snapshot cost 13 % of a step and the bound
+    # said every 2 steps.)
     done = job(tmp_path, corpus, launcher="elastic._agent.launcher", steps=20, max_restarts=1, fault="after_step@14:rank=1",
-               ckpt_every=6, snapshot_every="auto", extra=["--mtbf-hours", "0.0001"])
+               ckpt_every=6, snapshot_every="auto", extra=["--mtbf-hours", "0.0000001"])
     assert done.returncode == 0, done.stderr[-3000:]
     said = re.findall(r"in-memory snapshots every (\d+) step\(s\) \(--snapshot-every auto: a snapshot costs", done.stderr)
     # Said once per attempt, when first measured: every step from the start, never changed.
