@@ -7,8 +7,6 @@ from __future__ import annotations
 import http.client
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -398,9 +396,9 @@ def _rank_on_node(rank: int, world: int, store: str, tmp: Path, keepers: list[di
     dist.destroy_process_group()
 
 
-def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp_path: Path) -> None:
-    # In /dev/shm where there is one: the parts on a rank's own node are then read through maps.
-    shm = Path(tempfile.mkdtemp(prefix="three-nodes-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
+def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp_path: Path, node_memory: Path) -> None:
+    # In node memory: the parts on a rank's own node are then read through maps.
+    shm = node_memory
     secret = shm / "secret"
     secret.touch(mode=0o600)
     secret.write_text(os.urandom(32).hex())
@@ -413,7 +411,6 @@ def test_a_rank_on_another_node_reads_its_part_from_the_keeper_that_holds_it(tmp
     finally:
         for k in keepers:
             k.close(timeout=30)
-        shutil.rmtree(shm, ignore_errors=True)
     want = torch.load(tmp_path / "want.0.pt")
     got: list[dict[str, Any]] = [torch.load(tmp_path / f"got.{rank}.pt") for rank in range(3)]
     for result in got:
