@@ -74,7 +74,7 @@ class StateSeal:
         traffic knows it, and what it writes there is refused as before (`open`, state_guard)."""
         if self._key is None:
             return f"torch.rendezvous.{self.run_id}"
-        return f"torchrevive.rdzv.{self.run_id}.state.{self._key.record_tag('rendezvous-state', self.run_id, '')[:16]}"
+        return f"torchrevive.rdzv.{self.run_id}.state.{self._key.key_name(f'rendezvous-state {self.run_id}')}"
 
     def seal(self, payload: bytes, seq: int, launch: str) -> bytes:
         """What to store for torch's pickle `payload`, write number `seq` of launch `launch`."""

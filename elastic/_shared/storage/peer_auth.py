@@ -133,6 +133,11 @@ class PeerKey:
         message = f"torchrevive-record-1\n{scope}\n{name}\n{value}".encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:32]
 
+    def key_name(self, what: str) -> str:
+        """A store key's name only the secret's holders can make (16 hex digits for `what`): HMAC-SHA256 in a
+        domain of its own, so no tag a job publishes in the store ever equals one."""
+        return hmac.new(self._secret, f"torchrevive-key-name-1\n{what}".encode(), hashlib.sha256).hexdigest()[:16]
+
     def store_tag(self, scope: bytes, name: bytes, value: bytes) -> bytes:
         """The tag of a value in a c10d store (elastic._shared.storage.sealed_store): HMAC-SHA256 over
         the scope (run, launch, round), the key and the value, its first 16 bytes. The scope and key are
