@@ -41,6 +41,18 @@ def arguments(tmp_path: Path, **settings) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(output_dir=str(tmp_path / "out"), **settings)
 
 
+@pytest.fixture(autouse=True)
+def transformers_quiet():
+    """transformers' own warnings (torch_compile's "speedups ... GPU Ampere") are not the refusal
+    under test. Its log handler holds the sys.stderr of the moment transformers first configured
+    it; when that was an earlier test's capsys stream, now closed, each warning prints a
+    "--- Logging error ---" traceback into this test's stderr. Errors only, while a test runs."""
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         yield {"input_ids": torch.zeros(4, dtype=torch.long)}
