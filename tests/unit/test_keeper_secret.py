@@ -5,6 +5,7 @@ host makes; a job that may span hosts without one stops in one line, unless it a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -127,3 +128,29 @@ def test_a_job_that_may_span_hosts_without_a_secret_stops_in_one_line_unless_uns
     monkeypatch.setenv(job_secret.UNSIGNED_ENV, "1")
     assert resolve("run-a", endpoint="node1:29400", max_nodes=4) == (None, None)
     assert "is unsigned" in capsys.readouterr().err and SECRET_FILE_ENV not in os.environ
+
+
+def test_the_last_process_of_the_run_on_this_host_removes_the_secret_the_host_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only a keeper: a job without one (TORCHREVIVE_SNAPSHOTS=0, plain torchrun on c10d-sealed) left the
+    secret it made on the host. Each agent holds a shared lock on it; the one that can take it alone at exit
+    removes it. A forked child (the workers' fork server) shares its parent's lock and never removes it."""
+    monkeypatch.setenv(keeper_files.BASE_ENV, str(tmp_path / "shm"))
+    for name in (SECRET_ENV, SECRET_FILE_ENV, job_secret.UNSIGNED_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    _, made = resolve("run-b", endpoint="127.0.0.1:29400")
+    assert made is not None and made.exists()
+    other = os.open(made, os.O_RDONLY)  # another agent of the run on this host
+    fcntl.flock(other, fcntl.LOCK_SH)
+    job_secret.release_held()
+    assert made.exists()
+    os.close(other)
+    job_secret.hold(made)
+    with monkeypatch.context() as child:
+        child.setattr(job_secret.os, "getpid", lambda: -1)
+        job_secret.release_held()
+    assert made.exists()
+    job_secret.hold(made)
+    job_secret.release_held()
+    assert not made.exists() and not made.parent.exists()

@@ -213,7 +213,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             what="write the rendezvous state",
         )
         if reply.get("succeeded"):
-            self.guard.won(state, seq)
+            self.guard.won(state, seq, sealed)
             return state, txn_revision(reply), True
         # The failure branch read the key in the same transaction: what we return
         # is exactly the state that beat us, with its token.

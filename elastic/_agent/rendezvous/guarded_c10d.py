@@ -56,7 +56,7 @@ class C10dStateBackend(RendezvousBackend):
         encoded = base64.b64encode(blob)
         current = self._call("compare_set", self.key, token or SENTINEL, encoded)
         if current == encoded:
-            self.guard.won(state, seq)
+            self.guard.won(state, seq, blob)
             return state, current, True
         decoded = self._decoded(current)
         return None if decoded is None else (*decoded, False)

@@ -35,7 +35,12 @@ from typing import Any, NoReturn
 from torch.distributed import Store
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -48,6 +53,7 @@ from elastic._agent.rendezvous.liveness import Heartbeats, HeartbeatStateHolder
 from elastic._agent.rendezvous.named_events import NamedExecutor, method_name
 from elastic._agent.rendezvous.quick_rounds import QUICK_ROUNDS_CONF, ChangeSignal, QuickRoundsExecutor
 from elastic._agent.rendezvous.state_guard import StateGuard
+from elastic._agent.rendezvous.state_shadow import StateShadow
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import round_identity
 from elastic._shared.protocol.round_identity import RoundIdentity
@@ -68,6 +74,23 @@ Scope = Callable[[str], str]
 """The scope a launch's values in the agents' store are sealed in."""
 MakeHeartbeats = Callable[[Any, Any, SealedStore, Scope], Heartbeats]
 """Heartbeats for torch's node with rendezvous settings, sealed as the agents' store seals (liveness)."""
+
+
+class UnsoundRound(RendezvousError):
+    """This agent's copy of a completed round is not one its participants can share (`unsound_round`)."""
+
+
+def unsound_round(state: Any, min_nodes: int) -> str | None:
+    """Why a completed round, as `state` (torch's `_RendezvousState`) holds it, cannot be the one every
+    participant joined; None when it can be. torch completes a round with at least `min_nodes` participants
+    ranked 0..N-1; a copy with fewer, or with a gap, is one whose writes were partly undone (a write built
+    on an older state, after a stranger overwrote the newest), or one a participant left since."""
+    ranks = sorted(state.participants.values())
+    if len(ranks) < min_nodes:
+        return f"has {len(ranks)} participant(s), fewer than the {min_nodes} a round needs"
+    if ranks != list(range(len(ranks))):
+        return f"ranks its participants {ranks}, not 0 to {len(ranks) - 1}"
+    return None
 
 
 class SealedHandler(DynamicRendezvousHandler):
@@ -116,11 +139,30 @@ class SealedHandler(DynamicRendezvousHandler):
         )
 
     def next_rendezvous(self) -> RendezvousInfo:
-        info = super().next_rendezvous()
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        while True:
+            try:
+                info = super().next_rendezvous()
+                break
+            except UnsoundRound as why:  # this agent's copy of the round is not one its peers share: join again
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(f"rendezvous '{self._settings.run_id}': {why}") from None
+                print(f"torchrevive: warning: rendezvous '{self._settings.run_id}': round "
+                      f"{self._state_holder.state.round} as this agent read it {why}; it joins again",
+                      file=sys.stderr, flush=True)
         self.guard.fix()  # the launch this round completed in is this agent's for good
         if self.guard.launch is not None:  # (an unsigned job's workers get no scope: their store is unsealed)
             round_identity.publish(RoundIdentity(self.guard.launch, self._state_holder.state.round))
         return info
+
+    def _get_world(self) -> tuple[int, int]:
+        """torch's rank and world size in the round this agent just finished joining; `UnsoundRound` when its
+        copy of the round is not one every participant can share (`unsound_round`): starting workers on it
+        would leave a peer waiting for a rank nobody holds, or a rank training alone below the minimum."""
+        why = unsound_round(self._state_holder.state, self._settings.min_nodes)
+        if why is not None:
+            raise UnsoundRound(why)
+        return super()._get_world()
 
     def num_nodes_waiting(self) -> int:
         """torch's answer (quick rounds), from the state read at the last announced membership change, and
@@ -168,6 +210,8 @@ def build(
         return None if launch is None else scope_of(launch)
 
     store = SealedStore(inner.clone(), key, scope)
+    if key is not None:
+        guard.shadow = StateShadow(inner)  # the state's key is known to recordings of other launches: copy it
     signal = None
     if params.get_as_bool(QUICK_ROUNDS_CONF, True):
         signal = ChangeSignal(SealedStore(inner, key, round_identity.changes_scope(run_id)), run_id, watch=watch)

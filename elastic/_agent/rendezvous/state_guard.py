@@ -23,12 +23,14 @@ When its first round completes the handler fixes the agent's launch (`fix`): fro
 then on a state of another launch is refused.
 
 A state refused (forged, unsigned in a signed job, replayed, of another launch,
-malformed, too big) is never unpickled by torch: the agent prints one warning line per reason and
-goes on as if the store still held the last state it verified (a fresh state
-if it has none), with the refused value's token. That is what torch's retry
-logic already does when another agent wrote first: its next write, a
-compare-and-set against that token, replaces the refused value, so a job whose
-store was written by a stranger trains on.
+malformed, too big) is never unpickled by torch: the agent prints one warning line per
+reason and goes on as if the store held the latest state of its launch it can have: the launch's
+shadow copy (state_shadow: every won write is copied to a key only the launch's agents can name)
+when that is newer than its memory, else the last state it verified or wrote (a fresh state if it
+has none), with the refused value's token. That is what torch's retry logic already does when
+another agent wrote first: its next write, a compare-and-set against that token, replaces the
+refused value, so a job whose store was written by a stranger trains on, and, from the shadow,
+without undoing another agent's last write.
 
 Invariants:
 - torch receives only bytes that passed `StateSeal.open` (or its own last
@@ -36,6 +38,13 @@ Invariants:
 - With a secret, a state whose write number is below one this agent already
   verified or wrote in its launch is refused: a recorded state written back
   later (a replay) cannot take the run back.
+- With a secret, the first write after a refused read that the shadow could not
+  bring up to date is numbered `AFTER_REFUSAL` past the last write this agent
+  saw: it was built on an older state than another agent may hold, and a number
+  that agent's replay check would refuse would leave the two waiting on each
+  other's copies for good. The other agent takes it instead (its own last write
+  undone); a round that leaves in a copy nobody can share is joined again
+  (handlers.unsound_round).
 - With a secret, `launch` never changes once fixed; the tentative one changes only
   to the launch of a state that verified and was live.
 - A backend using a guard (guarded_c10d, etcd) changes neither tokens nor who
@@ -58,11 +67,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousS
 
 from elastic._agent.rendezvous.state_pickle import StateRefused
 from elastic._agent.rendezvous.state_seal import Opened, StateSeal
+from elastic._agent.rendezvous.state_shadow import StateShadow
 from elastic._shared.protocol.round_identity import new_launch
 from elastic._shared.storage.peer_auth import PeerKey
 
 logger = logging.getLogger(__name__)
 
+AFTER_REFUSAL = 1 << 20
+"""How far past the last write seen the first write after an unrecovered refusal is numbered (see above)."""
 DEFAULT_LIVE_WITHIN = 15.0
 """torch's dead-node time with its defaults (keep_alive_interval 5 s, keep_alive_max_attempt 3)."""
 
@@ -88,6 +100,8 @@ class StateGuard:
         """The beats, sealed in a launch's scope, of a state's nodes (liveness.Heartbeats.heard_from): their
         heartbeats are in keys of their own, and the state's record of them ages while a job trains."""
         self.check_launch = True
+        self.shadow: StateShadow | None = None
+        """Where won writes are copied and refused reads recover from (state_shadow); None: nowhere."""
         """False for a guard that only reads a state to look at it (etcd-v3's check for a closed run)."""
         self._clock = clock
         self._lock = threading.Lock()
@@ -97,6 +111,8 @@ class StateGuard:
         """The launch this agent writes under: its draft, or the last one it verified (tentative), or `launch`."""
         self.launch: str | None = None
         """This agent's launch, once fixed (see the module docstring); None before, and without a secret."""
+        self._stale = False
+        """A refused read went on from this agent's own copy, which may be older than another agent's."""
         self._warned: set[str] = set()
         self.refused = 0
         """States refused so far (for tests and reports)."""
@@ -121,14 +137,18 @@ class StateGuard:
     def sealed(self, payload: bytes) -> tuple[bytes, int]:
         """What to store for torch's `payload`, and its write number (one more than the last seen)."""
         with self._lock:
-            seq, launch = self._seq + 1, self._current
+            seq, launch = self._seq + (AFTER_REFUSAL if self._stale else 1), self._current
         return self._seal.seal(payload, seq, launch), seq
 
-    def won(self, payload: bytes, seq: int) -> None:
-        """The store took `payload`, written as number `seq`."""
+    def won(self, payload: bytes, seq: int, blob: bytes | None = None) -> None:
+        """The store took `payload`, written as number `seq` (sealed as `blob`: copied to the shadow)."""
         with self._lock:
             self._seq = max(self._seq, seq)
             self._last = payload
+            self._stale = False
+            launch = self._current
+        if blob is not None and self.shadow is not None and self._seal.signed:
+            self.shadow.write(self._seal.shadow_key(launch), blob)  # (a store write: never with the lock held)
 
     @property
     def current_launch(self) -> str | None:
@@ -153,18 +173,42 @@ class StateGuard:
             with self._lock:
                 if self._seal.signed and self.check_launch:
                     self._check_launch(opened, heard)
-                self._seq, self._last = max(self._seq, opened.seq), opened.payload
+                self._seq, self._last, self._stale = max(self._seq, opened.seq), opened.payload, False
             return opened.payload
         except StateRefused as why:
             with self._lock:
                 self.refused += 1
                 first = str(why) not in self._warned
                 self._warned.add(str(why))
-                last = self._last
             if first:
                 self._warn(f"the rendezvous state of run {self._seal.run_id} in the store was refused and never "
-                           f"unpickled: {why}; this agent goes on from the last state it verified")
+                           f"unpickled: {why}; this agent goes on from the latest state of its launch it has")
+            recovered = self._from_shadow()
+            if recovered is not None:
+                return recovered
+            with self._lock:
+                last, self._stale = self._last, self._seal.signed
             return last if last is not None else pickle.dumps(_RendezvousState())
+
+    def _from_shadow(self) -> bytes | None:
+        """The payload of the launch's shadow copy when it verifies and is newer than this agent's memory
+        (which it then becomes); None otherwise."""
+        if self.shadow is None or not self._seal.signed or not self.check_launch:
+            return None
+        with self._lock:
+            launch = self._current
+        raw = self.shadow.read(self._seal.shadow_key(launch))  # (a store read: never with the lock held)
+        if raw is None:
+            return None
+        try:
+            opened = self._seal.open(raw)
+        except StateRefused:
+            return None
+        with self._lock:
+            if opened.launch != self._current or opened.seq <= self._seq:
+                return None  # another launch's (this agent's changed meanwhile), or not newer than its memory
+            self._seq, self._last, self._stale = opened.seq, opened.payload, False
+        return opened.payload
 
     def _heard(self, opened: Opened) -> list[datetime]:
         """The beats in its nodes' keys of a state of a launch this agent may take, when its own record of

@@ -76,6 +76,13 @@ class StateSeal:
             return f"torch.rendezvous.{self.run_id}"
         return f"torchrevive.rdzv.{self.run_id}.state.{self._key.key_name(f'rendezvous-state {self.run_id}')}"
 
+    def shadow_key(self, launch: str) -> str:
+        """Where the latest state of launch `launch` is copied (state_shadow): a key the secret and the
+        launch id name, which a recording of another launch cannot give. Signed runs only."""
+        assert self._key is not None, "an unsigned run keeps no shadow"
+        name = self._key.key_name(f"rendezvous-shadow {self.run_id} {launch}")
+        return f"torchrevive.rdzv.{self.run_id}.shadow.{name}"
+
     def seal(self, payload: bytes, seq: int, launch: str) -> bytes:
         """What to store for torch's pickle `payload`, write number `seq` of launch `launch`."""
         if self._key is None:

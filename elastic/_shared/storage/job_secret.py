@@ -16,10 +16,19 @@ torchrun in the `c10d-sealed` and `etcd-v3` handler creators), in this order:
 Invariants: on return the file decided (2, 3) is named in `TORCHREVIVE_SNAPSHOT_SECRET_FILE` of this
 process's environment, so the keeper, the workers (which inherit it, never the secret) and a later
 call agree; `TORCHREVIVE_SNAPSHOT_SECRET` is never left in it. A secret never reaches a message.
+
+A file decided here (2, 3) is removed by the last process of the run on this host that used it, when it
+exits (`release_held`): each holds a shared lock on it while it lives, and one that can take the lock
+exclusively at its exit is the last. (Before, only a snapshot keeper removed it: a job with
+TORCHREVIVE_SNAPSHOTS=0, or plain torchrun on c10d-sealed, left its secret on the host.) A keeper
+removes it too, when the run's last keeper here stops.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import ipaddress
 import os
 import sys
@@ -48,6 +57,51 @@ class JobSecret:
     """None: an unsigned job (asked for)."""
     made_here: Path | None
     """The file this host wrote the secret to (2 or 3 above), removed when the run's last keeper here stops."""
+
+
+_HELD: dict[Path, tuple[int, int]] = {}
+"""The secret files this process holds a shared lock on: path -> (descriptor, the pid that took it)."""
+
+
+def hold(made: Path) -> None:
+    """This process uses the secret file `made`: a shared lock on it while the process lives, so that the
+    last user on this host removes it at exit (`release_held`)."""
+    if made in _HELD:
+        return
+    try:
+        descriptor = os.open(made, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # (removed meanwhile: nothing to hold)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH)
+    except OSError:
+        os.close(descriptor)
+        return
+    if not _HELD:
+        atexit.register(release_held)
+    _HELD[made] = (descriptor, os.getpid())
+
+
+def release_held() -> None:
+    """Remove each secret file this process holds when no other process holds it (and its directory when
+    empty); close them all. Only in the process that took the lock: a forked child shares the lock and
+    would remove the file from under its parent."""
+    for made, (descriptor, pid) in list(_HELD.items()):
+        del _HELD[made]
+        if pid != os.getpid():
+            os.close(descriptor)  # (closing a copy never unlocks: the parent's descriptor still holds it)
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # another agent of the run on this host still uses it
+        else:
+            with contextlib.suppress(OSError):
+                made.unlink()
+            with contextlib.suppress(OSError):
+                made.parent.rmdir()  # when no other run's secret is left in it
+        finally:
+            os.close(descriptor)
 
 
 def snapshot_base(environ: MutableMapping[str, str] | None = None) -> Path:
@@ -121,6 +175,7 @@ def resolve(
         raise SecretError(f"run {run_id} may span hosts (--nnodes up to {max_nodes}, rendezvous {endpoint}) and has "
                           f"no secret to sign what its agents read from the network: {HOW_TO_GIVE_ONE}")
     key = PeerKey.from_file(made)
+    hold(made)
     env[peer_auth.SECRET_FILE_ENV] = str(made)
     env.pop(peer_auth.SECRET_ENV, None)
     return JobSecret(key, made)
