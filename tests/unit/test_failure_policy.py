@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from elastic._agent.launcher import job_watch, set_aside_mark
+from elastic._agent.launcher import hang_verdicts, job_watch, set_aside_mark
 from elastic._agent.launcher.failure_policy import (
     CRASH_LOOP_EXIT,
     SET_ASIDE_EXIT,
@@ -395,6 +395,30 @@ def test_this_nodes_worker_named_by_a_hang_is_ended_and_its_death_counts_once(
     agent.look(running, failed((1, Process(0, -9, "", pid=4242))))
     assert [f.primary for f in agent.failures] == [False]  # the hang is its strike, not this death too
     assert [node for node, _ in agent.hangs] == ["n1", "n1"]
+
+
+def test_a_replacement_started_after_a_hangs_comparison_began_is_not_ended_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Under train-on a stopped culprit was ended and replaced (the reaper) while the hang's comparison ran;
+    its verdict, posted after, ended the replacement too, a third strike that set the healthy node aside."""
+    board = LocalBoard()
+    agent = watch(tmp_path, "n1", board)
+    agent._agent = SimpleNamespace(_remaining_restarts=8, _torchrevive_workers_started=100.0)
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+    monkeypatch.setattr(hang_verdicts, "started_at", {4242: 160.0, 4343: 120.0}.get)
+    running = group()
+    running.workers = [SimpleNamespace(world_size=3, global_rank=1, id=4242),
+                       SimpleNamespace(world_size=3, global_rank=2, id=4343)]
+    hang = {"culprits": [1, 2], "nodes": ["n1", "n1"], "collective": "train step at step 55", "since": 150.0}
+    board.post(Entry("hang", "hang: ... ranks 1 and 2", 170.0, 55, 3, "n0", hang))
+    agent.look(running, SimpleNamespace(is_failed=lambda: False))
+    assert killed == [(4343, signal.SIGKILL)]  # rank 2 ran when the comparison began; rank 1 is a replacement
+    assert "not ending worker rank 1 (pid 4242): it started after the hang was named" in capsys.readouterr().err
+    note = {"line": "hang: x", "step": 55, "culprits": [1], "since": float("nan")}
+    assert "since" not in job_watch._hang_entry(note, running).fields
+    assert job_watch._hang_entry({**note, "since": 150.5}, running).fields["since"] == 150.5
 
 
 def test_a_peers_failure_waits_for_its_own_entry_only_when_it_could_close_a_crash_loop(tmp_path: Path) -> None:

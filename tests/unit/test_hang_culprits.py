@@ -4,6 +4,7 @@ through a store (a dict here, on a clock the test moves)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from elastic._worker.control.collective_record import KEEP, CollectiveRecord
@@ -154,6 +155,8 @@ def test_a_stopped_rank_is_named_from_its_silence_and_an_old_record_does_not_spe
         ranks[0][0].look(now[0], progress=12)
     assert [v.culprits_ranks() for v in reports] == [[1]]
     assert reports[0].culprits[0].why == NO_ANSWER and reports[0].culprits[0].node == "node1"
+    # When the comparison began, for the culprit's agent: a worker started after it is a replacement
+    assert 0 < reports[0].since <= time.time() and reports[0].fields()["since"] == reports[0].since
 
 
 def test_no_verdict_when_training_moves_during_the_comparison_nor_before_the_threshold() -> None:

@@ -59,6 +59,7 @@ from elastic._agent.launcher.failure_policy import (
     SET_ASIDE_WINDOW_ENV,
     Failure,
 )
+from elastic._agent.launcher.hang_verdicts import end_now, replaced_since, since_of
 from elastic._agent.launcher.notice_board import Entry, LocalBoard, StoreBoard
 from elastic._shared.protocol import heal_env, worker_notes
 from elastic._shared.storage.keeper_address import NODE_ENV
@@ -290,6 +291,9 @@ class JobWatch:
         started = getattr(self._agent, "_torchrevive_workers_started", None)
         if not isinstance(culprits, list) or not isinstance(started, float) or entry.time < started:
             return  # not a list, or a hang of a group before this one
+        since = entry.fields.get("since")
+        if type(since) in (int, float):
+            culprits = [rank for rank in culprits if not replaced_since(worker_group, rank, since)]
         for rank, pid in end_now(worker_group, culprits):
             print(f"torchrevive-run: ending worker rank {rank} (pid {pid}), the hang's culprit, "
                   "so that the job recovers from it now", file=sys.stderr, flush=True)
@@ -374,6 +378,9 @@ def _hang_entry(note: dict[str, Any], worker_group: Any) -> Entry | None:
         return None
     names = ("culprits", "nodes", "hosts", "collective", "stack_tops", "last_done", "reasons", "answered")
     fields = {name: note[name] for name in names if name in note}
+    since = since_of(note)
+    if since is not None:
+        fields["since"] = since
     if any(type(rank) is not int for rank in culprits):
         return None
     text = "".join(ch if ch.isprintable() else " " for ch in line[:1400])
@@ -410,21 +417,6 @@ def _leave_rendezvous(handler: Any) -> None:
         handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)
     except Exception as error:  # noqa: BLE001 - the others still see it gone when its keep-alive runs out
         logger.warning("leaving the rendezvous: %s; the other nodes see this one gone after its keep-alive", error)
-
-
-def end_now(worker_group: Any, ranks: Any = None) -> list[tuple[int, int]]:
-    """SIGKILL this node's workers of `worker_group` (those of global `ranks` only, when given); (rank, pid)
-    of each one signalled (one already gone is signalled in vain)."""
-    ended = []
-    for worker in getattr(worker_group, "workers", None) or ():
-        pid = worker.id
-        if (ranks is None or worker.global_rank in ranks) and type(pid) is int and pid > 0:
-            ended.append((worker.global_rank, pid))
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:  # gone already
-                pass
-    return ended
 
 
 _watches: dict[int, JobWatch] = {}

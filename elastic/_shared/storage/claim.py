@@ -98,6 +98,21 @@ def start_time(pid: int | str) -> int | None:
         return None
 
 
+def started_at(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch (its start time after boot, plus the boot
+    time /proc/stat gives); None when no such process is visible."""
+    ticks = start_time(pid)
+    if ticks is None:
+        return None
+    try:
+        for line in Path("/proc/stat").read_text(encoding="ascii", errors="replace").splitlines():
+            if line.startswith("btime "):
+                return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _own_start_time() -> int:
     """This process's start time, or -1 when /proc shows another pid namespace than ours
     (a `unshare -p` without a fresh /proc): then our pid cannot be checked through it."""

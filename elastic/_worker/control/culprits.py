@@ -122,6 +122,9 @@ class Verdict:
     step: int
     culprits: tuple[Culprit, ...]
     answered: tuple[int, ...]
+    since: float = 0.0
+    """When the comparison that named them began (seconds since the epoch; 0: unknown): a culprit's agent
+    leaves alone a worker that started after it (a replacement, not what the job waited for)."""
 
     def culprits_ranks(self) -> list[int]:
         return [c.rank for c in self.culprits]
@@ -150,6 +153,7 @@ class Verdict:
             "last_done": [c.last_done for c in self.culprits],
             "reasons": [c.why for c in self.culprits],
             "answered": list(self.answered),
+            **({"since": self.since} if self.since > 0 else {}),
         }
 
 

@@ -48,7 +48,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic._shared.protocol import worker_notes
@@ -102,6 +102,8 @@ class _Comparison:
     first: dict[int, tuple[int, RankRecord]] = field(default_factory=dict)
     """The reader's first read: each rank's counter and record then."""
     done: bool = False
+    since: float = 0.0
+    """When it began, in seconds since the epoch (`Verdict.since`)."""
 
 
 def _envelope(raw: bytes, world_size: int) -> tuple[int, RankRecord] | None:
@@ -250,7 +252,8 @@ class HangNamer:
         now = self._clock()
         if comparison is None:
             newest = self._record.newest()
-            comparison = self._comparison = _Comparison(progress, newest.seq if newest else 0, now + self.gather)
+            comparison = self._comparison = _Comparison(progress, newest.seq if newest else 0, now + self.gather,
+                                                        since=time.time())
         if comparison.done:
             return
         self._publish(records, place)
@@ -290,7 +293,7 @@ class HangNamer:
                 talked[rank] = record
             else:  # its record is the one it left when it last talked: where it runs, not what it does now
                 whereabouts[rank] = (record.node, record.host)
-        verdict = name_culprits(talked, place.world_size, whereabouts)
+        verdict = replace(name_culprits(talked, place.world_size, whereabouts), since=comparison.since)
         self.verdicts.append(verdict)
         summary = _summary(verdict, place.rank)
         named = place.rank in verdict.culprits_ranks()
