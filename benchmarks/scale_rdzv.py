@@ -141,7 +141,7 @@ def node(sl: Slice, rank: int) -> None:
 def _board(handler: Any) -> Any:
     from elastic._agent.launcher.notice_board import StoreBoard
 
-    return StoreBoard(handler._store, handler.get_run_id())
+    return StoreBoard(handler._store, handler.get_run_id(), changes=handler.changes)
 
 
 def _look(handler: Any, board: Any) -> int:

@@ -311,3 +311,86 @@ def test_an_agents_look_reads_the_state_within_a_bound_even_when_no_change_was_a
     now[0] += factory.FULL_READ_EVERY_S
     handler.num_nodes_waiting()
     assert backend.reads == reads + 1, "past the bound: the whole state, announced or not"
+
+
+class OpCountingStore(dist.Store):
+    """An in-process store that counts every operation, its clones' too (a watcher's connection)."""
+
+    def __init__(self, inner: Any = None, counts: list[int] | None = None) -> None:
+        super().__init__()
+        self.inner = inner if inner is not None else dist.HashStore()
+        self.counts = counts if counts is not None else [0]
+
+    def _op(self) -> None:
+        self.counts[0] += 1
+
+    def set(self, key: str, value: Any) -> None:
+        self._op()
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._op()
+        return self.inner.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        self._op()
+        return self.inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._op()
+        return self.inner.multi_get(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        self._op()
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._op()
+        return self.inner.compare_set(key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._op()
+        self.inner.wait(keys, timeout) if timeout is not None else self.inner.wait(keys)
+
+    def delete_key(self, key: str) -> bool:
+        self._op()
+        return self.inner.delete_key(key)
+
+    def clone(self) -> OpCountingStore:
+        return OpCountingStore(self.inner, self.counts)
+
+
+@pytest.mark.parametrize("size", [2, 8])
+def test_a_quiet_jobs_looks_cost_no_store_operation_and_a_change_costs_each_agent_a_few(
+        size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between rounds each agent looks every 0.1 s (`num_nodes_waiting`, the notice board): 31 operations a node
+    a second, 30 of them these looks (benchmarks/scale.py). The change signal's watcher blocks in the store
+    instead; a look reads what it saw. A post on the board is announced on it and read once by every agent."""
+    from elastic._agent.launcher.notice_board import Entry, StoreBoard
+
+    monkeypatch.setattr(quick_rounds, "RESYNC_SECONDS", 3600.0)  # the bound on a look's own reads: not here
+    store = OpCountingStore()
+    made = handlers_through_a_round(size, Cell(), store, beats="keys", quick=True)
+    boards = [StoreBoard(h._store, "run", {}, changes=h.changes) for h in made]
+    for handler, board in zip(made, boards):  # the first look: the counter read, the watcher started
+        handler.num_nodes_waiting()
+        board.read_new()
+    time.sleep(0.2)  # every watcher waits in the store now
+    before = store.counts[0]
+    for _ in range(20):
+        for handler, board in zip(made, boards):
+            handler._state_holder._last_sync_time -= 2  # torch's own 1 s cache would have read the state
+            assert handler.num_nodes_waiting() == 0
+            assert board.read_new() == []
+    assert store.counts[0] == before, "a look costs no store operation while nothing changes"
+
+    boards[0].post(Entry("failure", "failure: worker rank 1 ...", time.time(), 7, size, "node-b", {}))
+    deadline = time.monotonic() + 10
+    seen = [False] * size
+    while not all(seen) and time.monotonic() < deadline:
+        for i, board in enumerate(boards):
+            seen[i] = seen[i] or [entry.line for _, entry in board.read_new()] == ["failure: worker rank 1 ..."]
+        time.sleep(0.01)
+    assert all(seen), "every agent read the post after its announcement"
+    per_agent = (store.counts[0] - before) / size
+    assert per_agent <= 12, f"{per_agent:.1f} operations an agent for one post"  # flat in the job's size

@@ -355,7 +355,8 @@ def _board(worker_group: Any, environ: Any) -> StoreBoard | LocalBoard:
         print("torchrevive-run: this rendezvous has no TCP store: each agent names only its own node's failures",
               file=sys.stderr, flush=True)
         return LocalBoard()
-    return StoreBoard(store, worker_group.spec.rdzv_handler.get_run_id(), environ)
+    handler = worker_group.spec.rdzv_handler
+    return StoreBoard(store, handler.get_run_id(), environ, changes=getattr(handler, "changes", None))
 
 
 def _world(worker_group: Any) -> int:

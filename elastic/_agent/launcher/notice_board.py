@@ -17,6 +17,11 @@ an entry was emptied or forged by someone else, and is skipped with one warning.
 claim something (`claim`: an entry to write to the event log, the crash-loop decision) is the one whose
 id a compare-and-set left there; who read a stop (`acknowledge`) is a sealed list of agent ids.
 
+A look costs nothing while nothing is posted: a post is announced on the run's change signal
+(quick_rounds.ChangeSignal, whose watcher blocks in the store), and a read happens only after the
+generation moved, or every `FULL_READ_SECONDS` (every look read two keys before: 20 of the 31
+operations a node a second of a quiet job, benchmarks/scale.py).
+
 Invariants: an entry is at most `store_records.MAX_VALUE` characters of ASCII JSON; `read_new` reads at
 most `MAX_PER_READ` entries per call and never waits on a key (`check` before `get`), and returns only
 entries that parse (`Entry.parse`); one that does not is skipped with one warning, never retried. A post
@@ -31,6 +36,7 @@ import math
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("failure", "hang", "node_excluded", "crash_loop")
 MAX_PER_READ = 64
+FULL_READ_SECONDS = 5.0
+"""With a change signal, a read looks past an empty slot at least this often (`StoreBoard.read_new`)."""
 MAX_LINE = 1500
 MAX_POST_TRIES = 4096
 MAX_AGENT_ID = 80
@@ -91,8 +99,10 @@ class StoreBoard:
 
     shared = True
 
-    def __init__(self, store: Any, run_id: str, environ: Any = None) -> None:
-        """`store`: the round's sealed rendezvous store (in_place.heal_store)."""
+    def __init__(self, store: Any, run_id: str, environ: Any = None, changes: Any = None) -> None:
+        """`store`: the round's sealed rendezvous store (in_place.heal_store); `changes`: the run's change
+        signal (quick_rounds.ChangeSignal; None: none), on which a post is announced and by which a read
+        learns that there may be something new."""
         import torch.distributed as dist
 
         scope = f"torchrevive/notices/{run_id}/"
@@ -107,6 +117,10 @@ class StoreBoard:
         self._free = 1
         """The lowest slot this agent has not seen filled."""
         self.agent_id = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._changes = changes
+        self._read_at: int | None = None
+        """The change generation at the last read (with `changes`): no read until it moves."""
+        self._full_read_at = float("-inf")
 
     def post(self, entry: Entry) -> int:
         """Add `entry` in the first slot not filled yet; its number."""
@@ -115,18 +129,32 @@ class StoreBoard:
         for _ in range(MAX_POST_TRIES):
             if not self._records.store.check([f"n{number + 1}"]) and self._records.compare_set(f"n{number}", text) == text:
                 self._free = number + 1
+                if self._changes is not None:
+                    self._changes.announce()  # every agent's next look reads the board
                 return number
             number += 1
         raise RuntimeError(f"the notice board has {MAX_POST_TRIES} entries this agent has not read")
 
     def read_new(self) -> list[tuple[int, Entry]]:
-        """The entries after the last one read (at most MAX_PER_READ), in order."""
+        """The entries after the last one read (at most MAX_PER_READ), in order. With a change signal, no
+        store operation while no change was announced since the last read, except a full read (the
+        slot after an empty one looked at too) every `FULL_READ_SECONDS`: a post whose announcement
+        was lost, or a slot a stranger emptied, is read late, never lost."""
+        full = True
+        if self._changes is not None:
+            generation, now = self._changes.latest(), time.monotonic()
+            full = now >= self._full_read_at
+            if generation == self._read_at and not full:
+                return []
+            self._read_at = generation
+            if full:
+                self._full_read_at = now + FULL_READ_SECONDS
         found: list[tuple[int, Entry]] = []
         while len(found) < MAX_PER_READ:
             number = self._seen + 1
             text = self._records.get(f"n{number}")
             if text is None:
-                if not self._records.store.check([f"n{number + 1}"]):
+                if not full or not self._records.store.check([f"n{number + 1}"]):
                     break  # nothing more yet
                 self._records.warn_once(f"n{number}", "is missing before a later entry (emptied or forged)")
                 self._seen = number

@@ -116,6 +116,12 @@ class SealedHandler(DynamicRendezvousHandler):
         self._op_executor = (NamedExecutor(node, self._state_holder, settings) if signal is None
                              else QuickRoundsExecutor(node, self._state_holder, settings, signal))
 
+    @property
+    def changes(self) -> ChangeSignal | None:
+        """The run's change signal (quick rounds; None without): the notice board announces its posts on it,
+        so that a look reads the board only after a change (notice_board.StoreBoard)."""
+        return self._signal
+
     def use_heartbeats(self, heartbeats: Heartbeats) -> None:
         """From now on this node beats through `heartbeats`, its copies of the state learn the others' beats
         there, and the guard asks them whether a launch it meets is live (see liveness)."""
@@ -167,12 +173,13 @@ class SealedHandler(DynamicRendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """torch's answer (quick rounds), from the state read at the last announced membership change, and
         read afresh at the next: a node that failed and joins the next round is on the wait list, and the
-        other agents restart their workers at their next look instead of up to a second later. One read of
-        the change counter per look, and no read of the whole state (O(N) bytes, every second under torch's
-        1 s cache) while nothing changed: the wait list changes only by a membership write, announced."""
+        other agents restart their workers at their next look instead of up to a second later. No store
+        operation per look while nothing changed (the change signal's watcher: `ChangeSignal.latest`), and
+        no read of the whole state (O(N) bytes, every second under torch's 1 s cache): the wait list
+        changes only by a membership write, announced."""
         if self._signal is None:
             return super().num_nodes_waiting()
-        generation = self._signal.generation()
+        generation = self._signal.latest()
         now = time.monotonic()
         if generation != self._seen_generation or now - self._last_full_read >= FULL_READ_EVERY_S:
             self._state_holder._last_sync_time = -1  # read the state now, not torch's cached copy
