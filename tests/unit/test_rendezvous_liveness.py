@@ -350,6 +350,7 @@ class OpCountingStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._op()
+        self.counts.append(1)  # (one more wait begun: counts[1:])
         self.inner.wait(keys, timeout) if timeout is not None else self.inner.wait(keys)
 
     def delete_key(self, key: str) -> bool:
@@ -375,7 +376,15 @@ def test_a_quiet_jobs_looks_cost_no_store_operation_and_a_change_costs_each_agen
     for handler, board in zip(made, boards):  # the first look: the counter read, the watcher started
         handler.num_nodes_waiting()
         board.read_new()
-    time.sleep(0.2)  # every watcher waits in the store now
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until every watcher waits in the store and has caught up (a change of
+        settled = store.counts[0]        # the first round it woke for makes each board read its empty slot once)
+        time.sleep(0.05)
+        for handler, board in zip(made, boards):
+            handler.num_nodes_waiting()
+            board.read_new()
+        if len(store.counts) - 1 >= size and store.counts[0] == settled:
+            break
     before = store.counts[0]
     for _ in range(20):
         for handler, board in zip(made, boards):
