@@ -403,3 +403,20 @@ def test_a_quiet_jobs_looks_cost_no_store_operation_and_a_change_costs_each_agen
     assert all(seen), "every agent read the post after its announcement"
     per_agent = (store.counts[0] - before) / size
     assert per_agent <= 12, f"{per_agent:.1f} operations an agent for one post"  # flat in the job's size
+
+
+def test_a_look_never_brings_back_the_change_counter_after_the_runs_keys_were_removed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last agent of an etcd-v3 run removes the run's keys as it leaves; a look (or the watcher) that read
+    the counter by adding 0 wrote it back, and the finished run left a key behind (test_relaunch)."""
+    from elastic._shared.storage.sealed_store import SealedStore
+
+    monkeypatch.setattr(quick_rounds, "RESYNC_SECONDS", 0.0)  # every look reads the counter itself
+    inner = dist.HashStore()
+    signal = quick_rounds.ChangeSignal(SealedStore(inner, KEY, "scope"), "run", watch=False)
+    signal.announce()
+    assert signal.latest() == 1
+    inner.delete_key("torchrevive.rdzv.run.changes")
+    assert signal.latest() == 1  # what it saw last stands
+    time.sleep(0.1)  # (the watcher's read too)
+    assert not inner.check(["torchrevive.rdzv.run.changes"])

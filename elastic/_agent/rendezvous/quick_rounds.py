@@ -169,6 +169,14 @@ class ChangeSignal:
     def generation(self) -> int:
         return int(self._use(lambda: self._store.add(self._counter, 0)))
 
+    def _peek(self, store: Any) -> int | None:
+        """The counter in `store`, read without writing it (a look, the watcher: neither may bring back the
+        key after the run's last agent removed the run's keys); None when it cannot be read."""
+        read_count = getattr(store, "read_count", None)
+        if read_count is None:
+            return int(store.add(self._counter, 0))
+        return read_count(self._counter)
+
     def latest(self) -> int:
         """The newest generation announced, as the watcher last saw it: no store operation while nothing
         changes. The first call starts the watcher; the counter itself is read at the first call, again
@@ -179,8 +187,10 @@ class ChangeSignal:
             if watching and now < self._resync_at:
                 return self._latest
             self._resync_at = now + RESYNC_SECONDS
-        current = self.generation()
+        current = self._use(lambda: self._peek(self._store))
         with self._lock:
+            if current is None:  # (missing or not verified: what the watcher last saw stands)
+                current = max(self._latest, 0)
             self._latest = max(self._latest, current)
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch_changes, args=(current,),
@@ -196,8 +206,8 @@ class ChangeSignal:
             inner = getattr(store, "inner", store)  # its raw wait: any value wakes it, the counter decides
             while True:
                 inner.wait([f"{self._counter}.{seen + 1}"], WATCH_FOR)
-                current = int(store.add(self._counter, 0))
-                if current > seen:
+                current = self._peek(store)
+                if current is not None and current > seen:
                     seen = current
                     with self._changed:
                         self._latest = max(self._latest, current)

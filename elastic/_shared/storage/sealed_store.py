@@ -201,6 +201,14 @@ class SealedStore(Store):
         value = parse_count(current)
         return value if value is not None else 0
 
+    def read_count(self, key: str) -> int | None:
+        """The counter under `key`, as `add(key, 0)` returns it, but never written: None when the key is
+        missing or its value does not verify or is not a count (a reader that must not bring back a key
+        the job removed: the last agent of an etcd-v3 run removes the run's keys as it leaves)."""
+        raw = self._probe(key)
+        value = None if raw is None else self.open(key, raw)
+        return None if value is None else parse_count(value)
+
     def append(self, key: str, value: str | bytes) -> None:
         tail = _bytes(value)
         self._swap(key, lambda current: (current or b"") + tail)
