@@ -291,8 +291,8 @@ class JobWatch:
         started = getattr(self._agent, "_torchrevive_workers_started", None)
         if not isinstance(culprits, list) or not isinstance(started, float) or entry.time < started:
             return  # not a list, or a hang of a group before this one
-        since = entry.fields.get("since")
-        if type(since) in (int, float):
+        since = since_of(entry.fields)  # (a peer's field: checked like the note's)
+        if since is not None:
             culprits = [rank for rank in culprits if not replaced_since(worker_group, rank, since)]
         for rank, pid in end_now(worker_group, culprits):
             print(f"torchrevive-run: ending worker rank {rank} (pid {pid}), the hang's culprit, "

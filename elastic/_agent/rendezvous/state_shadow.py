@@ -6,7 +6,7 @@ what it finds. But the state it overwrote then lives only in the memory of the a
 agent that refused the stranger's value and went on from its own older copy wrote that older state back,
 and the other agent's last write was lost: in a 2:2 job one agent saw its rendezvous exit undone and
 finished the old round as rank 1 of 1, while the other waited on the wait list for a round nobody would
-complete (reproduced in a unit test, tests/unit/test_rendezvous_state.py).
+complete (reproduced in tests/unit/test_rendezvous_overwrites.py).
 
 So every state write a signed agent wins is also copied here, as the bytes it sealed, under
 `StateSeal.shadow_key(launch)`: a name the secret and the launch id make, which a recording of another
@@ -30,10 +30,9 @@ import logging
 
 from torch.distributed import Store
 
-logger = logging.getLogger(__name__)
+from elastic._shared.storage.sealed_store import probe
 
-PROBE = b"\x00torchrevive-shadow-probe\x00"
-"""What `compare_set(key, PROBE, PROBE)` returns for a missing key: a read that never blocks."""
+logger = logging.getLogger(__name__)
 
 
 class StateShadow:
@@ -51,9 +50,8 @@ class StateShadow:
 
     def read(self, key: str) -> bytes | None:
         try:
-            raw = self._store.compare_set(key, PROBE, PROBE)
+            return probe(self._store, key)
         except (RuntimeError, ValueError, OSError, TimeoutError) as exc:
             logger.warning("could not read the rendezvous state's shadow copy: %s",
                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return None
-        return None if raw == PROBE else bytes(raw)

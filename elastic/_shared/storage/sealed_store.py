@@ -89,6 +89,13 @@ def peek(raw: bytes) -> bytes:
     return raw
 
 
+def probe(store: Store, key: str) -> bytes | None:
+    """What `store` holds under `key` (None: nothing), without blocking and without writing: a
+    compare-and-set that can never match (`PROBE`) returns the value, or `PROBE` when the key is missing."""
+    raw = store.compare_set(key, PROBE, PROBE)
+    return None if raw == PROBE else bytes(raw)
+
+
 def parse_count(value: bytes | None) -> int | None:
     """`value` as a counter's integer (ASCII digits, an optional minus); None when it is not one."""
     if value is None:
@@ -258,8 +265,7 @@ class SealedStore(Store):
 
     def _probe(self, key: str) -> bytes | None:
         """What the inner store holds under `key` (None: nothing), without blocking."""
-        raw = self.inner.compare_set(key, PROBE, PROBE)
-        return None if raw == PROBE else raw
+        return probe(self.inner, key)
 
     def _swap(self, key: str, update: Callable[[bytes | None], bytes | None]) -> tuple[bytes | None, bool]:
         """Replace the value under `key` (None when missing or not verified) with `update(value)`, by
