@@ -162,11 +162,21 @@ def failure_reason(log: str) -> str:
 
 
 def abort_lines(log: str) -> list[str]:
-    """The log's lines about communicators aborted or a watchdog ending a group, the watchdog's first (what
-    ended the group: a loaded machine's log can hold more abort lines before it than a summary keeps)."""
-    pattern = re.compile(r"abort|watchdog|exitcode\s*:\s*124|no step completed", re.IGNORECASE)
-    lines = [line.strip() for line in log.splitlines() if pattern.search(line)]
-    return sorted(lines, key=lambda line: "watchdog" not in line.lower())
+    """The log's lines about communicators aborted or a hung group ended, those saying what ended it first:
+    the watchdog's line, or the agent's ending the culprit that hang naming found (on a loaded machine the
+    log can hold more abort lines before them than a summary keeps). The culprit's own stack dump is not
+    evidence: its frames name watchdog.py whether or not the watchdog ended anything."""
+    pattern = re.compile(r"abort|watchdog|exitcode\s*:\s*124|no step completed|the hang's culprit", re.IGNORECASE)
+    lines = [line.strip() for line in log.splitlines() if pattern.search(line) and not _STACK_FRAME.match(line)]
+    return sorted(lines, key=lambda line: not ended_the_group(line))
+
+
+_STACK_FRAME = re.compile(r'\s*File "[^"]*", line \d+')
+
+
+def ended_the_group(line: str) -> bool:
+    """Whether an abort line says what ended the hung group: the watchdog, or the agent ending the culprit."""
+    return line.lower().startswith("watchdog:") or "the hang's culprit, so that" in line
 
 
 def snapshots_off(log: str) -> str | None:

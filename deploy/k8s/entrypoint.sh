@@ -54,7 +54,10 @@ for final in ${FINAL_EXIT_CODES:-}; do
         line="entrypoint: the job stopped with exit status $status, $why; a restart would stop the same way, so this pod idles, not ready: fix the cause, then kubectl rollout restart statefulset/trainer"
         echo "$line" >&2
         if [ -n "${STOPPED_MARK:-}" ]; then
-            echo "$line" > "$STOPPED_MARK" || echo "entrypoint: cannot write $STOPPED_MARK; the pod stays ready" >&2
+            # Written aside, then renamed: the mark appears whole or not at all, so whoever reads it
+            # as soon as it exists (the probe, kubectl exec cat) never reads it empty.
+            { echo "$line" > "$STOPPED_MARK.partial" && mv -f "$STOPPED_MARK.partial" "$STOPPED_MARK"; } ||
+                echo "entrypoint: cannot write $STOPPED_MARK; the pod stays ready" >&2
         fi
         idle
     fi

@@ -108,6 +108,19 @@ def test_the_abort_evidence_is_the_logs_lines_about_aborts_and_the_watchdog_firs
     assert len(lines) == 12
 
 
+def test_the_agent_ending_a_named_culprit_is_evidence_and_a_stack_frame_is_not() -> None:
+    """In the suite, a dry run whose culprit was named and ended before the watchdog fired kept only a frame
+    of the culprit's stack dump (`.../watchdog.py", line 150 in _watch`) as its evidence, or nothing."""
+    log = ("hang: this rank (1) is named as the culprit; its Python stacks:\n"
+           '  File "/x/elastic/_worker/control/watchdog.py", line 150 in _watch\n'
+           "[PG 0 Rank 0] ProcessGroupGloo aborting a pending operation\n"
+           "torchrevive-run: ending worker rank 1 (pid 2049), the hang's culprit, so that the job recovers from it now\n")
+    assert gpu_check.abort_lines(log) == [
+        "torchrevive-run: ending worker rank 1 (pid 2049), the hang's culprit, so that the job recovers from it now",
+        "[PG 0 Rank 0] ProcessGroupGloo aborting a pending operation"]
+    assert gpu_check.ended_the_group(gpu_check.abort_lines(log)[0])
+
+
 def test_snapshots_that_turned_themselves_off_are_found_in_the_log() -> None:
     log = ("I1127 13:57:02.675000 1 x.py:1] step 3\n"
            "14:01:02 WARNING [rank0] elastic._worker.checkpoint.memory: in-memory snapshots are off from now on: "
