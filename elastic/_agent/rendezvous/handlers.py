@@ -93,6 +93,31 @@ def unsound_round(state: Any, min_nodes: int) -> str | None:
     return None
 
 
+class GuardedStateHolder(HeartbeatStateHolder):
+    """torch's state holder (heartbeats from keys) on a guarded backend: after a read its guard refused, the
+    next sync writes this agent's copy back, as torch's retry does after a write another agent won.
+
+    Why: the refused value (a stranger's, or one recorded from an earlier launch) stays in the store until
+    an agent writes, and with heartbeats in keys of their own a waiting agent has no reason to. Two agents
+    whose first writes a stranger overwrote before they met then waited out their join timeout, each in a
+    launch of its own, each reading only the stranger's value (tests/unit/test_rendezvous_first_round_overwrites).
+    Written back, the store holds a state of a live launch again, which the other agent can read and take.
+
+    Invariant: a sync that saw a refusal leaves the copy dirty; the write that follows is the guard's (the
+    shadow's newer copy, or its own copy numbered past every write it saw: state_guard)."""
+
+    def __init__(self, backend: RendezvousBackend, settings: Any, guard: StateGuard) -> None:
+        super().__init__(backend, settings)
+        self._guard = guard
+
+    def sync(self) -> bool | None:
+        refused = self._guard.refused
+        written = super().sync()
+        if self._guard.refused != refused:
+            self.mark_dirty()
+        return written
+
+
 class SealedHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous handler, as the module docstring says; `leaving(closed)` runs after
     `shutdown` (the etcd-v3 backend leaves etcd there)."""
@@ -106,7 +131,7 @@ class SealedHandler(DynamicRendezvousHandler):
     ) -> None:
         """`parsed`: torch's own handler for the same parameters, whose node and settings this one takes."""
         node, settings = parsed._this_node, parsed._settings
-        super().__init__(node, settings, backend.name, store, HeartbeatStateHolder(backend, settings))
+        super().__init__(node, settings, backend.name, store, GuardedStateHolder(backend, settings, guard))
         self.guard = guard
         guard.live_within = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
         self._signal = signal

@@ -167,7 +167,12 @@ class ChangeSignal:
         self._watcher: threading.Thread | None = None
 
     def generation(self) -> int:
-        return int(self._use(lambda: self._store.add(self._counter, 0)))
+        """The counter, never below a change this process saw: a stranger's value reads the counter back
+        from zero, and a waiter whose generation went back behind the changes it saw would wake at once,
+        again and again (two agents read the state in a busy loop)."""
+        value = int(self._use(lambda: self._store.add(self._counter, 0)))
+        with self._lock:
+            return max(value, self._latest)
 
     def _peek(self, store: Any) -> int | None:
         """The counter in `store`, read without writing it (a look, the watcher: neither may bring back the
@@ -219,6 +224,10 @@ class ChangeSignal:
 
     def announce(self) -> None:
         value = int(self._use(lambda: self._store.add(self._counter, 1)))
+        with self._lock:
+            behind = self._latest + 1 - value
+        if behind > 0:  # read back from zero (a stranger's value): past every change seen, so watchers wake
+            value = int(self._use(lambda: self._store.add(self._counter, behind)))
         self._use(lambda: self._store.set(f"{self._counter}.{value}", b"1"))
         with self._changed:
             self._latest = max(self._latest, value)

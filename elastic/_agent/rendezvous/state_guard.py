@@ -29,8 +29,9 @@ shadow copy (state_shadow: every won write is copied to a key only the launch's 
 when that is newer than its memory, else the last state it verified or wrote (a fresh state if it
 has none), with the refused value's token. That is what torch's retry logic already does when
 another agent wrote first: its next write, a compare-and-set against that token, replaces the
-refused value, so a job whose store was written by a stranger trains on, and, from the shadow,
-without undoing another agent's last write.
+refused value (the handler's holder makes that write at its next look: handlers.GuardedStateHolder),
+so a job whose store was written by a stranger trains on, and, from the shadow, without undoing
+another agent's last write.
 
 Invariants:
 - torch receives only bytes that passed `StateSeal.open` (or its own last
