@@ -420,3 +420,28 @@ def test_a_look_never_brings_back_the_change_counter_after_the_runs_keys_were_re
     assert signal.latest() == 1  # what it saw last stands
     time.sleep(0.1)  # (the watcher's read too)
     assert not inner.check(["torchrevive.rdzv.run.changes"])
+
+
+def test_the_change_watcher_is_woken_and_joined_at_exit_and_the_other_watchers_go_on() -> None:
+    """The watcher blocks in a C++ store wait for days. Left blocked at exit, its wait could return while the
+    interpreter finalizes and abort the process (a Slurm replacement agent whose job had succeeded exited
+    134: "terminate called without an active exception"). It is a library thread: the exit wakes it (the key
+    it waits on) and joins it. Another agent's watcher, woken by that key, still sees the next change."""
+    from elastic._shared.common import threads
+    from elastic._shared.storage.sealed_store import SealedStore
+
+    inner = dist.HashStore()
+    leaving, staying = (quick_rounds.ChangeSignal(SealedStore(inner, KEY, "scope"), "run", watch=False) for _ in "ab")
+    assert leaving.latest() == staying.latest() == 0
+    watcher = leaving._watcher
+    (entry,) = [e for e in threads._entries if e.thread is watcher]  # registered: the exit stops it
+    deadline = time.monotonic() + 10
+    while leaving._waking is None and time.monotonic() < deadline:  # (in its wait)
+        time.sleep(0.01)
+    entry.stop()  # what the exit does (threads.stop_all), before it joins
+    watcher.join(10)
+    assert not watcher.is_alive()
+    leaving.announce()  # (another agent's change)
+    while staying.latest() != 1 and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    assert staying.latest() == 1 and staying._watcher.is_alive()

@@ -65,6 +65,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic._agent.rendezvous.named_events import NamedExecutor
+from elastic._shared.common import threads
 
 QUICK_ROUNDS_CONF = "quick_rounds"
 """`--rdzv-conf quick_rounds=0` leaves torch's handler unchanged."""
@@ -88,6 +89,8 @@ RESYNC_SECONDS = 5.0
 WATCH_FOR = timedelta(days=7)
 """How long the watcher's one wait may block (a TCPStore wait that times out warns, and its connection
 is then out of step with the server: the watcher never lets one time out)."""
+WAKE_TIMEOUT = timedelta(seconds=2)
+"""The bound on the exit's one write that wakes the watcher (a stalled server: the exit's join bound then)."""
 STRAY_PAUSE_SECONDS = 1.0
 """The watcher's pause when the key it waited on is set but the counter did not move (a stranger's)."""
 
@@ -165,6 +168,9 @@ class ChangeSignal:
         """The newest generation seen (the watcher's, or a look's own read); -1 before any."""
         self._resync_at = float("-inf")
         self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._waking: tuple[Any, str] | None = None
+        """The watcher's own connection for waking it at exit, and the key it waits on now."""
 
     def generation(self) -> int:
         """The counter, never below a change this process saw: a stranger's value reads the counter back
@@ -198,19 +204,23 @@ class ChangeSignal:
                 current = max(self._latest, 0)
             self._latest = max(self._latest, current)
             if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch_changes, args=(current,),
-                                                 name="torchrevive-rdzv-changes", daemon=True)
-                self._watcher.start()
+                self._watcher = threads.start(self._watch_changes, args=(current,), name="torchrevive-rdzv-changes",
+                                              stop=self._stop_watching)
             return self._latest
 
     def _watch_changes(self, seen: int) -> None:
         """The watcher: block on the key of the change after `seen` (set by `announce`, after the counter),
-        then read the counter; until the store fails (the job ends: the thread ends with it)."""
+        then read the counter; until the store fails (the job ends) or the process exits (`_stop_watching`)."""
         try:
             store = self._store.clone()  # a connection of its own: a blocked wait holds its connection
             inner = getattr(store, "inner", store)  # its raw wait: any value wakes it, the counter decides
-            while True:
-                inner.wait([f"{self._counter}.{seen + 1}"], WATCH_FOR)
+            waker = inner.clone()  # (made now: at exit a connect to a stalled server could hang)
+            waker.set_timeout(WAKE_TIMEOUT)
+            while not self._stopping.is_set():
+                key = f"{self._counter}.{seen + 1}"
+                with self._lock:
+                    self._waking = (waker, key)
+                inner.wait([key], WATCH_FOR)
                 current = self._peek(store)
                 if current is not None and current > seen:
                     seen = current
@@ -218,9 +228,26 @@ class ChangeSignal:
                         self._latest = max(self._latest, current)
                         self._changed.notify_all()
                 else:
-                    time.sleep(STRAY_PAUSE_SECONDS)
+                    self._stopping.wait(STRAY_PAUSE_SECONDS)
         except Exception:  # noqa: BLE001 - a store that failed or went away: looks read the counter again
             return
+
+    def _stop_watching(self) -> None:
+        """At exit (elastic._shared.common.threads): wake the watcher by setting the key it waits on, so that
+        it ends before finalization. Left blocked, its wait could return while the interpreter finalizes (the
+        server's agent exiting at the same time), and take the GIL back in a C++ frame: "terminate called
+        without an active exception", SIGABRT, for an agent whose job had succeeded (test_slurm's
+        replacement, once in a full suite). Other agents' watchers wake on that key too and find the counter
+        unmoved: they read it once a `STRAY_PAUSE_SECONDS` until the next change, as after a stranger's key."""
+        self._stopping.set()
+        with self._lock:
+            waking = self._waking
+        if waking is not None:
+            waker, key = waking
+            try:
+                waker.set(key, b"")
+            except Exception:  # noqa: BLE001 - a server gone: the wait has failed, or does so now
+                pass
 
     def announce(self) -> None:
         value = int(self._use(lambda: self._store.add(self._counter, 1)))
