@@ -203,7 +203,11 @@ class ChangeSignal:
             if current is None:  # (missing or not verified: what the watcher last saw stands)
                 current = max(self._latest, 0)
             self._latest = max(self._latest, current)
-            if self._watcher is None:
+            if self._watcher is None and self._watch:  # (etcd: its wait is Python's, safe at finalization)
+                self._watcher = threading.Thread(target=self._watch_changes, args=(current,),
+                                                 name="torchrevive-rdzv-changes", daemon=True)
+                self._watcher.start()
+            elif self._watcher is None:  # (a TCPStore: its wait is C++'s, see `_stop_watching`)
                 self._watcher = threads.start(self._watch_changes, args=(current,), name="torchrevive-rdzv-changes",
                                               stop=self._stop_watching)
             return self._latest
