@@ -191,3 +191,27 @@ def scale(results: Results) -> str:
             for path, by_n in found["paths"].items()]
     header = ["store operations per rank", *(f"N={n}" for n in sizes), "growth"]
     return table(header, rows) + "\n" + measured(document)
+
+
+@view("soak")
+def soak(results: Results) -> str:
+    """Kills at random moments, per survivors setting: stall and time lost (median / p99 / max), steps redone,
+    exactly-once and bit-identity, incidents over the bound; then what a kill cost by the moment drawn."""
+    document = results["soak"]
+    found = document["results"]
+    rows, by_kind = [], {}
+    for label, row in found["rows"].items():
+        s = row["summary"]
+        spread = [" / ".join(ratio(s[figure][k], 2) or "-" for k in ("median", "p99", "max"))
+                  for figure in ("stall_s", "time_lost_s")]
+        rows.append([label, s["kills"], *spread, ratio(s["redone"]["mean"], 1), s["exactly_once"], s["bit_identical"],
+                     len(s["over_bound"])])
+        for incident in row["incidents"]:
+            if incident["time_lost_s"] is not None:
+                by_kind.setdefault(incident["kind"], []).append(incident["time_lost_s"])
+    header = ["setting", "kills", "stall s (median / p99 / max)", "time lost s (same)", "redone", "exactly once",
+              "bit-identical", "over bound"]
+    moments = ", ".join(f"{kind} {len(lost)} ({ratio(_median(lost), 2)} s)"
+                        for kind, lost in sorted(by_kind.items(), key=lambda kv: -len(kv[1])))
+    return (table(header, rows) + f"\n{found['agents']} agents, {found['size']} size. Time lost by moment drawn "
+            f"(incidents, median): {moments}.\n\n" + measured(document))
