@@ -330,7 +330,10 @@ def wait_for_admission(
     the round's start) was marked failed, or no vote counted `HEARTBEAT_KEY` up for `stale_after`
     seconds (a lost node's workers are never marked)."""
     seen = after
-    checked_orphan = beat_seen_at = clock()
+    beat_seen_at = clock()
+    # The first look for an orphaned view is at once: when two kills came together (every member of the
+    # view gone before this joiner started), waiting out SETTLE_SECONDS first delayed the round by ~2 s.
+    checked_orphan = beat_seen_at - SETTLE_SECONDS
     store = records.store
     beat = store.add(HEARTBEAT_KEY, 0)
     while True:
