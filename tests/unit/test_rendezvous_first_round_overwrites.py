@@ -18,26 +18,12 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import api as rendezvous_api
-from torch.distributed.elastic.rendezvous.api import RendezvousParameters
-from test_rendezvous_overwrites import KEY, RUN, recorded_state
+from test_rendezvous_overwrites import KEY, RUN, handler, in_process_handlers, recorded_state
 
-from elastic._agent.rendezvous import handlers, store_liveness
-from elastic._agent.rendezvous.guarded_c10d import C10dStateBackend
+from elastic._agent.rendezvous import handlers
 from elastic._agent.rendezvous.quick_rounds import ChangeSignal
-from elastic._agent.rendezvous.state_guard import StateGuard
 from elastic._shared.protocol import round_identity
 from elastic._shared.storage.sealed_store import SealedStore
-
-
-def handler(store: dist.Store, join_timeout: int) -> handlers.SealedHandler:
-    """A c10d-sealed agent's handler as `create_c10d_sealed` makes it (torchrevive-run's 1 s keep-alive), on
-    an in-process store."""
-    params = RendezvousParameters("c10d-sealed", "127.0.0.1:29400", RUN, 2, 2, join_timeout=str(join_timeout),
-                                  last_call_timeout="1", close_timeout="5", keep_alive_interval="1",
-                                  keep_alive_max_attempt="3")
-    backend = C10dStateBackend(store, RUN, StateGuard.for_run(RUN, KEY), name="c10d-sealed")
-    return handlers.build(params, backend, store, KEY, watch=False, heartbeats=store_liveness.key_heartbeats)
 
 
 def overwrite_first_write(agent: handlers.SealedHandler, store: dist.Store, done: threading.Event) -> None:
@@ -61,13 +47,10 @@ def test_two_agents_whose_joins_a_stranger_overwrote_before_they_met_still_form_
     """a joins; its state is overwritten before b reads it, so b refuses the stranger's, starts a launch of its
     own and joins it; b's state is overwritten before a reads it. Each then waits in its own launch, reading
     only the stranger's value. They form round 0 together, each with world size 2, in one launch."""
-    lines: list[str] = []
-    monkeypatch.setenv("TORCHREVIVE_ROUND", "")  # the handler tells its workers their round there
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as torchrevive-run: no store server here
-    monkeypatch.setattr(rendezvous_api, "get_free_port", lambda: 29500)  # (it listens to find one; no workers start)
-    monkeypatch.setattr(handlers, "print", lambda *args, **kwargs: lines.append(args[0]), raising=False)
+    in_process_handlers(monkeypatch)
     store = dist.HashStore()
-    a, b = handler(store, join_timeout=20), handler(store, join_timeout=20)
+    # torchrevive-run's 1 s keep-alive (heartbeats in keys of their own: nothing else makes an agent write)
+    a, b = (handler(store, KEY, join_timeout="20", keep_alive_interval="1", keep_alive_max_attempt="3") for _ in "ab")
     a_overwritten, b_overwritten = threading.Event(), threading.Event()
     overwrite_first_write(a, store, a_overwritten)
     overwrite_first_write(b, store, b_overwritten)

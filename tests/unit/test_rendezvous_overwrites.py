@@ -120,10 +120,22 @@ def test_a_round_a_participant_cannot_share_is_named() -> None:
     assert "[0, 2]" in unsound_round(state, 1)
 
 
-def handler(store: dist.Store, key: PeerKey) -> handlers.SealedHandler:
-    """A c10d-sealed agent's handler as `create_c10d_sealed` makes it, on an in-process store."""
-    params = RendezvousParameters("c10d-sealed", "127.0.0.1:29400", RUN, 2, 2, join_timeout="30",
-                                  last_call_timeout="1", close_timeout="5")
+def in_process_handlers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Lets handlers made by `handler` form rounds in this process, without a store server or a free port;
+    the lines their module prints go to the list returned."""
+    lines: list[str] = []
+    monkeypatch.setenv("TORCHREVIVE_ROUND", "")  # the handler tells its workers their round there
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as torchrevive-run: no store server here
+    monkeypatch.setattr(rendezvous_api, "get_free_port", lambda: 29500)  # (it listens to find one; no workers start)
+    monkeypatch.setattr(handlers, "print", lambda *args, **kwargs: lines.append(args[0]), raising=False)
+    return lines
+
+
+def handler(store: dist.Store, key: PeerKey, **conf: str) -> handlers.SealedHandler:
+    """A c10d-sealed agent's handler as `create_c10d_sealed` makes it, on an in-process store (`conf`: more
+    of `--rdzv-conf`, or other values)."""
+    conf = {"join_timeout": "30", "last_call_timeout": "1", "close_timeout": "5", **conf}
+    params = RendezvousParameters("c10d-sealed", "127.0.0.1:29400", RUN, 2, 2, **conf)
     backend = C10dStateBackend(store, RUN, StateGuard.for_run(RUN, key), name="c10d-sealed")
     return handlers.build(params, backend, store, key, watch=False, heartbeats=store_liveness.key_heartbeats)
 
@@ -136,11 +148,7 @@ def test_two_agents_restarting_under_a_stranger_who_overwrites_each_write_of_one
     the state's key after each write of b (its exit, its wait) until a has written once (its exit). They end in
     the same round, each with world size 2. Without the shadow, a writes its older copy back and b finishes the old
     round alone ("rank 1 of 1"): the soundness check makes it join again instead."""
-    lines: list[str] = []
-    monkeypatch.setenv("TORCHREVIVE_ROUND", "")  # the handler tells its workers their round there
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as torchrevive-run: no store server here
-    monkeypatch.setattr(rendezvous_api, "get_free_port", lambda: 29500)  # (it listens to find one; no workers start)
-    monkeypatch.setattr(handlers, "print", lambda *args, **kwargs: lines.append(args[0]), raising=False)
+    lines = in_process_handlers(monkeypatch)
     store = dist.HashStore()
     a, b = handler(store, KEY), handler(store, KEY)
     if not shadow:
