@@ -20,12 +20,14 @@ from elastic._agent.launcher.failure_policy import (
     CRASH_LOOP_EXIT,
     SET_ASIDE_EXIT,
     Failure,
+    NamedHang,
     Strike,
     bad_node,
     crash_loop,
     decide,
     first_line,
     is_collateral,
+    strikes_of,
 )
 from elastic._agent.launcher.notice_board import (
     MAX_PER_READ,
@@ -74,11 +76,30 @@ def test_strikes_on_several_nodes_alike_set_no_one_aside() -> None:
 
 def test_strikes_outside_the_window_are_forgotten_and_hangs_count() -> None:
     failures = [failure("b", 1, 10.0), failure("b", 2, 500.0)]
-    hangs = [("b", 510.0)]
+    hangs = [NamedHang("b", 510.0, since=505.0)]
     assert decide(failures, hangs, now=520.0, can_shrink=True, limit=3, window=100, attempts=3).kind == "restart"
-    decision = decide(failures, hangs + [("b", 515.0)], now=520.0, can_shrink=True, limit=3, window=100,
+    decision = decide(failures, hangs + [NamedHang("b", 515.0)], now=520.0, can_shrink=True, limit=3, window=100,
                       attempts=3)
     assert decision.kind == "set_aside" and "3 failures and hangs of its workers" in decision.line
+
+
+def test_a_hang_whose_culprit_failed_while_it_lasted_is_one_strike_not_two() -> None:
+    """Under train-on a stopped worker's agent ended it (the reaper: a primary failure) while the ranks still
+    compared records; the verdict that came after named the same node for the same stall. Counted twice, with
+    the kill before it, a healthy node was set aside (its third strike) and the job lost it."""
+    failures = [failure("b", 21, 100.0), failure("b", 32, 161.0)]  # a kill; the frozen worker ended at 161
+    same_stall = NamedHang("b", 162.5, since=159.8)
+    assert decide(failures, [same_stall], now=163.0, can_shrink=True, limit=3, window=600, attempts=3).kind == "restart"
+    posted_later = failures[:1] + [failure("b", 32, 165.0)]  # its agent's look came after the verdict
+    assert decide(posted_later, [same_stall], now=166.0, can_shrink=True, limit=3, window=600, attempts=3).kind \
+        == "restart"
+    # a stall that began after the failure (another incident), or one of unknown start, is a strike of its own
+    for hang in (NamedHang("b", 175.0, since=170.0), NamedHang("b", 162.5)):
+        assert decide(failures, [hang], now=176.0, can_shrink=True, limit=3, window=600, attempts=3).kind \
+            == "set_aside"
+    # a failure of another node during the stall is no excuse for the node it named
+    others = [failure("b", 21, 100.0), failure("a", 32, 161.0), failure("b", 40, 180.0)]
+    assert [s.what for s in strikes_of(others, [same_stall])] == ["failure", "failure", "hang", "failure"]
 
 
 def test_a_job_at_its_minimum_sets_no_one_aside_and_a_same_step_failure_stops_after_r_attempts() -> None:
@@ -315,7 +336,7 @@ def test_a_hang_note_becomes_one_entry_and_a_bad_note_none(tmp_path: Path) -> No
                "nodes": ["n2"], "hosts": ["h"], "collective": "train step at step 21"}
     worker_notes.write_json(worker_notes.hang_path(agent_watch.notes, 0), verdict)
     agent_watch.look(group(), SimpleNamespace(is_failed=lambda: False))
-    assert agent_watch.hangs and agent_watch.hangs[0][0] == "n2"
+    assert agent_watch.hangs and agent_watch.hangs[0].node == "n2"
     assert not worker_notes.hang_path(agent_watch.notes, 0).exists()
     worker_notes.write_json(worker_notes.hang_path(agent_watch.notes, 0), {**verdict, "culprits": ["1"]})
     agent_watch.look(group(), SimpleNamespace(is_failed=lambda: False))
@@ -394,7 +415,7 @@ def test_this_nodes_worker_named_by_a_hang_is_ended_and_its_death_counts_once(
     assert "ending worker rank 1 (pid 4242), the hang's culprit" in capsys.readouterr().err
     agent.look(running, failed((1, Process(0, -9, "", pid=4242))))
     assert [f.primary for f in agent.failures] == [False]  # the hang is its strike, not this death too
-    assert [node for node, _ in agent.hangs] == ["n1", "n1"]
+    assert [hang.node for hang in agent.hangs] == ["n1", "n1"]
 
 
 def test_a_replacement_started_after_a_hangs_comparison_began_is_not_ended_for_it(
@@ -416,6 +437,7 @@ def test_a_replacement_started_after_a_hangs_comparison_began_is_not_ended_for_i
     agent.look(running, SimpleNamespace(is_failed=lambda: False))
     assert killed == [(4343, signal.SIGKILL)]  # rank 2 ran when the comparison began; rank 1 is a replacement
     assert "not ending worker rank 1 (pid 4242): it started after the hang was named" in capsys.readouterr().err
+    assert {(hang.node, hang.since) for hang in agent.hangs} == {("n1", 150.0)}  # the stall's start, for the strikes
     note = {"line": "hang: x", "step": 55, "culprits": [1], "since": float("nan")}
     assert "since" not in job_watch._hang_entry(note, running).fields
     assert job_watch._hang_entry({**note, "since": 150.5}, running).fields["since"] == 150.5

@@ -150,13 +150,15 @@ def test_a_stopped_rank_is_named_from_its_silence_and_an_old_record_does_not_spe
         kept.enter("train step", 13)
         namer.look(0.0, progress=12)  # both say where they run
     store.set(f"{PREFIX}rec/1", json.dumps({"n": 5, "r": record(1, 1, inside=False).dumps()}))  # a stale record
-    for tick in range(30):  # rank 1 is stopped: only rank 0 looks
+    began = time.time()
+    for tick in range(16, 40):  # rank 1 is stopped: only rank 0 looks, first 8 s into the stall (a late look)
         now[0] = tick * 0.5
         ranks[0][0].look(now[0], progress=12)
     assert [v.culprits_ranks() for v in reports] == [[1]]
     assert reports[0].culprits[0].why == NO_ANSWER and reports[0].culprits[0].node == "node1"
-    # When the comparison began, for the culprit's agent: a worker started after it is a replacement
-    assert 0 < reports[0].since <= time.time() and reports[0].fields()["since"] == reports[0].since
+    # When the stall began (not the late look), for the culprit's agent: a worker started after it is a
+    # replacement, and a failure of its node since then is this hang's incident
+    assert began - 8.0 <= reports[0].since <= time.time() - 8.0 and reports[0].fields()["since"] == reports[0].since
 
 
 def test_no_verdict_when_training_moves_during_the_comparison_nor_before_the_threshold() -> None:

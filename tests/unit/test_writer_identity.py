@@ -159,6 +159,30 @@ def test_the_start_time_is_read_past_a_command_name_with_spaces_and_parentheses(
     assert claims.start_time(4242) == 987654
 
 
+def test_a_process_start_is_dated_to_a_clock_tick_not_to_the_whole_second_of_boot() -> None:
+    """A hang's culprit agent leaves alone a worker that started after the stall began (a replacement):
+    dated through /proc/stat's whole-second btime, one that started 0.6 s into the stall read as older
+    than it and was ended for it (elastic._agent.launcher.hang_verdicts)."""
+    import threading
+
+    for _ in range(3):  # a thread is a task /proc dates like a process, and needs none started
+        ready, done = threading.Event(), threading.Event()
+        tid: list[int] = []
+        before = time.time()
+        thread = threading.Thread(target=lambda: (tid.append(threading.get_native_id()), ready.set(), done.wait(5)))
+        thread.start()
+        ready.wait(5)
+        after = time.time()
+        try:
+            started = claims.started_at(tid[0])
+        finally:
+            done.set()
+            thread.join()
+        assert started is not None and before - 0.03 <= started <= after + 0.03, (before, started, after)
+        time.sleep(0.37)  # another fraction of a second each time
+    assert claims.started_at(2**22 + 7) is None  # no such process
+
+
 def test_a_job_that_ended_lets_the_next_job_on_any_host_take_the_directory_at_once(tmp_path: Path) -> None:
     """A claim of another host is judged by its heartbeat (30 minutes); one its job marked as ended is not."""
     me = WriterIdentity.new("slurm-8")

@@ -4,7 +4,9 @@ Every agent reads the same list of the job's failures and named hangs (elastic._
 so each comes to the same decision about its own node:
 
 - A **strike** against a node is a worker of it that failed first (a primary failure: not a peer's
-  collateral, `is_collateral`) or that a hang verdict named. A node with `limit` strikes within
+  collateral, `is_collateral`) or that a hang verdict named (`NamedHang`), one per incident: a hang whose
+  culprit's node had a worker fail while the stall lasted (a frozen worker its agent ended before the
+  verdict came) is that failure, not a second strike. A node with `limit` strikes within
   `window` seconds while every other node has fewer (below `limit`, and below its count) is bad: it is
   **set aside**, if the job can train without it (more nodes than --nnodes MIN). A failure that comes
   once, or that strikes several nodes alike, sets no one aside.
@@ -94,6 +96,22 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class NamedHang:
+    """A node a hang verdict named, as the job's board holds it."""
+
+    node: str
+    time: float
+    """When the verdict was posted."""
+    since: float = 0.0
+    """When the stall it names began (0: unknown)."""
+
+
+SAME_INCIDENT_SLACK = 10.0
+"""Seconds after a hang verdict in which a primary failure of its culprit's node is still the hang's own
+incident: the failure's agent posts it at its next look, which can come after the verdict."""
+
+
+@dataclass(frozen=True)
 class Strike:
     """A mark against a node: a primary failure of its worker, or a hang that named it."""
 
@@ -142,16 +160,22 @@ _AT_ONCE = frozenset({FAULTY_NODE_EXIT, EVICTED_EXIT})
 """Exit statuses that set their node aside at the first failure (where the job can shrink)."""
 
 
-def strikes_of(
-    failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]], *, limit: int = 1,
-) -> list[Strike]:
-    """The strikes in the job's failures and named hangs (each hang: a culprit's node and the time); a
+def strikes_of(failures: Sequence[Failure], hangs: Sequence[NamedHang], *, limit: int = 1) -> list[Strike]:
+    """The strikes in the job's failures and named hangs, one per incident (see the module docstring); a
     failure with `FAULTY_NODE_EXIT` (a node proven wrong) or `EVICTED_EXIT` (a straggler the ranks evicted)
     is `limit` of them."""
-    marks = [Strike(f.node, f.time, "failure") for f in failures if f.primary
+    primaries = [f for f in failures if f.primary]
+    marks = [Strike(f.node, f.time, "failure") for f in primaries
              for _ in range(max(1, limit) if f.exitcode in _AT_ONCE else 1)]
-    marks += [Strike(node, time, "hang") for node, time in hang_nodes if node]
+    marks += [Strike(hang.node, hang.time, "hang") for hang in hangs
+              if hang.node and not _failed_during(hang, primaries)]
     return sorted(marks, key=lambda strike: strike.time)
+
+
+def _failed_during(hang: NamedHang, primaries: Sequence[Failure]) -> bool:
+    """Whether a worker of the hang's node failed first while the stall it names lasted (its own incident)."""
+    return hang.since > 0 and any(
+        f.node == hang.node and hang.since <= f.time <= hang.time + SAME_INCIDENT_SLACK for f in primaries)
 
 
 def bad_node(strikes: Sequence[Strike], node: str, now: float, *, limit: int, window: float) -> list[Strike] | None:
@@ -195,15 +219,15 @@ def crash_loop(failures: Sequence[Failure], *, attempts: int) -> Failure | None:
 
 
 def decide(
-    failures: Sequence[Failure], hang_nodes: Sequence[tuple[str, float]], *, now: float, can_shrink: bool,
+    failures: Sequence[Failure], hangs: Sequence[NamedHang], *, now: float, can_shrink: bool,
     limit: int, window: float, attempts: int, excluded: Collection[str] = (),
 ) -> Decision:
     """What the job does after its newest failure (see the module docstring); every agent that reads the
     same failures decides the same, and the agent of the node set aside acts on it. Failures and hangs
     of nodes already `excluded` count no more."""
     failures = [f for f in failures if f.node not in excluded]
-    hang_nodes = [(node, time) for node, time in hang_nodes if node not in excluded]
-    strikes = strikes_of(failures, hang_nodes, limit=limit)
+    hangs = [hang for hang in hangs if hang.node not in excluded]
+    strikes = strikes_of(failures, hangs, limit=limit)
     culprit = strikes[-1].node if strikes else None
     marks = bad_node(strikes, culprit, now, limit=limit, window=window) if can_shrink and culprit else None
     if marks is not None and culprit is not None:

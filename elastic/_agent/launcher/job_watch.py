@@ -58,6 +58,7 @@ from elastic._agent.launcher.failure_policy import (
     SET_ASIDE_FAILURES_ENV,
     SET_ASIDE_WINDOW_ENV,
     Failure,
+    NamedHang,
 )
 from elastic._agent.launcher.hang_verdicts import end_now, replaced_since, since_of
 from elastic._agent.launcher.notice_board import Entry, LocalBoard, StoreBoard
@@ -143,7 +144,7 @@ class JobWatch:
         self.notes = self._env.get(worker_notes.NOTES_ENV)
         self.board: StoreBoard | LocalBoard = board if board is not None else _board(worker_group, self._env)
         self.failures: list[Failure] = []
-        self.hangs: list[tuple[str, float]] = []
+        self.hangs: list[NamedHang] = []
         self.stop_line: str | None = None
         self._posted: set[tuple[int, int]] = set()
         self._new_from = 0  # the failures read since the look that saw this node's workers fail
@@ -259,7 +260,8 @@ class JobWatch:
             elif entry.kind == "hang":
                 nodes = entry.fields.get("nodes")
                 if isinstance(nodes, list):
-                    self.hangs += [(node, entry.time) for node in nodes[:64] if isinstance(node, str)]
+                    since = since_of(entry.fields) or 0.0
+                    self.hangs += [NamedHang(node, entry.time, since) for node in nodes[:64] if isinstance(node, str)]
                 self._end_culprits(worker_group, entry)
             elif entry.kind == "node_excluded" and isinstance(entry.fields.get("node"), str):
                 self.excluded.add(entry.fields["node"])

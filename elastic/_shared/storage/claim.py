@@ -99,18 +99,18 @@ def start_time(pid: int | str) -> int | None:
 
 
 def started_at(pid: int) -> float | None:
-    """When process `pid` started, in seconds since the epoch (its start time after boot, plus the boot
-    time /proc/stat gives); None when no such process is visible."""
+    """When process `pid` started, in seconds since the epoch, to a clock tick (10 ms); None when no such
+    process is visible. Its start time counts from boot on the boot-time clock, which this process reads
+    now too; /proc/stat's `btime` would do instead, but it is whole seconds, and a process that started
+    half a second after a hang's stall began must not read as one that ran before it."""
     ticks = start_time(pid)
     if ticks is None:
         return None
     try:
-        for line in Path("/proc/stat").read_text(encoding="ascii", errors="replace").splitlines():
-            if line.startswith("btime "):
-                return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):  # not Linux
+        return None
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _own_start_time() -> int:

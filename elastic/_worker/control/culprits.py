@@ -123,8 +123,9 @@ class Verdict:
     culprits: tuple[Culprit, ...]
     answered: tuple[int, ...]
     since: float = 0.0
-    """When the comparison that named them began (seconds since the epoch; 0: unknown): a culprit's agent
-    leaves alone a worker that started after it (a replacement, not what the job waited for)."""
+    """When the stall they were named for began (seconds since the epoch; 0: unknown): a culprit's agent
+    leaves alone a worker that started after it (a replacement, not what the job waited for), and a worker
+    of the culprit's node that failed since is this hang's incident, not a second one."""
 
     def culprits_ranks(self) -> list[int]:
         return [c.rank for c in self.culprits]

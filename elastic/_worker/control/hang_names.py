@@ -103,7 +103,7 @@ class _Comparison:
     """The reader's first read: each rank's counter and record then."""
     done: bool = False
     since: float = 0.0
-    """When it began, in seconds since the epoch (`Verdict.since`)."""
+    """When the stall it compares began, in seconds since the epoch (`Verdict.since`)."""
 
 
 def _envelope(raw: bytes, world_size: int) -> tuple[int, RankRecord] | None:
@@ -252,8 +252,10 @@ class HangNamer:
         now = self._clock()
         if comparison is None:
             newest = self._record.newest()
+            # `since` is when the stall began, not this look: a look that comes late (a loaded host) must not
+            # date the stall after a replacement that started during it, which would then be ended for it.
             comparison = self._comparison = _Comparison(progress, newest.seq if newest else 0, now + self.gather,
-                                                        since=time.time())
+                                                        since=time.time() - stalled)
         if comparison.done:
             return
         self._publish(records, place)
