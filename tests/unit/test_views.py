@@ -177,6 +177,22 @@ def test_a_view_forms_when_all_its_members_came_and_every_member_learns_the_same
     assert views.gather(store, view, "0.0", timeout=0, clock=clock, sleep=clock.sleep)
 
 
+def test_a_view_whose_missing_member_was_marked_failed_is_given_up_at_once() -> None:
+    """A train-on joiner killed between its admission (the grow) and its arrival: the survivor waited out
+    GATHER_SECONDS (10 s, measured by the soak) for a worker its agent had already marked failed."""
+    store, clock = records(), Clock()
+    grown = View(4, ids(0) + ids(1, incarnation=2))
+    store.set(heal_env.failed_key("1.2"), "1")
+    assert not views.gather(store, grown, "0.0", timeout=10.0, clock=clock, sleep=clock.sleep)
+    assert clock.now == 0.0 and store.get("view/4/outcome") == "given up"
+    # the first member died instead: a survivor that is not first sees its mark, not only the timeout
+    store, clock = records(), Clock()
+    store.set(heal_env.failed_key("0.2"), "1")
+    assert not views.gather(store, View(5, ids(0, incarnation=2) + ids(1)), "1.0", timeout=10.0, clock=clock,
+                            sleep=clock.sleep)
+    assert clock.now == 0.0
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.text(max_size=60))
 def test_a_view_record_from_the_store_is_a_view_or_one_line(text: str) -> None:

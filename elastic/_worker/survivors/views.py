@@ -368,12 +368,16 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
     it was given up. One outcome for all (a compare-and-set): "formed" by the view's first member once
     it saw every one present (it alone reads the presence keys, each once it is there), or "given up" by
     the first whose `timeout` passed before; a member that gave up after the first saw everyone still
-    forms it (it had noted itself present). Presence is one key per member (a count would be anyone's to
-    raise); an outcome that is not the job's is not one."""
+    forms it (it had noted itself present). A member that is missing and marked failed by its agent (a
+    joiner killed between its admission and its arrival) never comes: the view is given up at once, not
+    after `timeout` (the first member looks at the missing ones' marks, the others at the first member's).
+    Presence is one key per member (a count would be anyone's to raise); an outcome that is not the job's
+    is not one."""
     outcome = f"view/{view.number}/outcome"
     deadline, attempt = clock() + timeout, 0
     records.set(_present_key(view.number, me), "1")
-    missing = [m for m in view.members if m != me] if me == view.members[0] else None
+    first = view.members[0]
+    missing = [m for m in view.members if m != me] if me == first else None
     while True:
         if missing is not None:
             missing = [m for m in missing if records.get(_present_key(view.number, m)) != "1"]
@@ -381,7 +385,8 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
                 return records.compare_set(outcome, "formed") == "formed"
         if (said := records.get(outcome)) in ("formed", "given up"):
             return said == "formed"
-        if clock() >= deadline:
+        dead = any(failed(records, m) for m in missing) if missing is not None else failed(records, first)
+        if dead or clock() >= deadline:
             return records.compare_set(outcome, "given up") == "formed"
         sleep(_pause(attempt))
         attempt += 1
