@@ -76,7 +76,7 @@ def test_a_waiting_survivor_polls_one_key_and_the_closer_reads_each_arrival_once
     assert all(1.9 <= now < 2.2 for now in waited.values()), f"it waited its settle and the dead closer's: {waited}"
 
 
-def test_a_member_waiting_for_its_view_to_form_polls_one_key() -> None:
+def test_a_member_waiting_for_its_view_to_form_polls_one_key_and_seldom_the_first_members_mark() -> None:
     per_poll = {}
     for size in (16, 128):
         store = CountingStore()
@@ -86,10 +86,12 @@ def test_a_member_waiting_for_its_view_to_form_polls_one_key() -> None:
             records.set(f"view/3/present/{member}", "1")
         member = Polls(store)
         assert not views.gather(records, view, view.members[1], timeout=1.0, clock=member, sleep=member.sleep)
-        per_poll[size] = max(member.per_poll[1:])
+        polls = member.per_poll[1:]
+        per_poll[size] = (max(polls), round(sum(polls) / len(polls), 1))
         store.inner.delete_key(f"view/3/present/{view.members[0]}")  # the first member comes only now
         former = Polls(store)
         before = store.ops
         assert not views.gather(records, view, view.members[0], timeout=1.0, clock=former, sleep=former.sleep)
         assert store.ops - before <= 2 * size + 4, "the first member read each presence once; the outcome was said"
-    assert per_poll[16] == per_poll[128] <= 1, per_poll
+    # the outcome at each poll; the first member's failure mark only every MARK_CHECK_SECONDS
+    assert per_poll[16] == per_poll[128] and per_poll[16][0] <= 2 and per_poll[16][1] <= 1.2, per_poll

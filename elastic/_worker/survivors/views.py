@@ -40,7 +40,8 @@ Invariants:
   and a grow considers at most the round's world size of tickets (`admit`).
 - A member's share of a shrink or a forming is O(1) store operations: one
   aggregator (the closer; the view's first member for its forming) reads the
-  members' keys, each once it is there; the others poll one key.
+  members' keys, each once it is there; the others poll one key (forming, and the first member's failure
+  mark every `MARK_CHECK_SECONDS`).
 - A view forms (`gather`) only once all its members are there, within a bound,
   and its members agree whether it formed (a compare-and-set of the outcome):
   a member that died after the view closed makes it given up, and the others
@@ -69,6 +70,9 @@ of each other on an idle machine; a dead worker's agent marks it within its moni
 a lost node's workers are never marked, so a lost node costs this wait."""
 GATHER_SECONDS = 10.0
 """How long the members of a closed view wait for each other before they give it up and shrink."""
+MARK_CHECK_SECONDS = 0.25
+"""How often a member waiting for a view to form reads the first member's failure mark (an agent marks a dead
+worker within its monitor interval, 0.5 s: reading it at every poll would double the waiters' reads)."""
 LATEST_KEY = "view/latest"
 HEARTBEAT_KEY = "view/heartbeat"
 """Counted up by rank 0 of the current view at every vote step: a worker waiting to join learns the group
@@ -370,7 +374,8 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
     the first whose `timeout` passed before; a member that gave up after the first saw everyone still
     forms it (it had noted itself present). A member that is missing and marked failed by its agent (a
     joiner killed between its admission and its arrival) never comes: the view is given up at once, not
-    after `timeout` (the first member looks at the missing ones' marks, the others at the first member's).
+    after `timeout` (the first member looks at the missing ones' marks at each poll, the others at the first
+    member's every `MARK_CHECK_SECONDS`: their polls stay one read of the outcome between those).
     Presence is one key per member (a count would be anyone's to raise); an outcome that is not the job's
     is not one."""
     outcome = f"view/{view.number}/outcome"
@@ -378,6 +383,7 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
     records.set(_present_key(view.number, me), "1")
     first = view.members[0]
     missing = [m for m in view.members if m != me] if me == first else None
+    mark_checked = clock() - MARK_CHECK_SECONDS
     while True:
         if missing is not None:
             missing = [m for m in missing if records.get(_present_key(view.number, m)) != "1"]
@@ -385,7 +391,10 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
                 return records.compare_set(outcome, "formed") == "formed"
         if (said := records.get(outcome)) in ("formed", "given up"):
             return said == "formed"
-        dead = any(failed(records, m) for m in missing) if missing is not None else failed(records, first)
+        if missing is not None:
+            dead = any(failed(records, m) for m in missing)
+        elif dead := clock() - mark_checked >= MARK_CHECK_SECONDS:
+            mark_checked, dead = clock(), failed(records, first)
         if dead or clock() >= deadline:
             return records.compare_set(outcome, "given up") == "formed"
         sleep(_pause(attempt))
