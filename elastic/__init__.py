@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from elastic._worker.data.sampler import ElasticSampler
     from elastic._worker.run.run import Run
     from elastic._worker.run.schedules import OneCycle, WarmupCosine
-    from elastic._worker.runtime.context import all_reduce_mean
+    from elastic._worker.runtime.collectives import all_reduce_mean
 
 # Lazy: the launcher, the rendezvous plugin and the tools import `elastic` first and must not pay for
 # (or depend on) the training side's imports. name -> (module, attribute there)
@@ -74,7 +74,7 @@ _EXPORTS = {
     # data and the step's math
     "ElasticSampler": ("elastic._worker.data.sampler", "ElasticSampler"),
     "seeded_samples": ("elastic._worker.data.feed", "seeded_samples"),
-    "all_reduce_mean": ("elastic._worker.runtime.context", "all_reduce_mean"),
+    "all_reduce_mean": ("elastic._worker.runtime.collectives", "all_reduce_mean"),
     "OneCycle": ("elastic._worker.run.schedules", "OneCycle"),
     "WarmupCosine": ("elastic._worker.run.schedules", "WarmupCosine"),
     # checkpoints without a job

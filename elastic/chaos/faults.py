@@ -37,6 +37,9 @@ torchrun starts without any change to the command line:
     ELASTIC_FAULT=during_all_reduce@7:rank=3
                                             rank 3 dies as step 7's gradient all-reduce starts
                                             (heals in place: its peers' step 7 is void)
+    ELASTIC_FAULT=during_pause@6:rank=1      rank 1 dies as the work between steps after step
+                                            6 starts (an evaluation in run.pause(): its peers'
+                                            collective there fails; the step after it heals)
     ELASTIC_FAULT=after_step@20:do=hold:until=/tmp/go
                                             rank 0 holds after step 20 until the file
                                             /tmp/go exists, and creates /tmp/go.held as

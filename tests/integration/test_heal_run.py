@@ -36,11 +36,13 @@ pytestmark = pytest.mark.slow
 STEPS, KILL_AFTER = 16, 6
 
 
-def run_job(tmp_path: Path, corpus: Path, agents: int, fault: str, **extra_env: str) -> tuple[list[dict], list[str]]:
+def run_job(
+    tmp_path: Path, corpus: Path, agents: int, fault: str, eval_every: int = 0, **extra_env: str
+) -> tuple[list[dict], list[str]]:
     """The GPT recipe on `agents` agents of one worker each with TORCHREVIVE_SURVIVORS=keep and
     ELASTIC_FAULT=`fault`; its events and each agent's log."""
     return run_healing_job(tmp_path, corpus, agents, survivors="keep", fault=fault, steps=STEPS,
-                           nnodes=f"{agents}:{agents}", ckpt_every=5, **extra_env)
+                           nnodes=f"{agents}:{agents}", ckpt_every=5, eval_every=eval_every, **extra_env)
 
 
 def final_position(ckpt: Path) -> tuple[int, int, int]:
@@ -49,21 +51,26 @@ def final_position(ckpt: Path) -> tuple[int, int, int]:
     return manifest.step, manifest.epoch, manifest.consumed
 
 
-@pytest.mark.parametrize("action", ["kill", "stop"])
+@pytest.mark.parametrize("action", ["kill-in-eval", "stop"])
 def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(
     tmp_path: Path, shared_corpus: Path, references: References, action: str
 ) -> None:
-    """Two agents: rank 1 SIGKILLed after step 6, or SIGSTOPped (its agent ends it once it has been
-    stopped TORCHREVIVE_FROZEN_WORKER_SECONDS). Rank 0 keeps its process, rank 1's replacement
-    takes the state of step 6 from rank 0's memory, and the void step 7 is trained again: the
-    final weights and optimizer state are bit for bit those of a run without the failure
-    (tests/references.py), and so is its data position."""
-    healed, logs = run_job(tmp_path / "healed", shared_corpus, 2, f"after_step@{KILL_AFTER}:rank=1:do={action}",
-                           **{heal_env.FROZEN_AFTER_ENV: "1"})
+    """Two agents: rank 1 SIGKILLed as the evaluation after step 6 starts (the recipe evaluates every 6
+    steps: rank 0's evaluation all-reduce fails), or SIGSTOPped after step 6 (its agent ends it once it
+    has been stopped TORCHREVIVE_FROZEN_WORKER_SECONDS). Rank 0 keeps its process, rank 1's replacement
+    takes the state of step 6 from rank 0's memory, and the void step 7 is trained again: the final
+    weights and optimizer state are bit for bit those of a run without the failure (and without
+    evaluations: tests/references.py), and so is its data position."""
+    fault = f"during_pause@{KILL_AFTER}:rank=1" if action == "kill-in-eval" else f"after_step@{KILL_AFTER}:rank=1:do=stop"
+    healed, logs = run_job(tmp_path / "healed", shared_corpus, 2, fault, **{heal_env.FROZEN_AFTER_ENV: "1"},
+                           eval_every=KILL_AFTER if action == "kill-in-eval" else 0)
     clean = references.final_checkpoint(healing_job_args(shared_corpus, STEPS), STEPS)
     everything = "\n".join(log[-3000:] for log in logs)
     if action == "stop":
         assert sum("has been stopped for" in log for log in logs) == 1, everything
+    else:  # the evaluation the kill broke went on alone on rank 0; none ran twice (the replacement's neither)
+        assert sum("a collective between steps failed" in log for log in logs) == 1, everything
+        assert [e["step"] for e in healed if e["event"] == "eval"] == [KILL_AFTER, 2 * KILL_AFTER, STEPS]
 
     assert workers_started(logs) == {0: 1, 1: 2}, everything
     assert sum("replacing this node's workers in place (heal 1)" in log for log in logs) == 1, everything
@@ -76,7 +83,7 @@ def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(
     assert [e["step"] for e in healed if e["event"] == "step"] == list(range(1, STEPS + 1)), "no step lost or redone"
     # A save still being written when rank 1 died cannot commit (its part is gone): one line, and no more.
     assert all(e["step"] <= KILL_AFTER for e in healed if e["event"] == "checkpoint_failed")
-    others = [e["event"] for e in healed if e["event"] not in ("step", "checkpoint", "checkpoint_failed", "failure")]
+    others = [e["event"] for e in healed if e["event"] not in ("step", "checkpoint", "checkpoint_failed", "failure", "eval")]
     assert others == ["start", "restore", "heal", "end"]
     # The failure, named once by the agent of its node (the worker could not write it).
     assert [e["rank"] for e in healed if e["event"] == "failure"] == [1]

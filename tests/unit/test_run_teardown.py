@@ -8,7 +8,6 @@ import torch.distributed as dist
 from support import free_port
 
 import elastic
-from elastic._worker.run import run as run_module
 from elastic._worker.runtime import context as runtime
 
 
@@ -19,11 +18,13 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         monkeypatch.setenv(key, value)
     flags: list[bool] = []
 
+    real_shutdown = runtime.shutdown_worker
+
     def recording_shutdown(*, failed: bool = False) -> None:
         flags.append(failed)
-        runtime.shutdown_worker(failed=failed)
+        real_shutdown(failed=failed)
 
-    monkeypatch.setattr(run_module, "shutdown_worker", recording_shutdown)
+    monkeypatch.setattr(runtime, "shutdown_worker", recording_shutdown)
     yield flags
     runtime.shutdown_worker()  # whatever a failing test left up
 
@@ -46,7 +47,7 @@ def test_a_failed_leaving_barrier_leaves_without_waiting_on_peers(
     def dead_peer(ctx: runtime.WorkerContext) -> None:
         raise RuntimeError("Connection closed by peer")
 
-    monkeypatch.setattr(run_module, "barrier", dead_peer)
+    monkeypatch.setattr(runtime, "barrier", dead_peer)
     with pytest.raises(RuntimeError, match="Connection closed by peer"), elastic.Run(device="cpu"):
         pass
     assert launched == [True] and not dist.is_initialized()

@@ -23,7 +23,7 @@ from elastic._shared.common.errors import UsageError
 POINTS = (
     "during_write", "before_commit", "after_step", "before_read", "during_read", "during_snapshot",
     "during_catch_up", "during_all_reduce", "during_vote", "during_replica_check", "during_heal",
-    "snapshot_begun", "snapshot_checksummed", "snapshot_committed",
+    "snapshot_begun", "snapshot_checksummed", "snapshot_committed", "during_pause",
 )
 """Where faults can fire: writing a checkpoint (after its first item), just before its commit, after
 a step, a restore's read of a step (before any of its bytes: every rank has agreed on the step and
@@ -33,8 +33,9 @@ no checksums; checksums made, header not written; header written, no replica yet
 from a live peer in a heal in place (a member that takes it: the header received, no tensor), a
 step's gradient all-reduce (its first bucket, before it is sent; the step is the one being trained:
 heals in place only, whose comm hook marks it), a vote step of the step vote (before the vote in
-flight is read and the next one cast), a replica check (before its exchange), and a survivor's heal
-in place (its broken group left, the next one not formed yet)."""
+flight is read and the next one cast), a replica check (before its exchange), a survivor's heal
+in place (its broken group left, the next one not formed yet), and the start of work between steps
+(`Run.pause`, at the step last completed: an evaluation's collectives then wait on the dead rank)."""
 ENV_VAR = "ELASTIC_FAULT"
 ENTRY_POINT_GROUP = "torchrevive.faults"
 

@@ -61,7 +61,7 @@ from elastic._worker.hf.checks import (
 from elastic._worker.hf.exits import exit_on_elastic_error
 from elastic._worker.hf.group import join_before_accelerate
 from elastic._worker.run.run import Run
-from elastic._worker.runtime.context import all_reduce_mean
+from elastic._worker.runtime.collectives import all_reduce_mean
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ Invariants (the ordering rules a recipe used to keep by hand):
   checkpoints are intact.
 - `pause()` marks work that is not a training step (evaluation, sampling):
   the watchdog does not count it, a SIGTERM during it waits for its end, and
-  the preemption vote taken then commits the step (a collective).
+  the preemption vote taken then commits the step (a collective). A peer's
+  death there, where the run heals in place, voids the next step instead.
 - With `--survivors keep|train-on` under torchrevive-run, a peer's death stops
   no other worker: the group changes in place (elastic._worker.survivors.plugin,
   which the run meets only through its hooks and a private adapter).
@@ -92,8 +93,9 @@ from elastic._worker.run.script_exit import ScriptExit
 from elastic._worker.run.stopping import commit_and_stop
 from elastic._worker.run.survivors_host import SurvivorsHost
 from elastic._worker.runtime import parallel
-from elastic._worker.runtime.context import WorkerContext, adopt_worker, barrier, init_worker, shutdown_worker
+from elastic._worker.runtime.context import WorkerContext, adopt_worker, init_worker, leave_group
 from elastic._worker.runtime.parallel import unwrap
+from elastic._worker.runtime.collectives import pause_collectives
 from elastic._worker.runtime.rng import isolated, seed_all
 from elastic._worker.survivors.plugin import Survivors
 
@@ -207,17 +209,8 @@ class Run:
             raise
         finally:
             if self._owns_group:
-                left_together = False
-                try:
-                    if not failed:
-                        # Leave together: a rank tearing its gloo pairs down while a peer still
-                        # drains the last collective aborts that peer at exit.
-                        barrier(self._context)
-                        left_together = True
-                finally:
-                    # On failure (or a failed barrier) peers may be gone: nothing that waits on them.
-                    shutdown_worker(failed=not left_together)
-                    self._owns_group = False
+                self._owns_group = False
+                leave_group(self._context, failed=failed)
 
     @property
     def _context(self) -> WorkerContext:
@@ -445,12 +438,20 @@ class Run:
 
     @contextmanager
     def pause(self) -> Iterator[None]:
-        """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it, and every
-        random stream the checkpoint carries is forked for it (runtime/rng.py `isolated`): it never moves training's."""
+        """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it, every
+        random stream the checkpoint carries is forked for it (runtime/rng.py `isolated`): it never moves training's,
+        and a peer's death in its collectives, where the run heals, voids the next step (runtime/collectives.py)."""
         self._loop.flush_report()
-        with self.watchdog.paused(), self._preemption.hold(), isolated(self.device):
-            yield
-        self._act_on(self._parts.vote.fresh())  # a SIGTERM meanwhile: commit this step, then leave
+        survivors = self._survivors
+        with pause_collectives(tolerant=survivors is not None and survivors.can_heal) as collectives:
+            with self.watchdog.paused(), self._preemption.hold(), isolated(self.device):
+                self._faults.at("during_pause", self.step)
+                yield
+            verdict = collectives.call(self._parts.vote.fresh)  # a SIGTERM meanwhile: commit this step, then leave
+        if collectives.broken is not None and survivors is not None:
+            survivors.void_next_step(collectives.broken)  # the next step heals the group
+        elif verdict is not None:
+            self._act_on(verdict)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Append an event (e.g. "eval") at the current step to the event log (rank 0)."""

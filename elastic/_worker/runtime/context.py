@@ -433,16 +433,9 @@ def worker_context(
     try:
         yield ctx
     except BaseException:
-        shutdown_worker(failed=True)  # peers may be gone: no barrier, nothing that waits on them
+        leave_group(ctx, failed=True)
         raise
-    try:
-        # Leave together: a rank that tears its gloo pairs down while a peer still
-        # drains the last collective aborts that peer at exit (seen as SIGABRT).
-        barrier(ctx)
-    except BaseException:
-        shutdown_worker(failed=True)
-        raise
-    shutdown_worker()
+    leave_group(ctx, failed=False)
 
 
 def barrier(ctx: WorkerContext) -> None:
@@ -454,11 +447,14 @@ def barrier(ctx: WorkerContext) -> None:
             dist.barrier()
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """`elastic.all_reduce_mean`: the mean of `value` over the job's current group (the default one,
-    also after the survivors rebuilt it in place); a collective. A new tensor; alone, a copy."""
-    out = value.detach().clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        out /= dist.get_world_size()
-    return out
+def leave_group(ctx: WorkerContext, *, failed: bool) -> None:
+    """Leave the job's process group: together with the others (a barrier) unless this rank failed; a rank
+    tearing its gloo pairs down while a peer still drains the last collective aborts that peer at exit (seen
+    as SIGABRT). On failure (or a failed barrier) peers may be gone: nothing that waits on them."""
+    left_together = False
+    try:
+        if not failed:
+            barrier(ctx)
+            left_together = True
+    finally:
+        shutdown_worker(failed=not left_together)

@@ -213,6 +213,11 @@ class Survivors:
     def void_reason(self) -> str | None:
         return self.healing.guard.error
 
+    def void_next_step(self, why: str) -> None:
+        """A collective between steps (a pause's) failed: the step that follows is void on this rank, its
+        gradient all-reduce does not wait on the broken group, and `failed` heals it after that step."""
+        self.healing.guard.failed(RuntimeError(why))
+
     def grow_due(self, joiners: int) -> bool:
         """At a vote step: workers waiting to join (tickets up to `joiners`) were not considered yet."""
         return self.armed and self.healing.train_on and joiners > self.healing.view.considered
