@@ -21,7 +21,10 @@ and a group formed in place starts only once the one before it broke or was left
 A round's steps count only up to the step the next round resumed from: the
 rest were lost with it and trained again. Over the steps that survive:
 
-- rounds never trained at the same time (no split brain);
+- rounds never trained at the same time (no split brain): a round's training ends with the last step
+  every rank of its group entered (a record is written as a rank takes its step's batch; a step some
+  rank never entered cannot have completed, such as the one a rank cut off from its group took after
+  finishing the previous step alone);
 - every step from the first to the last appears once, with one record per rank;
 - each step starts where the previous one ended in the epoch stream, and
   holds exactly the samples the epoch order (`elastic._worker.data.sampler.epoch_permutation`
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import runpy
 import sys
@@ -109,6 +113,15 @@ def kept_processes(prefix: Path, since: float, until: float = float("inf")) -> i
     return len(kept)
 
 
+def _entered_by_all(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the steps that every rank of their group entered (as many ranks as the world size
+    they were taken at): only those steps can have completed."""
+    ranks: dict[tuple[Any, Any], set[Any]] = defaultdict(set)
+    for r in records:
+        ranks[(r["step"], r["world_size"])].add(r["rank"])
+    return [r for r in records if len(ranks[(r["step"], r["world_size"])]) >= r["world_size"]]
+
+
 def read_records(prefix: Path) -> list[dict[str, Any]]:
     records = []
     for log in sorted(prefix.parent.glob(prefix.name + ".rank*")):
@@ -134,7 +147,7 @@ def audit(prefix: Path) -> SampleAudit:
         return result
     ordered = sorted(rounds.values(), key=lambda records: min(r["time"] for r in records))
     for before, after in zip(ordered, ordered[1:]):
-        if max(r["time"] for r in before) > min(r["time"] for r in after):
+        if max((r["time"] for r in _entered_by_all(before)), default=-math.inf) > min(r["time"] for r in after):
             result.problems.append(
                 f"rounds resumed from steps {before[0]['round_start']} and {after[0]['round_start']} "
                 "trained at the same time (two groups at once: a split brain)"

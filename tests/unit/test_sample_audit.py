@@ -107,6 +107,25 @@ def test_two_rounds_training_at_once_are_a_split_brain(tmp_path: Path) -> None:
     assert any("split brain" in p for p in result.problems), result.problems
 
 
+def test_a_rank_cut_off_that_takes_its_next_batch_late_is_no_split_brain_but_two_ranks_are(tmp_path: Path) -> None:
+    """A partition under a loaded machine: rank 1 finished step 10 alone (its peer hung in it), was held 5 s
+    by a copy to the lost peer, and took step 11's batch after the other node's new round began. Step 11
+    never completed (rank 0 never entered it): that record is no training. Both ranks taking it would be."""
+    for late_ranks, split in (([1], False), ([0, 1], True)):
+        prefix = tmp_path / f"late{len(late_ranks)}" / "samples"
+        prefix.parent.mkdir()
+        job = FakeJob(prefix)
+        job.round(resume=0, world=2, until=10)
+        job.round(resume=10, world=1, until=20, started=1.0)
+        for rank in late_ranks:
+            last = [json.loads(line) for line in Path(f"{prefix}.rank{rank}").read_text().splitlines() if line]
+            step_10 = next(r for r in last if r["round"] == "r1" and r["step"] == 10)
+            append_record(prefix, rank, {**step_10, "step": 11, "time": 1.5})
+        result = audit(prefix)
+        assert any("split brain" in p for p in result.problems) == split, result.problems
+        assert split or result.ok, result.problems
+
+
 def test_a_sample_swapped_for_another_mid_epoch_is_caught(tmp_path: Path) -> None:
     """No complete epoch to count on: the step itself must hold what the epoch order puts there."""
     job = FakeJob(tmp_path / "samples")
