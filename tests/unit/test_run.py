@@ -268,6 +268,43 @@ def test_break_after_the_optimizer_step_counts_that_step(tmp_path: Path) -> None
     assert saved[-1] == "step_00000007"
 
 
+def test_a_pause_whose_group_broke_voids_the_step_only_before_its_update(tmp_path: Path) -> None:
+    """A peer died in a pause's collective (elastic._worker.runtime.collectives) of a run that heals in place:
+    the step the script holds is void only when its update is still to come. After the update, a void step's
+    undo would not take the update back, and the step would be trained twice; outside the loop there is
+    no step to void."""
+    from types import SimpleNamespace
+
+    from elastic._worker.runtime import collectives
+
+    voided: list[str] = []
+    healing = SimpleNamespace(can_heal=True, void_step=voided.append)
+
+    def broken_pause(run: elastic.Run) -> None:
+        real, run._survivors = run._survivors, healing  # this pause only: the loop's own steps are a plain run's
+        try:
+            with run.pause():
+                collectives._current.broken = "Connection closed by peer"  # as a failed all_reduce_mean leaves it
+        finally:
+            run._survivors = real
+
+    with elastic.Run(device="cpu", seed=3) as run:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.start(model=model, optimizer=optimizer, data=16, batch_size=2)
+        broken_pause(run)  # before the loop
+        for indices in run.batches(max_steps=2):
+            if run.step == 0:
+                broken_pause(run)  # an evaluation at the top of the body
+                assert voided == ["Connection closed by peer"]
+            model(torch.ones(len(indices), 2)).sum().backward()
+            optimizer.step()
+            if run.step == 1:
+                broken_pause(run)  # one after the update
+        broken_pause(run)  # after the loop
+        assert voided == ["Connection closed by peer"] and run.step == 2
+
+
 def test_a_loader_batch_size_other_than_the_runs_is_one_line(tmp_path: Path) -> None:
     dataset = data()
     with pytest.raises(UsageError, match=r"DataLoader\(batch_size=3\) with run.sampler_for_loader\(\) must take .* \(4\)"):

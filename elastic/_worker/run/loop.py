@@ -106,6 +106,8 @@ class StepLoop:
         """Counted by the optimizer's post-step hook: tells a `break` after optimizer.step() from one before it."""
         self.seconds = 0.0
         """Time spent inside `batches` by this process (the run's steps_per_s)."""
+        self._stepped_before: int | None = None
+        """The optimizer steps counted when the step in the script's hands began (None: no step is)."""
         self.due_after = 0
         """`due(n)` is true only past this step: not at the step a restart resumed from (evaluated before
         the failure), nor again at the step of a void step trained again; a worker joining a group at a
@@ -156,7 +158,7 @@ class StepLoop:
                 seed_step(run.config.seed, run.step + 1, (ctx.rank + sampler.rotation) % ctx.world_size, ctx.device)
             healing = survivors is not None and survivors.can_heal
             started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
-            stepped_before = self.optimizer_steps
+            stepped_before = self._stepped_before = self.optimizer_steps
             if integrity is not None:
                 integrity.step_starting(run.step)
             run.watchdog.step_began(run.step + 1)  # this rank enters the step's collectives (its hang record)
@@ -166,6 +168,8 @@ class StepLoop:
                 if self.optimizer_steps != stepped_before:  # ... after training on this batch
                     self.count_step()
                 raise
+            finally:
+                self._stepped_before = None
             if not healing or not survivors.void:  # type: ignore[union-attr]
                 resized = self._end_step()
             else:
@@ -176,6 +180,10 @@ class StepLoop:
             if resized:  # this rank's share of the steps to come is another: the loader starts again
                 feed.reopen(run.rank, run.world_size)
         self.flush_report()
+
+    def before_update(self) -> bool:
+        """Whether the script holds a step's batch and has not made its optimizer step yet."""
+        return self._stepped_before is not None and self.optimizer_steps == self._stepped_before
 
     def count_optimizer_step(self) -> None:
         self.optimizer_steps += 1

@@ -440,7 +440,7 @@ class Run:
     def pause(self) -> Iterator[None]:
         """Work between steps that is not a step (evaluation, sampling): the watchdog does not count it, every
         random stream the checkpoint carries is forked for it (runtime/rng.py `isolated`): it never moves training's,
-        and a peer's death in its collectives, where the run heals, voids the next step (runtime/collectives.py)."""
+        and a peer's death in its collectives, where the run heals, heals at the step (runtime/collectives.py)."""
         self._loop.flush_report()
         survivors = self._survivors
         with pause_collectives(tolerant=survivors is not None and survivors.can_heal) as collectives:
@@ -449,7 +449,8 @@ class Run:
                 yield
             verdict = collectives.call(self._parts.vote.fresh)  # a SIGTERM meanwhile: commit this step, then leave
         if collectives.broken is not None and survivors is not None:
-            survivors.void_next_step(collectives.broken)  # the next step heals the group
+            if self._loop.before_update():  # else the update was made: the next collective heals, past this step
+                survivors.void_step(collectives.broken)
         elif verdict is not None:
             self._act_on(verdict)
 

@@ -9,14 +9,18 @@ So, inside a pause whose run can heal (`pause_collectives(tolerant=True)`), a co
 *skipped*: `all_reduce_mean` returns this rank's own value, as if the rank were alone, and so do the
 pause's collectives after it (the group is broken: none of them may wait on it), the step vote's
 between-steps vote included (`PauseCollectives.call`). The pause records why
-(`PauseCollectives.broken`); `Run.pause()` then makes the step that follows void, on every rank whose
-group broke, so that step heals the group and is trained again with the data of the healed group, as a
-step whose gradient all-reduce failed is. `Run.due` is false at a step trained again: the evaluation
-that broke is not run twice, on the survivors or on a replacement (whose pause would otherwise wait in
-a collective the others never enter).
+(`PauseCollectives.broken`). Where the pause came before the update of the step whose batch the script
+holds (an evaluation at the top of the loop's body), `Run.pause()` makes that step void, so it heals the
+group and is trained again with the data of the healed group, as a step whose gradient all-reduce
+failed is; `Run.due` is false at a step trained again, so the evaluation that broke is not run twice,
+on the survivors or on a replacement (whose pause would otherwise wait in a collective the others never
+enter). Where the update was made already, voiding the step would apply it twice: the step completes,
+and the next collective (the vote, or the next step's all-reduce) meets the broken group and heals it.
 
-Only the collectives made through this module (and the vote's) are skipped: a script's own
-`dist.all_reduce` in a pause still raises, and ends the worker as before.
+Not covered, as before: a script's own `dist.all_reduce` in a pause raises and ends the worker; so does
+a forward that makes collectives on the broken group (SyncBatchNorm, DDP's buffer broadcast); a pause
+after the last step leaves `finish` to meet the broken group. A skipped evaluation's value is this
+rank's alone: a script that decides on it (early stopping) may decide differently on each rank.
 
 Invariants: outside a pause, or in one that cannot heal, a failed collective raises as `torch.distributed`
 does; a skipped collective never returns a partly reduced tensor (it returns a fresh copy of the input).

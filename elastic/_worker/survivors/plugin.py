@@ -213,9 +213,10 @@ class Survivors:
     def void_reason(self) -> str | None:
         return self.healing.guard.error
 
-    def void_next_step(self, why: str) -> None:
-        """A collective between steps (a pause's) failed: the step that follows is void on this rank, its
-        gradient all-reduce does not wait on the broken group, and `failed` heals it after that step."""
+    def void_step(self, why: str) -> None:
+        """A collective between steps (a pause's) failed before the update of the step whose batch the script
+        holds: that step is void on this rank (its gradient all-reduce does not wait on the broken group), and
+        `failed` heals the group after it, as for a failed gradient all-reduce."""
         self.healing.guard.failed(RuntimeError(why))
 
     def grow_due(self, joiners: int) -> bool:
