@@ -178,7 +178,8 @@ def test_a_process_start_is_dated_to_a_clock_tick_not_to_the_whole_second_of_boo
         finally:
             done.set()
             thread.join()
-        assert started is not None and before - 0.03 <= started <= after + 0.03, (before, started, after)
+        # (a tick's rounding and a loaded machine's preemption allowed: btime's whole second is not)
+        assert started is not None and before - 0.1 <= started <= after + 0.1, (before, started, after)
         time.sleep(0.37)  # another fraction of a second each time
     assert claims.started_at(2**22 + 7) is None  # no such process
 

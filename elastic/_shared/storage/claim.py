@@ -106,11 +106,13 @@ def started_at(pid: int) -> float | None:
     ticks = start_time(pid)
     if ticks is None:
         return None
-    try:
-        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    try:  # the boot-time clock read on both sides of the epoch clock: a preemption between halves its error
+        before = time.clock_gettime(time.CLOCK_BOOTTIME)
+        now = time.time()
+        after = time.clock_gettime(time.CLOCK_BOOTTIME)
     except (AttributeError, OSError):  # not Linux
         return None
-    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    return now - ((before + after) / 2 - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _own_start_time() -> int:

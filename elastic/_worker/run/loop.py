@@ -158,14 +158,14 @@ class StepLoop:
                 seed_step(run.config.seed, run.step + 1, (ctx.rank + sampler.rotation) % ctx.world_size, ctx.device)
             healing = survivors is not None and survivors.can_heal
             started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
-            stepped_before = self._stepped_before = self.optimizer_steps
+            self._stepped_before = self.optimizer_steps
             if integrity is not None:
                 integrity.step_starting(run.step)
             run.watchdog.step_began(run.step + 1)  # this rank enters the step's collectives (its hang record)
             try:
                 yield batch
             except GeneratorExit:  # the loop left with `break`
-                if self.optimizer_steps != stepped_before:  # ... after training on this batch
+                if self.optimizer_steps != self._stepped_before:  # ... after training on this batch
                     self.count_step()
                 raise
             finally:

@@ -43,7 +43,7 @@ Invariants (the ordering rules a recipe used to keep by hand):
 - `pause()` marks work that is not a training step (evaluation, sampling):
   the watchdog does not count it, a SIGTERM during it waits for its end, and
   the preemption vote taken then commits the step (a collective). A peer's
-  death there, where the run heals in place, voids the next step instead.
+  death there, where the run heals in place, heals at the step instead.
 - With `--survivors keep|train-on` under torchrevive-run, a peer's death stops
   no other worker: the group changes in place (elastic._worker.survivors.plugin,
   which the run meets only through its hooks and a private adapter).
@@ -93,9 +93,9 @@ from elastic._worker.run.script_exit import ScriptExit
 from elastic._worker.run.stopping import commit_and_stop
 from elastic._worker.run.survivors_host import SurvivorsHost
 from elastic._worker.runtime import parallel
+from elastic._worker.runtime.collectives import pause_collectives
 from elastic._worker.runtime.context import WorkerContext, adopt_worker, init_worker, leave_group
 from elastic._worker.runtime.parallel import unwrap
-from elastic._worker.runtime.collectives import pause_collectives
 from elastic._worker.runtime.rng import isolated, seed_all
 from elastic._worker.survivors.plugin import Survivors
 

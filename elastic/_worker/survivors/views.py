@@ -40,8 +40,8 @@ Invariants:
   and a grow considers at most the round's world size of tickets (`admit`).
 - A member's share of a shrink or a forming is O(1) store operations: one
   aggregator (the closer; the view's first member for its forming) reads the
-  members' keys, each once it is there; the others poll one key (forming, and the first member's failure
-  mark every `MARK_CHECK_SECONDS`).
+  members' keys, each once it is there; the others poll one key (forming, and failure marks every
+  `MARK_CHECK_SECONDS`).
 - A view forms (`gather`) only once all its members are there, within a bound,
   and its members agree whether it formed (a compare-and-set of the outcome):
   a member that died after the view closed makes it given up, and the others
@@ -71,8 +71,8 @@ a lost node's workers are never marked, so a lost node costs this wait."""
 GATHER_SECONDS = 10.0
 """How long the members of a closed view wait for each other before they give it up and shrink."""
 MARK_CHECK_SECONDS = 0.25
-"""How often a member waiting for a view to form reads the first member's failure mark (an agent marks a dead
-worker within its monitor interval, 0.5 s: reading it at every poll would double the waiters' reads)."""
+"""How often a member waiting for a view to form reads failure marks (an agent marks a dead worker within its
+monitor interval, 0.5 s: reading them at every poll would double the members' reads)."""
 LATEST_KEY = "view/latest"
 HEARTBEAT_KEY = "view/heartbeat"
 """Counted up by rank 0 of the current view at every vote step: a worker waiting to join learns the group
@@ -374,8 +374,8 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
     the first whose `timeout` passed before; a member that gave up after the first saw everyone still
     forms it (it had noted itself present). A member that is missing and marked failed by its agent (a
     joiner killed between its admission and its arrival) never comes: the view is given up at once, not
-    after `timeout` (the first member looks at the missing ones' marks at each poll, the others at the first
-    member's every `MARK_CHECK_SECONDS`: their polls stay one read of the outcome between those).
+    after `timeout` (every `MARK_CHECK_SECONDS`, the first member reads the missing ones' marks, the others
+    the first member's: between those, their polls stay one read of the outcome).
     Presence is one key per member (a count would be anyone's to raise); an outcome that is not the job's
     is not one."""
     outcome = f"view/{view.number}/outcome"
@@ -391,10 +391,10 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
                 return records.compare_set(outcome, "formed") == "formed"
         if (said := records.get(outcome)) in ("formed", "given up"):
             return said == "formed"
-        if missing is not None:
-            dead = any(failed(records, m) for m in missing)
-        elif dead := clock() - mark_checked >= MARK_CHECK_SECONDS:
-            mark_checked, dead = clock(), failed(records, first)
+        dead = False
+        if clock() - mark_checked >= MARK_CHECK_SECONDS:
+            mark_checked = clock()
+            dead = any(failed(records, m) for m in (missing if missing is not None else [first]))
         if dead or clock() >= deadline:
             return records.compare_set(outcome, "given up") == "formed"
         sleep(_pause(attempt))
