@@ -99,7 +99,8 @@ from elastic._agent.launcher.failure_policy import SET_ASIDE_FAILURES_ENV
 from elastic._agent.launcher.launch import SNAPSHOTS_ENV
 from elastic._shared.protocol.heal_env import SURVIVORS_ENV
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
+from elastic.chaos.job_spec import JobSpec
 from elastic.chaos.verdict import draw_report
 
 REPO = Path(__file__).resolve().parent.parent

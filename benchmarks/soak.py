@@ -53,7 +53,8 @@ from soak_measure import Incident  # noqa: E402
 from elastic._agent.launcher.failure_policy import CRASH_LOOP_ATTEMPTS_ENV, SET_ASIDE_FAILURES_ENV  # noqa: E402
 from elastic._shared.protocol.heal_env import SURVIVORS_ENV  # noqa: E402
 from elastic._worker.checkpoint import read_checkpoint  # noqa: E402
-from elastic.chaos.harness import ChaosJob, JobSpec  # noqa: E402
+from elastic.chaos.harness import ChaosJob  # noqa: E402
+from elastic.chaos.job_spec import JobSpec  # noqa: E402
 from elastic.chaos.samples import audit  # noqa: E402
 from elastic.chaos.verdict import verified_final_checkpoint  # noqa: E402
 

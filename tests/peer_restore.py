@@ -18,7 +18,8 @@ from elastic._agent.launcher.keeper_files import private_directory
 from elastic._agent.launcher.proctree import descendants
 from elastic._shared.storage import parts
 from elastic._shared.storage.keeper_address import LOCAL, REPLICA
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
+from elastic.chaos.job_spec import JobSpec
 
 
 def go_files(workdir: Path) -> list[Path]:

@@ -24,7 +24,8 @@ import warm
 from support import GPT_RECIPE, make_text
 
 from elastic._worker.checkpoint import read_checkpoint
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
+from elastic.chaos.job_spec import JobSpec
 from elastic.chaos.verdict import verified_final_checkpoint
 
 REFERENCE_STEPS = 60

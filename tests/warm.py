@@ -11,7 +11,7 @@ process, started at the first use and ended with the test process:
 The program runs as `python ARGV` would, with its own environment, working directory and standard
 streams (tests/zygote.py says what exactly); `start` gives a `subprocess.Popen`-like handle (pid,
 poll, wait, send_signal, kill). The agents of the tests' jobs start this way too (`popen`:
-support.start_agents, elastic.chaos.harness.JobSpec.start_process): what an agent then starts,
+support.start_agents, elastic.chaos.job_spec.JobSpec.start_process): what an agent then starts,
 its workers and its fork server, starts as in production. What only a fresh interpreter shows
 (an agent's own start, its imports, a program under srun) needs a real one: those tests keep
 `subprocess`.
@@ -192,7 +192,7 @@ def start(
 
 def popen(args: Sequence[str | os.PathLike[str]], **kwargs: Any) -> WarmProcess | subprocess.Popen:
     """`start` for this interpreter's programs, `subprocess.Popen` for any other command (`ip netns exec ...`):
-    what a job's harness starts its agents with (elastic.chaos.harness.JobSpec.start_process)."""
+    what a job's harness starts its agents with (elastic.chaos.job_spec.JobSpec.start_process)."""
     if os.fspath(args[0]) != sys.executable:
         return subprocess.Popen(args, **kwargs)
     return start(args, **kwargs)

@@ -35,15 +35,10 @@ from elastic._shared.common.errors import ElasticError, UsageError
 from elastic._shared.protocol.heal_env import MODES, RESTART
 from elastic.chaos import audit_cli
 from elastic.chaos.etcd import EtcdServer
-from elastic.chaos.harness import find_recipe
+from elastic.chaos.job_spec import find_recipe
 from elastic.chaos.netns import VirtualNetwork
-from elastic.chaos.scenarios import (
-    NEEDS_NETWORK,
-    NEEDS_OWN_ETCD,
-    SCENARIOS,
-    parse_chain,
-    run_scenario,
-)
+from elastic.chaos.scenarios import NEEDS_NETWORK, NEEDS_OWN_ETCD, parse_chain, run_scenario
+from elastic.chaos.strikes import SCENARIOS
 
 
 def build_parser() -> OneLineArgumentParser:

@@ -1,6 +1,6 @@
 """Run an elastic job of several torchrun agents on this machine and hurt it.
 
-`ChaosJob` starts N agents of one job (the GPT recipe by default) under
+`ChaosJob` starts the N agents of one job (a `JobSpec`, job_spec.py; the GPT recipe by default) under
 `elastic._agent.launcher` or stock torchrun, with c10d or etcd-v3 rendezvous, on
 loopback or each on a host of its own (`elastic.chaos.netns`), and offers the
 faults a cluster deals out: SIGKILL a worker, SIGKILL a whole agent with its
@@ -13,7 +13,7 @@ worker (just before a checkpoint commits) go through `ELASTIC_FAULT` (see
 The scenarios (elastic.chaos.scenarios) use it: each starts a job, injects its
 fault once training is under way, waits for the end, and returns a
 `ScenarioResult`: exit codes, the recovery time (fault -> first completed step
-of the restarted group, from the event log), whether the final checkpoint
+of the restarted group, from the event log: verdict.py), whether the final checkpoint
 verifies, and the exactly-once audit of the samples trained on
 (`elastic.chaos.samples`).
 
@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import random
-import re
 import secrets
 import shutil
 import signal
@@ -36,76 +35,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from elastic._agent.launcher.keeper_files import BASE_ENV as SNAPSHOT_BASE_ENV
 from elastic._agent.launcher.keeper_files import private_directory
 from elastic._agent.launcher.proctree import descendants, worker_rank
-from elastic._shared.common.errors import UsageError
 from elastic._shared.storage.peer_auth import SECRET_FILE_ENV
-from elastic.chaos.etcd import EtcdServer
-from elastic.chaos.netns import INTERFACE, VirtualNetwork, free_port
+from elastic.chaos.job_spec import JobSpec, find_recipe
+from elastic.chaos.netns import INTERFACE, free_port
 from elastic.chaos.samples import LOG_ENV as SAMPLE_LOG_ENV
+from elastic.chaos.verdict import recovery_phases, recovery_seconds, torch_log_times
 
 logger = logging.getLogger(__name__)
-
-RECIPE = Path("recipes") / "gpt.py"
-
-
-def find_recipe(given: str | os.PathLike[str] | None = None) -> Path:
-    """The GPT recipe the jobs run: `given`, else recipes/gpt.py in the current directory, else beside
-    this package in a source checkout. An installed package has no recipes: one `UsageError` line."""
-    if given is not None:
-        path = Path(given)
-        if not path.is_file():
-            raise UsageError(f"--recipe {path}: no such file")
-        return path.resolve()
-    for candidate in (Path.cwd() / RECIPE, Path(__file__).resolve().parents[2] / RECIPE):
-        if candidate.is_file():
-            return candidate
-    raise UsageError(
-        f"the chaos harness runs the GPT recipe, {RECIPE} of a torchrevive checkout, and finds none in the "
-        "current directory or beside this package: run it from a checkout, or pass --recipe PATH"
-    )
-
-
-@dataclass
-class JobSpec:
-    """One elastic job: how many agents, which rendezvous, which script."""
-
-    workdir: Path
-    script_args: Sequence[str]
-    agents: int = 2
-    nnodes: str = "1:3"
-    backend: str = "c10d"
-    endpoint: str | None = None
-    """c10d: a free loopback port is picked; etcd-v3: HOST:PORT of etcd (required)."""
-    max_restarts: int = 3
-    launcher: str = "ours"
-    """`ours` (python -m elastic._agent.launcher) or `stock` (torch.distributed.run)."""
-    script: Path | None = None
-    """The training script; None: the GPT recipe (`find_recipe`)."""
-    rdzv_conf: str = "join_timeout=60,close_timeout=10"
-    env: dict[str, str] = field(default_factory=dict)
-    agent_env: dict[int, dict[str, str]] = field(default_factory=dict)
-    """More environment for agent `index` alone (over `env`): e.g. a fault only one node's workers have."""
-    run_id: str = "chaos"
-    sample_log: Path | None = None
-    """Record every rank's samples here (`elastic.chaos.samples`) for the exactly-once audit."""
-    network: VirtualNetwork | None = None
-    """Put each agent on a host of its own (a network namespace); None: all on loopback."""
-    etcd: EtcdServer | None = None
-    """The etcd of an etcd-v3 job, when the harness started it (and may restart it)."""
-    start_process: Callable[..., Any] = subprocess.Popen
-    """How an agent's process is started: `subprocess.Popen`'s arguments, a handle with its `pid`,
-    `poll`, `wait` and `kill` back (a test suite's starter may fork agents warm)."""
-
-
-# torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
-_TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.MULTILINE)
 
 
 class ChaosJob:
@@ -361,52 +303,19 @@ class ChaosJob:
         """Record a fault injected from outside (etcd restarted, ELASTIC_FAULT)."""
         self.faults.append((name, time.time() if at is None else at))
 
-    # --- verdicts -----------------------------------------------------------------
+    # --- verdicts (verdict.py) -------------------------------------------------------
 
     def recovery_seconds(self, fault_time: float) -> float | None:
-        """Fault -> first step completed by a worker group that started after it, or that healed in
-        place after it (a "heal" event: TORCHREVIVE_SURVIVORS=keep)."""
-        resumed_from = None  # the step the group went on from (its "start" or "heal" event's)
-        for record in self.records():
-            if record["time"] <= fault_time:
-                continue
-            if record["event"] in ("start", "heal"):
-                resumed_from = record["step"]
-            # A step's line may be written after the heal's (one step late) yet finished before it.
-            elif record["event"] == "step" and resumed_from is not None and record["step"] > resumed_from:
-                return record["time"] - fault_time
-        return None
+        """Fault -> first step of a group started, or healed in place, after it (None: none yet)."""
+        return recovery_seconds(self.records(), fault_time)
 
     def recovery_phases(self, fault_time: float) -> dict[str, float] | None:
-        """Where a recovery's time went, in seconds after the fault: `detected` (an agent
-        decided to restart its workers), `rendezvous` (the new round's workers start),
-        `restored` (rank 0 reloaded the checkpoint: its 'start' event) and `step` (the
-        first step). From the agents' logs (torch logs at INFO) and the event log."""
-        step = self.recovery_seconds(fault_time)
-        if step is None:
-            return None
-        logged = self.agent_log_times()
-        restart = [t for t, what in logged if t > fault_time and "will restart worker group" in what]
-        started = [t for t, what in logged if restart and t > restart[0] and "Starting worker group" in what]
-        restored = [r["time"] for r in self.records() if r["event"] == "start" and r["time"] > fault_time]
-        if not (restart and started and restored):
-            return None
-        return {
-            "detected": min(restart) - fault_time,
-            "rendezvous": min(started) - fault_time,
-            "restored": restored[0] - fault_time,
-            "step": step,
-        }
+        """Where a recovery's time went, in seconds after the fault (`verdict.recovery_phases`)."""
+        return recovery_phases(self.records(), self.agent_log_times(), fault_time)
 
     def agent_log_times(self) -> list[tuple[float, str]]:
         """(unix time, line) of every timestamped line torch logged in the agents' logs."""
-        year = time.localtime().tm_year
-        found = []
-        for index in range(len(self.agents)):
-            for match in _TORCH_LOG_LINE.finditer(self.agent_log(index)):
-                stamp = datetime.strptime(f"{year}{match['date']} {match['time']}", "%Y%m%d %H:%M:%S.%f")
-                found.append((stamp.timestamp(), match["message"]))
-        return sorted(found)
+        return torch_log_times(self.agent_log(index) for index in range(len(self.agents)))
 
     def restart_times(self) -> list[float]:
         """When each worker group after the first started (from its 'start' event)."""

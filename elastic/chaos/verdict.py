@@ -1,23 +1,34 @@
-"""The verdict on a chaos job: what it must show (`ScenarioResult`), whether its final checkpoint
-is committed and verifies, and its picture.
+"""The verdict on a chaos job: what it must show (`ScenarioResult`), how long it took to recover,
+whether its final checkpoint is committed and verifies, and its picture.
 
 A scenario (elastic.chaos.scenarios) is judged on its exit codes, the step it
 ended at, a recovery after every fault, the exactly-once audit of its samples
 and, where the scenario promises them, the steps redone per fault and the
-workers that kept their processes.
+workers that kept their processes. A recovery is the first step completed by a
+worker group that started (a "start" event) or healed in place (a "heal" event:
+TORCHREVIVE_SURVIVORS=keep) after the fault; its times are unix times, from the
+event log and from torch's lines in the agents' logs (read as this year's).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage.directory import CheckpointStore
 from elastic.chaos.samples import SampleAudit
 
 logger = logging.getLogger(__name__)
+
+# torch's log lines: "I1123 06:10:31.355000 2706 path/file.py:942] message"
+_TORCH_LOG_LINE = re.compile(r"^[IWE](?P<date>\d{4}) (?P<time>\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (?P<message>.*)$", re.MULTILINE)
 
 
 @dataclass
@@ -114,3 +125,52 @@ def verified_final_checkpoint(directory: Path, step: int) -> tuple[str | None, s
         if manifest.step == step:
             return candidate.path.name, None
     return None, f"no verified checkpoint of step {step} in {directory}"
+
+
+def recovery_seconds(records: list[dict[str, Any]], fault_time: float) -> float | None:
+    """Fault -> first step completed by a worker group that started after it, or that healed in
+    place after it; None when there is none yet."""
+    resumed_from = None  # the step the group went on from (its "start" or "heal" event's)
+    for record in records:
+        if record["time"] <= fault_time:
+            continue
+        if record["event"] in ("start", "heal"):
+            resumed_from = record["step"]
+        # A step's line may be written after the heal's (one step late) yet finished before it.
+        elif record["event"] == "step" and resumed_from is not None and record["step"] > resumed_from:
+            return record["time"] - fault_time
+    return None
+
+
+def recovery_phases(records: list[dict[str, Any]], logged: list[tuple[float, str]],
+                    fault_time: float) -> dict[str, float] | None:
+    """Where a recovery's time went, in seconds after the fault: `detected` (an agent
+    decided to restart its workers), `rendezvous` (the new round's workers start),
+    `restored` (rank 0 reloaded the checkpoint: its 'start' event) and `step` (the
+    first step). From torch's lines in the agents' logs (`logged`, as `torch_log_times`
+    reads them) and the event log's `records`."""
+    step = recovery_seconds(records, fault_time)
+    if step is None:
+        return None
+    restart = [t for t, what in logged if t > fault_time and "will restart worker group" in what]
+    started = [t for t, what in logged if restart and t > restart[0] and "Starting worker group" in what]
+    restored = [r["time"] for r in records if r["event"] == "start" and r["time"] > fault_time]
+    if not (restart and started and restored):
+        return None
+    return {
+        "detected": min(restart) - fault_time,
+        "rendezvous": min(started) - fault_time,
+        "restored": restored[0] - fault_time,
+        "step": step,
+    }
+
+
+def torch_log_times(logs: Iterable[str]) -> list[tuple[float, str]]:
+    """(unix time, line) of every timestamped line torch logged in `logs` (the agents' logs' texts), in order."""
+    year = time.localtime().tm_year
+    found = []
+    for text in logs:
+        for match in _TORCH_LOG_LINE.finditer(text):
+            stamp = datetime.strptime(f"{year}{match['date']} {match['time']}", "%Y%m%d %H:%M:%S.%f")
+            found.append((stamp.timestamp(), match["message"]))
+    return sorted(found)

@@ -34,7 +34,8 @@ from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
 from elastic._worker.checkpoint import read_checkpoint
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity.numeric_guard import STATE_NAME
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
+from elastic.chaos.job_spec import JobSpec
 from elastic.chaos.samples import audit
 from elastic.report.integrity import detection
 

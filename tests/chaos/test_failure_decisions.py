@@ -20,7 +20,8 @@ import warm
 from references import TINY_GPT
 
 from elastic._agent.launcher.failure_policy import CRASH_LOOP_EXIT, SET_ASIDE_EXIT
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
+from elastic.chaos.job_spec import JobSpec
 from elastic.chaos.samples import audit
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,8 @@ from references import References  # noqa: E402
 from support import REPO  # noqa: E402
 
 from elastic._worker.checkpoint import read_checkpoint  # noqa: E402
-from elastic.chaos.harness import ChaosJob, JobSpec  # noqa: E402
+from elastic.chaos.harness import ChaosJob  # noqa: E402
+from elastic.chaos.job_spec import JobSpec  # noqa: E402
 from elastic.chaos.samples import audit  # noqa: E402
 from elastic.chaos.scenarios import run_scenario  # noqa: E402
 from elastic.chaos.verdict import verified_final_checkpoint  # noqa: E402

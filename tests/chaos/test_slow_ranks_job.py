@@ -26,7 +26,8 @@ from support import REPO
 
 from elastic._agent.launcher.failure_policy import SET_ASIDE_EXIT
 from elastic._shared.protocol.exit_status import EVICTED_EXIT
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
+from elastic.chaos.job_spec import JobSpec
 from elastic.chaos.samples import audit
 
 pytestmark = pytest.mark.slow

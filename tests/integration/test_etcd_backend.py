@@ -252,12 +252,8 @@ def test_runs_with_nested_prefixes_never_see_each_others_keys(shared_etcd) -> No
     """Before run ids were checked, run `a/agents/x` wrote under run `a`'s agents/ range (a live
     agent to `a` for ever) and `a/store` into `a`'s store. Such ids are refused now, and nested
     prefixes that are accepted keep apart: counts, agent lists and a reopen see one run only."""
-    from elastic._agent.rendezvous.etcd import (
-        AgentPresence,
-        RunKeys,
-        _live_agents,
-        _remove_closed_run,
-    )
+    from elastic._agent.rendezvous.etcd_liveness import AgentPresence
+    from elastic._agent.rendezvous.etcd_reopen import RunKeys, _live_agents, _remove_closed_run
     from elastic._agent.rendezvous.etcd_options import EtcdOptionsError
 
     outer_id = uuid.uuid4().hex

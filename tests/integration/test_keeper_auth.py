@@ -23,10 +23,10 @@ from support import keeper_request
 from test_snapshots import Job, assert_same, keeper_job, keeper_key
 
 from elastic._agent.launcher import keeper as keeper_module
-from elastic._agent.launcher import keeper_files
+from elastic._agent.launcher import keeper_directory, keeper_files
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._agent.launcher.keeper_slots import MAX_CONNECTIONS
-from elastic._shared.storage import claim, parts, peer_auth
+from elastic._shared.storage import claim, parts, peer_auth, secret_files
 from elastic._shared.storage.chunks import block_checksums
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.keeper_address import LOCAL, REPLICA
@@ -305,7 +305,7 @@ def test_malformed_headers_in_memory_never_stop_the_keeper(tmp_path: Path, keepe
 def test_a_keeper_commits_stages_and_prunes_nothing_where_another_job_writes(tmp_path: Path, keeper: SnapshotKeeper) -> None:
     newest_part(tmp_path, keeper, steps=7)  # durable at 5; 6 and 7 in memory
     root = tmp_path / "ckpt"
-    (root / f"{keeper_module.STAGE_PREFIX}step_00000003.x").mkdir()  # a stage the other job may still use
+    (root / f"{keeper_directory.STAGE_PREFIX}step_00000003.x").mkdir()  # a stage the other job may still use
     before = sorted(p.name for p in root.iterdir())
     claim.claim(root, claim.WriterIdentity.of_process("another-job", os.getpid()))
     assert keeper.persist() == []
@@ -338,9 +338,9 @@ def test_crafted_files_in_node_memory_never_stop_a_keeper_starting_pruning_or_cl
         (base / name / keeper_files.OWNER_FILE).write_text("{" if owner is None else json.dumps(owner))
     (base / "a-fifo").mkdir()
     os.mkfifo(base / "a-fifo" / keeper_files.OWNER_FILE)  # reading it would wait for a writer forever
-    stale = peer_auth.host_secret_file(base, "a-run-killed-long-ago")
+    stale = secret_files.host_secret_file(base, "a-run-killed-long-ago")
     os.utime(stale, (0, 0))
-    fresh = peer_auth.host_secret_file(base, "a-run-starting-now")  # its keeper's directory is not made yet
+    fresh = secret_files.host_secret_file(base, "a-run-starting-now")  # its keeper's directory is not made yet
     keeper = SnapshotKeeper("127.0.0.1", key=STRANGER, run_id="r", base=node_memory)
     try:
         assert not stale.exists() and fresh.exists()

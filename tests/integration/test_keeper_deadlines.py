@@ -14,6 +14,7 @@ import pytest
 from support import start_keeper
 
 from elastic._agent.launcher import keeper as keeper_module
+from elastic._agent.launcher import keeper_directory
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.keeper_address import part_url
 from elastic._worker.checkpoint import keeper_client, part_files
@@ -26,7 +27,7 @@ def test_a_fifo_as_a_stage_header_is_refused_without_blocking(tmp_path: Path, no
         stage = tmp_path / "ckpt" / ".snapshot.step_00000003.run.w1.g0"
         stage.mkdir(parents=True)
         os.mkfifo(stage / "part_00000.json")  # a plain read would wait for a writer forever
-        assert not keeper._try_commit(CheckpointStore(tmp_path / "ckpt"), stage, 3, 1)
+        assert not keeper_directory.try_commit(CheckpointStore(tmp_path / "ckpt"), stage, 3, 1)
     finally:
         keeper.close(timeout=5)
 

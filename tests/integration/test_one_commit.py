@@ -81,7 +81,7 @@ def test_the_keeper_and_rank_0_publish_the_same_step_through_one_commit(
 
     monkeypatch.setattr(commit, "commit_checkpoint", counted)
     monkeypatch.setattr("elastic._worker.checkpoint.saver.commit_checkpoint", counted)
-    monkeypatch.setattr("elastic._agent.launcher.keeper.commit_checkpoint", counted)
+    monkeypatch.setattr("elastic._agent.launcher.keeper_directory.commit_checkpoint", counted)
     order = renames_meet(monkeypatch, checkpoint_name(6))
 
     persisted: list[int] = []

@@ -24,12 +24,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic._agent.rendezvous import named_events, quick_rounds
+from elastic._agent.rendezvous import change_signal, named_events
+from elastic._agent.rendezvous.change_signal import ChangeSignal
 from elastic._agent.rendezvous.handlers import create_c10d_sealed
 from elastic._agent.rendezvous.quick_rounds import (
     DEPARTED,
     LAST_ROUND,
-    ChangeSignal,
     QuickRoundsExecutor,
     closes_now,
     expected_nodes,
@@ -163,10 +163,10 @@ def test_on_etcd_a_waiter_watches_and_reading_the_counter_writes_nothing(shared_
 
 def test_old_change_keys_are_deleted(store) -> None:
     signal = ChangeSignal(store, "job", watch=True)
-    for _ in range(quick_rounds.KEPT_CHANGE_KEYS + 3):
+    for _ in range(change_signal.KEPT_CHANGE_KEYS + 3):
         signal.announce()
     assert not store.check(["torchrevive.rdzv.job.changes.1"])
-    assert store.check([f"torchrevive.rdzv.job.changes.{quick_rounds.KEPT_CHANGE_KEYS + 3}"])
+    assert store.check([f"torchrevive.rdzv.job.changes.{change_signal.KEPT_CHANGE_KEYS + 3}"])
 
 
 def test_a_store_whose_server_left_is_torchs_connection_error_not_a_traceback() -> None:

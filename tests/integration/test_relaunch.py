@@ -3,7 +3,7 @@
 torch closes the rendezvous when a job ends. On etcd-v3 the closed state outlives
 the job (it lives in etcd); the backend reopens a closed run once none of its
 agents is alive, in one compare-and-set transaction, and the last agent of a job
-that ends cleanly removes the run's keys itself (see `elastic._agent.rendezvous.etcd`).
+that ends cleanly removes the run's keys itself (see `elastic._agent.rendezvous.etcd_reopen`).
 The torchrun tests run real jobs; the others drive the backend's handlers in this
 process (and one in a process that is SIGKILLed) against a real etcd.
 """
@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from elastic._agent.rendezvous import etcd
-from elastic._agent.rendezvous.etcd import RunKeys, _remove_closed_run, reopen_closed_run
+from elastic._agent.rendezvous.etcd_reopen import RunKeys, _remove_closed_run, reopen_closed_run
 from elastic._agent.rendezvous.handlers import create_etcd_v3 as create_handler_v3
 from elastic._shared.storage.peer_auth import SECRET_FILE_ENV, PeerKey
 from elastic._worker.observe.events import read_events

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from elastic._shared.common.errors import UsageError
-from elastic._shared.storage import sharded
+from elastic._shared.storage import sharded, tensors_json
 from elastic._worker.checkpoint import state as live_state
 
 
@@ -66,7 +66,7 @@ def _targets(model: nn.Module, metadata: Metadata, rank: int, world_size: int, *
     live = {live_state.MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
     targets: dict[str, torch.Tensor] = {}
     plain: dict[str, tuple[torch.Size, torch.dtype]] = {}
-    for key, (shape, dtype) in sharded.tensor_shapes(metadata).items():
+    for key, (shape, dtype) in tensors_json.tensor_shapes(metadata).items():
         like = live.get(key)
         if like is None:
             like = params[key[len(live_state.OPTIM_PREFIX):].rsplit("/", 1)[0]]
@@ -99,7 +99,7 @@ def _save_on_two_ranks(rank: int, world_size: int, store_path: str, tmp: Path) -
             torch.save(reference, tmp / "reference.pt")
 
         # Restore at the same world size, the manager's way: each byte read once in all.
-        metadata = sharded.metadata_from_json((tmp / "ckpt" / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+        metadata = tensors_json.metadata_from_json((tmp / "ckpt" / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
         targets = _targets(model, metadata, rank, world_size, plain_by_owner=True)
         read = sharded.load_tensors(targets, tmp / "ckpt", metadata, group=dist.group.WORLD)
         restored = _full(targets)
@@ -117,7 +117,7 @@ def _load_on_three_ranks(rank: int, world_size: int, store_path: str, tmp: Path)
     _init(rank, world_size, store_path)
     try:
         model = _fsdp2_model(world_size)
-        metadata = sharded.metadata_from_json((tmp / "ckpt" / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+        metadata = tensors_json.metadata_from_json((tmp / "ckpt" / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
         targets = _targets(model, metadata, rank, world_size, plain_by_owner=False)
         read = sharded.load_tensors(targets, tmp / "ckpt", metadata, group=dist.group.WORLD)
         shapes = {k: tuple(sharded.local_part(v).shape) for k, v in targets.items()}
@@ -156,8 +156,8 @@ def test_fsdp2_state_saved_by_two_ranks_loads_at_one_two_and_three(tmp_path: Pat
     assert plain & set(two[0]["local"]) and plain & set(two[1]["local"])
 
     # World size 1, no process group: whole tensors from both ranks' files.
-    metadata = sharded.metadata_from_json((ckpt / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
-    assert {k: v[0] for k, v in sharded.tensor_shapes(metadata).items()} == {k: v.shape for k, v in reference.items()}
+    metadata = tensors_json.metadata_from_json((ckpt / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+    assert {k: v[0] for k, v in tensors_json.tensor_shapes(metadata).items()} == {k: v.shape for k, v in reference.items()}
     whole = sharded.full_tensors(ckpt, metadata, list(reference))
     for key, value in reference.items():
         assert torch.equal(whole[key], value), key

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.storage import parts, peer_auth, sharded
+from elastic._shared.storage import parts, peer_auth, sharded, tensors_json
 from elastic._shared.storage.keeper_address import LOCAL, REPLICA, KeeperAddress
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint import (
@@ -340,7 +340,7 @@ def newest_part(tmp_path: Path, keeper: SnapshotKeeper, *, steps: int) -> tuple[
     header = max(parts.read_headers(keeper.root / LOCAL), key=lambda h: h.step)
     metadata = parts.merged_metadata([header])
     name = f"part/{LOCAL}/{header.stem}{parts.DATA_SUFFIX}"
-    return header, metadata, sharded.tensor_shapes(metadata), f"{keeper.url}/{name}", f"http://127.0.0.1:{free_port()}/{name}"
+    return header, metadata, tensors_json.tensor_shapes(metadata), f"{keeper.url}/{name}", f"http://127.0.0.1:{free_port()}/{name}"
 
 
 def test_part_files_fetch_only_the_spans_a_rank_reads_from_the_keepers_that_answer(

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from support import GPT_RECIPE, TINY_MODEL
 
-from elastic.chaos.harness import ChaosJob, JobSpec
+from elastic.chaos.harness import ChaosJob
+from elastic.chaos.job_spec import JobSpec
 
 pytestmark = pytest.mark.slow
 

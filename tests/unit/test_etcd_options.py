@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic._agent.rendezvous.handlers import create_etcd_v3 as _create_etcd_v3_handler
-from elastic._agent.rendezvous.etcd import RunKeys
+from elastic._agent.rendezvous.etcd_reopen import RunKeys
 from elastic._agent.rendezvous.etcd_messages import prefix_end
 from elastic._agent.rendezvous.etcd_options import (
     LAYOUT_NAMES,

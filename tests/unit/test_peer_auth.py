@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic._shared.storage import peer_auth
+from elastic._shared.storage import peer_auth, secret_files
 from elastic._shared.storage.peer_auth import (
     PeerKey,
     Refused,
@@ -93,15 +93,15 @@ def test_the_secret_comes_from_a_file_or_the_environment_and_never_shows(tmp_pat
 
 
 def test_a_hosts_secret_is_made_once_per_run_private_to_its_user(tmp_path: Path) -> None:
-    first = peer_auth.host_secret_file(tmp_path, "run/a")
-    assert peer_auth.host_secret_file(tmp_path, "run/a") == first  # the run's other agents on this host
-    other = peer_auth.host_secret_file(tmp_path, "run_a")  # names that look alike stay apart
+    first = secret_files.host_secret_file(tmp_path, "run/a")
+    assert secret_files.host_secret_file(tmp_path, "run/a") == first  # the run's other agents on this host
+    other = secret_files.host_secret_file(tmp_path, "run_a")  # names that look alike stay apart
     assert other != first and other.read_bytes() != first.read_bytes()
     assert stat.S_IMODE(first.stat().st_mode) == 0o600 and stat.S_IMODE(first.parent.stat().st_mode) == 0o700
     assert PeerKey.from_file(first) is not None
     os.chmod(first.parent, 0o755)
     with pytest.raises(SecretError, match="open to others"):
-        peer_auth.host_secret_file(tmp_path, "run/b")
+        secret_files.host_secret_file(tmp_path, "run/b")
 
 
 def test_a_request_signed_for_one_keeper_is_refused_by_every_other() -> None:

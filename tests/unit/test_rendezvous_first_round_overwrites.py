@@ -21,7 +21,7 @@ import torch.distributed as dist
 from test_rendezvous_overwrites import KEY, RUN, handler, in_process_handlers, recorded_state
 
 from elastic._agent.rendezvous import handlers
-from elastic._agent.rendezvous.quick_rounds import ChangeSignal
+from elastic._agent.rendezvous.change_signal import ChangeSignal
 from elastic._shared.protocol import round_identity
 from elastic._shared.storage.sealed_store import SealedStore
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, _RendezvousJoinOp
 
+from elastic._agent.rendezvous import change_signal, quick_rounds
 from elastic._agent.rendezvous import handlers as factory
-from elastic._agent.rendezvous import quick_rounds
 from elastic._agent.rendezvous.etcd_liveness import read_leases
 from elastic._agent.rendezvous.liveness import Heartbeats, dead_after_seconds, node_key, stamp
 from elastic._agent.rendezvous.state_guard import StateGuard
@@ -369,7 +369,7 @@ def test_a_quiet_jobs_looks_cost_no_store_operation_and_a_change_costs_each_agen
     instead; a look reads what it saw. A post on the board is announced on it and read once by every agent."""
     from elastic._agent.launcher.notice_board import Entry, StoreBoard
 
-    monkeypatch.setattr(quick_rounds, "RESYNC_SECONDS", 3600.0)  # the bound on a look's own reads: not here
+    monkeypatch.setattr(change_signal, "RESYNC_SECONDS", 3600.0)  # the bound on a look's own reads: not here
     store = OpCountingStore()
     made = handlers_through_a_round(size, Cell(), store, beats="keys", quick=True)
     boards = [StoreBoard(h._store, "run", {}, changes=h.changes) for h in made]
@@ -411,9 +411,9 @@ def test_a_look_never_brings_back_the_change_counter_after_the_runs_keys_were_re
     the counter by adding 0 wrote it back, and the finished run left a key behind (test_relaunch)."""
     from elastic._shared.storage.sealed_store import SealedStore
 
-    monkeypatch.setattr(quick_rounds, "RESYNC_SECONDS", 0.0)  # every look reads the counter itself
+    monkeypatch.setattr(change_signal, "RESYNC_SECONDS", 0.0)  # every look reads the counter itself
     inner = dist.HashStore()
-    signal = quick_rounds.ChangeSignal(SealedStore(inner, KEY, "scope"), "run", watch=False)
+    signal = change_signal.ChangeSignal(SealedStore(inner, KEY, "scope"), "run", watch=False)
     signal.announce()
     assert signal.latest() == 1
     inner.delete_key("torchrevive.rdzv.run.changes")
@@ -431,7 +431,7 @@ def test_the_change_watcher_is_woken_and_joined_at_exit_and_the_other_watchers_g
     from elastic._shared.storage.sealed_store import SealedStore
 
     inner = dist.HashStore()
-    leaving, staying = (quick_rounds.ChangeSignal(SealedStore(inner, KEY, "scope"), "run", watch=False) for _ in "ab")
+    leaving, staying = (change_signal.ChangeSignal(SealedStore(inner, KEY, "scope"), "run", watch=False) for _ in "ab")
     assert leaving.latest() == staying.latest() == 0
     watcher = leaving._watcher
     (entry,) = [e for e in threads._entries if e.thread is watcher]  # registered: the exit stops it

@@ -30,7 +30,7 @@ from elastic._shared.common.errors import (
     CorruptCheckpoint,
     UsageError,
 )
-from elastic._shared.storage import chunks, sharded
+from elastic._shared.storage import chunks, sharded, tensors_json
 from elastic._worker.checkpoint import state as live_state
 
 
@@ -54,7 +54,7 @@ def saved(tmp_path: Path, tensors: dict[str, torch.Tensor] | None = None) -> tup
     tensors = assorted() if tensors is None else tensors
     directory = tmp_path / "ckpt"
     sharded.save_tensors(tensors, directory, group=None)
-    metadata = sharded.metadata_from_json((directory / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
+    metadata = tensors_json.metadata_from_json((directory / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
     return directory, metadata, tensors
 
 
@@ -78,7 +78,7 @@ def test_round_trip_of_assorted_dtypes_in_one_process(tmp_path: Path) -> None:
     expected_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     assert (directory / sharded.shard_file(0)).stat().st_size == expected_bytes
 
-    shapes = sharded.tensor_shapes(metadata)
+    shapes = tensors_json.tensor_shapes(metadata)
     assert shapes == {key: (t.shape, t.dtype) for key, t in tensors.items()}
     out = sharded.full_tensors(directory, metadata, list(tensors))
     for key, tensor in tensors.items():
@@ -209,14 +209,14 @@ def test_tensors_json_is_json_without_pickles_and_round_trips(tmp_path: Path) ->
         assert not head.startswith(b"PK"), f"{path.name} is a zip (torch.save)"
     text = (directory / sharded.TENSORS_FILE).read_text(encoding="utf-8")
     raw = json.loads(text)
-    assert raw["format"] == sharded.TENSORS_FORMAT
+    assert raw["format"] == tensors_json.TENSORS_FORMAT
     assert set(raw["tensors"]) == set(tensors)
     assert raw["tensors"]["model/bf16"] == {"dtype": "torch.bfloat16", "size": [4, 2], "chunks": [{"offsets": [0, 0], "sizes": [4, 2]}]}
     with pytest.raises(pickle.UnpicklingError):
         pickle.loads(text.encode())
 
-    again = sharded.metadata_from_json(text)
-    assert sharded.metadata_to_json(again) == text
+    again = tensors_json.metadata_from_json(text)
+    assert tensors_json.metadata_to_json(again) == text
     assert again.state_dict_metadata == metadata.state_dict_metadata
     assert again.storage_data == metadata.storage_data
     for fqn, md in again.state_dict_metadata.items():
@@ -242,7 +242,7 @@ def test_metadata_that_is_not_ours_is_corrupt(tmp_path: Path, mutate: Callable[[
     raw = json.loads((directory / sharded.TENSORS_FILE).read_text(encoding="utf-8"))
     mutate(raw)
     with pytest.raises(CorruptCheckpoint, match=message):
-        sharded.metadata_from_json(json.dumps(raw))
+        tensors_json.metadata_from_json(json.dumps(raw))
 
 
 def test_first_error_is_the_failing_rank_s_own_exception() -> None:
@@ -256,7 +256,7 @@ def test_first_error_is_the_failing_rank_s_own_exception() -> None:
 
 def test_not_json_is_corrupt() -> None:
     with pytest.raises(CorruptCheckpoint, match="is not JSON"):
-        sharded.metadata_from_json("\x80\x04garbage")
+        tensors_json.metadata_from_json("\x80\x04garbage")
 
 
 def test_a_byte_item_is_refused(tmp_path: Path) -> None:
@@ -274,7 +274,7 @@ def test_a_byte_item_is_refused(tmp_path: Path) -> None:
     # Metadata naming bytes cannot be written as JSON either.
     metadata = Metadata(state_dict_metadata={"blob": BytesStorageMetadata()})
     with pytest.raises(ValueError, match="blob is not a tensor"):
-        sharded.metadata_to_json(metadata)
+        tensors_json.metadata_to_json(metadata)
     assert sharded.is_bytes_metadata(BytesStorageMetadata())
 
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.storage import parts, sharded
+from elastic._shared.storage import parts, sharded, tensors_json
 from elastic._shared.storage.chunks import (
     BLOCK,
     StoredChunk,
@@ -102,7 +102,7 @@ def tensors_doc() -> tuple[dict[str, Any], bytes]:
     """A valid tensors.json (as `part_doc`'s tensors, in one shard file) and that file."""
     header, data = part_doc()
     metadata = parts.merged_metadata([parts.PartHeader.from_json(json.dumps(header))])
-    return json.loads(sharded.metadata_to_json(metadata)), data
+    return json.loads(tensors_json.metadata_to_json(metadata)), data
 
 
 def manifest_doc(files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -310,16 +310,16 @@ def test_a_changed_stored_chunk_reads_or_is_corrupt(shard_dir: Path, doc: dict[s
 @PROPERTY
 @given(JSON)
 def test_any_json_is_tensors_json_or_corrupt(raw: Any) -> None:
-    corrupt_or(sharded.metadata_from_json, json.dumps(raw))
+    corrupt_or(tensors_json.metadata_from_json, json.dumps(raw))
 
 
 @PROPERTY
 @given(mutated(tensors_doc()[0]))
 def test_a_changed_tensors_json_verifies_or_is_corrupt(shard_dir: Path, doc: dict[str, Any]) -> None:
     _, data = tensors_doc()
-    metadata = corrupt_or(lambda text: sharded.metadata_from_json(text, {sharded.shard_file(0): len(data)}), json.dumps(doc))
+    metadata = corrupt_or(lambda text: tensors_json.metadata_from_json(text, {sharded.shard_file(0): len(data)}), json.dumps(doc))
     if metadata is not None:
-        assert sharded.metadata_from_json(sharded.metadata_to_json(metadata)) == metadata
+        assert tensors_json.metadata_from_json(tensors_json.metadata_to_json(metadata)) == metadata
         corrupt_or(lambda md: sharded.verify_tensors(shard_dir, md), metadata)
 
 
@@ -327,17 +327,17 @@ def test_tensors_json_must_cover_each_tensor_with_its_declared_chunks() -> None:
     doc, _ = tensors_doc()
     doc["chunks"] = [c for c in doc["chunks"] if c["at"] != [2, 0]]
     with pytest.raises(CorruptCheckpoint, match="the chunks declared for 'model/w' are not the chunks stored"):
-        sharded.metadata_from_json(json.dumps(doc))
+        tensors_json.metadata_from_json(json.dumps(doc))
     doc["tensors"]["model/w"]["chunks"] = [{"offsets": [0, 0], "sizes": [2, 2]}]
     with pytest.raises(CorruptCheckpoint, match="do not make up its size"):
-        sharded.metadata_from_json(json.dumps(doc))
+        tensors_json.metadata_from_json(json.dumps(doc))
 
 
 def test_a_chunk_beyond_its_file_is_refused_before_any_read(tmp_path: Path) -> None:
     doc, data = tensors_doc()
     (tmp_path / sharded.shard_file(0)).write_bytes(data)
     with pytest.raises(CorruptCheckpoint, match="beyond the files of its checkpoint"):
-        sharded.metadata_from_json(json.dumps(doc), {sharded.shard_file(0): len(data) - 1})
+        tensors_json.metadata_from_json(json.dumps(doc), {sharded.shard_file(0): len(data) - 1})
     # Without sizes to check against, the read itself stats the file before allocating anything.
     huge = StoredChunk(sharded.shard_file(0), 0, 2**40, "torch.float32", (2**38,), (0,) * 2**10, 2**30)
     with pytest.raises(CorruptCheckpoint, match="is truncated"):
@@ -346,7 +346,7 @@ def test_a_chunk_beyond_its_file_is_refused_before_any_read(tmp_path: Path) -> N
 
 def test_deeply_nested_or_huge_json_is_corrupt() -> None:
     with pytest.raises(CorruptCheckpoint, match="nested too deeply|not JSON"):
-        sharded.metadata_from_json("[" * 100_000 + "]" * 100_000)
+        tensors_json.metadata_from_json("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CorruptCheckpoint, match="more than the"):
         parts.PartHeader.from_json(b" " * (parts.MAX_HEADER_BYTES + 1))
 

@@ -1,4 +1,4 @@
-"""The fork server's preload (`warm_start.import_preload`): module by module, it notes the
+"""The fork server's preload (`warm_preload.import_preload`): module by module, it notes the
 first whose import initialised CUDA (a forked worker could not use the GPU) and the ones
 that failed to import, and leaves torch as it found it."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic._agent.launcher.warm_start import import_preload
+from elastic._agent.launcher.warm_preload import import_preload
 
 _names = itertools.count()
 

@@ -27,7 +27,7 @@ Invariants:
   exclusively created file) through the one commit rank 0 uses too
   (storage.commit), which honours the directory's claim: a keeper commits only
   where its job writes. Only steps newer than the newest committed checkpoint
-  are written.
+  are written (keeper_directory.py; keeper_bucket.py in a bucket).
 - A part's files are never removed while a persist runs, nor while no newer
   snapshot exists (a restore may still read them).
 - Its endpoint (keeper_endpoint.py) answers only requests signed with the job's
@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic._agent.launcher import keeper_bucket
+from elastic._agent.launcher.keeper_directory import DirectoryPersister
 from elastic._agent.launcher.keeper_endpoint import serve
 from elastic._agent.launcher.keeper_files import (
     OWNER_FILE,
@@ -69,26 +70,18 @@ from elastic._agent.launcher.keeper_files import (
 from elastic._agent.launcher.keeper_receive import ReplicaReceiver
 from elastic._agent.launcher.keeper_space import UploadSpace
 from elastic._shared.common import threads
-from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import parts
-from elastic._shared.storage.claim import check_may_commit
-from elastic._shared.storage.commit import commit_checkpoint
-from elastic._shared.storage.directory import CheckpointStore
-from elastic._shared.storage.durable import SaveFailed
 from elastic._shared.storage.keeper_address import (
     LOCAL,
     REPLICA,
     KeeperAddress,
 )
 from elastic._shared.storage.location import is_url
-from elastic._shared.storage.manifest import shard_file
 from elastic._shared.storage.parts import PartHeader
 from elastic._shared.storage.peer_auth import PeerKey
-from elastic._shared.storage.validate import read_bounded
 
 logger = logging.getLogger(__name__)
 
-STAGE_PREFIX = ".snapshot."
 PRUNE_EVERY = 2.0
 STALE_UPLOAD = 60.0
 CLOSE_GRACE = 5.0
@@ -125,9 +118,7 @@ class SnapshotKeeper:
         self._lock = threading.Lock()  # persist and prune never overlap
         self._closing = threading.Event()
         self._persist_wanted = threading.Event()
-        self._checkpoint_dirs: set[Path] = set()  # where persists went: their stale stages go at close
-        self._staged: dict[Path, set[int]] = {}  # stage -> the ranks this keeper copied into it
-        self._stage_worlds: dict[Path, int] = {}
+        self._directories = DirectoryPersister(run_id)
         self.persisted: list[int] = []
         """Steps this keeper committed to a checkpoint directory."""
         self._threads = [
@@ -177,14 +168,9 @@ class SnapshotKeeper:
 
     def _clean_up(self) -> None:
         with self._lock:
-            # In a job of this node alone (its own workers wrote every rank's parts), a stage it
-            # could not complete never will be; in any other, a peer's keeper may still complete it.
-            for stage, world_size in self._stage_worlds.items():
-                if stage.is_dir() and not (stage / ".commit").exists() and self._local_ranks(world_size) >= set(range(world_size)):
-                    shutil.rmtree(stage, ignore_errors=True)
+            self._directories.remove_unfinished(self._local_ranks)
             shutil.rmtree(self.root, ignore_errors=True)
-            for root in self._checkpoint_dirs:
-                _remove_old_stages(root, _newest(_store(root)), self.run_id)
+            self._directories.remove_old()
             with contextlib.suppress(OSError):
                 if self.secret_file is not None and not live_keepers_of(self.root.parent, self.run_id):
                     # The run's secret file on this host (made, or given and written here): no keeper
@@ -251,95 +237,10 @@ class SnapshotKeeper:
                     committed += keeper_bucket.persist(ckpt_dir, run_id=run_id, world_size=world_size, keep=keep,
                                                        generation=generation, steps=steps)
                 continue
-            root = Path(ckpt_dir)
-            if not root.is_dir() or run_id != self.run_id:
-                continue
-            try:
-                check_may_commit(root, self.run_id)  # nothing is staged, committed or pruned where another job writes
-            except SaveFailed as exc:
-                logger.warning("snapshot keeper: not persisting to %s: %s", root, exc)
-                continue
-            store = CheckpointStore(root, keep=keep)
-            self._checkpoint_dirs.add(root)
-            newest = _newest(store)
-            for step in sorted(steps, reverse=True):
-                if step <= newest:
-                    break
-                stage = root / f"{STAGE_PREFIX}step_{step:08d}.{_safe(run_id)}.w{world_size}.g{_safe(generation)}"
-                try:
-                    stage.mkdir(exist_ok=True)
-                    for path, header in steps[step]:
-                        self._stage_part(stage, path, header)
-                    self._stage_worlds[stage] = world_size
-                    if self._try_commit(store, stage, step, world_size):
-                        committed.append(step)
-                        logger.info("snapshot keeper: persisted the snapshot of step %d to %s", step, root)
-                        break
-                except (OSError, SaveFailed) as exc:
-                    logger.warning("snapshot keeper: cannot persist step %d to %s: %s", step, root, exc)
-            _remove_old_stages(root, _newest(store), self.run_id)
+            if Path(ckpt_dir).is_dir() and run_id == self.run_id:
+                committed += self._directories.persist(Path(ckpt_dir), world_size=world_size, keep=keep,
+                                                       generation=generation, steps=steps)
         return committed
-
-    def _stage_part(self, stage: Path, path: Path, header: PartHeader) -> None:
-        done = stage / f"part_{header.rank:05d}.json"
-        if done.exists() or (stage / ".commit").exists():
-            return  # another keeper (or an earlier persist) copied this rank's part, or commits the stage
-        try:
-            data = parts.read_data(path, header)
-        except CorruptCheckpoint as exc:
-            logger.warning("snapshot keeper: not persisting a part: %s", exc)
-            return
-        tmp = stage / f".{header.stem}.{uuid.uuid4().hex[:6]}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, stage / shard_file(header.rank))
-        finally:
-            tmp.unlink(missing_ok=True)
-        tmp_header = stage / f".{done.name}.{uuid.uuid4().hex[:6]}"
-        tmp_header.write_bytes(header.to_json())
-        os.replace(tmp_header, done)
-        self._staged.setdefault(stage, set()).add(header.rank)
-
-    def _try_commit(self, store: CheckpointStore, stage: Path, step: int, world_size: int) -> bool:
-        """Commit `stage` once every rank's part is in it, if this keeper is the one to (an exclusively
-        created `.commit` decides), through the one commit every writer uses (storage.commit)."""
-        from elastic._shared.storage import (
-            sharded,  # DCP's metadata (about 1 s of import): only when a breakpoint is persisted
-        )
-
-        headers_files = [stage / f"part_{rank:05d}.json" for rank in range(world_size)]
-        if not all(path.exists() for path in headers_files):
-            return False
-        try:
-            os.close(os.open(stage / ".commit", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False  # another keeper commits it
-        try:
-            # Bounded: the stage lies in the shared checkpoint directory, where a FIFO would block a plain read.
-            headers = [PartHeader.from_json(read_bounded(path, path.name, parts.MAX_HEADER_BYTES)) for path in headers_files]
-            metadata = parts.merged_metadata(headers)
-            trainer = parts.merged_trainer(headers)
-        except CorruptCheckpoint as exc:
-            logger.warning("snapshot keeper: step %d cannot be persisted: %s", step, exc)
-            shutil.rmtree(stage, ignore_errors=True)
-            return False
-        for path in headers_files:
-            path.unlink()
-        if step <= _newest(store):
-            shutil.rmtree(stage, ignore_errors=True)
-            return False  # the workers committed this step or a newer one meanwhile
-        # `.commit` stays until the stage is published (other keepers leave a stage that has one alone).
-        final = commit_checkpoint(
-            store, stage, step=step, world_size=world_size,
-            shard_sizes={shard_file(h.rank): h.data_bytes for h in headers},
-            tensors_json=sharded.metadata_to_json(metadata).encode(), trainer=trainer, reason="breakpoint",
-            run_id=headers[0].run_id,
-        )
-        (final / ".commit").unlink(missing_ok=True)
-        return True
 
     # -- housekeeping --------------------------------------------------------------
 
@@ -397,41 +298,3 @@ class SnapshotKeeper:
 
 def _generation(header: PartHeader) -> str:
     return str(header.extra.get("generation", ""))
-
-
-def _newest(store: Any) -> int:
-    try:
-        committed = store.committed()
-    except OSError:
-        return -1
-    return committed[0].step if committed else -1
-
-
-def _store(root: Path) -> CheckpointStore:
-    return CheckpointStore(root)
-
-
-def _safe(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:64]
-
-
-def _remove_old_stages(root: Path, newest: int, run_id: str) -> None:
-    """Staging directories of steps no newer than the newest committed checkpoint: never needed again
-    (nothing is removed where another job writes now)."""
-    try:
-        check_may_commit(root, run_id)
-    except (SaveFailed, OSError):
-        return
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return
-    for entry in entries:
-        if not entry.name.startswith(STAGE_PREFIX + "step_"):
-            continue
-        try:
-            step = int(entry.name[len(STAGE_PREFIX) + 5 :].split(".", 1)[0])
-        except ValueError:
-            continue
-        if step <= newest:
-            shutil.rmtree(entry.path, ignore_errors=True)

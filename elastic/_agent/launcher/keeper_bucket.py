@@ -91,7 +91,7 @@ def _upload_part(store: BucketStore, stage: BucketStage, path: Path, header: Par
 
 def _try_commit(store: BucketStore, stage: BucketStage, step: int, world_size: int) -> bool:
     """Commit the stage if every rank's part is there and this keeper wins the `.commit` marker."""
-    from elastic._shared.storage import sharded  # DCP's metadata: only when a breakpoint is persisted
+    from elastic._shared.storage import tensors_json  # DCP's metadata: only when a breakpoint is persisted
 
     present = {o.key.rsplit("/", 1)[-1] for o in store.objects.list(stage.folder + "/")}
     names = [f"part_{rank:05d}.json" for rank in range(world_size)]
@@ -115,7 +115,7 @@ def _try_commit(store: BucketStore, stage: BucketStage, step: int, world_size: i
     commit_checkpoint(
         store, stage, step=step, world_size=world_size,
         shard_sizes={shard_file(h.rank): h.data_bytes for h in headers},
-        tensors_json=sharded.metadata_to_json(metadata).encode(), trainer=trainer, reason="breakpoint",
+        tensors_json=tensors_json.metadata_to_json(metadata).encode(), trainer=trainer, reason="breakpoint",
         run_id=headers[0].run_id,
     )
     try:

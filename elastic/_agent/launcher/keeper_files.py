@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.storage import liveness, peer_auth
+from elastic._shared.storage import liveness, secret_files
 from elastic._shared.storage.claim import boot_id, pid_namespace, start_time
 from elastic._shared.storage.job_secret import BASE_ENV, DIRECTORY, private_directory, snapshot_base  # noqa: F401
 from elastic._shared.storage.validate import read_bounded
 
 OWNER_FILE = "owner.json"
-SECRETS = peer_auth.SECRETS_DIRECTORY
+SECRETS = secret_files.SECRETS_DIRECTORY
 STALE_SECRET = 3600.0
 """Seconds after which a secret made on this host for a run with no live keeper here is removed."""
 PID_MAX = 2**22
@@ -127,7 +127,7 @@ def remove_orphans(base: Path) -> None:
             live_runs.add(str(owner.get("run_id")))
         else:
             shutil.rmtree(entry.path, ignore_errors=True)
-    wanted = {name for run in live_runs for name in (peer_auth.host_secret_name(run), peer_auth.given_secret_name(run))}
+    wanted = {name for run in live_runs for name in (secret_files.host_secret_name(run), secret_files.given_secret_name(run))}
     try:
         secrets = list(os.scandir(base / SECRETS))
     except OSError:

@@ -18,7 +18,7 @@ claim something (`claim`: an entry to write to the event log, the crash-loop dec
 id a compare-and-set left there; who read a stop (`acknowledge`) is a sealed list of agent ids.
 
 A look costs nothing while nothing is posted: a post is announced on the run's change signal
-(quick_rounds.ChangeSignal, whose watcher blocks in the store), and a read happens only after the
+(change_signal.ChangeSignal, whose watcher blocks in the store), and a read happens only after the
 generation moved, or every `FULL_READ_SECONDS` (every look read two keys before: 20 of the 31
 operations a node a second of a quiet job, benchmarks/scale.py).
 
@@ -101,7 +101,7 @@ class StoreBoard:
 
     def __init__(self, store: Any, run_id: str, environ: Any = None, changes: Any = None) -> None:
         """`store`: the round's sealed rendezvous store (in_place.heal_store); `changes`: the run's change
-        signal (quick_rounds.ChangeSignal; None: none), on which a post is announced and by which a read
+        signal (change_signal.ChangeSignal; None: none), on which a post is announced and by which a read
         learns that there may be something new."""
         import torch.distributed as dist
 

@@ -21,7 +21,7 @@ Invariants:
   which checks after each import: the agent then starts no forked worker but
   starts every worker cold, as torchrun does, with one warning line naming the
   module. The fork server imports this module (see `configure`), which does
-  the preload and keeps its `PreloadReport` for the agent to ask for.
+  the preload (warm_preload.py) and keeps its `PreloadReport` for the agent to ask for.
 - The script runs as `python -u SCRIPT ARGS` would run it: `sys.argv`; the
   script's folder (or, for a module, the working directory) first on
   `sys.path` in place of the agent's; `__name__ == "__main__"`; line-buffered
@@ -64,11 +64,10 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 from elastic._agent.launcher import warm_env
+from elastic._agent.launcher.warm_preload import PreloadReport, import_preload
 from elastic._shared.common import threads
 from elastic._shared.common.errors import UsageError
 from elastic._shared.slurm.requeue import ignore_in_helper
@@ -144,18 +143,6 @@ def configure(args: argparse.Namespace, preload: tuple[str, ...]) -> None:
     args.training_script = os.path.abspath(__file__)
 
 
-@dataclass(frozen=True)
-class PreloadReport:
-    """What the fork server's preload did (made there, read by the agent)."""
-
-    pid: int
-    """The process that imported the modules: the fork server, or the report is not its own."""
-    cuda_by: str | None = None
-    """The module after whose import CUDA was initialised; the preload stopped there."""
-    failed: tuple[tuple[str, str], ...] = ()
-    """(module, `Error: message`) for each module whose import raised; skipped, as multiprocessing does."""
-
-
 def start_fork_server(preload: Sequence[str]) -> PreloadReport | None:
     """Start multiprocessing's fork server, have it import `preload` (see `import_preload`),
     and return its report: None when it could not be had. Each problem is one warning line
@@ -219,76 +206,6 @@ def _stop_fork_server() -> None:
         forkserver._forkserver._stop()  # type: ignore[attr-defined]
     except (AttributeError, OSError, ChildProcessError):
         pass
-
-
-def import_preload(modules: Sequence[str]) -> PreloadReport:
-    """Import `modules` in order, as the fork server does, checking CUDA after each.
-
-    torch comes first when a module of it is named, so that CUDA calls made by
-    the others' imports are seen. The first module after whose import CUDA is
-    initialised ends the preload (`cuda_by`); one whose import raises is noted
-    and skipped. Run in the fork server; a test may run it anywhere.
-    """
-    failed: list[tuple[str, str]] = []
-    names = list(modules)
-    if any(name == "torch" or name.startswith("torch.") for name in names):
-        names.insert(0, "torch")
-    watch = _CudaWatch()
-    try:
-        for name in dict.fromkeys(names):
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # noqa: BLE001 - one line for the agent; the worker's own import will say more
-                message = str(exc).strip().splitlines()
-                failed.append((name, f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__))
-            watch.install()
-            if watch.initialised():
-                return PreloadReport(pid=os.getpid(), cuda_by=name, failed=tuple(failed))
-        return PreloadReport(pid=os.getpid(), failed=tuple(failed))
-    finally:
-        watch.remove()
-
-
-class _CudaWatch:
-    """Whether this process initialised CUDA through torch: its lazy init (after which a
-    forked child fails with "Cannot re-initialize CUDA in forked subprocess"), or a
-    device count or init call into the driver (cuInit: a forked child's CUDA is broken)."""
-
-    _ENTRY_POINTS = ("_cuda_getDeviceCount", "_cuda_init")
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self._originals: dict[str, Any] = {}
-
-    def install(self) -> None:
-        """Watch torch's entry points into the driver, once torch is imported."""
-        native = getattr(sys.modules.get("torch"), "_C", None)
-        if native is None or self._originals:
-            return
-        for name in self._ENTRY_POINTS:
-            original = getattr(native, name, None)
-            if original is not None:
-                self._originals[name] = original
-                setattr(native, name, self._watched(name, original))
-
-    def _watched(self, name: str, original: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            if name != "_cuda_getDeviceCount" or result > 0:  # no driver or no GPU: nothing to break
-                self.calls.append(name)
-            return result
-
-        return call
-
-    def initialised(self) -> bool:
-        cuda = sys.modules.get("torch.cuda")
-        return bool(self.calls) or (cuda is not None and bool(cuda.is_initialized()))
-
-    def remove(self) -> None:
-        native = getattr(sys.modules.get("torch"), "_C", None)
-        for name, original in self._originals.items():
-            setattr(native, name, original)
-        self._originals.clear()
 
 
 def exit_with_agent(agent_pid: int) -> threading.Thread | None:

@@ -21,7 +21,8 @@ drops the reason from connection errors, logs in once and only over TLS):
 - errors: what cannot be done becomes one-line `RendezvousConnectionError` naming
   the endpoint(s) and the reason, never a bare gRPC exception.
 
-Its options come from etcd_options.py. Requests and replies keep the shape of
+Its options come from etcd_options.py, its channels and the reading of gRPC's
+errors from etcd_channel.py. Requests and replies keep the shape of
 etcd's v3 JSON API (etcd_messages.py converts them), so callers written against
 it read the same.
 
@@ -33,17 +34,26 @@ transactions whose retry is harmless (see `EtcdStore.add`).
 from __future__ import annotations
 
 import logging
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 from pyetcd import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic._agent.rendezvous.etcd_channel import (
+    MAX_BACKOFF_SECONDS,
+    Connection,
+    deadline_passed,
+    etcd_message,
+    short_reason,
+    tls_credentials,
+    tls_reason,
+    token_expired,
+    transient,
+)
 from elastic._agent.rendezvous.etcd_messages import (
     CURRENT_LEASE,
     KeyValue,
@@ -57,7 +67,7 @@ from elastic._agent.rendezvous.etcd_messages import (
     request_op,
     txn_json,
 )
-from elastic._agent.rendezvous.etcd_options import Endpoint, EtcdOptions
+from elastic._agent.rendezvous.etcd_options import EtcdOptions
 from elastic._shared.common import threads
 
 logger = logging.getLogger(__name__)
@@ -66,116 +76,8 @@ T = TypeVar("T")
 # One request never waits longer than this, so a silent endpoint is given up in
 # favour of the next one while the operation's budget still has time left.
 MAX_ATTEMPT_SECONDS = 5.0
-MAX_BACKOFF_SECONDS = 1.0
 # What closing the client may spend revoking its lease before leaving it to expire.
 REVOKE_SECONDS = 5.0
-
-_CHANNEL_OPTIONS = [
-    # Only the options say where etcd is: no http(s)_proxy from the environment.
-    ("grpc.enable_http_proxy", 0),
-    # Reconnect within a second of etcd's return (gRPC's default waits up to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", int(MAX_BACKOFF_SECONDS * 1000)),
-    # A range of many keys may exceed gRPC's default 4 MiB; etcd bounds it anyway.
-    ("grpc.max_receive_message_length", 2**31 - 1),
-]
-# gRPC codes an etcd restart, a leader election or an overloaded member produce.
-_TRANSIENT = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.INTERNAL,  # RST_STREAM while a member shuts down
-    grpc.StatusCode.RESOURCE_EXHAUSTED,  # "etcdserver: too many requests"
-}
-# What gRPC says when TLS itself is wrong (waiting cannot cure it), as opposed to a
-# handshake cut short by a restarting server ("Handshake read failed (Socket closed)").
-_TLS_SIGNS = ("CERTIFICATE_VERIFY_FAILED", "security handshaker", "Unwrap failed", "SSL_ERROR_SSL")
-
-
-# --- errors -------------------------------------------------------------------------
-
-
-def _deadline_passed(exc: grpc.RpcError) -> bool:
-    """The call's deadline ended it: gRPC's own, or etcd's copy of it, which may fire
-    first and then arrives as UNKNOWN 'context deadline exceeded'."""
-    return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or "context deadline exceeded" in (exc.details() or "")
-
-
-def _transient(exc: grpc.RpcError) -> bool:
-    """What an etcd restart, a leader election or an overloaded member looks like."""
-    return exc.code() in _TRANSIENT or _deadline_passed(exc) or "Stream removed" in (exc.details() or "")
-
-
-def _reason(exc: grpc.RpcError) -> str:
-    """A short human reason from a gRPC error ('Connection refused', 'timed out')."""
-    code, details = exc.code(), (exc.details() or "").strip()
-    if _deadline_passed(exc):
-        return "timed out"
-    if details.startswith("etcdserver:") or not details:
-        return details or code.name
-    # 'failed to connect to all addresses; last error: UNKNOWN: ipv4:1.2.3.4:2379:
-    # Failed to connect to remote host: Connection refused' -> 'Connection refused'
-    parts = [p.strip() for p in details.split(": ") if p.strip() and p.strip() != "OK"]
-    return parts[-1][:200] if parts else code.name
-
-
-def _tls_reason(details: str) -> str | None:
-    """What is wrong with TLS, if gRPC's message says TLS failed in a way waiting cannot cure."""
-    if not any(sign in details for sign in _TLS_SIGNS):
-        return None
-    if "CERTIFICATE_VERIFY_FAILED" in details:
-        verify = details[details.index("CERTIFICATE_VERIFY_FAILED"):]
-        return verify.removesuffix(": OK").strip()[:200]
-    if "Unwrap failed" in details:  # etcd ended the session right after the handshake
-        return "etcd ended the TLS session; does it require a client certificate (ssl_cert, ssl_cert_key)?"
-    return details.split("last error:")[-1].strip()[:200]
-
-
-def _etcd_message(exc: grpc.RpcError) -> str:
-    """etcd's own message, e.g. 'etcdserver: authentication failed, invalid user ID or password'."""
-    return (exc.details() or exc.code().name).strip()
-
-
-def _tls_credentials(options: EtcdOptions) -> grpc.ChannelCredentials | None:
-    """Channel credentials for https, the files checked first so that a bad one is
-    named in one line (gRPC would only say 'Failed to create security handshaker')."""
-    if options.protocol != "https":
-        return None
-    checks = [("ca_cert", options.ca_cert, lambda c: c.load_verify_locations(cafile=options.ca_cert))]
-    checks.append(("ssl_cert/ssl_cert_key", options.ssl_cert,
-                   lambda c: c.load_cert_chain(options.ssl_cert, options.ssl_cert_key)))
-    for name, path, load in checks:
-        if path:
-            try:
-                load(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
-            except (ssl.SSLError, OSError) as exc:
-                raise RendezvousConnectionError(
-                    f"etcd TLS failed: rdzv-conf {name} {path} is unusable ({getattr(exc, 'reason', None) or exc}); "
-                    "give PEM files, the key matching the certificate"
-                ) from None
-
-    def read(path: str | None) -> bytes | None:
-        return Path(path).read_bytes() if path else None
-
-    return grpc.ssl_channel_credentials(read(options.ca_cert), read(options.ssl_cert_key), read(options.ssl_cert))
-
-
-# --- the client ------------------------------------------------------------------------
-
-
-class _Connection:
-    """One endpoint's channel and the stubs on it (gRPC's are thread-safe)."""
-
-    def __init__(self, endpoint: Endpoint, credentials: grpc.ChannelCredentials | None) -> None:
-        self.endpoint = endpoint
-        target = str(endpoint)
-        if credentials is None:
-            self.channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.secure_channel(target, credentials, options=_CHANNEL_OPTIONS)
-        self.kv = etcdrpc.KVStub(self.channel)
-        self.lease = etcdrpc.LeaseStub(self.channel)
-        self.auth = etcdrpc.AuthStub(self.channel)
-        self.watch = etcdrpc.WatchStub(self.channel)
 
 
 class EtcdClient:
@@ -187,8 +89,8 @@ class EtcdClient:
 
     def __init__(self, options: EtcdOptions) -> None:
         self.options = options
-        credentials = _tls_credentials(options)
-        self._connections = [_Connection(e, credentials) for e in options.endpoints]
+        credentials = tls_credentials(options)
+        self._connections = [Connection(e, credentials) for e in options.endpoints]
         self._current = 0
         self._token: str | None = None
         self._auth_lock = threading.Lock()
@@ -233,7 +135,7 @@ class EtcdClient:
 
     # --- requests ---------------------------------------------------------------
 
-    def _call(self, what: str, request: Callable[[_Connection, float], T], *, retry_auth: bool = True,
+    def _call(self, what: str, request: Callable[[Connection, float], T], *, retry_auth: bool = True,
               budget: float | None = None, when_closed: bool = False) -> T:
         """Run `request(connection, attempt_timeout)` against the current endpoint,
         failing over and retrying what an etcd restart looks like (refused or reset
@@ -259,14 +161,14 @@ class EtcdClient:
                 reply = request(connection, attempt_timeout)
             except grpc.RpcError as exc:
                 details = exc.details() or ""
-                if tls := _tls_reason(details):
+                if tls := tls_reason(details):
                     raise RendezvousConnectionError(
                         f"etcd at {endpoint}: TLS failed ({tls}); check protocol, ca_cert, ssl_cert and ssl_cert_key"
                     ) from None
-                if _transient(exc):
-                    failures[endpoint] = _reason(exc)
+                if transient(exc):
+                    failures[endpoint] = short_reason(exc)
                     self._current = (index + 1) % len(self._connections)
-                elif retry_auth and self.options.user and _token_expired(exc) and "auth" not in renewed:
+                elif retry_auth and self.options.user and token_expired(exc) and "auth" not in renewed:
                     renewed.add("auth")  # an expired token, or one from before etcd restarted
                     self._relogin(token)
                     continue
@@ -275,7 +177,7 @@ class EtcdClient:
                     self._renew_lease(lease, details)
                     continue
                 else:
-                    raise RendezvousConnectionError(f"etcd at {endpoint} refused to {what}: {_etcd_message(exc)}") from None
+                    raise RendezvousConnectionError(f"etcd at {endpoint} refused to {what}: {etcd_message(exc)}") from None
             except ValueError:  # gRPC: 'Cannot invoke RPC on closed channel!'
                 if self._closed.is_set():
                     raise RendezvousConnectionError(f"cannot {what}: the etcd client is closed") from None
@@ -310,16 +212,16 @@ class EtcdClient:
         token = self._token
         return (("token", token),) if token else None
 
-    def _authenticate(self, connection: _Connection, timeout: float) -> None:
+    def _authenticate(self, connection: Connection, timeout: float) -> None:
         try:
             # Without the old token: a login must not depend on a stale one.
             reply = connection.auth.Authenticate(
                 etcdrpc.AuthenticateRequest(name=self.options.user, password=self.options.password), timeout=timeout)
         except grpc.RpcError as exc:
-            if _transient(exc) or _tls_reason(exc.details() or ""):
+            if transient(exc) or tls_reason(exc.details() or ""):
                 raise
             raise RendezvousConnectionError(
-                f"etcd at {connection.endpoint} rejected user {self.options.user!r}: {_etcd_message(exc)}"
+                f"etcd at {connection.endpoint} rejected user {self.options.user!r}: {etcd_message(exc)}"
             ) from None
         self._token = reply.token
 
@@ -336,7 +238,7 @@ class EtcdClient:
         caps the budget (retries included) below `read_timeout`."""
         compares = [compare_message(c) for c in compare]
 
-        def send(connection: _Connection, attempt_timeout: float) -> etcdrpc.TxnResponse:
+        def send(connection: Connection, attempt_timeout: float) -> etcdrpc.TxnResponse:
             lease = self.lease_id  # read per attempt: a lost lease is replaced between attempts
             request = etcdrpc.TxnRequest(
                 compare=compares,
@@ -389,11 +291,11 @@ class EtcdClient:
                 if reply.events:
                     yield [WatchEvent(deleted=e.type == e.DELETE, kv=key_value(e.kv)) for e in reply.events]
         except grpc.RpcError as exc:
-            if _deadline_passed(exc):
+            if deadline_passed(exc):
                 return  # the caller's time is up: nothing changed
-            if _transient(exc):
+            if transient(exc):
                 self._current = (index + 1) % len(self._connections)
-            raise RendezvousConnectionError(f"etcd at {connection.endpoint} broke a watch to {what}: {_reason(exc)}") from None
+            raise RendezvousConnectionError(f"etcd at {connection.endpoint} broke a watch to {what}: {short_reason(exc)}") from None
         finally:
             stream.cancel()
 
@@ -428,7 +330,7 @@ class EtcdClient:
         reply = self._call("grant a lease", lambda c, t: c.lease.LeaseGrant(request, timeout=t, metadata=self._metadata()))
         return int(reply.ID)
 
-    def _refresh(self, connection: _Connection, timeout: float) -> int:
+    def _refresh(self, connection: Connection, timeout: float) -> int:
         """One keep-alive of the lease; returns the TTL etcd granted (<= 0: the lease is gone)."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=self.lease_id)
         stream = connection.lease.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=self._metadata())
@@ -452,8 +354,3 @@ class EtcdClient:
             except RendezvousConnectionError as exc:
                 if not self._closed.is_set():
                     logger.warning("%s", exc)
-
-
-def _token_expired(exc: grpc.RpcError) -> bool:
-    """etcd refused the token: expired, from before a restart, or older than a change to its users."""
-    return exc.code() == grpc.StatusCode.UNAUTHENTICATED or "auth" in (exc.details() or "")

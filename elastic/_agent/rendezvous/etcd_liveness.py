@@ -12,7 +12,7 @@ not verify (a stranger's, or sealed before its node took this launch) is no beat
 stands. Reading who is alive is one range of the `alive/` prefix per read of the state.
 
 Invariants: a node's key exists before it joins a round (written when its handler is made) and from then
-on while its agent runs; a clean exit revokes it (etcd.leave). Names read back are only compared with the
+on while its agent runs; a clean exit revokes it (etcd_reopen.leave). Names read back are only compared with the
 names this agent computes for the state's nodes: nothing read is parsed into a node.
 """
 

@@ -48,10 +48,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic._agent.rendezvous import c10d_store, store_liveness
+from elastic._agent.rendezvous.change_signal import ChangeSignal
 from elastic._agent.rendezvous.guarded_c10d import C10dStateBackend
 from elastic._agent.rendezvous.liveness import Heartbeats, HeartbeatStateHolder
 from elastic._agent.rendezvous.named_events import NamedExecutor, method_name
-from elastic._agent.rendezvous.quick_rounds import QUICK_ROUNDS_CONF, ChangeSignal, QuickRoundsExecutor
+from elastic._agent.rendezvous.quick_rounds import QUICK_ROUNDS_CONF, QuickRoundsExecutor
 from elastic._agent.rendezvous.state_guard import StateGuard
 from elastic._agent.rendezvous.state_shadow import StateShadow
 from elastic._shared.common.errors import UsageError
@@ -267,7 +268,7 @@ def create_etcd_v3(params: RendezvousParameters) -> SealedHandler:
     """`--rdzv-backend=etcd-v3` (elastic._agent.rendezvous.etcd): reopens the run first if a job that
     has ended left it closed, announces this agent, keeps its node's heartbeat on a lease
     (etcd_liveness), and leaves etcd cleanly at `shutdown()`."""
-    from elastic._agent.rendezvous import etcd, etcd_liveness
+    from elastic._agent.rendezvous import etcd, etcd_liveness, etcd_reopen
     from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 
     try:  # every option checked before anything is made or reached
@@ -278,7 +279,7 @@ def create_etcd_v3(params: RendezvousParameters) -> SealedHandler:
         _refuse(params, str(exc))
     key = _job_key(params)
     backend, store = etcd.create_backend(params, key)
-    keys = etcd.RunKeys(backend.client.options.key_prefix.encode())
+    keys = etcd_reopen.RunKeys(backend.client.options.key_prefix.encode())
     presences: list[etcd_liveness.AgentPresence] = []
 
     def lease_heartbeats(node: Any, settings: Any, sealed: SealedStore, scope_of: Scope) -> Heartbeats:
@@ -288,10 +289,10 @@ def create_etcd_v3(params: RendezvousParameters) -> SealedHandler:
         return heartbeats
 
     def leaving(closed: bool) -> None:
-        etcd.leave(closed, backend, store, params, keys, presences)
+        etcd_reopen.leave(closed, backend, store, params, keys, presences)
 
     try:
-        etcd.reopen_closed_run(backend, store, params, keys, timeout=join_timeout)
+        etcd_reopen.reopen_closed_run(backend, store, params, keys, timeout=join_timeout)
         presences.append(etcd_liveness.AgentPresence(backend.client.options, keys.agents, liveness_ttl))
         presences[0].enter()
         return build(params, backend, store, key, watch=True, leaving=leaving, heartbeats=lease_heartbeats)

@@ -8,7 +8,7 @@ SLURM_STEP_ID): a script run there is a job of one, as under plain `python`.
 
 Invariants:
 - `in_step` is true only inside a task of an srun step; torchrun's variables, when present, win
-  over Slurm's (`elastic._worker.runtime.context.parse_launch_env` asks Slurm only when RANK and WORLD_SIZE are
+  over Slurm's (`elastic._worker.runtime.worker_env.parse_launch_env` asks Slurm only when RANK and WORLD_SIZE are
   both absent).
 - The step's own variables (SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE, SLURM_STEP_NODELIST)
   are read before the job's: a step may use part of the allocation.

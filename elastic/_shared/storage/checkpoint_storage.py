@@ -9,10 +9,11 @@ directory, a `BucketStage` for a bucket. tests/unit/test_checkpoint_storage.py h
 this interface, parameter by parameter.
 
 The order a writer follows: `prepare` (once), `claim`, then per save `check_room`, `begin`,
-`write_bytes` / `write_state_file` (or the sharded writer's parts), and `finish` (verify, then commit) or
-`abort`; `heartbeat` while it writes, `release` at its end. A reader: `committed` (newest first; the
-`latest_pointer` consulted first), `read_checked_manifest`, `check_sizes`, `read_file` /
-`load_state_file` / `tensor_metadata`, `verify`, and `quarantine` for a copy that failed verification.
+`write_bytes` / `write_state_file` (or the sharded writer's parts, through `part_sink`), and `finish`
+(verify, then commit) or `abort`; `heartbeat` while it writes, `release` at its end. A reader:
+`committed` (newest first; the `latest_pointer` consulted first), `read_checked_manifest`,
+`check_sizes`, `read_file` / `load_state_file` / `tensor_metadata` (its chunks through `chunk_source`),
+`verify`, and `quarantine` for a copy that failed verification. `root` names the store in messages.
 
 Invariants both implementations keep: a checkpoint is visible to `committed` only once committed,
 whole; nothing read is trusted before its manifest's size and checksum matched; nothing is ever
@@ -22,16 +23,25 @@ unpickled (`load_state_file` loads with `weights_only=True`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from elastic._shared.storage.claim import WriterIdentity
+from elastic._shared.storage.location import BucketLocation
 from elastic._shared.storage.manifest import Candidate, Manifest
+
+if TYPE_CHECKING:  # chunks.py imports torch: annotations only
+    from elastic._shared.storage.chunks import ChunkSource
 
 Stage = TypeVar("Stage")
 
 
 class CheckpointStorage(Protocol[Stage]):
     """See the module docstring."""
+
+    @property
+    def root(self) -> Path | BucketLocation:
+        """Where the store is (`root / name` and `root.resolve()` work on both), for messages and events."""
 
     # -- the writer's claim on the store --------------------------------------------------------------
 
@@ -60,6 +70,9 @@ class CheckpointStorage(Protocol[Stage]):
 
     def begin(self, step: int, tag: str) -> Stage:
         """Where the save of `step` is written until it is committed."""
+
+    def part_sink(self, stage: Stage) -> Callable[[str], Any] | None:
+        """How the sharded writer opens a rank's shard file in `stage` (None: a local file in it)."""
 
     def write_bytes(self, stage: Stage, file_name: str, data: bytes) -> dict[str, Any]:
         """Write `data` as `file_name` of the save; its manifest entry (size, checksum)."""
@@ -99,6 +112,9 @@ class CheckpointStorage(Protocol[Stage]):
 
     def tensor_metadata(self, candidate: Candidate, manifest: Manifest) -> Any:
         """The sharded format's tensor metadata (what a resharding restore plans with)."""
+
+    def chunk_source(self, path: Any) -> ChunkSource | None:
+        """Where a restore reads the chunks of the checkpoint at `path` (None: its local files)."""
 
     def verify(self, candidate: Candidate) -> Manifest:
         """Check every file of `candidate` against its manifest; the manifest."""

@@ -7,9 +7,9 @@ torchrun in the `c10d-sealed` and `etcd-v3` handler creators), in this order:
 1. `TORCHREVIVE_SNAPSHOT_SECRET_FILE`: the file given to every agent (a Kubernetes Secret, the Slurm
    script's, one of your own);
 2. `TORCHREVIVE_SNAPSHOT_SECRET`: the secret itself, written to a 0600 file in this user's 0700
-   directory (`peer_auth.given_secret_file`) and removed from the environment;
+   directory (`secret_files.given_secret_file`) and removed from the environment;
 3. a job on one host (its rendezvous endpoint a loopback address, or at most one node): a secret this
-   host makes for the run (`peer_auth.host_secret_file`), which every agent of the run here shares;
+   host makes for the run (`secret_files.host_secret_file`), which every agent of the run here shares;
 4. `TORCHREVIVE_UNSIGNED=1` (torchrevive-run's `--unsigned`): none, with one warning line;
 5. otherwise `SecretError`: one line that says how to give one.
 
@@ -37,7 +37,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic._shared.storage import peer_auth
+from elastic._shared.storage import peer_auth, secret_files
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
 
 UNSIGNED_ENV = "TORCHREVIVE_UNSIGNED"
@@ -121,7 +121,7 @@ def private_directory(base: Path) -> Path:
     (`SecretError`, a ValueError) unless it is a real directory of this user's, open to no one else, so
     no other local user can read the weights or the secret, or swap them."""
     directory = base / f"{DIRECTORY}-{os.geteuid()}"
-    return peer_auth.owned_directory(directory, f"cannot make the snapshot directory {directory}",
+    return secret_files.owned_directory(directory, f"cannot make the snapshot directory {directory}",
                                      f"{directory} is not a directory of this user's that only this user can open: "
                                      f"remove it, or set {BASE_ENV} to a directory of your own")
 
@@ -147,7 +147,7 @@ def one_host(endpoint: str | None, max_nodes: int) -> bool:
 def made_on_this_host(run_id: str, base: Path | None = None) -> JobSecret:
     """The secret this host makes for run `run_id` (3 above), the environment left as it is (for a keeper
     of a benchmark or a test in this process)."""
-    made = peer_auth.host_secret_file(private_directory(base or snapshot_base()), run_id)
+    made = secret_files.host_secret_file(private_directory(base or snapshot_base()), run_id)
     return JobSecret(PeerKey.from_file(made), made)
 
 
@@ -163,9 +163,9 @@ def resolve(
         return JobSecret(PeerKey.from_file(Path(named)), None)
     directory = lambda: private_directory(base or snapshot_base(env))  # noqa: E731 - made only when needed
     if given:
-        made = peer_auth.given_secret_file(directory(), run_id, given.encode())
+        made = secret_files.given_secret_file(directory(), run_id, given.encode())
     elif one_host(endpoint, max_nodes):
-        made = peer_auth.host_secret_file(directory(), run_id)
+        made = secret_files.host_secret_file(directory(), run_id)
     elif env.get(UNSIGNED_ENV) == "1":
         print(f"torchrevive: warning: run {run_id} is unsigned ({UNSIGNED_ENV}=1): anyone who reaches its "
               "rendezvous or worker stores can change what its agents and workers read there", file=sys.stderr,

@@ -296,7 +296,7 @@ def merged_metadata(headers: list[PartHeader]) -> Metadata:
         TensorStorageMetadata,
     )
 
-    from elastic._shared.storage import sharded
+    from elastic._shared.storage import tensors_json
 
     state: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, StoredChunk] = {}
@@ -319,7 +319,7 @@ def merged_metadata(headers: list[PartHeader]) -> Metadata:
             storage[MetadataIndex(raw["fqn"], at)] = stored
     metadata = Metadata(state_dict_metadata=state, storage_data=storage)
     # The same checks as a checkpoint's tensors.json: together the parts make up every tensor.
-    return sharded.metadata_from_json(sharded.metadata_to_json(metadata))
+    return tensors_json.metadata_from_json(tensors_json.metadata_to_json(metadata))
 
 
 def merged_trainer(headers: list[PartHeader]) -> dict[str, Any]:

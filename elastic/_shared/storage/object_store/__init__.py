@@ -10,7 +10,8 @@
   conditional writes);
 - `bucket`: `BucketStore`, the checkpoint store on a bucket: the same methods
   as a directory's `CheckpointStore`, its commit one manifest object created
-  with `If-None-Match: *`.
+  with `If-None-Match: *`; `bucket_reader`: its listing, checked reads and
+  verification; `bucket_retention`: what its commit deletes.
 
 The layout, the commit protocol and its invariants are bucket.py's docstring;
 docs/object-storage.md is the user's side.

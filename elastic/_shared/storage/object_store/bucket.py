@@ -41,20 +41,17 @@ Invariants:
 - Orphans (attempt folders no manifest names: saves that died, losers of a
   race) are deleted when a job claims the prefix (`prepare`), and behind each
   commit for the steps up to the committed one.
-- Everything read from the bucket is untrusted: a manifest at most
-  `MAX_MANIFEST_BYTES`, parsed by `Manifest.from_json`; its attempt a plain
-  name; every file a bare name within the attempt folder; sizes checked
-  before a byte is read, and nothing read past them.
+- Everything read from the bucket is untrusted (bucket_reader.py, which reads
+  and checks what is committed).
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any
@@ -63,31 +60,20 @@ import crc32c
 import torch
 
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.common.errors import first_line as _first_line
 from elastic._shared.storage import validate
 from elastic._shared.storage.claim import WRITER, WriterIdentity
 from elastic._shared.storage.durable import SaveFailed, describe_failure
 from elastic._shared.storage.location import BucketLocation
-from elastic._shared.storage.manifest import (
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    TENSORS_FILE,
-    Candidate,
-    Manifest,
-    checkpoint_name,
-)
+from elastic._shared.storage.manifest import MANIFEST, MAX_MANIFEST_BYTES, Candidate, Manifest, checkpoint_name
 from elastic._shared.storage.object_store import bucket_retention
 from elastic._shared.storage.object_store.bucket_claim import BucketClaim
+from elastic._shared.storage.object_store.bucket_reader import ATTEMPT, LATEST, STEP, BucketReader
 from elastic._shared.storage.object_store.objects import ConditionFailed, ObjectMissing, Objects, ObjectTooLarge
-from elastic._shared.storage.object_store.transfer import PIECE, BucketChunks, PartUpload
+from elastic._shared.storage.object_store.transfer import PartUpload
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
 CORRUPT = "corrupt"
-_STEP = re.compile(r"^step_(\d{8})$")
-ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-"""A save attempt's folder name (a saver's tag, a keeper's own)."""
 
 
 @dataclass(frozen=True)
@@ -107,20 +93,17 @@ class BucketStage:
         return f"{self.folder}/{file_name}"
 
 
-class BucketStore:
+class BucketStore(BucketReader):
     """The checkpoints under one bucket prefix: the methods of a directory's `CheckpointStore`
-    (directory.py), on a bucket (see the module docstring)."""
+    (directory.py), on a bucket (see the module docstring); reading is `BucketReader`'s."""
 
     def __init__(self, location: BucketLocation, objects: Objects, *, keep: int = 3, keep_corrupt: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1")
-        self.root = location
-        self.objects = objects
+        super().__init__(location, objects)
         self.keep = keep
         self.keep_corrupt = keep_corrupt
         self._claim = BucketClaim(objects, location.key(WRITER), str(location))
-        self._manifests: dict[str, tuple[str, Manifest]] = {}
-        """Checkpoint name -> (its manifest's raw text, the manifest) as last read."""
         self._checked: set[tuple[str, str]] = set()
         """(checkpoint, manifest text) that counted towards `keep` in this process."""
 
@@ -164,14 +147,6 @@ class BucketStore:
     def part_sink(self, stage: BucketStage) -> Callable[[str], PartUpload]:
         """How a rank's shard writer opens `file_name` in the stage: an upload streamed in parallel parts."""
         return lambda file_name: PartUpload(self.objects, stage.key(validate.need_name(file_name, "a shard file")))
-
-    def chunk_source(self, path: Any) -> BucketChunks:
-        """Where a restore reads the chunks of the checkpoint at `path` (a committed step's folder)."""
-        name = PurePosixPath(str(path)).name
-        step = _step_of(name)
-        manifest = self._manifest_of(Candidate(name, step, PurePosixPath(str(path))))  # type: ignore[arg-type]
-        folder = self.root.key(name, manifest.parts)
-        return BucketChunks(self.objects, lambda file: f"{folder}/{validate.need_name(file, 'a shard file')}")
 
     def write_bytes(self, stage: BucketStage, file_name: str, data: bytes) -> dict[str, Any]:
         """`data` uploaded as `file_name` of the stage; its size and crc32c."""
@@ -268,7 +243,7 @@ class BucketStore:
 
     def _write_latest(self, name: str) -> None:
         pointed = self.latest_pointer()
-        if pointed is not None and _STEP.match(pointed) and pointed > name:
+        if pointed is not None and STEP.match(pointed) and pointed > name:
             return
         self.objects.put(self.root.key(LATEST), (name + "\n").encode("ascii"))
 
@@ -292,140 +267,6 @@ class BucketStore:
     def forget(self, name: str) -> None:
         self._manifests.pop(name, None)
 
-    # -- reading ---------------------------------------------------------------------
-
-    def committed(self) -> list[Candidate]:
-        """Committed checkpoints (those with a manifest object), newest step first."""
-        prefix = self.root.key() + "/" if self.root.prefix else ""
-        found: dict[int, Candidate] = {}
-        for info in self.objects.list(prefix):
-            parts = info.key[len(prefix):].split("/")
-            if len(parts) == 2 and parts[1] == MANIFEST and _STEP.match(parts[0]):
-                step = int(parts[0][5:])
-                found[step] = Candidate(parts[0], step, PurePosixPath(self.root.key(parts[0])))  # type: ignore[arg-type]
-        return sorted(found.values(), key=lambda c: c.step, reverse=True)
-
-    def latest_pointer(self) -> str | None:
-        try:
-            raw, _ = self.objects.get(self.root.key(LATEST), limit=256)
-        except (ObjectMissing, ObjectTooLarge):
-            return None
-        return raw.decode("utf-8", errors="replace").strip() or None
-
-    def _manifest_of(self, candidate: Candidate) -> Manifest:
-        """The manifest of `candidate`, read once per process (a commit never changes: only a quarantine
-        removes it)."""
-        cached = self._manifests.get(candidate.name)
-        if cached is not None:
-            return cached[1]
-        return self.read_manifest(candidate)
-
-    def read_manifest(self, candidate: Candidate) -> Manifest:
-        try:
-            raw, _ = self.objects.get(self.root.key(candidate.name, MANIFEST), limit=MAX_MANIFEST_BYTES)
-        except ObjectMissing:
-            raise CorruptCheckpoint(f"{candidate.name} has no {MANIFEST}") from None
-        except ObjectTooLarge:
-            raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes") from None
-        try:
-            manifest = Manifest.from_json(raw)
-        except CorruptCheckpoint as exc:
-            raise CorruptCheckpoint(f"{candidate.name}: {exc}") from None
-        if not ATTEMPT.match(manifest.parts):
-            raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} names no upload folder ({manifest.parts[:80]!r})")
-        self._manifests[candidate.name] = (raw.decode("utf-8", errors="replace"), manifest)
-        if len(self._manifests) > 4096:
-            self._manifests.clear()
-        return manifest
-
-    def read_checked_manifest(self, candidate: Candidate) -> Manifest:
-        manifest = self.read_manifest(candidate)
-        if manifest.step != candidate.step:
-            raise CorruptCheckpoint(f"{candidate.name}/{MANIFEST} says step {manifest.step}")
-        return manifest
-
-    def _file_key(self, candidate: Candidate, file_name: str) -> str:
-        manifest = self._manifest_of(candidate)
-        return self.root.key(candidate.name, manifest.parts, validate.need_name(file_name, f"{candidate.name} file"))
-
-    def read_file(self, candidate: Candidate, file_name: str, expected: Mapping[str, Any], *, keep: bool = True) -> bytes:
-        """The file's bytes (empty unless `keep`), after checking its size and checksum; read in ranges,
-        never past the size the manifest gives."""
-        key, size = self._file_key(candidate, file_name), int(expected["bytes"])
-        where = f"{candidate.name}/{file_name}"
-        kept = bytearray(size) if keep else bytearray()
-        crc, got = 0, 0
-        try:
-            for lo in range(0, size, PIECE):
-                data = self.objects.get_range(key, lo, min(lo + PIECE, size))
-                if keep:
-                    kept[lo : lo + len(data)] = data
-                crc = crc32c.crc32c(data, crc)
-                got += len(data)
-                if len(data) < min(PIECE, size - lo):
-                    break
-            if size == 0:
-                self.objects.head(key)
-        except ObjectMissing:
-            raise CorruptCheckpoint(f"{where} is missing") from None
-        if got != size:
-            raise CorruptCheckpoint(f"{where} has {got} bytes, the manifest says {size}")
-        if "crc32c" in expected and crc != int(expected["crc32c"]):
-            raise CorruptCheckpoint(f"{where} fails its crc32c check")
-        if "sha256" in expected:  # format 1 (only ever in a directory): never trusted unchecked
-            raise CorruptCheckpoint(f"{where} has a sha256 (format 1), which a bucket does not hold")
-        return bytes(kept)
-
-    def check_sizes(self, candidate: Candidate, manifest: Manifest) -> None:
-        """Every file the manifest names is there with its size (one listing of its folder)."""
-        folder = self.root.key(candidate.name, manifest.parts) + "/"
-        sizes = {o.key[len(folder):]: o.size for o in self.objects.list(folder)}
-        for file_name, expected in manifest.files.items():
-            if file_name not in sizes:
-                raise CorruptCheckpoint(f"{candidate.name}/{file_name} is missing")
-            if sizes[file_name] != int(expected["bytes"]):
-                raise CorruptCheckpoint(
-                    f"{candidate.name}/{file_name} has {sizes[file_name]} bytes, the manifest says {expected['bytes']}"
-                )
-
-    def load_state_file(self, candidate: Candidate, manifest: Manifest, file_name: str, map_location: Any = "cpu") -> Any:
-        if file_name not in manifest.files:
-            raise CorruptCheckpoint(f"{candidate.name} holds no {file_name}")
-        data = self.read_file(candidate, file_name, manifest.files[file_name])
-        try:
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - a file that checks right but was written wrong
-            raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {_first_line(exc)}") from None
-
-    def tensor_metadata(self, candidate: Candidate, manifest: Manifest) -> Any:
-        from elastic._shared.storage import sharded
-
-        if TENSORS_FILE not in manifest.files:
-            raise CorruptCheckpoint(f"{candidate.name} holds no {TENSORS_FILE}")
-        text = self.read_file(candidate, TENSORS_FILE, manifest.files[TENSORS_FILE])
-        return sharded.metadata_from_json(text, {name: entry["bytes"] for name, entry in manifest.files.items()})
-
-    def verify(self, candidate: Candidate) -> Manifest:
-        """Read and check every byte of a checkpoint (one process); `CorruptCheckpoint` if any fails."""
-        from elastic._shared.storage.chunks import read_rows
-
-        manifest = self.read_checked_manifest(candidate)
-        self.check_sizes(candidate, manifest)
-        for file_name, expected in manifest.files.items():
-            if "sha256" in expected or "crc32c" in expected:
-                self.read_file(candidate, file_name, expected, keep=False)
-        if manifest.format >= 2:
-            metadata = self.tensor_metadata(candidate, manifest)
-            source = self.chunk_source(candidate.path)
-            try:
-                items = sorted(metadata.storage_data.items(), key=lambda kv: (kv[1].file, kv[1].offset))
-                source.expect([(s.file, s.offset, s.offset + s.length) for _, s in items])
-                for index, stored in items:
-                    read_rows(PurePosixPath(candidate.name), stored, index.fqn, None, source=source)  # type: ignore[arg-type]
-            finally:
-                source.close()
-        return manifest
-
     def quarantine(self, candidate: Candidate) -> PurePosixPath:
         """Move a checkpoint that failed verification aside: its manifest goes to `corrupt/` (the
         newest `keep_corrupt` stay), so it is no longer committed; its files become orphans. The key it
@@ -444,9 +285,3 @@ class BucketStore:
         if stale:
             self.objects.delete(stale)
         return PurePosixPath(target)
-
-
-def _step_of(name: str) -> int:
-    if not _STEP.match(name):
-        raise CorruptCheckpoint(f"{name[:80]!r} is not a checkpoint's name")
-    return int(name[5:])

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 _STEP = re.compile(r"^step_(\d{8})$")
 
 
-class BucketStore(Protocol):
-    """What retention needs of a bucket's store (bucket.BucketStore)."""
+class RetentionTarget(Protocol):
+    """What retention needs of the bucket store it deletes from (bucket.BucketStore)."""
 
     root: BucketLocation
     objects: Objects
@@ -50,7 +50,7 @@ class BucketStore(Protocol):
     def forget(self, name: str) -> None: ...
 
 
-def retire_old(store: BucketStore, run_id: str, owner: WriterIdentity | None, *, newest: int) -> list[str]:
+def retire_old(store: RetentionTarget, run_id: str, owner: WriterIdentity | None, *, newest: int) -> list[str]:
     """Delete run `run_id`'s checkpoints behind the newest `store.keep` of it that check, then the
     orphans of steps up to `newest`; the names deleted."""
     try:
@@ -78,7 +78,7 @@ def retire_old(store: BucketStore, run_id: str, owner: WriterIdentity | None, *,
     return deleted
 
 
-def _counts(store: BucketStore, candidate: Candidate, manifest: Manifest) -> bool:
+def _counts(store: RetentionTarget, candidate: Candidate, manifest: Manifest) -> bool:
     """Whether `candidate` checks (once per manifest per process; a commit marks its own)."""
     if store.was_checked(candidate.name):
         return True
@@ -94,7 +94,7 @@ def _counts(store: BucketStore, candidate: Candidate, manifest: Manifest) -> boo
     return True
 
 
-def remove_orphans(store: BucketStore, *, up_to: int | None) -> None:
+def remove_orphans(store: RetentionTarget, *, up_to: int | None) -> None:
     """Delete the objects of attempt folders no committed manifest names, of steps up to `up_to` (None: all)."""
     prefix = store.root.key() + "/" if store.root.prefix else ""
     split = [(info.key, info.key[len(prefix):].split("/")) for info in store.objects.list(prefix)]
