@@ -67,7 +67,7 @@ def worker(opts: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from elastic._worker.control import agreement
-    from elastic._worker.control.step_vote import StepVote
+    from elastic._worker.control.step_vote import Ballot, StepVote
     from elastic._worker.runtime.context import worker_context
 
     with worker_context("cpu") as ctx:
@@ -76,7 +76,7 @@ def worker(opts: argparse.Namespace) -> None:
             torch.nn.Linear(opts.width, opts.width), torch.nn.ReLU(), torch.nn.Linear(opts.width, opts.width)
         ))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the recipes' optimizer
-        vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0)  # the default --term-grace
+        vote = StepVote(ctx, Ballot, grace=15.0)  # the default --term-grace
         mode, steps = ["none"], [0]
         x = torch.randn(16, opts.width)
 

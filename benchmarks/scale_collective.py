@@ -181,7 +181,7 @@ def memory_restore(sl: Slice) -> None:
 def vote_slots(sl: Slice) -> None:
     from elastic._worker.config import RunConfig
     from elastic._worker.control.collective_record import CollectiveRecord
-    from elastic._worker.control.step_vote import StepVote
+    from elastic._worker.control.step_vote import Ballot, StepVote
     from elastic._worker.observe.events import EventLog
     from elastic._worker.observe.slow_ranks import SlowRanks
 
@@ -190,7 +190,7 @@ def vote_slots(sl: Slice) -> None:
         ticks = iter(range(10**9))  # every rank's work the same: no straggler, the figures travel all the same
         slow = SlowRanks(ctx, RunConfig(slow_ranks="report"), EventLog(None, restart=0), None, group=group,
                          clock=lambda: next(ticks) * 0.01)
-        vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0, group=group, record=CollectiveRecord(),
+        vote = StepVote(ctx, Ballot, grace=15.0, group=group, record=CollectiveRecord(),
                         figures=slow.figures)
         vote.every = 1
         seconds = 0.0

@@ -9,7 +9,7 @@ when that code changes only the adapter's few calls may need to follow:
   every `HANG_POLL` simulated seconds (the watchdog's look), stalled from 0. Phases: `arm` (the first
   look: once per group), `idle` (looks before the stall is old enough: the steady state between
   failures), `look` (every look of the comparison; the elected reader's are its aggregator's).
-- `views`: train-on after a lost node (elastic._worker.survivors.views): the survivors' shrink
+- `views`: train-on after a lost node (elastic._worker.survivors.views, .joiners): the survivors' shrink
   (`leave`: arrive, the view after the failure, its forming), then the node's replacements joining
   (`join`: tickets, rank 0's admission at a vote, every member's wait and the new view's forming).
 - `notice-board`: one agent posts a failure, every agent reads it (`read`: elastic._agent.launcher.
@@ -30,7 +30,7 @@ from elastic._shared.storage.peer_auth import PeerKey
 from elastic._shared.storage.store_records import Records
 from elastic._worker.control.collective_record import CollectiveRecord
 from elastic._worker.control.hang_names import HangNamer, Place
-from elastic._worker.survivors import views
+from elastic._worker.survivors import joiners, views
 
 HANG_NAME_AFTER = 4.0
 """Simulated seconds of stall before the comparison (a fifth of a --hang-timeout of 20 s)."""
@@ -107,11 +107,11 @@ def views_path(sl: Slice, rank: int) -> None:
         sl.barrier("views-shrunk")
         sl.begin("join", rank)
         after = views.latest(records)
-        ticket = views.register_joiner(records, joiner)
+        ticket = joiners.register_joiner(records, joiner)
         sl.end("join", rank)
         sl.barrier("views-registered")
         sl.begin("join", rank)
-        view = views.wait_for_admission(records, joiner, after=after, ticket=ticket, first=first, stale_after=120)
+        view = joiners.wait_for_admission(records, joiner, after=after, ticket=ticket, first=first, stale_after=120)
         assert view is not None and joiner in view.members, "a replacement was not admitted"
         assert views.gather(records, view, joiner), "the grown view did not form"
         sl.end("join", rank)
@@ -127,9 +127,9 @@ def views_path(sl: Slice, rank: int) -> None:
     sl.barrier("views-registered")
     sl.begin("join", rank)
     if shrunk.rank_of(me) == 0:  # its step vote carries the newest ticket
-        grown = views.admit(records, shrunk, views.joiners_waiting(records))
+        grown = joiners.admit(records, shrunk, joiners.joiners_waiting(records))
     else:
-        grown = views.wait_view(records, shrunk.number + 1, timeout=120)
+        grown = joiners.wait_view(records, shrunk.number + 1, timeout=120)
     assert grown is not None and len(grown.members) == n, "the grow did not admit every replacement"
     assert views.gather(records, grown, me), "the grown view did not form"
     sl.end("join", rank)

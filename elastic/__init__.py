@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from elastic._worker.config import ArgumentParser, RunConfig, add_runtime_arguments
     from elastic._worker.data.feed import seeded_samples
     from elastic._worker.data.sampler import ElasticSampler
+    from elastic._worker.run.parts import Change, LoopPart, LoopPartBase
     from elastic._worker.run.run import Run
     from elastic._worker.run.schedules import OneCycle, WarmupCosine
     from elastic._worker.runtime.collectives import all_reduce_mean
@@ -71,6 +72,9 @@ _EXPORTS = {
     "RunConfig": ("elastic._worker.config", "RunConfig"),
     "ArgumentParser": ("elastic._worker.config", "ArgumentParser"),
     "add_runtime_arguments": ("elastic._worker.config", "add_runtime_arguments"),
+    "LoopPart": ("elastic._worker.run.parts", "LoopPart"),
+    "LoopPartBase": ("elastic._worker.run.parts", "LoopPartBase"),
+    "Change": ("elastic._worker.run.parts", "Change"),
     # data and the step's math
     "ElasticSampler": ("elastic._worker.data.sampler", "ElasticSampler"),
     "seeded_samples": ("elastic._worker.data.feed", "seeded_samples"),

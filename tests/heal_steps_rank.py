@@ -3,7 +3,7 @@
     python tests/heal_steps_rank.py RANK PORT OUT
 
 Two ranks train a DDP model of three 512-wide layers (two gradient buckets once DDP laid them
-out), then heal twice as the survivors do (elastic._worker.survivors.regroup): each time both
+out), then heal twice as the survivors do (elastic._worker.survivors.regroup, .ddp_rebind): each time both
 leave the group and form the next generation's; rank 1 builds a fresh DDP there, as a replacement
 does, rank 0 rebinds its own. The first heal stops there (torch's behaviour for a fresh reducer);
 the second also settles the buckets (`rebind(reverse=True)` and `settle_buckets`, as
@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from torch._C._distributed_c10d import _dump_fr_trace  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from elastic._worker.survivors import regroup  # noqa: E402
+from elastic._worker.survivors import ddp_rebind, regroup  # noqa: E402
 
 WORLD = 2
 
@@ -41,7 +41,7 @@ def recorded() -> list[list]:
 def main() -> None:
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=regroup.group_store(store, 0), rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=regroup.heal_group_store(store, 0), rank=rank, world_size=WORLD)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
                                 torch.nn.ReLU(), torch.nn.Linear(512, 512))
@@ -64,10 +64,10 @@ def main() -> None:
         if rank == 1:  # the replacement's DDP, built on the new group without DDP's first broadcast
             ddp = DistributedDataParallel(model, init_sync=False)
         else:
-            regroup.rebind(ddp)
+            ddp_rebind.rebind(ddp)
         if settle:
-            regroup.rebind(ddp, reverse=True)
-            regroup.settle_buckets(ddp)
+            ddp_rebind.rebind(ddp, reverse=True)
+            ddp_rebind.settle_buckets(ddp)
         segments.append((f"heal {generation}", len(recorded())))
 
     segments.append(("start", len(recorded())))

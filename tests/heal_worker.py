@@ -1,9 +1,12 @@
-"""A DDP training script on `elastic._worker.survivors.regroup`: what test_regroup.py checks.
+"""A DDP training script on the raw pieces of `elastic._worker.survivors` (regroup, ddp_rebind,
+catch_up): what test_regroup.py checks.
 
 Under torchrevive-run with TORCHREVIVE_SURVIVORS=keep (or a stand-in that sets the
 same variables) it heals in place: a step whose gradient all-reduce failed is void,
 the worker waits for its agent's heal, forms the next group and shares its state
-with the replacement. Without a heal point it joins by torch's env:// and exits 1
+with the replacement (`share_state`: this script's own catch-up, a broadcast over the
+new group, as a user of the raw pieces would write it; `elastic.Run` catches up through
+its checkpoint manager's live restore instead). Without a heal point it joins by torch's env:// and exits 1
 on a void step: its agent then restarts every worker through a new round.
 
     python heal_worker.py STEPS KILL_AT KILLED_RANK REPORT
@@ -29,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic._shared.common.errors import EnvironmentConfigError
+from elastic._shared.common.errors import EnvironmentConfigError, first_line
 from elastic._shared.protocol import heal_env
-from elastic._worker.survivors import regroup
+from elastic._worker.survivors import catch_up, ddp_rebind, regroup
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -39,6 +42,49 @@ TIMEOUT = timedelta(seconds=60)
 def append(path: str, record: dict) -> None:
     with open(path, "a") as out:
         out.write(json.dumps(record) + "\n")
+
+
+def share_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, src: int) -> None:
+    """Make every member's parameters, buffers and per-parameter optimizer state equal to
+    rank `src`'s (collectives). A member whose optimizer has no state yet (a replacement)
+    makes it first (`prepare_optimizer_state`) when the source has some; when the source has
+    none (no step taken, or an optimizer without state), only the model is sent. What is not
+    a tensor there (learning rates in `param_groups`, a scheduler) is the script's to carry."""
+    try:
+        source_has_state = torch.tensor([int(bool(optimizer.state))], dtype=torch.int64)
+        dist.broadcast(source_has_state, src)
+        if source_has_state.item() and not optimizer.state:
+            prepare_optimizer_state(optimizer)
+        for tensor in state_tensors(model, optimizer if source_has_state.item() else None):
+            dist.broadcast(tensor, src)
+    except RuntimeError as error:
+        raise regroup.GroupBroken(
+            f"the new group broke while rank {src} shared its state: {first_line(error)}") from None
+
+
+def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its per-parameter state, so that `share_state` can fill it:
+    one step on zero gradients makes the state (its keys and shapes are the optimizer's
+    own), then the parameters are put back (weight decay moved them)."""
+    saved = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    originals = [p.detach().clone() for p, _ in saved]
+    for p, _ in saved:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for (p, grad), original in zip(saved, originals):
+            p.copy_(original)
+            p.grad = grad
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor a member must hold equal to the source's, in an order all members share."""
+    tensors = [t.data for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+    for group in optimizer.param_groups if optimizer is not None else ():
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            tensors += [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor)]
+    return tensors
 
 
 def main() -> int:
@@ -73,13 +119,13 @@ def main() -> int:
         return heal_env.HEAL_FAILED_EXIT
     # A replacement's DDP makes no collective of its own: its state comes from a survivor below.
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.001, init_sync=not replacement)
-    guard = regroup.StepGuard()
+    guard = ddp_rebind.StepGuard()
     guard.attach(ddp)
     guard.guard(optimizer)
 
     def take_newest_state(completed: int) -> int:
-        agreed = regroup.agree(completed)
-        regroup.share_state(model, optimizer, src=agreed.source)
+        agreed = catch_up.agree(completed)
+        share_state(model, optimizer, src=agreed.source)
         return agreed.most
 
     completed, trained, heals = 0, [], 0
@@ -109,7 +155,7 @@ def main() -> int:
             try:
                 generation = regroup.next_generation(point, after=generation, timeout=TIMEOUT)
                 regroup.rejoin(point.store, generation=generation, rank=rank, world_size=world, timeout=TIMEOUT)
-                regroup.rebind(ddp, guard)
+                ddp_rebind.rebind(ddp, guard)
                 guard.clear()
                 completed, heals = take_newest_state(completed), heals + 1
             except regroup.RegroupError as error:

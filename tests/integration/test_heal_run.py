@@ -36,6 +36,10 @@ pytestmark = pytest.mark.slow
 STEPS, KILL_AFTER = 16, 6
 
 
+HEALED_PATH = ["leaving", "awaiting", "forming", "catching up", "member"]
+"""How a survivor's heal ends, phase by phase (elastic._worker.survivors.lifecycle)."""
+
+
 def run_job(
     tmp_path: Path, corpus: Path, agents: int, fault: str, eval_every: int = 0, **extra_env: str
 ) -> tuple[list[dict], list[str]]:
@@ -80,6 +84,8 @@ def test_survivors_keep_their_processes_and_the_run_ends_bit_identical(
     assert restore["bytes_received"] > 0 and restore["bytes_read"] == 0, "nothing was read from disk"
     (heal,) = [e for e in healed if e["event"] == "heal"]
     assert (heal["step"], heal["generation"]) == (KILL_AFTER, 1)
+    # The survivor's way through its lifecycle (a void step, or a step whose bookkeeping failed):
+    assert heal["phases"][0] == "member" and heal["phases"][-5:] == HEALED_PATH, heal
     assert [e["step"] for e in healed if e["event"] == "step"] == list(range(1, STEPS + 1)), "no step lost or redone"
     # A save still being written when rank 1 died cannot commit (its part is gone): one line, and no more.
     assert all(e["step"] <= KILL_AFTER for e in healed if e["event"] == "checkpoint_failed")

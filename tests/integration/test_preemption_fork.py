@@ -27,7 +27,8 @@ TRAINER = textwrap.dedent(
     import torch
 
     from elastic._worker.control.preemption import PreemptionHandler
-    from elastic._worker.runtime.context import WorkerContext, parse_launch_env
+    from elastic._worker.runtime.context import WorkerContext
+    from elastic._worker.runtime.worker_env import parse_launch_env
 
     mode, grace = sys.argv[1], float(sys.argv[2])
     launch = parse_launch_env({})

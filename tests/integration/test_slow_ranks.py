@@ -11,7 +11,7 @@ import pytest
 from thread_ranks import run_ranks
 
 from elastic._worker.config import RunConfig
-from elastic._worker.control.step_vote import StepVote
+from elastic._worker.control.step_vote import Ballot, StepVote
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog
 from elastic._worker.observe.slow_ranks import SlowRanks
@@ -32,8 +32,8 @@ def rank_body(ctx: WorkerContext, group: Any, mode: str = "report") -> dict[str,
     sampler = ElasticSampler(10_000, batch_size=8, seed=0)
     slow = SlowRanks(ctx, RunConfig(slow_ranks=mode, slow_factor=1.5, slow_window=3), events, None,
                      sampler=sampler, group=group, clock=lambda: work_now[0])
-    vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0, clock=lambda: vote_now[0], group=group,
-                    figures=slow.figures)
+    vote = StepVote(ctx, Ballot, grace=15.0, clock=lambda: vote_now[0], group=group,
+                    slots=slow.figures)
     lengths, trained, changed_at = set(), 0, []
     for step in range(1, STEPS + 1):
         slow.step_started()
@@ -44,8 +44,8 @@ def rank_body(ctx: WorkerContext, group: Any, mode: str = "report") -> dict[str,
         slow.step_ended()
         vote_now[0] += 1.0
         verdict = vote.step_ended(step)
-        lengths.add(len(verdict.work))
-        if slow.verdict(verdict.work, step):
+        lengths.add(len(verdict.slots))
+        if slow.verdict(verdict.slots, step):
             changed_at.append((step, sampler.shares))
     vote.settle()
     return {"seen": seen, "lengths": lengths, "every": vote.every, "trained": trained, "changed_at": changed_at,
@@ -73,14 +73,14 @@ def test_off_carries_no_figures_and_names_nobody() -> None:
         events = EventLog(None, restart=0)
         events.subscribe(seen.append)
         slow = SlowRanks(ctx, RunConfig(slow_ranks="off"), events, None, group=group)
-        vote = StepVote(ctx, lambda: (False, False, False, 0), grace=15.0, group=group, figures=slow.figures)
+        vote = StepVote(ctx, Ballot, grace=15.0, group=group, slots=slow.figures)
         widths = set()
         for step in range(1, 6):
             slow.step_started()
             slow.step_ended()
             verdict = vote.step_ended(step)
-            widths.add(len(verdict.work))
-            slow.verdict(verdict.work, step)
+            widths.add(len(verdict.slots))
+            slow.verdict(verdict.slots, step)
         vote.settle()
         return len(widths - {0}), seen
 

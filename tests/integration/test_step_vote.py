@@ -17,7 +17,7 @@ import warm
 from support import REPO, free_port, worker_env
 from thread_ranks import run_ranks
 
-from elastic._worker.control.step_vote import MAX_EVERY, StepVote
+from elastic._worker.control.step_vote import MAX_EVERY, Ballot, StepVote
 from elastic._worker.runtime.context import WorkerContext
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def votes(ctx: WorkerContext, group: Any) -> dict[str, Any]:
     now = [0.0]
 
     def cast():
-        return ballot["preempted"], False, ballot["storage"], ballot["every"]
+        return Ballot(preempted=ballot["preempted"], storage_failing=ballot["storage"], snapshot_every=ballot["every"])
 
     def plain(verdict):
         return None if verdict is None else [verdict.preempted, verdict.storage_failing, verdict.snapshot_every,

@@ -53,6 +53,11 @@ def test_survivors_train_on_while_the_replacement_starts_and_it_joins_later(tmp_
     heals = [e for e in events if e["event"] == "heal"]
     assert [(e["change"], e["world_size"]) for e in heals] == [("shrink", 2), ("grow", 3)], heals
     assert heals[0]["step"] == KILL_AFTER
+    # Phase by phase (elastic._worker.survivors.lifecycle): the survivors' shrink awaited the next view;
+    # the replacement, rank 0 of the grown group, came in from its start by awaiting its admission.
+    assert heals[0]["phases"][0] == "member", heals
+    assert heals[0]["phases"][-5:] == ["leaving", "awaiting", "forming", "catching up", "member"], heals
+    assert heals[1]["phases"] == ["starting", "awaiting", "forming", "catching up", "member"], heals
     # (Rank 0's last step lines before the kill may be lost with it: elastic._worker.observe.events.)
     sizes = {e["step"]: e["world_size"] for e in events if e["event"] == "step"}
     assert sizes[KILL_AFTER + 1] == 2 and sizes[STEPS] == 3, sizes

@@ -107,3 +107,19 @@ def test_the_ckpt_every_flag_takes_steps_or_epochs_and_refuses_the_rest_in_one_l
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "is not a number of steps (0 or more) or of epochs (2e)" in err, err
     assert isinstance(parser, argparse.ArgumentParser)
+
+
+def test_every_setting_declares_its_rule_and_section_beside_it_and_help_groups_them() -> None:
+    """One source per setting: its field holds its default, its rule and its section (issue 53); `--help`
+    shows the runtime flags in those sections."""
+    from dataclasses import fields
+
+    from elastic._worker.config import SECTIONS, ArgumentParser, RunConfig, sections
+
+    for spec in fields(RunConfig):
+        assert spec.metadata["section"] in SECTIONS and spec.metadata["rule"].holds(spec.default), spec.name
+    assert list(sections()) == list(SECTIONS)
+    text = ArgumentParser(prog="train.py").format_help()
+    places = [text.index(f"runtime: {section}:") for section in SECTIONS]
+    assert places == sorted(places)
+    assert places[1] < text.index("\n  --ckpt-every") < places[2] and text.index("\n  --slow-factor") > places[-1]

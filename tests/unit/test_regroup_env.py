@@ -1,6 +1,6 @@
 """Where a worker's heals meet (elastic._worker.survivors.regroup.heal_point) is read from torchrevive-run's variables;
-a malformed one is one line naming it; and `agree`'s ballots pick the most steps and, among the members
-that completed them, the lowest rank."""
+a malformed one is one line naming it; and `agree`'s ballots (elastic._worker.survivors.catch_up) pick the most
+steps and, among the members that completed them, the lowest rank."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from elastic._shared.common.errors import EnvironmentConfigError
 from elastic._shared.protocol import heal_env
-from elastic._worker.survivors import regroup
+from elastic._worker.survivors import catch_up, regroup
 
 
 def env(store: str, namespace: str = "run/10.0.0.1:29500", generation: str = "0") -> dict[str, str]:
@@ -57,21 +57,21 @@ def test_any_store_address_is_a_heal_point_or_one_line(address: str) -> None:
 @pytest.mark.parametrize(
     ("completed", "agreed"),
     [
-        ([9, 10, 10, 0], regroup.Agreement(fewest=0, most=10, source=1)),  # two ahead, a replacement
-        ([5, 5], regroup.Agreement(fewest=5, most=5, source=0)),
-        ([0, 0, 7], regroup.Agreement(fewest=0, most=7, source=2)),
+        ([9, 10, 10, 0], catch_up.Agreement(fewest=0, most=10, source=1)),  # two ahead, a replacement
+        ([5, 5], catch_up.Agreement(fewest=5, most=5, source=0)),
+        ([0, 0, 7], catch_up.Agreement(fewest=0, most=7, source=2)),
     ],
 )
 def test_the_ballots_name_the_most_steps_and_the_lowest_rank_that_completed_them(completed, agreed) -> None:
     world = len(completed)
-    votes = torch.stack([regroup.ballot(c, rank=r, world_size=world) for r, c in enumerate(completed)])
-    assert regroup.count(votes.max(dim=0).values, world_size=world) == agreed
+    votes = torch.stack([catch_up.ballot(c, rank=r, world_size=world) for r, c in enumerate(completed)])
+    assert catch_up.count(votes.max(dim=0).values, world_size=world) == agreed
 
 
 @given(st.lists(st.integers(min_value=0, max_value=10**9), min_size=1, max_size=64))
 def test_any_ballots_count_right(completed: list[int]) -> None:
     world = len(completed)
-    votes = torch.stack([regroup.ballot(c, rank=r, world_size=world) for r, c in enumerate(completed)])
-    agreed = regroup.count(votes.max(dim=0).values, world_size=world)
+    votes = torch.stack([catch_up.ballot(c, rank=r, world_size=world) for r, c in enumerate(completed)])
+    agreed = catch_up.count(votes.max(dim=0).values, world_size=world)
     assert (agreed.fewest, agreed.most) == (min(completed), max(completed))
     assert agreed.source == completed.index(max(completed))

@@ -281,12 +281,12 @@ def test_a_pause_whose_group_broke_voids_the_step_only_before_its_update(tmp_pat
     healing = SimpleNamespace(can_heal=True, void_step=voided.append)
 
     def broken_pause(run: elastic.Run) -> None:
-        real, run._survivors = run._survivors, healing  # this pause only: the loop's own steps are a plain run's
+        real, run.core.survivors = run.core.survivors, healing  # this pause only: the loop's own steps are a plain run's
         try:
             with run.pause():
                 collectives._current.broken = "Connection closed by peer"  # as a failed all_reduce_mean leaves it
         finally:
-            run._survivors = real
+            run.core.survivors = real
 
     with elastic.Run(device="cpu", seed=3) as run:
         model = torch.nn.Linear(2, 1)

@@ -13,13 +13,12 @@ from support import free_port
 from elastic._shared.common.errors import EnvironmentConfigError, UsageError
 from elastic._worker.runtime import context as runtime
 from elastic._worker.runtime.context import (
-    SINGLE_PROCESS,
     error_teardown,
     init_worker,
-    parse_launch_env,
     select_device,
     shutdown_worker,
 )
+from elastic._worker.runtime.worker_env import SINGLE_PROCESS, parse_launch_env
 
 TORCHRUN_ENV = {
     "RANK": "3",

@@ -20,7 +20,7 @@ from elastic._shared.slurm.hostlist import (
 )
 from elastic._shared.slurm.requeue import requeue_signal
 from elastic._shared.slurm.step import MASTER_PORT_BASE, in_step
-from elastic._worker.runtime.context import SINGLE_PROCESS, parse_launch_env
+from elastic._worker.runtime.worker_env import SINGLE_PROCESS, parse_launch_env
 
 # Task 3 of `srun -N2 --ntasks-per-node=2` in job 2, as Slurm 22.05 set it (trimmed).
 SRUN_TASK = {

@@ -14,7 +14,7 @@ from elastic._agent.launcher.in_place import raise_generation
 from elastic._shared.protocol import heal_env
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._shared.storage.store_records import Records, strict_count
-from elastic._worker.survivors import views
+from elastic._worker.survivors import joiners, views
 from elastic._worker.survivors.views import View
 
 KEY = PeerKey(b"k" * 32)
@@ -48,7 +48,7 @@ def test_a_forged_view_is_ignored_with_one_warning_and_a_stranger_never_joins(ca
         assert views.read_view(records, 1) is None
     assert len([r for r in caplog.records if "view/1/members" in r.getMessage()]) == 1
     with pytest.raises(views.ViewError, match="not this job's"):  # its slot is taken: a new round, one line
-        views.admit(records, View(0, ("0.0", "1.0")), upto=0)
+        joiners.admit(records, View(0, ("0.0", "1.0")), upto=0)
 
 
 def test_a_view_sealed_for_another_round_or_key_is_not_one() -> None:
@@ -57,18 +57,18 @@ def test_a_view_sealed_for_another_round_or_key_is_not_one() -> None:
     records.store.set("view/1/members", other_round.seal("view/1/members", "0|grow|0.0,1.0"))
     records.store.set("view/2/members", records.seal("view/3/members", "0|grow|0.0,1.0"))
     assert views.read_view(records, 1) is None and views.read_view(records, 2) is None
-    views._close(records, 3, ["0.0", "1.0"], considered=0)
+    views.close_view(records, 3, ["0.0", "1.0"], considered=0)
     assert views.read_view(records, 3) == View(3, ("0.0", "1.0"))
 
 
 def test_a_forged_ticket_and_a_forged_failure_mark_are_ignored() -> None:
     records = sealed()
-    views.register_joiner(records, "2.1")
+    joiners.register_joiner(records, "2.1")
     records.store.add(heal_env.JOINERS_KEY, 1)
     records.store.set("joiner/2", "3.9")  # a stranger's ticket
     records.store.set(heal_env.failed_key("1.0"), "1")  # and a stranger's claim that rank 1 died
     assert not views.failed(records, "1.0")
-    grown = views.admit(records, View(0, ("0.0", "1.0")), upto=2)
+    grown = joiners.admit(records, View(0, ("0.0", "1.0")), upto=2)
     assert grown.members == ("0.0", "1.0", "2.1") and grown.considered == 2
 
 
@@ -76,7 +76,7 @@ def test_a_forged_joiner_count_costs_rank_0_at_most_a_world_of_tickets() -> None
     store = Counted()
     records = sealed(store, world=4)
     store.inner.add(heal_env.JOINERS_KEY, 10**6)  # a stranger's count
-    grown = views.admit(records, View(0, ("0.0", "1.0")), upto=views.joiners_waiting(records))
+    grown = joiners.admit(records, View(0, ("0.0", "1.0")), upto=joiners.joiners_waiting(records))
     assert grown.considered == 4 and store.calls < 40
 
 

@@ -23,7 +23,7 @@ from elastic._worker.control.step_vote import Verdict
 from elastic._worker.data.feed import Feed, StepBatchSampler
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog, read_events
-from elastic._worker.survivors import views
+from elastic._worker.survivors import joiners, views
 from elastic._worker.survivors.views import View, ViewError
 
 
@@ -88,81 +88,81 @@ def test_a_member_neither_arrived_nor_marked_is_waited_for_the_settle_time_then_
 def test_a_grow_admits_the_waiting_joiners_in_rank_order_and_skips_the_dead_and_the_taken() -> None:
     store = records()
     current = View(4, ids(0, 2), considered=0)
-    assert views.joiners_waiting(store) == 0
-    views.register_joiner(store, "3.1")
-    views.register_joiner(store, "1.2")
-    views.register_joiner(store, "2.5")  # rank 2 is a member already: not admitted twice
-    views.register_joiner(store, "4.1")
+    assert joiners.joiners_waiting(store) == 0
+    joiners.register_joiner(store, "3.1")
+    joiners.register_joiner(store, "1.2")
+    joiners.register_joiner(store, "2.5")  # rank 2 is a member already: not admitted twice
+    joiners.register_joiner(store, "4.1")
     store.set(heal_env.failed_key("4.1"), "1")  # died while it waited
-    assert views.joiners_waiting(store) == 4
-    grown = views.admit(store, current, upto=4)
+    assert joiners.joiners_waiting(store) == 4
+    grown = joiners.admit(store, current, upto=4)
     assert (grown.number, grown.members, grown.considered, grown.grown) == (5, ("0.0", "1.2", "2.0", "3.1"), 4, True)
-    assert grown.rank_of("3.1") == 3 and views.wait_view(store, 5, timeout=0) == grown
+    assert grown.rank_of("3.1") == 3 and joiners.wait_view(store, 5, timeout=0) == grown
 
 
 def test_a_joiner_passed_over_by_a_view_takes_a_new_ticket_and_is_admitted_by_the_next() -> None:
     store, clock = records(), Clock()
     first = views.first_view(2)
-    ticket = views.register_joiner(store, "1.1")
-    views._close(store, 1, ["0.0"], considered=ticket)  # a view that considered it without it
+    ticket = joiners.register_joiner(store, "1.1")
+    views.close_view(store, 1, ["0.0"], considered=ticket)  # a view that considered it without it
     grown = View(2, ("0.0", "1.1"), considered=2, grown=True)
     calls = itertools.count()
 
     def sleep(seconds: float) -> None:
         clock.sleep(seconds)
         if next(calls) == 0:  # rank 0 admits the new ticket while the joiner waits
-            assert views.joiners_waiting(store) == 2
-            views._close(store, 2, list(grown.members), considered=2, grown=True)
+            assert joiners.joiners_waiting(store) == 2
+            views.close_view(store, 2, list(grown.members), considered=2, grown=True)
 
-    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, stale_after=60,
-                                    clock=clock, sleep=sleep) == grown
+    assert joiners.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, stale_after=60,
+                                      clock=clock, sleep=sleep) == grown
 
 
 def test_a_joiner_leaves_when_the_job_ended_and_when_nobody_is_left_to_take_it_in() -> None:
     store, clock = records(), Clock()
     first = views.first_view(2)
-    ticket = views.register_joiner(store, "1.1")
-    views.mark_ended(store)
-    assert views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, stale_after=60,
-                                    clock=clock, sleep=clock.sleep) is None
+    ticket = joiners.register_joiner(store, "1.1")
+    joiners.mark_ended(store)
+    assert joiners.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=first, stale_after=60,
+                                      clock=clock, sleep=clock.sleep) is None
     orphaned = records()
     for member in first.members:
         orphaned.set(heal_env.failed_key(member), "1")
     came = clock.now
     with pytest.raises(ViewError, match="every worker of view 0 failed"):
-        views.wait_for_admission(orphaned, "1.1", after=0, ticket=1, first=first, stale_after=60, clock=clock,
-                                 sleep=clock.sleep)
+        joiners.wait_for_admission(orphaned, "1.1", after=0, ticket=1, first=first, stale_after=60, clock=clock,
+                                   sleep=clock.sleep)
     # At once, not a settle time later: in the soak, a train-on joiner whose view's members were killed
     # together with its own worker waited 2.2 s before the round, a stall of 3.4 s.
     assert clock.now == came
     with pytest.raises(ViewError, match="no step vote for 30 s"):  # a lost node's workers are never marked
-        views.wait_for_admission(records(), "1.1", after=0, ticket=1, first=first, stale_after=30,
-                                 clock=clock, sleep=clock.sleep)
+        joiners.wait_for_admission(records(), "1.1", after=0, ticket=1, first=first, stale_after=30,
+                                   clock=clock, sleep=clock.sleep)
 
 
 def test_a_joiner_waits_as_long_as_the_group_votes() -> None:
     store, clock = records(), Clock()
-    ticket = views.register_joiner(store, "1.1")
+    ticket = joiners.register_joiner(store, "1.1")
     calls = itertools.count()
 
     def sleep(seconds: float) -> None:
         clock.sleep(seconds)
-        views.joiners_waiting(store)  # rank 0's vote: the group trains on
+        joiners.joiners_waiting(store)  # rank 0's vote: the group trains on
         if next(calls) == 3000:  # a minute of votes later, it is admitted
-            views._close(store, 1, ["0.0", "1.1"], considered=ticket)
+            views.close_view(store, 1, ["0.0", "1.1"], considered=ticket)
 
-    view = views.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=views.first_view(2),
-                                    stale_after=30, clock=clock, sleep=sleep)
+    view = joiners.wait_for_admission(store, "1.1", after=0, ticket=ticket, first=views.first_view(2),
+                                      stale_after=30, clock=clock, sleep=sleep)
     assert view is not None and view.members == ("0.0", "1.1") and clock.now > 30
 
 
 def test_a_ticket_left_unwritten_is_voided_and_never_blocks_the_joiners_after_it() -> None:
     store = records()
     store.store.add(heal_env.JOINERS_KEY, 1)  # a joiner took ticket 1 and died before writing it
-    assert views.register_joiner(store, "3.1") == 2
-    grown = views.admit(store, View(0, ids(0, 1)), upto=2)
+    assert joiners.register_joiner(store, "3.1") == 2
+    grown = joiners.admit(store, View(0, ids(0, 1)), upto=2)
     assert grown.members == ("0.0", "1.0", "3.1") and grown.considered == 2
-    assert views.register_joiner(store, "2.1") == 3, "ticket 1 stays void"
+    assert joiners.register_joiner(store, "2.1") == 3, "ticket 1 stays void"
 
 
 def test_a_view_forms_when_all_its_members_came_and_every_member_learns_the_same_outcome() -> None:

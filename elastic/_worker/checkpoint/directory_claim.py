@@ -19,11 +19,12 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from typing import Any
 
 from elastic._shared.common import threads
 from elastic._shared.common.errors import CheckpointStorageError
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.claim import WriterIdentity
-from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import SaveFailed, describe_failure
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 class DirectoryClaim:
     """Rank 0's claim on `store` for run `run_id` (see the module docstring)."""
 
-    def __init__(self, store: CheckpointStore, run_id: str) -> None:
+    def __init__(self, store: CheckpointStorage[Any], run_id: str) -> None:
         self.store = store
         self.identity = WriterIdentity.new(run_id)
         self._prepared = False

@@ -17,14 +17,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from elastic._shared.common.errors import (
     CheckpointError,
     CheckpointStorageError,
     CorruptCheckpoint,
 )
-from elastic._shared.storage import sharded
-from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage import tensors_json
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.durable import describe_failure
 from elastic._shared.storage.manifest import TRAINER_FILE, Candidate
 from elastic._worker.checkpoint import fit
@@ -40,7 +41,7 @@ class DiskSource:
     kind = DISK
     storage_errors_fall_back = False
 
-    def __init__(self, store: CheckpointStore, state: TrainingState, candidates: list[Candidate]) -> None:
+    def __init__(self, store: CheckpointStorage[Any], state: TrainingState, candidates: list[Candidate]) -> None:
         self.store = store
         self.state = state
         self._candidates = list(candidates)
@@ -80,7 +81,7 @@ class DiskSource:
         self.store.check_room(manifest.total_bytes)  # the next save would not fit
         return Offer(
             source=DISK, name=candidate.name, checkpoint=candidate.name, manifest=manifest.to_json(), trainer=trainer,
-            tensors_json=sharded.metadata_to_json(metadata) if metadata is not None else None,
+            tensors_json=tensors_json.metadata_to_json(metadata) if metadata is not None else None,
             directory=str(candidate.path),
         )
 

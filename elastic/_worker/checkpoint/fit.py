@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint
-from elastic._shared.storage import sharded
+from elastic._shared.storage import tensors_json
 from elastic._worker.checkpoint import state as live_state
 from elastic._worker.checkpoint.training_state import (
     RUNTIME_EXTRA_PREFIX,
@@ -70,7 +70,7 @@ def check_trainer_shape(name: str, trainer: Any) -> None:
 def check_tensors(name: str, metadata: Metadata, trainer: dict[str, Any], state: TrainingState) -> None:
     """The saved tensors and optimizer groups fit the live model and optimizer."""
     model, optimizer = state.model, state.optimizer
-    saved = sharded.tensor_shapes(metadata)
+    saved = tensors_json.tensor_shapes(metadata)
     live = {
         key: value for key, value in live_state.live_tensors(model, optimizer).items()
         if key.startswith(live_state.MODEL_PREFIX)

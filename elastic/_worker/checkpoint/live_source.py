@@ -3,7 +3,7 @@
 The members of a group formed in place hold different states: a survivor the
 state of the last step it completed, a replacement only what its script built
 (the model as seeded, an empty optimizer). One member, the source (the lowest
-rank of those that completed the most steps: `elastic._worker.survivors.regroup.agree`), sends
+rank of those that completed the most steps: `elastic._worker.survivors.catch_up.agree`), sends
 its whole training state over the new group, as a checkpoint would hold it:
 
 1. a header, the source's `torch.save` of plain values: every tensor's stable
@@ -90,7 +90,7 @@ def share(
 ) -> Received:
     """Make this member's state the source's (see the module docstring); a collective on the default group.
 
-    `step`: the source's completed steps (every member learned it from `regroup.agree`);
+    `step`: the source's completed steps (every member learned it from `catch_up.agree`);
     `take`: this member applies what it receives; `extras`: plain values the source sends
     along (ignored elsewhere); `replacement`: this member's RNG is seeded, not kept."""
     if any(isinstance(t, DTensor) for t in state.model.state_dict().values()):

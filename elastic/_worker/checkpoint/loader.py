@@ -39,8 +39,8 @@ from elastic._shared.common.errors import (
     CorruptCheckpoint,
     RestoreTimedOut,
 )
-from elastic._shared.storage import sharded
-from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage import sharded, tensors_json
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.durable import describe_failure
 from elastic._shared.storage.manifest import (
     MODEL_FILE,
@@ -62,7 +62,7 @@ class Loader:
     """Loads offers into one rank's live state (see the module docstring)."""
 
     def __init__(
-        self, ctx: WorkerContext, state: TrainingState, store: CheckpointStore, *, group: dist.ProcessGroup | None,
+        self, ctx: WorkerContext, state: TrainingState, store: CheckpointStorage[Any], *, group: dist.ProcessGroup | None,
         restore_timeout: float, fault: Any = lambda point, step: None,
     ) -> None:
         self._ctx = ctx
@@ -101,8 +101,8 @@ class Loader:
 
     def _read_sharded(self, offer: Offer, opened: Opened, deadline: float) -> Callable[[], int]:
         ctx, model, optimizer = self._ctx, self.state.model, self.state.optimizer
-        metadata = sharded.metadata_from_json(offer.tensors_json or "")
-        saved = sharded.tensor_shapes(metadata)
+        metadata = tensors_json.metadata_from_json(offer.tensors_json or "")
+        saved = tensors_json.tensor_shapes(metadata)
         live = live_state.live_tensors(model, optimizer)
         params = dict(model.named_parameters())
         targets: dict[str, torch.Tensor] = {}

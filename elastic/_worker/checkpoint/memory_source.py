@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic._shared.common.errors import CheckpointMismatchError, CorruptCheckpoint
-from elastic._shared.storage import parts, sharded
+from elastic._shared.storage import parts, tensors_json
 from elastic._shared.storage.keeper_address import LOCAL, REPLICA
 from elastic._shared.storage.manifest import Manifest, checkpoint_name, versions
 from elastic._shared.storage.parts import PartHeader
@@ -112,7 +112,7 @@ class MemorySource:
             local = all(any(place[2] == LOCAL for place in found[rank]) for rank in found)
             return Offer(
                 source=MEMORY if local else PEER, name=name, checkpoint=checkpoint_name(step),
-                manifest=manifest.to_json(), trainer=trainer, tensors_json=sharded.metadata_to_json(metadata),
+                manifest=manifest.to_json(), trainer=trainer, tensors_json=tensors_json.metadata_to_json(metadata),
                 locations=found,
             )
         return None

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from elastic._shared.common.errors import (
     CheckpointError,
@@ -37,7 +38,7 @@ from elastic._shared.common.errors import (
     CorruptCheckpoint,
     RestoreTimedOut,
 )
-from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.durable import describe_failure
 from elastic._shared.storage.manifest import Candidate
 from elastic._worker.checkpoint.directory_claim import DirectoryClaim
@@ -95,7 +96,7 @@ class RestorePlanner:
     """One restore of one rank's training state (see the module docstring)."""
 
     def __init__(
-        self, ctx: WorkerContext, state: TrainingState, store: CheckpointStore, loader: Loader,
+        self, ctx: WorkerContext, state: TrainingState, store: CheckpointStorage[Any], loader: Loader,
         memory: MemorySnapshots | None, *, restore_timeout: float,
     ) -> None:
         self._ctx = ctx

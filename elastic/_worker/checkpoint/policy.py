@@ -14,8 +14,9 @@ Invariants (rank 0 judges; the others learn its verdict at the next vote):
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from elastic._shared.storage.directory import CheckpointStore
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.manifest import checkpoint_name
 from elastic._worker.observe.events import EventLog
 from elastic._worker.runtime.context import WorkerContext
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 class FailurePolicy:
     """Rank 0's account of saves: what committed, what failed, and whether the job must stop."""
 
-    def __init__(self, ctx: WorkerContext, store: CheckpointStore, events: EventLog, *, max_failures: int) -> None:
+    def __init__(self, ctx: WorkerContext, store: CheckpointStorage[Any], events: EventLog, *, max_failures: int) -> None:
         self._ctx = ctx
         self.store = store
         self._events = events

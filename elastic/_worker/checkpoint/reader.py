@@ -31,7 +31,7 @@ import torch
 
 from elastic._shared.common.errors import CheckpointError, CorruptCheckpoint
 from elastic._shared.common.errors import first_line as _one_line
-from elastic._shared.storage import sharded
+from elastic._shared.storage import sharded, tensors_json
 from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.stores import open_store
@@ -113,7 +113,7 @@ def read_tensors(
     if not isinstance(trainer, dict) or not all(isinstance(trainer.get(k, {}), dict) for k in ("aliases", "module_extra")):
         raise CorruptCheckpoint(f"{candidate.name}/{TRAINER_FILE} is not a trainer state of this runtime")
     metadata = store.tensor_metadata(candidate, manifest)
-    keys = [key for key in sharded.tensor_shapes(metadata) if key.startswith(prefix)]
+    keys = [key for key in tensors_json.tensor_shapes(metadata) if key.startswith(prefix)]
     source = store.chunk_source(candidate.path)  # a bucket's ranged reads; None: the files
     state: dict[str, Any] = dict(sharded.full_tensors(candidate.path, metadata, keys, source=source))
     for alias, first in trainer.get("aliases", {}).items():

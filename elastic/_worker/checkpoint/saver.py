@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.utils import CheckpointException
 
 from elastic._shared.common.errors import CheckpointStorageError, first_line
 from elastic._shared.storage import sharded
+from elastic._shared.storage.checkpoint_storage import CheckpointStorage
 from elastic._shared.storage.commit import commit_checkpoint
-from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.durable import SaveFailed, describe_failure
 from elastic._shared.storage.manifest import checkpoint_name
 from elastic._worker.checkpoint import state as live_state
@@ -87,7 +87,7 @@ class Saver:
     """One rank's saves (see the module docstring). Every method is called by every rank at the same step."""
 
     def __init__(
-        self, ctx: WorkerContext, state: TrainingState, store: CheckpointStore, events: EventLog,
+        self, ctx: WorkerContext, state: TrainingState, store: CheckpointStorage[Any], events: EventLog,
         policy: FailurePolicy, claim: DirectoryClaim | None, *, group: dist.ProcessGroup | None, timeout: float,
         wait_slice: float, fault: Callable[[str, int], None], copy_stream: torch.cuda.Stream | None,
     ) -> None:

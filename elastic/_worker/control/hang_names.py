@@ -52,7 +52,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic._shared.protocol import worker_notes
-from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
 from elastic._shared.storage.store_batches import BATCH, read_present
 from elastic._shared.storage.store_records import Records
@@ -65,6 +64,7 @@ from elastic._worker.control.culprits import (
     Verdict,
     name_culprits,
 )
+from elastic._worker.runtime.worker_env import WorkerEnv
 
 logger = logging.getLogger(__name__)
 
@@ -344,28 +344,21 @@ def default_store() -> Any:
         return None
 
 
-def this_rank() -> Place | None:
+def this_rank(env: WorkerEnv) -> Place | None:
     """This rank in the default group, and where it runs: its agent's node name (the snapshot keeper's,
-    when there is one; else the host name) and the host name."""
-    import os
-    import socket
-
+    when there is one; else the host name) and the host name (`env`: the worker's, read when it opened)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    host = socket.gethostname()
-    node = os.environ.get(NODE_ENV) or host
-    return Place(dist.get_rank(), dist.get_world_size(), node[:200], host[:200])
+    return Place(dist.get_rank(), dist.get_world_size(), env.node[:200], env.host[:200])
 
 
-def report_to_agent(verdict: Verdict) -> None:
+def report_to_agent(verdict: Verdict, env: WorkerEnv) -> None:
     """The winner's verdict: a note for this node's agent, which prints it on every agent and writes the
     `hang` event; without an agent that takes notes (plain torchrun), the line on this worker's stderr."""
-    import os
-
-    directory, local_rank = os.environ.get(worker_notes.NOTES_ENV), os.environ.get("LOCAL_RANK", "")
+    directory, local_rank = env.notes_dir, env.local_rank
     note = {"line": verdict.line(), "step": verdict.step, **verdict.fields()}
-    if directory and local_rank.isdigit() and worker_notes.write_json(worker_notes.hang_path(directory, int(local_rank)), note):
+    if directory and local_rank is not None and worker_notes.write_json(worker_notes.hang_path(directory, local_rank), note):
         return
     print(f"torchrevive: {verdict.line()}", file=sys.stderr, flush=True)

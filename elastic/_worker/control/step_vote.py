@@ -18,7 +18,7 @@ what a loop measures in its first steps (the first snapshot's cost, which
 sets the snapshot interval) is agreed a few steps later, not a second's
 worth of steps later.
 
-    vote = StepVote(ctx, ballot=lambda: (signalled, requeue, storage_failing, snapshot_every_proposal), grace=15.0)
+    vote = StepVote(ctx, ballot=lambda: Ballot(preempted=signalled, snapshot_every=proposal), grace=15.0)
     for each step:
         ...forward, backward, optimizer.step()...
         verdict = vote.step_ended(step)     # every rank: the same Verdict at the same step
@@ -42,10 +42,10 @@ Invariants:
   store): every rank learns it at the same vote step, and they grow there. A
   ticket learned by `fresh` (between steps) is carried to the next step end:
   the group grows at a step's end, never in the middle of a pause.
-- With `figures` (`--slow-ranks`, elastic._worker.observe.slow_ranks) the vote also carries one slot
-  per rank, each rank's own figure in its slot and 0 in the others': the MAX hands every rank every
-  rank's figure (`Verdict.work`, empty when the slots do not match the group's size). The figures
-  ride on the collective the vote takes anyway.
+- With `slots` the vote also carries the loop parts' ballots (elastic._worker.run.parts), laid end to
+  end, as long on every rank: each element MAX-reduced (`Verdict.slots`). `--slow-ranks` puts one slot
+  per rank there, each rank's own figure in its slot and 0 in the others': the MAX hands every rank
+  every rank's figure. They ride on the collective the vote takes anyway.
 """
 
 from __future__ import annotations
@@ -61,9 +61,22 @@ from elastic._worker.control import agreement, collective_record
 from elastic._worker.control.collective_record import CollectiveRecord
 from elastic._worker.runtime.context import WorkerContext
 
-Ballot = Callable[[], tuple[bool, bool, bool, int]]
-"""This rank's (preempted, by the Slurm requeue signal, storage failing, proposed snapshot interval; 0: no
-opinion)."""
+
+@dataclass(frozen=True)
+class Ballot:
+    """This rank's vote at a step's end (every field MAX-reduced over the ranks)."""
+
+    preempted: bool = False
+    """This rank received SIGTERM or the Slurm requeue signal."""
+    requeue: bool = False
+    """... the Slurm requeue signal."""
+    storage_failing: bool = False
+    """Rank 0's saves failed `ckpt_max_failures` times in a row."""
+    snapshot_every: int = 0
+    """The snapshot interval this rank proposes (0: no opinion)."""
+
+
+Caster = Callable[[], Ballot]
 
 STOP_BALLOT = 1
 """A preempted rank's vote: commit and leave."""
@@ -90,15 +103,15 @@ class Verdict:
     """Steps between votes from now on (0: no change)."""
     joiners: int = 0
     """The newest ticket of a worker waiting to join (0: none, or no `joiners` given)."""
-    work: tuple[int, ...] = ()
-    """Each rank's figure, by rank (`figures`; empty without them)."""
+    slots: tuple[int, ...] = ()
+    """The loop parts' ballots, each element the MAX over the ranks (`slots`; empty without them)."""
 
     @classmethod
     def of(cls, values: list[int]) -> Verdict:
         preempted, storage_failing, snapshot_every, vote_every, joiners = values[:5]
         return cls(preempted=bool(preempted), requeue=preempted >= REQUEUE_BALLOT,
                    storage_failing=bool(storage_failing), snapshot_every=int(snapshot_every),
-                   vote_every=int(vote_every), joiners=int(joiners), work=tuple(int(v) for v in values[5:]))
+                   vote_every=int(vote_every), joiners=int(joiners), slots=tuple(int(v) for v in values[5:]))
 
 
 NOTHING = Verdict()
@@ -108,20 +121,21 @@ class StepVote:
     """One rank's side of the vote (see the module docstring)."""
 
     def __init__(
-        self, ctx: WorkerContext, ballot: Ballot, *, grace: float, clock=time.monotonic,
+        self, ctx: WorkerContext, ballot: Caster, *, grace: float, clock=time.monotonic,
         joiners: Callable[[], int] | None = None, group: Any = agreement.DEFAULT_GROUP,
-        record: CollectiveRecord | None = None, figures: Callable[[], list[int] | None] | None = None,
+        record: CollectiveRecord | None = None, slots: Callable[[], list[int] | None] | None = None,
     ) -> None:
         """`group`: the ranks' group for the vote (default: the runtime's control group); `record`: this
         rank's record of collectives, where each wait for a vote's result is an entry (hang naming; default:
-        this process's, `collective_record.of_this_process`)."""
+        this process's, `collective_record.of_this_process`); `slots`: the parts' ballots, as long on every
+        rank (None or empty: none)."""
         self._record = record if record is not None else collective_record.of_this_process()
         self._step = 0  # the step the newest vote was read at
         self._ctx = ctx
         self._group = group
         self._ballot = ballot
         self._joiners = joiners
-        self._figures = figures
+        self._slots = slots
         self._grace = grace
         self._clock = clock
         self._pending: agreement.PendingMax | None = None
@@ -145,15 +159,13 @@ class StepVote:
         return max(1, min(round(VOTE_SECONDS / step), MAX_EVERY, within_grace, 2 * self.every))
 
     def _cast(self) -> agreement.PendingMax:
-        preempted, requeue, storage_failing, snapshot_every = self._ballot()
-        preemption = (REQUEUE_BALLOT if requeue else STOP_BALLOT) if preempted else 0
+        ballot = self._ballot()
+        preemption = (REQUEUE_BALLOT if ballot.requeue else STOP_BALLOT) if ballot.preempted else 0
         joiners = self._joiners() if self._joiners is not None else 0
         self.votes += 1
-        figures = (self._figures() if self._figures is not None else None) or []
-        if len(figures) != self._ctx.world_size:
-            figures = []  # every rank's ballot is as long: a rank's figures are all there or none are
+        slots = (self._slots() if self._slots is not None else None) or []
         return agreement.start_max(
-            self._ctx, [preemption, int(storage_failing), int(snapshot_every), self.proposal(), joiners, *figures],
+            self._ctx, [preemption, int(ballot.storage_failing), int(ballot.snapshot_every), self.proposal(), joiners, *slots],
             self._group,
         )
 

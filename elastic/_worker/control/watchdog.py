@@ -27,6 +27,7 @@ checkpoint flush); the hang naming sees the same stall clock, paused alike.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ from elastic._shared.common import threads
 from elastic._shared.protocol import worker_notes
 from elastic._worker.control import collective_record, hang_names
 from elastic._worker.control.collective_record import CollectiveRecord
+from elastic._worker.runtime.worker_env import WorkerEnv
 
 logger = logging.getLogger(__name__)
 
@@ -199,18 +201,22 @@ class NoWatchdog:
         pass
 
 
-def watchdog(timeout: float, *, distributed: bool = False) -> Watchdog | NoWatchdog:
+def watchdog(timeout: float, *, distributed: bool = False, env: WorkerEnv | None = None) -> Watchdog | NoWatchdog:
     """A started watchdog, or none when `timeout` is 0 (hang detection off); in a job of several
-    ranks (`distributed`) it names a hang's culprit first (`hang_names`)."""
+    ranks (`distributed`) it names a hang's culprit first (`hang_names`). `env`: the worker's
+    (`ctx.env`), which says where its agent takes notes (progress, a named hang) and its node's name;
+    None: a bare one (no agent: the verdict goes to stderr, the node is the host)."""
     if timeout <= 0:
         return NoWatchdog()
+    env = env if env is not None else WorkerEnv.bare()
     record = CollectiveRecord()
     collective_record.register(record)  # the step vote's waits are entries of it too
     namer = None
     if distributed:
         after = hang_names.name_after(timeout)
         namer = hang_names.HangNamer(
-            record, name_after=after, gather=after, store=hang_names.default_store, place=hang_names.this_rank,
-            report=hang_names.report_to_agent, main_thread=threading.main_thread().ident,
+            record, name_after=after, gather=after, store=hang_names.default_store,
+            place=functools.partial(hang_names.this_rank, env),
+            report=functools.partial(hang_names.report_to_agent, env=env), main_thread=threading.main_thread().ident,
         )
-    return Watchdog(timeout, record=record, namer=namer, progress=worker_notes.for_worker())
+    return Watchdog(timeout, record=record, namer=namer, progress=worker_notes.for_worker(env.variables))

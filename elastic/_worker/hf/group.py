@@ -18,7 +18,6 @@ after `train()` still use it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -26,15 +25,17 @@ import torch.distributed as dist
 
 from elastic._worker.config import RunConfig
 from elastic._worker.runtime.context import init_worker
+from elastic._worker.runtime.worker_env import WorkerEnv
 
 LAUNCHED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What a launcher (torchrun, torchrevive-run) puts in a worker's environment."""
 
 
 def join_before_accelerate(environ: Mapping[str, str] | None = None) -> bool:
-    """In a launched worker with no process group yet, join the job's; returns whether it did."""
-    environ = os.environ if environ is None else environ
-    if not all(name in environ for name in LAUNCHED) or not dist.is_available() or dist.is_initialized():
+    """In a launched worker with no process group yet, join the job's; returns whether it did.
+    `environ`: a test's, else the process's (`WorkerEnv.read`)."""
+    env = WorkerEnv.read(environ)
+    if not all(name in env.variables for name in LAUNCHED) or not dist.is_available() or dist.is_initialized():
         return False
-    init_worker("auto", timeout=timedelta(seconds=RunConfig().collective_timeout), environ=environ)
+    init_worker("auto", timeout=timedelta(seconds=RunConfig().collective_timeout), env=env)
     return dist.is_initialized()

@@ -68,8 +68,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +77,6 @@ import torch
 
 from elastic._shared.common.errors import ElasticError
 from elastic._shared.protocol.exit_status import FAULTY_NODE_EXIT
-from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._worker.control import agreement
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity import verdicts
@@ -100,12 +97,6 @@ class FaultyNodeError(ElasticError):
 
 class ReplicaDivergence(ElasticError):
     """The replicas differ again after a replay, and nothing names the rank at fault."""
-
-
-def node_name(environ: Any = os.environ) -> str:
-    """This worker's node as the job's agents name it (their failures, hangs and nodes set aside:
-    the snapshot keeper's node name, which torchrevive-run gives its workers); else the host."""
-    return (environ.get(NODE_ENV) or socket.gethostname())[:200]
 
 
 REPLAY, RETRY = "replay", "retry"
@@ -146,7 +137,8 @@ class ReplicaCheck:
         self._model = model
         self._events = events
         self._group = group
-        self._node = node if node is not None else node_name()
+        # The node as the job's agents name it (their failures, hangs, nodes set aside: `WorkerEnv.node`).
+        self._node = node if node is not None else ctx.env.node[:200]
         self._setting = setting
         self._sampler = sampler
         self._skip = skip  # skips a step's update (True), or says it was skipped already (False): the guard's record

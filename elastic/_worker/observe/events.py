@@ -19,8 +19,8 @@ Invariants:
   readable by its owner only (it names hosts, nodes and errors).
 - Only the main rank writes; every other rank holds a disabled log whose
   `emit` writes nothing, so recipes call it unconditionally. Under
-  torchrevive-run the main rank also notes the log's path for its agent
-  (elastic._shared.protocol.worker_notes), which appends the job's own events
+  torchrevive-run the main rank also notes the log's path for its agent (in the
+  notes folder it is given: `WorkerEnv.notes_dir`), which appends the job's own events
   (`hang`, `failure`, `node_excluded`, `crash_loop`) to it, whole lines alike.
 - Listeners (`subscribe`) see every event on every rank, written or not: the
   metrics of each worker are fed from the same stream as the file, so the two
@@ -68,8 +68,11 @@ class EventLog:
         *,
         restart: int,
         clock: Callable[[], float] = time.time,
+        notes_dir: str | None = None,
     ) -> None:
+        """`notes_dir`: the agent's notes folder (`WorkerEnv.notes_dir`; None: no agent takes notes)."""
         self._restart = restart
+        self._notes_dir = notes_dir
         self._clock = clock
         self._fd: int | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -84,7 +87,7 @@ class EventLog:
                 self._fd = _open(path)
             except OSError as exc:
                 raise UsageError(f"--events {path}: cannot create the event log: {exc.strerror or exc}") from None
-            _note_for_agent(path)
+            _note_for_agent(notes_dir, path)
 
     def write_to(self, path: str | os.PathLike[str] | None) -> None:
         """Write from now on to `path` (None: write nothing, listeners still see every event): a worker
@@ -99,7 +102,7 @@ class EventLog:
             except OSError as exc:  # the log is a record, not state: training goes on without it
                 logger.warning("event log %s: %s; no events are written to it", path, exc.strerror or exc)
             else:
-                _note_for_agent(path)
+                _note_for_agent(self._notes_dir, path)
 
     @property
     def enabled(self) -> bool:
@@ -175,9 +178,8 @@ class EventLog:
         self.close()
 
 
-def _note_for_agent(path: str | os.PathLike[str]) -> None:
+def _note_for_agent(directory: str | None, path: str | os.PathLike[str]) -> None:
     """Tell this node's agent where the log is, when it takes notes (torchrevive-run)."""
-    directory = os.environ.get(worker_notes.NOTES_ENV)
     if directory:
         worker_notes.note_events_path(directory, path)
 

@@ -26,7 +26,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -119,11 +118,12 @@ class LabelledProcessCollector:
 
 
 class AgentNotesCollector:
-    """The `NOTED` series: the counts this node's agent keeps in its note (0 without an agent that notes)."""
+    """The `NOTED` series: the counts this node's agent keeps in its note (0 without an agent that notes).
+    `directory`: the agent's notes folder (`WorkerEnv.notes_dir`), None without one."""
 
     def __init__(self, labels: dict[str, str], directory: str | None = None) -> None:
         self._labels = labels
-        self._directory = directory if directory is not None else os.environ.get(worker_notes.NOTES_ENV)
+        self._directory = directory
 
     def collect(self) -> Iterator[Metric]:
         counts = worker_notes.read_incidents(self._directory) if self._directory else {}
@@ -146,7 +146,9 @@ class TrainingMetrics:
         samples_per_step: int,
         tokens_per_sample: int = 0,
         watchdog_timeout: float = 0.0,
+        notes_dir: str | None = None,
     ) -> None:
+        """`notes_dir`: the agent's notes folder (`WorkerEnv.notes_dir`), where the job's counts are read."""
         # The *_created series would double what a scrape carries and say nothing here
         # (the process start time is in process_start_time_seconds).
         disable_created_metrics()
@@ -175,7 +177,7 @@ class TrainingMetrics:
             self._m[name] = metric if name == "eval" else metric.labels(**labels)
         self._labels = labels
         self.registry.register(LabelledProcessCollector(labels))  # process_cpu_seconds_total, memory, ...
-        self.registry.register(AgentNotesCollector(labels))  # the job's failures, hangs, nodes set aside
+        self.registry.register(AgentNotesCollector(labels, notes_dir))  # the job's failures, hangs, nodes set aside
         self._m["restarts"].set(restarts)
         self._m["world_size"].set(world_size)
         self._m["watchdog_timeout_seconds"].set(watchdog_timeout)
@@ -302,7 +304,7 @@ def start_metrics(
     metrics = TrainingMetrics(
         rank=ctx.rank, run_id=ctx.run_id, restarts=ctx.restart_count, world_size=ctx.world_size,
         samples_per_step=samples_per_step, tokens_per_sample=tokens_per_sample,
-        watchdog_timeout=float(getattr(watchdog, "timeout", 0.0)),
+        watchdog_timeout=float(getattr(watchdog, "timeout", 0.0)), notes_dir=ctx.env.notes_dir,
     )
     if not port:
         return metrics

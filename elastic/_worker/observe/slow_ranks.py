@@ -2,7 +2,7 @@
 
     slow = SlowRanks(ctx, config, events, model)   # hooks on the model's gradients measure the work
     # the loop: slow.step_started() ... slow.step_ended(); the vote carries slow.figures()
-    slow.verdict(verdict.work, step)               # every rank, at the same vote step
+    slow.verdict(verdict.slots, step)               # every rank, at the same vote step
 
 Invariants:
 - Off (`--slow-ranks off`) it measures nothing and the vote carries no figures.
@@ -28,8 +28,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
@@ -38,7 +36,6 @@ from typing import Any
 import torch
 
 from elastic._shared.common.errors import UsageError
-from elastic._shared.storage.keeper_address import NODE_ENV
 from elastic._worker.config import RunConfig
 from elastic._worker.control import agreement
 from elastic._worker.data.sampler import ElasticSampler
@@ -47,6 +44,7 @@ from elastic._worker.observe.eviction import EvictedError, Eviction, Evictions
 from elastic._worker.observe.rebalance import GradientWeights, Rebalancer
 from elastic._worker.observe.stragglers import Episode, LineBudget, StragglerWatch, WorkClock
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.runtime.worker_env import WorkerEnv
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +71,9 @@ class Place(agreement.Message):
         return Place(self.node[:_TEXT_LIMIT], self.host[:_TEXT_LIMIT])
 
 
-def this_place() -> Place:
-    host = socket.gethostname()
-    return Place((os.environ.get(NODE_ENV) or host)[:_TEXT_LIMIT], host[:_TEXT_LIMIT])
+def this_place(env: WorkerEnv) -> Place:
+    """Where this rank runs: its agent's node name (else the host's) and its host, as the worker opened."""
+    return Place(env.node[:_TEXT_LIMIT], env.host[:_TEXT_LIMIT])
 
 
 class SlowRanks:
@@ -210,7 +208,7 @@ class SlowRanks:
 
     def _gathered_places(self) -> list[Place]:
         if self._places is None:
-            gathered = agreement.all_gather(self.ctx, this_place(), Place, self.group)
+            gathered = agreement.all_gather(self.ctx, this_place(self.ctx.env), Place, self.group)
             self._places = [place.checked() for place in gathered]
         return self._places
 

@@ -20,16 +20,15 @@ from typing import Any
 from elastic._shared.protocol.fault_hook import FaultHook
 from elastic._worker.checkpoint import CheckpointManager
 from elastic._worker.config import RunConfig
-from elastic._worker.control.step_vote import StepVote
+from elastic._worker.control.step_vote import Caster, StepVote
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
-from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.runtime.context import WorkerContext
 
 
 @dataclass(frozen=True)
-class TrainingState:
+class RegisteredState:
     """What the checkpoint manager saves and restores, registered once by `Run.start`."""
 
     model: Any
@@ -53,24 +52,21 @@ class GroupParts:
         cls,
         ctx: WorkerContext,
         config: RunConfig,
-        state: TrainingState,
+        state: RegisteredState,
         *,
-        ballot: Callable[[], tuple[bool, bool, bool, int]],
+        ballot: Caster,
         events: EventLog,
         faults: FaultHook,
         joiners: Callable[[], int] | None,
         earlier: CheckpointManager | None,
-        slow_ranks: SlowRanks | None = None,
+        slots: Callable[[], list[int]] | None = None,
         integrity: Integrity | None = None,
     ) -> GroupParts:
-        """`slow_ranks`: the run's part behind --slow-ranks, told of the new group; its figures ride on the vote.
+        """`slots`: the loop parts' ballots, which ride on the vote (elastic._worker.run.parts).
         `integrity`: the replica checks, told of a group that took over from `earlier` (formed in place)."""
-        if slow_ranks is not None:
-            slow_ranks.on_new_group(ctx)
         if integrity is not None and earlier is not None:
             integrity.regrouped()
-        figures = slow_ranks.figures if slow_ranks is not None else None
-        vote = StepVote(ctx, ballot, grace=config.term_grace, joiners=joiners, figures=figures)
+        vote = StepVote(ctx, ballot, grace=config.term_grace, joiners=joiners, slots=slots)
         checkpoints = CheckpointManager(
             ctx, config, model=state.model, optimizer=state.optimizer, sampler=state.sampler,
             scheduler=state.scheduler, scaler=state.scaler, extra=state.extra, events=events, faults=faults,
@@ -79,7 +75,7 @@ class GroupParts:
             checkpoints.take_over(earlier)
         return cls(ctx, vote, checkpoints)
 
-    def drop(self, ballot: Callable[[], tuple[bool, bool, bool, int]], config: RunConfig) -> None:
+    def drop(self, ballot: Caster, config: RunConfig) -> None:
         """Before leaving the group: saves in flight met on it (abandoned), and a vote in flight holds
         its connections open (a peer waiting in it would wait its whole timeout, not fail at once)."""
         self.checkpoints.close(wait=0.0)

@@ -3,10 +3,12 @@
 `StepLoop` runs `Run.batches` and the bookkeeping of every step, and owns
 what only the loop changes: the loss read one step late, the step report,
 the optimizer steps counted, where `due` counts from and the loop's seconds.
-`Run` (elastic._worker.run.run) owns the rest and hands it over as typed
-parts: the worker's context, the sampler, the per-group parts (the step
+The run's shared state (`RunCore`, elastic._worker.run.core) holds the
+rest: the worker's context, the sampler, the per-group parts (the step
 vote and the checkpoint manager, elastic._worker.run.group), the watchdog,
-the fault hook and, under TORCHREVIVE_SURVIVORS, the survivors plug-in
+the fault hook, the loop parts (elastic._worker.run.parts: `--slow-ranks`
+and any part a script adds; they answer a step's end with a `Change`) and,
+under TORCHREVIVE_SURVIVORS, the survivors plug-in
 (elastic._worker.survivors.plugin), met only through its hooks.
 
 Invariants:
@@ -36,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -45,61 +48,60 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from elastic._shared.common.errors import UsageError, first_line
+from elastic._worker.data.feed import Feed
+from elastic._worker.observe.step_report import StepReport
+from elastic._worker.run.epochs import StepLimit
+from elastic._worker.run.parts import Kind, Parts
+from elastic._worker.runtime.rng import seed_step
 from elastic._shared.protocol.fault_hook import FaultHook
 from elastic._worker.config import RunConfig
 from elastic._worker.control.step_vote import Verdict
 from elastic._worker.control.watchdog import NoWatchdog, Watchdog
-from elastic._worker.data.feed import Feed
 from elastic._worker.data.sampler import ElasticSampler
-from elastic._worker.integrity.loop_part import Integrity
 from elastic._worker.observe.events import EventLog
-from elastic._worker.observe.slow_ranks import SlowRanks, can_leave
+from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.observe.step_costs import StepCosts
-from elastic._worker.observe.step_report import StepReport
-from elastic._worker.run.epochs import StepLimit
 from elastic._worker.run.group import GroupParts
 from elastic._worker.runtime.context import WorkerContext
-from elastic._worker.runtime.rng import seed_step
 from elastic._worker.survivors.plugin import Survivors
+
+logger = logging.getLogger(__name__)
 
 Batch = TypeVar("Batch")
 
 
-class LoopOwner(Protocol):
-    """What the loop works on of the `Run` it is a part of (its own attributes, private ones included:
-    the loop is a part of the run, not a user of it)."""
+class LoopCore(Protocol):
+    """What the loop works on of the run's shared state (`RunCore`, elastic._worker.run.core: public members)."""
 
-    step: int
     config: RunConfig
-    sampler: ElasticSampler
+    step: int
     step_costs: StepCosts
+    stack: ExitStack
     events: EventLog
     watchdog: Watchdog | NoWatchdog
-    rank: int
-    world_size: int
-    _stack: ExitStack
-    _faults: FaultHook
-    _survivors: Survivors | None
-    _tokens_per_sample: int
-    _integrity: Integrity | None
-    _slow_ranks: SlowRanks
+    faults: FaultHook
+    parts: Parts
+    survivors: Survivors | None
+    slow_ranks: SlowRanks | None
+    sampler: ElasticSampler | None
+    tokens_per_sample: int
 
     @property
-    def _context(self) -> WorkerContext: ...
+    def context(self) -> WorkerContext: ...
 
     @property
-    def _parts(self) -> GroupParts: ...
+    def group_parts(self) -> GroupParts: ...
 
-    def _sampler_checked(self) -> ElasticSampler: ...
+    def sampler_checked(self) -> ElasticSampler: ...
 
-    def _act_on(self, verdict: Verdict) -> None: ...
+    def act_on(self, verdict: Verdict) -> None: ...
 
 
 class StepLoop:
     """`Run.batches` and each step's bookkeeping (see the module docstring); a part of one `Run`."""
 
-    def __init__(self, run: LoopOwner) -> None:
-        self._run = run
+    def __init__(self, core: LoopCore) -> None:
+        self.core = core
         self.report: StepReport | None = None
         self.loss: torch.Tensor | None = None
         self.optimizer_steps = 0
@@ -108,24 +110,26 @@ class StepLoop:
         """Time spent inside `batches` by this process (the run's steps_per_s)."""
         self._stepped_before: int | None = None
         """The optimizer steps counted when the step in the script's hands began (None: no step is)."""
+        self.stopped = False
+        """A loop part answered `Change.STOP` (on every rank at the same step): no more steps."""
         self.due_after = 0
         """`due(n)` is true only past this step: not at the step a restart resumed from (evaluated before
         the failure), nor again at the step of a void step trained again; a worker joining a group at a
         step's bookkeeping counts from the step before, as the members that go on to that step's `due`."""
 
     def batches(self, loader: Iterable[Batch] | None, limit: StepLimit) -> Iterator[Batch]:
-        run = self._run
-        ctx = run._context
-        sampler = run._sampler_checked()
+        core = self.core
+        ctx = core.context
+        sampler = core.sampler_checked()
         self.reporter().start_loop(
-            total=limit.last_step(run.step, sampler, ctx.world_size), initial=run.step, enabled=ctx.is_main,
-            log_every=run.config.log_every, per_step=sampler.batch_size * ctx.world_size * (run._tokens_per_sample or 1),
-            unit="tokens" if run._tokens_per_sample else "samples",
+            total=limit.last_step(core.step, sampler, ctx.world_size), initial=core.step, enabled=ctx.is_main,
+            log_every=core.config.log_every, per_step=sampler.batch_size * ctx.world_size * (core.tokens_per_sample or 1),
+            unit="tokens" if core.tokens_per_sample else "samples",
         )
-        feed = Feed(loader if not limit.done(run.step, sampler) else None, sampler.batch_size)
-        survivors = run._survivors
-        if run._slow_ranks.rebalancing and not feed.takes_shares:
-            raise UsageError(f"--slow-ranks {run.config.slow_ranks} needs the loader driven by run.batch_sampler() "
+        feed = Feed(loader if not limit.done(core.step, sampler) else None, sampler.batch_size)
+        survivors = core.survivors
+        if core.slow_ranks is not None and core.slow_ranks.rebalancing and not feed.takes_shares:
+            raise UsageError(f"--slow-ranks {core.config.slow_ranks} needs the loader driven by run.batch_sampler() "
                              "(its batches change size with the ranks' shares) or run.batches() without a loader")
         if survivors is not None and survivors.train_on and not feed.resizable:
             raise UsageError("--survivors train-on needs the loader driven by run.batch_sampler() or "
@@ -137,31 +141,27 @@ class StepLoop:
             self.seconds += time.perf_counter() - started
 
     def _steps(self, feed: Feed, limit: StepLimit) -> Iterator[Any]:
-        run = self._run
-        sampler, costs, survivors = run.sampler, run.step_costs, run._survivors
+        core = self.core
+        sampler, costs, survivors = core.sampler, core.step_costs, core.survivors
         again: Any = None  # a void step's batch, trained again on a group of the same ranks
-        integrity = run._integrity
-        if integrity is not None:
-            integrity.loop_started(run.step, rotatable=feed.resizable)  # a batch's blocks can move across ranks
-        while not limit.done(run.step, sampler):  # the sampler's position: right after any resize
-            ctx = run._context
-            run._slow_ranks.step_started()  # this rank's own work from here to the gradient all-reduce
+        core.parts.loop_started(core.step, resizable=feed.resizable)
+        while not self.stopped and not limit.done(core.step, sampler):  # the sampler's position: after any resize
+            ctx = core.context
+            core.parts.before_step(core.step)  # (--slow-ranks: this rank's own work from here to the gradient all-reduce)
             with costs.timing("sampler"):
                 expected = sampler.local_batch(ctx.rank, ctx.world_size)
             batch: Any = again
             if again is None:  # the loader's own time is the script's, its check the runtime's
-                batch = feed.fetch(expected, step=run.step, until=limit.describe())
+                batch = feed.fetch(expected, step=core.step, until=limit.describe())
                 with costs.timing("sampler"):
-                    feed.check(expected, step=run.step, rank=ctx.rank)
+                    feed.check(expected, step=core.step, rank=ctx.rank)
             again = None
             with costs.timing("sampler"):  # the step's random streams, a function of (seed, step, rank) alone
-                seed_step(run.config.seed, run.step + 1, (ctx.rank + sampler.rotation) % ctx.world_size, ctx.device)
+                seed_step(core.config.seed, core.step + 1, (ctx.rank + sampler.rotation) % ctx.world_size, ctx.device)
             healing = survivors is not None and survivors.can_heal
             started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
             self._stepped_before = self.optimizer_steps
-            if integrity is not None:
-                integrity.step_starting(run.step)
-            run.watchdog.step_began(run.step + 1)  # this rank enters the step's collectives (its hang record)
+            core.watchdog.step_began(core.step + 1)  # this rank enters the step's collectives (its hang record)
             try:
                 yield batch
             except GeneratorExit:  # the loop left with `break`
@@ -173,12 +173,12 @@ class StepLoop:
             if not healing or not survivors.void:  # type: ignore[union-attr]
                 resized = self._end_step()
             else:
-                step = run.step
+                step = core.step
                 resized = survivors.failed(started, survivors.void_reason)  # type: ignore[union-attr]
-                if not resized and run.step == step:
+                if not resized and core.step == step:
                     again = batch  # else it took the state of this very step from a peer that completed it
             if resized:  # this rank's share of the steps to come is another: the loader starts again
-                feed.reopen(run.rank, run.world_size)
+                feed.reopen(core.context.rank, core.context.world_size)
         self.flush_report()
 
     def before_update(self) -> bool:
@@ -193,13 +193,13 @@ class StepLoop:
 
     def count_step(self) -> None:
         """This rank's part of a step's end: data position, step count, the loss read-outs."""
-        run = self._run
-        costs = run.step_costs
+        core = self.core
+        costs = core.step_costs
         with costs.timing("sampler"):
-            run.sampler.advance(run._context.world_size)
-        run.step += 1
+            core.sampler.advance(core.context.world_size)
+        core.step += 1
         costs.steps += 1
-        self.reporter().record(run.step, self.loss)
+        self.reporter().record(core.step, self.loss)
         self.loss = None
 
     def _end_step(self) -> bool:
@@ -207,28 +207,25 @@ class StepLoop:
         every rank rolled back to an earlier step (elastic._worker.integrity: the feed opens again there),
         or when the ranks' shares of the global batch changed (--slow-ranks rebalance)."""
         self.count_step()
-        run = self._run
-        run._slow_ranks.step_ended()
-        costs, survivors = run.step_costs, run._survivors
+        core = self.core
+        costs, survivors = core.step_costs, core.survivors
         resized = rebalanced = False
         try:
-            if run._integrity is not None:  # before saves: a step is saved only once its check passed
-                with costs.timing("integrity"):
-                    parts = run._parts
-                    back_to = run._integrity.step_ended(run.step, run._context, parts.checkpoints.flush, parts.checkpoints.due)
-                if back_to is not None:
-                    run.step = back_to
-                    run._parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
-                    return True
+            rewind = core.parts.step_ended(core.step)  # before saves: a step is saved only once its check passed
+            if rewind.to is not None:  # every rank went back to an earlier step (a rollback)
+                core.step = rewind.to
+                core.group_parts.vote.rewound()  # votes follow the step count: the replay's first step end votes
+                return True
             with costs.timing("vote"):
-                if run._parts.vote.votes_at(run.step):
-                    run._faults.at("during_vote", run.step)
-                verdict = run._parts.vote.step_ended(run.step)
-                rebalanced = run._slow_ranks.verdict(  # new shares: the loader opens again
-                    verdict.work, run.step, can_leave=can_leave(survivors, run._context.world_size))
-            run._act_on(verdict)
+                if core.group_parts.vote.votes_at(core.step):
+                    core.faults.at("during_vote", core.step)
+                verdict = core.group_parts.vote.step_ended(core.step)
+                change = core.parts.after_step(core.step, verdict.slots)
+                rebalanced = change.kind is Kind.RESHARD  # new shares: the loader opens again
+                self.stopped = self.stopped or change.kind is Kind.STOP
+            core.act_on(verdict)
             with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
-                run._parts.checkpoints.maybe_save(run.step)
+                core.group_parts.checkpoints.maybe_save(core.step)
             if survivors is not None and survivors.grow_due(verdict.joiners):
                 resized = survivors.grow(verdict.joiners)  # workers wait to join: take them in now
         except RuntimeError as error:  # a collective of the bookkeeping (a replica check's too) met the dead peer first
@@ -240,16 +237,23 @@ class StepLoop:
         if why is not None:  # healed out of the `except` block (see `Survivors.failed`)
             resized = survivors.failed(None, why)  # type: ignore[union-attr]
         with costs.timing("watchdog"):
-            run._faults.at("after_step", run.step)
-            run.watchdog.beat(run.step)
+            core.faults.at("after_step", core.step)
+            core.watchdog.beat(core.step)
         return resized or rebalanced
 
     def reporter(self) -> StepReport:
         if self.report is None:
-            run = self._run
-            self.report = StepReport(run.events, run.step_costs, world_size=run._context.world_size)
-            run._stack.callback(self.report.close)
+            core = self.core
+            self.report = StepReport(core.events, core.step_costs, world_size=core.context.world_size)
+            core.stack.callback(self.report.close)
         return self.report
+
+    def print(self, message: str, *, main: bool) -> None:
+        """A line on rank 0's console that does not tear the progress bar."""
+        if self.report is not None and self.report.progress is not None:
+            self.report.progress.write(message)
+        elif main:
+            logger.info("%s", message)
 
     def flush_report(self) -> None:
         if self.report is not None:
@@ -262,12 +266,12 @@ class StepLoop:
     def summary(self, rank: int, first_step: int, snapshot_seconds: dict[str, float]) -> dict[str, Any]:
         """`Run.finish`'s summary: rank, step, loss (the last read), steps_per_s (of this process's loop since
         `first_step`), step_costs (the snapshot's parts of "checkpoint" added as their own phases)."""
-        run = self._run
+        core = self.core
         for phase, spent in snapshot_seconds.items():
-            run.step_costs.add(phase, spent)
-        steps, seconds = run.step - first_step, self.seconds
-        return {"rank": rank, "step": run.step, "loss": self.last_loss,
-                "steps_per_s": steps / seconds if seconds > 0 else math.inf, "step_costs": run.step_costs.per_step()}
+            core.step_costs.add(phase, spent)
+        steps, seconds = core.step - first_step, self.seconds
+        return {"rank": rank, "step": core.step, "loss": self.last_loss,
+                "steps_per_s": steps / seconds if seconds > 0 else math.inf, "step_costs": core.step_costs.per_step()}
 
     def due(self, every: int) -> bool:
-        return every > 0 and self._run.step > self.due_after and self._run.step % every == 0
+        return every > 0 and self.core.step > self.due_after and self.core.step % every == 0

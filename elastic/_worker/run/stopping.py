@@ -7,7 +7,6 @@ commit that did not happen.
 
 from __future__ import annotations
 
-import os
 from typing import NoReturn
 
 from elastic._shared.common.errors import Preempted
@@ -31,7 +30,7 @@ def commit_and_stop(
         # Under an agent the commit is noted whatever stopped this worker: the agent may have taken
         # Slurm's requeue signal first and stopped its workers with SIGTERM before Slurm's own
         # requeue signal reached them. The agent requeues only when it had that signal.
-        note_commit(os.environ, ctx.rank, step)
+        note_commit(ctx.env.variables, ctx.rank, step)
     if requeue:
         said += after_preemption_commit(rank=ctx.rank, said=said, job_id=ctx.slurm_job_id, committed=checkpoints.enabled)
     raise Preempted(f"stopped by {'the Slurm requeue signal' if requeue else 'SIGTERM'} {said}")

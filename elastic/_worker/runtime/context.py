@@ -1,14 +1,15 @@
 """Worker runtime: who this worker is in the job, its device, and the process group.
 
 Invariants:
-- The launcher's environment is parsed once, at the edge, into a `LaunchEnv`;
-  the rest of the library takes the typed `WorkerContext`.
+- The worker's environment is read once, when a run opens, into a `WorkerEnv`
+  (elastic._worker.runtime.worker_env), and its launcher's place parsed from it into a
+  `LaunchEnv`; the rest of the library takes the typed `WorkerContext`, which carries
+  that `WorkerEnv` (`ctx.env`) for the parts that need more of it.
 - A worker started by plain `python` (neither RANK nor WORLD_SIZE set) is a job
   of one: rank 0, world size 1, no process group, same code path otherwise.
 - A task of an srun step without torchrun's variables (`srun python script.py`)
-  takes its place from Slurm's (`elastic._shared.slurm.step`); its group meets at the
-  step's first node, on a port derived from the job id (MASTER_ADDR and
-  MASTER_PORT, when set, win).
+  meets its group at the step's first node, on a port derived from the job id
+  (MASTER_ADDR and MASTER_PORT, when set, win).
 - Under torchrun a process group is always created (at world size 1 too, so an
   elastic job that grows or shrinks runs the same code), always with a finite
   timeout so a dead peer becomes an error rather than a hang, and it is
@@ -28,11 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -46,10 +46,10 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401, E402 - imported for the side effect above
 
 from elastic._shared.common import threads
-from elastic._shared.common.errors import EnvironmentConfigError, UsageError
-from elastic._shared.slurm import step as slurm_step
+from elastic._shared.common.errors import UsageError
 from elastic._worker.config import DEVICE_CHOICES
 from elastic._worker.runtime.round_store import recovery_hint
+from elastic._worker.runtime.worker_env import WorkerEnv, parse_launch_env
 from elastic._worker.runtime.worker_store import worker_store
 
 logger = logging.getLogger(__name__)
@@ -64,100 +64,6 @@ exit: well under torchrun's 30 s between SIGTERM and SIGKILL, so it never delays
 _control_group: dist.ProcessGroup | None = None
 _overrun_teardowns: list[threading.Event] = []
 """Set when each teardown that overran its deadline ends (see `teardown_pending`)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchEnv:
-    """What torchrun (torch.distributed.run) told this worker through its environment."""
-
-    rank: int
-    """Global rank of this worker, 0 <= rank < world_size."""
-    local_rank: int
-    """Rank among the workers of this node (agent), 0 <= local_rank < local_world_size."""
-    world_size: int
-    """Number of workers in the job in this rendezvous round."""
-    local_world_size: int
-    """Number of workers started by this node's agent."""
-    restart_count: int
-    """How many times this agent has restarted its workers (TORCHELASTIC_RESTART_COUNT)."""
-    run_id: str
-    """The job's rendezvous id (TORCHELASTIC_RUN_ID); "local" for a single process."""
-    launched: bool
-    """True when started by a launcher (torchrun, or srun without one), False for plain `python`."""
-    slurm_task: slurm_step.SlurmTask | None = None
-    """Set for a task of an srun step with no agent: it meets its peers at the step's first node."""
-
-
-SINGLE_PROCESS = LaunchEnv(
-    rank=0, local_rank=0, world_size=1, local_world_size=1, restart_count=0, run_id="local", launched=False
-)
-
-
-def _read_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        if default is None:
-            raise EnvironmentConfigError(
-                f"{name} is not set although RANK/WORLD_SIZE are: start workers with torchrun, "
-                "or unset RANK and WORLD_SIZE to run a single process"
-            )
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise EnvironmentConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < 0:
-        raise EnvironmentConfigError(f"{name}={value} is negative")
-    return value
-
-
-def parse_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
-    """Parse the torchrun environment (else an srun step's); a plain `python` start gives `SINGLE_PROCESS`.
-
-    Raises `EnvironmentConfigError` (one line) for values that are missing,
-    not integers, negative, or inconsistent (rank outside the world).
-    """
-    if "RANK" not in environ and "WORLD_SIZE" not in environ:
-        return _slurm_launch_env(environ) if slurm_step.in_step(environ) else SINGLE_PROCESS
-    rank = _read_int(environ, "RANK")
-    world_size = _read_int(environ, "WORLD_SIZE")
-    # LOCAL_* default to a one-worker node: launchers other than torchrun often omit them.
-    local_rank = _read_int(environ, "LOCAL_RANK", default=0)
-    local_world_size = _read_int(environ, "LOCAL_WORLD_SIZE", default=1)
-    restart_count = _read_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0)
-    if world_size < 1:
-        raise EnvironmentConfigError(f"WORLD_SIZE={world_size} must be at least 1")
-    if rank >= world_size:
-        raise EnvironmentConfigError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-    if local_world_size < 1 or local_world_size > world_size:
-        raise EnvironmentConfigError(
-            f"LOCAL_WORLD_SIZE={local_world_size} must be between 1 and WORLD_SIZE={world_size}"
-        )
-    if local_rank >= local_world_size:
-        raise EnvironmentConfigError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
-    run_id = environ.get("TORCHELASTIC_RUN_ID") or "none"
-    return LaunchEnv(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world_size,
-        restart_count=restart_count,
-        run_id=run_id,
-        launched=True,
-    )
-
-
-def _slurm_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
-    """A task of `srun python script.py`: its place from Slurm's variables."""
-    try:
-        task = slurm_step.read_task(environ)
-    except ValueError as exc:
-        raise EnvironmentConfigError(f"Slurm step: {exc}") from None
-    return LaunchEnv(
-        rank=task.rank, local_rank=task.local_rank, world_size=task.world_size,
-        local_world_size=task.local_world_size, restart_count=task.restart_count,
-        run_id=f"slurm-{task.job_id}", launched=True, slurm_task=task,
-    )
 
 
 def select_device(
@@ -212,6 +118,9 @@ class WorkerContext:
     """Process group backend, or None when running as a single process without one."""
     slurm_job_id: int | None = None
     """The Slurm job of a task started by srun with no agent (it requeues the job itself)."""
+    env: WorkerEnv = field(default_factory=WorkerEnv.bare, repr=False)
+    """The environment the worker opened with, read once (`init_worker`, `adopt_worker`); a group that
+    changes in place keeps it. A context built by hand (a test's) holds a bare one: no launcher, no agent."""
 
     @property
     def is_main(self) -> bool:
@@ -227,53 +136,58 @@ def init_worker(
     device: str = "auto",
     *,
     timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+    env: WorkerEnv | None = None,
     environ: Mapping[str, str] | None = None,
     store: dist.Store | None = None,
     place: tuple[int, int] | None = None,
 ) -> WorkerContext:
     """Read the environment, pick the device and, under torchrun, join the process group
-    (on `store` when given: a heal in place's namespace, elastic._worker.survivors.regroup.group_store; at
+    (on `store` when given: a heal in place's namespace, elastic._worker.survivors.regroup.heal_group_store; at
     `place`, (rank, world size), when given instead of the launcher's: a worker that waits
-    to join a group that trains on holds a group of its own meanwhile, elastic._worker.survivors.views)."""
-    environ = os.environ if environ is None else environ
-    env = parse_launch_env(environ)
-    if env.rank == 0:
+    to join a group that trains on holds a group of its own meanwhile, elastic._worker.survivors.views).
+    The environment is `env`, else `WorkerEnv.read(environ)` (`environ`: a test's, else the process's)."""
+    worker_env = _worker_env(env, environ)
+    environ = worker_env.variables
+    launch = parse_launch_env(environ)
+    if launch.rank == 0:
         log_recovery_hint(environ)
     if place is not None:
-        env = dataclasses.replace(env, rank=place[0], world_size=place[1])
-    dev = select_device(device, env.local_rank, env.local_world_size)
+        launch = dataclasses.replace(launch, rank=place[0], world_size=place[1])
+    dev = select_device(device, launch.local_rank, launch.local_world_size)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = None
-    if env.launched:
+    if launch.launched:
         backend = backend_for(dev)
         # TORCH_NCCL_ASYNC_ERROR_HANDLING is left as the launcher set it: torchrun sets it
         # to 1 itself, and elsewhere torch's own default (tear the process down without
         # cleaning up communicators) cannot hang in ncclCommAbort the way 1 can.
         dist.init_process_group(
             backend,
-            rank=env.rank,
-            world_size=env.world_size,
+            rank=launch.rank,
+            world_size=launch.world_size,
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
             # This round's store or a Slurm step's own, sealed with the job's secret, or a namespace no
             # earlier round used (elastic._worker.runtime.worker_store); otherwise None, torch's env://.
             store=(store if store is not None else worker_store(
-                environ, rank=env.rank, world_size=env.world_size, timeout=timeout, slurm_task=env.slurm_task)),
+                environ, rank=launch.rank, world_size=launch.world_size, timeout=timeout,
+                slurm_task=launch.slurm_task)),
         )
         if backend == "nccl":
             global _control_group
             _control_group = dist.new_group(backend="gloo", timeout=timeout)
     ctx = WorkerContext(
-        rank=env.rank,
-        local_rank=env.local_rank,
-        world_size=env.world_size,
-        local_world_size=env.local_world_size,
-        restart_count=env.restart_count,
-        run_id=env.run_id,
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        local_world_size=launch.local_world_size,
+        restart_count=launch.restart_count,
+        run_id=launch.run_id,
         device=dev,
         backend=backend,
-        slurm_job_id=env.slurm_task.job_id if env.slurm_task is not None else None,
+        slurm_job_id=launch.slurm_task.job_id if launch.slurm_task is not None else None,
+        env=worker_env,
     )
     logger.info(
         "worker ready: run=%s rank=%d/%d local_rank=%d device=%s backend=%s restart=%d",
@@ -286,6 +200,7 @@ def adopt_worker(
     device: str = "auto",
     *,
     timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+    env: WorkerEnv | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> WorkerContext:
     """The context of a worker whose script already called `init_process_group`.
@@ -293,11 +208,11 @@ def adopt_worker(
     Rank and world size come from the group; the rest from the launcher's
     environment. The group is left as it is: whoever created it destroys it.
     On NCCL a gloo group for host-side exchanges is added (a collective: every
-    rank adopts at the same point).
+    rank adopts at the same point). The environment is as `init_worker`'s.
     """
-    environ = os.environ if environ is None else environ
-    env = parse_launch_env(environ)
-    dev = select_device(device, env.local_rank, env.local_world_size)
+    worker_env = _worker_env(env, environ)
+    launch = parse_launch_env(worker_env.variables)
+    dev = select_device(device, launch.local_rank, launch.local_world_size)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = str(dist.get_backend())
@@ -306,14 +221,21 @@ def adopt_worker(
         _control_group = dist.new_group(backend="gloo", timeout=timeout)
     return WorkerContext(
         rank=dist.get_rank(),
-        local_rank=env.local_rank,
+        local_rank=launch.local_rank,
         world_size=dist.get_world_size(),
-        local_world_size=env.local_world_size,
-        restart_count=env.restart_count,
-        run_id=env.run_id,
+        local_world_size=launch.local_world_size,
+        restart_count=launch.restart_count,
+        run_id=launch.run_id,
         device=dev,
         backend=backend,
+        env=worker_env,
     )
+
+
+def _worker_env(env: WorkerEnv | None, environ: Mapping[str, str] | None) -> WorkerEnv:
+    if env is not None and environ is not None:
+        raise ValueError("give the worker's environment as env or as environ, not both")
+    return env if env is not None else WorkerEnv.read(environ)
 
 
 def log_recovery_hint(environ: Mapping[str, str]) -> None:

@@ -52,7 +52,8 @@ from elastic._shared.protocol import heal_env
 from elastic._worker.config import RunConfig
 from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.runtime.rng import get_rng_state, set_rng_state
-from elastic._worker.survivors import regroup, views
+from elastic._worker.survivors import catch_up, ddp_rebind, joiners, regroup, views
+from elastic._worker.survivors.lifecycle import Phase
 from elastic._worker.survivors.views import View
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Healing:
         self.point = point
         self.generation = point.generation
         """The heal whose group this worker is in (0: the round's first group)."""
-        self.guard = regroup.StepGuard()
+        self.guard = ddp_rebind.StepGuard()
         self.ready = False
         """Armed: this worker counted itself a healer, and a failed step is void, not an exception."""
         self.heals = 0
@@ -133,8 +134,8 @@ class Healing:
         if self.joiner:
             return {"store": dist.HashStore(), "place": (0, 1)}
         if self.train_on:
-            return {"store": views.group_store(self.point.store, self.view)}
-        return {"store": regroup.group_store(self.point.store, self.generation)}
+            return {"store": views.view_group_store(self.point.store, self.view)}
+        return {"store": regroup.heal_group_store(self.point.store, self.generation)}
 
     def attach(self, model: torch.nn.Module) -> None:
         """Reduce the gradients of `model` (run.ddp's) through the step guard."""
@@ -191,33 +192,36 @@ class Healing:
             scaler.load_state_dict(start.scaler)
         set_rng_state(start.rng, device)
 
-    def regroup(self, ctx: WorkerContext) -> None:
+    def regroup(self, ctx: WorkerContext, on: Callable[[Phase], None] = lambda phase: None) -> None:
         """Leave the broken group, wait for the agent's heal, join the next generation's group
-        and give DDP a fresh reducer on it (`RegroupError` when the heal does not form)."""
+        and give DDP a fresh reducer on it (`RegroupError` when the heal does not form). `on(phase)`:
+        told as the wait (AWAITING) and the forming (FORMING) begin."""
         regroup.leave(self._model)
         self.fault("during_heal")
+        on(Phase.AWAITING)
         self.generation = regroup.next_generation(self.point, after=self.generation, timeout=self.begin_timeout)
+        on(Phase.FORMING)
         regroup.rejoin(
             self.point.store, generation=self.generation, rank=ctx.rank, world_size=ctx.world_size,
             backend="gloo", timeout=self._timeout, records=self.point.signed_records,
         )
         assert self._model is not None  # armed
-        regroup.rebind(self._model, self.guard)
+        ddp_rebind.rebind(self._model, self.guard)
         self.guard.clear()
         self.heals += 1
 
     def settle_buckets(self) -> None:
-        """DDP's one-time bucket work, now (`regroup.settle_buckets`): a collective of the new group,
+        """DDP's one-time bucket work, now (`ddp_rebind.settle_buckets`): a collective of the new group,
         before its members agree. Every member rebinds its DDP alike first (a survivor's was rebound
         at the heal, a replacement's just built: both in definition order)."""
         if self._model is None:
             return
-        regroup.rebind(self._model, self.guard, reverse=True)
-        regroup.settle_buckets(self._model)
+        ddp_rebind.rebind(self._model, self.guard, reverse=True)
+        ddp_rebind.settle_buckets(self._model)
 
-    def agree(self, completed: int) -> regroup.Agreement:
+    def agree(self, completed: int) -> catch_up.Agreement:
         """Every member's steps (a replacement gives -1: it completed none of its own)."""
-        return regroup.agree(completed)
+        return catch_up.agree(completed)
 
     # -- train-on: groups of views (elastic._worker.survivors.views) --------------------------------------------
 
@@ -283,8 +287,8 @@ class Healing:
         store = self.point.signed_records
         try:
             if ctx.rank == 0:
-                return views.admit(store, self.view, upto)
-            return views.wait_view(store, self.view.number + 1, timeout=views.GATHER_SECONDS)
+                return joiners.admit(store, self.view, upto)
+            return joiners.wait_view(store, self.view.number + 1, timeout=views.GATHER_SECONDS)
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed while a worker joined: {first_line(error)}") from None
 
@@ -293,10 +297,10 @@ class Healing:
         store = self.point.signed_records
         try:
             after = max(after, views.latest(store))
-            ticket = views.register_joiner(store, self.me)
-            return views.wait_for_admission(store, self.me, after=after, ticket=ticket,
-                                            first=views.first_view(self.point.world_size),
-                                            stale_after=self._timeout.total_seconds())
+            ticket = joiners.register_joiner(store, self.me)
+            return joiners.wait_for_admission(store, self.me, after=after, ticket=ticket,
+                                              first=views.first_view(self.point.world_size),
+                                              stale_after=self._timeout.total_seconds())
         except RuntimeError as error:
             raise regroup.RegroupError(f"the rendezvous store failed while this worker waited to join: "
                                        f"{first_line(error)}") from None
@@ -317,7 +321,7 @@ class Healing:
                 return None
             # Formed within the gather's bound (a member that died after it came fails it), then
             # collectives get the job's own timeout.
-            dist.init_process_group("gloo", store=views.group_store(self.point.store, view), rank=rank,
+            dist.init_process_group("gloo", store=views.view_group_store(self.point.store, view), rank=rank,
                                     world_size=view.world_size,
                                     timeout=min(self._timeout, timedelta(seconds=views.GATHER_SECONDS)))
             _set_timeout(self._timeout)
@@ -327,7 +331,7 @@ class Healing:
                 regroup.leave()
             return None
         if self._model is not None:
-            regroup.rebind(self._model, self.guard)
+            ddp_rebind.rebind(self._model, self.guard)
         self.guard.clear()
         self.heals += 1
         return dataclasses.replace(ctx, rank=rank, world_size=view.world_size)
@@ -335,7 +339,7 @@ class Healing:
     def job_ended(self) -> None:
         """The job finished (rank 0, train-on): workers still waiting to join leave."""
         try:
-            views.mark_ended(self.point.signed_records)
+            joiners.mark_ended(self.point.signed_records)
         except RuntimeError as error:  # they find out from the store's end instead
             logger.warning("could not tell waiting workers the job ended: %s", first_line(error))
 

@@ -1,26 +1,16 @@
-"""Surviving a peer's death in place: leave the broken process group, form the next one
-in the same process, and carry on with the state this worker already holds.
+"""Surviving a peer's death in place: leave the broken process group and form the next one
+in the same process, at the same rank and world size.
 
 This is the worker's half of "survivors never stop" (issue 28): a worker whose
 peer died keeps its process, its model, optimizer, sampler and loader workers;
 only the dead worker's replacement is a new process, and it takes its state
-from a survivor over the new group. torchrevive-run's agent does its half with
-TORCHREVIVE_SURVIVORS=keep (elastic._agent.launcher.in_place); a DDP script calls these
-pieces itself (tests/heal_worker.py is one), and `elastic.Run` through
-elastic._worker.survivors.healing (with `train-on`, the groups it forms are elastic._worker.survivors.views').
-
-How a step fails without an exception reaching the training script:
-- `StepGuard.attach(ddp)` replaces DDP's gradient all-reduce with one that
-  catches a failed collective (a SIGKILLed peer's closed sockets fail gloo at
-  once) and marks the step void instead of raising out of `loss.backward()`.
-  Its arithmetic is DDP's default one (each gradient times 1/world, then a sum),
-  so with DDP's default settings a run with the guard is bit-identical to one
-  without (`gradient_as_bucket_view` divides instead, which rounds differently).
-  Only the gradient all-reduce is guarded: a buffer broadcast, an unused-parameter
-  search or a script's own collective still raises.
-- `StepGuard.guard(optimizer)` makes `optimizer.step()` a no-op on a void
-  step: the parameters and the optimizer state stay those of the last step
-  this rank completed.
+from a survivor over the new group (elastic._worker.survivors.catch_up).
+torchrevive-run's agent does its half with TORCHREVIVE_SURVIVORS=keep
+(elastic._agent.launcher.in_place); a DDP script calls these pieces itself
+(tests/heal_worker.py is one), and `elastic.Run` through
+elastic._worker.survivors.healing (with `train-on`, the groups it forms are
+elastic._worker.survivors.views'). A step that fails is void, not an exception,
+and DDP's reducer follows the group: elastic._worker.survivors.ddp_rebind.
 
 How the next group forms (`leave`, then `rejoin`):
 - A survivor lets go of the broken group as soon as its step is void (`leave`):
@@ -30,22 +20,9 @@ How the next group forms (`leave`, then `rejoin`):
   under the round's heal namespace), at the same rank and world size, and counts
   itself among the round's healers (the agent heals in place only when every
   worker of the round did: a script that cannot heal gets torch's new round).
-- DDP's reducer is rebuilt on the new group (`rebind`): a fresh bucket layout,
-  the one a new DDP starts with, so a replacement built with
-  `DistributedDataParallel(..., init_sync=False)` meets the survivors bucket for bucket.
 
 Invariants:
-- A void step changed nothing this rank keeps across steps except what the
-  script itself did after `optimizer.step()` (a scheduler step): the caller
-  undoes that (it holds the state from before the step).
-- `agree` is the first collective of a new group: every member gives the
-  number of steps it completed, and learns the fewest and the most. A rank may
-  be one step ahead of another (the dead peer's contribution reached it and not
-  the other), never more: a step needs every rank's gradients.
-- `share_state` sends the parameters, buffers and per-parameter optimizer state
-  from one member to all others: a replacement, and a rank one step behind, take
-  the newest state instead of recomputing it. What is not a tensor there
-  (learning rates in `param_groups`, a scheduler) is the script's to carry.
+- A group is built only once the last one is gone (`require_left`).
 - Every failure of a heal (a store that failed, a peer that never came, a
   collective that broke again) is a `RegroupError`, one line; a worker exits
   with its status (76), and its agent then holds a new round.
@@ -53,15 +30,12 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -181,81 +155,6 @@ def next_generation(point: HealPoint, after: int, timeout: timedelta = timedelta
         time.sleep(_POLL_S)
 
 
-class StepGuard:
-    """Turns a failed gradient all-reduce into a void step (see the module docstring).
-
-    `void` is set by the all-reduce of any bucket that failed and stays set until
-    `clear()`: a step is void when any of its buckets failed on this rank."""
-
-    def __init__(self) -> None:
-        self.void = False
-        self.error: str | None = None
-        """The first failed collective's message, for the log line of the recovery."""
-        self.before_reduce: Callable[[], None] = _nothing
-        """Called as each bucket's all-reduce starts (a fault point: elastic._shared.protocol.fault_hook's during_all_reduce)."""
-
-    def attach(self, model: DistributedDataParallel) -> None:
-        """Reduce `model`'s gradients through this guard (again after every `rebind`)."""
-        model.register_comm_hook(self, _all_reduce_or_void)
-
-    def guard(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make `optimizer.step()` do nothing while the step is void (idempotent)."""
-        step = optimizer.step
-        if getattr(step, "guarded_by", None) is self:
-            return
-
-        @functools.wraps(step)
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            if self.void:
-                return None
-            return step(*args, **kwargs)
-
-        guarded_step.guarded_by = self  # type: ignore[attr-defined]
-        optimizer.step = guarded_step  # type: ignore[method-assign]
-
-    def failed(self, error: BaseException) -> None:
-        if not self.void:
-            self.error = _first_line(error)
-        self.void = True
-
-    def clear(self) -> None:
-        self.void, self.error = False, None
-
-
-def _all_reduce_or_void(guard, bucket):  # noqa: ANN001, ANN202 - DDP rejects a hook whose annotations are strings
-    """DDP's own reduction (the bucket times 1/world, summed over ranks), a void step on failure."""
-    tensor = bucket.buffer()
-    if guard.void:  # an earlier bucket failed: the group is broken, do not wait on it again
-        return _done(tensor)
-    guard.before_reduce()
-    world = dist.get_world_size()
-    tensor.mul_(1.0 / world)  # DDP's default multiplies each gradient by 1/world: the same bits
-    try:
-        work = dist.all_reduce(tensor, async_op=True)
-    except RuntimeError as error:
-        guard.failed(error)
-        return _done(tensor)
-
-    def settle(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        try:
-            future.value()
-        except RuntimeError as error:
-            guard.failed(error)
-        return tensor
-
-    return work.get_future().then(settle)
-
-
-def _nothing() -> None:
-    pass
-
-
-def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(tensor)
-    return future
-
-
 def leave(model: DistributedDataParallel | None = None) -> None:
     """Let go of the broken group now: drop DDP's hold on it (`model`'s reducer, its logger,
     its group) and tear the default group down without waiting on a peer.
@@ -297,7 +196,7 @@ def rejoin(
     require_left(f"heal {generation}")
     try:
         dist.init_process_group(
-            backend, store=group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,
+            backend, store=heal_group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,
         )
         count_healer(records if records is not None else Records(store, world=world_size), rank=rank,
                      generation=generation)
@@ -305,7 +204,7 @@ def rejoin(
         raise RegroupError(f"rank {rank}: the group of heal {generation} did not form: {_first_line(error)}") from None
 
 
-def group_store(store: dist.Store, generation: int) -> dist.Store:
+def heal_group_store(store: dist.Store, generation: int) -> dist.Store:
     """Where the default group of heal `generation` meets (0: the round's first group)."""
     return dist.PrefixStore(f"group/{generation}", store)
 
@@ -316,119 +215,3 @@ def count_healer(records: Records, *, rank: int, generation: int) -> None:
     agent heals in place only when every worker of the round has counted itself."""
     records.set(heal_env.member_key(rank), str(generation))
     records.store.add(heal_env.HEALERS_KEY, 1)
-
-
-def rebind(model: DistributedDataParallel, guard: StepGuard | None = None, *, reverse: bool = False) -> None:
-    """Point `model` (a DDP module) at the current default group with a fresh reducer,
-    as a new `DistributedDataParallel(..., init_sync=False)` would have it, and reduce
-    through `guard` again. The old reducer's gradient hooks go with it.
-
-    `reverse`: the reducer holds the parameters in reverse definition order (the order a
-    sequential model's gradients become ready in), for `settle_buckets`. A reducer's order
-    must be the same on every member (a bucket is the parameters' gradients end to end):
-    a fresh DDP's is the definition order, so only members that all settle reverse it."""
-    model.process_group = dist.group.WORLD
-    parameters, expect_sparse = model._build_params_for_reducer()
-    if reverse:
-        parameters, expect_sparse = parameters[::-1], expect_sparse[::-1]
-    model._ddp_init_helper(
-        parameters, expect_sparse, model._build_debug_param_to_name_mapping(parameters), model.static_graph
-    )
-    if model.static_graph:  # as torch's own rebuild (DistributedDataParallel.__setstate__)
-        model.reducer._set_static_graph()
-        model.logger._set_static_graph()
-    model._comm_hooks = []  # the old reducer's hook goes with it
-    if guard is not None:
-        guard.attach(model)
-
-
-def settle_buckets(model: DistributedDataParallel) -> None:
-    """Do now, during a heal, the one-time work a fresh reducer would do in its first two steps: a
-    collective of every member of the new group, each with a `rebind(reverse=True)` reducer. Left to torch, the
-    first step reduces the whole gradient as one bucket after the backward pass (nothing overlaps)
-    and the second lays the buckets out again from the order the gradients came in, broadcasting
-    the layout from rank 0 first. Here the buckets are laid out by size over the reducer's order
-    (reverse definition order) and the layout is broadcast from rank 0 now, so the steps
-    after the heal run a steady step's all-reduces and nothing else. A reducer that never rebuilds
-    (`find_unused_parameters`) or a static graph (its first step records the graph) is left as it
-    is, on every member alike."""
-    reducer = model.reducer
-    if model.static_graph or reducer is None:
-        return
-    reducer._push_all_rebuilt_params()  # (nothing when the reducer does not rebuild its buckets)
-    reducer._rebuild_buckets()
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What the members of a new group learned of each other's progress."""
-
-    fewest: int
-    """The fewest steps a member completed (a replacement counts what it restored: maybe 0)."""
-    most: int
-    """The most steps a member completed: where the group carries on from."""
-    source: int
-    """The lowest rank that completed `most` steps: it shares its state (`share_state`)."""
-
-
-def agree(completed: int) -> Agreement:
-    """Every member's completed steps, combined in one collective (the first of a new group)."""
-    votes = ballot(completed, rank=dist.get_rank(), world_size=dist.get_world_size())
-    try:
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-    except RuntimeError as error:
-        raise GroupBroken(f"the new group broke while its members compared steps: {_first_line(error)}") from None
-    return count(votes, world_size=dist.get_world_size())
-
-
-def ballot(completed: int, *, rank: int, world_size: int) -> torch.Tensor:
-    """One member's vote; the element-wise MAX of all votes is read by `count`. The largest
-    `completed * world_size + (world_size - 1 - rank)` names the most steps and, among the
-    members that completed them, the lowest rank; the largest `-completed` the fewest steps."""
-    return torch.tensor([-completed, completed * world_size + (world_size - 1 - rank)], dtype=torch.int64)
-
-
-def count(votes: torch.Tensor, *, world_size: int) -> Agreement:
-    most, lowest = divmod(int(votes[1]), world_size)
-    return Agreement(fewest=-int(votes[0]), most=most, source=world_size - 1 - lowest)
-
-
-def share_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, src: int) -> None:
-    """Make every member's parameters, buffers and per-parameter optimizer state equal to
-    rank `src`'s (collectives). A member whose optimizer has no state yet (a replacement)
-    makes it first (`prepare_optimizer_state`) when the source has some; when the source has
-    none (no step taken, or an optimizer without state), only the model is sent."""
-    try:
-        source_has_state = torch.tensor([int(bool(optimizer.state))], dtype=torch.int64)
-        dist.broadcast(source_has_state, src)
-        if source_has_state.item() and not optimizer.state:
-            prepare_optimizer_state(optimizer)
-        for tensor in _state_tensors(model, optimizer if source_has_state.item() else None):
-            dist.broadcast(tensor, src)
-    except RuntimeError as error:
-        raise GroupBroken(f"the new group broke while rank {src} shared its state: {_first_line(error)}") from None
-
-
-def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its per-parameter state, so that `share_state` can fill it:
-    one step on zero gradients makes the state (its keys and shapes are the optimizer's
-    own), then the parameters are put back (weight decay moved them)."""
-    saved = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
-    originals = [p.detach().clone() for p, _ in saved]
-    for p, _ in saved:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    with torch.no_grad():
-        for (p, grad), original in zip(saved, originals):
-            p.copy_(original)
-            p.grad = grad
-
-
-def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Every tensor a member must hold equal to the source's, in an order all members share."""
-    tensors = [t.data for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
-    for group in optimizer.param_groups if optimizer is not None else ():
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            tensors += [state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor)]
-    return tensors

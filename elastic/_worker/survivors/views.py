@@ -19,10 +19,9 @@ A view follows another in one of two ways:
   once it is there (the missing ones at every poll); the others poll the
   view's one key. A closer that died too is replaced by the first waiter to
   claim the next closer slot `settle` seconds later.
-- grow (`admit`): rank 0 of the current view closes the next one as the
-  current members plus the workers waiting to join (`register_joiner`) whose
-  tickets it saw; which tickets a view considered travels with it, so a joiner
-  passed over by a shrink that closed first is admitted by a later grow.
+- grow (`joiners.admit`): rank 0 of the current view closes the next one as
+  the current members plus the workers waiting to join whose tickets it saw
+  (elastic._worker.survivors.joiners: the joiners' side is there).
 
 Every record here goes through `store_records.Records`: sealed with the job's
 secret (when the worker has one), and read back checked; one that is forged or
@@ -36,8 +35,7 @@ Invariants:
   start rank at most once and below the round's world size, a count of tickets
   that is a count; else `ViewError` (`read_view`: ignored with one warning).
 - No loop runs once per unit of a number read from the store: arrivals and
-  presence are one key per member of the view (at most the round's world size),
-  and a grow considers at most the round's world size of tickets (`admit`).
+  presence are one key per member of the view (at most the round's world size).
 - A member's share of a shrink or a forming is O(1) store operations: one
   aggregator (the closer; the view's first member for its forming) reads the
   members' keys, each once it is there; the others poll one key (forming, and failure marks every
@@ -46,8 +44,7 @@ Invariants:
   and its members agree whether it formed (a compare-and-set of the outcome):
   a member that died after the view closed makes it given up, and the others
   shrink from it.
-- Nothing here waits without bound but `wait_for_admission`, which also ends
-  when the job ended (`heal_env.ENDED_KEY`).
+- Nothing here waits without bound.
 """
 
 from __future__ import annotations
@@ -74,12 +71,8 @@ MARK_CHECK_SECONDS = 0.25
 """How often a member waiting for a view to form reads failure marks (an agent marks a dead worker within its
 monitor interval, 0.5 s: reading them at every poll would double the members' reads)."""
 LATEST_KEY = "view/latest"
-HEARTBEAT_KEY = "view/heartbeat"
-"""Counted up by rank 0 of the current view at every vote step: a worker waiting to join learns the group
-still trains."""
 _POLL_S = 0.005
 _MAX_POLL_S = 0.05  # waits poll from _POLL_S, doubling up to this: a wait of seconds is a few dozen reads
-_IDLE_POLL_S = 0.02
 _MAX_MEMBERS = 1 << 16
 _MAX_VIEWS = 1 << 30
 
@@ -98,7 +91,7 @@ class View:
     number: int
     members: tuple[str, ...]
     considered: int = 0
-    """Tickets of joiners (`register_joiner`) up to this one were considered for it or before it."""
+    """Tickets of joiners (`joiners.register_joiner`) up to this one were considered for it or before it."""
     grown: bool = False
     """Closed by a grow (`admit`, at a step's bookkeeping), not after a failure (`after_failure`)."""
 
@@ -148,11 +141,7 @@ def _present_key(number: int, member: str) -> str:
     return f"view/{number}/present/{member}"
 
 
-def _joiner_key(ticket: int) -> str:
-    return f"joiner/{ticket}"
-
-
-def group_store(store: dist.Store, view: View) -> dist.Store:
+def view_group_store(store: dist.Store, view: View) -> dist.Store:
     """Where the process group of `view` meets."""
     return dist.PrefixStore(f"view/{view.number}/group", store)
 
@@ -179,8 +168,9 @@ def latest(records: Records) -> int:
     return newest if newest is not None else records.warn_once(LATEST_KEY, "is not a count") or 0
 
 
-def _close(records: Records, number: int, members: list[str], considered: int, *, grown: bool = False) -> View:
-    """Close view `number` with `members` unless another worker closed it first; the view as closed."""
+def close_view(records: Records, number: int, members: list[str], considered: int, *, grown: bool = False) -> View:
+    """Close view `number` with `members` unless another worker closed it first; the view as closed
+    (a shrink's closer, or a grow's rank 0: `joiners.admit`). `LATEST_KEY` only grows."""
     ordered = sorted(set(members), key=lambda member: heal_env.parse_member_id(member))
     proposal = View(number, tuple(ordered), considered, grown).encode()
     closed = _parse(records, number, records.compare_set(_members_key(number), proposal))
@@ -198,7 +188,8 @@ def _closer_key(number: int, level: int) -> str:
     return f"view/{number}/closer/{level}"
 
 
-def _pause(attempt: int) -> float:
+def backoff(attempt: int) -> float:
+    """How long a wait's poll number `attempt` sleeps: from `_POLL_S`, doubling up to `_MAX_POLL_S`."""
     return min(_POLL_S * 2 ** min(attempt, 16), _MAX_POLL_S)
 
 
@@ -235,7 +226,7 @@ def after_failure(
         while (closed := read_view(records, number)) is None and clock() < deadline:
             if leaving():
                 return None
-            sleep(_pause(attempt))
+            sleep(backoff(attempt))
             attempt += 1
         if closed is not None:
             return closed
@@ -254,116 +245,13 @@ def _close_after_failure(records: Records, last: View, deadline: float, leaving:
             alive = [m for m in last.members if m in arrived and not failed(records, m)]  # not being stopped
             if not alive:  # every one that came is being replaced: nobody closes an empty view
                 raise ViewError(f"every worker that came to view {number} was marked failed")
-            return _close(records, number, alive, last.considered)
+            return close_view(records, number, alive, last.considered)
         if leaving():
             return None  # (a waiter takes over at the next closer level)
         if (closed := read_view(records, number)) is not None:  # a waiter took over from a closer it thought dead
             return closed
-        sleep(_pause(attempt))
+        sleep(backoff(attempt))
         attempt += 1
-
-
-def joiners_waiting(records: Records) -> int:
-    """The newest joiner's ticket (the step vote carries it: rank 0 of a view reads it at each vote, and
-    counts `HEARTBEAT_KEY` up: the group still trains). A counter: `admit` bounds what it does with it."""
-    records.store.add(HEARTBEAT_KEY, 1)
-    return records.store.add(heal_env.JOINERS_KEY, 0)
-
-
-def admit(records: Records, current: View, upto: int) -> View:
-    """Rank 0 of `current`: close the next view as `current`'s members plus the joiners of tickets
-    after `current.considered` up to `upto`, less those marked failed and any whose start rank is
-    taken. A ticket whose id is still unwritten (its joiner died, or stopped, between taking it and
-    writing it: the vote saw it a vote earlier) is voided with `VOID`; a joiner that finds its ticket
-    voided takes another. At most the round's world size of tickets are considered per grow (the
-    count is anyone's to raise): the rest wait for the next grow, and a count beyond that is warned of."""
-    joiners, considered = [], current.considered
-    taken = {heal_env.parse_member_id(member)[0] for member in current.members}
-    if upto - considered > records.world:
-        records.warn_once(heal_env.JOINERS_KEY, f"counts {upto - considered} workers waiting to join a round "
-                          f"of {records.world}: {records.world} considered per grow")
-        upto = considered + records.world
-    for ticket in range(current.considered + 1, upto + 1):
-        member = records.compare_set(_joiner_key(ticket), VOID)
-        considered = ticket
-        if member is None or member == VOID:
-            continue
-        try:
-            rank, _ = heal_env.parse_member_id(member)
-        except ValueError:
-            continue  # a malformed ticket is nobody's: skipped, never admitted
-        if rank < records.world and rank not in taken and not failed(records, member):
-            joiners.append(member)
-            taken.add(rank)
-    return _close(records, current.number + 1, [*current.members, *joiners], considered, grown=True)
-
-
-def wait_view(records: Records, number: int, *, timeout: float, clock: Callable[[], float] = time.monotonic,
-              sleep: Callable[[float], None] = time.sleep) -> View | None:
-    """View `number` once closed; None after `timeout` seconds."""
-    deadline, attempt = clock() + timeout, 0
-    while (view := read_view(records, number)) is None:
-        if clock() >= deadline:
-            return None
-        sleep(_pause(attempt))
-        attempt += 1
-    return view
-
-
-VOID = "-"
-"""A ticket that rank 0 found unwritten: nobody's."""
-
-
-def register_joiner(records: Records, me: str) -> int:
-    """Wait to join: the ticket a grow admits `me` by (`ViewError` when every try found its ticket taken:
-    rank 0 voids one only per grow, so only another process's writes take that many)."""
-    for _ in range(4 * records.world + 4):
-        ticket = records.store.add(heal_env.JOINERS_KEY, 1)
-        if records.compare_set(_joiner_key(ticket), me) == me:
-            return ticket  # (else rank 0 voided it in between: take another)
-    raise ViewError(f"{4 * records.world + 4} tickets to join were taken by others: the rendezvous store is not the job's alone")
-
-
-def wait_for_admission(
-    records: Records, me: str, *, after: int, ticket: int, first: View, stale_after: float,
-    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-) -> View | None:
-    """The first view after view `after` that holds `me`; None when the job ended first. A view that
-    considered `ticket` without `me` passed it over: `me` takes a new ticket. `ViewError` when nobody
-    is left to admit `me` (a new round restores the job): every member of the newest view (`first`:
-    the round's start) was marked failed, or no vote counted `HEARTBEAT_KEY` up for `stale_after`
-    seconds (a lost node's workers are never marked)."""
-    seen = after
-    beat_seen_at = clock()
-    # The first look for an orphaned view is at once: when two kills came together (every member of the
-    # view gone before this joiner started), waiting out SETTLE_SECONDS first delayed the round by ~2 s.
-    checked_orphan = beat_seen_at - SETTLE_SECONDS
-    store = records.store
-    beat = store.add(HEARTBEAT_KEY, 0)
-    while True:
-        if records.get(heal_env.ENDED_KEY) == "1":
-            return None
-        newest = latest(records)
-        if clock() - checked_orphan >= SETTLE_SECONDS:
-            checked_orphan = clock()
-            current = read_view(records, newest) if newest else first
-            if current is not None and all(failed(records, m) for m in current.members):
-                raise ViewError(f"every worker of view {newest} failed: none is left to take this one in")
-            if (now_beat := store.add(HEARTBEAT_KEY, 0)) != beat:
-                beat, beat_seen_at = now_beat, clock()
-            elif clock() - beat_seen_at > stale_after:
-                raise ViewError(f"no step vote for {stale_after:.0f} s: no group is left to take this one in")
-        for number in range(seen + 1, newest + 1):
-            view = read_view(records, number)
-            if view is None:
-                newest = number - 1  # closed, not yet noted as the newest: read it next time
-                break
-            if me in view.members:
-                return view
-            if view.considered >= ticket:
-                ticket = register_joiner(records, me)
-        seen = newest
-        sleep(_IDLE_POLL_S)
 
 
 def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SECONDS,
@@ -397,10 +285,5 @@ def gather(records: Records, view: View, me: str, *, timeout: float = GATHER_SEC
             dead = any(failed(records, m) for m in (missing if missing is not None else [first]))
         if dead or clock() >= deadline:
             return records.compare_set(outcome, "given up") == "formed"
-        sleep(_pause(attempt))
+        sleep(backoff(attempt))
         attempt += 1
-
-
-def mark_ended(records: Records) -> None:
-    """The job finished: workers still waiting to join leave."""
-    records.set(heal_env.ENDED_KEY, "1")
