@@ -191,7 +191,7 @@ def vote_slots(sl: Slice) -> None:
         slow = SlowRanks(ctx, RunConfig(slow_ranks="report"), EventLog(None, restart=0), None, group=group,
                          clock=lambda: next(ticks) * 0.01)
         vote = StepVote(ctx, Ballot, grace=15.0, group=group, record=CollectiveRecord(),
-                        figures=slow.figures)
+                        slots=slow.figures)
         vote.every = 1
         seconds = 0.0
         for step in range(VOTES + 1):
@@ -199,7 +199,7 @@ def vote_slots(sl: Slice) -> None:
             slow.clock.ended(1)
             verdict = vote.step_ended(step)
             started = time.perf_counter()
-            slow.verdict(verdict.work, step)
+            slow.verdict(verdict.slots, step)
             seconds = max(seconds, time.perf_counter() - started)
         vote.settle()
         _phase(sl, "vote", rank, group, seconds)
