@@ -121,29 +121,40 @@ def test_the_default_preload_never_touches_cuda() -> None:
 def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import (
         LocalElasticAgent,
     )
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
     from elastic._agent.launcher import launch
+    from elastic._agent.launcher.revive_agent import ReviveAgent
     from elastic._shared.storage.keeper_address import KeeperAddress
     from elastic._shared.storage.peer_auth import SECRET_ENV
 
     monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_BASE", str(tmp_path))
-    monkeypatch.setattr(LocalElasticAgent, "_stop_workers", lambda self, group: "stopped")
+    stopped: list[object] = []
+    monkeypatch.setattr(LocalElasticAgent, "_stop_workers", lambda self, group: stopped.append(group))
     for key in [*KeeperAddress(tmp_path, "", "", tmp_path / "secret").environ(), SECRET_ENV]:
         monkeypatch.setenv(key, "")  # so that what start_keeper sets is undone after the test
     args = argparse.Namespace(local_addr="127.0.0.1", rdzv_endpoint="127.0.0.1:0", nnodes="1")
     keeper = launch.start_keeper(args, launch.signing_secret(args))  # a job on one host: a secret made here
+
+    def agent() -> ReviveAgent:  # as the launcher builds it (revive_agent.launch_agent)
+        spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=object(), entrypoint="python")
+        return ReviveAgent(spec, look_every=0.1, keeper=keeper, logs_specs=DefaultLogsSpecs())
+
     try:
         assert KeeperAddress.from_env() == keeper.address  # what the workers inherit
         assert keeper.url.startswith("http://127.0.0.1:")
         told = []
         monkeypatch.setattr(keeper, "workers_stopped", lambda: told.append(True))
-        assert LocalElasticAgent._stop_workers(object(), None) == "stopped" and told == [True]
-        launch.notify_on_stop(keeper)  # again (a second launch in one process): still told once per stop
-        LocalElasticAgent._stop_workers(object(), None)
-        assert told == [True, True]
+        first = agent()
+        first._stop_workers("group")
+        assert stopped == ["group"] and told == [True], "torch's stop, then the keeper told"
+        agent()._stop_workers("group")  # a second agent in one process: each stop tells it once
+        first._stop_workers("group")
+        assert told == [True, True, True] and len(stopped) == 3
     finally:
         keeper.close(timeout=10)
     assert not keeper.root.exists()

@@ -188,16 +188,17 @@ def test_a_node_set_aside_under_train_on_marks_its_workers_failed_so_the_survivo
 
     store = dist.HashStore()
     monkeypatch.setattr(in_place, "heal_store", lambda s: s)  # a TCP store in a job; any store here
-    agent = SimpleNamespace(_torchrevive_namespace="run/1/host:29500", _torchrevive_generation=2)
+    heals = in_place.InPlaceHeals({heal_env.SURVIVORS_ENV: "train-on"})
+    heals.namespace, heals.generation = "run/1/host:29500", 2
     running = SimpleNamespace(store=store, workers=[SimpleNamespace(global_rank=3, world_size=4),
                                                    SimpleNamespace(global_rank=4, world_size=4)])
     key = heal_env.failed_key(heal_env.member_id(3, 2))
     monkeypatch.setenv(heal_env.SURVIVORS_ENV, "keep")
-    in_place.mark_workers_failed(agent, running)
-    assert in_place.records(store, agent._torchrevive_namespace, 4).get(key) is None  # only train-on's views read it
+    in_place.mark_workers_failed(heals, running)
+    assert in_place.records(store, heals.namespace, 4).get(key) is None  # only train-on's views read it
     monkeypatch.setenv(heal_env.SURVIVORS_ENV, "train-on")
-    in_place.mark_workers_failed(agent, running)
-    marked = in_place.records(store, agent._torchrevive_namespace, 4)
+    in_place.mark_workers_failed(heals, running)
+    marked = in_place.records(store, heals.namespace, 4)
     assert marked.get(key) == "1" and marked.get(heal_env.failed_key(heal_env.member_id(4, 2))) == "1"
 
 

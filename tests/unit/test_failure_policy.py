@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from elastic._agent.launcher import hang_verdicts, job_watch, set_aside_mark
+from elastic._agent.launcher import hang_verdicts, job_entries, job_watch, set_aside_mark
 from elastic._agent.launcher.failure_policy import (
     CRASH_LOOP_EXIT,
     SET_ASIDE_EXIT,
@@ -399,7 +399,7 @@ def test_this_nodes_worker_named_by_a_hang_is_ended_and_its_death_counts_once(
 ) -> None:
     board = LocalBoard()
     agent = watch(tmp_path, "n1", board)
-    agent._agent = SimpleNamespace(_remaining_restarts=8, _torchrevive_workers_started=100.0)
+    agent.started_at = 100.0  # when the workers of its group started
     killed: list[tuple[int, int]] = []
     monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
     running = group()
@@ -425,7 +425,7 @@ def test_a_replacement_started_after_a_hangs_comparison_began_is_not_ended_for_i
     its verdict, posted after, ended the replacement too, a third strike that set the healthy node aside."""
     board = LocalBoard()
     agent = watch(tmp_path, "n1", board)
-    agent._agent = SimpleNamespace(_remaining_restarts=8, _torchrevive_workers_started=100.0)
+    agent.started_at = 100.0  # when the workers of its group started
     killed: list[tuple[int, int]] = []
     monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))
     monkeypatch.setattr(hang_verdicts, "started_at", {4242: 160.0, 4343: 120.0}.get)
@@ -439,8 +439,8 @@ def test_a_replacement_started_after_a_hangs_comparison_began_is_not_ended_for_i
     assert "not ending worker rank 1 (pid 4242): it started after the hang was named" in capsys.readouterr().err
     assert {(hang.node, hang.since) for hang in agent.hangs} == {("n1", 150.0)}  # the stall's start, for the strikes
     note = {"line": "hang: x", "step": 55, "culprits": [1], "since": float("nan")}
-    assert "since" not in job_watch._hang_entry(note, running).fields
-    assert job_watch._hang_entry({**note, "since": 150.5}, running).fields["since"] == 150.5
+    assert "since" not in job_entries.hang_entry(note, running).fields
+    assert job_entries.hang_entry({**note, "since": 150.5}, running).fields["since"] == 150.5
 
 
 def test_a_peers_failure_waits_for_its_own_entry_only_when_it_could_close_a_crash_loop(tmp_path: Path) -> None:
@@ -473,7 +473,7 @@ def test_a_group_a_worker_of_which_failed_is_stopped_with_sigkill_until_a_new_on
     survivors heal and go on), leaves torch's SIGTERM."""
     board = LocalBoard()
     agent = watch(tmp_path, "n1", board, TORCHREVIVE_SURVIVORS=survivors)
-    agent._agent = SimpleNamespace(_remaining_restarts=8, _torchrevive_workers_started=100.0)
+    agent.started_at = 100.0  # when the workers of its group started
     healthy = SimpleNamespace(is_failed=lambda: False)
     board.post(Entry("failure", "failure: ...", 99.0, 20, 3, "n0", failure("n0", 20, 99.0).to_json()))
     agent.look(group(), healthy)
@@ -482,7 +482,7 @@ def test_a_group_a_worker_of_which_failed_is_stopped_with_sigkill_until_a_new_on
     agent.look(group(), healthy)
     broken = survivors in ("", "restart")
     assert agent.stop_signal() == (signal.SIGKILL if broken else signal.SIGTERM)
-    agent.workers_started()
+    agent.workers_started(group())
     assert agent.stop_signal() == signal.SIGTERM, "a new group is whole"
     killed: list[tuple[int, int]] = []
     monkeypatch.setattr(job_watch.os, "kill", lambda pid, signum: killed.append((pid, signum)))

@@ -16,7 +16,9 @@ from importlinter.application.use_cases import lint_imports
 from support import REPO
 
 PACKAGE = REPO / "elastic"
-MAX_LINES = 500
+MAX_LINES = 400
+HEADROOM = 10
+"""A module stays under MAX_LINES by design, not by trimming: none sits within HEADROOM lines of it (issue 53)."""
 TOOLING = {"chaos"}
 """Top-level parts of elastic/ outside every contract's source lists: tooling that imports anything."""
 
@@ -106,9 +108,9 @@ def test_every_part_of_the_package_is_in_a_contract() -> None:
     assert parts - named - TOOLING == set()
 
 
-def test_no_module_is_over_500_lines() -> None:
+def test_no_module_is_near_400_lines() -> None:
     long = {
         str(path.relative_to(REPO)): n for path in PACKAGE.rglob("*.py")
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
+        if (n := len(path.read_text().splitlines())) > MAX_LINES - HEADROOM
     }
     assert long == {}

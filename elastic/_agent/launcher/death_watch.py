@@ -6,12 +6,12 @@ up to a whole interval later, and every kind of recovery (a new round, a heal
 in place, a shrink) starts only then: on average half an interval, at worst a
 whole one, added to every failure.
 
-`install(interval)` keeps the looks at the same pace but spends the time
-between them waiting on the workers' process descriptors (Linux `pidfd`,
-which works for processes that are not this agent's children: warm workers
-are the fork server's) instead of sleeping: a death ends the wait at once and
-the look that follows finds it (looking again for up to `REAP_SECONDS` until
-torch has heard of it). torch's own sleep is cut to `TORCH_SLEEP`, and the
+`DeathWatch` (held by the agent, elastic._agent.launcher.revive_agent) keeps
+the looks at the same pace but spends the time between them waiting on the
+workers' process descriptors (Linux `pidfd`, which works for processes that
+are not this agent's children: warm workers are the fork server's) instead of
+sleeping: a death ends the wait at once and the look that follows finds it
+(looking again for up to `REAP_SECONDS` until torch has heard of it). torch's own sleep is cut to `TORCH_SLEEP`, and the
 interval the user gave bounds each wait.
 
 Invariants:
@@ -93,23 +93,16 @@ def look_until_heard(look: Callable[[], Any], *, died: bool) -> Any:
     return result
 
 
-def install(interval: float) -> None:
-    """Wrap torch's local agent's look at its workers (in this process) so that the `interval`
-    seconds before each look wait on the workers' exits; the caller then cuts torch's own sleep to
-    `TORCH_SLEEP` (its `--monitor-interval`). Idempotent."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+class DeathWatch:
+    """One agent's wait before each look at its workers (see the module docstring): at most the user's
+    `interval` less the `TORCH_SLEEP` torch's loop still sleeps, so a look is never later than without it."""
 
-    if getattr(LocalElasticAgent._monitor_workers, "wakes_on_exit", False):
-        return
-    monitor = LocalElasticAgent._monitor_workers
-    wait_for = max(0.0, interval - TORCH_SLEEP)
+    def __init__(self, interval: float) -> None:
+        self._waiter = ExitWaiter()
+        self._wait_for = max(0.0, interval - TORCH_SLEEP)
 
-    def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
-        waiter = self.__dict__.setdefault("_torchrevive_exit_waiter", ExitWaiter())
-        context = getattr(self, "_pcontext", None)
-        pids = set(context.pids().values()) if context is not None else set()
-        died = waiter.wait({pid for pid in pids if isinstance(pid, int) and pid > 0}, wait_for)
-        return look_until_heard(lambda: monitor(self, worker_group), died=died)
-
-    monitor_workers.wakes_on_exit = True  # type: ignore[attr-defined]
-    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
+    def look(self, pids: set[Any], look: Callable[[], Any]) -> Any:
+        """Wait on the workers `pids` (a worker not started yet has none: skipped), then `look()`'s result
+        (`look_until_heard`)."""
+        died = self._waiter.wait({pid for pid in pids if isinstance(pid, int) and pid > 0}, self._wait_for)
+        return look_until_heard(look, died=died)

@@ -5,7 +5,8 @@ agent of the round got there, up to 300 s (`SimpleElasticAgent._exit_barrier`:
 the agent serving the c10d store must outlive the others' last use of it). With
 TORCHREVIVE_SURVIVORS=train-on a job can end without a node it lost on the way
 (its survivors trained on without it), and torch's barrier would then wait its
-whole 300 s for that node. This barrier waits for the round's *live* nodes:
+whole 300 s for that node. This barrier (the agent's under train-on,
+elastic._agent.launcher.revive_agent) waits for the round's *live* nodes:
 those torch's rendezvous still counts as participants, which drops a node its
 keep-alive no longer reaches (about 3 s under torchrevive-run).
 
@@ -30,22 +31,6 @@ logger = logging.getLogger(__name__)
 
 _KEY = "torchrevive/exit-barrier"
 _POLL_S = 0.05
-
-
-def install() -> None:
-    """Replace torch's local agent's exit barrier (in this process) with `wait_for_live_nodes`. Idempotent."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import (
-        LocalElasticAgent,
-    )
-
-    if getattr(LocalElasticAgent._exit_barrier, "counts_live_nodes", False):
-        return
-
-    def exit_barrier(self: LocalElasticAgent) -> None:
-        wait_for_live_nodes(self._store, self._worker_group.spec.rdzv_handler, timeout=self._exit_barrier_timeout)
-
-    exit_barrier.counts_live_nodes = True  # type: ignore[attr-defined]
-    LocalElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
 
 
 def live_nodes(handler: Any) -> int | None:

@@ -4,8 +4,8 @@ torch's agent answers any failure of its workers with `_restart_workers`: stop
 them, join a new rendezvous round, start them again. A new round makes every
 other agent stop its healthy workers too (they see a node waiting), so one dead
 process stops the whole job (torch/distributed/elastic/agent/server/api.py,
-`_invoke_run`). With `TORCHREVIVE_SURVIVORS=keep` this module's `_restart_workers`
-instead, for a FAILED group:
+`_invoke_run`). With `TORCHREVIVE_SURVIVORS=keep` the agent's `_restart_workers`
+(elastic._agent.launcher.revive_agent) asks `InPlaceHeals.heal` first, which, for a FAILED group:
 
 1. stops this agent's workers (torch's process context has already stopped the
    failed one's local peers; the other nodes' workers are untouched);
@@ -54,7 +54,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic._agent.launcher import exit_barrier
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import heal_env
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
@@ -103,71 +102,45 @@ def frozen_after(environ: Any) -> float:
     return seconds
 
 
-def install() -> None:
-    """Patch torch's local agent (in this process) as the module docstring says. Idempotent."""
-    from torch.distributed.elastic.agent.server import local_elastic_agent
-    from torch.distributed.elastic.agent.server.local_elastic_agent import (
-        LocalElasticAgent,
-    )
+class InPlaceHeals:
+    """One agent's heals in place (see the module docstring), held by its agent: the round's heal
+    namespace (None until the round's first start, and again once a failure took a new round), the
+    generation this agent's workers start in (0 in each new round) and the agent's last look's result."""
 
-    if getattr(LocalElasticAgent._restart_workers, "heals_in_place", False):
-        return
-    if heal_env.mode(os.environ) == heal_env.TRAIN_ON:
-        exit_barrier.install()  # a job may end without a node it lost: wait for the live ones only
-    restart_round = LocalElasticAgent._restart_workers
-    monitor = LocalElasticAgent._monitor_workers
-    start_workers = LocalElasticAgent._start_workers
-    start_processes = local_elastic_agent.start_processes
+    def __init__(self, environ: Any = None) -> None:
+        self.train_on = heal_env.mode(os.environ if environ is None else environ) == heal_env.TRAIN_ON
+        self.namespace: str | None = None
+        self.generation = 0
+        self.last_result: Any = None
+        """What the agent's last look at its workers found: the failure a heal acts on."""
 
-    def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
-        result = monitor(self, worker_group)
-        self._torchrevive_last_result = result  # what _restart_workers acts on
-        return result
-
-    def restart_workers(self: LocalElasticAgent, worker_group: Any) -> None:
+    def worker_env(self, worker_group: Any) -> dict[str, str]:
+        """The variables a start of the workers adds to each one's environment: where heals meet, in
+        which generation; none without a TCP store or a namespace (then nothing heals in place)."""
         store = heal_store(worker_group.store)
-        result = getattr(self, "_torchrevive_last_result", None)
-        space = getattr(self, "_torchrevive_namespace", None)
-        if store is None or space is None or not _heals(worker_group, result, store, space) or not _heal(
-            self, worker_group, result, store, space
-        ):
-            self._torchrevive_generation = 0  # a new round: its heals count from 0 in a namespace of its own
-            self._torchrevive_namespace = None
-            restart_round(self, worker_group)
-
-    def start_workers_with_heal_env(self: LocalElasticAgent, worker_group: Any) -> Any:
-        store = heal_store(worker_group.store)
-        if getattr(self, "_torchrevive_namespace", None) is None:  # the first start of a round
-            self._torchrevive_namespace = namespace(worker_group)
-        if store is None or self._torchrevive_namespace is None:
-            return start_workers(self, worker_group)
-        extra = {
+        if self.namespace is None:  # the first start of a round
+            self.namespace = namespace(worker_group)
+        if store is None or self.namespace is None:
+            return {}
+        return {
             heal_env.HEAL_STORE_ENV: address(store),
-            heal_env.HEAL_NAMESPACE_ENV: self._torchrevive_namespace,
-            heal_env.HEAL_GENERATION_ENV: str(getattr(self, "_torchrevive_generation", 0)),
+            heal_env.HEAL_NAMESPACE_ENV: self.namespace,
+            heal_env.HEAL_GENERATION_ENV: str(self.generation),
             heal_env.MIN_WORLD_ENV: str(min_world(worker_group)),
         }
-        _extra_env.update(extra)
-        try:
-            return start_workers(self, worker_group)
-        finally:
-            _extra_env.clear()
 
-    def start_processes_with_extra_env(*args: Any, **kwargs: Any) -> Any:
-        envs = kwargs.get("envs")
-        if envs is not None and _extra_env:
-            kwargs["envs"] = {local_rank: {**env, **_extra_env} for local_rank, env in envs.items()}
-        return start_processes(*args, **kwargs)
-
-    restart_workers.heals_in_place = True  # type: ignore[attr-defined]
-    LocalElasticAgent._restart_workers = restart_workers  # type: ignore[method-assign]
-    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
-    LocalElasticAgent._start_workers = start_workers_with_heal_env  # type: ignore[method-assign]
-    local_elastic_agent.start_processes = start_processes_with_extra_env
-
-
-_extra_env: dict[str, str] = {}
-"""Variables for the workers `_start_workers` is starting now (set only around that call)."""
+    def heal(self, agent: Any, worker_group: Any) -> bool:
+        """Replace `agent`'s failed workers in place (True); False when this failure takes torch's new
+        round, whose heals then count from 0 in a namespace of its own."""
+        store = heal_store(worker_group.store)
+        result, space = self.last_result, self.namespace
+        if store is None or space is None or not _heals(worker_group, result, store, space) or not _heal(
+            agent, self, worker_group, result, store, space
+        ):
+            self.generation = 0
+            self.namespace = None
+            return False
+        return True
 
 
 def heal_store(store: Any) -> SealedStore | None:
@@ -234,22 +207,21 @@ def records(store: dist.Store, space: str, world_size: int, environ: Any = None)
                    world=max(world_size, 1))
 
 
-def _heal(agent: Any, worker_group: Any, result: Any, store: SealedStore, space: str) -> bool:
-    """Replace this agent's workers in place; False (nothing started) when the store failed."""
+def _heal(agent: Any, heals: InPlaceHeals, worker_group: Any, result: Any, store: SealedStore, space: str) -> bool:
+    """Replace `agent`'s workers in place (`heals`: its state); False (nothing started) when the store failed."""
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     ranks = ", ".join(str(rank) for rank in sorted(result.failures))
     sealed = records(store, space, worker_group.workers[0].world_size if worker_group.workers else 1)
-    heals = sealed.store
-    started_in = getattr(agent, "_torchrevive_generation", 0)
-    train_on = heal_env.mode(os.environ) == heal_env.TRAIN_ON
+    started_in = heals.generation
+    train_on = heals.train_on
     if train_on:  # before they are stopped: the survivors stop waiting for any of this node's workers
         _mark_failed(sealed, worker_group, started_in)
     agent._stop_workers(worker_group)
     worker_group.state = WorkerState.STOPPED
     try:
         if train_on:
-            generation = heals.add(heal_env.INCARNATIONS_KEY, 1)
+            generation = sealed.store.add(heal_env.INCARNATIONS_KEY, 1)
         else:
             generation = raise_generation(sealed, sorted(result.failures), started_in=started_in)
     except RuntimeError:
@@ -257,7 +229,7 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: SealedStore, space:
     if not 0 < generation <= heal_env.MAX_GENERATION:  # a counter anyone may raise
         logger.warning("the rendezvous store's heal count %d is not this job's: a new round instead", generation)
         return False
-    agent._torchrevive_generation = generation
+    heals.generation = generation
     print(
         f"torchrevive-run: worker rank {ranks} failed; replacing this node's workers in place "
         f"({'incarnation' if train_on else 'heal'} {generation}): the other nodes' workers keep their processes"
@@ -271,20 +243,20 @@ def _heal(agent: Any, worker_group: Any, result: Any, store: SealedStore, space:
     return True
 
 
-def mark_workers_failed(agent: Any, worker_group: Any, environ: Any = None) -> None:
+def mark_workers_failed(heals: InPlaceHeals | None, worker_group: Any, environ: Any = None) -> None:
     """With train-on: note in the round's heal records that every worker of this agent failed, so the
     survivors' next view closes without waiting for them (else `views.SETTLE_SECONDS` after they arrive).
     A replacement's start does it; so does a node set aside (elastic._agent.launcher.job_watch) before
-    its agent leaves. Nothing without train-on (in `environ`, default the process's) or a heal namespace;
-    a store that fails leaves the wait."""
+    its agent leaves. Nothing without train-on (in `environ`, default the process's), `heals` (the agent's)
+    or a heal namespace; a store that fails leaves the wait."""
     if (os.environ if environ is None else environ).get(heal_env.SURVIVORS_ENV) != heal_env.TRAIN_ON:
         return
     store = heal_store(worker_group.store)
-    space = getattr(agent, "_torchrevive_namespace", None)
-    if store is None or space is None:
+    space = heals.namespace if heals is not None else None
+    if store is None or heals is None or space is None:
         return
     sealed = records(store, space, worker_group.workers[0].world_size if worker_group.workers else 1)
-    _mark_failed(sealed, worker_group, getattr(agent, "_torchrevive_generation", 0))
+    _mark_failed(sealed, worker_group, heals.generation)
 
 
 def _mark_failed(sealed: Records, worker_group: Any, started_in: int) -> None:

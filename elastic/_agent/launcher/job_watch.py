@@ -1,7 +1,7 @@
 """The agent's watch over the job's failures: each named on every agent, a bad node set aside, a crash loop stopped.
 
-`install` wraps torch's local agent (in this process). At every look at its workers (`_monitor_workers`)
-the agent:
+A `JobWatch` is held by the agent (elastic._agent.launcher.revive_agent), which calls it at each start,
+look and stop of its workers. At every look at its workers (`_monitor_workers`) the agent:
 
 1. posts to the job's notice board (elastic._agent.launcher.notice_board) a `failure` entry for each of its
    workers that failed: rank, node, host, exit status or signal, the last step it completed (from the
@@ -34,16 +34,13 @@ host back until the cool-off ends.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -61,9 +58,18 @@ from elastic._agent.launcher.failure_policy import (
     NamedHang,
 )
 from elastic._agent.launcher.hang_verdicts import end_now, replaced_since, since_of
+from elastic._agent.launcher.job_entries import (
+    COUNTED,
+    append_event,
+    failure_of,
+    hang_entry,
+    last_step,
+    node_name,
+    restart_number,
+    world_of,
+)
 from elastic._agent.launcher.notice_board import Entry, LocalBoard, StoreBoard
 from elastic._shared.protocol import heal_env, worker_notes
-from elastic._shared.storage.keeper_address import NODE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -99,48 +105,24 @@ def setting(environ: Any, name: str) -> float:
     return float(environ.get(name) or DEFAULTS[name])
 
 
-def node_name(environ: Any = None) -> str:
-    """This node as the workers name it too: the snapshot keeper's node name, else the host name."""
-    env = os.environ if environ is None else environ
-    return (env.get(NODE_ENV) or socket.gethostname())[:200]
-
-
-def make_notes_directory(environ: Any = None) -> Path:
-    """A private directory for this agent's workers' notes, named in their environment."""
-    env = os.environ if environ is None else environ
-    directory = Path(tempfile.mkdtemp(prefix="torchrevive-notes-"))
-    env[worker_notes.NOTES_ENV] = str(directory)
-    return directory
-
-
-def failure_of(process_failure: Any, *, global_rank: int, notes: str | None, now: float) -> Failure:
-    """A worker's failure from torch's record of it (`ProcessFailure`) and the worker's progress note."""
-    message = process_failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    text = failure_policy.first_line(message if isinstance(message, str) else "")
-    if not text or text.startswith("To enable traceback"):
-        text = failure_policy.how_it_ended(process_failure.exitcode)
-    step = worker_notes.read_progress(notes, process_failure.local_rank) if notes else None
-    return Failure(
-        rank=global_rank, node=node_name(), host=socket.gethostname()[:200], exitcode=int(process_failure.exitcode),
-        step=-1 if step is None else step, error=text, time=now,
-        primary=not failure_policy.is_collateral(int(process_failure.exitcode), text),
-    )
-
-
 class JobWatch:
     """One agent's side (see the module docstring)."""
 
     def __init__(
         self, agent: Any, worker_group: Any, environ: Any = None, board: Any = None,
-        clock: Any = time.monotonic, sleep: Any = time.sleep,
+        clock: Any = time.monotonic, sleep: Any = time.sleep, heals: Any = None,
     ) -> None:
-        """`board`: the job's notice board (default: in the rendezvous store, else this agent's own);
-        `clock` and `sleep` time its bounded waits (a test passes its own)."""
+        """`agent`: the agent it watches for (its restarts: `_restart_workers`, `_remaining_restarts`);
+        `board`: the job's notice board (default: in the rendezvous store, else this agent's own);
+        `clock` and `sleep` time its bounded waits (a test passes its own); `heals`: the agent's
+        heals in place (elastic._agent.launcher.in_place.InPlaceHeals), None without them."""
         self._clock, self._sleep = clock, sleep
         self._env = os.environ if environ is None else environ
         self._agent = agent
+        self._heals = heals
+        self.started_at: float | None = None
+        """When this node's workers of the current group started (time.time()): a failure or a hang posted
+        before names an earlier group."""
         self.notes = self._env.get(worker_notes.NOTES_ENV)
         self.board: StoreBoard | LocalBoard = board if board is not None else _board(worker_group, self._env)
         self.failures: list[Failure] = []
@@ -213,7 +195,7 @@ class JobWatch:
             if note is None:
                 continue
             path.unlink(missing_ok=True)
-            entry = _hang_entry(note, worker_group)
+            entry = hang_entry(note, worker_group)
             if entry is not None:
                 self.board.post(entry)
 
@@ -234,7 +216,7 @@ class JobWatch:
             line = (f"failure: worker rank {failure.rank} on node {failure.node} (host {failure.host}) "
                     f"{failure_policy.how_it_ended(failure.exitcode)} {after}: {failure.error}"
                     + ("" if failure.primary else " (a peer's failure reached it)"))
-            self.board.post(Entry("failure", line, now, failure.step, _world(worker_group), failure.node,
+            self.board.post(Entry("failure", line, now, failure.step, world_of(worker_group), failure.node,
                                   failure.to_json()))
             posted = True
         return posted
@@ -254,7 +236,7 @@ class JobWatch:
                 failure = Failure.parse(entry.fields)
                 if failure is not None:
                     self.failures.append(failure)
-                    started = getattr(self._agent, "_torchrevive_workers_started", None)
+                    started = self.started_at
                     if self._restarts_on_failure and isinstance(started, float) and entry.time >= started:
                         self.group_broken = True
             elif entry.kind == "hang":
@@ -270,16 +252,21 @@ class JobWatch:
                 self.stop_line = entry.line
                 self.board.acknowledge(number)  # the agent that decided it waits for every agent to know
             if events is not None and self.board.claim(number):
-                _append_event(events, entry, restart=_restart(self._agent, worker_group))
-            if entry.kind in _COUNTED:
-                self.counts[_COUNTED[entry.kind]] += int(entry.kind != "failure" or bool(entry.fields.get("primary")))
+                append_event(events, entry, restart=restart_number(self._agent, worker_group))
+            if entry.kind in COUNTED:
+                self.counts[COUNTED[entry.kind]] += int(entry.kind != "failure" or bool(entry.fields.get("primary")))
         if entries and self.notes:  # the workers' metrics serve these (elastic._worker.observe.metrics)
             worker_notes.note_incidents(self.notes, self.counts)
         return left
 
-    def workers_started(self) -> None:
-        """This node's workers of a new group start: whole again."""
+    def workers_started(self, worker_group: Any) -> None:
+        """This node's workers of a new group start, now: whole again, and without their progress notes (a
+        new start's progress is its own: an old note would name another attempt's step)."""
+        self.started_at = time.time()
         self.group_broken = False
+        if self.notes:
+            for local_rank in range(int(worker_group.spec.local_world_size)):
+                worker_notes.progress_path(self.notes, local_rank).unlink(missing_ok=True)
 
     def stop_signal(self) -> signal.Signals:
         """How torch's agent ends this node's workers when it stops them now (see the module docstring, 4)."""
@@ -290,7 +277,7 @@ class JobWatch:
         recovery starts now rather than at --hang-timeout, from the culprit alone: its peers' collective
         fails at once (under --survivors keep or train-on they heal in place and keep their processes)."""
         culprits = entry.fields.get("culprits")
-        started = getattr(self._agent, "_torchrevive_workers_started", None)
+        started = self.started_at
         if not isinstance(culprits, list) or not isinstance(started, float) or entry.time < started:
             return  # not a list, or a hang of a group before this one
         since = since_of(entry.fields)  # (a peer's field: checked like the note's)
@@ -319,11 +306,11 @@ class JobWatch:
             line = f"{decision.line}; it does not rejoin for {cool_off:g} s (--set-aside-cool-off)"
             fields = {"node": node_name(env), "host": socket.gethostname()[:200], "reason": decision.line,
                       "failures": decision.strikes, "cool_off": cool_off}
-            self.board.post(Entry("node_excluded", line, time.time(), _last_step(self.failures),
-                                  _world(worker_group), node_name(env), fields))
+            self.board.post(Entry("node_excluded", line, time.time(), last_step(self.failures),
+                                  world_of(worker_group), node_name(env), fields))
             self.read_board(worker_group)
             set_aside_mark.write(env, line, cool_off, run_id=worker_group.spec.rdzv_handler.get_run_id())
-            in_place.mark_workers_failed(self._agent, worker_group, env)  # train-on: the survivors need not wait
+            in_place.mark_workers_failed(self._heals, worker_group, env)  # train-on: the survivors need not wait
             _leave_rendezvous(worker_group.spec.rdzv_handler)
             raise NodeSetAside(line)
         if decision.kind == "stop":
@@ -333,10 +320,22 @@ class JobWatch:
                       "attempts": int(setting(env, CRASH_LOOP_ATTEMPTS_ENV)), "exit_code": CRASH_LOOP_EXIT}
             if self.stop_line is None and self.board.claim("crash_loop"):  # the first agent to decide posts it
                 number = self.board.post(Entry("crash_loop", decision.line, time.time(), failure.step,
-                                               _world(worker_group), node_name(env), fields))
+                                               world_of(worker_group), node_name(env), fields))
                 self.read_board(worker_group)
                 self._await_acknowledgements(number, int(worker_group.group_world_size))
             raise CrashLoopStop(self.stop_line or decision.line)
+
+    def crash_loop_line(self) -> str | None:
+        """The crash-loop line another agent posted, read now (the rendezvous it closed ended this agent's
+        wait); None when there is none, or the board is out of reach."""
+        if self.stop_line is None:
+            try:
+                for _, entry in self.board.read_new():
+                    if entry.kind == "crash_loop":
+                        self.stop_line = entry.line
+            except (RuntimeError, OSError, ValueError):
+                return None
+        return self.stop_line
 
     def _await_acknowledgements(self, number: int, agents: int) -> None:
         """Until every agent of the round has read the stop (at most `PRIMARY_WAIT` seconds): this agent may
@@ -344,9 +343,6 @@ class JobWatch:
         deadline = self._clock() + PRIMARY_WAIT
         while self.board.acknowledged(number) < agents and self._clock() < deadline:
             self._sleep(0.1)
-
-
-_COUNTED = {"failure": "job_failures", "hang": "job_hangs_named", "node_excluded": "nodes_set_aside"}
 
 
 def _board(worker_group: Any, environ: Any) -> StoreBoard | LocalBoard:
@@ -361,53 +357,6 @@ def _board(worker_group: Any, environ: Any) -> StoreBoard | LocalBoard:
     return StoreBoard(store, handler.get_run_id(), environ, changes=getattr(handler, "changes", None))
 
 
-def _world(worker_group: Any) -> int:
-    return int(worker_group.workers[0].world_size) if worker_group.workers else 0
-
-
-def _restart(agent: Any, worker_group: Any) -> int:
-    remaining = getattr(agent, "_remaining_restarts", None)
-    return int(worker_group.spec.max_restarts) - remaining if isinstance(remaining, int) else 0
-
-
-def _last_step(failures: list[Failure]) -> int:
-    return failures[-1].step if failures else -1
-
-
-def _hang_entry(note: dict[str, Any], worker_group: Any) -> Entry | None:
-    """A worker's hang verdict as an entry; None when the note is not one (checked field by field)."""
-    line, step, culprits = note.get("line"), note.get("step"), note.get("culprits")
-    if not isinstance(line, str) or type(step) is not int or not isinstance(culprits, list):
-        return None
-    names = ("culprits", "nodes", "hosts", "collective", "stack_tops", "last_done", "reasons", "answered")
-    fields = {name: note[name] for name in names if name in note}
-    since = since_of(note)
-    if since is not None:
-        fields["since"] = since
-    if any(type(rank) is not int for rank in culprits):
-        return None
-    text = "".join(ch if ch.isprintable() else " " for ch in line[:1400])
-    return Entry("hang", text, time.time(), step, _world(worker_group), node_name(), fields)
-
-
-def _append_event(path: str, entry: Entry, *, restart: int) -> None:
-    """The entry as one line of the job's event log (whole, appended; the log is a record, not state)."""
-    record = {"event": entry.kind, "time": entry.time, "step": entry.step, "world_size": entry.world_size,
-              "restart": restart, **entry.fields}
-    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
-    except OSError as error:
-        logger.warning("event log %s: %s; the %s event is not written", path, error.strerror or error, entry.kind)
-        return
-    try:
-        os.write(fd, data)
-    except OSError as error:
-        logger.warning("event log %s: %s; the %s event is not written", path, error.strerror or error, entry.kind)
-    finally:
-        os.close(fd)
-
-
 def _leave_rendezvous(handler: Any) -> None:
     """Leave torch's dynamic rendezvous without closing it: the other nodes see one node fewer at once
     instead of after its keep-alive runs out (torch's own exit step; a handler without it: the keep-alive)."""
@@ -420,74 +369,3 @@ def _leave_rendezvous(handler: Any) -> None:
         handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)
     except Exception as error:  # noqa: BLE001 - the others still see it gone when its keep-alive runs out
         logger.warning("leaving the rendezvous: %s; the other nodes see this one gone after its keep-alive", error)
-
-
-_watches: dict[int, JobWatch] = {}
-
-
-def watch_of(agent: Any, worker_group: Any) -> JobWatch:
-    watch = _watches.get(id(agent))
-    if watch is None:
-        watch = _watches[id(agent)] = JobWatch(agent, worker_group)
-    return watch
-
-
-def last_watch() -> JobWatch | None:
-    """This process's watch (one agent per process), for the launcher's last word."""
-    return next(iter(_watches.values()), None)
-
-
-def stopped_by_crash_loop() -> str | None:
-    """The crash-loop line another agent posted, read now (the rendezvous it closed ended this agent's
-    wait); None when there is none, or the board is out of reach."""
-    watch = last_watch()
-    if watch is None:
-        return None
-    if watch.stop_line is None:
-        try:
-            for _, entry in watch.board.read_new():
-                if entry.kind == "crash_loop":
-                    watch.stop_line = entry.line
-        except (RuntimeError, OSError, ValueError):
-            return None
-    return watch.stop_line
-
-
-def install() -> None:
-    """Wrap torch's local agent (in this process) as the module docstring says. Idempotent."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import (
-        LocalElasticAgent,
-    )
-
-    if getattr(LocalElasticAgent._monitor_workers, "watches_job", False):
-        return
-    monitor = LocalElasticAgent._monitor_workers
-    start_workers = LocalElasticAgent._start_workers
-    stop_workers = LocalElasticAgent._stop_workers
-
-    def monitor_workers(self: LocalElasticAgent, worker_group: Any) -> Any:
-        result = monitor(self, worker_group)
-        watch_of(self, worker_group).look(worker_group, result)
-        return result
-
-    def start_workers_afresh(self: LocalElasticAgent, worker_group: Any) -> Any:
-        self._torchrevive_workers_started = time.time()  # a hang posted before names an earlier group
-        watch = _watches.get(id(self))
-        if watch is not None:
-            watch.workers_started()
-        notes = os.environ.get(worker_notes.NOTES_ENV)
-        if notes:  # a new start's progress is its own: an old note would name another attempt's step
-            for local_rank in range(int(worker_group.spec.local_world_size)):
-                worker_notes.progress_path(notes, local_rank).unlink(missing_ok=True)
-        return start_workers(self, worker_group)
-
-    def stop_workers_of_a_broken_group(self: LocalElasticAgent, worker_group: Any, *args: Any, **kwargs: Any) -> Any:
-        watch = _watches.get(id(self))
-        if watch is not None and watch.stop_signal() == signal.SIGKILL:
-            end_now(worker_group)  # torch's own stop then finds them gone
-        return stop_workers(self, worker_group, *args, **kwargs)
-
-    monitor_workers.watches_job = True  # type: ignore[attr-defined]
-    LocalElasticAgent._monitor_workers = monitor_workers  # type: ignore[method-assign]
-    LocalElasticAgent._start_workers = start_workers_afresh  # type: ignore[method-assign]
-    LocalElasticAgent._stop_workers = stop_workers_of_a_broken_group  # type: ignore[method-assign]

@@ -1,7 +1,9 @@
 """`python -m elastic._agent.launcher` (or `torchrevive-run`): torchrun with recovery-friendly defaults.
 
 It is torchrun: it takes every torchrun flag (torch's own parser reads the
-command line) and runs torch's own launcher. Its own settings (`--survivors`,
+command line, torch's `config_from_args` turns it into torch's launch config) and
+runs torch's agent, as the subclass `elastic._agent.launcher.revive_agent.ReviveAgent`
+that the module's `launch_agent` builds as torch's own would. Its own settings (`--survivors`,
 the snapshot keeper's, ...) are flags in the same parser, each with an
 environment form (`elastic._agent.launcher.settings`, which `--help` lists
 after torchrun's flags). It only changes defaults the user did not set:
@@ -58,20 +60,19 @@ import shutil
 import signal
 import sys
 import uuid
-from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic._agent.launcher import (
-    death_watch,
     in_place,
+    job_entries,
     job_watch,
+    revive_agent,
     set_aside_mark,
     settings,
     slurm_launch,
-    stop_signals,
     torchrun_defaults,
     warm_start,
 )
@@ -100,34 +101,6 @@ _KNOWN_EXITS = {
 # Exits a restart cannot fix: the agent stops instead of training into the same failure.
 FINAL_EXITS = frozenset({USAGE_EXIT, STORAGE_EXIT})
 _WHAT_TO_FIX = {USAGE_EXIT: "input", STORAGE_EXIT: "storage"}
-
-
-def stop_restarts_on(exit_codes: frozenset[int]) -> None:
-    """Make torch's agent (in this process) end the job, not restart it, when a worker
-    exits with one of `exit_codes`.
-
-    torch restarts a FAILED worker group whatever its exit status while restarts
-    remain (torch/distributed/elastic/agent/server/api.py, `_invoke_run`: `if
-    self._remaining_restarts > 0: ... self._restart_workers(...)`); setting the
-    remaining restarts to 0 when such a failure is seen takes its other branch:
-    stop the workers and return FAILED. Idempotent.
-    """
-    from torch.distributed.elastic.agent.server.local_elastic_agent import (
-        LocalElasticAgent,
-    )
-
-    original = LocalElasticAgent._monitor_workers
-    if getattr(original, "stops_on", None) is not None:
-        return
-
-    def monitor(self: LocalElasticAgent, worker_group: Any) -> Any:
-        result = original(self, worker_group)
-        if result.is_failed() and any(f.exitcode in exit_codes for f in result.failures.values()):
-            self._remaining_restarts = 0
-        return result
-
-    monitor.stops_on = exit_codes  # type: ignore[attr-defined]
-    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
 
 
 def describe_exit(exitcode: int) -> str:
@@ -190,38 +163,28 @@ def main(argv: list[str] | None = None) -> None:
     start_reaper(frozen_after=frozen_after)
     args.rdzv_conf = merged_rdzv_conf(args.rdzv_conf)
     os.environ.setdefault(FRESH_STORE_ENV, "1")
-    stop_restarts_on(FINAL_EXITS)
-    notes = job_watch.make_notes_directory()  # where the workers note their step, a named hang, the event log
+    notes = job_entries.make_notes_directory()  # where the workers note their step, a named hang, the event log
     handlers.register()  # our rendezvous backends in torch's registry (the entry points do it too)
     worker_port.install()  # each round's worker store on a port no other socket is handed meanwhile
-    if in_place.enabled(os.environ):
-        in_place.install()  # TORCHREVIVE_SURVIVORS=keep or train-on: a failed worker is replaced without a round
-    job_watch.install()  # every failure named on every agent; a bad node set aside; a crash loop stopped
-    stop_signals.install()  # a SIGTERM must never hide in torch's metrics wrapper (see stop_signals)
-    death_watch.install(args.monitor_interval)  # last, outermost: a worker's death ends the wait for the next look
-    args.monitor_interval = death_watch.TORCH_SLEEP
     set_aside_mark.wait_out_cool_off(os.environ, getattr(args, "rdzv_id", None) or "none")  # this host set aside?
     keeper = start_keeper(args, secret)  # before the fork server starts: its workers inherit where it is
     stopped_by: signal.Signals | None = None
     try:
         requeue.launching()  # raises the stop now if the requeue signal came already
-        record(launch)(args, preload)  # torch's own report of the failure comes first
+        record(launch)(args, preload, keeper)  # torch's own report of the failure comes first
     except ChildFailedError as error:
         print(failure_summary(error, args.max_restarts), file=sys.stderr, flush=True)
         _, failure = error.get_first_failure()
         requeue.close()
         sys.exit(failure.exitcode if failure.exitcode in FINAL_EXITS else 1)
     except (job_watch.NodeSetAside, job_watch.CrashLoopStop) as decided:  # the job's failures decided it
+        # (a crash loop another agent stopped reaches this one as its line: revive_agent.launch_agent)
         print(f"torchrevive-run: {decided.line}", file=sys.stderr, flush=True)
         requeue.close()
         sys.exit(decided.exit_code)
-    except RendezvousClosedError:  # closed by an agent that stopped a crash loop: say so, with its status
-        line = job_watch.stopped_by_crash_loop()
+    except RendezvousClosedError:  # closed, and not on a crash loop
         requeue.close()
-        if line is None:
-            raise
-        print(f"torchrevive-run: {line}", file=sys.stderr, flush=True)
-        sys.exit(job_watch.CRASH_LOOP_EXIT)
+        raise
     except UsageError as error:  # met in the rendezvous: e.g. a signed state and no secret (state_seal)
         print(f"torchrevive-run: error: {error}", file=sys.stderr, flush=True)
         requeue.close()
@@ -262,8 +225,8 @@ def signing_secret(args: argparse.Namespace) -> job_secret.JobSecret:
 
 
 def start_keeper(args: argparse.Namespace, secret: job_secret.JobSecret) -> SnapshotKeeper | None:
-    """This node's snapshot keeper, its address in the environment the workers inherit, and the
-    agent told to call it whenever it stops its workers; None when TORCHREVIVE_SNAPSHOTS=0, the job is
+    """This node's snapshot keeper, its address in the environment the workers inherit (the agent
+    tells it whenever it stops its workers: `ReviveAgent`); None when TORCHREVIVE_SNAPSHOTS=0, the job is
     unsigned, or it cannot start (one warning line: the job then checkpoints to disk only).
 
     Its traffic is signed with the job's `secret`; a secret this host made (`secret.made_here`) is
@@ -286,27 +249,7 @@ def start_keeper(args: argparse.Namespace, secret: job_secret.JobSecret) -> Snap
               f"({why}); checkpoints go to disk only", file=sys.stderr, flush=True)
         return None
     os.environ.update(keeper.address.environ())
-    notify_on_stop(keeper)
     return keeper
-
-
-def notify_on_stop(keeper: SnapshotKeeper) -> None:
-    """Make torch's agent (in this process) tell `keeper` each time it has stopped its workers
-    (a failure, a restart for a new membership, the end of a failed job)."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import (
-        LocalElasticAgent,
-    )
-
-    original = getattr(LocalElasticAgent._stop_workers, "without_keeper", LocalElasticAgent._stop_workers)
-
-    def stop_workers(self: LocalElasticAgent, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            keeper.workers_stopped()
-
-    stop_workers.without_keeper = original  # type: ignore[attr-defined]
-    LocalElasticAgent._stop_workers = stop_workers  # type: ignore[method-assign]
 
 
 def settle_standalone(args: argparse.Namespace) -> None:
@@ -363,16 +306,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def launch(args: argparse.Namespace, preload: tuple[str, ...]) -> None:
-    """torch's own `torch.distributed.run.run`, with warm worker starts when they apply."""
-    from torch.distributed.run import run
+def launch(args: argparse.Namespace, preload: tuple[str, ...], keeper: SnapshotKeeper | None = None) -> None:
+    """What torch's `torch.distributed.run.run` does, with warm worker starts when they apply and our agent
+    (`revive_agent.launch_agent`), which tells `keeper` each time it stopped its workers. `--standalone` and
+    a one-node static rendezvous were settled before (`settle_standalone`, `handlers.launcher_backend`)."""
+    import torch.multiprocessing
+    from torch.distributed.run import config_from_args
 
     if warm_start.applies(args, preload):
         warm_start.configure(args, preload)
     elif args.start_method is None:
         args.start_method = "spawn"  # torch's default
     freeze_long_lived()
-    run(args)
+    torch.multiprocessing._set_thread_name("pt_elastic")  # as torch's run names the agent's thread
+    config, entrypoint, entrypoint_args = config_from_args(args)
+    revive_agent.launch_agent(config, entrypoint, entrypoint_args, keeper=keeper, final_exits=FINAL_EXITS)
 
 
 def freeze_long_lived() -> None:

@@ -10,14 +10,21 @@ preemption commit is lost. Seen under Slurm, whose `scancel` signals the agent w
 workers ten times a second.
 
 `raise_safely` is the fix: a stop signal that lands in that spot is sent again a moment later, when
-the wrapper has its start time. `install` puts it in front of torch's handler (the module global
-torch registers each time it starts workers) and the agent's requeue signal uses it too
+the wrapper has its start time. torch registers its handler each time it starts workers; the agent
+(elastic._agent.launcher.revive_agent) calls `guard_torch_handlers` right after each start, which
+puts `raise_safely` in front of it, and the agent's requeue signal uses it too
 (elastic._agent.launcher.slurm_launch).
+
+Invariant: between torch's registration and the guard no frame of that wrapper can be the one a
+signal lands in without its start time: the only such wrapper on the stack then is the worker
+start's own, entered (and its start time taken) before torch registered its handler.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -25,6 +32,8 @@ from types import FrameType
 from elastic._shared.common import threads
 
 RETRY_SECONDS = 0.05
+TORCH_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""The signals torch's worker start registers its handler for when TORCHELASTIC_SIGNALS_TO_HANDLE is unset."""
 
 
 def _in_unsafe_spot(frame: FrameType | None) -> bool:
@@ -57,9 +66,15 @@ def raise_safely(handler: Callable[[int, FrameType | None], None]) -> Callable[[
     return safe
 
 
-def install() -> None:
-    """Make torch's agent (in this process) raise its stop signals only where it can take them. Idempotent."""
+def guard_torch_handlers() -> None:
+    """Put `raise_safely` in front of torch's stop-signal handler on each signal torch registered it for
+    (TORCHELASTIC_SIGNALS_TO_HANDLE, torch's default list when unset); a handler that is not torch's (the
+    requeue signal's, one already guarded) is left as it is. Only the main thread registers handlers."""
     import torch.distributed.elastic.multiprocessing.api as mp_api
 
-    if not getattr(mp_api._terminate_process_handler, "raises_safely", False):
-        mp_api._terminate_process_handler = raise_safely(mp_api._terminate_process_handler)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", TORCH_SIGNALS).split(","):
+        signum = getattr(signal, name.strip(), None)
+        if isinstance(signum, signal.Signals) and signal.getsignal(signum) is mp_api._terminate_process_handler:
+            signal.signal(signum, raise_safely(mp_api._terminate_process_handler))

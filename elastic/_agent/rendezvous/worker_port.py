@@ -71,7 +71,12 @@ def pick(
 
 
 def install() -> None:
-    """Make torch's rendezvous (in this agent) pick worker store ports with `pick`. Idempotent."""
+    """Make torch's rendezvous (in this agent) pick worker store ports with `pick`. Idempotent.
+
+    A patch of a torch module's attribute, one of the few left (docs/architecture.md lists them): torch's
+    `DynamicRendezvousHandler.next_rendezvous` calls `get_free_port` through `RendezvousStoreInfo.build`
+    after the join, and publishes the port to the other nodes in that same call, so no method of a
+    handler or an agent subclass sees the port before the other nodes read it."""
     from torch.distributed.elastic.rendezvous import api
 
     original = api.get_free_port
