@@ -204,8 +204,10 @@ def soak(results: Results) -> str:
         s = row["summary"]
         spread = [" / ".join(ratio(s[figure][k], 2) or "-" for k in ("median", "p99", "max"))
                   for figure in ("stall_s", "time_lost_s")]
+        never = sum(1 for incident in row["incidents"] if incident["time_lost_s"] is None)
+        over = f"{len(s['over_bound'])} ({never} never steady again)" if never else len(s["over_bound"])
         rows.append([label, s["kills"], *spread, ratio(s["redone"]["mean"], 1), s["exactly_once"], s["bit_identical"],
-                     len(s["over_bound"])])
+                     over])  # (a job never steady again has no time lost: the figures leave it out, this says so)
         for incident in row["incidents"]:
             if incident["time_lost_s"] is not None:
                 by_kind.setdefault(incident["kind"], []).append(incident["time_lost_s"])
