@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 
 from elastic._shared.common.errors import ElasticError
+from elastic._shared.slurm.step import RENDEZVOUS_PORT_BASE
 
 INTERFACE = "eth0"
 """The host side of every cable; point GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME at it."""
@@ -50,17 +51,23 @@ _pick = random.SystemRandom()  # not the seedable module-level generator: a test
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now, below the kernel's ephemeral range where it can.
+    """A TCP port free on `host` right now, below the kernel's ephemeral range and below the ports the
+    runtime picks itself, where it can.
 
-    A port in that range (the kernel's own pick for `bind(0)`) can be taken by any outgoing
-    connection, a peer's, a store client's, before the server meant to listen there binds it;
-    below the range only another explicit pick can take it."""
+    A port in the ephemeral range (the kernel's own pick for `bind(0)`) can be taken by any outgoing
+    connection, a peer's, a store client's, before the server meant to listen there binds it. Above
+    `RENDEZVOUS_PORT_BASE` the runtime picks ports of its own (Slurm stores from 20000, each round's
+    worker store from 25000: elastic._agent.rendezvous.worker_port) and holds them bound until their
+    server starts: a job beside this one could take the port this one's rendezvous was given, and
+    every agent would then wait for a server nobody listens for (a full suite saw it). Below it, only
+    another pick of this function can take it."""
     try:
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
+    top = min(low, RENDEZVOUS_PORT_BASE) if low // 2 + 1024 <= RENDEZVOUS_PORT_BASE else low
     for _ in range(100 if low > 4096 else 0):
-        port = _pick.randrange(low // 2, low)
+        port = _pick.randrange(low // 2, top)
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))

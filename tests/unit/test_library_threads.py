@@ -140,9 +140,14 @@ def test_a_free_port_for_a_test_server_lies_below_the_ephemeral_range_and_is_bin
 
     from elastic.chaos.netns import EPHEMERAL_RANGE
 
+    from elastic._shared.slurm.step import RENDEZVOUS_PORT_BASE
+
     low = int(EPHEMERAL_RANGE.read_text().split()[0])
     ports = {free_port() for _ in range(20)}
     assert all(low // 2 <= p < low for p in ports), ports
+    # ... and below the ports the runtime picks and holds itself (Slurm stores, each round's worker store):
+    # a job beside this one could otherwise hold this one's rendezvous port, and no agent could serve it.
+    assert all(p < RENDEZVOUS_PORT_BASE for p in ports), ports
     assert len(ports) > 1, "each pick is random"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports.pop()))
