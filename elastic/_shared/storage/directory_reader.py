@@ -167,10 +167,7 @@ class DirectoryReader:
         if file_name not in manifest.files:
             raise CorruptCheckpoint(f"{candidate.name} holds no {file_name}")
         data = self.read_file(candidate, file_name, manifest.files[file_name])
-        try:
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        except Exception as exc:  # a file that checks right but was written wrong
-            raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {_first_line(exc)}") from None
+        return load_checked_state(data, f"{candidate.name}/{file_name}", map_location)
 
     def verify(self, candidate: Candidate) -> Manifest:
         """Read and check every byte of a checkpoint (one process); `CorruptCheckpoint` if any fails."""
@@ -196,3 +193,13 @@ class DirectoryReader:
         text = self.read_file(candidate, TENSORS_FILE, manifest.files[TENSORS_FILE])
         # Chunks must lie within the files as the manifest sizes them (checked by stat).
         return tensors_json.metadata_from_json(text, {name: entry["bytes"] for name, entry in manifest.files.items()})
+
+
+def load_checked_state(data: bytes, where: str, map_location: Any = "cpu") -> Any:
+    """A state file's bytes, already checked against its manifest, deserialised with weights_only=True
+    (never unpickled beyond tensors and plain containers); `CorruptCheckpoint` (one line) if they do not
+    load. Both stores' `load_state_file` end here."""
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a file that checks right but was written wrong
+        raise CorruptCheckpoint(f"{where} does not deserialize: {_first_line(exc)}") from None

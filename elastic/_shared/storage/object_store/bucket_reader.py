@@ -16,18 +16,16 @@ Invariants:
 
 from __future__ import annotations
 
-import io
 import re
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
 import crc32c
-import torch
 
 from elastic._shared.common.errors import CorruptCheckpoint
-from elastic._shared.common.errors import first_line as _first_line
 from elastic._shared.storage import validate
+from elastic._shared.storage.directory_reader import load_checked_state
 from elastic._shared.storage.location import BucketLocation
 from elastic._shared.storage.manifest import MANIFEST, MAX_MANIFEST_BYTES, TENSORS_FILE, Candidate, Manifest
 from elastic._shared.storage.object_store.objects import ObjectMissing, Objects, ObjectTooLarge
@@ -147,10 +145,7 @@ class BucketReader:
         if file_name not in manifest.files:
             raise CorruptCheckpoint(f"{candidate.name} holds no {file_name}")
         data = self.read_file(candidate, file_name, manifest.files[file_name])
-        try:
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - a file that checks right but was written wrong
-            raise CorruptCheckpoint(f"{candidate.name}/{file_name} does not deserialize: {_first_line(exc)}") from None
+        return load_checked_state(data, f"{candidate.name}/{file_name}", map_location)
 
     def tensor_metadata(self, candidate: Candidate, manifest: Manifest) -> Any:
         from elastic._shared.storage import tensors_json  # DCP's metadata: about 1 s of import
