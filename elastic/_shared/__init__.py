@@ -4,5 +4,6 @@
 - `protocol`: contracts between an agent and its workers carried in the environment
   (the heal environment, recovery defaults, the fault hook the chaos tooling fills);
 - `slurm`: Slurm's variables, scontrol, the requeue signal;
-- `common`: errors, the command-line helpers, threads, slow imports, the version.
+- `common`: errors, the command-line helpers, threads, slow imports, the version;
+- `timings`: every duration the layer waits, polls or gives up after.
 """

@@ -11,7 +11,8 @@ Layers, top to bottom (pyproject.toml's import-linter contracts keep them):
 - `control`: what every rank agrees on (the step vote, agreement), preemption, the hang watchdog;
 - `data`: the elastic sampler and the loader glue;
 - `runtime`: the process group, the device, random streams, DDP/FSDP wrapping;
-- `config`: `RunConfig`, the worker's settings and their flags.
+- `config`: `RunConfig`, the worker's settings and their flags;
+- `timings`: every duration the side waits, polls or gives up after.
 
 Nothing here imports the agent side (`elastic._agent`); both import `elastic._shared`.
 Scripts import only `elastic` and `elastic.hf`.

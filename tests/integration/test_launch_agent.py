@@ -4,6 +4,7 @@ told whenever the agent stops its workers."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -145,7 +146,7 @@ def test_the_keeper_is_told_whenever_the_agent_stops_its_workers(tmp_path, monke
         return ReviveAgent(spec, look_every=0.1, keeper=keeper, logs_specs=DefaultLogsSpecs())
 
     try:
-        assert KeeperAddress.from_env() == keeper.address  # what the workers inherit
+        assert KeeperAddress.from_env(os.environ) == keeper.address  # what the workers inherit
         assert keeper.url.startswith("http://127.0.0.1:")
         told = []
         monkeypatch.setattr(keeper, "workers_stopped", lambda: told.append(True))

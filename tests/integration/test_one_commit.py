@@ -36,7 +36,7 @@ def train(tmp_path: Path, steps: int) -> tuple[CheckpointManager, EventLog]:
     sampler = ElasticSampler(64, batch_size=4, seed=3)
     events = EventLog(tmp_path / "events.jsonl", restart=0)
     ckpt = CheckpointManager(
-        init_worker("cpu", environ={}), RunConfig(ckpt_dir=tmp_path / "ckpt", ckpt_every=0, snapshot_every=1),
+        init_worker("cpu", environ=dict(os.environ)), RunConfig(ckpt_dir=tmp_path / "ckpt", ckpt_every=0, snapshot_every=1),
         model=model, optimizer=optimizer, sampler=sampler, events=events,
     )
     assert ckpt.restore() == 0

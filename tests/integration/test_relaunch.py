@@ -60,7 +60,7 @@ def job_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def create_backend(p: RendezvousParameters):  # noqa: ANN201 - etcd.create_backend's
     """The backend and store of an agent of the job, its state sealed with the job's secret."""
-    return etcd.create_backend(p, PeerKey.from_env())
+    return etcd.create_backend(p, PeerKey.from_env(os.environ))
 
 
 def params(endpoint: str, run_id: str, **conf: str) -> RendezvousParameters:

@@ -45,7 +45,7 @@ class Job:
         environ: dict[str, str] | None = None,
     ) -> None:
         torch.manual_seed(seed)
-        self.ctx = init_worker("cpu", environ=environ or {})
+        self.ctx = init_worker("cpu", environ=environ if environ is not None else dict(os.environ))  # (what a test set)
         self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
@@ -87,7 +87,7 @@ def keeper_job(keeper: SnapshotKeeper, header: parts.PartHeader) -> None:
 
 def keeper_key() -> PeerKey:
     """The job's secret, as the `keeper` fixture put it in this process's environment."""
-    key = PeerKey.from_env()
+    key = PeerKey.from_env(os.environ)
     assert key is not None
     return key
 
@@ -157,7 +157,7 @@ def test_a_snapshot_of_another_model_is_not_loaded(tmp_path: Path, keeper: Snaps
     job.ckpt.memory.wait_previous()
     job.close()
     torch.manual_seed(0)
-    ctx = init_worker("cpu", environ={})
+    ctx = init_worker("cpu", environ=dict(os.environ))
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters())
     other = CheckpointManager(ctx, RunConfig(ckpt_dir=tmp_path / "ckpt", ckpt_every=0, snapshot_every=1), model=model,
@@ -384,7 +384,8 @@ def _rank_on_node(rank: int, world: int, store: str, tmp: Path, keepers: list[di
     environ = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                "TORCHELASTIC_RUN_ID": "three-nodes", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     os.environ.update(environ)
-    job = Job(tmp / "ckpt", seed=0 if phase == "save" else 5, events=tmp / f"{phase}.{rank}.jsonl", environ=environ)
+    job = Job(tmp / "ckpt", seed=0 if phase == "save" else 5, events=tmp / f"{phase}.{rank}.jsonl",
+              environ={**keepers[node], **environ})
     if phase == "save":
         job.run(3)
         job.ckpt.memory.wait_previous()  # written here and copied to the next node

@@ -105,6 +105,28 @@ def test_every_rank_reads_each_vote_at_the_next_vote_step() -> None:
     }
 
 
+def slots_through_pauses(ctx: WorkerContext, group: Any) -> list[tuple[int, ...]]:
+    """One rank's step ends with a pause (`fresh`) between every two: what slots each step end reads."""
+    ticket = [0]
+    vote = StepVote(ctx, lambda: Ballot(), grace=15.0, group=group,
+                    slots=lambda: [ticket[0] if ctx.rank == 0 else 0, 7 * (ctx.rank + 1)])
+    seen = []
+    for step in range(1, 5):
+        seen.append(vote.step_ended(step).slots)
+        ticket[0] = 10 * step  # (rank 0's reading of the newest joiner ticket, say)
+        vote.fresh()  # between steps: it reads the vote in flight and takes its own
+    seen.append(vote.step_ended(5).slots)
+    vote.settle()
+    return seen
+
+
+def test_slots_a_pause_read_reach_the_parts_at_the_next_step_end() -> None:
+    """With a pause between every two steps `fresh` reads every vote: its slots are handed on at the next
+    step end, else a part would never learn of them (train-on's joiners never admitted)."""
+    rank0, rank1 = run_ranks(2, slots_through_pauses)
+    assert rank0 == rank1 == [(), (10, 14), (20, 14), (30, 14), (40, 14)]
+
+
 PREEMPTED = textwrap.dedent("""
     import os, signal, sys
     import torch

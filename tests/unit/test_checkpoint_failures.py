@@ -42,7 +42,7 @@ class Job:
             collective_timeout=4 * wait_slice,  # waits for storage come in slices of a quarter of it
         )
         self.ckpt = CheckpointManager(
-            init_worker("cpu", environ={}), config, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+            init_worker("cpu", environ=dict(os.environ)), config, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
             events=self.events,
         )
         self.step = 0
@@ -297,7 +297,7 @@ def test_without_a_checkpoint_directory_nothing_is_claimed_or_written(tmp_path: 
     monkeypatch.chdir(tmp_path)
     model = torch.nn.Linear(4, 2)
     manager = CheckpointManager(
-        init_worker("cpu", environ={}), RunConfig(ckpt_dir=None), model=model,
+        init_worker("cpu", environ=dict(os.environ)), RunConfig(ckpt_dir=None), model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sampler=ElasticSampler(8, batch_size=4, seed=0),
     )
     assert not manager.enabled and manager.claim is None

@@ -114,13 +114,14 @@ class DictStore:
         return [self.values[key] for key in keys]
 
 
-def namers(world: int, store: DictStore, now: list[float], reports: list[Any]) -> list[tuple[HangNamer, CollectiveRecord]]:
+def namers(world: int, store: DictStore, now: list[float], reports: list[Any],
+           environ: dict[str, str] | None = None) -> list[tuple[HangNamer, CollectiveRecord]]:
     made = []
     for rank in range(world):
         kept = CollectiveRecord(clock=lambda: now[0])
         namer = HangNamer(kept, name_after=6.0, gather=6.0, store=lambda: store,
                           place=lambda rank=rank: Place(rank, world, f"node{rank}", "host"),
-                          report=reports.append, main_thread=None, clock=lambda: now[0])
+                          report=reports.append, main_thread=None, environ=environ, clock=lambda: now[0])
         made.append((namer, kept))
     return made
 
@@ -215,12 +216,11 @@ def test_the_stall_clock_runs_from_the_newest_progress_even_before_the_first_bea
         dog.close()
 
 
-def test_with_the_jobs_secret_a_strangers_record_is_not_heard(tmp_path: Any, monkeypatch: Any) -> None:
+def test_with_the_jobs_secret_a_strangers_record_is_not_heard(tmp_path: Any) -> None:
     secret = tmp_path / "secret"
     secret.write_text("k" * 32)
-    monkeypatch.setenv("TORCHREVIVE_SNAPSHOT_SECRET_FILE", str(secret))
     store, now, reports = DictStore(), [0.0], []
-    (namer, kept), _ = namers(2, store, now, reports)
+    (namer, kept), _ = namers(2, store, now, reports, {"TORCHREVIVE_SNAPSHOT_SECRET_FILE": str(secret)})
     kept.enter("train step", 13)
     for tick in range(30):  # rank 1 is silent; a stranger keeps writing a record in its name, behind
         now[0] = tick * 0.5

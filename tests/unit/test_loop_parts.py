@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import elastic
+from elastic._shared.common.errors import PeerLost
 from elastic._worker.run.parts import Change, LoopPartBase, Parts
 from elastic._worker.runtime.context import WorkerContext
 
@@ -31,6 +33,10 @@ class StopAt(LoopPartBase):
     def before_step(self, step: int) -> None:
         self.calls.append(("before_step", step))
 
+    def body_ended(self, step: int) -> Change:
+        self.calls.append(("body_ended", step))
+        return Change.NONE
+
     def step_ended(self, step: int) -> None:
         self.steps += 1
         self.calls.append(("step_ended", step))
@@ -44,6 +50,10 @@ class StopAt(LoopPartBase):
     def after_step(self, step: int, ballots: tuple[int, ...] | None) -> Change:
         self.calls.append(("after_step", step, ballots))
         return Change.STOP if ballots and ballots[0] else Change.NONE
+
+    def step_done(self, step: int) -> Change:
+        self.calls.append(("step_done", step))
+        return Change.NONE
 
     def finish(self) -> None:
         self.calls.append(("finish",))
@@ -71,7 +81,7 @@ def test_a_part_of_the_tests_plugs_in_and_its_vote_stops_the_loop(tmp_path: Path
     names = [call[0] for call in part.calls]
     assert names[:2] == ["on_group", "start"] and names[-1] == "finish"
     per_step = names[2:-1]
-    assert per_step == ["before_step", "step_ended", "after_step"] * 5  # in order, every step
+    assert per_step == ["before_step", "body_ended", "step_ended", "after_step", "step_done"] * 5  # in order
     assert [call[1] for call in part.calls if call[0] == "before_step"] == [0, 1, 2, 3, 4]
     # alone, every step end is a vote step: the part reads its own ballot back, MAX over one rank
     assert [call[2] for call in part.calls if call[0] == "after_step"] == [(0,), (0,), (0,), (0,), (1,)]
@@ -81,6 +91,68 @@ def test_a_part_of_the_tests_plugs_in_and_its_vote_stops_the_loop(tmp_path: Path
     again = StopAt(3)
     resumed = _train(tmp_path, again, max_steps=20)  # restored at step 5: its count starts there
     assert again.started_from == 5 and resumed.step == 8
+
+
+class VoidsOnce(LoopPartBase):
+    """Answers VOID at the body's end of step `at + 1`, once (as the survivors do after healing a failed
+    gradient all-reduce): the loop must train that batch again and not count the void attempt."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.voided = at, False
+
+    def body_ended(self, step: int) -> Change:
+        if step == self.at and not self.voided:
+            self.voided = True
+            return Change.VOID
+        return Change.NONE
+
+
+class FailsBookkeeping(LoopPartBase):
+    """A collective of step `at`'s bookkeeping fails (once); `heals`: this part heals it when offered."""
+
+    def __init__(self, at: int, *, heals: bool) -> None:
+        self.at, self.heals, self.offered = at, heals, []
+
+    def step_ended(self, step: int) -> Change:
+        if step == self.at and not self.offered:
+            self.offered.append("failing")
+            raise RuntimeError("Connection closed by peer\nand more")
+        return Change.NONE
+
+    def collective_failed(self, why: str) -> Change | None:
+        self.offered.append(why)
+        return Change.NONE if self.heals else None
+
+
+def _batches_seen(tmp_path: Path, parts: list[Any], max_steps: int) -> tuple[list[list[int]], int]:
+    seen: list[list[int]] = []
+    with elastic.Run(device="cpu", seed=3, ckpt_dir=str(tmp_path / "ckpt"), parts=parts) as run:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run.start(model=model, optimizer=optimizer, data=64, batch_size=2)
+        for indices in run.batches(max_steps=max_steps):
+            seen.append([int(i) for i in indices])
+            model(torch.ones(len(indices), 2)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return seen, run.step
+
+
+def test_a_void_step_is_not_counted_and_its_batch_trains_again(tmp_path: Path) -> None:
+    seen, step = _batches_seen(tmp_path / "void", [VoidsOnce(at=2)], max_steps=5)
+    plain, _ = _batches_seen(tmp_path / "plain", [], max_steps=5)
+    assert step == 5 and len(seen) == 6
+    assert seen[2] == seen[3] == plain[2], "the void step's batch again, then on as if it never failed"
+    assert seen[:3] + seen[4:] == plain
+
+
+def test_a_failed_collective_of_the_bookkeeping_is_offered_to_the_parts(tmp_path: Path) -> None:
+    healer = FailsBookkeeping(at=2, heals=True)
+    _, step = _batches_seen(tmp_path / "healed", [healer], max_steps=4)
+    assert step == 4 and healer.offered == ["failing", "Connection closed by peer"]  # its first line
+    nobody = FailsBookkeeping(at=2, heals=False)
+    with pytest.raises(PeerLost, match="Connection closed by peer"):  # no part heals it: the error stands (one line)
+        _batches_seen(tmp_path / "raised", [nobody], max_steps=4)
 
 
 class Fixed(LoopPartBase):

@@ -70,7 +70,7 @@ class Job:
         self.sampler = ElasticSampler(64, batch_size=4, seed=3)
         self.events = EventLog(tmp_path / "events.jsonl", restart=0)
         self.ckpt = CheckpointManager(
-            init_worker("cpu", environ={}), RunConfig(ckpt_dir=tmp_path / "ckpt", ckpt_every=100, seed=3, snapshot_every=1),
+            init_worker("cpu", environ=dict(os.environ)), RunConfig(ckpt_dir=tmp_path / "ckpt", ckpt_every=100, seed=3, snapshot_every=1),
             model=self.model, optimizer=self.optimizer, sampler=self.sampler, scheduler=self.scheduler,
             events=self.events, faults=faults or Faults(),
         )

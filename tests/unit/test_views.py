@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from elastic._agent.launcher import exit_barrier
 from elastic._shared.protocol import heal_env
 from elastic._shared.storage.store_records import Records
-from elastic._worker.control.step_vote import Verdict
 from elastic._worker.data.feed import Feed, StepBatchSampler
 from elastic._worker.data.sampler import ElasticSampler
 from elastic._worker.observe.events import EventLog, read_events
@@ -231,10 +230,6 @@ def test_the_setting_takes_its_three_values(value: str, mode: str) -> None:
 def test_another_value_of_the_setting_names_the_choices() -> None:
     with pytest.raises(ValueError, match="restart, keep, train-on"):
         heal_env.mode({heal_env.SURVIVORS_ENV: "shrink"})
-
-
-def test_the_vote_carries_the_newest_joiner_ticket() -> None:
-    assert Verdict.of([0, 0, 0, 1, 5]).joiners == 5
 
 
 def test_the_loader_starts_again_with_the_new_rank_and_world_size() -> None:

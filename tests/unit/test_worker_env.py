@@ -82,3 +82,22 @@ def mentions_of_the_process_environment() -> list[Path]:
 
 def test_only_worker_env_reads_the_process_environment_on_the_worker_side() -> None:
     assert mentions_of_the_process_environment() == [READER.relative_to(REPO)]
+
+
+def test_the_shared_readers_the_worker_calls_take_its_environment_and_never_fall_back_to_the_process() -> None:
+    """The worker side reads no variable behind WorkerEnv's back: every shared helper it calls that reads
+    one (the job's secret, the keeper's address, TLS, the fault hook, the round's identity, the notes)
+    takes the mapping as an argument with no default, so a call that forgets it fails at once."""
+    import inspect
+
+    from elastic._shared.protocol import fault_hook, round_identity
+    from elastic._shared.storage import peer_auth
+    from elastic._shared.storage.keeper_address import KeeperAddress
+
+    readers = [peer_auth.PeerKey.from_env, peer_auth.client_tls, peer_auth.server_tls, KeeperAddress.from_env,
+               fault_hook.for_worker, round_identity.read, round_identity.publish, worker_notes.for_worker]
+    for reader in readers:
+        environ = inspect.signature(reader).parameters["environ"]
+        assert environ.default is inspect.Parameter.empty, f"{reader.__qualname__} falls back to os.environ"
+    with pytest.raises(TypeError):
+        peer_auth.PeerKey.from_env()  # type: ignore[call-arg]

@@ -31,13 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-TORCH_SLEEP = 0.001
-"""What torch's loop sleeps between looks once the wait is ours (it sleeps before each look)."""
-REAP_SECONDS = 0.1
-"""After a death, how long a look goes on finding the workers healthy before it gives up for this
-interval: a warm worker is the fork server's child, and torch learns of its exit only once the fork
-server has reaped it and reported its status (a few milliseconds, more on a busy machine)."""
-REAP_POLL = 0.005
+from elastic._agent.timings import REAP_POLL, REAP_SECONDS, TORCH_SLEEP
 
 
 class ExitWaiter:

@@ -27,10 +27,11 @@ import logging
 import time
 from typing import Any
 
+from elastic._agent.timings import EXIT_BARRIER_POLL_S as _POLL_S
+
 logger = logging.getLogger(__name__)
 
 _KEY = "torchrevive/exit-barrier"
-_POLL_S = 0.05
 
 
 def live_nodes(handler: Any) -> int | None:

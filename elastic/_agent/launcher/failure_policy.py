@@ -36,6 +36,7 @@ import signal
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
+from elastic._agent.timings import SAME_INCIDENT_SLACK
 from elastic._shared.protocol.exit_status import EVICTED_EXIT, FAULTY_NODE_EXIT, PEER_LOST_EXIT, reads_as_peer_loss
 
 CRASH_LOOP_EXIT = 78
@@ -104,11 +105,6 @@ class NamedHang:
     """When the verdict was posted."""
     since: float = 0.0
     """When the stall it names began (0: unknown)."""
-
-
-SAME_INCIDENT_SLACK = 10.0
-"""Seconds after a hang verdict in which a primary failure of its culprit's node is still the hang's own
-incident: the failure's agent posts it at its next look, which can come after the verdict."""
 
 
 @dataclass(frozen=True)

@@ -69,13 +69,10 @@ from elastic._agent.launcher.job_entries import (
     world_of,
 )
 from elastic._agent.launcher.notice_board import Entry, LocalBoard, StoreBoard
+from elastic._agent.timings import PRIMARY_WAIT
 from elastic._shared.protocol import heal_env, worker_notes
 
 logger = logging.getLogger(__name__)
-
-PRIMARY_WAIT = 5.0
-"""Seconds an agent whose worker died of a peer's failure waits for that failure's own entry, and the
-agent that stops a crash loop waits for every agent to read it: a few monitor intervals and store trips."""
 
 
 

@@ -69,6 +69,7 @@ from elastic._agent.launcher.keeper_files import (
 )
 from elastic._agent.launcher.keeper_receive import ReplicaReceiver
 from elastic._agent.launcher.keeper_space import UploadSpace
+from elastic._agent.timings import CLOSE_GRACE, PRUNE_EVERY, STALE_UPLOAD
 from elastic._shared.common import threads
 from elastic._shared.storage import parts
 from elastic._shared.storage.keeper_address import (
@@ -82,10 +83,6 @@ from elastic._shared.storage.peer_auth import PeerKey
 
 logger = logging.getLogger(__name__)
 
-PRUNE_EVERY = 2.0
-STALE_UPLOAD = 60.0
-CLOSE_GRACE = 5.0
-"""Seconds `close` waits for its cleanup beyond its own timeout (the lock, the checkpoint directory's stages)."""
 RESERVE_FRACTION = 0.10
 """A replica is refused (507) when storing it would leave less than this share of the keeper's file
 system free: /dev/shm is also where workers' own snapshots and DataLoader workers' tensors go."""

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from elastic._agent.launcher.keeper_slots import Slots
+from elastic._agent.timings import HEADER_SECONDS
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import parts, peer_auth
 from elastic._shared.storage.keeper_address import HEADER_BYTES, LOCAL, REPLICA
@@ -56,7 +57,6 @@ HOST_ENV = "TORCHREVIVE_SNAPSHOT_HOST"
 """Where keepers bind, when set (else the agent's --local-addr, else the address that reaches the rendezvous)."""
 MAX_HEADER = 2**20
 """Bytes a part's JSON header may take."""
-HEADER_SECONDS = 20.0
 
 
 class Conflict(Exception):

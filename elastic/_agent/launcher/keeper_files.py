@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic._agent.timings import OWNER_STALE, STALE_SECRET
 from elastic._shared.common.errors import CorruptCheckpoint
 from elastic._shared.storage import liveness, secret_files
 from elastic._shared.storage.claim import boot_id, pid_namespace, start_time
@@ -41,12 +42,8 @@ from elastic._shared.storage.validate import read_bounded
 
 OWNER_FILE = "owner.json"
 SECRETS = secret_files.SECRETS_DIRECTORY
-STALE_SECRET = 3600.0
-"""Seconds after which a secret made on this host for a run with no live keeper here is removed."""
 PID_MAX = 2**22
 """The largest pid Linux hands out (pid_max's ceiling)."""
-OWNER_STALE = 600.0
-"""Seconds without a heartbeat after which a keeper this process cannot check otherwise is taken to be gone."""
 
 
 def pid_alive(pid: int) -> bool:

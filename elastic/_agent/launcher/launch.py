@@ -241,7 +241,7 @@ def start_keeper(args: argparse.Namespace, secret: job_secret.JobSecret) -> Snap
     try:
         keeper = SnapshotKeeper(
             keeper_host(getattr(args, "local_addr", None), getattr(args, "rdzv_endpoint", None)),
-            key=secret.key, run_id=run_id, tls=peer_auth.server_tls(), secret_file=secret.made_here,
+            key=secret.key, run_id=run_id, tls=peer_auth.server_tls(os.environ), secret_file=secret.made_here,
         )
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastic._agent.timings import FULL_READ_SECONDS
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
 from elastic._shared.storage.store_records import MAX_VALUE, Records
 
@@ -47,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("failure", "hang", "node_excluded", "crash_loop")
 MAX_PER_READ = 64
-FULL_READ_SECONDS = 5.0
-"""With a change signal, a read looks past an empty slot at least this often (`StoreBoard.read_new`)."""
 MAX_LINE = 1500
 MAX_POST_TRIES = 4096
 MAX_AGENT_ID = 80

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from elastic._agent.timings import RETRY_SECONDS
 from elastic._shared.common import threads
 
-RETRY_SECONDS = 0.05
 TORCH_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """The signals torch's worker start registers its handler for when TORCHELASTIC_SIGNALS_TO_HANDLE is unset."""
 

@@ -20,22 +20,18 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from elastic._agent.timings import (
+    POLL_FIRST_SECONDS,
+    POLL_MAX_SECONDS,
+    RESYNC_SECONDS,
+    STRAY_PAUSE_SECONDS,
+    WAKE_TIMEOUT,
+    WATCH_FOR,
+)
 from elastic._shared.common import threads
 
-POLL_FIRST_SECONDS = 0.005
-POLL_MAX_SECONDS = 0.05
-"""Between reads of the change counter on a store that is not watched (TCPStore)."""
 KEPT_CHANGE_KEYS = 64
 """Change keys older than this many changes are deleted (a waiter that far behind wakes by timeout)."""
-RESYNC_SECONDS = 5.0
-"""`ChangeSignal.latest` reads the counter itself at least this often, whatever its watcher says."""
-WATCH_FOR = timedelta(days=7)
-"""How long the watcher's one wait may block (a TCPStore wait that times out warns, and its connection
-is then out of step with the server: the watcher never lets one time out)."""
-WAKE_TIMEOUT = timedelta(seconds=2)
-"""The bound on the exit's one write that wakes the watcher (a stalled server: the exit's join bound then)."""
-STRAY_PAUSE_SECONDS = 1.0
-"""The watcher's pause when the key it waited on is set but the counter did not move (a stranger's)."""
 
 
 class ChangeSignal:

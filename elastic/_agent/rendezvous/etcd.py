@@ -70,6 +70,7 @@ from elastic._agent.rendezvous.etcd_messages import KeyValue, encode, txn_range_
 from elastic._agent.rendezvous.etcd_options import EtcdOptions, EtcdOptionsError
 from elastic._agent.rendezvous.etcd_store import EtcdStore
 from elastic._agent.rendezvous.state_guard import StateGuard
+from elastic._agent.timings import DEFAULT_JOIN_TIMEOUT, DEFAULT_LIVENESS_TTL  # noqa: F401 - the options' defaults, here too
 from elastic._shared.storage.peer_auth import PeerKey
 
 __all__ = [
@@ -80,8 +81,6 @@ __all__ = [
 ]
 
 BACKEND_NAME = "etcd-v3"
-DEFAULT_LIVENESS_TTL = 10
-DEFAULT_JOIN_TIMEOUT = 600  # torch's own default for join_timeout
 
 # The state is framed so that a value etcd returns intact but which is not ours
 # (written by hand, truncated, another tool's) is told apart from a valid state.

@@ -20,9 +20,7 @@ from pyetcd import etcdrpc
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastic._agent.rendezvous.etcd_options import Endpoint, EtcdOptions
-
-# The longest wait between two rounds of failed requests, and between gRPC's reconnects.
-MAX_BACKOFF_SECONDS = 1.0
+from elastic._agent.timings import MAX_BACKOFF_SECONDS
 
 _CHANNEL_OPTIONS = [
     # Only the options say where etcd is: no http(s)_proxy from the environment.

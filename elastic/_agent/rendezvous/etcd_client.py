@@ -68,16 +68,12 @@ from elastic._agent.rendezvous.etcd_messages import (
     txn_json,
 )
 from elastic._agent.rendezvous.etcd_options import EtcdOptions
+from elastic._agent.timings import MAX_ATTEMPT_SECONDS, REVOKE_SECONDS
 from elastic._shared.common import threads
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# One request never waits longer than this, so a silent endpoint is given up in
-# favour of the next one while the operation's budget still has time left.
-MAX_ATTEMPT_SECONDS = 5.0
-# What closing the client may spend revoking its lease before leaving it to expire.
-REVOKE_SECONDS = 5.0
 
 
 class EtcdClient:

@@ -26,11 +26,11 @@ from typing import TypeVar
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
+from elastic._agent.timings import DEFAULT_READ_TIMEOUT, DEFAULT_TTL
+
 T = TypeVar("T")
 
 DEFAULT_PORT = 2379
-DEFAULT_TTL = 7200
-DEFAULT_READ_TIMEOUT = 60.0
 # The names a run's layout puts right after its key prefix (see `elastic._agent.rendezvous.etcd`).
 LAYOUT_NAMES = frozenset({"rdzv", "store", "store.ops", "agents", "alive"})
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

@@ -40,15 +40,14 @@ from elastic._agent.rendezvous.etcd_messages import (
     txn_range_results,
     txn_revision,
 )
+from elastic._agent.timings import (
+    FIRST_RETRY_SECONDS as _FIRST_RETRY_SECONDS,
+    MAX_RETRY_SECONDS as _MAX_RETRY_SECONDS,
+    MIN_READ_SECONDS as _MIN_READ_SECONDS,
+)
 
 # etcd refuses transactions of more operations than --max-txn-ops (default 128).
 _MAX_TXN_OPS = 128
-# A read inside a wait may take this long even when the wait has less time left:
-# enough for a reachable etcd to answer, so a short wait sees a key that exists.
-_MIN_READ_SECONDS = 1.0
-# Between attempts when etcd cannot be read or watched during a wait.
-_FIRST_RETRY_SECONDS = 0.05
-_MAX_RETRY_SECONDS = 1.0
 
 
 def _batches(items: list, size: int = _MAX_TXN_OPS) -> list[list]:

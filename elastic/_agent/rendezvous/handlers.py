@@ -27,6 +27,7 @@ cannot have the secret it needs ends the agent with one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from elastic._agent.rendezvous.named_events import NamedExecutor, method_name
 from elastic._agent.rendezvous.quick_rounds import QUICK_ROUNDS_CONF, QuickRoundsExecutor
 from elastic._agent.rendezvous.state_guard import StateGuard
 from elastic._agent.rendezvous.state_shadow import StateShadow
+from elastic._agent.timings import FULL_READ_EVERY_S
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import round_identity
 from elastic._shared.protocol.round_identity import RoundIdentity
@@ -65,10 +67,6 @@ from elastic._shared.storage.sealed_store import SealedStore
 C10D_SEALED = "c10d-sealed"
 ETCD_V3 = "etcd-v3"
 SEALED_BACKENDS = (C10D_SEALED, ETCD_V3)
-FULL_READ_EVERY_S = 5.0
-"""A look reads the whole state at least this often even when no change was announced: an announcement
-lost (a partitioned node's count that never landed) must delay a waiting node's admission, never stop it.
-Torch's own look reads it every second; this keeps the O(N) read at a fifth of that."""
 
 
 Scope = Callable[[str], str]
@@ -184,7 +182,7 @@ class SealedHandler(DynamicRendezvousHandler):
                       file=sys.stderr, flush=True)
         self.guard.fix()  # the launch this round completed in is this agent's for good
         if self.guard.launch is not None:  # (an unsigned job's workers get no scope: their store is unsealed)
-            round_identity.publish(RoundIdentity(self.guard.launch, self._state_holder.state.round))
+            round_identity.publish(RoundIdentity(self.guard.launch, self._state_holder.state.round), os.environ)
         return info
 
     def _get_world(self) -> tuple[int, int]:

@@ -39,13 +39,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from elastic._agent.rendezvous.named_events import NamedStateHolder
+from elastic._agent.timings import SKEW
 
 Beats = Callable[[Sequence[Any], str | None], dict[Any, datetime | None]]
 """The state's nodes' last beats as their keys sealed in a launch's scope say (launch None: this agent's
 own); None for a node: unknown."""
 
-SKEW = 60.0
-"""Seconds a node's clock may run ahead of this one's before its beat is doubted."""
 MAX_STAMP = 32
 """The longest text a beat may be."""
 

@@ -61,6 +61,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic._agent.rendezvous.change_signal import ChangeSignal
 from elastic._agent.rendezvous.named_events import NamedExecutor
+from elastic._agent.timings import CAS_BACKOFF_FIRST_SECONDS, CAS_BACKOFF_MAX_SECONDS, MAX_WAIT_SECONDS
 
 QUICK_ROUNDS_CONF = "quick_rounds"
 """`--rdzv-conf quick_rounds=0` leaves torch's handler unchanged."""
@@ -72,8 +73,6 @@ saw complete; it counts only for the round right after (a node with `quick_round
 completed a round since)."""
 DEPARTED = "torchrevive_departed"
 """Attribute of torch's state: nodes of the last round since declared dead (a frozenset)."""
-MAX_WAIT_SECONDS = 1.0
-"""The longest a waiting node sleeps without a change: torch's own poll interval."""
 
 _METHODS = {
     _Action.KEEP_ALIVE: "_keep_alive",
@@ -204,10 +203,6 @@ class QuickRoundsExecutor(NamedExecutor):
         super()._mark_rendezvous_complete()
         setattr(self._state, LAST_ROUND, (self._state.round, frozenset(self._state.participants)))
         setattr(self._state, DEPARTED, frozenset())
-
-
-CAS_BACKOFF_FIRST_SECONDS = 0.002
-CAS_BACKOFF_MAX_SECONDS = 0.5
 
 
 def cas_backoff(settings: Any, lost: int) -> float:

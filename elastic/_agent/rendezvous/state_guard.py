@@ -69,6 +69,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousS
 from elastic._agent.rendezvous.state_pickle import StateRefused
 from elastic._agent.rendezvous.state_seal import Opened, StateSeal
 from elastic._agent.rendezvous.state_shadow import StateShadow
+from elastic._agent.timings import DEFAULT_LIVE_WITHIN
 from elastic._shared.protocol.round_identity import new_launch
 from elastic._shared.storage.peer_auth import PeerKey
 
@@ -76,8 +77,6 @@ logger = logging.getLogger(__name__)
 
 AFTER_REFUSAL = 1 << 20
 """How far past the last write seen the first write after an unrecovered refusal is numbered (see above)."""
-DEFAULT_LIVE_WITHIN = 15.0
-"""torch's dead-node time with its defaults (keep_alive_interval 5 s, keep_alive_max_attempt 3)."""
 
 
 def _warn(line: str) -> None:

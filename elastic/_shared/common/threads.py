@@ -40,10 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-EXIT_JOIN_SECONDS = 10.0
-"""How long the exit waits for every library thread together: longer than any
-bounded wait inside them (a teardown's 5 s, a restore's last read), and under
-torchrun's 30 s between SIGTERM and SIGKILL."""
+from elastic._shared.timings import EXIT_JOIN_SECONDS
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Named points on the step, save and restore paths where a fault may be injected, and the hook that fills them.
 
-    faults = fault_hook.for_worker(ctx.rank, ctx.restart_count)
+    faults = fault_hook.for_worker(ctx.rank, ctx.restart_count, ctx.env.variables)
     faults.at("before_commit", step)           # nothing happens, unless a fault plugin fills the hook
 
 The library only marks the points. A fault plugin fills them: in a worker
@@ -13,7 +13,6 @@ ELASTIC_FAULT runs no fault code at all.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Mapping
 from importlib.metadata import entry_points
 from typing import Protocol
@@ -75,10 +74,10 @@ class NoFaults:
 NO_FAULTS = NoFaults()
 
 
-def for_worker(rank: int, restart: int, environ: Mapping[str, str] | None = None) -> FaultHook:
+def for_worker(rank: int, restart: int, environ: Mapping[str, str]) -> FaultHook:
     """This worker's faults: none without ELASTIC_FAULT; else the installed fault plugin's, which
     is called as `plugin(rank, restart, environ)`. One `UsageError` line when none is installed."""
-    env = os.environ if environ is None else environ
+    env = environ
     if not env.get(ENV_VAR):
         return NO_FAULTS
     plugins = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name)

@@ -31,6 +31,8 @@ workers the smallest world the job may train at (`MIN_WORLD_ENV`).
 
 from __future__ import annotations
 
+from elastic._shared.timings import DEFAULT_FROZEN_AFTER  # noqa: F401 - --frozen-worker-seconds' default, here too
+
 SURVIVORS_ENV = "TORCHREVIVE_SURVIVORS"
 """What a worker's death does to the others: `restart` (the default, also when unset): every worker
 restarts through a new round and restores, bit-identical; `keep`: the others keep their processes
@@ -44,7 +46,6 @@ workers per node); a group that would be smaller is not formed, and a new round 
 FROZEN_AFTER_ENV = "TORCHREVIVE_FROZEN_WORKER_SECONDS"
 """With `keep`: seconds a worker may stay stopped (SIGSTOP) before its agent ends it and replaces
 it in place (elastic._agent.launcher.reaper); its peers wait on it meanwhile."""
-DEFAULT_FROZEN_AFTER = 3.0
 # Internal plumbing, not settings: the agent sets these for its workers (MIN_WORLD_ENV too;
 # elastic._agent.launcher.settings.INTERNAL lists every such variable). SURVIVORS_ENV and
 # FROZEN_AFTER_ENV are settings: torchrevive-run's --survivors and --frozen-worker-seconds.

@@ -84,18 +84,18 @@ def note_path(directory: str | os.PathLike[str]) -> Path:
     return Path(directory) / ROUND_NOTE
 
 
-def publish(identity: RoundIdentity, environ: MutableMapping[str, str] | None = None) -> None:
+def publish(identity: RoundIdentity, environ: MutableMapping[str, str]) -> None:
     """Tell this agent's workers (started from now on) the round they are in."""
-    env = os.environ if environ is None else environ
+    env = environ
     env[ROUND_ENV] = identity.text()
     notes = env.get(worker_notes.NOTES_ENV)
     if notes:
         worker_notes.write_json(note_path(notes), {"round": identity.text()})
 
 
-def read(environ: Mapping[str, str] | None = None) -> RoundIdentity | None:
+def read(environ: Mapping[str, str]) -> RoundIdentity | None:
     """The round this worker's agent started it in (see the module docstring); None when it said none."""
-    env = os.environ if environ is None else environ
+    env = environ
     notes = env.get(worker_notes.NOTES_ENV)
     if notes:
         noted = worker_notes.read_json(note_path(notes))

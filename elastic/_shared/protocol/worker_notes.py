@@ -65,9 +65,9 @@ class ProgressNote:
         os.close(self._fd)
 
 
-def for_worker(environ: Any = None) -> ProgressNote | None:
+def for_worker(environ: Any) -> ProgressNote | None:
     """This worker's progress note, when its agent asked for notes (and the directory takes one)."""
-    env = os.environ if environ is None else environ
+    env = environ
     directory, local_rank = env.get(NOTES_ENV), env.get("LOCAL_RANK", "")
     if not directory or not local_rank.isdigit():
         return None

@@ -21,9 +21,7 @@ import socket
 import subprocess
 
 from elastic._shared.slurm.hostlist import expand_hostlist
-
-SCONTROL_TIMEOUT = 20.0
-"""Seconds a `scontrol` call may take (the controller answers in milliseconds; a busy one in seconds)."""
+from elastic._shared.timings import SCONTROL_TIMEOUT
 
 
 class SlurmControlError(RuntimeError):

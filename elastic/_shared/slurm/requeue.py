@@ -31,6 +31,7 @@ from types import FrameType
 
 from elastic._shared.common.errors import UsageError
 from elastic._shared.slurm.control import SlurmControlError, requeue, requeue_allowed
+from elastic._shared.timings import DUPLICATE_SIGTERM_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,6 @@ REQUEUE_SIGNAL_ENV = "TORCHREVIVE_REQUEUE_SIGNAL"
 NOTES_ENV = "TORCHREVIVE_PREEMPTION_NOTES"  # internal: the agent sets it for its workers (not a setting)
 """A folder the agent gives its workers: each writes `rank-N` there once its preemption commit is done."""
 ALLOWED = {"USR1": signal.SIGUSR1, "USR2": signal.SIGUSR2}
-DUPLICATE_SIGTERM_WINDOW = 2.0
-"""Seconds within which a second SIGTERM is Slurm's same one reaching a worker twice (see `preemption_settings`)."""
 
 _early: list[int] = []  # requeue signals that arrived before a handler took over (`catch_early`)
 

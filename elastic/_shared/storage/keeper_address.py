@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +50,8 @@ class KeeperAddress:
     """The job's secret for signing keeper traffic (None: the environment holds it already)."""
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> KeeperAddress | None:
-        env = os.environ if environ is None else environ
+    def from_env(cls, environ: Mapping[str, str]) -> KeeperAddress | None:
+        env = environ
         root, url, node = env.get(ROOT_ENV), env.get(URL_ENV), env.get(NODE_ENV)
         if not (root and url and node) or not os.path.isdir(root):
             return None

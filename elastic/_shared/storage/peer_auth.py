@@ -44,7 +44,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import hmac
-import os
 import secrets
 import ssl
 import threading
@@ -56,14 +55,14 @@ from urllib.parse import urlsplit
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from elastic._shared.timings import WINDOW
+
 SECRET_FILE_ENV = "TORCHREVIVE_SNAPSHOT_SECRET_FILE"
 SECRET_ENV = "TORCHREVIVE_SNAPSHOT_SECRET"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
 TIME, NONCE, SIGNATURE = "X-Torchrevive-Time", "X-Torchrevive-Nonce", "X-Torchrevive-Signature"
 TAG_BYTES = 16
-WINDOW = 120.0
-"""Seconds a signed request stays valid either side of the receiver's clock (nodes' clocks may differ this much)."""
 MAX_NONCES = 1 << 21
 """Nonces a verifier remembers at most (about 200 MB): 8,700 signed requests a second for the whole
 window; past it the oldest second is forgotten (see `NonceMemory`)."""
@@ -87,9 +86,9 @@ class PeerKey:
         return "PeerKey(<secret>)"
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> PeerKey | None:
+    def from_env(cls, environ: Mapping[str, str]) -> PeerKey | None:
         """The secret the environment names (its file first); None when it names none."""
-        env = os.environ if environ is None else environ
+        env = environ
         path = env.get(SECRET_FILE_ENV)
         if path:
             return cls.from_file(Path(path))
@@ -281,10 +280,10 @@ TLS_KEY_ENV = "TORCHREVIVE_SNAPSHOT_TLS_KEY"
 TLS_CA_ENV = "TORCHREVIVE_SNAPSHOT_TLS_CA"
 
 
-def server_tls(environ: Mapping[str, str] | None = None) -> ssl.SSLContext | None:
+def server_tls(environ: Mapping[str, str]) -> ssl.SSLContext | None:
     """A keeper's TLS context when TORCHREVIVE_SNAPSHOT_TLS_CERT and _KEY name its certificate and key
     (signing authenticates peers either way; TLS also hides the weights on the wire)."""
-    env = os.environ if environ is None else environ
+    env = environ
     cert, key = env.get(TLS_CERT_ENV), env.get(TLS_KEY_ENV)
     if not (cert or key):
         return None
@@ -299,10 +298,10 @@ def server_tls(environ: Mapping[str, str] | None = None) -> ssl.SSLContext | Non
     return context
 
 
-def client_tls(environ: Mapping[str, str] | None = None) -> ssl.SSLContext:
+def client_tls(environ: Mapping[str, str]) -> ssl.SSLContext:
     """How a worker checks a keeper's certificate: against TORCHREVIVE_SNAPSHOT_TLS_CA when set
     (keepers are reached by address, so the CA, the job's own, is what is checked, not a host name)."""
-    env = os.environ if environ is None else environ
+    env = environ
     ca = env.get(TLS_CA_ENV)
     context = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
     if ca:

@@ -48,6 +48,7 @@ from datetime import timedelta
 from torch.distributed import DistStoreError, Store
 
 from elastic._shared.storage.peer_auth import PeerKey
+from elastic._shared.timings import POLL_FIRST, POLL_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,6 @@ HEADER = len(MAGIC) + NONCE_BYTES + TAG_BYTES
 PROBE = b"\x00torchrevive-probe\x00"
 """What `compare_set(key, PROBE, PROBE)` returns for a missing key: a read that never blocks."""
 MAX_SWAPS = 256
-POLL_FIRST = 0.005
-POLL_MAX = 0.1
-"""Seconds between looks at a key whose value did not verify (it reads as absent meanwhile)."""
 MAX_COUNT_DIGITS = 19
 _MAX_WARNED = 256
 

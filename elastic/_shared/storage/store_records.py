@@ -61,6 +61,10 @@ class Records:
     def signed(self) -> bool:
         return self._key is not None
 
+    def on(self, store: Any) -> Records:
+        """The same records read through `store` (another connection to the same namespace)."""
+        return Records(store, key=self._key, scope=self._scope, world=self.world)
+
     def seal(self, name: str, value: str) -> str:
         """What goes into the store for `value` under `name`."""
         if self._key is None:

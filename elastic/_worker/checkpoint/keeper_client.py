@@ -20,22 +20,31 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
+import ssl
 import threading
 import time
+from collections.abc import Mapping
 from urllib.parse import SplitResult, urlsplit
 
 from elastic._shared.storage import peer_auth
 from elastic._shared.storage.keeper_address import HEADER_BYTES, replica_path
 from elastic._shared.storage.peer_auth import NONCE, TAG_BYTES, PeerKey
 
-_tls = None
+_tls: ssl.SSLContext | None = None
+
+
+def use_tls_of(environ: Mapping[str, str]) -> None:
+    """How keepers' certificates are checked from now on (`peer_auth.client_tls`: the job's CA when the
+    worker's environment names one); the checkpoint manager calls it with the worker's parsed environment."""
+    global _tls
+    _tls = peer_auth.client_tls(environ)
 
 
 def _connection(url: SplitResult, timeout: float) -> http.client.HTTPConnection:
     global _tls
     if url.scheme == "https":
-        if _tls is None:
-            _tls = peer_auth.client_tls()
+        if _tls is None:  # not told of a CA: the system's (a keeper's self-signed certificate is refused)
+            _tls = peer_auth.client_tls({})
         return http.client.HTTPSConnection(url.hostname, url.port, timeout=timeout, context=_tls)
     return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
 

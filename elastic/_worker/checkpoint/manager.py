@@ -48,7 +48,7 @@ from elastic._shared.storage.directory import CheckpointStore
 from elastic._shared.storage.stores import open_store
 from elastic._shared.storage.keeper_address import KeeperAddress
 from elastic._shared.storage.peer_auth import SECRET_FILE_ENV, PeerKey, SecretError
-from elastic._worker.checkpoint import live_source
+from elastic._worker.checkpoint import keeper_client, live_source
 from elastic._worker.checkpoint.directory_claim import DirectoryClaim
 from elastic._worker.checkpoint.loader import Loader
 from elastic._worker.checkpoint.memory import MemorySnapshots
@@ -99,7 +99,8 @@ class CheckpointManager:
             seed=config.seed,
         )
         self._events = events or EventLog(None, restart=ctx.restart_count)
-        self.faults = faults if faults is not None else fault_hook.for_worker(ctx.rank, ctx.restart_count)
+        self.faults = faults if faults is not None else fault_hook.for_worker(ctx.rank, ctx.restart_count,
+                                                                                       ctx.env.variables)
         save_group = restore_group = None
         if self.enabled and ctx.distributed:
             # Saves run their collectives on the writer threads: a group of their own, never the loop's.
@@ -139,7 +140,8 @@ class CheckpointManager:
         self.faults.at(point, step)
 
     def _memory_tier(self, copy_stream: torch.cuda.Stream | None) -> MemorySnapshots | None:
-        keeper = KeeperAddress.from_env()
+        keeper = KeeperAddress.from_env(self._ctx.env.variables)
+        keeper_client.use_tls_of(self._ctx.env.variables)  # how keepers' certificates are checked
         if keeper is None:
             if self._ctx.is_main:
                 logger.info(
@@ -148,7 +150,7 @@ class CheckpointManager:
                 )
             return None
         try:
-            key = PeerKey.from_env()
+            key = PeerKey.from_env(self._ctx.env.variables)
         except SecretError as exc:
             key, why = None, str(exc)
         else:

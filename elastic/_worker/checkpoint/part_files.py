@@ -33,9 +33,7 @@ from elastic._shared.storage import validate
 from elastic._shared.storage.chunks import MappedFiles
 from elastic._shared.storage.peer_auth import PeerKey
 from elastic._worker.checkpoint.keeper_client import KeeperConnections
-
-FETCH_TIMEOUT = 30.0
-"""Seconds one request to another node's keeper may take in all (connect, headers, body)."""
+from elastic._worker.timings import FETCH_TIMEOUT
 
 
 READ_GAP = 2**20

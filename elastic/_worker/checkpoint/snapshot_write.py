@@ -54,15 +54,13 @@ from elastic._worker.checkpoint.keeper_client import push_part
 from elastic._worker.checkpoint.snapshot import DeferredCopy
 from elastic._worker.checkpoint.snapshot_slots import SlotPair
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.timings import PUSH_PAUSE, PUSH_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
 BEGUN, COPIED, CHECKSUMMED, COMMITTED = "snapshot_begun", "during_snapshot", "snapshot_checksummed", "snapshot_committed"
 PHASES = (BEGUN, COPIED, CHECKSUMMED, COMMITTED)
 """The fault points of a snapshot's write, in order (elastic._shared.protocol.fault_hook.POINTS)."""
-PUSH_TIMEOUT = 30.0
-PUSH_PAUSE = 30.0
-"""Seconds without copies to the peer after one failed (a slow peer must not slow every step)."""
 
 
 @dataclass

@@ -47,7 +47,7 @@ import os
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -197,11 +197,14 @@ class HangNamer:
         place: Callable[[], Place | None],
         report: Callable[[Verdict], None],
         main_thread: int | None,
+        environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`store`: the store to compare through (called at each comparison; None: none now);
         `place`: this rank now (None: not in a group); `report`: what the reader does with the verdict;
-        `main_thread`: the thread whose stack top is published."""
+        `main_thread`: the thread whose stack top is published; `environ`: the worker's parsed environment
+        (`ctx.env.variables`), which names the job's secret the records are sealed with (None: unsealed)."""
+        self._environ: Mapping[str, str] = environ if environ is not None else {}
         self._record = record
         self.name_after = name_after
         self.gather = gather
@@ -315,7 +318,7 @@ class HangNamer:
         if self._records is None or self._records.store is not store:
             if self._key is _UNREAD:
                 try:
-                    self._key = PeerKey.from_env()
+                    self._key = PeerKey.from_env(self._environ)
                 except SecretError as error:
                     logger.warning("hang naming: its records go unsealed: %s", error)
                     self._key = None

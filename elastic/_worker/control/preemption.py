@@ -58,10 +58,9 @@ from elastic._shared.common import threads
 from elastic._shared.slurm.requeue import arrived_early
 from elastic._worker.control import agreement
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.timings import DEFAULT_GRACE_SECONDS
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_GRACE_SECONDS = 15.0
 
 # Handlers installed in this process, oldest first. The fork hook below cannot
 # be unregistered, so it acts on whatever is installed at the time of the fork.

@@ -37,15 +37,13 @@ Invariants:
   that reads no vote: none was in flight, on any rank alike.
 - `fresh` (between steps: `Run.pause`) reads the vote in flight and takes a
   new, blocking one, and merges them: a flag raised during the pause counts.
-- With `joiners` (TORCHREVIVE_SURVIVORS=train-on) the vote also carries the
-  newest ticket of the workers waiting to join (rank 0 reads it from the
-  store): every rank learns it at the same vote step, and they grow there. A
-  ticket learned by `fresh` (between steps) is carried to the next step end:
-  the group grows at a step's end, never in the middle of a pause.
 - With `slots` the vote also carries the loop parts' ballots (elastic._worker.run.parts), laid end to
   end, as long on every rank: each element MAX-reduced (`Verdict.slots`). `--slow-ranks` puts one slot
   per rank there, each rank's own figure in its slot and 0 in the others': the MAX hands every rank
-  every rank's figure. They ride on the collective the vote takes anyway.
+  every rank's figure; with train-on the survivors' part puts rank 0's reading of the newest ticket of
+  a worker waiting to join in its slot. They ride on the collective the vote takes anyway. The parts
+  read their slots at step ends only: the slots of a vote `fresh` read (between steps) are handed to
+  them at the next step end, a vote step (with a pause between every two steps, `fresh` reads every vote).
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ from typing import Any
 from elastic._worker.control import agreement, collective_record
 from elastic._worker.control.collective_record import CollectiveRecord
 from elastic._worker.runtime.context import WorkerContext
+from elastic._worker.timings import VOTE_SECONDS
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,6 @@ STOP_BALLOT = 1
 """A preempted rank's vote: commit and leave."""
 REQUEUE_BALLOT = 2
 """One preempted by the Slurm requeue signal: commit, leave and requeue (the vote's MAX: one rank is enough)."""
-VOTE_SECONDS = 1.0
 MAX_EVERY = 10
 _WINDOW = 16  # recent steps the step time is measured on
 
@@ -101,17 +99,15 @@ class Verdict:
     """The largest snapshot interval any rank proposed (0: no change)."""
     vote_every: int = 0
     """Steps between votes from now on (0: no change)."""
-    joiners: int = 0
-    """The newest ticket of a worker waiting to join (0: none, or no `joiners` given)."""
     slots: tuple[int, ...] = ()
     """The loop parts' ballots, each element the MAX over the ranks (`slots`; empty without them)."""
 
     @classmethod
     def of(cls, values: list[int]) -> Verdict:
-        preempted, storage_failing, snapshot_every, vote_every, joiners = values[:5]
+        preempted, storage_failing, snapshot_every, vote_every = values[:4]
         return cls(preempted=bool(preempted), requeue=preempted >= REQUEUE_BALLOT,
                    storage_failing=bool(storage_failing), snapshot_every=int(snapshot_every),
-                   vote_every=int(vote_every), joiners=int(joiners), slots=tuple(int(v) for v in values[5:]))
+                   vote_every=int(vote_every), slots=tuple(int(v) for v in values[4:]))
 
 
 NOTHING = Verdict()
@@ -122,7 +118,7 @@ class StepVote:
 
     def __init__(
         self, ctx: WorkerContext, ballot: Caster, *, grace: float, clock=time.monotonic,
-        joiners: Callable[[], int] | None = None, group: Any = agreement.DEFAULT_GROUP,
+        group: Any = agreement.DEFAULT_GROUP,
         record: CollectiveRecord | None = None, slots: Callable[[], list[int] | None] | None = None,
     ) -> None:
         """`group`: the ranks' group for the vote (default: the runtime's control group); `record`: this
@@ -134,7 +130,6 @@ class StepVote:
         self._ctx = ctx
         self._group = group
         self._ballot = ballot
-        self._joiners = joiners
         self._slots = slots
         self._grace = grace
         self._clock = clock
@@ -145,7 +140,7 @@ class StepVote:
         self._last_end: float | None = None
         self._step_seconds: deque[float] = deque(maxlen=_WINDOW)
         self.votes = 0
-        self._joiners_seen = 0  # the newest joiner ticket any verdict carried, for the next step end
+        self._carried: tuple[int, ...] = ()  # the slots `fresh` read, handed to the parts at the next step end
 
     def proposal(self) -> int:
         """This rank's ballot for `every`: about VOTE_SECONDS of steps, within the bounds, at most twice
@@ -161,11 +156,10 @@ class StepVote:
     def _cast(self) -> agreement.PendingMax:
         ballot = self._ballot()
         preemption = (REQUEUE_BALLOT if ballot.requeue else STOP_BALLOT) if ballot.preempted else 0
-        joiners = self._joiners() if self._joiners is not None else 0
         self.votes += 1
         slots = (self._slots() if self._slots is not None else None) or []
         return agreement.start_max(
-            self._ctx, [preemption, int(ballot.storage_failing), int(ballot.snapshot_every), self.proposal(), joiners, *slots],
+            self._ctx, [preemption, int(ballot.storage_failing), int(ballot.snapshot_every), self.proposal(), *slots],
             self._group,
         )
 
@@ -179,14 +173,16 @@ class StepVote:
         if not self._ctx.distributed:
             return Verdict.of(self._cast().result())  # alone: the answer is this process's own, at once (no wait)
         if self._next is not None and step < self._next:
-            return replace(NOTHING, joiners=self._joiners_seen)
+            return NOTHING
         earlier = self.settle() or NOTHING
+        if not earlier.slots and self._carried:  # `fresh` read the vote of this step end: its slots, now
+            earlier = replace(earlier, slots=self._carried)
+        self._carried = ()
         if earlier.vote_every:
             self.every = earlier.vote_every
         self._pending = self._cast()
         self._next = step + self.every
-        self._joiners_seen = max(self._joiners_seen, earlier.joiners)
-        return replace(earlier, joiners=self._joiners_seen)
+        return earlier
 
     def votes_at(self, step: int) -> bool:
         """Whether the end of `step` is a vote step here (it reads the vote in flight and casts the next)."""
@@ -204,12 +200,11 @@ class StepVote:
         now = Verdict.of(self._wait(self._cast()))
         self._next = None
         self.every = now.vote_every
-        self._joiners_seen = max(self._joiners_seen, now.joiners, earlier.joiners)  # acted on at the next step end
+        self._carried = now.slots or earlier.slots  # the parts read theirs at the next step end (a vote step)
         return Verdict(
             preempted=earlier.preempted or now.preempted, requeue=earlier.requeue or now.requeue,
             storage_failing=earlier.storage_failing or now.storage_failing,
             snapshot_every=now.snapshot_every or earlier.snapshot_every, vote_every=now.vote_every,
-            joiners=max(now.joiners, earlier.joiners),
         )
 
     def settle(self) -> Verdict | None:

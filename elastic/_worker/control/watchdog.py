@@ -218,5 +218,6 @@ def watchdog(timeout: float, *, distributed: bool = False, env: WorkerEnv | None
             record, name_after=after, gather=after, store=hang_names.default_store,
             place=functools.partial(hang_names.this_rank, env),
             report=functools.partial(hang_names.report_to_agent, env=env), main_thread=threading.main_thread().ident,
+            environ=env.variables,
         )
     return Watchdog(timeout, record=record, namer=namer, progress=worker_notes.for_worker(env.variables))

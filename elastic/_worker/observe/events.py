@@ -42,10 +42,10 @@ from typing import Any
 
 from elastic._shared.common.errors import UsageError
 from elastic._shared.protocol import worker_notes
+from elastic._worker.timings import FLUSH_SECONDS
 
 logger = logging.getLogger(__name__)
 
-FLUSH_SECONDS = 0.05  # a watcher of the log (a test waiting for a step) sees it at most this late
 EVENT_KINDS = (
     "start", "step", "eval", "checkpoint", "checkpoint_failed", "checkpoint_skipped", "restore", "heal", "end",
     "corruption", "numeric", "straggler", "straggler_recovered", "straggler_evicted", "rebalance", "hang", "failure",

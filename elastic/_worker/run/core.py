@@ -1,7 +1,7 @@
 """What the parts of one run share: `RunCore`, the run's state with every member public.
 
 `elastic.Run` is the front door a script talks to; behind it, the step loop (loop.py), the survivors'
-adapter (survivors_host.py), the opening and the end of a run (opening.py, closing.py) and every loop
+part and adapter (survivors_part.py), the opening and the end of a run (opening.py, closing.py) and every loop
 part (parts.py) work on one `RunCore`. None of them reaches into `Run`: the core is their meeting
 point, and `Run` only hands the script's calls to it.
 
@@ -109,16 +109,12 @@ class RunCore:
         """The default group is new (or the first): tell the loop parts, then build the step vote and the
         checkpoint manager on it, taking over from `earlier`."""
         self.ctx = ctx
-        survivors = self.survivors
         self.parts.on_group(ctx)
         assert self.state is not None, "registered by Run.start"
         self.group = GroupParts.build(
             ctx, self.config, self.state, ballot=self.ballot, events=self.events, faults=self.faults,
-            joiners=survivors.joiners_waiting(ctx) if survivors is not None else None, earlier=earlier,
-            slots=self.parts.ballots, integrity=self.integrity,
+            earlier=earlier, slots=self.parts.ballots, integrity=self.integrity,
         )
-        if survivors is not None:
-            survivors.on_new_group(ctx, self.events, self.config.events)
         report = self.loop.report
         if report is not None and self.sampler is not None:
             report.resize(ctx.world_size, self.sampler.batch_size * ctx.world_size * (self.tokens_per_sample or 1))

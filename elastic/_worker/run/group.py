@@ -57,7 +57,6 @@ class GroupParts:
         ballot: Caster,
         events: EventLog,
         faults: FaultHook,
-        joiners: Callable[[], int] | None,
         earlier: CheckpointManager | None,
         slots: Callable[[], list[int]] | None = None,
         integrity: Integrity | None = None,
@@ -66,7 +65,7 @@ class GroupParts:
         `integrity`: the replica checks, told of a group that took over from `earlier` (formed in place)."""
         if integrity is not None and earlier is not None:
             integrity.regrouped()
-        vote = StepVote(ctx, ballot, grace=config.term_grace, joiners=joiners, slots=slots)
+        vote = StepVote(ctx, ballot, grace=config.term_grace, slots=slots)
         checkpoints = CheckpointManager(
             ctx, config, model=state.model, optimizer=state.optimizer, sampler=state.sampler,
             scheduler=state.scheduler, scaler=state.scaler, extra=state.extra, events=events, faults=faults,

@@ -6,10 +6,9 @@ the optimizer steps counted, where `due` counts from and the loop's seconds.
 The run's shared state (`RunCore`, elastic._worker.run.core) holds the
 rest: the worker's context, the sampler, the per-group parts (the step
 vote and the checkpoint manager, elastic._worker.run.group), the watchdog,
-the fault hook, the loop parts (elastic._worker.run.parts: `--slow-ranks`
-and any part a script adds; they answer a step's end with a `Change`) and,
-under TORCHREVIVE_SURVIVORS, the survivors plug-in
-(elastic._worker.survivors.plugin), met only through its hooks.
+the fault hook and the loop parts (elastic._worker.run.parts: `--slow-ranks`,
+the integrity checks, under TORCHREVIVE_SURVIVORS the survivors' group
+changes, and any part a script adds; they answer a step's end with a `Change`).
 
 Invariants:
 - A step's bookkeeping runs when the loop asks for the next batch, i.e. after
@@ -63,7 +62,6 @@ from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.observe.step_costs import StepCosts
 from elastic._worker.run.group import GroupParts
 from elastic._worker.runtime.context import WorkerContext
-from elastic._worker.survivors.plugin import Survivors
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +79,6 @@ class LoopCore(Protocol):
     watchdog: Watchdog | NoWatchdog
     faults: FaultHook
     parts: Parts
-    survivors: Survivors | None
     slow_ranks: SlowRanks | None
     sampler: ElasticSampler | None
     tokens_per_sample: int
@@ -127,13 +124,9 @@ class StepLoop:
             unit="tokens" if core.tokens_per_sample else "samples",
         )
         feed = Feed(loader if not limit.done(core.step, sampler) else None, sampler.batch_size)
-        survivors = core.survivors
         if core.slow_ranks is not None and core.slow_ranks.rebalancing and not feed.takes_shares:
             raise UsageError(f"--slow-ranks {core.config.slow_ranks} needs the loader driven by run.batch_sampler() "
                              "(its batches change size with the ranks' shares) or run.batches() without a loader")
-        if survivors is not None and survivors.train_on and not feed.resizable:
-            raise UsageError("--survivors train-on needs the loader driven by run.batch_sampler() or "
-                             "run.sampler_for_loader(): after a resize each rank takes its new share from it")
         started = time.perf_counter()
         try:
             yield from self._steps(feed, limit)
@@ -142,7 +135,7 @@ class StepLoop:
 
     def _steps(self, feed: Feed, limit: StepLimit) -> Iterator[Any]:
         core = self.core
-        sampler, costs, survivors = core.sampler, core.step_costs, core.survivors
+        sampler, costs = core.sampler, core.step_costs
         again: Any = None  # a void step's batch, trained again on a group of the same ranks
         core.parts.loop_started(core.step, resizable=feed.resizable)
         while not self.stopped and not limit.done(core.step, sampler):  # the sampler's position: after any resize
@@ -158,8 +151,6 @@ class StepLoop:
             again = None
             with costs.timing("sampler"):  # the step's random streams, a function of (seed, step, rank) alone
                 seed_step(core.config.seed, core.step + 1, (ctx.rank + sampler.rotation) % ctx.world_size, ctx.device)
-            healing = survivors is not None and survivors.can_heal
-            started = survivors.before_step(ctx.device) if healing else None  # type: ignore[union-attr]
             self._stepped_before = self.optimizer_steps
             core.watchdog.step_began(core.step + 1)  # this rank enters the step's collectives (its hang record)
             try:
@@ -170,11 +161,11 @@ class StepLoop:
                 raise
             finally:
                 self._stepped_before = None
-            if not healing or not survivors.void:  # type: ignore[union-attr]
+            step, place = core.step, (ctx.rank, ctx.world_size)
+            if core.parts.body_ended(step).kind is not Kind.VOID:
                 resized = self._end_step()
-            else:
-                step = core.step
-                resized = survivors.failed(started, survivors.void_reason)  # type: ignore[union-attr]
+            else:  # the step did not happen (the survivors healed the group): not counted
+                resized = (core.context.rank, core.context.world_size) != place
                 if not resized and core.step == step:
                     again = batch  # else it took the state of this very step from a peer that completed it
             if resized:  # this rank's share of the steps to come is another: the loader starts again
@@ -208,7 +199,7 @@ class StepLoop:
         or when the ranks' shares of the global batch changed (--slow-ranks rebalance)."""
         self.count_step()
         core = self.core
-        costs, survivors = core.step_costs, core.survivors
+        costs = core.step_costs
         resized = rebalanced = False
         try:
             rewind = core.parts.step_ended(core.step)  # before saves: a step is saved only once its check passed
@@ -226,16 +217,18 @@ class StepLoop:
             core.act_on(verdict)
             with costs.timing("checkpoint"):  # the snapshot parts are moved out of it in `finish`
                 core.group_parts.checkpoints.maybe_save(core.step)
-            if survivors is not None and survivors.grow_due(verdict.joiners):
-                resized = survivors.grow(verdict.joiners)  # workers wait to join: take them in now
+            done = core.parts.step_done(core.step)  # (train-on: workers waiting to join are taken in here)
+            resized = done.kind is Kind.RESHARD
+            self.stopped = self.stopped or done.kind is Kind.STOP
         except RuntimeError as error:  # a collective of the bookkeeping (a replica check's too) met the dead peer first
-            if survivors is None or not survivors.can_heal:
-                raise
-            why = first_line(error)
+            failure: RuntimeError | None = error
         else:
-            why = None
-        if why is not None:  # healed out of the `except` block (see `Survivors.failed`)
-            resized = survivors.failed(None, why)  # type: ignore[union-attr]
+            failure = None
+        if failure is not None:  # offered to the parts out of the `except` block (a heal makes collectives of its own)
+            healed = core.parts.collective_failed(first_line(failure))
+            if healed is None:  # no part heals it: the error stands
+                raise failure
+            resized = healed.kind is Kind.RESHARD
         with costs.timing("watchdog"):
             core.faults.at("after_step", core.step)
             core.watchdog.beat(core.step)

@@ -32,7 +32,7 @@ from elastic._worker.observe.slow_ranks import SlowRanks
 from elastic._worker.run.core import RunCore
 from elastic._worker.run.group import RegisteredState
 from elastic._worker.run.builtin_parts import IntegrityPart, SlowRanksPart
-from elastic._worker.run.survivors_host import SurvivorsHost
+from elastic._worker.run.survivors_part import SurvivorsHost, SurvivorsPart
 from elastic._worker.runtime import parallel
 from elastic._worker.runtime.context import adopt_worker, init_worker, leave_group
 from elastic._worker.runtime.parallel import unwrap
@@ -118,7 +118,8 @@ def start(
     core.tokens_per_sample = tokens_per_sample
     core.integrity = integrity = Integrity(ctx, cfg, core.events)  # replica checks, numeric guard (elastic._worker.integrity)
     core.slow_ranks = slow = core.stack.enter_context(SlowRanks(ctx, cfg, core.events, core.model, sampler=sampler, ddp=model))
-    core.parts.members[:0] = [SlowRanksPart(slow, core.survivors), IntegrityPart(integrity)]  # built-in ones first
+    builtin = [SlowRanksPart(slow, core.survivors), IntegrityPart(integrity)]  # built-in parts first
+    core.parts.members[:0] = builtin + ([SurvivorsPart(core.survivors, core)] if core.survivors is not None else [])
     core.state = RegisteredState(core.model, optimizer, sampler, scheduler, scaler, integrity.registered(extra))
     # Leaving on an error, peers may be dead: a save in flight (its writers meet in
     # collectives) gets a few seconds, not --ckpt-timeout.

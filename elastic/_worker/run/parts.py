@@ -18,10 +18,14 @@ its answer.
 
 Order of calls, on every rank alike: `on_group` (the first group, and each formed in place), `start`
 (once, in `Run.start`, after the restore), `loop_started` (each `run.batches` loop), then per step
-`before_step`, `step_ended` (the script's body is done: before the vote; a part may answer REWIND
-there), `ballot` (on a vote step, as the vote is cast), `after_step` (after the vote, before saves),
-and `finish` (in `Run.finish`, before the final save). The built-in parts (builtin_parts.py:
-`--slow-ranks`, the integrity checks) come first, a script's own after them.
+`before_step`, `body_ended` (the script's body is done, the step not counted yet: a part may answer
+VOID there, the step did not happen), `step_ended` (the step counted, before the vote; a part may
+answer REWIND there), `ballot` (on a vote step, as the vote is cast), `after_step` (after the vote,
+before saves), `step_done` (the step's saves started), and `finish` (in `Run.finish`, before the
+final save). A collective of the bookkeeping that fails is offered to `collective_failed` (a part
+that heals the group answers; else the error stands). The built-in parts (builtin_parts.py:
+`--slow-ranks`, the integrity checks; survivors_part.py: the survivors' group changes) come first,
+a script's own after them.
 
 Invariants:
 - A part's `ballot_size` depends only on the world size, and is the same on every rank of a group, so
@@ -50,7 +54,11 @@ class Kind(enum.IntEnum):
     REWIND = 2
     """Every rank's state went back to an earlier step (`Change.to`): the loop goes on from there, the
     step's vote and saves skipped, its loader opened again at that step."""
-    STOP = 3
+    VOID = 3
+    """(`body_ended` only) The step did not happen on this rank's group: it is not counted, and the loop
+    trains its batch again, unless the group changed this rank's place (its loader opens again at the
+    new shares) or the step count moved (the state of a newer step was taken from a peer)."""
+    STOP = 4
     """Every rank leaves the loop after this step (as if its step limit were reached)."""
 
 
@@ -65,6 +73,7 @@ class Change:
 
     NONE: ClassVar[Change]
     RESHARD: ClassVar[Change]
+    VOID: ClassVar[Change]
     STOP: ClassVar[Change]
 
     @classmethod
@@ -76,7 +85,8 @@ class Change:
         return other if other.kind > self.kind else self
 
 
-Change.NONE, Change.RESHARD, Change.STOP = Change(Kind.NONE), Change(Kind.RESHARD), Change(Kind.STOP)
+Change.NONE, Change.RESHARD, Change.VOID, Change.STOP = (Change(Kind.NONE), Change(Kind.RESHARD), Change(Kind.VOID),
+                                                         Change(Kind.STOP))
 
 
 class LoopPart(Protocol):
@@ -90,6 +100,8 @@ class LoopPart(Protocol):
 
     def before_step(self, step: int) -> None: ...
 
+    def body_ended(self, step: int) -> Change: ...
+
     def step_ended(self, step: int) -> Change: ...
 
     def ballot_size(self, world_size: int) -> int: ...
@@ -97,6 +109,10 @@ class LoopPart(Protocol):
     def ballot(self) -> Sequence[int]: ...
 
     def after_step(self, step: int, ballots: tuple[int, ...] | None) -> Change: ...
+
+    def step_done(self, step: int) -> Change: ...
+
+    def collective_failed(self, why: str) -> Change | None: ...
 
     def finish(self) -> None: ...
 
@@ -116,6 +132,10 @@ class LoopPartBase:
     def before_step(self, step: int) -> None:
         """Step `step + 1` is about to be trained on this rank."""
 
+    def body_ended(self, step: int) -> Change:
+        """The script's body of step `step + 1` is done, the step not counted yet: NONE, or VOID."""
+        return Change.NONE
+
     def step_ended(self, step: int) -> Change:
         """The script's body of step `step` is done (its update made), before the vote: NONE, or REWIND."""
         return Change.NONE
@@ -128,6 +148,15 @@ class LoopPartBase:
 
     def after_step(self, step: int, ballots: tuple[int, ...] | None) -> Change:
         return Change.NONE
+
+    def step_done(self, step: int) -> Change:
+        """Step `step`'s bookkeeping is done (its vote acted on, its saves started): NONE, RESHARD or STOP."""
+        return Change.NONE
+
+    def collective_failed(self, why: str) -> Change | None:
+        """A collective of the step's bookkeeping failed (`why`): None when this part does not heal it (the
+        error stands), else the change the heal made (RESHARD: this rank's place changed)."""
+        return None
 
     def finish(self) -> None:
         """`Run.finish`, before the final save."""
@@ -160,6 +189,14 @@ class Parts:
         for part in self.members:
             part.before_step(step)
 
+    def body_ended(self, step: int) -> Change:
+        """Every part's answer to a step's body; the first VOID stops the round there (the step did not happen)."""
+        for part in self.members:
+            change = part.body_ended(step) or Change.NONE
+            if change.kind is Kind.VOID:
+                return change
+        return Change.NONE
+
     def step_ended(self, step: int) -> Change:
         """Every part's answer before the vote; a REWIND stops the round there (the parts after it do
         not see a step that every rank went back from)."""
@@ -188,6 +225,20 @@ class Parts:
             at += size
             change = change | (part.after_step(step, mine) or Change.NONE)
         return change
+
+    def step_done(self, step: int) -> Change:
+        change = Change.NONE
+        for part in self.members:
+            change = change | (part.step_done(step) or Change.NONE)
+        return change
+
+    def collective_failed(self, why: str) -> Change | None:
+        """The first answer of a part that heals the failure (None: no part does)."""
+        for part in self.members:
+            change = part.collective_failed(why)
+            if change is not None:
+                return change
+        return None
 
     def finish(self) -> None:
         for part in self.members:

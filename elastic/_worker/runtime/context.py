@@ -51,13 +51,9 @@ from elastic._worker.config import DEVICE_CHOICES
 from elastic._worker.runtime.round_store import recovery_hint
 from elastic._worker.runtime.worker_env import WorkerEnv, parse_launch_env
 from elastic._worker.runtime.worker_store import worker_store
+from elastic._worker.timings import DEFAULT_COLLECTIVE_TIMEOUT, ERROR_TEARDOWN_DEADLINE
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
-ERROR_TEARDOWN_DEADLINE = timedelta(seconds=5)
-"""How long a failed worker gives its process group's teardown before leaving it to process
-exit: well under torchrun's 30 s between SIGTERM and SIGKILL, so it never delays a recovery by that."""
 
 # A gloo group over all ranks for small host-side exchanges (preemption votes,
 # RNG states) when the main group is NCCL: they then cost no device sync.

@@ -73,13 +73,17 @@ import torch.distributed as dist
 from elastic._shared.common.errors import ElasticError
 from elastic._shared.common.errors import first_line as _first_line
 from elastic._shared.protocol.recovery_defaults import FRESH_STORE_ENV, merged_rdzv_conf
+from elastic._worker.timings import (
+    LISTENER_POLL_S as _LISTENER_POLL_S,
+    LISTENER_WAIT_S,
+    ROUND_POLL_FIRST_S as _POLL_FIRST_S,
+    ROUND_POLL_MAX_S as _POLL_MAX_S,
+)
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "torchrevive/"
 HELLOS = PREFIX + "hellos"
-_POLL_FIRST_S = 0.002
-_POLL_MAX_S = 0.05
 _FAST_PATH = (
     "run the job with torchrevive-run (python -m elastic._agent.launcher), or export "
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun"
@@ -107,10 +111,6 @@ def round_store(
         return None
     store = connect_agent_store(environ, rank=rank, timeout=timeout)
     return agree_on_round(store, rank=rank, world_size=world_size, timeout=timeout, where=_where(environ))
-
-
-LISTENER_WAIT_S = 10.0
-_LISTENER_POLL_S = 0.005
 
 
 def await_store_server(environ: Mapping[str, str], *, deadline: float) -> bool:

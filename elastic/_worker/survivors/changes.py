@@ -51,7 +51,7 @@ class _Watchdog(Protocol):
 
 
 class RunHost(Protocol):
-    """What `Survivors` needs of the run it serves; the run hands it an adapter (elastic._worker.run.survivors_host)."""
+    """What `Survivors` needs of the run it serves; the run hands it an adapter (elastic._worker.run.survivors_part)."""
 
     @property
     def ctx(self) -> WorkerContext: ...
@@ -158,8 +158,7 @@ class GroupChanges:
                 self.lifecycle.move(Phase.AWAITING)  # train-on's policy: the next view of whoever arrives
                 self._settle(healing.shrink(run.stopping), completed=run.step, replacement=False, earlier=earlier)
             else:
-                self._regroup()
-                run.step = self._catch_up(run.step, replacement=False)
+                run.step = self._catch_up(run.step, replacement=False, regroup_first=True)
                 run.count_due_from(run.step)  # as every member of the healed group (see `_settle`)
         grown = healing.train_on and healing.view.grown  # (it came late, and a grow admitted it)
         self._report(began, "grow" if grown else "shrink" if self._ctx.world_size < place[1] else "heal")
@@ -275,14 +274,17 @@ class GroupChanges:
         with self._change():
             return self._catch_up(-1, replacement=True)
 
-    def _catch_up(self, completed: int, *, replacement: bool) -> int:
-        """Every member of the new group takes the newest state (from the lowest rank that has it);
-        the step to go on from. A member that dies meanwhile breaks the group: the heal starts over
-        with the next generation, at most `ATTEMPTS` times."""
+    def _catch_up(self, completed: int, *, replacement: bool, regroup_first: bool = False) -> int:
+        """(`regroup_first`: form the next heal's group first, then) every member of the new group takes
+        the newest state (from the lowest rank that has it); the step to go on from. A member that dies
+        meanwhile breaks the group (or gives up the one forming: regroup's `GroupBroken`): the heal starts
+        over with the next generation, at most `ATTEMPTS` times."""
         healing = self.healing
         for attempt in range(1, ATTEMPTS + 1):
-            self.lifecycle.move(Phase.CATCHING_UP)
             try:
+                if regroup_first or attempt > 1:
+                    self._regroup()
+                self.lifecycle.move(Phase.CATCHING_UP)
                 healing.settle_buckets()
                 agreed = healing.agree(completed)
                 if agreed.most < 0:  # every member is a replacement: nobody holds the state
@@ -300,7 +302,6 @@ class GroupChanges:
             if attempt == ATTEMPTS:
                 raise RegroupError(f"heal {healing.generation} broke {attempt} times: {why}")
             logger.warning("rank %d: heal %d broke (%s); starting over", self._ctx.rank, healing.generation, why)
-            self._regroup()
         raise AssertionError("unreachable")
 
     def _report(self, began: float, change: str) -> None:

@@ -134,7 +134,7 @@ class Healing:
         if self.joiner:
             return {"store": dist.HashStore(), "place": (0, 1)}
         if self.train_on:
-            return {"store": views.view_group_store(self.point.store, self.view)}
+            return {"store": views.view_group_store(self.point.store, self.view, self.point.signed_records)}
         return {"store": regroup.heal_group_store(self.point.store, self.generation)}
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -319,10 +319,10 @@ class Healing:
         try:
             if not views.gather(self.point.signed_records, view, self.me):
                 return None
-            # Formed within the gather's bound (a member that died after it came fails it), then
-            # collectives get the job's own timeout.
-            dist.init_process_group("gloo", store=views.view_group_store(self.point.store, view), rank=rank,
-                                    world_size=view.world_size,
+            # Formed within the gather's bound (a member that died after it came is marked failed by its
+            # agent, and the watched store gives the group up then), then collectives get the job's own timeout.
+            store = views.view_group_store(self.point.store, view, self.point.signed_records)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=view.world_size,
                                     timeout=min(self._timeout, timedelta(seconds=views.GATHER_SECONDS)))
             _set_timeout(self._timeout)
         except (RuntimeError, ValueError) as error:  # a member died after it came, or the store failed

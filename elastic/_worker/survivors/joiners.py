@@ -34,11 +34,11 @@ from elastic._worker.survivors.views import (
     latest,
     read_view,
 )
+from elastic._worker.timings import JOIN_IDLE_POLL_S as _IDLE_POLL_S
 
 HEARTBEAT_KEY = "view/heartbeat"
 """Counted up by rank 0 of the current view at every vote step: a worker waiting to join learns the group
 still trains."""
-_IDLE_POLL_S = 0.02
 
 
 def _joiner_key(ticket: int) -> str:

@@ -20,6 +20,11 @@ How the next group forms (`leave`, then `rejoin`):
   under the round's heal namespace), at the same rank and world size, and counts
   itself among the round's healers (the agent heals in place only when every
   worker of the round did: a script that cannot heal gets torch's new round).
+- A member notes the generation it arrives at before the group forms (`member_key`):
+  a member that dies while the group forms, or before it noted anything else, has
+  its agent heal into the generation after (heal_env.healed_generation), and the
+  others, waiting for it inside torch on a watched store (forming_store), give that
+  group up as soon as the heal count moved past it (`superseded`): `GroupBroken`.
 
 Invariants:
 - A group is built only once the last one is gone (`require_left`).
@@ -44,12 +49,12 @@ from elastic._shared.common.errors import first_line as _first_line
 from elastic._shared.protocol import heal_env
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
 from elastic._shared.storage.store_records import Records, strict_count
+from elastic._worker.survivors.forming_store import FormingStore, given_up
 from elastic._worker.survivors.heal_store import heal_store
 from elastic._worker.runtime.context import shutdown_worker, teardown_pending
+from elastic._worker.timings import REGROUP_POLL_S as _POLL_S
 
 logger = logging.getLogger(__name__)
-
-_POLL_S = 0.005
 
 
 class RegroupError(ElasticError):
@@ -194,19 +199,32 @@ def rejoin(
     if dist.is_initialized():
         leave()
     require_left(f"heal {generation}")
+    records = records if records is not None else Records(store, world=world_size)
     try:
+        records.set(heal_env.member_key(rank), str(generation))  # arrived: its death now heals past this one
         dist.init_process_group(
             backend, store=heal_group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,
         )
-        count_healer(records if records is not None else Records(store, world=world_size), rank=rank,
-                     generation=generation)
+        count_healer(records, rank=rank, generation=generation)
     except RuntimeError as error:  # DistStoreError: a member never came; DistNetworkError: the store is gone
+        if given_up(error):  # a member died while it formed: the next generation's group, with its replacement
+            raise GroupBroken(f"rank {rank}, heal {generation}: {_first_line(error)}") from None
         raise RegroupError(f"rank {rank}: the group of heal {generation} did not form: {_first_line(error)}") from None
 
 
 def heal_group_store(store: dist.Store, generation: int) -> dist.Store:
-    """Where the default group of heal `generation` meets (0: the round's first group)."""
-    return dist.PrefixStore(f"group/{generation}", store)
+    """Where the default group of heal `generation` meets (0: the round's first group), watched: a wait
+    there gives up once the heal count moved past `generation` (forming_store)."""
+    return dist.PrefixStore(f"group/{generation}", FormingStore(store, lambda twin: superseded(twin, generation)))
+
+
+def superseded(store: dist.Store, generation: int) -> str | None:
+    """Why the group of heal `generation` is given up (None: it is not): an agent counted a later heal,
+    which it does only once a member that had arrived at this one died."""
+    current = store.add(heal_env.GENERATION_KEY, 0)
+    if current > generation:
+        return f"heal {current} began: a member of heal {generation}'s group died while it formed"
+    return None
 
 
 def count_healer(records: Records, *, rank: int, generation: int) -> None:

@@ -59,20 +59,16 @@ import torch.distributed as dist
 from elastic._shared.common.errors import ElasticError
 from elastic._shared.protocol import heal_env
 from elastic._shared.storage.store_records import Records, strict_count
+from elastic._worker.survivors.forming_store import FormingStore
+from elastic._worker.timings import (
+    GATHER_SECONDS,
+    MARK_CHECK_SECONDS,
+    SETTLE_SECONDS,
+    VIEW_MAX_POLL_S as _MAX_POLL_S,
+    VIEW_POLL_S as _POLL_S,
+)
 
-SETTLE_SECONDS = 2.0
-"""How long a survivor waits for members of the last view that neither arrived nor were marked failed:
-survivors arrive as soon as their collective fails (before they tear anything down), within milliseconds
-of each other on an idle machine; a dead worker's agent marks it within its monitor interval (0.5 s);
-a lost node's workers are never marked, so a lost node costs this wait."""
-GATHER_SECONDS = 10.0
-"""How long the members of a closed view wait for each other before they give it up and shrink."""
-MARK_CHECK_SECONDS = 0.25
-"""How often a member waiting for a view to form reads failure marks (an agent marks a dead worker within its
-monitor interval, 0.5 s: reading them at every poll would double the members' reads)."""
 LATEST_KEY = "view/latest"
-_POLL_S = 0.005
-_MAX_POLL_S = 0.05  # waits poll from _POLL_S, doubling up to this: a wait of seconds is a few dozen reads
 _MAX_MEMBERS = 1 << 16
 _MAX_VIEWS = 1 << 30
 
@@ -141,9 +137,20 @@ def _present_key(number: int, member: str) -> str:
     return f"view/{number}/present/{member}"
 
 
-def view_group_store(store: dist.Store, view: View) -> dist.Store:
-    """Where the process group of `view` meets."""
+def view_group_store(store: dist.Store, view: View, records: Records | None = None) -> dist.Store:
+    """Where the process group of `view` meets; with `records` (the round's), watched: a wait there gives
+    up once a member of the view was marked failed by its agent (forming_store)."""
+    if records is not None:
+        store = FormingStore(store, lambda twin: _marked_failed(records.on(twin), view))
     return dist.PrefixStore(f"view/{view.number}/group", store)
+
+
+def _marked_failed(records: Records, view: View) -> str | None:
+    """Why the group of `view` is given up (None: it is not): one of its members was marked failed."""
+    for member in view.members:
+        if failed(records, member):
+            return f"worker {member} of view {view.number} failed while its group formed"
+    return None
 
 
 def _parse(records: Records, number: int, text: str | None) -> View | None:

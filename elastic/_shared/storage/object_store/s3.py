@@ -41,15 +41,12 @@ from elastic._shared.storage.object_store.objects import (
     ObjectTooLarge,
     StoreUnavailable,
 )
+from elastic._shared.timings import CONNECT_TIMEOUT, READ_DEADLINE, READ_TIMEOUT
 
-CONNECT_TIMEOUT = 10.0
-READ_TIMEOUT = 60.0
-"""Seconds per socket read: a stalled server is a retried request, never a hung save or restore."""
 MAX_ATTEMPTS = 6
 """Tries per request (the first and five retries, backoff with jitter up to 20 s between them)."""
 POOL = 32
 """Connections kept to the store: the parallel ranges of one process share them."""
-READ_DEADLINE = 60.0
 MIN_READ_RATE = 1 << 20
 """A body of N bytes is read within READ_DEADLINE + N / MIN_READ_RATE seconds (1 MiB/s: far below any store's)."""
 CHUNK = 1 << 20
