@@ -132,6 +132,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # its siblings, by plain name
+from common import HookWait, median  # noqa: E402
 from provenance import write_result  # noqa: E402
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
@@ -322,23 +323,14 @@ def measure(setup: Setup, opts: argparse.Namespace, ctx: WorkerContext, tmp: Pat
 
     sync_seconds, state_bytes = time_sync_save(trainer, tmp, opts.repeats)
 
-    # Pre-hooks run in registration order: these two bracket the manager's, which
-    # waits for the deferred copy, so their gap is the loop's wait there.
-    hook_wait: dict[int, float] = {}  # save step -> seconds waited in later optimizer steps
-    bracket = {"started": 0.0}
-    before = trainer.optimizer.register_step_pre_hook(lambda *_: bracket.update(started=time.perf_counter()))
+    # Two pre-hooks bracket the manager's, which waits for the deferred copy: their gap is the loop's wait there.
+    hook_wait = HookWait(trainer.optimizer)
     ckpt = CheckpointManager(
         ctx, RunConfig(ckpt_dir=tmp / f"ckpt_{setup.name}", ckpt_every=0, ckpt_keep=2, seed=opts.seed, snapshot_every=0),
         model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler, sampler=trainer.sampler,
     )
     calls: dict[int, tuple[float, float]] = {}  # save step -> (wall start, seconds in save())
-
-    def after_manager_hook(*_: Any) -> None:
-        if calls:
-            last = max(calls)
-            hook_wait[last] = hook_wait.get(last, 0.0) + time.perf_counter() - bracket["started"]
-
-    after = trainer.optimizer.register_step_pre_hook(after_manager_hook)
+    hook_wait.after_manager(calls)
     step = opts.warmup_steps
     try:
         for _ in range(saves):
@@ -358,8 +350,7 @@ def measure(setup: Setup, opts: argparse.Namespace, ctx: WorkerContext, tmp: Pat
         ckpt.flush()
     finally:
         ckpt.close()
-        before.remove()
-        after.remove()
+        hook_wait.remove()
 
     history = sorted(ckpt.history, key=lambda h: h["step"])
     blocking = [h["blocking_seconds"] for h in history]
@@ -371,20 +362,20 @@ def measure(setup: Setup, opts: argparse.Namespace, ctx: WorkerContext, tmp: Pat
 
     free = [b - a for a, b in steps if not overlaps((a, b))]
     busy = [b - a for a, b in steps if overlaps((a, b))]
-    median = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     return Result(
         name=setup.name,
         parameters=trainer.model.num_parameters(),
         state_mb=state_bytes / 1e6,
         sync_seconds=sync_seconds,
         first_blocking=blocking[0],
-        steady_blocking=median([h["blocking_seconds"] for h in steady]),
-        steady_call=median([calls[h["step"]][1] for h in steady]),
-        steady_hook_wait=median([hook_wait.get(h["step"], 0.0) for h in steady]),
-        steady_loop_blocking=median([calls[h["step"]][1] + hook_wait.get(h["step"], 0.0) for h in steady]),
-        commit_seconds=median([h["seconds"] for h in steady]),
-        step_free=median(free),
-        step_in_flight=median(busy),
+        steady_blocking=median([h["blocking_seconds"] for h in steady], math.nan),
+        steady_call=median([calls[h["step"]][1] for h in steady], math.nan),
+        steady_hook_wait=median([hook_wait.seconds.get(h["step"], 0.0) for h in steady], math.nan),
+        steady_loop_blocking=median([calls[h["step"]][1] + hook_wait.seconds.get(h["step"], 0.0) for h in steady],
+                                    math.nan),
+        commit_seconds=median([h["seconds"] for h in steady], math.nan),
+        step_free=median(free, math.nan),
+        step_in_flight=median(busy, math.nan),
     )
 
 

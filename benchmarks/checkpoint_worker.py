@@ -42,6 +42,9 @@ sys.path.insert(0, str(TREE / "recipes"))
 
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name (this checkout's)
+from common import HookWait  # noqa: E402 - standard library only: it imports nothing of the tree compared
+
 # The trees compared lay the package out differently (flat modules before the role packages of
 # elastic/_worker) and take the manager's settings differently (a RunConfig since elastic/config.py,
 # 6ec689c's as keywords). Decided by the tree, never by trying an import (an editable install could
@@ -340,18 +343,10 @@ def save_phase(opts: argparse.Namespace, ctx: WorkerContext) -> dict[str, Any]:
     sync_seconds = time_sync_save(job, scratch, opts.repeats)
 
     # Two pre-hooks bracket the manager's (registered in between), as in checkpoint.py.
-    bracket = {"started": 0.0}
-    hook_wait: dict[int, float] = {}
     calls: dict[int, float] = {}
-    before = job.optimizer.register_step_pre_hook(lambda *_: bracket.update(started=time.perf_counter()))
+    hook_wait = HookWait(job.optimizer)
     ckpt = job.manager()
-
-    def after_manager_hook(*_: Any) -> None:
-        if calls:
-            last = max(calls)
-            hook_wait[last] = hook_wait.get(last, 0.0) + time.perf_counter() - bracket["started"]
-
-    after = job.optimizer.register_step_pre_hook(after_manager_hook)
+    hook_wait.after_manager(calls)
     step = opts.warmup_steps
     try:
         for _ in range(opts.saves):
@@ -373,8 +368,7 @@ def save_phase(opts: argparse.Namespace, ctx: WorkerContext) -> dict[str, Any]:
             ckpt.maybe_save(step)
         ckpt.flush()
         timed_history = [dict(h) for h in ckpt.history]
-        before.remove()
-        after.remove()
+        hook_wait.remove()
         ckpt.save(step, reason="final")  # untimed: the state the restore job must find
         ckpt.flush()
     finally:
@@ -386,7 +380,7 @@ def save_phase(opts: argparse.Namespace, ctx: WorkerContext) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in job.raw.parameters()),  # a DTensor's numel is the whole tensor's
         "sync_seconds": sync_seconds,
         "calls": {str(k): v for k, v in calls.items()},
-        "hook_wait": {str(k): v for k, v in hook_wait.items()},
+        "hook_wait": {str(k): v for k, v in hook_wait.seconds.items()},
         "history": timed_history,
         "final_step": step,
         "fingerprint": fingerprint,

@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+from common import world_sizes  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("none", "blocking", "pipelined")
 
@@ -51,12 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
-    try:
-        opts.world_sizes = [int(n) for n in opts.ranks.split(",")]
-    except ValueError:
-        p.error(f"--ranks takes world sizes, comma-separated, not {opts.ranks!r}")
-    if not opts.world_sizes or min(opts.world_sizes) < 2:
-        p.error("--ranks: every world size must be at least 2 (one rank has nothing to agree with)")
+    opts.world_sizes = world_sizes(p, opts.ranks, "one rank has nothing to agree with")
     if opts.blocks < 2 or opts.block_steps < 1:
         p.error("--blocks must be at least 2 and --block-steps at least 1")
     return opts

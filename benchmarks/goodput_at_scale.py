@@ -131,6 +131,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+from common import fail  # noqa: E402
 from provenance import write_result  # noqa: E402
 
 PROG = "goodput_at_scale.py"
@@ -500,12 +501,7 @@ def plot(p: dict[str, float], path: Path) -> None:
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, no usage block
-        self.exit(2, f"{PROG}: error: {message}\n")
-
-
-def fail(message: str) -> NoReturn:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+        fail(PROG, message)
 
 
 def check_value(key: str, value: Any) -> float:
@@ -555,22 +551,22 @@ def load_measured(path: Path) -> dict[str, float]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as e:
-        fail(f"--measured {path}: cannot read it ({e.strerror if isinstance(e, OSError) else e})")
+        fail(PROG, f"--measured {path}: cannot read it ({e.strerror if isinstance(e, OSError) else e})")
     except json.JSONDecodeError as e:
-        fail(f"--measured {path}: not JSON ({e})")
+        fail(PROG, f"--measured {path}: not JSON ({e})")
     if not isinstance(data, dict):
-        fail(f"--measured {path}: must hold a JSON object")
+        fail(PROG, f"--measured {path}: must hold a JSON object")
     if {"benchmark", "provenance", "results"} <= data.keys():  # a benchmark's result file (provenance.py)
         if not isinstance(data["results"], dict):
-            fail(f"--measured {path}: its results must be a JSON object")
+            fail(PROG, f"--measured {path}: its results must be a JSON object")
         data = {key: value for key, value in data["results"].items() if key in PARAMS}  # the inputs it measured
     unknown = sorted(set(data) - set(PARAMS))
     if unknown:
-        fail(f"--measured {path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(PARAMS)})")
+        fail(PROG, f"--measured {path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(PARAMS)})")
     try:
         return {key: check_value(key, value) for key, value in data.items()}
     except ValueError as e:
-        fail(f"--measured {path}: {e}")
+        fail(PROG, f"--measured {path}: {e}")
 
 
 def inputs(args: argparse.Namespace) -> dict[str, float]:
@@ -589,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            fail("--plot needs matplotlib, which is not installed")
+            fail(PROG, "--plot needs matplotlib, which is not installed")
     results = model(p, args.gpus)
     if args.measured is not None:
         results["measured_from"] = str(args.measured)
@@ -602,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             plot(p, args.plot)
             print(f"plot: {args.plot}")
     except OSError as e:
-        fail(f"cannot write {e.filename}: {e.strerror}")
+        fail(PROG, f"cannot write {e.filename}: {e.strerror}")
     return 0
 
 

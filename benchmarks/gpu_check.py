@@ -61,6 +61,8 @@ from elastic import OneLineArgumentParser, non_negative_float, positive_int
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "gpt.py"
 sys.path.insert(0, str(REPO / "recipes"))  # the recipe's model, for its parameter and FLOP counts
+sys.path.insert(0, str(REPO / "benchmarks"))  # its siblings, by plain name
+from common import comma_list, kill_tree, memory_dir, read_jsonl  # noqa: E402
 
 PEAK_BF16_TFLOPS = (("H100 PCIE", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
 """Dense bf16 tensor-core peaks (no sparsity), by a piece of the device name, the first match winning:
@@ -262,17 +264,6 @@ def launcher_command(nproc: str, max_restarts: int, script_args: Sequence[str]) 
             f"--max-restarts={max_restarts}", str(RECIPE), *script_args]
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    records = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a torn last line
-    return records
-
-
 class Job:
     """One launcher process and what it wrote: its log, its event log."""
 
@@ -294,7 +285,7 @@ class Job:
             )
 
     def records(self) -> list[dict[str, Any]]:
-        return read_events(self.events)
+        return read_jsonl(self.events)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -314,13 +305,7 @@ class Job:
 
     def stop(self) -> None:
         """The launcher and every process below it (workers run in sessions of their own)."""
-        from elastic._agent.launcher.proctree import descendants
-
-        for pid in [self.process.pid, *descendants(self.process.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(self.process.pid)
         self.process.wait()
 
 
@@ -454,8 +439,7 @@ def measure_copy(device_name: str = "cuda", megabytes: int = 1024, repeats: int 
         "pageable_gb_s": gb_per_s(BufferPool(pin_memory=False)),
         "snapshot_slot_gb_s": None,
     }
-    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    slot_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=shm))
+    slot_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=memory_dir()))
     try:
         slot = Slot(slot_dir / "slot.data", 0, Layout.of(tensors), BLOCK)
         figures["snapshot_slot_gb_s"] = gb_per_s(slot)
@@ -499,6 +483,17 @@ def fault_steps(check: Check) -> tuple[int, int]:
     return (4, 8) if check.dry_run else (40, 120)
 
 
+def after_fault(result: JobResult, fault: str, at: float) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The first step after the `fault` at time `at`, and the restore after it (None: the job started over);
+    the job must have ended well and trained after the fault."""
+    if result.returncode != 0:
+        raise PartFailed(f"exit {result.returncode} after the {fault}: {failure_reason(result.log)}")
+    step = first_step_after(result.records, at)
+    if step is None:
+        raise PartFailed(f"no step after the {fault} in the event log")
+    return step, restore_after(result.records, at)
+
+
 def part_kill(check: Check, deadline: float) -> dict[str, Any]:
     at, steps = fault_steps(check)
     hold = check.workdir / "kill" / "hold"
@@ -515,12 +510,7 @@ def part_kill(check: Check, deadline: float) -> dict[str, Any]:
         if job.process.poll() is None:
             job.stop()
         raise
-    if result.returncode != 0:
-        raise PartFailed(f"exit {result.returncode} after the kill: {failure_reason(result.log)}")
-    step = first_step_after(result.records, killed_at)
-    if step is None:
-        raise PartFailed("no step after the kill in the event log")
-    restore = restore_after(result.records, killed_at)
+    step, restore = after_fault(result, "kill", killed_at)
     return {"killed_at_step": at, "kill_to_step_s": step["time"] - killed_at,
             "restore_source": restore.get("source") if restore else "none (started over)",
             "restored_step": restore["step"] if restore else 0, "redone": restore.get("redone") if restore else None,
@@ -583,12 +573,7 @@ def part_hang(check: Check, deadline: float) -> dict[str, Any]:
         if job.process.poll() is None:
             job.stop()
         raise
-    if result.returncode != 0:
-        raise PartFailed(f"exit {result.returncode} after the hang: {failure_reason(result.log)}")
-    step = first_step_after(result.records, hung_at)
-    if step is None:
-        raise PartFailed("no step after the hang in the event log")
-    restore = restore_after(result.records, hung_at)
+    step, restore = after_fault(result, "hang", hung_at)
     lines = abort_lines(result.log)
     return {"world_size": world, "hung_rank": world - 1, "hang_timeout_s": timeout,
             "hang_to_step_s": step["time"] - hung_at, "restore_source": restore.get("source") if restore else None,
@@ -705,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.measure_copy).write_text(json.dumps(measure_copy("cuda", args.copy_mb)))
         return 0
     known = [part.name for part in parts()]
-    chosen = known if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    chosen = known if args.only is None else comma_list(args.only)
     unknown = sorted(set(chosen) - set(known))
     if unknown or not chosen:
         print(f"gpu_check.py: error: --only takes parts among {', '.join(known)}; not {', '.join(unknown) or 'nothing'}",

@@ -38,7 +38,6 @@ Each script logs the sample ids every rank trains on at every step. Per system:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -56,6 +55,7 @@ from elastic.chaos.netns import free_port
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # its siblings, by plain name
+from common import comma_list, kill_tree, read_jsonl  # noqa: E402
 from provenance import write_result  # noqa: E402
 SCRIPTS = {"stock": HERE / "hf_resume_stock.py", "ours": HERE / "hf_resume_elastic.py"}
 SYSTEMS = {  # name: (script, launcher module, extra environment)
@@ -133,21 +133,11 @@ class Launch:
 
     def kill_all(self) -> None:
         """SIGKILL the launcher and every worker (torchrun starts each worker in a session of its own)."""
-        for pid in [self.process.pid, *descendants(self.process.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(self.process.pid)
 
 
 def records(prefix: Path) -> list[dict]:
-    out = []
-    for path in sorted(prefix.parent.glob(prefix.name + ".rank*")):
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
+    out = [record for path in sorted(prefix.parent.glob(prefix.name + ".rank*")) for record in read_jsonl(path)]
     return sorted(out, key=lambda r: r["time"])
 
 
@@ -251,7 +241,7 @@ def report(results: list[dict], args: argparse.Namespace, num_samples: int) -> l
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
+    chosen = comma_list(args.systems)
     unknown = [s for s in chosen if s not in SYSTEMS]
     if unknown:
         print(f"hf_resume.py: error: unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)

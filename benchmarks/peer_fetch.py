@@ -17,7 +17,6 @@ Rounds alternate the two sides; prints medians, GB/s, connections opened and the
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -28,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from snapshot_auth import keeper_process  # noqa: E402 - a keeper with one part of random bytes
+from common import memory_copies, memory_dir  # noqa: E402
+from snapshot_auth import served_keeper  # noqa: E402 - a keeper with one part of random bytes
 
 from elastic._shared.storage.keeper_address import LOCAL  # noqa: E402
 from elastic._shared.storage.peer_auth import PeerKey  # noqa: E402
@@ -55,35 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     size, span, secret = opts.mb * 2**20, opts.range_kb * 2**10, os.urandom(32)
     times: dict[str, list[float]] = {"fresh": [], "kept": []}
     opened: list[int] = []
-    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="peer-fetch-", dir=shm) as base:
-        context = mp.get_context("fork")
-        ready, stop = context.Queue(), context.Event()
-        server = context.Process(target=keeper_process, args=(secret, base, True, size, ready, stop))
-        server.start()
-        try:
-            url, name = ready.get(timeout=300)
-            part_url, key = f"{url}/part/{LOCAL}/{name}", PeerKey(secret)
-            for round_ in range(opts.rounds):
-                for side in (("fresh", "kept") if round_ % 2 == 0 else ("kept", "fresh")):
-                    if side == "fresh":
-                        times[side].append(read_all(keeper_client.get_range, part_url, key, size, span))
-                    else:
-                        connections = keeper_client.KeeperConnections()
-                        try:
-                            times[side].append(read_all(connections.get_range, part_url, key, size, span))
-                            opened.append(connections.opened)
-                        finally:
-                            connections.close()
-        finally:
-            stop.set()
-            server.join(30)
-    buffer, source = bytearray(size), memoryview(bytes(size))
-    copies = []
-    for _ in range(opts.rounds):
-        started = time.perf_counter()
-        buffer[:] = source
-        copies.append(time.perf_counter() - started)
+    with tempfile.TemporaryDirectory(prefix="peer-fetch-", dir=memory_dir()) as base, \
+            served_keeper(secret, base, True, size) as (url, name):
+        part_url, key = f"{url}/part/{LOCAL}/{name}", PeerKey(secret)
+        for round_ in range(opts.rounds):
+            for side in (("fresh", "kept") if round_ % 2 == 0 else ("kept", "fresh")):
+                if side == "fresh":
+                    times[side].append(read_all(keeper_client.get_range, part_url, key, size, span))
+                else:
+                    connections = keeper_client.KeeperConnections()
+                    try:
+                        times[side].append(read_all(connections.get_range, part_url, key, size, span))
+                        opened.append(connections.opened)
+                    finally:
+                        connections.close()
+    copies = memory_copies(size, opts.rounds)
     print("\n".join(report(opts, times, copies, opened)))
     return 0
 

@@ -22,9 +22,10 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from common import write_atomically
 
 REPO = Path(__file__).resolve().parent.parent
 FORMAT = 1
@@ -106,14 +107,7 @@ def write_result(path: str | os.PathLike[str], benchmark: str, results: dict[str
     text = json.dumps(document, indent=1, sort_keys=True, allow_nan=False) + "\n"
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    write_atomically(target, text)
     return target
 
 

@@ -93,6 +93,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
 import soak_measure  # noqa: E402
+from common import comma_list, median, wait_until  # noqa: E402
 from provenance import write_result  # noqa: E402
 
 from elastic._agent.launcher.failure_policy import SET_ASIDE_FAILURES_ENV
@@ -160,16 +161,6 @@ def start_job(setting: str, workdir: Path, ckpt_every: int, steps: int = 10_000_
                      *snapshots, *model],
     )
     return ChaosJob(spec).start()
-
-
-def wait_until(condition, timeout: float, interval: float = 0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
 
 
 def restarts_consumed(job: ChaosJob) -> list[int]:
@@ -328,8 +319,8 @@ def measure_recovery(setting: str, size: str, workdir: Path, args: argparse.Name
     stalls, lost = [c.stall_s for c in costs], [c.time_lost_s for c in costs]
     return {
         "stall_s": stalls, "time_lost_s": lost,
-        "stall_median_s": statistics.median(stalls) if stalls else math.nan,
-        "lost_median_s": statistics.median(lost) if lost else math.nan, "lost_worst_s": max(lost, default=math.nan),
+        "stall_median_s": median(stalls, math.nan),
+        "lost_median_s": median(lost, math.nan), "lost_worst_s": max(lost, default=math.nan),
         "recovery_s": times,
         "median_s": statistics.median(times),
         "worst_s": max(times),
@@ -383,8 +374,7 @@ def kept_steps(records: list[dict], *, after: int, until: float) -> dict[int, in
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    settings, sizes = comma_list(args.settings), comma_list(args.sizes)
     if set(settings) - set(SETTINGS) or set(sizes) - set(SIZES) or not sizes or args.kills < 1 or args.agents < 2:
         print(f"recovery.py: error: --settings takes {', '.join(SETTINGS)}; --sizes {', '.join(SIZES)}; "
               "--kills >= 1; --agents >= 2", file=sys.stderr)

@@ -23,10 +23,8 @@ is an error naming the file and line, never an empty block.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 if __name__ == "__main__":  # run as a script: views.py's `from render import view` must register here, not in a copy
     sys.modules.setdefault("render", sys.modules[__name__])
+from common import write_atomically  # noqa: E402
 from provenance import read_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,17 +137,6 @@ def documents(root: Path = REPO) -> list[Path]:
         path = root / name
         found += sorted(path.rglob("*.md")) if path.is_dir() else [path] if path.is_file() else []
     return [path for path in found if "<!-- figures:" in path.read_text()]
-
-
-def write_atomically(path: Path, text: str) -> None:
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
 
 
 def stale(paths: list[Path], known: Mapping[str, View], results: Results) -> list[tuple[Path, str]]:

@@ -40,14 +40,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import scale_model  # noqa: E402 - benchmarks import their siblings by plain name
+from common import comma_list, fail  # noqa: E402
 from scale_model import Row, once, per_count  # noqa: E402
 from scale_sim import RESULT, Phase, Slice, run_threads, serve_store, spread  # noqa: E402
 
+PROG = "scale.py"
 DEFAULT_SIZES = (16, 64, 256, 1024)
 
 
@@ -210,11 +212,6 @@ def flatness(by_n: dict[int, dict[str, Any]]) -> tuple[int, float] | None:
 # -- the command line -----------------------------------------------------------------------------------
 
 
-def fail(message: str) -> NoReturn:
-    print(f"scale.py: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="simulated ranks, comma-separated")
@@ -229,16 +226,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         opts.size_list = sorted({int(n) for n in opts.sizes.split(",") if n.strip()})
     except ValueError:
-        fail(f"--sizes takes numbers of ranks, comma-separated, not {opts.sizes!r}")
+        fail(PROG, f"--sizes takes numbers of ranks, comma-separated, not {opts.sizes!r}")
     if not opts.size_list or min(opts.size_list) < 16:
-        fail("--sizes: every size must be at least 16 (two simulated nodes of 8 ranks)")
+        fail(PROG, "--sizes: every size must be at least 16 (two simulated nodes of 8 ranks)")
     known = list(dict.fromkeys(row.path for row in rows()))
-    opts.path_list = known if opts.paths == "all" else [p.strip() for p in opts.paths.split(",") if p.strip()]
+    opts.path_list = known if opts.paths == "all" else comma_list(opts.paths)
     unknown = [p for p in opts.path_list if p not in known]
     if unknown or not opts.path_list:
-        fail(f"--paths: unknown path {unknown[0] if unknown else opts.paths!r}; the paths are {', '.join(known)}")
+        fail(PROG, f"--paths: unknown path {unknown[0] if unknown else opts.paths!r}; the paths are {', '.join(known)}")
     if opts.procs < 1 or opts.timeout <= 0:
-        fail("--procs must be at least 1 and --timeout positive")
+        fail(PROG, "--procs must be at least 1 and --timeout positive")
     return opts
 
 

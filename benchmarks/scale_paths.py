@@ -18,6 +18,7 @@ when that code changes only the adapter's few calls may need to follow:
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -93,7 +94,7 @@ def reader_of(namer: HangNamer) -> bool:
 def _records(sl: Slice, rank: int) -> Records:
     scope = "torchrevive/heal/sim/"
     store = dist.PrefixStore(scope, sl.client(rank))
-    return Records(store, key=PeerKey.from_env(), scope=scope, world=sl.n)
+    return Records(store, key=PeerKey.from_env(os.environ), scope=scope, world=sl.n)
 
 
 def views_path(sl: Slice, rank: int) -> None:

@@ -29,7 +29,6 @@ none: `--steps` steps), so a short form depends on no timing: `--steps` is then 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -42,7 +41,10 @@ from pathlib import Path
 from typing import Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+from common import read_jsonl, world_sizes  # noqa: E402
 from provenance import write_result  # noqa: E402
+
+from elastic.chaos.netns import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "slow_rank_worker.py"
@@ -87,13 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--workdir", default=None, help="keep each job's files here (default: a temporary directory)")
     opts = p.parse_args(argv)
-    try:
-        opts.world_sizes = [int(n) for n in opts.ranks.split(",")]
-    except ValueError:
-        p.error(f"--ranks takes world sizes, comma-separated, not {opts.ranks!r}")
+    opts.world_sizes = world_sizes(p, opts.ranks, "a slow rank needs a peer")
     opts.mode_list = opts.modes.split(",")
-    if not opts.world_sizes or min(opts.world_sizes) < 2:
-        p.error("--ranks: every world size must be at least 2 (a slow rank needs a peer)")
     if not opts.mode_list or any(m not in MODES for m in opts.mode_list):
         p.error(f"--modes takes {', '.join(MODES)}, comma-separated, not {opts.modes!r}")
     if not 0 < opts.stopped < 1 or not opts.period > 0:
@@ -231,18 +228,6 @@ class DutyCycle:
             self._thread.join()
 
 
-def read_lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return out
-
-
 def throughput(steps: list[dict], first: int, samples_per_step: int) -> tuple[float, int]:
     """Samples/s from step `first` to the last step logged: (samples/s, steps counted)."""
     times = {s["step"]: s["time"] for s in steps if isinstance(s.get("step"), int)}
@@ -278,10 +263,10 @@ def run_job(world: int, mode: str, opts: argparse.Namespace, workdir: Path) -> R
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 raise SystemExit(f"slow_rank.py: the {mode} job of {world} ranks ran past --timeout {opts.timeout:g} s")
-            done = max((s.get("step", 0) for s in read_lines(steps_file)), default=0)
+            done = max((s.get("step", 0) for s in read_jsonl(steps_file)), default=0)
             if throttle is not None and throttle.started_at is None and done >= opts.throttle_after:
                 throttle.start()
-            if runtime and opts.stop_when_named and not stopped_early and waited_for(mode, read_lines(events), done, opts):
+            if runtime and opts.stop_when_named and not stopped_early and waited_for(mode, read_jsonl(events), done, opts):
                 for p in procs:
                     p.send_signal(signal.SIGTERM)  # every rank stops at one step (the step vote)
                 stopped_early = True
@@ -297,7 +282,7 @@ def run_job(world: int, mode: str, opts: argparse.Namespace, workdir: Path) -> R
     if set(codes) - allowed:
         tail = (job / "out0").read_text()[-2000:] + (job / f"out{world - 1}").read_text()[-2000:]
         raise SystemExit(f"slow_rank.py: the {mode} job of {world} ranks exited {codes}:\n{tail}")
-    return summarize(world, mode, read_lines(steps_file), read_lines(events), throttle, opts,
+    return summarize(world, mode, read_jsonl(steps_file), read_jsonl(events), throttle, opts,
                      audit_of(job / "samples") if runtime else None)
 
 
@@ -367,14 +352,6 @@ def table(rows: list[Row], stopped: float) -> list[str]:
             lines.append(f"{world:>5} {row.mode:<10} {row.samples_per_s:>10.0f} {ratio:>9} {named:>12} {false:>6} "
                          f"{shares:>12} {once:>13}")
     return lines
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

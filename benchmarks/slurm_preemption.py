@@ -34,6 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # its siblings, by plain name
+
+from common import wait_until  # noqa: E402
 
 from elastic._worker.observe.events import read_events  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable  # noqa: E402
@@ -64,13 +67,10 @@ def steps(events: Path) -> list[dict]:
 
 
 def wait(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise SystemExit(f"slurm_preemption.py: error: timed out waiting for {what}")
+    value = wait_until(condition, timeout)
+    if not value:
+        raise SystemExit(f"slurm_preemption.py: error: timed out waiting for {what}")
+    return value
 
 
 def submit(cluster: SlurmCluster, ckpt: Path, signal_name: str, steps_total: int, ckpt_every: int,

@@ -25,10 +25,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
+
+from common import memory_copies, memory_dir  # noqa: E402
 
 from elastic._agent.launcher.keeper import SnapshotKeeper
 from elastic._shared.storage import parts, peer_auth
@@ -87,13 +92,23 @@ def keeper_process(secret: bytes, base: str, signed: bool, size: int, ready: Any
     keeper.close(timeout=5)
 
 
-def one_side(signed: bool, secret: bytes, restore: int, part: bytes, base: str) -> dict[str, float]:
-    context = mp.get_context("fork")  # the keeper needs nothing of this process but its imports
+@contextmanager
+def served_keeper(secret: bytes, base: str, signed: bool, size: int) -> Iterator[tuple[str, str]]:
+    """A keeper in a process of its own (`keeper_process`, forked: it needs nothing of this process but its
+    imports) with one part of `size` random bytes, while in the block: (its URL, the part's name)."""
+    context = mp.get_context("fork")
     ready, stop = context.Queue(), context.Event()
-    server = context.Process(target=keeper_process, args=(secret, base, signed, restore, ready, stop))
+    server = context.Process(target=keeper_process, args=(secret, base, signed, size, ready, stop))
     server.start()
     try:
-        url, name = ready.get(timeout=300)
+        yield ready.get(timeout=300)
+    finally:
+        stop.set()
+        server.join(30)
+
+
+def one_side(signed: bool, secret: bytes, restore: int, part: bytes, base: str) -> dict[str, float]:
+    with served_keeper(secret, base, signed, restore) as (url, name):
         key = PeerKey(secret)
         part_url = f"{url}/part/{LOCAL}/{name}"
         started = time.perf_counter()
@@ -106,9 +121,6 @@ def one_side(signed: bool, secret: bytes, restore: int, part: bytes, base: str) 
         keeper_client.push_part(url, key, header.stem, header.to_json(), memoryview(part), 60)
         push_s = time.perf_counter() - started
         return {"restore_s": restore_s, "push_s": push_s}
-    finally:
-        stop.set()
-        server.join(30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     secret, restore = os.urandom(32), opts.restore_mb * 2**20
     part = os.urandom(opts.part_mb * 2**20)
     results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
-    with tempfile.TemporaryDirectory(prefix="auth-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None) as base:
+    with tempfile.TemporaryDirectory(prefix="auth-bench-", dir=memory_dir()) as base:
         for pair in range(opts.pairs):
             for signed in ((True, False) if pair % 2 == 0 else (False, True)):
                 if not signed:
@@ -133,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     if not signed:
                         peer_auth.PeerKey.body_tag, peer_auth.RequestVerifier.check, peer_auth.check_tag = saved  # type: ignore[method-assign]
-    buffer = bytearray(restore)
-    source = memoryview(bytes(restore))
-    copies = []
-    for _ in range(3):
-        started = time.perf_counter()
-        buffer[:] = source
-        copies.append(time.perf_counter() - started)
-
+    copies = memory_copies(restore, 3)
     print("\n".join(report(opts, results, copies)))
     return 0
 

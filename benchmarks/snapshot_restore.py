@@ -70,7 +70,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes"))
+sys.path.insert(0, str(REPO / "benchmarks"))  # its siblings, by plain name
 
+from common import memory_dir  # noqa: E402
 from gpt_model import BYTE_VOCAB, GPT, GPTConfig, configure_optimizer  # noqa: E402
 
 from elastic._agent.launcher.keeper import SnapshotKeeper  # noqa: E402
@@ -206,7 +208,8 @@ def timed_steps(trainer: Trainer, steps: int, block: int, start: int) -> tuple[l
     return off, on, step
 
 
-def measure(model: Model, opts: argparse.Namespace, ctx: Any, tmp: Path) -> dict[str, Any]:
+def measure(model: Model, opts: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    ctx = init_worker("cpu", environ=dict(os.environ))  # with the keeper's address, as its workers get it
     ckpt_dir = tmp / f"ckpt-{model.name}"
     events = tmp / f"{model.name}.jsonl"
     trainer = Trainer(model, ctx, ckpt_dir, events, snapshot_every=1)
@@ -289,15 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     if opts.quick:
         opts.repeats, opts.steps = 1, opts.steps or 2
-    ctx = init_worker("cpu", environ={})
     results: dict[str, dict[str, Any]] = {}
-    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="snapshot-keeper-", dir=shm) as base, \
+    with tempfile.TemporaryDirectory(prefix="snapshot-keeper-", dir=memory_dir()) as base, \
             tempfile.TemporaryDirectory(prefix="snapshot-restore-", dir=opts.dir) as tmp:
         for model in models(opts):
             print(f"{model.name}: measuring ...", flush=True)
             # A keeper per model: the parts of one model's job are not another's to find.
-            results[model.name] = with_keeper(Path(base), lambda m=model: measure(m, opts, ctx, Path(tmp)))
+            results[model.name] = with_keeper(Path(base), lambda m=model: measure(m, opts, Path(tmp)))
     report(results, opts.repeats)
     return 0 if all(r["ok"] for r in results.values()) else 1
 

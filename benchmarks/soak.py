@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, by plain name
 import soak_measure  # noqa: E402
 import soak_moments  # noqa: E402
+from common import comma_list  # noqa: E402
 from provenance import write_result  # noqa: E402
 from soak_measure import Incident  # noqa: E402
 
@@ -90,8 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="keep the jobs' folders here (default: a temporary one)")
     p.add_argument("--json", default=None, help="write the results (and provenance) to this file")
     args = p.parse_args(argv)
-    args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    args.settings, args.kinds = comma_list(args.settings), comma_list(args.kinds)
     wrong = [s for s in args.settings if s not in SETTINGS] + [k for k in args.kinds if k not in soak_moments.KINDS]
     if wrong or not args.settings or not args.kinds or args.kills < 1 or args.agents < 2 or args.max_steps < 60:
         p.error(f"--settings takes {', '.join(SETTINGS)}; --kinds {', '.join(soak_moments.KINDS)}; --kills >= 1; "

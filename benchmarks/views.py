@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from common import median
 from render import Results, view  # noqa: F401 - `view` registers the views below
 
 
@@ -56,12 +57,9 @@ SETTING_NAMES = {"stock": "plain torchrun, its defaults", "tuned": "plain torchr
 """benchmarks/recovery.py's settings, as the docs name them."""
 
 
-def _median(values: Sequence[float]) -> float | None:
-    ordered = sorted(v for v in values if v is not None)
-    if not ordered:
-        return None
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+def _median(values: Sequence[float | None]) -> float | None:
+    """The median of the values there are (None: not measured), None when there are none."""
+    return median(v for v in values if v is not None)
 
 
 @view("recovery")
@@ -121,11 +119,15 @@ def goodput_at_scale(results: Results) -> str:
 def readme(results: Results) -> str:
     """The README's table: one line per headline figure, each from its result file."""
     rows = []
-    recovered = results["recovery"]["results"]["sizes"]
-    size = "default" if "default" in recovered else next(iter(recovered))
-    for setting, r in recovered[size].items():
-        rows.append([f"time lost per killed worker: {SETTING_NAMES.get(setting, setting)}, GPT recipe at its {size} size",
-                     seconds(r.get("lost_median_s")), "[recovery](docs/results.md#recovery)"])
+    soaked = results["soak"]["results"]  # kills at random moments, in the default settings: median and p99
+    for setting in ("restart", "keep", "train-on"):
+        row = soaked["rows"].get(setting)
+        if row is not None:
+            lost, kills = row["summary"]["time_lost_s"], row["summary"]["kills"]
+            name = "restart (a new round)" if setting == "restart" else f"`{setting}`"
+            rows.append([f"time lost per killed worker, median / p99 of {kills} kills at random moments: {name}, GPT "
+                         f"recipe at its {soaked['size']} size", f"{seconds(lost['median'])} / {seconds(lost['p99'])}",
+                         "[kills at random moments](docs/results.md#kills-at-random-moments)"])
     stall = results["checkpoint"]["results"]["configs"]
     for name, c in stall.items():
         rows.append([f"loop blocked per async checkpoint / a synchronous `torch.save` ({name} model)", ratio(c["ratio"], 4),
@@ -138,7 +140,7 @@ def readme(results: Results) -> str:
     loop = results["overhead"]
     rows.append(["steps/s, the recipe in default settings / a plain DDP loop (95 % interval)",
                  _interval(loop["results"]["ratio"]), "[overhead](docs/results.md#runtime-overhead)"])
-    documents = [results["recovery"], results["checkpoint"], results["goodput_at_scale"], loop]
+    documents = [results["soak"], results["checkpoint"], results["goodput_at_scale"], loop]
     return table(["what", "measured", "in full"], rows) + "\n" + measured(*documents)
 
 

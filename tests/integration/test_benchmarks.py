@@ -151,7 +151,9 @@ def test_recovery_benchmark_measures_the_time_a_kill_loses_restarting_healing_an
         assert setting == "ours" or found.group(1) == "0.0", "a heal in place or training on redoes no step"
     assert re.search(r"^checkpoint every 5 steps; steps redone per kill", out, re.M), out
     assert re.search(r"^tiny +ours-train-on" + columns, out, re.M).group(4) != "-", "the join's pause measured"
-    assert re.search(r"^tiny: median time lost, ours / ours-train-on: [\d.]+x$", out, re.M), out
+    # (a train-on kill on 2 cores may lose nothing or less: one rank alone runs faster per sample than two
+    # side by side, so its time lost can be 0 or below, and the ratio is "-" then)
+    assert re.search(r"^tiny: median time lost, ours / ours-train-on: ([\d.]+x|-)$", out, re.M), out
     written = json.loads((tmp_path / "recovery.json").read_text())
     assert written["benchmark"] == "recovery" and written["results"]["kills"] == 1
     assert set(written["results"]["sizes"]["tiny"]) == {"ours", "ours-keep", "ours-train-on"}
