@@ -72,6 +72,9 @@ def test_agents_whose_workers_failed_together_raise_the_round_to_one_generation(
     regroup.count_healer(store, rank=1, generation=1)  # rank 1's replacement joined generation 1, then died
     assert raise_generation(store, [1], started_in=1) == 2
     assert raise_generation(store, [2], started_in=0) == 2, "rank 2 noted generation 0: it failed in the last heal"
+    # Rank 1's next replacement, started in generation 2, formed its group there and died before it noted
+    # it: the note left is its predecessor's (1), and the heal must still go past 2, not form 2 again.
+    assert raise_generation(store, [1], started_in=2) == 3
     assert store.store.add(heal_env.HEALERS_KEY, 0) == 5
 
 

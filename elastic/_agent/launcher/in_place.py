@@ -269,8 +269,9 @@ def _mark_failed(sealed: Records, worker_group: Any, started_in: int) -> None:
 
 def raise_generation(records: Records, failed_ranks: list[int], *, started_in: int) -> int:
     """Raise the round's generation to the one that heals `failed_ranks` (heal_env.healed_generation;
-    a rank that never noted its generation, or whose note is not the job's or not a count, is taken to
-    be in `started_in`, the one this agent started it in) and return it. A compare-and-set loop, one
+    a rank is in the generation it noted last, or in `started_in`, the one this agent started it in,
+    whichever is newer: a replacement that died before it noted its first group left its predecessor's
+    older note; a note that is not the job's or not a count is none) and return it. A compare-and-set loop, one
     try per agent that may move it: agents healing at once agree; 0 (no heal) when it never settles
     or the count is not one."""
     store = records.store
@@ -281,7 +282,7 @@ def raise_generation(records: Records, failed_ranks: list[int], *, started_in: i
         generation = strict_count(noted, most=heal_env.MAX_GENERATION) if noted is not None else None
         if noted is not None and generation is None:
             records.warn_once(key, "is not a generation")
-        failed_in.append(started_in if generation is None else generation)
+        failed_in.append(started_in if generation is None else max(generation, started_in))
     try:
         current = store.add(heal_env.GENERATION_KEY, 0)
     except ValueError:  # not a number: another process wrote it (a store error is the caller's RuntimeError)

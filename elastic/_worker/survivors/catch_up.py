@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,14 +39,21 @@ class Agreement:
     """The lowest rank that completed `most` steps: the others take its state (`CheckpointManager.restore_live`)."""
 
 
-def agree(completed: int) -> Agreement:
-    """Every member's completed steps, combined in one collective (the first of a new group)."""
-    votes = ballot(completed, rank=dist.get_rank(), world_size=dist.get_world_size())
+def agree(completed: int, group: Any = None) -> Agreement:
+    """Every member's completed steps, combined in one collective (the first of a new group) on `group`
+    (None: the default group)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if group is None else (group.rank(), group.size())
+    votes = ballot(completed, rank=rank, world_size=world_size)
     try:
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        if group is None:
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        else:  # (a group of its own: a test's rank as a thread, which has no default group)
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX
+            group.allreduce([votes], options).wait()
     except RuntimeError as error:
         raise GroupBroken(f"the new group broke while its members compared steps: {_first_line(error)}") from None
-    return count(votes, world_size=dist.get_world_size())
+    return count(votes, world_size=world_size)
 
 
 def ballot(completed: int, *, rank: int, world_size: int) -> torch.Tensor:

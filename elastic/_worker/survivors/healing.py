@@ -53,6 +53,7 @@ from elastic._worker.config import RunConfig
 from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.runtime.rng import get_rng_state, set_rng_state
 from elastic._worker.survivors import catch_up, ddp_rebind, joiners, regroup, views
+from elastic._worker.survivors.groups import PROCESS, Groups
 from elastic._worker.survivors.lifecycle import Phase
 from elastic._worker.survivors.views import View
 
@@ -74,9 +75,12 @@ class Healing:
 
     def __init__(
         self, point: regroup.HealPoint, *, timeout: timedelta, frozen_after: float = 0.0,
-        heal_wait: timedelta = timedelta(seconds=RunConfig.heal_wait),
+        heal_wait: timedelta = timedelta(seconds=RunConfig.heal_wait), groups: Groups = PROCESS,
     ) -> None:
+        """`groups`: where this worker's groups live (groups.py: the process's default group; a test's
+        ranks as threads each hold their own)."""
         self.point = point
+        self.groups = groups
         self.generation = point.generation
         """The heal whose group this worker is in (0: the round's first group)."""
         self.guard = ddp_rebind.StepGuard()
@@ -196,17 +200,17 @@ class Healing:
         """Leave the broken group, wait for the agent's heal, join the next generation's group
         and give DDP a fresh reducer on it (`RegroupError` when the heal does not form). `on(phase)`:
         told as the wait (AWAITING) and the forming (FORMING) begin."""
-        regroup.leave(self._model)
+        self.groups.leave(self._model)
         self.fault("during_heal")
         on(Phase.AWAITING)
         self.generation = regroup.next_generation(self.point, after=self.generation, timeout=self.begin_timeout)
         on(Phase.FORMING)
         regroup.rejoin(
             self.point.store, generation=self.generation, rank=ctx.rank, world_size=ctx.world_size,
-            backend="gloo", timeout=self._timeout, records=self.point.signed_records,
+            timeout=self._timeout, records=self.point.signed_records, groups=self.groups,
         )
-        assert self._model is not None  # armed
-        ddp_rebind.rebind(self._model, self.guard)
+        if self._model is not None:  # (armed: always, but for a test's ranks as threads, which train no model)
+            ddp_rebind.rebind(self._model, self.guard)
         self.guard.clear()
         self.heals += 1
 
@@ -221,13 +225,13 @@ class Healing:
 
     def agree(self, completed: int) -> catch_up.Agreement:
         """Every member's steps (a replacement gives -1: it completed none of its own)."""
-        return catch_up.agree(completed)
+        return catch_up.agree(completed, group=self.groups.group)
 
     # -- train-on: groups of views (elastic._worker.survivors.views) --------------------------------------------
 
     def leave_group(self) -> None:
         """Let go of the current group now (broken or not) and of DDP's hold on it."""
-        regroup.leave(self._model)
+        self.groups.leave(self._model)
 
     def arrive(self, leaving: Callable[[], bool] = lambda: False) -> None:
         """This worker survived its view, which broke: count it in for the next one at once (before the
@@ -315,20 +319,19 @@ class Healing:
             raise regroup.RegroupError(
                 f"view {view.number} has {view.world_size} workers, fewer than the job's minimum "
                 f"{self.point.min_world}: a new round waits for nodes")
-        regroup.require_left(f"view {view.number}")
+        regroup.require_left(f"view {view.number}", self.groups)
         try:
             if not views.gather(self.point.signed_records, view, self.me):
                 return None
             # Formed within the gather's bound (a member that died after it came is marked failed by its
             # agent, and the watched store gives the group up then), then collectives get the job's own timeout.
             store = views.view_group_store(self.point.store, view, self.point.signed_records)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=view.world_size,
-                                    timeout=min(self._timeout, timedelta(seconds=views.GATHER_SECONDS)))
-            _set_timeout(self._timeout)
+            self.groups.form(store, rank=rank, world_size=view.world_size, timeout=self._timeout,
+                             form_within=timedelta(seconds=views.GATHER_SECONDS))
         except (RuntimeError, ValueError) as error:  # a member died after it came, or the store failed
             logger.warning("rank %d: the group of view %d did not form (%s)", ctx.rank, view.number, first_line(error))
-            if dist.is_initialized():
-                regroup.leave()
+            if self.groups.formed():
+                self.groups.leave()
             return None
         if self._model is not None:
             ddp_rebind.rebind(self._model, self.guard)
@@ -342,13 +345,6 @@ class Healing:
             joiners.mark_ended(self.point.signed_records)
         except RuntimeError as error:  # they find out from the store's end instead
             logger.warning("could not tell waiting workers the job ended: %s", first_line(error))
-
-
-def _set_timeout(timeout: timedelta) -> None:
-    """The default group's collective timeout from now on (torch >= 2.2; older ones keep the first)."""
-    setter = getattr(dist, "set_timeout", None) or getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is not None:
-        setter(timeout)
 
 
 def _copy(value: Any) -> Any:

@@ -50,8 +50,8 @@ from elastic._shared.protocol import heal_env
 from elastic._shared.storage.peer_auth import PeerKey, SecretError
 from elastic._shared.storage.store_records import Records, strict_count
 from elastic._worker.survivors.forming_store import FormingStore, given_up
+from elastic._worker.survivors.groups import PROCESS, Groups, NotLeft
 from elastic._worker.survivors.heal_store import heal_store
-from elastic._worker.runtime.context import shutdown_worker, teardown_pending
 from elastic._worker.timings import REGROUP_POLL_S as _POLL_S
 
 logger = logging.getLogger(__name__)
@@ -161,50 +161,36 @@ def next_generation(point: HealPoint, after: int, timeout: timedelta = timedelta
 
 
 def leave(model: DistributedDataParallel | None = None) -> None:
-    """Let go of the broken group now: drop DDP's hold on it (`model`'s reducer, its logger,
-    its group) and tear the default group down without waiting on a peer.
-
-    Why at once, before waiting for the heal: a ring all-reduce's rank learns of a death only
-    from its neighbours, so a rank that is not next to the dead one waits in the collective
-    until a neighbour's sockets close, which happens only when the last hold on that
-    neighbour's group is gone; otherwise it waits the whole collective timeout. `rebind`
-    builds the reducer again."""
-    if model is not None:
-        model.reducer = None
-        model.logger = None
-        model.process_group = None
-    if dist.is_initialized():
-        shutdown_worker(failed=True)
+    """Let go of the broken group now (groups.ProcessGroups.leave: why at once)."""
+    PROCESS.leave(model)
 
 
-def require_left(purpose: str) -> None:
-    """`RegroupError` unless the last group is gone: left, and its teardown ended (one that overran
-    its deadline still holds the group's sockets open, and a peer blocked on them: see
-    `runtime.teardown_pending`; only this worker's exit closes them)."""
-    if dist.is_initialized() or teardown_pending():
-        raise RegroupError(f"the broken process group could not be left in time for {purpose} "
-                           "(a collective of it still waits on a peer); leaving so that its sockets close")
+def require_left(purpose: str, groups: Groups = PROCESS) -> None:
+    """`RegroupError` unless the last group is gone (groups.ProcessGroups.require_left)."""
+    try:
+        groups.require_left(purpose)
+    except NotLeft as error:
+        raise RegroupError(str(error)) from None
 
 
 def rejoin(
-    store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str = "gloo",
-    timeout: timedelta = timedelta(minutes=5), records: Records | None = None,
+    store: dist.Store, *, generation: int, rank: int, world_size: int,
+    timeout: timedelta = timedelta(minutes=5), records: Records | None = None, groups: Groups = PROCESS,
 ) -> None:
     """Leave the current default group without waiting on a peer (it may be dead), then
     build the default group again on `store` under generation `generation`'s namespace.
 
     Every member of the new group calls this with the same generation; a replacement,
     which has no group yet, calls it too. Blocks until all `world_size` members joined
-    (torch's own store handshake), at most `timeout`. `records`: `store`'s, sealed (default: unsealed)."""
-    if dist.is_initialized():
-        leave()
-    require_left(f"heal {generation}")
+    (torch's own store handshake), at most `timeout`. `records`: `store`'s, sealed (default: unsealed);
+    `groups`: where the group lives (default: this process's default group). Heals in place run on gloo."""
+    if groups.formed():
+        groups.leave()
+    require_left(f"heal {generation}", groups)
     records = records if records is not None else Records(store, world=world_size)
     try:
         records.set(heal_env.member_key(rank), str(generation))  # arrived: its death now heals past this one
-        dist.init_process_group(
-            backend, store=heal_group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout,
-        )
+        groups.form(heal_group_store(store, generation), rank=rank, world_size=world_size, timeout=timeout)
         count_healer(records, rank=rank, generation=generation)
     except RuntimeError as error:  # DistStoreError: a member never came; DistNetworkError: the store is gone
         if given_up(error):  # a member died while it formed: the next generation's group, with its replacement
