@@ -271,12 +271,10 @@ def test_keepers_can_serve_over_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert keeper.url.startswith("https://")
         name = parts.part_stem(0, "1-abcdef", 0) + parts.DATA_SUFFIX
         (keeper.root / LOCAL / name).write_bytes(b"weights" * 100)
-        monkeypatch.setenv(peer_auth.TLS_CA_ENV, str(cert))
-        monkeypatch.setattr(keeper_client, "_tls", None)
+        keeper_client.use_tls_of({peer_auth.TLS_CA_ENV: str(cert)})  # as the manager does, with ctx.env
         assert keeper_client.get_range(f"{keeper.url}/part/{LOCAL}/{name}", key, 0, 700, 10) == b"weights" * 100
         # Without the job's CA the keeper's certificate is not trusted; in clear text there is no answer.
-        monkeypatch.delenv(peer_auth.TLS_CA_ENV)
-        monkeypatch.setattr(keeper_client, "_tls", None)
+        keeper_client.use_tls_of({})
         with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
             keeper_client.get_range(f"{keeper.url}/part/{LOCAL}/{name}", key, 0, 700, 10)
         with pytest.raises((OSError, http.client.HTTPException)):
