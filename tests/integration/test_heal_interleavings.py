@@ -124,13 +124,14 @@ def test_a_member_killed_between_its_group_forming_and_noting_it_is_healed_past_
             dist.destroy_process_group()
 
 
-def side_of_rank_1(store: Any) -> None:
-    """Rank 1's side of heal 1's group: notes its arrival, then forms its end of the default group's
-    mesh on the same namespace (rank 0's `init_process_group` waits for exactly these keys)."""
+def side_of_rank_1(store: Any, generation: int = 1) -> None:
+    """Rank 1's side of a heal's group, as a new process forms it: notes its arrival, then forms its end
+    of the default group's mesh on the same namespace (rank 0's `init_process_group` waits for exactly
+    these keys)."""
     records = Records(store.clone(), world=2)
-    records.set(heal_env.member_key(1), "1")
-    # (init_process_group's keys: the group's name "0", then the device's backend, "cpu")
-    default_group = dist.PrefixStore("cpu/", dist.PrefixStore("0/", regroup.heal_group_store(store.clone(), 1)))
+    records.set(heal_env.member_key(1), str(generation))
+    # (init_process_group's keys: the group's name, "0" in a new process, then the device's backend, "cpu")
+    default_group = dist.PrefixStore("cpu/", dist.PrefixStore("0/", regroup.heal_group_store(store.clone(), generation)))
     dist.ProcessGroupGloo(default_group, 1, 2, timedelta(seconds=30))
 
 
@@ -151,6 +152,18 @@ def test_a_rejoin_given_up_is_a_group_broken_and_keeps_the_arrival_noted() -> No
     assert time.monotonic() - began < 10
     assert Records(agent_store, world=2).get(heal_env.member_key(0)) == "1"
     assert not dist.is_initialized()
+    # Heal 2: its replacement is a new process, whose group torch names "0"; rank 0's next try must too
+    # (the soak: after a given-up heal 1 the survivor named heal 2's group "1", and the two waited 300 s).
+    peer = threading.Thread(target=side_of_rank_1, args=(store, 2), daemon=True)
+    peer.start()
+    try:
+        regroup.rejoin(store, generation=2, rank=0, world_size=2, timeout=timedelta(seconds=10),
+                       records=Records(store, world=2))
+        assert dist.is_initialized() and dist.get_world_size() == 2
+    finally:
+        peer.join(30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_a_view_whose_member_is_marked_failed_while_it_forms_is_given_up() -> None:

@@ -5,8 +5,7 @@ generation count, views, joiner tickets and watched group stores. The test's mai
 it notes deaths, raises the heal count or marks a worker failed, and starts replacements. No model (the
 state a heal takes is a step count); a rank dies as a SIGKILLed worker does: its sockets close.
 
-Each scenario checks the path of phases every rank walked; together they make every move of the table,
-but STARTING -> MEMBER, which `Survivors.arm` makes before any change (the harness makes it as arm does)."""
+Each scenario checks the path of phases every rank walked; together they make every move of the table."""
 
 from __future__ import annotations
 
@@ -116,7 +115,8 @@ class Rank:
         self.healing.groups.form(self.healing.first_group()["store"], rank=self.ctx.rank,
                                  world_size=self.ctx.world_size, timeout=TIMEOUT)
         regroup.count_healer(self.healing.point.signed_records, rank=self.ctx.rank, generation=self.healing.generation)
-        self.lifecycle.move(Phase.MEMBER)
+        self.changes.armed()  # as `Survivors.arm` makes it
+        assert self.lifecycle.path() == FIRST_GROUP
 
     def train(self, until: int, *, void: bool = True) -> None:
         """Steps up to step `until`; a step whose all-reduce fails is healed (`void`: as a failed gradient
@@ -177,6 +177,7 @@ def joined(*threads: threading.Thread, ranks: list[Rank]) -> None:
 M, V, L, A, F, C = "member", "void", "leaving", "awaiting", "forming", "catching up"
 # The paths the scenarios below walk (each asserts its ranks walked exactly these); the last test checks
 # that together they make every move of the table.
+FIRST_GROUP = ["starting", M]
 KEEP_VOID = [M, V, L, A, F, C, M]
 KEEP_BOOKKEEPING = [M, L, A, F, C, M]  # the step had completed: nothing to undo
 KEEP_REPLACEMENT = ["starting", C, M]
@@ -301,8 +302,8 @@ def test_train_on_a_view_a_member_never_came_to_is_formed_again_and_a_joiner_is_
 
 
 def test_the_scenarios_make_every_move_of_the_table() -> None:
-    paths = [KEEP_VOID, KEEP_BOOKKEEPING, KEEP_REPLACEMENT, KEEP_GIVEN_UP_THEN_BROKEN, KEEP_NO_HEAL,
+    paths = [FIRST_GROUP, KEEP_VOID, KEEP_BOOKKEEPING, KEEP_REPLACEMENT, KEEP_GIVEN_UP_THEN_BROKEN, KEEP_NO_HEAL,
              TRAIN_ON_MEMBER_NEVER_CAME, TRAIN_ON_GROW, JOINER]
     made = {move for path in paths for move in zip(path, path[1:])}
     table = {(a.value, b.value) for a, moves in TRANSITIONS.items() for b in moves}
-    assert table - made == {("starting", "member")}, sorted(table - made)
+    assert table <= made, sorted(table - made)

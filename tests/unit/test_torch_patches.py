@@ -1,7 +1,7 @@
-"""The agent side replaces no attribute of torch but the few docs/architecture.md lists, each with why no
-subclass reaches it, and keeps no `_torchrevive_*` state on torch's objects (issue 53: one agent class).
+"""The agent and worker sides replace no attribute of torch but the few docs/architecture.md lists, each
+with why no subclass or hook reaches it, and keep no `_torchrevive_*` state on torch's objects (issue 53).
 
-The scan reads elastic/_agent's source: an assignment (`X.attr = ...`, `setattr(X, ...)`) whose `X` is
+The scan reads elastic/_agent's and elastic/_worker's source: an assignment (`X.attr = ...`, `setattr(X, ...)`) whose `X` is
 torch's (a name imported from torch, or one bound to `getattr` of one, or to `sys.modules` of one) is a
 patch; what torch's objects hold at run time (an agent's, a worker group's state) is not."""
 
@@ -13,12 +13,13 @@ import re
 
 from support import REPO
 
-AGENT_SIDE = REPO / "elastic" / "_agent"
+SIDES = (REPO / "elastic" / "_agent", REPO / "elastic" / "_worker")
 PAGE = REPO / "docs" / "architecture.md"
 
 ALLOWED = {
     ("elastic._agent.rendezvous.worker_port", "torch.distributed.elastic.rendezvous.api.get_free_port"),
     ("elastic._agent.launcher.warm_preload", "torch._C.*"),
+    ("elastic._worker.survivors.groups", "torch.distributed.distributed_c10d._world.group_count"),
 }
 """(module, torch attribute) of every patch left; `*`: an attribute named at run time."""
 
@@ -87,8 +88,9 @@ def patches_in(source: str) -> set[str]:
 
 
 def agent_side_patches() -> set[tuple[str, str]]:
+    """Every patch in the agent's and the worker's packages (the name is the agent's: most are there)."""
     found = set()
-    for path in sorted(AGENT_SIDE.rglob("*.py")):
+    for path in sorted(path for side in SIDES for path in side.rglob("*.py")):
         module = ".".join(path.relative_to(REPO).with_suffix("").parts)
         found |= {(module, name) for name in patches_in(path.read_text())}
     return found
@@ -108,8 +110,9 @@ def test_each_patch_left_is_named_in_the_architecture_page_with_its_module() -> 
     items = re.split(r"\n- ", section)[1:]
     assert len(items) == len(ALLOWED)
     for module, name in ALLOWED:
-        assert any(f"(`{module}`)" in item and any(fnmatch.fnmatch(name, named) or fnmatch.fnmatch(named, name)
-                                                   for named in re.findall(r"`(torch\.[\w.*]+)`", item))
+        assert any(f"(`{module.removeprefix('elastic._worker.')}`)" in item
+                   and any(fnmatch.fnmatch(name, named) or fnmatch.fnmatch(name, f"*.{named}") or fnmatch.fnmatch(named, name)
+                           for named in re.findall(r"`((?:torch|distributed_c10d)\.[\w.*]+)`", item))
                    for item in items), f"{name} ({module}) is not in docs/architecture.md's list"
 
 

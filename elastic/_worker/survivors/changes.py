@@ -112,6 +112,12 @@ class GroupChanges:
     def _ctx(self) -> WorkerContext:
         return self.run.ctx
 
+    def armed(self) -> None:
+        """`Survivors.arm`: a member of the round's first group is a MEMBER now (a replacement comes in its
+        own way: `join`, `catch_up_replacement`)."""
+        if not self.healing.joiner and not self.healing.replacement:
+            self.lifecycle.move(Phase.MEMBER)
+
     def _move(self, to: Phase) -> None:
         if self.lifecycle.phase is not to:  # (a late survivor left out of a view awaits on)
             self.lifecycle.move(to)

@@ -49,8 +49,16 @@ class ProcessGroups:
              form_within: timedelta | None = None) -> None:
         """The default group on `store`; `form_within`: a shorter bound for the forming alone, after which
         collectives get `timeout`."""
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=min(timeout, form_within) if form_within is not None else timeout)
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=min(timeout, form_within) if form_within is not None else timeout)
+        except BaseException:
+            if not dist.is_initialized():
+                # torch named the group by its counter ("0": its keys' prefix) before the forming failed, and
+                # puts the counter back only in destroy_process_group, which needs a group: the next try
+                # must name its group "0" again, as a new process (a replacement) does, or they never meet.
+                dist.distributed_c10d._world.group_count = 0
+            raise
         if form_within is not None:
             _set_timeout(timeout)
 

@@ -41,7 +41,7 @@ from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.survivors.changes import GroupChanges, JobEnded, RunHost
 from elastic._worker.survivors.healing import Healing, StepStart
 from elastic._worker.survivors.joiners import joiners_waiting
-from elastic._worker.survivors.lifecycle import Lifecycle, Phase
+from elastic._worker.survivors.lifecycle import Lifecycle
 from elastic._worker.survivors.regroup import RegroupError
 
 logger = logging.getLogger(__name__)
@@ -105,8 +105,7 @@ class Survivors:
             return
         self._host, self._training = host, training
         self._changes = GroupChanges(self.healing, host, training, self.lifecycle)
-        if not self.healing.joiner and not self.healing.replacement:
-            self.lifecycle.move(Phase.MEMBER)  # a member of the round's first group (replacements: their way in)
+        self._changes.armed()
         if faults is not NO_FAULTS:  # the chaos suite's kills inside a gradient all-reduce and a heal
             self.healing.guard.before_reduce = lambda: faults.at("during_all_reduce", host.step + 1)
             self.healing.fault = lambda point: faults.at(point, host.step + 1)
