@@ -13,7 +13,7 @@ import torch
 
 from elastic._shared.common.errors import UsageError
 from elastic._worker.run.parts import Change, Kind, Parts
-from elastic._worker.run.survivors_part import SurvivorsPart
+from elastic._worker.run.survivors_part import SurvivorsHost, SurvivorsPart
 from elastic._worker.runtime.context import WorkerContext
 
 
@@ -112,3 +112,13 @@ def test_keep_puts_nothing_on_the_vote_and_train_on_needs_a_loader_that_follows_
     parts = Parts([keep, train_on])
     parts.on_group(ctx(0))
     assert parts.ballots() == [0] and parts.after_step(1, (5,)).kind is Kind.NONE
+
+
+def test_the_host_says_not_stopping_before_the_sigterm_handler_is_installed() -> None:
+    """A train-on joiner waits to be admitted inside `Run.start`, before the handler is installed; a view
+    that breaks meanwhile asks whether it is stopping (the soak: it died of an AssertionError instead)."""
+    core: Any = SimpleNamespace(preemption=None)
+    host = SurvivorsHost(core)
+    assert host.stopping() is False
+    core.preemption = SimpleNamespace(signalled=True)
+    assert host.stopping() is True

@@ -127,7 +127,11 @@ class SurvivorsHost:
         self._core.drop_group_parts()
 
     def stopping(self) -> bool:
-        return self._core.signals.signalled
+        """SIGTERM came. A train-on joiner waits to be admitted in `Run.start`, before the run's SIGTERM
+        handler is installed: until then, nothing stops it but its agent (the soak: a view that broke
+        while a joiner formed it asked this, and the joiner died of an AssertionError, a round later)."""
+        preemption = self._core.preemption
+        return preemption is not None and preemption.signalled
 
     def forget_loss(self) -> None:
         self._core.loop.loss = None
