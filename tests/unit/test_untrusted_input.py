@@ -511,3 +511,19 @@ def test_a_trainer_state_of_another_shape_falls_back_to_the_older_checkpoint(
         assert again.ckpt.restore() == 2
     again.ckpt.close()
     assert "step_00000004 is corrupt" in caplog.text
+
+
+def test_of_two_timelines_at_the_same_step_the_one_written_last_is_offered_first() -> None:
+    """The partition scenario (a suite run): round 0 (world 2) snapshotted step 18 on a host then cut
+    off; round 1 trained steps 16-18 alone (world 1) and snapshotted its own step 18 later. Round 2 took
+    round 0's (the larger world won the tie), dropping round 1's steps: their samples read as trained twice."""
+    from elastic._worker.checkpoint.memory_source import newest_first
+
+    doc, _ = part_doc()
+
+    def header(world_size: int, created: float) -> parts.PartHeader:
+        return parts.PartHeader.from_json(json.dumps({**doc, "step": 18, "world_size": world_size, "created": created}))
+
+    dead, live, older = (18, 2, "round0"), (18, 1, "round1"), (15, 2, "round0")
+    headers = {dead: {0: header(2, 100.0), 1: header(2, 100.5)}, live: {0: header(1, 104.0)}, older: {0: header(2, 90.0)}}
+    assert newest_first([older, dead, live], headers) == [live, dead, older]

@@ -86,7 +86,7 @@ class MemorySource:
                 chosen = headers.setdefault(key, {}).setdefault(header.rank, header)
                 if header.stem == chosen.stem:  # the file each rank reads is the header's own
                     places.setdefault(key, {}).setdefault(header.rank, []).append([node.node, node.url, where, header.stem])
-        for step, world_size, generation in sorted(places, key=lambda k: (k[0], k[1]), reverse=True):
+        for step, world_size, generation in newest_first(places, headers):
             if step < self._newest_on_disk:
                 break
             found = places[(step, world_size, generation)]
@@ -140,6 +140,17 @@ class MemorySource:
 
 def _remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def newest_first(keys: Any, headers: dict[tuple[int, int, str], dict[int, PartHeader]]) -> list[tuple[int, int, str]]:
+    """The snapshots (step, world size, generation) in the order to offer them: the newest step first, and
+    of two timelines at the same step the one written last (a round that trained on from an older step, at
+    another size, wrote its own step N after the dead timeline's: resuming the dead one's would drop the
+    live one's steps, and the samples it trained would look trained twice)."""
+    def written(key: tuple[int, int, str]) -> float:
+        return max((header.created for header in headers.get(key, {}).values()), default=0.0)
+
+    return sorted(keys, key=lambda key: (key[0], written(key), key[1]), reverse=True)
 
 
 def _inventory_entry(entry: object) -> tuple[str, str]:
