@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from run_host_stub import RunHostStub
 
 from elastic._agent.launcher.in_place import raise_generation
 from elastic._shared.protocol import heal_env
@@ -54,44 +54,6 @@ class ThreadGroups:
         return self.group is not None
 
 
-class Host:
-    """What a run gives the changes (changes.RunHost): the step count stands for the state."""
-
-    def __init__(self, ctx: WorkerContext, step: int) -> None:
-        self.ctx, self.step, self.events, self.watchdog, self.checkpoints = ctx, step, self, self, self
-        self.heals: list[dict[str, Any]] = []
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        self.heals.append(fields)
-
-    def paused(self) -> Any:
-        return nullcontext()
-
-    def restore_live(self, **kwargs: Any) -> int:
-        return kwargs["step"]  # the state of the agreed step, from the member that holds it
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def count_due_from(self, step: int) -> None:
-        pass
-
-    def rebuild_on_group(self, ctx: WorkerContext, earlier: Any) -> None:
-        self.ctx = ctx
-
-    def drop_group_parts(self) -> None:
-        pass
-
-    def stopping(self) -> bool:
-        return False
-
-    def forget_loss(self) -> None:
-        pass
-
-
 class Rank:
     """One worker: its heals, changes and lifecycle, on its own connection to the round's store."""
 
@@ -103,7 +65,7 @@ class Rank:
         self.healing = Healing(point, timeout=TIMEOUT, heal_wait=timedelta(seconds=heal_wait), groups=ThreadGroups())
         self.ctx = WorkerContext(rank=rank, local_rank=0, world_size=world, local_world_size=1, restart_count=0,
                                  run_id="threads", device=torch.device("cpu"), backend="gloo")
-        self.host = Host(self.ctx, step)
+        self.host = RunHostStub(self.ctx, step)
         self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         self.lifecycle = Lifecycle()
         self.changes = GroupChanges(self.healing, self.host, (self.optimizer, None, None), self.lifecycle)

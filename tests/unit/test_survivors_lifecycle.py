@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
+from run_host_stub import RunHostStub
 
 from elastic._worker.runtime.context import WorkerContext
 from elastic._worker.survivors.catch_up import Agreement
@@ -101,47 +101,8 @@ class FakeHealing:
         return Agreement(fewest=completed, most=max(completed, 7), source=0)
 
 
-class FakeCheckpoints:
-    def restore_live(self, **kwargs: Any) -> int:
-        return kwargs["step"]
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class FakeHost:
-    def __init__(self) -> None:
-        self.ctx, self.step, self.checkpoints, self.emitted = CTX, 7, FakeCheckpoints(), []
-        self.events = self
-        self.watchdog = self
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        self.emitted.append(fields)
-
-    def paused(self) -> Any:
-        return nullcontext()
-
-    def count_due_from(self, step: int) -> None:
-        pass
-
-    def rebuild_on_group(self, ctx: WorkerContext, earlier: Any) -> None:
-        self.ctx = ctx
-
-    def drop_group_parts(self) -> None:
-        pass
-
-    def stopping(self) -> bool:
-        return False
-
-    def forget_loss(self) -> None:
-        pass
-
-
-def changes(healing: FakeHealing, *, at: Phase = M) -> tuple[GroupChanges, FakeHost]:
-    host, lifecycle = FakeHost(), Lifecycle()
+def changes(healing: FakeHealing, *, at: Phase = M) -> tuple[GroupChanges, RunHostStub]:
+    host, lifecycle = RunHostStub(CTX, 7), Lifecycle()
     lifecycle.phase = lifecycle.history[0] = at
     return GroupChanges(healing, host, (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), None, None),
                         lifecycle), host
