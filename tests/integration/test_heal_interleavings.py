@@ -6,7 +6,6 @@ waits for the other until another failure frees it (issue 52)."""
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any
@@ -114,11 +113,10 @@ def test_a_member_killed_between_its_group_forming_and_noting_it_is_healed_past_
         # Rank 1 dies now. Its agent heals past the generation it noted: the next one, not the same.
         assert raise_generation(agent_records, [1], started_in=0) == 2
         # Rank 0 builds the saver's group on the default group's store: rank 1 never comes.
-        began = time.monotonic()
         with pytest.raises(RuntimeError) as raised:
             dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=30))
         assert given_up(raised.value), raised.value
-        assert time.monotonic() - began < 10, "it lets the group go when the heal count moved, not at its timeout"
+        # (given up, not timed out: a timeout is torch's DistStoreError, which carries no GIVEN_UP)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -142,14 +140,12 @@ def test_a_rejoin_given_up_is_a_group_broken_and_keeps_the_arrival_noted() -> No
     agent_store.add(heal_env.GENERATION_KEY, 1)
     timer = threading.Timer(0.5, lambda: agent_store.add(heal_env.GENERATION_KEY, 1))  # -> heal 2
     timer.start()
-    began = time.monotonic()
     try:
         with pytest.raises(GroupBroken, match="given up"):
             regroup.rejoin(store, generation=1, rank=0, world_size=2, timeout=timedelta(seconds=30),
                            records=Records(store, world=2))
     finally:
         timer.cancel()
-    assert time.monotonic() - began < 10
     assert Records(agent_store, world=2).get(heal_env.member_key(0)) == "1"
     assert not dist.is_initialized()
     # Heal 2: its replacement is a new process, whose group torch names "0"; rank 0's next try must too
@@ -174,14 +170,12 @@ def test_a_view_whose_member_is_marked_failed_while_it_forms_is_given_up() -> No
     view = View(3, (heal_env.member_id(0, 0), heal_env.member_id(1, 0)))
     timer = threading.Timer(0.5, lambda: Records(agent_store, world=2).set(heal_env.failed_key(view.members[1]), "1"))
     timer.start()
-    began = time.monotonic()
     try:
         with pytest.raises(RuntimeError) as raised:
             dist.ProcessGroupGloo(views.view_group_store(store, view, records), 0, 2, timedelta(seconds=30))
     finally:
         timer.cancel()
     assert given_up(raised.value) and "failed while its group formed" in str(raised.value)
-    assert time.monotonic() - began < 10
 
 
 def test_a_group_whose_members_all_come_forms_on_the_watched_store_as_on_the_plain_one() -> None:
